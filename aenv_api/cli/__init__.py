@@ -1,0 +1,1 @@
+"""The `aenv` command line: thin shells over library calls."""

@@ -1,0 +1,109 @@
+"""Helpers shared by the CLI command modules: config loading, output, progress."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, TextIO
+
+from ..config import AenvConfig, load_config, resolve_data_dir
+
+
+class CliError(Exception):
+    """A user-facing error: printed as 'aenv: error: …' with exit code ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every subcommand also accepts (so `aenv repo verify --data-dir X` works)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--data-dir", default=argparse.SUPPRESS,
+                        help="node data directory (env AENV_DATA_DIR; default ~/.local/share/aenv)")
+    parent.add_argument("--config", default=argparse.SUPPRESS, help="config TOML file")
+    return parent
+
+
+def config_from_args(args: argparse.Namespace) -> AenvConfig:
+    data_dir = resolve_data_dir(getattr(args, "data_dir", None))
+    cfg = getattr(args, "config", None)
+    return load_config(data_dir, Path(cfg).expanduser() if cfg else None)
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str], out: TextIO = sys.stdout) -> None:
+    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
+    out.write("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip() + "\n")
+    for r in rows:
+        out.write("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns).rstrip() + "\n")
+
+
+def print_json(value: Any, out: TextIO = sys.stdout) -> None:
+    out.write(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+@dataclass
+class Progress:
+    """A progress bar on a terminal, plain log lines (every ~2 s and at the end) otherwise.
+
+    Use as ``with Progress("verify", total) as p: p.advance(n)``."""
+
+    label: str
+    total: int
+    unit: str = ""
+    out: TextIO = field(default_factory=lambda: sys.stderr)
+    done: int = 0
+    _last: float = 0.0
+    _start: float = 0.0
+
+    def __enter__(self) -> "Progress":
+        self._start = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._render(final=True)
+        if self.out.isatty():
+            self.out.write("\n")
+        self.out.flush()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        interval = 0.1 if self.out.isatty() else 2.0
+        if now - self._last >= interval:
+            self._last = now
+            self._render()
+
+    def _text(self) -> str:
+        def fmt(v: int) -> str:
+            return human_bytes(v) if self.unit == "bytes" else str(v)
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        return f"{self.label}: {fmt(self.done)}/{fmt(self.total)} ({pct:.0f}%) {time.monotonic() - self._start:.1f}s"
+
+    def _render(self, final: bool = False) -> None:
+        if self.out.isatty():
+            width = 30
+            filled = int(width * (self.done / self.total)) if self.total else width
+            self.out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self._text()}")
+        elif final or self.done:
+            self.out.write(self._text() + "\n")
+        self.out.flush()
+
+
+def progress_iter(items: Iterable[Any], label: str, total: int) -> Iterable[Any]:
+    with Progress(label, total) as p:
+        for item in items:
+            yield item
+            p.advance()

@@ -1,0 +1,132 @@
+"""aenv's configuration: one TOML file (``<data-dir>/config.toml`` or ``--config``)
+loaded into typed, frozen dataclasses. Every key has a default (see the
+dataclasses and docs/config.md); unknown keys and wrong types are errors that
+name the key."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
+from aenv_store.errors import ConfigError
+
+DEFAULT_DATA_DIR = Path("~/.local/share/aenv")
+
+
+def resolve_data_dir(cli_value: str | None) -> Path:
+    """--data-dir, else $AENV_DATA_DIR, else ~/.local/share/aenv."""
+    raw = cli_value or os.environ.get("AENV_DATA_DIR") or str(DEFAULT_DATA_DIR)
+    return Path(raw).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class AenvConfig:
+    data_dir: Path
+    repository: RepositoryConfig = field(default_factory=RepositoryConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    p2p: P2PConfig = field(default_factory=P2PConfig)
+    # Further sections (vm, server, ...) are registered in SECTIONS by their packages.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def store_settings(self) -> StoreSettings:
+        return StoreSettings(
+            paths=StorePaths(self.data_dir),
+            repository=self.repository,
+            store=self.store,
+            cache=self.cache,
+            p2p=self.p2p,
+        )
+
+    def section(self, name: str) -> Any:
+        return self.extra[name]
+
+
+# section name -> dataclass type. Other modules add theirs with register_section().
+SECTIONS: dict[str, type] = {
+    "repository": RepositoryConfig,
+    "store": StoreConfig,
+    "cache": CacheConfig,
+    "p2p": P2PConfig,
+}
+
+
+def register_section(name: str, cls: type) -> None:
+    SECTIONS[name] = cls
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        (inner, *_rest) = typing.get_args(tp)
+        if isinstance(value, list):
+            return tuple(_coerce(v, inner, f"{where}[]") for v in value)
+    else:
+        return value
+    raise ConfigError(f"config key {where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def build_section(cls: type, raw: dict[str, Any], section: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section [{section}] must be a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {section}.{unknown[0]} (known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """AENV_<SECTION>__<KEY>=value overrides (value parsed as TOML, else a string)."""
+    environ = dict(os.environ if environ is None else environ)
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in environ.items():
+        if not name.startswith("AENV_") or "__" not in name:
+            continue
+        section, _, key = name[5:].lower().partition("__")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value
+        out.setdefault(section, {})[key] = parsed
+    return out
+
+
+def load_config(data_dir: Path, config_file: Path | None = None,
+                overrides: dict[str, dict[str, Any]] | None = None) -> AenvConfig:
+    path = config_file or (data_dir / "config.toml")
+    raw: dict[str, Any] = {}
+    if config_file is not None and not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if path.exists():
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    for section, values in (overrides if overrides is not None else env_overrides()).items():
+        raw.setdefault(section, {}).update(values)
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown config section [{unknown[0]}] (known: {', '.join(sorted(SECTIONS))})")
+    built = {name: build_section(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
+    core = {k: built.pop(k) for k in ("repository", "store", "cache", "p2p")}
+    return AenvConfig(data_dir=data_dir, extra=built, **core)

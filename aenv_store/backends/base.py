@@ -1,0 +1,81 @@
+"""The one interface every repository backend implements.
+
+Keys are '/'-separated relative paths made of [A-Za-z0-9._-] segments
+(e.g. ``packs/ab/ab12….pack``). A backend stores opaque bytes; it knows nothing
+about packs, manifests or the catalog.
+
+Contract (as restic's backend): every method may be retried by a wrapper; a
+missing key raises ``NotFound`` (never returns empty bytes); other failures
+raise ``BackendError``. Writes are atomic: readers see either the whole new
+object or nothing, never a prefix, and a successful ``put``/``create`` is
+durable (survives a crash of this process or host).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch, when the object was written
+
+
+class Backend(abc.ABC):
+    """Bytes by key. Implementations: posix_fs.PosixFsBackend, oss.OssBackend."""
+
+    name: str = "backend"
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``, replacing any previous object, atomically and durably."""
+
+    @abc.abstractmethod
+    def put_file(self, key: str, path: Path) -> None:
+        """Like ``put`` with the bytes of a local file (large packs: streamed or multipart)."""
+
+    @abc.abstractmethod
+    def create(self, key: str, data: bytes) -> None:
+        """Atomically create ``key``; raise ``AlreadyExists`` if it exists. Two
+        concurrent creators of one key: exactly one wins."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object; ``NotFound`` if absent."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset``; ``NotFound`` if absent; ``BackendError``
+        if the range is outside the object."""
+
+    @abc.abstractmethod
+    def open_stream(self, key: str) -> BinaryIO:
+        """A readable binary stream over the whole object (for verify / copy)."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo:
+        """Size and mtime; ``NotFound`` if absent."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (order unspecified)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; deleting a missing key is not an error."""
+
+    def exists(self, key: str) -> bool:
+        from ..errors import NotFound
+
+        try:
+            self.stat(key)
+        except NotFound:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release connections / handles."""

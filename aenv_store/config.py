@@ -1,0 +1,96 @@
+"""Typed configuration of the storage engine (the ``[store]``, ``[cache]``,
+``[repository]`` and ``[p2p]`` sections of aenv's TOML config).
+Defaults are documented next to each field and in docs/config.md."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+@dataclass(frozen=True)
+class RepositoryConfig:
+    # "posix_fs" (a directory, default) or "oss" (S3-compatible).
+    backend: str = "posix_fs"
+    # posix_fs: the repository directory ("" = <data-dir>/repo).
+    path: str = ""
+    # oss: endpoint URL ("" = AWS default), bucket, key prefix, region (required for oss),
+    # addressing style ("auto" | "path" | "virtual"), credentials profile / static keys.
+    endpoint_url: str = ""
+    bucket: str = ""
+    prefix: str = ""
+    region: str = ""
+    addressing_style: str = "auto"
+    profile: str = ""
+    access_key_id: str = ""
+    secret_access_key: str = ""
+    # Upload concurrency (parts of a multipart pack upload in flight).
+    max_concurrency: int = 8
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    # Fixed chunk size for new artifacts: a power of two, 4 KiB .. 4 MiB.
+    # 64 KiB: see docs/benchmarks.md (dedup of in-place ext4 edits vs index size).
+    chunk_size: int = 64 * KiB
+    # zstd level for chunks in packs (1..19). Level 1 keeps ingest fast.
+    compression_level: int = 1
+    # A pack is closed once it holds this many (compressed) bytes.
+    pack_target_size: int = 32 * MiB
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # Node cache capacity in bytes (data of cached chunks).
+    capacity: int = 8 * GiB
+    # Eviction starts above high_watermark * capacity and stops at low_watermark * capacity.
+    high_watermark: float = 0.95
+    low_watermark: float = 0.80
+    # Keep at least this many bytes free on the cache's filesystem.
+    min_free_disk: int = 1 * GiB
+    # "" = <data-dir>/cache
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class P2PConfig:
+    enabled: bool = False
+    # Static peers: iroh node tickets / addresses.
+    peers: tuple[str, ...] = ()
+    # How long to wait for peers before falling back to the repository.
+    lookup_timeout_ms: int = 300
+    # Local UDP port for the iroh endpoint (0 = any).
+    port: int = 0
+
+
+@dataclass(frozen=True)
+class StorePaths:
+    """Where a node keeps its local state under the data dir."""
+
+    data_dir: Path
+
+    @property
+    def repo(self) -> Path:
+        return self.data_dir / "repo"
+
+    @property
+    def cache(self) -> Path:
+        return self.data_dir / "cache"
+
+    @property
+    def workspace(self) -> Path:
+        return self.data_dir / "workspace"
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Everything the store needs, gathered for ``Store.open``."""
+
+    paths: StorePaths
+    repository: RepositoryConfig = field(default_factory=RepositoryConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    p2p: P2PConfig = field(default_factory=P2PConfig)

@@ -1,0 +1,35 @@
+"""One exception hierarchy for the store; the API layer maps these to HTTP codes
+and the CLI to messages with a non-zero exit."""
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base of every error raised by aenv_store."""
+
+
+class NotFound(StoreError):
+    """An object, manifest, chunk or catalog record does not exist."""
+
+
+class AlreadyExists(StoreError):
+    """An atomic create lost: the name is taken."""
+
+
+class CorruptData(StoreError):
+    """Bytes read back do not match their identity or their format."""
+
+
+class RepositoryError(StoreError):
+    """The repository is missing, unreadable or of an unknown format."""
+
+
+class ConfigError(StoreError):
+    """Configuration is invalid (message names the key)."""
+
+
+class LockError(StoreError):
+    """A repository lock could not be taken."""
+
+
+class BackendError(StoreError):
+    """A backend operation failed (I/O, network); may be retried."""

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs everything aenv needs on a Debian 12 host: system packages (QEMU,
+# qemu-utils, debootstrap, e2fsprogs, busybox, restic/borg for benchmarks), a
+# virtualenv in .venv with the pinned Python dependencies, and the aenv package.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static
+              zstd cpio kmod restic borgbackup iproute2 nodejs npm)
+
+need=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+# nodejs/npm may come from elsewhere (e.g. a preinstalled Node): accept a working `node`+`npm`.
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  tmp=(); for p in "${need[@]}"; do [[ "$p" == nodejs || "$p" == npm ]] || tmp+=("$p"); done; need=("${tmp[@]}")
+fi
+if ((${#need[@]})); then
+  echo "install: apt-get install ${need[*]}"
+  SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  echo "install: creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.aenv-lock-$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)
+if [[ ! -f "$stamp" ]]; then
+  echo "install: pip install (pinned by requirements.lock)"
+  .venv/bin/pip install -q --upgrade pip >/dev/null
+  .venv/bin/pip install -q -r requirements.lock
+  .venv/bin/pip install -q --no-deps -e .
+  rm -f .venv/.aenv-lock-*; touch "$stamp"
+fi
+echo "install: ok ($(.venv/bin/aenv --version))"
