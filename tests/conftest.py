@@ -1,0 +1,24 @@
+"""Fixtures shared by every test package."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    """A fresh aenv data dir (config, repository, cache, workspace live under it)."""
+    d = tmp_path / "aenv-data"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _isolate_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Tests never touch the user's real data dir or pick up a developer's AENV_* overrides.
+    for name in list(os.environ):
+        if name.startswith("AENV_") and name not in ("AENV_GUEST_CACHE",):
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AENV_DATA_DIR", str(tmp_path / "default-data-dir"))
