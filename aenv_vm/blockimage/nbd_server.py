@@ -1,0 +1,292 @@
+"""asyncio NBD server on a Unix socket: several named exports, requests of one
+connection processed concurrently (replies pipelined, handles echoed).
+
+The protocol lives in nbd_protocol.py; this module only moves bytes and runs
+export operations. Reads whose data is already in memory are answered on the
+event loop (``read_nowait``); everything that may block (chunk fetches, file
+I/O, fsync) runs on a thread pool so one slow export never stalls the others.
+A protocol error closes that client only.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+from .nbd_protocol import (EINVAL, EIO, ENOSPC, EPERM, NEED_DATA, Closed, Cmd, ExportDirectory, ExportInfo,
+                           ExportSelected, NbdServerConnection, Request)
+
+log = logging.getLogger(__name__)
+
+
+class BlockExport(Protocol):
+    """What the server needs from an export (BlockImage implements it)."""
+
+    @property
+    def info(self) -> ExportInfo: ...
+
+    def read_nowait(self, offset: int, length: int) -> bytes | None:
+        """The data if it can be produced without blocking, else None."""
+
+    def read(self, offset: int, length: int) -> bytes: ...
+
+    def write(self, offset: int, data: bytes, fua: bool = False) -> None: ...
+
+    def write_zeroes(self, offset: int, length: int, fua: bool = False) -> None: ...
+
+    def trim(self, offset: int, length: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class MemoryExport:
+    """A bytearray-backed export: the reference peer for protocol tests."""
+
+    def __init__(self, name: str, data: bytes | bytearray, read_only: bool = False) -> None:
+        self._data = bytearray(data)
+        self._info = ExportInfo(name=name, size=len(self._data), read_only=read_only, can_multi_conn=True)
+        self.flushes = 0
+
+    @property
+    def info(self) -> ExportInfo:
+        return self._info
+
+    @property
+    def data(self) -> bytes:
+        return bytes(self._data)
+
+    def read_nowait(self, offset: int, length: int) -> bytes | None:
+        return bytes(self._data[offset:offset + length])
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self._data[offset:offset + length])
+
+    def write(self, offset: int, data: bytes, fua: bool = False) -> None:
+        self._data[offset:offset + len(data)] = data
+
+    def write_zeroes(self, offset: int, length: int, fua: bool = False) -> None:
+        self._data[offset:offset + length] = bytes(length)
+
+    def trim(self, offset: int, length: int) -> None:
+        self.write_zeroes(offset, length)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def _errno_of(exc: BaseException) -> int:
+    if isinstance(exc, PermissionError):
+        return EPERM
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return ENOSPC
+    if isinstance(exc, ValueError):
+        return EINVAL
+    return EIO
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: "NbdServer") -> None:
+        self._server = server
+        self._proto = NbdServerConnection(ExportDirectory(server._lookup_info, server.export_names))
+        self._transport: asyncio.Transport | None = None
+        self._export: BlockExport | None = None
+        self._inflight = 0
+        self._paused = False
+        self._closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._server._connections.add(self)
+        transport.write(self._proto.data_to_send())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self._server._connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._proto.receive_data(data)
+        self._pump()
+
+    def _pump(self) -> None:
+        t = self._transport
+        assert t is not None
+        while not self._closing:
+            ev = self._proto.next_event()
+            out = self._proto.data_to_send()
+            if out:
+                t.write(out)
+            if ev is NEED_DATA:
+                return
+            if isinstance(ev, Closed):
+                if ev.error:
+                    log.info("nbd: closing client: %s", ev.error)
+                self._close()
+                return
+            if isinstance(ev, ExportSelected):
+                self._export = self._server._exports.get(ev.export.name)
+                if self._export is None:     # removed between lookup and selection
+                    self._close()
+                    return
+                continue
+            assert isinstance(ev, Request)
+            self._dispatch(ev)
+            if self._inflight >= self._server.max_inflight and not self._paused:
+                # Bounded memory: stop reading until replies drain.
+                self._paused = True
+                t.pause_reading()
+                return
+
+    def _close(self) -> None:
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()
+
+    def _send(self, handle: int, err: int, data: bytes = b"") -> None:
+        if self._closing or self._transport is None:
+            return
+        self._transport.write(self._proto.reply(handle, err, data))
+
+    def _dispatch(self, req: Request) -> None:
+        export = self._export
+        assert export is not None
+        if req.cmd == Cmd.READ:
+            try:
+                data = export.read_nowait(req.offset, req.length)
+            except Exception as e:   # noqa: BLE001 - any failure becomes an NBD error for this request
+                log.warning("nbd: read %s@%d failed: %s", req.length, req.offset, e)
+                self._send(req.handle, _errno_of(e))
+                return
+            if data is not None:
+                self._send(req.handle, 0, data)
+                return
+        self._inflight += 1
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._server.executor, _run, export, req)
+        fut.add_done_callback(lambda f, r=req: self._done(r, f))
+
+    def _done(self, req: Request, fut: "asyncio.Future[bytes]") -> None:
+        self._inflight -= 1
+        exc = fut.exception()
+        if exc is not None:
+            log.warning("nbd: %s %d@%d failed: %s", req.cmd.name, req.length, req.offset, exc)
+            self._send(req.handle, _errno_of(exc))
+        else:
+            self._send(req.handle, 0, fut.result())
+        if self._paused and self._inflight < self._server.max_inflight // 2 and not self._closing:
+            self._paused = False
+            assert self._transport is not None
+            self._transport.resume_reading()
+            self._pump()
+
+
+def _run(export: BlockExport, req: Request) -> bytes:
+    if req.cmd == Cmd.READ:
+        return export.read(req.offset, req.length)
+    if req.cmd == Cmd.WRITE:
+        export.write(req.offset, req.data, req.fua)
+    elif req.cmd == Cmd.WRITE_ZEROES:
+        export.write_zeroes(req.offset, req.length, req.fua)
+    elif req.cmd == Cmd.TRIM:
+        export.trim(req.offset, req.length)
+        if req.fua:
+            export.flush()
+    elif req.cmd == Cmd.FLUSH:
+        export.flush()
+    return b""
+
+
+class NbdServer:
+    """Serves named exports on one Unix socket."""
+
+    def __init__(self, socket_path: str | Path, executor: ThreadPoolExecutor | None = None,
+                 max_inflight: int = 64, workers: int = 8) -> None:
+        self.socket_path = Path(socket_path)
+        self._own_executor = executor is None
+        self.executor = executor or ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nbd-io")
+        self.max_inflight = max_inflight
+        self._exports: dict[str, BlockExport] = {}
+        self._connections: set[_Connection] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    # exports may be added/removed while serving (from the loop's thread)
+    def add_export(self, export: BlockExport) -> None:
+        name = export.info.name
+        if name in self._exports:
+            raise ValueError(f"export {name!r} already served")
+        self._exports[name] = export
+
+    def remove_export(self, name: str) -> BlockExport | None:
+        return self._exports.pop(name, None)
+
+    def export_names(self) -> list[str]:
+        return sorted(self._exports)
+
+    def _lookup_info(self, name: str) -> ExportInfo | None:
+        export = self._exports.get(name)
+        return export.info if export is not None else None
+
+    async def start(self) -> None:
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), path=str(self.socket_path))
+        os.chmod(self.socket_path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self._connections):
+                conn._close()
+            await self._server.wait_closed()
+            self._server = None
+        if self._own_executor:
+            self.executor.shutdown(wait=True)
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+
+class BackgroundNbdServer:
+    """An NbdServer on its own event-loop thread (CLI `serve`, tests with
+    subprocess clients). Use as a context manager."""
+
+    def __init__(self, socket_path: str | Path, exports: list[BlockExport] | tuple[BlockExport, ...] = (),
+                 **kwargs: object) -> None:
+        self.server = NbdServer(socket_path, **kwargs)  # type: ignore[arg-type]
+        for e in exports:
+            self.server.add_export(e)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nbd-loop", daemon=True)
+
+    def __enter__(self) -> "BackgroundNbdServer":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def call(self, fn, *args):  # type: ignore[no-untyped-def]
+        """Run ``fn(*args)`` on the loop thread (e.g. add_export while serving)."""
+        async def _c():  # type: ignore[no-untyped-def]
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(_c(), self._loop).result(10)
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
