@@ -1,0 +1,532 @@
+"""aenv's store against restic and borg on a real, evolving ext4 disk image.
+
+One run: builds v1 (``mkfs.ext4 -d`` over a tree of real files from /usr) and v2
+(a copy of v1, loop-mounted, ~5% of its files changed in place), then for each
+tool measures ingest throughput of v1, the repository growth from ingesting
+v2, full read-back throughput of v1, and a verify that re-reads every byte of
+data. Then a chunk-size study of aenv (v1 ingest speed and v2 added bytes per
+chunk size). Prints tables with ratios against restic and borg; ``--json`` and
+``--markdown`` write them for docs/benchmarks.md.
+
+Needs root (loop mount, dropping the page cache between phases). Installs
+restic and borgbackup from Debian if missing.
+
+    .venv/bin/python benchmarks/store_bench.py                 # 1 GiB tree, all tools
+    .venv/bin/python benchmarks/store_bench.py --size 64M --chunk-sizes 64K
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import blake3
+
+from _common import (KiB, MiB, BenchError, Stopwatch, drop_caches, dir_bytes, ensure_debian_packages,
+                     format_table, human_bytes, is_root, machine_info, markdown_table, parse_size, run,
+                     throughput_mb_s, tool_version)
+from _ext4_images import ChangeStats, build_tree, copy_image, evolve_in_place, image_size_for, make_ext4
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEBIAN_PEERS = {"restic": "restic", "borgbackup": "borg", "e2fsprogs": "mkfs.ext4"}
+READ_BLOCK = 4 * MiB
+BORG_COMPRESSION = "zstd,1"   # the codec and level aenv packs with (StoreConfig.compression_level=1)
+
+
+def file_digest(path: Path) -> str:
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    with open(path, "rb") as f:
+        while block := f.read(READ_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- the tools
+
+class Subject(Protocol):
+    """One tool under test, driven through its normal interface."""
+
+    name: str
+    notes: list[str]
+
+    def version(self) -> str: ...
+    def init(self) -> None: ...
+    def ingest(self, image: Path, label: str) -> None: ...
+    def restore(self, label: str, dest_dir: Path) -> Path: ...
+    def verify(self) -> str: ...
+    def repo_bytes(self) -> int: ...
+
+
+class Restic:
+    name = "restic"
+
+    def __init__(self, work: Path) -> None:
+        self.repo = work / "restic-repo"
+        self.env = {"RESTIC_REPOSITORY": str(self.repo), "RESTIC_PASSWORD": "bench",
+                    "RESTIC_CACHE_DIR": str(work / "restic-cache"), "RESTIC_PROGRESS_FPS": "0.1"}
+        self.snapshots: dict[str, tuple[str, Path]] = {}
+        self.notes = ["repository v2, compression auto (zstd); always encrypted (AES-256-CTR + Poly1305)",
+                      "content-defined chunks (512 KiB..8 MiB, ~1 MiB avg)"]
+
+    def version(self) -> str:
+        return tool_version(["restic", "version"]).split(" compiled")[0]
+
+    def init(self) -> None:
+        run(["restic", "init", "-q", "--repository-version", "2"], env=self.env)
+
+    def ingest(self, image: Path, label: str) -> None:
+        out = run(["restic", "backup", "--json", "--host", "bench", "--tag", label, str(image)], env=self.env)
+        for line in reversed(out.splitlines()):
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if msg.get("message_type") == "summary":
+                self.snapshots[label] = (msg["snapshot_id"], image)
+                return
+        raise BenchError("restic backup printed no summary")
+
+    def restore(self, label: str, dest_dir: Path) -> Path:
+        sid, image = self.snapshots[label]
+        run(["restic", "restore", "-q", sid, "--target", str(dest_dir)], env=self.env)
+        return dest_dir / image.relative_to(image.anchor)
+
+    def verify(self) -> str:
+        run(["restic", "check", "-q", "--read-data"], env=self.env)
+        return "restic check --read-data"
+
+    def repo_bytes(self) -> int:
+        return dir_bytes(self.repo)
+
+
+class Borg:
+    name = "borg"
+
+    def __init__(self, work: Path) -> None:
+        self.repo = work / "borg-repo"
+        self.env = {"BORG_REPO": str(self.repo), "BORG_PASSPHRASE": "", "BORG_BASE_DIR": str(work / "borg-base"),
+                    "BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK": "yes",
+                    "BORG_RELOCATED_REPO_ACCESS_IS_OK": "yes"}
+        self.archives: dict[str, str] = {}
+        self.notes = [f"--encryption none (aenv stores plaintext too), --compression {BORG_COMPRESSION}",
+                      "default buzhash chunker (19,23,21,4095: ~2 MiB avg chunks)"]
+
+    def version(self) -> str:
+        return tool_version(["borg", "--version"])
+
+    def init(self) -> None:
+        run(["borg", "init", "--encryption", "none"], env=self.env)
+
+    def ingest(self, image: Path, label: str) -> None:
+        run(["borg", "create", "--compression", BORG_COMPRESSION, f"::{label}", image.name],
+            env=self.env, cwd=image.parent)
+        self.archives[label] = image.name
+
+    def restore(self, label: str, dest_dir: Path) -> Path:
+        run(["borg", "extract", f"::{label}"], env=self.env, cwd=dest_dir)
+        return dest_dir / self.archives[label]
+
+    def verify(self) -> str:
+        run(["borg", "check", "--verify-data"], env=self.env)
+        return "borg check --verify-data"
+
+    def repo_bytes(self) -> int:
+        return dir_bytes(self.repo)
+
+
+class Aenv:
+    """aenv through its public store API (Workspace.blob_writer -> commit; Store.open_blob)."""
+
+    MEDIA_TYPE = "application/vnd.aenv.disk-layer"
+
+    def __init__(self, work: Path, chunk_size: int | None = None, tag: str = "") -> None:
+        self.name = "aenv" + tag
+        self.work = work
+        self.data_dir = work / f"aenv{tag}-data"
+        self.chunk_size = chunk_size
+        self.blobs: dict[str, Any] = {}
+        self.commits: dict[str, Any] = {}
+        self.notes: list[str] = []
+        self._cold = 0
+
+    def _settings(self, data_dir: Path) -> Any:
+        from aenv_store.config import RepositoryConfig, StoreConfig, StorePaths, StoreSettings
+        store = StoreConfig() if self.chunk_size is None else StoreConfig(chunk_size=self.chunk_size)
+        # Every Store shares one repository; each data dir has its own node cache and workspace.
+        return StoreSettings(paths=StorePaths(data_dir), store=store,
+                             repository=RepositoryConfig(path=str(self.data_dir / "repo")))
+
+    def _open(self, data_dir: Path | None = None, create: bool = False) -> Any:
+        from aenv_store.store import Store
+        return Store.open(self._settings(data_dir or self.data_dir), create=create)
+
+    def version(self) -> str:
+        from importlib.metadata import version
+        from aenv_store.config import StoreConfig
+        cs = self.chunk_size or StoreConfig().chunk_size
+        return f"aenv {version('aenv')} (git {_git_rev()}), chunk {cs // KiB} KiB, zstd {StoreConfig().compression_level}"
+
+    def init(self) -> None:
+        self._open(create=True).close()
+
+    def ingest(self, image: Path, label: str) -> None:
+        from aenv_store.catalog import CatalogRecord
+        size = image.stat().st_size
+        store = self._open()
+        try:
+            with store.workspace() as ws:
+                writer = ws.blob_writer(self.MEDIA_TYPE, size=size)
+                with open(image, "rb") as f:
+                    while block := f.read(READ_BLOCK):
+                        writer.append(block)
+                mid = writer.close()
+                self.commits[label] = ws.commit(CatalogRecord(
+                    name=f"bench-{label}", kind="image", manifests=(("disk", mid),), created=time.time()))
+            self.blobs[label] = mid
+        finally:
+            store.close()
+
+    def restore(self, label: str, dest_dir: Path) -> Path:
+        # A fresh data dir = an empty node cache: every chunk comes from the repository.
+        self._cold += 1
+        cold_dir = self.work / f"{self.name}-cold-{self._cold}"
+        store = self._open(cold_dir)
+        out = dest_dir / f"{label}.img"
+        try:
+            reader = store.open_blob(self.blobs[label])
+            with open(out, "wb") as f:
+                for off in range(0, reader.size, READ_BLOCK):
+                    f.write(reader.read(off, READ_BLOCK))
+        finally:
+            store.close()
+            shutil.rmtree(cold_dir, ignore_errors=True)
+        return out
+
+    def verify(self) -> str:
+        aenv = REPO_ROOT / ".venv" / "bin" / "aenv"
+        cmd = [str(aenv) if aenv.exists() else "aenv", "--data-dir", str(self.data_dir)]
+        probe = subprocess.run(cmd + ["repo", "verify", "--help"], capture_output=True, text=True)
+        if probe.returncode == 0 and "--read-data" in probe.stdout:
+            run(cmd + ["repo", "verify", "--read-data"])
+            return "aenv repo verify --read-data"
+        self._verify_via_api()
+        return "every chunk read + re-hashed via the API (no `aenv repo verify` yet)"
+
+    def _verify_via_api(self) -> None:
+        cold_dir = self.work / f"{self.name}-verify"
+        store = self._open(cold_dir)
+        try:
+            seen: set[bytes] = set()
+            for record in store.list_records():
+                for _role, mid in record.manifests:
+                    for ext in store.load_manifest(mid).extents:
+                        if ext.chunk is not None and ext.chunk not in seen:
+                            seen.add(ext.chunk)
+                            store.read_chunk(ext.chunk)   # verifies BLAKE3 against the id
+        finally:
+            store.close()
+            shutil.rmtree(cold_dir, ignore_errors=True)
+
+    def repo_bytes(self) -> int:
+        return dir_bytes(self.data_dir / "repo")
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+# ---------------------------------------------------------------- measuring
+
+@dataclass
+class Measured:
+    tool: str
+    version: str
+    notes: list[str]
+    ingest_v1_s: float = 0.0
+    ingest_v2_s: float = 0.0
+    repo_after_v1: int = 0
+    repo_after_v2: int = 0
+    readback_s: float = 0.0
+    readback_identical: bool = False
+    verify_s: float = 0.0
+    verify_how: str = ""
+
+    @property
+    def v2_added(self) -> int:
+        return self.repo_after_v2 - self.repo_after_v1
+
+
+@dataclass
+class Images:
+    v1: Path
+    v2: Path
+    size: int
+    v1_digest: str
+    tree_files: int
+    tree_bytes: int
+    changes: ChangeStats
+
+
+@dataclass
+class Report:
+    machine: dict[str, str]
+    images: dict[str, Any]
+    cache_dropped: bool
+    results: list[Measured] = field(default_factory=list)
+    chunk_study: list[dict[str, Any]] = field(default_factory=list)
+
+
+def phase(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_images(work: Path, size: int, fraction: float, seed: int) -> Images:
+    tree = work / "tree"
+    phase(f"copying {human_bytes(size)} of real files into a tree")
+    stats, holdout = build_tree(tree, size, holdout_bytes=max(MiB, int(size * fraction * 0.1)))
+    img_size = image_size_for(stats)
+    v1, v2 = work / "v1.img", work / "v2.img"
+    phase(f"mkfs.ext4 -d: {stats.files} files, {human_bytes(stats.bytes)} -> {human_bytes(img_size)} image")
+    make_ext4(tree, v1, img_size)
+    shutil.rmtree(tree)
+    copy_image(v1, v2)
+    changes = evolve_in_place(v2, fraction, holdout, seed)
+    phase(f"v2: {changes.changed} of {changes.files_before} files changed in place "
+          f"({human_bytes(changes.bytes_written)} written)")
+    return Images(v1, v2, img_size, file_digest(v1), stats.files, stats.bytes, changes)
+
+
+def measure(subject: Subject, images: Images, work: Path) -> Measured:
+    m = Measured(subject.name, subject.version(), list(subject.notes))
+    subject.init()
+    phase(f"{subject.name}: ingest v1")
+    drop_caches()
+    with Stopwatch() as sw:
+        subject.ingest(images.v1, "v1")
+    m.ingest_v1_s, m.repo_after_v1 = sw.seconds, subject.repo_bytes()
+    phase(f"{subject.name}: ingest v2")
+    drop_caches()
+    with Stopwatch() as sw:
+        subject.ingest(images.v2, "v2")
+    m.ingest_v2_s, m.repo_after_v2 = sw.seconds, subject.repo_bytes()
+    phase(f"{subject.name}: read back v1")
+    dest = work / f"restore-{subject.name}"
+    dest.mkdir()
+    drop_caches()
+    with Stopwatch() as sw:
+        out = subject.restore("v1", dest)
+    m.readback_s = sw.seconds
+    m.readback_identical = file_digest(out) == images.v1_digest
+    shutil.rmtree(dest)
+    if not m.readback_identical:
+        raise BenchError(f"{subject.name}: read-back of v1 differs from the image")
+    phase(f"{subject.name}: verify (read all data)")
+    drop_caches()
+    with Stopwatch() as sw:
+        m.verify_how = subject.verify()
+    m.verify_s = sw.seconds
+    return m
+
+
+def chunk_study(images: Images, work: Path, sizes: list[int], reuse: Measured | None,
+                reuse_size: int) -> list[dict[str, Any]]:
+    rows = []
+    for cs in sizes:
+        if reuse is not None and cs == reuse_size:
+            m = reuse
+        else:
+            subject = Aenv(work, chunk_size=cs, tag=f"-{cs // KiB}k")
+            m = Measured(subject.name, "", [])
+            subject.init()
+            phase(f"chunk study {cs // KiB} KiB: ingest v1, v2")
+            drop_caches()
+            with Stopwatch() as sw:
+                subject.ingest(images.v1, "v1")
+            m.ingest_v1_s, m.repo_after_v1 = sw.seconds, subject.repo_bytes()
+            drop_caches()
+            with Stopwatch() as sw:
+                subject.ingest(images.v2, "v2")
+            m.ingest_v2_s, m.repo_after_v2 = sw.seconds, subject.repo_bytes()
+            shutil.rmtree(subject.data_dir, ignore_errors=True)
+        rows.append({"chunk_size": cs, "ingest_v1_mb_s": throughput_mb_s(images.size, m.ingest_v1_s),
+                     "ingest_v2_mb_s": throughput_mb_s(images.size, m.ingest_v2_s),
+                     "repo_after_v1": m.repo_after_v1, "v2_added": m.v2_added})
+    return rows
+
+
+# ---------------------------------------------------------------- reporting
+
+TARGETS = {"ingest": 1.5, "v2_added": 1.0, "verify": 1.5}
+
+
+def _factor(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def result_rows(report: Report) -> tuple[list[str], list[list[str]]]:
+    by = {m.tool: m for m in report.results}
+    tools = [t for t in ("aenv", "restic", "borg") if t in by]
+    size = report.images["image_bytes"]
+    verified = size * 2  # both versions' logical bytes are behind each verify
+    metrics: list[tuple[str, str, Any, str]] = [
+        # label, kind, value(m), target key
+        ("ingest v1 (MB/s)", "speed", lambda m: throughput_mb_s(size, m.ingest_v1_s), "ingest"),
+        ("ingest v2 (MB/s)", "speed", lambda m: throughput_mb_s(size, m.ingest_v2_s), ""),
+        ("repo after v1", "bytes", lambda m: m.repo_after_v1, ""),
+        ("v2 added bytes", "bytes", lambda m: m.v2_added, "v2_added"),
+        ("read-back v1 (MB/s)", "speed", lambda m: throughput_mb_s(size, m.readback_s), ""),
+        ("verify all data (s)", "time", lambda m: m.verify_s, "verify"),
+        ("verify (MB/s of image data)", "speed", lambda m: throughput_mb_s(verified, m.verify_s), ""),
+    ]
+    peers = [t for t in tools if t != "aenv"] if "aenv" in tools else []
+    header = ["metric"] + tools + [f"aenv/{t}" for t in peers] + ["target", "met"]
+    rows = []
+    for label, kind, value, target in metrics:
+        vals = {t: value(by[t]) for t in tools}
+        row = [label] + [human_bytes(vals[t]) if kind == "bytes" else f"{vals[t]:.1f}" for t in tools]
+        ratios = {}
+        for t in peers:
+            # time: how many times faster aenv is; speed/bytes: aenv's value over the peer's
+            ratios[t] = vals[t] / vals["aenv"] if kind == "time" and vals["aenv"] else (
+                vals["aenv"] / vals[t] if vals[t] else float("nan"))
+            row.append(f"{ratios[t]:.2f}x" + (" faster" if kind == "time" else ""))
+        if target and "restic" in ratios:
+            want = TARGETS[target]
+            ok = ratios["restic"] <= want if kind == "bytes" else ratios["restic"] >= want
+            row += [("<= " if kind == "bytes" else ">= ") + f"{want}x restic", "yes" if ok else "NO"]
+        else:
+            row += ["", ""]
+        rows.append(row)
+    return header, rows
+
+
+def chunk_rows(report: Report) -> tuple[list[str], list[list[str]]]:
+    header = ["chunk size", "ingest v1 (MB/s)", "ingest v2 (MB/s)", "repo after v1", "v2 added bytes"]
+    rows = [[f"{r['chunk_size'] // KiB} KiB", f"{r['ingest_v1_mb_s']:.1f}", f"{r['ingest_v2_mb_s']:.1f}",
+             human_bytes(r["repo_after_v1"]), human_bytes(r["v2_added"])] for r in report.chunk_study]
+    return header, rows
+
+
+def render(report: Report, markdown: bool) -> str:
+    table = markdown_table if markdown else format_table
+    im, ch = report.images, report.images["changes"]
+    lines = [
+        f"machine: {report.machine['cpus']} vCPU {report.machine['cpu']}, {report.machine['memory']} RAM, "
+        f"kernel {report.machine['kernel']}, Python {report.machine['python']}, {report.machine['date']}, "
+        f"load at start {report.machine['loadavg']}",
+        f"image: ext4 {human_bytes(im['image_bytes'])} from {im['tree_files']} real files "
+        f"({human_bytes(im['tree_bytes'])}); v2 changed {ch['changed']} files in place "
+        f"({ch['overwritten']} overwritten regions, {ch['appended']} appends, {ch['rewritten']} rewrites, "
+        f"{ch['deleted']} deletes, {ch['created']} new; {human_bytes(ch['bytes_written'])} written)",
+        "page cache dropped before every phase" if report.cache_dropped
+        else "page cache NOT dropped (not root): reads may come from memory",
+        "",
+    ]
+    if report.results:
+        header, rows = result_rows(report)
+        lines += [table(rows, header), ""]
+        lines += [f"- {m.tool}: {m.version}; verify = `{m.verify_how}`; " + "; ".join(m.notes)
+                  for m in report.results]
+        lines.append("")
+    if report.chunk_study:
+        header, rows = chunk_rows(report)
+        lines += ["aenv chunk-size study:", "", table(rows, header)]
+    return "\n".join(lines)
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    out = asdict(report)
+    for r, m in zip(out["results"], report.results):
+        r["v2_added"] = m.v2_added
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=parse_size, default=parse_size("1G"),
+                   help="bytes of real files in the v1 tree (image is ~12%% larger); default 1G")
+    p.add_argument("--change-fraction", type=float, default=0.05, help="fraction of files changed in v2")
+    p.add_argument("--tools", default="aenv,restic,borg", help="comma list of aenv,restic,borg")
+    p.add_argument("--chunk-sizes", default="16K,32K,64K,128K,256K",
+                   help="aenv chunk sizes for the study (comma list; '' skips it)")
+    p.add_argument("--work-dir", type=Path, default=None, help="where images and repositories go (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-install", action="store_true", help="do not apt-get install missing peers")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown here")
+    args = p.parse_args(argv)
+    args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    bad = sorted(set(args.tools) - {"aenv", "restic", "borg"})
+    if bad:
+        p.error(f"unknown tool {bad[0]} (choose from aenv, restic, borg)")
+    try:
+        args.chunk_sizes = [parse_size(s) for s in args.chunk_sizes.split(",") if s.strip()]
+    except ValueError as e:
+        p.error(str(e))
+    if not 0 < args.change_fraction < 1:
+        p.error("--change-fraction must be between 0 and 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not is_root():
+        raise BenchError("needs root (loop-mounting the image for v2, dropping the page cache)")
+    if not args.no_install:
+        installed = ensure_debian_packages(DEBIAN_PEERS)
+        if installed:
+            phase(f"installed {', '.join(installed)}")
+    if args.work_dir:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="aenv-store-bench-", dir=args.work_dir))
+    try:
+        machine = machine_info()  # before our own work raises the load average
+        images = make_images(work, args.size, args.change_fraction, args.seed)
+        report = Report(machine=machine, cache_dropped=drop_caches(), images={
+            "image_bytes": images.size, "tree_files": images.tree_files, "tree_bytes": images.tree_bytes,
+            "changes": {**asdict(images.changes), "changed": images.changes.changed}})
+        makers = {"aenv": lambda: Aenv(work), "restic": lambda: Restic(work), "borg": lambda: Borg(work)}
+        for tool in args.tools:
+            report.results.append(measure(makers[tool](), images, work))
+        if args.chunk_sizes:
+            from aenv_store.config import StoreConfig
+            aenv = next((m for m in report.results if m.tool == "aenv"), None)
+            report.chunk_study = chunk_study(images, work, args.chunk_sizes, aenv, StoreConfig().chunk_size)
+        print(render(report, markdown=False))
+        if args.markdown:
+            args.markdown.write_text(render(report, markdown=True) + "\n")
+        if args.json:
+            args.json.write_text(json.dumps(to_json(report), indent=2, default=str) + "\n")
+    finally:
+        if args.keep:
+            phase(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BenchError as e:
+        print(f"store_bench: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("store_bench: interrupted", file=sys.stderr)
+        sys.exit(130)
