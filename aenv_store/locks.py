@@ -393,3 +393,12 @@ def lock_shared(backend: Backend, **kwargs: object) -> RepositoryLock:
 def lock_exclusive(backend: Backend, **kwargs: object) -> RepositoryLock:
     return acquire(backend, LockKind.EXCLUSIVE, **kwargs)  # type: ignore[arg-type]
 
+
+# Writers wait this long for a running gc (the only exclusive holder) before failing.
+DEFAULT_WRITER_WAIT = 600.0
+
+
+def shared_lock(backend: Backend, owner: str, wait: float = DEFAULT_WRITER_WAIT) -> RepositoryLock:
+    """The writer's lock (Repository.writer_lock): shared, waits out a running gc.
+    Taken when called; release it with ``with`` or ``release()``."""
+    return acquire(backend, LockKind.SHARED, purpose=owner, wait=wait)

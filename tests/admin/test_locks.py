@@ -254,3 +254,19 @@ def test_lock_info_roundtrip(kind: LockKind, host: str, pid: int, ticks: int | N
 def test_lock_info_rejects_garbage(raw: bytes) -> None:
     with pytest.raises(CorruptData):
         LockInfo.decode("locks/x", raw)
+
+
+def test_writer_lock_hook_waits_for_gc(backend: PosixFsBackend) -> None:
+    """``shared_lock`` is what Repository.writer_lock() uses: it waits out a running gc."""
+    from aenv_store.locks import shared_lock
+
+    gc = lock_exclusive(backend, purpose="gc", settle=0)
+    threading.Timer(0.3, gc.release).start()
+    with shared_lock(backend, "workspace-test", wait=5.0) as lock:
+        assert lock.kind is LockKind.SHARED and lock.info.purpose == "workspace-test"
+        with pytest.raises(LockError):
+            lock_exclusive(backend, settle=0)
+    assert list(backend.list(LOCK_PREFIX)) == []
+    with lock_exclusive(backend, settle=0):
+        with pytest.raises(LockError):
+            shared_lock(backend, "w", wait=0.2)
