@@ -1,0 +1,667 @@
+"""The node cache: a bounded local directory of verified plaintext chunks.
+
+Layout of a cache directory (details and the crash-safety argument in docs/cache.md)::
+
+    index/            LMDB environment (aenv_store.cache_index): digest -> size, checksum,
+                      last access; LRU order; pin counts; totals and counters
+    data/ab/<hex>     one file per chunk, exactly its bytes (mmap-able, see path_of)
+    tmp/              chunk files being written
+    inflight/<hex>.lock   flock held by the one process fetching that chunk
+    users.lock        every open NodeCache holds a shared flock (first/last user detection)
+    gate.lock         serialises open/close so first/last detection is race-free
+
+Write order makes a crash harmless: a chunk is written to tmp/ in full, renamed
+into data/ and indexed in one LMDB write transaction; eviction removes index
+entries first and the files after the commit. So an index entry never points
+to a partial file; a crash can leave an orphan file (removed when the next
+first user reconciles) or an entry whose file is gone (read as a miss and
+dropped). Reads check size and xxh3 against the index, so torn or tampered
+files are never returned.
+
+A hit is one LMDB read transaction plus open/read/close of one file (~10 µs
+for 64 KiB). The access time it produces is queued in memory and written to
+LMDB in batches (every TOUCH_BATCH hits or TOUCH_INTERVAL seconds, and before
+this process evicts), so LRU order across processes lags by at most that much.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar, Iterable
+
+import lmdb
+import xxhash
+
+from .cache_index import COUNTERS, ENTRIES, ENTRY, FORMAT, USED, Entry, IndexDbs
+from .cache_lock import FileLock, InflightLock
+from .config import CacheConfig
+from .errors import ConfigError, StoreError
+from .ids import Digest
+
+log = logging.getLogger(__name__)
+
+TOUCH_BATCH = 512       # queued LRU touches that trigger a flush
+TOUCH_INTERVAL = 1.0    # seconds: queued touches/counters are flushed at least this often (on activity)
+# LMDB map size is virtual address space, not disk; a constant keeps every process that
+# opens the directory in agreement (a per-capacity value would force MDB_MAP_RESIZED dances).
+MAP_SIZE = 32 << 30
+MAX_READERS = 1024
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    capacity: int
+    used_bytes: int
+    entries: int
+    pinned: int            # cached entries with a pin count > 0
+    hits: int              # counters are lifetime totals of every process that used this directory
+    misses: int
+    fetches: int
+    evictions: int
+    pinned_bytes: int = 0
+    evicted_bytes: int = 0
+    corrupt: int = 0       # entries dropped because their file no longer matched size/checksum
+    high_watermark: float = 0.0
+    low_watermark: float = 0.0
+    min_free_disk: int = 0
+    disk_free: int = 0
+    path: str = ""
+
+
+class _Flight:
+    """One in-process fetch that other threads wait on."""
+
+    __slots__ = ("done", "data", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+
+
+def validate_config(config: CacheConfig) -> None:
+    if config.capacity <= 0:
+        raise ConfigError(f"cache.capacity must be > 0 bytes, got {config.capacity}")
+    if not 0.0 < config.low_watermark <= config.high_watermark <= 1.0:
+        raise ConfigError("cache.low_watermark and cache.high_watermark must satisfy "
+                          f"0 < low <= high <= 1, got {config.low_watermark} and {config.high_watermark}")
+    if config.min_free_disk < 0:
+        raise ConfigError(f"cache.min_free_disk must be >= 0, got {config.min_free_disk}")
+
+
+def _boot_id() -> bytes:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_bytes().strip()
+    except OSError:
+        return b"unknown"
+
+
+class NodeCache:
+    """Bounded, LRU-evicting, pin-aware chunk cache shared by the processes of one node.
+
+    Thread-safe. One instance per directory per process (LMDB must not open one
+    environment twice in a process); any number of processes may share a directory.
+    Blocking calls: use ``loop.run_in_executor`` from asyncio code."""
+
+    # Directories open in this process; guards the LMDB rule above with a clear error.
+    _open_dirs: ClassVar[set[str]] = set()
+    _open_dirs_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, path: Path, config: CacheConfig) -> None:
+        validate_config(config)
+        self.path = Path(path).absolute()
+        self.config = config
+        self._data = str(self.path / "data")
+        self._tmp = str(self.path / "tmp")
+        self._inflight = str(self.path / "inflight")
+        self._lock = threading.Lock()   # pending touches, counter deltas, flights, own pins
+        self._pending: dict[bytes, int] = {}
+        self._deltas: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._last_flush = time.monotonic()
+        self._flights: dict[bytes, _Flight] = {}
+        self._my_pins: Counter[bytes] = Counter()
+        self._tmp_seq = itertools.count()
+        self._closed = True
+        key = str(self.path)
+        with NodeCache._open_dirs_lock:
+            if key in NodeCache._open_dirs:
+                raise StoreError(f"node cache {key} is already open in this process")
+            NodeCache._open_dirs.add(key)
+        try:
+            self._open()
+        except BaseException:
+            with NodeCache._open_dirs_lock:
+                NodeCache._open_dirs.discard(key)
+            raise
+        self._closed = False
+
+    # -- opening and closing ---------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            for d in (self.path, Path(self._data), Path(self._tmp), Path(self._inflight)):
+                d.mkdir(parents=True, exist_ok=True)
+            gate = FileLock(self.path / "gate.lock")
+        except OSError as e:
+            raise StoreError(f"cannot create node cache at {self.path}: {e}") from None
+        try:
+            gate.exclusive()
+            self._users = FileLock(self.path / "users.lock")
+            try:
+                first = self._users.exclusive(blocking=False)
+                self._env, self._db = self._open_env(wipe_if_bad=first)
+                try:
+                    if first:
+                        self._first_open()
+                    self._users.shared()  # EX -> SH while the gate keeps others out
+                except BaseException:
+                    self._env.close()
+                    raise
+            except BaseException:
+                self._users.close()
+                raise
+        finally:
+            gate.close()
+        for i in range(256):
+            os.makedirs(f"{self._data}/{i:02x}", exist_ok=True)
+
+    def _open_env(self, wipe_if_bad: bool) -> tuple[lmdb.Environment, IndexDbs]:
+        try:
+            env = lmdb.open(str(self.path / "index"), map_size=MAP_SIZE, max_dbs=4, max_readers=MAX_READERS,
+                            sync=False, metasync=False, readahead=False)
+            try:
+                env.reader_check()  # free reader slots of dead processes
+                dbs = IndexDbs(env)
+                with env.begin(write=True) as txn:
+                    fmt = dbs.get_meta(txn, b"format")
+                    if fmt is None:
+                        dbs.set_meta(txn, b"format", FORMAT)
+                    elif fmt != FORMAT:
+                        raise StoreError(f"node cache index has format {fmt!r}, expected {FORMAT!r}")
+            except BaseException:
+                env.close()
+                raise
+            return env, dbs
+        except (lmdb.Error, StoreError) as e:
+            if not wipe_if_bad:
+                raise StoreError(f"node cache index at {self.path / 'index'} is unusable: {e}") from None
+            log.warning("node cache %s: index unusable (%s); starting empty", self.path, e)
+            self._wipe()
+            return self._open_env(wipe_if_bad=False)
+
+    def _wipe(self) -> None:
+        for name in ("index", "data", "tmp", "inflight"):
+            shutil.rmtree(self.path / name, ignore_errors=True)
+            (self.path / name).mkdir(exist_ok=True)
+
+    def _first_open(self) -> None:
+        """No other process has the directory open: reconcile after a crash, drop stale pins."""
+        boot = _boot_id()
+        with self._env.begin() as txn:
+            clean = self._db.get_meta(txn, b"clean") == b"1"
+            last_boot = self._db.get_meta(txn, b"boot_id")
+        if not clean and last_boot is not None and last_boot != boot:
+            # The host went down with the cache open. LMDB runs without fsync and chunk
+            # files are not fsynced (speed), so neither can be trusted now; refilling is cheap.
+            log.warning("node cache %s: host restarted without a clean close; starting empty", self.path)
+            self._env.close()
+            self._wipe()
+            self._env, self._db = self._open_env(wipe_if_bad=False)
+        elif not clean:
+            self._reconcile()
+        for d in (self._tmp, self._inflight):
+            for name in os.listdir(d):  # leftovers of dead processes (nobody else is here)
+                try:
+                    os.unlink(os.path.join(d, name))
+                except FileNotFoundError:
+                    pass
+        evicted: list[str] = []
+        with self._env.begin(write=True) as txn:
+            self._db.clear_pins(txn)  # pins belong to live users; there are none
+            self._db.set_meta(txn, b"clean", b"0")
+            self._db.set_meta(txn, b"boot_id", boot)
+            self._make_room(txn, 0, evicted)  # the capacity may have been lowered
+        self._unlink_all(evicted)
+        self._env.sync(True)
+
+    def _reconcile(self) -> None:
+        """After a crash: drop entries whose file is missing or the wrong size, delete orphan files."""
+        dropped = orphans = 0
+        with self._env.begin(write=True) as txn:
+            stale = []
+            for digest, entry in self._db.iter_entries(txn):
+                try:
+                    ok = os.stat(self._file(digest)).st_size == entry.size
+                except FileNotFoundError:
+                    ok = False
+                if not ok:
+                    stale.append(digest)
+            for digest in stale:
+                self._db.remove(txn, digest)
+                self._unlink_all([self._file(digest)])
+            dropped = len(stale)
+            for shard in os.scandir(self._data):
+                if not shard.is_dir():
+                    continue
+                for f in os.scandir(shard.path):
+                    try:
+                        known = txn.get(bytes.fromhex(f.name), db=self._db.entries) is not None
+                    except ValueError:
+                        known = False
+                    if not known:
+                        self._unlink_all([f.path])
+                        orphans += 1
+        if dropped or orphans:
+            log.warning("node cache %s: reconciled after a crash: %d stale entries, %d orphan files removed",
+                        self.path, dropped, orphans)
+
+    def close(self) -> None:
+        """Flush counters and LRU times, release this instance's pins; the last user marks the
+        directory clean (so the next first user skips reconciliation)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._flush()
+            with self._lock:
+                mine, self._my_pins = self._my_pins, Counter()
+            if mine:
+                with self._env.begin(write=True) as txn:
+                    for digest, n in mine.items():
+                        self._db.add_pin(txn, digest, -n)
+            gate = FileLock(self.path / "gate.lock")
+            try:
+                gate.exclusive()
+                if self._users.exclusive(blocking=False):
+                    with self._env.begin(write=True) as txn:
+                        self._db.set_meta(txn, b"clean", b"1")
+                self._env.sync(True)
+                self._env.close()
+                self._users.close()
+            finally:
+                gate.close()
+        finally:
+            with NodeCache._open_dirs_lock:
+                NodeCache._open_dirs.discard(str(self.path))
+
+    def __enter__(self) -> "NodeCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _file(self, digest: bytes) -> str:
+        h = digest.hex()
+        return f"{self._data}/{h[:2]}/{h}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"node cache {self.path} is closed")
+
+    def _read(self, digest: bytes) -> bytes | None:
+        """The cached bytes, checked against the index; None (and the entry dropped) otherwise."""
+        self._check_open()
+        with self._env.begin(db=self._db.entries) as txn:
+            raw = txn.get(digest)
+        if raw is None:
+            return None
+        size, checksum, _ = ENTRY.unpack(raw)
+        path = self._file(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # evicted by another process between our two steps, or a crash
+            self._drop(digest, size, checksum, corrupt=False)
+            return None
+        try:
+            data = os.read(fd, size + 1)
+        finally:
+            os.close(fd)
+        if len(data) != size or xxhash.xxh3_64_intdigest(data) != checksum:
+            log.warning("node cache %s: chunk %s does not match its index entry; dropped", self.path, digest.hex())
+            self._drop(digest, size, checksum, corrupt=True)
+            return None
+        return data
+
+    def _drop(self, digest: bytes, size: int, checksum: int, corrupt: bool) -> None:
+        path = self._file(digest)
+        with self._env.begin(write=True) as txn:
+            entry = self._db.get(txn, digest)
+            if entry is None or (entry.size, entry.checksum) != (size, checksum):
+                return  # already gone or replaced
+            if not corrupt and os.path.exists(path):
+                return  # a put restored the file meanwhile
+            self._db.remove(txn, digest)
+            if corrupt:
+                self._db.add_u64(txn, b"corrupt", 1)
+                self._unlink_all([path])  # inside the txn: no put can rename a fresh file in between
+
+    def _note_access(self, digest: bytes, counter: str | None = None) -> None:
+        with self._lock:
+            self._pending[digest] = time.time_ns()
+            if counter:
+                self._deltas[counter] += 1
+            due = len(self._pending) >= TOUCH_BATCH or time.monotonic() - self._last_flush >= TOUCH_INTERVAL
+        if due:
+            self._flush()
+
+    def _count(self, counter: str) -> None:
+        with self._lock:
+            self._deltas[counter] += 1
+
+    def get(self, digest: Digest) -> bytes | None:
+        """The cached bytes of ``digest`` or None. A hit refreshes its LRU position."""
+        data = self._read(digest)
+        if data is None:
+            self._count("misses")
+        else:
+            self._note_access(digest, "hits")
+        return data
+
+    def contains(self, digest: Digest) -> bool:
+        self._check_open()
+        with self._env.begin(db=self._db.entries) as txn:
+            present = txn.get(digest) is not None
+        return present and os.path.exists(self._file(digest))
+
+    def path_of(self, digest: Digest) -> Path | None:
+        """The file holding exactly the chunk's bytes, or None. Pin the digest first if the
+        file must outlive the call (an unpinned entry may be evicted at any time; an open
+        file descriptor or mapping stays valid even then)."""
+        if not self.contains(digest):
+            return None
+        self._note_access(digest)
+        return Path(self._file(digest))
+
+    # -- single-flight fetch ---------------------------------------------------------------
+
+    def get_or_fetch(self, digest: Digest, fetch: Callable[[], bytes]) -> bytes:
+        """Cached bytes, else ``fetch()`` — called once however many threads and processes
+        ask for the same missing digest at the same time — stored and returned.
+
+        Threads waiting in this process get the fetch's exception if it raises; nothing is
+        cached then. Waiters in other processes cannot receive that exception: they
+        find nothing cached when the lock frees and run their own fetch."""
+        data = self.get(digest)
+        if data is not None:
+            return data
+        with self._lock:
+            flight = self._flights.get(digest)
+            leader = flight is None
+            if flight is None:
+                flight = self._flights[digest] = _Flight()
+        if not leader:
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            assert flight.data is not None
+            return flight.data
+        try:
+            flight.data = self._fetch_across_processes(digest, fetch)
+            return flight.data
+        except BaseException as e:
+            flight.error = e
+            raise
+        finally:
+            with self._lock:
+                del self._flights[digest]
+            flight.done.set()
+
+    def _fetch_across_processes(self, digest: Digest, fetch: Callable[[], bytes]) -> bytes:
+        with InflightLock(Path(self._inflight) / f"{digest.hex()}.lock"):
+            data = self._read(digest)  # another process may have filled it while we waited
+            if data is not None:
+                self._note_access(digest)
+                return data
+            self._count("fetches")
+            fetched = fetch()
+            data = fetched if type(fetched) is bytes else bytes(fetched)
+            self.put(digest, data)
+            return data
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(self, digest: Digest, data: bytes) -> bool:
+        """Store verified bytes for ``digest``; True if they are cached afterwards.
+
+        Best effort: returns False without raising when the chunk cannot fit (larger than
+        the capacity, everything else pinned, disk below its floor) or the disk fails."""
+        self._check_open()
+        size = len(data)
+        if size > self.config.capacity:
+            return False
+        path = self._file(digest)
+        if self.contains(digest):
+            self._note_access(digest)
+            return True
+        tmp = f"{self._tmp}/{digest.hex()}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
+        try:
+            _write_file(tmp, data)
+        except OSError as e:
+            self._unlink_all([tmp])
+            log.warning("node cache %s: cannot write chunk %s: %s", self.path, digest.hex(), e)
+            return False
+        checksum = xxhash.xxh3_64_intdigest(data)
+        touches, deltas = self._take_pending()
+        evicted: list[str] = []
+        renamed = stored = False
+        try:
+            with self._env.begin(write=True) as txn:
+                self._apply_pending(txn, touches, deltas)  # our recent hits count before we evict
+                existing = self._db.get(txn, digest)
+                if existing is not None and os.path.exists(path):
+                    stored = True  # raced with another writer of the same chunk
+                else:
+                    if existing is not None:
+                        self._db.remove(txn, digest)  # its file vanished: replace the entry
+                    if self._make_room(txn, size, evicted):
+                        # rename inside the write txn: renames and index changes of all
+                        # processes are serialised, so an entry always names its own file
+                        os.rename(tmp, path)
+                        renamed = True
+                        self._db.add(txn, digest, Entry(size, checksum, time.time_ns()))
+                        stored = True
+        except (lmdb.Error, OSError) as e:
+            self._restore_pending(touches, deltas)
+            if renamed:
+                self._unlink_all([path])  # the txn aborted: the file has no entry
+            log.warning("node cache %s: cannot store chunk %s: %s", self.path, digest.hex(), e)
+            return False
+        finally:
+            if not renamed:
+                self._unlink_all([tmp])
+        self._unlink_all(evicted)  # entries are gone (committed); now the files
+        return stored
+
+    def _disk_free(self) -> int:
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
+
+    def _make_room(self, txn: lmdb.Transaction, incoming: int, evicted: list[str]) -> bool:
+        """Evict (inside ``txn``) per the watermarks and the free-disk floor so ``incoming``
+        more bytes fit; False if they still would not (e.g. everything left is pinned)."""
+        cfg = self.config
+        used = self._db.get_u64(txn, USED)
+        free = self._disk_free()
+        target: float | None = None
+        if used + incoming > cfg.high_watermark * cfg.capacity:
+            target = cfg.low_watermark * cfg.capacity - incoming
+        deficit = cfg.min_free_disk - (free - incoming)
+        if deficit > 0:
+            # below the floor: free the deficit plus the watermark band, so we do not evict on every put
+            below = used - deficit - (cfg.high_watermark - cfg.low_watermark) * cfg.capacity
+            target = below if target is None else min(target, below)
+        freed = 0
+        if target is not None and used > target:
+            freed = self._evict(txn, int(used - target), evicted)
+        return used - freed + incoming <= cfg.capacity and free + freed - incoming >= cfg.min_free_disk
+
+    def _evict(self, txn: lmdb.Transaction, need: int, evicted: list[str]) -> int:
+        victims: list[bytes] = []
+        freed = 0
+        entries = self._db.entries
+        for digest in self._db.lru_order(txn):
+            if freed >= need:
+                break
+            if self._db.pin_count(txn, digest):
+                continue
+            raw = txn.get(digest, db=entries)
+            if raw is None:
+                continue
+            victims.append(digest)
+            freed += ENTRY.unpack(raw)[0]
+        for digest in victims:  # not while the cursor walks the lru table
+            self._db.remove(txn, digest)
+            evicted.append(self._file(digest))
+        if victims:
+            self._db.add_u64(txn, b"evictions", len(victims))
+            self._db.add_u64(txn, b"evicted_bytes", freed)
+        return freed
+
+    @staticmethod
+    def _unlink_all(paths: Iterable[str]) -> None:
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    # -- batched LRU touches and counters --------------------------------------------------
+
+    def _take_pending(self) -> tuple[dict[bytes, int], dict[str, int]]:
+        with self._lock:
+            touches, self._pending = self._pending, {}
+            deltas, self._deltas = self._deltas, dict.fromkeys(COUNTERS, 0)
+            self._last_flush = time.monotonic()
+        return touches, deltas
+
+    def _restore_pending(self, touches: dict[bytes, int], deltas: dict[str, int]) -> None:
+        with self._lock:
+            for d, t in touches.items():
+                self._pending[d] = max(t, self._pending.get(d, 0))
+            for k, v in deltas.items():
+                self._deltas[k] += v
+
+    def _apply_pending(self, txn: lmdb.Transaction, touches: dict[bytes, int], deltas: dict[str, int]) -> None:
+        for digest, when in touches.items():
+            self._db.touch(txn, digest, when)
+        for name, delta in deltas.items():
+            self._db.add_u64(txn, name.encode(), delta)
+
+    def _flush(self) -> None:
+        touches, deltas = self._take_pending()
+        if not touches and not any(deltas.values()):
+            return
+        try:
+            with self._env.begin(write=True) as txn:
+                self._apply_pending(txn, touches, deltas)
+        except lmdb.Error as e:
+            self._restore_pending(touches, deltas)
+            log.warning("node cache %s: cannot record accesses: %s", self.path, e)
+
+    # -- pins and stats --------------------------------------------------------------------
+
+    def pin(self, digests: Iterable[Digest]) -> None:
+        """Protect these digests from eviction (counted; also before they are cached).
+        Pins of this instance are released by unpin() or close(); after a crash they
+        are dropped when the next first user opens the directory."""
+        self._check_open()
+        todo = [bytes(d) for d in digests]
+        if not todo:
+            return
+        with self._env.begin(write=True) as txn:
+            for digest in todo:
+                self._db.add_pin(txn, digest, 1)
+        with self._lock:
+            self._my_pins.update(todo)
+
+    def unpin(self, digests: Iterable[Digest]) -> None:
+        """Release pins taken by this instance; extra unpins are ignored."""
+        self._check_open()
+        release: list[bytes] = []
+        with self._lock:
+            for d in digests:
+                digest = bytes(d)
+                if self._my_pins[digest] > 0:
+                    self._my_pins[digest] -= 1
+                    if not self._my_pins[digest]:
+                        del self._my_pins[digest]
+                    release.append(digest)
+        if release:
+            with self._env.begin(write=True) as txn:
+                for digest in release:
+                    self._db.add_pin(txn, digest, -1)
+
+    def stats(self) -> CacheStats:
+        self._check_open()
+        self._flush()
+        with self._env.begin() as txn:
+            get = lambda name: self._db.get_u64(txn, name.encode())  # noqa: E731
+            pinned = pinned_bytes = 0
+            for digest in self._db.iter_pins(txn):
+                entry = self._db.get(txn, digest)
+                if entry is not None:
+                    pinned += 1
+                    pinned_bytes += entry.size
+            cfg = self.config
+            return CacheStats(
+                capacity=cfg.capacity, used_bytes=self._db.get_u64(txn, USED),
+                entries=self._db.get_u64(txn, ENTRIES), pinned=pinned, pinned_bytes=pinned_bytes,
+                hits=get("hits"), misses=get("misses"), fetches=get("fetches"), evictions=get("evictions"),
+                evicted_bytes=get("evicted_bytes"), corrupt=get("corrupt"),
+                high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+                min_free_disk=cfg.min_free_disk, disk_free=self._disk_free(), path=str(self.path))
+
+    def verify(self, read_data: bool = False) -> list[str]:
+        """Problems found between index and files (empty = consistent): entries without a
+        file or with the wrong size (``read_data``: wrong checksum), files without an entry,
+        totals that disagree with the entries."""
+        self._check_open()
+        problems: list[str] = []
+        with self._env.begin() as txn:
+            total = count = 0
+            for digest, entry in self._db.iter_entries(txn):
+                total += entry.size
+                count += 1
+                path = self._file(digest)
+                try:
+                    size = os.stat(path).st_size
+                except FileNotFoundError:
+                    problems.append(f"entry {digest.hex()}: file missing")
+                    continue
+                if size != entry.size:
+                    problems.append(f"entry {digest.hex()}: file has {size} bytes, index says {entry.size}")
+                elif read_data:
+                    with open(path, "rb") as f:
+                        if xxhash.xxh3_64_intdigest(f.read()) != entry.checksum:
+                            problems.append(f"entry {digest.hex()}: checksum mismatch")
+            if total != self._db.get_u64(txn, USED) or count != self._db.get_u64(txn, ENTRIES):
+                problems.append(f"totals: index says {self._db.get_u64(txn, USED)} bytes in "
+                                f"{self._db.get_u64(txn, ENTRIES)} entries, entries sum to {total} in {count}")
+            for shard in os.scandir(self._data):
+                for f in os.scandir(shard.path) if shard.is_dir() else ():
+                    try:
+                        known = txn.get(bytes.fromhex(f.name), db=self._db.entries) is not None
+                    except ValueError:
+                        known = False
+                    if not known:
+                        problems.append(f"file {shard.name}/{f.name}: no index entry")
+        return problems
+
+
+def _write_file(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
