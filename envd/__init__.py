@@ -1,0 +1,1 @@
+"""envd: the in-sandbox daemon speaking E2B's envd protocol (stdlib only)."""

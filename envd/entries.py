@@ -1,0 +1,72 @@
+"""EntryInfo records (filesystem.proto) built from stat results."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import stat
+
+from . import users
+from .connect import Code, ConnectError
+from .rpc import Message
+
+FILE = "FILE_TYPE_FILE"
+DIRECTORY = "FILE_TYPE_DIRECTORY"
+SYMLINK = "FILE_TYPE_SYMLINK"
+
+
+def _rfc3339(ts: float) -> str:
+    dt = datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _type(mode: int) -> str | None:
+    if stat.S_ISDIR(mode):
+        return DIRECTORY
+    if stat.S_ISREG(mode):
+        return FILE
+    return None
+
+
+def entry_info(path: str) -> Message:
+    """EntryInfo of ``path`` itself (a symlink is described, not followed;
+    its ``type`` is the target's, as newer envd reports, plus ``isSymlink``)."""
+    st = os.lstat(path)
+    info: Message = {
+        "name": os.path.basename(path) or path,
+        "path": path,
+        "size": str(st.st_size),
+        "mode": stat.S_IMODE(st.st_mode),
+        "permissions": stat.filemode(st.st_mode),
+        "owner": users.user_name(st.st_uid),
+        "group": users.group_name(st.st_gid),
+        "modifiedTime": _rfc3339(st.st_mtime),
+    }
+    kind = _type(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        info["isSymlink"] = True
+        info["symlinkTarget"] = os.path.realpath(path)
+        try:
+            kind = _type(os.stat(path).st_mode) or SYMLINK
+        except OSError:
+            kind = SYMLINK  # dangling link
+    info["type"] = kind or "FILE_TYPE_UNSPECIFIED"
+    if not info["mode"]:
+        del info["mode"]
+    return info
+
+
+def os_error(e: OSError, path: str) -> ConnectError:
+    """Map an errno to the Connect code upstream envd uses for it."""
+    if e.errno == errno.ENOENT:
+        return ConnectError(Code.NOT_FOUND, f"path '{path}' does not exist")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ConnectError(Code.PERMISSION_DENIED, f"permission denied for '{path}': {e.strerror}")
+    if e.errno == errno.ENOTDIR:
+        return ConnectError(Code.INVALID_ARGUMENT, f"path '{path}': a component is not a directory")
+    if e.errno == errno.EEXIST:
+        return ConnectError(Code.ALREADY_EXISTS, f"path '{path}' already exists")
+    if e.errno == errno.ENOSPC:
+        return ConnectError(Code.RESOURCE_EXHAUSTED, "not enough disk space available")
+    return ConnectError(Code.INTERNAL, f"error on '{path}': {e.strerror or e}")

@@ -1,0 +1,227 @@
+"""Plain-HTTP file transfer: ``GET /files`` and ``POST /files``.
+
+Both directions stream in bounded pieces (the upload is parsed as it arrives,
+the download is read as the socket drains), so envd's memory does not grow
+with file size.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+from typing import AsyncIterator, BinaryIO
+
+from . import users
+from .fs_service import chown, ensure_dirs
+from .connect import ConnectError
+from .http11 import BodyReader, HttpError, RequestHead
+from .multipart import MultipartError, MultipartParser, PartData, PartEnd, PartStart, boundary_from_content_type
+from .responses import Response, http_error, json_response
+from .router import media_type
+from .state import EnvdState
+
+CHUNK = 256 * 1024
+
+
+def _accepts_gzip(accept: str | None) -> bool | None:
+    """True: send gzip; False: identity; None: nothing acceptable (406)."""
+    if not accept:
+        return False
+    prefs: dict[str, float] = {}
+    for item in accept.split(","):
+        name, _, params = item.strip().partition(";")
+        q = 1.0
+        for p in params.split(";"):
+            k, _, v = p.strip().partition("=")
+            if k == "q":
+                try:
+                    q = float(v)
+                except ValueError:
+                    q = 0.0
+        prefs[name.strip().lower()] = q
+    star = prefs.get("*")
+    if prefs.get("gzip", star if star is not None else 0.0) > 0:
+        return True
+    if prefs.get("identity", star if star is not None else 1.0) > 0:
+        return False
+    return None
+
+
+def _user(head: RequestHead, state: EnvdState, auth_user: str | None) -> users.User:
+    return state.user(head.query_value("username") or auth_user)
+
+
+def _os_error_response(e: OSError, path: str) -> Response:
+    if e.errno == errno.ENOENT:
+        return http_error(404, f"path '{path}' does not exist")
+    if e.errno == errno.ENOSPC or e.errno == errno.EDQUOT:
+        return http_error(507, "not enough disk space available")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return http_error(403, f"error opening file '{path}': permission denied")
+    if e.errno in (errno.EISDIR, errno.ENOTDIR):
+        return http_error(400, f"path '{path}' is a directory or under a file")
+    return http_error(500, f"error on '{path}': {e.strerror or e}")
+
+
+async def download(head: RequestHead, state: EnvdState, auth_user: str | None) -> Response:
+    try:
+        user = _user(head, state, auth_user)
+    except users.UnknownUser as e:
+        return http_error(401, str(e))
+    raw = head.query_value("path")
+    if not raw:
+        return http_error(400, "missing 'path' query parameter")
+    path = users.resolve_path(raw, user)
+    gz = _accepts_gzip(head.header("accept-encoding"))
+    if gz is None:
+        return http_error(406, "no acceptable encoding found, supported: [identity, gzip]")
+    if os.path.isdir(path):
+        return http_error(400, f"path '{path}' is a directory")
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        return _os_error_response(e, path)
+    size = os.fstat(f.fileno()).st_size
+    headers: list[tuple[str, str]] = [("Content-Type", "application/octet-stream")]
+    if gz:
+        headers.append(("Content-Encoding", "gzip"))
+    else:
+        headers.append(("Content-Length", str(size)))
+    headers.append(("Content-Disposition", f"attachment; filename=\"{os.path.basename(path)}\""))
+    return Response(200, tuple(headers), stream=_read_file(f, gz))
+
+
+async def _read_file(f: BinaryIO, gz: bool) -> AsyncIterator[bytes]:
+    comp = zlib.compressobj(6, zlib.DEFLATED, 31) if gz else None
+    try:
+        while True:
+            data = f.read(CHUNK)
+            if not data:
+                break
+            if comp is not None:
+                data = comp.compress(data)
+                if not data:
+                    continue
+            yield data
+        if comp is not None:
+            yield comp.flush()
+    finally:
+        f.close()
+
+
+def _open_target(path: str, user: users.User) -> BinaryIO:
+    ensure_dirs(os.path.dirname(path), user)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    f = open(path, "wb")
+    chown(path, user)
+    return f
+
+
+def _written(path: str) -> dict[str, str]:
+    return {"name": os.path.basename(path), "type": "file", "path": path}
+
+
+async def upload(head: RequestHead, body: BodyReader, state: EnvdState, auth_user: str | None) -> Response:
+    try:
+        user = _user(head, state, auth_user)
+    except users.UnknownUser as e:
+        return http_error(401, str(e))
+    ctype = head.header("content-type") or ""
+    media = media_type(ctype)
+    raw = head.query_value("path")
+    try:
+        if media == "application/octet-stream":
+            if not raw:
+                return http_error(400, "the 'path' query parameter is required for octet-stream uploads")
+            return await _upload_octet(head, body, users.resolve_path(raw, user), user)
+        if media == "multipart/form-data":
+            return await _upload_multipart(body, ctype, raw, user)
+    except ConnectError as e:
+        return http_error(400, e.message)
+    return http_error(400, f"unsupported content type {media!r}; use multipart/form-data or application/octet-stream")
+
+
+async def _upload_octet(head: RequestHead, body: BodyReader, path: str, user: users.User) -> Response:
+    encoding = (head.header("content-encoding") or "identity").strip().lower()
+    if encoding not in ("identity", "gzip"):
+        return http_error(400, f"unsupported content-encoding {encoding!r}")
+    decomp = zlib.decompressobj(31) if encoding == "gzip" else None
+    try:
+        f = _open_target(path, user)
+    except OSError as e:
+        return _os_error_response(e, path)
+    with f:
+        try:
+            async for chunk in body:
+                if decomp is not None:
+                    # Bounded output per step: a gzip bomb cannot balloon memory.
+                    data = decomp.decompress(chunk, CHUNK)
+                    f.write(data)
+                    while decomp.unconsumed_tail:
+                        f.write(decomp.decompress(decomp.unconsumed_tail, CHUNK))
+                else:
+                    f.write(chunk)
+            if decomp is not None:
+                f.write(decomp.flush())
+                if not decomp.eof:
+                    return http_error(400, "truncated gzip body")
+        except zlib.error as e:
+            return http_error(400, f"invalid gzip body: {e}")
+        except OSError as e:
+            return _os_error_response(e, path)
+    return json_response(200, [_written(path)])
+
+
+def _part_target(filename: str | None, query_path: str | None, user: users.User) -> str:
+    if filename and os.path.isabs(filename):
+        return os.path.normpath(filename)
+    if query_path:
+        base = users.resolve_path(query_path, user)
+        if filename and os.path.isdir(base):
+            return os.path.join(base, filename)
+        return base
+    if filename:
+        return users.resolve_path(filename, user)
+    raise HttpError(400, "multipart part has no filename and no 'path' query parameter")
+
+
+async def _upload_multipart(body: BodyReader, ctype: str, query_path: str | None, user: users.User) -> Response:
+    try:
+        parser = MultipartParser(boundary_from_content_type(ctype))
+    except MultipartError as e:
+        return http_error(400, str(e))
+    written: list[dict[str, str]] = []
+    current: BinaryIO | None = None
+    path = ""
+    try:
+        async for chunk in body:
+            for ev in parser.feed(chunk):
+                if isinstance(ev, PartStart):
+                    disp = ev.disposition
+                    if disp.get("name") not in ("file", None) and "filename" not in disp:
+                        current = None  # a plain form field: ignored
+                        continue
+                    path = _part_target(disp.get("filename"), query_path, user)
+                    current = _open_target(path, user)
+                elif isinstance(ev, PartData):
+                    if current is not None:
+                        current.write(ev.data)
+                elif isinstance(ev, PartEnd) and current is not None:
+                    current.close()
+                    current = None
+                    written.append(_written(path))
+        parser.finish()
+    except MultipartError as e:
+        return http_error(400, f"malformed multipart body: {e}")
+    except HttpError as e:
+        return http_error(e.status, e.message)
+    except OSError as e:
+        return _os_error_response(e, path)
+    finally:
+        if current is not None:
+            current.close()
+    if not written:
+        return http_error(400, "no file part in multipart body")
+    return json_response(200, written)

@@ -1,0 +1,380 @@
+"""The envd HTTP/1.1 server: moves bytes between sockets and the pure parts.
+
+One asyncio task per connection; keep-alive; streamed responses are flushed
+frame by frame and abandoned as soon as the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hmac
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from . import connect, files
+from .connect import Code, ConnectError
+from .fs_service import FilesystemService
+from .http11 import LAST_CHUNK, MAX_HEAD_BYTES, BodyReader, HttpError, RequestHead, encode_chunk, format_head, parse_request_head
+from .metrics import MetricsSampler
+from .process import ProcessManager
+from .process_service import ProcessService
+from .responses import Response, http_error, json_response
+from .router import PUBLIC_PATHS, Kind, Route, RouteError, route
+from .rpc import Handler, RpcContext
+from .state import EnvdState
+from .users import basic_auth_user
+
+log = logging.getLogger("envd")
+
+UNARY_BODY_LIMIT = connect.MAX_MESSAGE_BYTES
+CONNECT_STREAM_CT = "application/connect+json"
+VERSION = "0.6.7"  # the upstream envd feature level this implementation serves
+
+
+def _connect_error_response(err: ConnectError, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    return Response(
+        err.code.http_status, (("Content-Type", "application/json"), *headers), connect.unary_error_body(err)
+    )
+
+
+async def _one(frames: bytes) -> AsyncIterator[bytes]:
+    yield frames
+
+
+class EnvdServer:
+    def __init__(self, state: EnvdState) -> None:
+        self.state = state
+        self.processes = ProcessManager(state)
+        self.filesystem = FilesystemService()
+        self.metrics = MetricsSampler()
+        self.handlers: dict[str, Handler] = {
+            **ProcessService(self.processes).handlers(),
+            **self.filesystem.handlers(),
+        }
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._serve_conn, host, port, limit=MAX_HEAD_BYTES, reuse_address=True)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._conns):
+            t.cancel()
+        await self.processes.shutdown()
+        self.filesystem.close()
+
+    # -- connection --------------------------------------------------------
+
+    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._conns.add(task)
+        try:
+            while True:
+                try:
+                    raw = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return
+                except asyncio.LimitOverrunError:
+                    await self._write(writer, reader, http_error(431, "request head too large"), False, False, "GET")
+                    return
+                try:
+                    head = parse_request_head(raw)
+                    body = BodyReader(reader, head)
+                except HttpError as e:
+                    await self._write(writer, reader, http_error(e.status, e.message), False, False, "GET")
+                    return
+                if (head.header("expect") or "").lower() == "100-continue":
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                try:
+                    resp = await self._dispatch(head, body)
+                except HttpError as e:
+                    resp = http_error(e.status, e.message)
+                    head = RequestHead(head.method, head.path, head.query, head.version, (("connection", "close"),))
+                keep = head.keep_alive
+                if not body.finished:
+                    # The handler answered without reading the whole body (an
+                    # error): skip a small remainder, else close the connection.
+                    try:
+                        keep = keep and await body.drain()
+                    except HttpError:
+                        keep = False
+                ok = await self._write(writer, reader, resp, keep, body.finished, head.method)
+                if not (ok and keep):
+                    return
+        except (ConnectionError, OSError):
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("connection handler failed")
+        finally:
+            if task is not None:
+                self._conns.discard(task)
+            writer.close()
+
+    async def _write(
+        self, writer: asyncio.StreamWriter, reader: asyncio.StreamReader, resp: Response,
+        keep: bool, watch_disconnect: bool, method: str,
+    ) -> bool:
+        """Write ``resp``; False when the client went away mid-stream."""
+        headers = list(resp.headers)
+        names = {k.lower() for k, _ in headers}
+        chunked = resp.stream is not None and "content-length" not in names
+        if resp.stream is None and resp.status not in (204, 304):
+            headers.append(("Content-Length", str(len(resp.body))))
+        if chunked:
+            headers.append(("Transfer-Encoding", "chunked"))
+        if not keep:
+            headers.append(("Connection", "close"))
+        writer.write(format_head(resp.status, headers))
+        if method == "HEAD":
+            if resp.stream is not None:
+                await resp.stream.aclose()  # type: ignore[attr-defined]
+            await writer.drain()
+            return True
+        if resp.stream is None:
+            writer.write(resp.body)
+            await writer.drain()
+            return True
+        await writer.drain()
+        stream = resp.stream
+        gone = asyncio.ensure_future(reader.read(1)) if watch_disconnect else None
+        try:
+            while True:
+                nxt = asyncio.ensure_future(stream.__anext__())
+                if gone is not None:
+                    await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():
+                        nxt.cancel()
+                        await asyncio.gather(nxt, return_exceptions=True)
+                        return False
+                try:
+                    chunk = await nxt
+                except StopAsyncIteration:
+                    break
+                if chunk:
+                    writer.write(encode_chunk(chunk) if chunked else chunk)
+                    await writer.drain()
+        finally:
+            if gone is not None and not gone.done():
+                gone.cancel()
+                await asyncio.gather(gone, return_exceptions=True)
+            await stream.aclose()  # type: ignore[attr-defined]
+        if gone is not None and gone.done() and not gone.cancelled():
+            return False
+        if chunked:
+            writer.write(LAST_CHUNK)
+        await writer.drain()
+        return True
+
+    # -- dispatch ------------------------------------------------------------
+
+    async def _dispatch(self, head: RequestHead, body: BodyReader) -> Response:
+        r = route(head.method, head.path, head.header("content-type"))
+        if isinstance(r, RouteError):
+            extra = (("Allow", r.allow),) if r.allow else ()
+            if r.connect_code is not None:
+                return _connect_error_response(ConnectError(Code(_code(r.connect_code)), r.message), extra)
+            return http_error(r.status, r.message) if not extra else Response(
+                r.status, (("Content-Type", "application/json"), *extra),
+                json.dumps({"code": r.status, "message": r.message}).encode(),
+            )
+        if not self._authorized(head, r):
+            msg = "unauthorized access, please provide a valid access token" if head.header(
+                "x-access-token") is None else "invalid access token"
+            if r.kind is Kind.HTTP:
+                return http_error(401, msg)
+            return _connect_error_response(ConnectError(Code.UNAUTHENTICATED, msg))
+        auth_user = basic_auth_user(head.header("authorization"))
+        if r.kind is Kind.HTTP:
+            return await self._http(head, body, auth_user)
+        try:
+            ctx = RpcContext(
+                self.state, auth_user, connect.parse_timeout_ms(head.header("connect-timeout-ms")),
+                _keepalive(head.header("keepalive-ping-interval")),
+            )
+        except ConnectError as e:
+            if r.kind is Kind.UNARY:
+                return _connect_error_response(e)
+            return self._stream_response(_one(connect.encode_end_stream(e)))
+        handler = self.handlers[r.path]
+        if r.kind is Kind.UNARY:
+            return await self._unary(handler, body, ctx)
+        if r.kind is Kind.SERVER_STREAM:
+            return await self._server_stream(handler, body, ctx)
+        return self._stream_response(self._client_stream(handler, body, ctx))
+
+    def _authorized(self, head: RequestHead, r: Route) -> bool:
+        token = self.state.access_token
+        if token is None or r.path in PUBLIC_PATHS or r.path == "/init":
+            return True  # /init checks the token itself (it may carry it in the body)
+        given = head.header("x-access-token")
+        return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+    @staticmethod
+    def _stream_response(frames: AsyncIterator[bytes]) -> Response:
+        return Response(200, (("Content-Type", CONNECT_STREAM_CT),), stream=frames)
+
+    async def _unary(self, handler: Handler, body: BodyReader, ctx: RpcContext) -> Response:
+        try:
+            msg = connect.decode_json_message(await body.read_all(UNARY_BODY_LIMIT))
+            async with asyncio.timeout(ctx.timeout_s):
+                out = await handler(msg, ctx)  # type: ignore[call-arg,misc]
+        except HttpError as e:
+            if e.status == 413:
+                return _connect_error_response(ConnectError(Code.RESOURCE_EXHAUSTED, e.message))
+            raise
+        except ConnectError as e:
+            return _connect_error_response(e)
+        except TimeoutError:
+            return _connect_error_response(ConnectError(Code.DEADLINE_EXCEEDED, "deadline exceeded"))
+        except Exception as e:
+            log.exception("unary handler failed")
+            return _connect_error_response(ConnectError(Code.INTERNAL, f"internal error: {e}"))
+        return Response(200, (("Content-Type", "application/json"),), json.dumps(out).encode())
+
+    async def _server_stream(self, handler: Handler, body: BodyReader, ctx: RpcContext) -> Response:
+        try:
+            envs = connect.decode_envelopes(await body.read_all(UNARY_BODY_LIMIT + connect.HEADER_LEN))
+            if len(envs) != 1:
+                raise ConnectError(Code.INVALID_ARGUMENT, f"expected exactly one request message, got {len(envs)}")
+            msg = connect.decode_json_message(envs[0].data)
+        except HttpError as e:
+            if e.status != 413:
+                raise
+            return self._stream_response(_one(connect.encode_end_stream(ConnectError(Code.RESOURCE_EXHAUSTED, e.message))))
+        except ConnectError as e:
+            return self._stream_response(_one(connect.encode_end_stream(e)))
+        return self._stream_response(self._frames(handler(msg, ctx), ctx))  # type: ignore[arg-type,call-arg]
+
+    async def _frames(self, messages: AsyncIterator[dict[str, Any]], ctx: RpcContext) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        end_at = None if ctx.timeout_s is None else loop.time() + ctx.timeout_s
+        error: ConnectError | None = None
+        try:
+            while True:
+                async with asyncio.timeout_at(end_at):
+                    msg = await messages.__anext__()
+                yield connect.encode_message(msg)
+        except StopAsyncIteration:
+            pass
+        except TimeoutError:
+            error = ConnectError(Code.DEADLINE_EXCEEDED, "deadline exceeded")
+        except ConnectError as e:
+            error = e
+        except Exception as e:
+            log.exception("stream handler failed")
+            error = ConnectError(Code.INTERNAL, f"internal error: {e}")
+        finally:
+            await messages.aclose()  # type: ignore[attr-defined]
+        yield connect.encode_end_stream(error)
+
+    async def _client_stream(self, handler: Handler, body: BodyReader, ctx: RpcContext) -> AsyncIterator[bytes]:
+        decoder = connect.EnvelopeDecoder()
+
+        async def messages() -> AsyncIterator[dict[str, Any]]:
+            async for chunk in body:
+                for env in decoder.feed(chunk):
+                    yield connect.decode_json_message(env.data)
+            decoder.finish()
+
+        try:
+            async with asyncio.timeout(ctx.timeout_s):
+                out = await handler(messages(), ctx)  # type: ignore[call-arg,misc]
+            yield connect.encode_message(out)
+            yield connect.encode_end_stream()
+        except ConnectError as e:
+            yield connect.encode_end_stream(e)
+        except TimeoutError:
+            yield connect.encode_end_stream(ConnectError(Code.DEADLINE_EXCEEDED, "deadline exceeded"))
+        except HttpError as e:
+            yield connect.encode_end_stream(ConnectError(Code.INVALID_ARGUMENT, e.message))
+
+    # -- plain HTTP ------------------------------------------------------------
+
+    async def _http(self, head: RequestHead, body: BodyReader, auth_user: str | None) -> Response:
+        path = head.path
+        if path == "/health":
+            return Response(204)
+        if path == "/metrics":
+            return json_response(200, self.metrics.sample())
+        if path == "/envs":
+            return json_response(200, self.state.env_vars)
+        if path == "/init":
+            return await self._init(head, body)
+        if head.method in ("GET", "HEAD"):
+            return await files.download(head, self.state, auth_user)
+        return await files.upload(head, body, self.state, auth_user)
+
+    async def _init(self, head: RequestHead, body: BodyReader) -> Response:
+        raw = await body.read_all(1 << 20)
+        try:
+            req = json.loads(raw) if raw.strip() else {}
+        except ValueError as e:
+            return http_error(400, f"invalid JSON body: {e}")
+        if not isinstance(req, dict):
+            return http_error(400, "body must be a JSON object")
+        token = self.state.access_token
+        if token is not None:
+            given = head.header("x-access-token") or ""
+            body_token = req.get("accessToken") if isinstance(req.get("accessToken"), str) else ""
+            if not (hmac.compare_digest(given.encode(), token.encode())
+                    or hmac.compare_digest(body_token.encode(), token.encode())):
+                return http_error(401, "invalid access token")
+        env = req.get("envVars")
+        if env is not None:
+            if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+                return http_error(400, "envVars must be an object of strings")
+            self.state.env_vars.update(env)
+        for key, attr in (("defaultUser", "default_user"), ("defaultWorkdir", "default_workdir")):
+            value = req.get(key)
+            if value is not None:
+                if not isinstance(value, str):
+                    return http_error(400, f"{key} must be a string")
+                if value:
+                    setattr(self.state, attr, value)
+        if "accessToken" in req:
+            value = req["accessToken"]
+            if value is not None and not isinstance(value, str):
+                return http_error(400, "accessToken must be a string")
+            self.state.access_token = value or None
+        ts = req.get("timestamp")
+        if isinstance(ts, str) and self.state.sync_clock:
+            _sync_clock(ts)
+        return Response(204)
+
+
+def _code(wire: str) -> tuple[str, int]:
+    for c in Code:
+        if c.wire == wire:
+            return c.value
+    return Code.UNKNOWN.value
+
+
+def _keepalive(value: str | None) -> float | None:
+    try:
+        v = float(value) if value else None
+    except ValueError:
+        return None
+    return v if v and v > 0 else None
+
+
+def _sync_clock(ts: str) -> None:
+    """Set the guest clock from the host's timestamp when it drifted (resume
+    from a snapshot leaves the guest clock where the snapshot was taken)."""
+    try:
+        when = datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return
+    if abs(when - time.time()) > 1.0:
+        try:
+            time.clock_settime(time.CLOCK_REALTIME, when)
+        except OSError as e:
+            log.warning("cannot set the clock: %s", e)
