@@ -1,0 +1,399 @@
+"""BlockImage: a stack of committed layers (≤ 255) plus one writable upper
+layer, exported over NBD (implements nbd_server.BlockExport).
+
+Reads consult the upper layer's block map, then the flattened extent map of
+the committed stack (extent_map.py). Chunk bytes come from a small in-memory
+LRU, else from the store (node cache -> peers -> repository, single-flight per
+chunk in the NodeCache). Chunks of the image are pinned in the node cache
+while it is open.
+
+Writes are 4 KiB-granular: partial blocks are read-modify-written from below.
+``commit`` turns the upper layer into a new committed layer (only written
+blocks; zeroed blocks become zero runs) and continues on a fresh upper layer.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from aenv_store.ids import Digest
+from aenv_store.manifest import Extent, Manifest
+
+from .extent_map import ExtentMap
+from .layer import DISK_LAYER, MAX_LAYERS, ChunkSource, ImageError, coalesce, image_record, load_stack
+from .nbd_protocol import ExportInfo
+from .upper import ABSENT, BLOCK, DATA, ZERO, UpperLayer
+
+if TYPE_CHECKING:
+    from aenv_store.store import Store
+
+    from .prefetch import Prefetcher
+
+log = logging.getLogger(__name__)
+
+
+class ChunkMemory:
+    """A byte-bounded LRU of chunk contents shared by an image's readers, so
+    hot reads are answered on the event loop without touching the store."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._d: OrderedDict[Digest, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, cid: Digest) -> bytes | None:
+        # OrderedDict.move_to_end under a lock: this is called from the event
+        # loop and from pool threads at once.
+        with self._lock:
+            data = self._d.get(cid)
+            if data is not None:
+                self._d.move_to_end(cid)
+            return data
+
+    def __contains__(self, cid: Digest) -> bool:
+        return cid in self._d
+
+    def put(self, cid: Digest, data: bytes) -> None:
+        if len(data) > self.capacity:
+            return
+        with self._lock:
+            if cid in self._d:
+                return
+            self._d[cid] = data
+            self.used += len(data)
+            while self.used > self.capacity:
+                _, old = self._d.popitem(last=False)
+                self.used -= len(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self.used = 0
+
+
+@dataclass(frozen=True)
+class _View:
+    """What a read needs, swapped atomically on commit."""
+
+    layers: tuple[Manifest, ...]     # bottom first
+    map: ExtentMap
+    upper: UpperLayer | None
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    layer: Manifest
+    layer_id: Digest
+    extents: int
+    data_bytes: int
+    zero_bytes: int
+    seconds: float
+
+
+class BlockImage:
+    def __init__(self, name: str, store: "Store", layers: Sequence[Manifest], size: int,
+                 upper_dir: Path | None = None, memory_bytes: int = 64 << 20,
+                 chunk_size: int | None = None, fresh_upper: bool = False) -> None:
+        if len(layers) > MAX_LAYERS:
+            raise ImageError(f"image has {len(layers)} layers (max {MAX_LAYERS})")
+        self.name = name
+        self.store = store
+        self.source: ChunkSource = store
+        self.size = size
+        self.chunk_size = chunk_size or (layers[-1].chunk_size if layers else store.chunk_size)
+        self.memory = ChunkMemory(memory_bytes)
+        self.prefetcher: "Prefetcher | None" = None
+        self.on_chunk_read: list = []           # callbacks(cid) for trace recording
+        self._wlock = threading.RLock()
+        self._retired: list[UpperLayer] = []
+        self._pinned: set[Digest] = set()
+        flat = ExtentMap.from_layers(size, [m.extents for m in layers])
+        upper = None
+        if upper_dir is not None:
+            top = layers[-1].id if layers else None
+            upper = UpperLayer(upper_dir, size, top, create=fresh_upper or not (upper_dir / "upper.map").exists())
+        self._view = _View(tuple(layers), flat, upper)
+        self._pin(flat.chunks())
+        self._info = ExportInfo(name=name, size=size, read_only=upper is None,
+                                # every connection shares this object and flush covers all of it
+                                can_multi_conn=True, description=f"aenv image {name}")
+        self.closed = False
+
+    # --- opening -------------------------------------------------------
+    @classmethod
+    def open(cls, store: "Store", top: Digest | None, name: str, upper_dir: Path | None = None,
+             size: int | None = None, **kwargs: object) -> "BlockImage":
+        """An image whose top committed layer is ``top`` (None: an empty disk of ``size``)."""
+        layers = load_stack(store, top) if top is not None else []
+        if size is None:
+            if not layers:
+                raise ImageError("an image without layers needs a size")
+            size = layers[-1].size
+        return cls(name, store, layers, size, upper_dir, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def info(self) -> ExportInfo:
+        return self._info
+
+    @property
+    def layers(self) -> tuple[Manifest, ...]:
+        return self._view.layers
+
+    @property
+    def top(self) -> Digest | None:
+        layers = self._view.layers
+        return layers[-1].id if layers else None
+
+    @property
+    def extent_map(self) -> ExtentMap:
+        return self._view.map
+
+    @property
+    def upper(self) -> UpperLayer | None:
+        return self._view.upper
+
+    def _pin(self, chunks: set[Digest]) -> None:
+        new = chunks - self._pinned
+        if new:
+            self.store.cache.pin(new)
+            self._pinned |= new
+
+    # --- reads -----------------------------------------------------------
+    def read_nowait(self, offset: int, length: int) -> bytes | None:
+        return self._read(offset, length, nowait=True)
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = self._read(offset, length, nowait=False)
+        assert data is not None
+        return data
+
+    def _read(self, offset: int, length: int, nowait: bool) -> bytes | None:
+        view = self._view
+        end = min(offset + length, self.size)
+        if end <= offset:
+            return b""
+        if self.prefetcher is not None:
+            self.prefetcher.on_read(view.map, offset, end - offset)
+        up = view.upper
+        if up is not None:
+            b0, b1 = offset // BLOCK, (end + BLOCK - 1) // BLOCK
+            if up.states[b0:b1].any():
+                parts = []
+                for ro, rl, st in up.runs(b0, b1):
+                    lo, hi = max(ro, offset), min(ro + rl, end)
+                    if st == DATA:
+                        parts.append(up.read_data(lo, hi - lo))
+                    elif st == ZERO:
+                        parts.append(bytes(hi - lo))
+                    else:
+                        p = self._read_lower(view.map, lo, hi - lo, nowait)
+                        if p is None:
+                            return None
+                        parts.append(p)
+                return b"".join(parts)
+        return self._read_lower(view.map, offset, end - offset, nowait)
+
+    def _read_lower(self, m: ExtentMap, offset: int, length: int, nowait: bool) -> bytes | None:
+        pieces = m.lookup(offset, length)
+        out = []
+        for _pos, n, cid, coff in pieces:
+            if cid is None:
+                out.append(bytes(n))
+                continue
+            data = self.memory.get(cid)
+            if data is None:
+                if nowait:
+                    return None
+                data = self.fetch_chunk(cid)
+            out.append(data[coff:coff + n] if (coff or n != len(data)) else data)
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def fetch_chunk(self, cid: Digest) -> bytes:
+        """Chunk bytes via the memory LRU, else the store (may block on I/O)."""
+        data = self.memory.get(cid)
+        if data is None:
+            data = self.source.read_chunk(cid)
+            self.memory.put(cid, data)
+            for cb in self.on_chunk_read:
+                cb(cid)
+        return data
+
+    # --- writes ----------------------------------------------------------
+    def _upper(self) -> UpperLayer:
+        up = self._view.upper
+        if up is None:
+            raise PermissionError(f"image {self.name} is read-only")
+        return up
+
+    def _read_block(self, offset: int) -> bytes:
+        data = self.read(offset, min(BLOCK, self.size - offset))
+        return data + bytes(BLOCK - len(data)) if len(data) < BLOCK else data
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ValueError(f"range {offset}+{length} outside image of {self.size} bytes")
+
+    def write(self, offset: int, data: bytes, fua: bool = False) -> None:
+        self._check(offset, len(data))
+        if not data:
+            return
+        with self._wlock:
+            up = self._upper()
+            end = offset + len(data)
+            a0 = offset - offset % BLOCK
+            a1 = -(-end // BLOCK) * BLOCK
+            if a0 == offset and a1 == end:
+                up.write_blocks(offset, data)
+            else:
+                buf = bytearray(a1 - a0)
+                if offset != a0:
+                    buf[:BLOCK] = self._read_block(a0)
+                if end != a1 and not (offset != a0 and a1 - BLOCK == a0):
+                    buf[-BLOCK:] = self._read_block(a1 - BLOCK)
+                buf[offset - a0:end - a0] = data
+                up.write_blocks(a0, buf)
+            if fua:
+                up.flush()
+
+    def write_zeroes(self, offset: int, length: int, fua: bool = False) -> None:
+        self._check(offset, length)
+        with self._wlock:
+            up = self._upper()
+            end = offset + length
+            a0 = -(-offset // BLOCK) * BLOCK
+            a1 = end - end % BLOCK if end != self.size else -(-end // BLOCK) * BLOCK
+            if a1 <= a0:
+                self.write(offset, bytes(length))
+            else:
+                if offset < a0:
+                    self.write(offset, bytes(a0 - offset))
+                up.zero_blocks(a0, a1 - a0)
+                if end > a1:
+                    self.write(a1, bytes(end - a1))
+            if fua:
+                up.flush()
+
+    def trim(self, offset: int, length: int) -> None:
+        """Discard: whole 4 KiB blocks inside the range read as zeros afterwards;
+        partial blocks at the edges are left as they are (allowed by NBD)."""
+        self._check(offset, length)
+        with self._wlock:
+            up = self._upper()
+            end = offset + length
+            a0 = -(-offset // BLOCK) * BLOCK
+            a1 = end - end % BLOCK if end != self.size else -(-end // BLOCK) * BLOCK
+            if a1 > a0:
+                up.zero_blocks(a0, a1 - a0)
+
+    def flush(self) -> None:
+        up = self._view.upper
+        if up is not None:
+            up.flush()
+
+    # --- commit ----------------------------------------------------------
+    def commit(self, record_name: str | None = None, meta: dict[str, str] | None = None,
+               exclusive: bool = False) -> CommitInfo:
+        """Seal the upper layer as a new committed layer on top of the stack.
+
+        Only blocks the upper layer holds are read (data) or described (zero
+        runs); nothing below is touched. ``record_name`` (kind "image") is
+        created/updated to point at the new top, which also keeps it from gc.
+        """
+        t0 = time.perf_counter()
+        with self._wlock:
+            view = self._view
+            up = self._upper()
+            if len(view.layers) >= MAX_LAYERS:
+                raise ImageError(f"image {self.name} already has {MAX_LAYERS} layers: flatten it first")
+            cs = self.chunk_size
+            zero = bytes(cs)
+            extents: list[Extent] = []
+            fresh: list[tuple[Digest, bytes]] = []
+            data_bytes = 0
+            with self.store.workspace() as ws:
+                for ro, rl, st in up.runs(0, up.nblocks):
+                    if st == ABSENT:
+                        continue
+                    end = min(ro + rl, self.size)
+                    if st == ZERO:
+                        extents.append(Extent(ro, end - ro, None))
+                        continue
+                    pos = ro
+                    while pos < end:
+                        n = min(end, (pos // cs + 1) * cs) - pos
+                        data = up.read_data(pos, n)
+                        if data == zero[:n]:
+                            extents.append(Extent(pos, n, None))
+                        else:
+                            cid = ws.put_chunk(data)
+                            extents.append(Extent(pos, n, cid))
+                            fresh.append((cid, data))
+                            data_bytes += n
+                        pos += n
+                parent = view.layers[-1].id if view.layers else None
+                meta_t = tuple(sorted((meta or {}).items()))
+                layer = Manifest(DISK_LAYER, self.size, tuple(coalesce(extents)), parent=parent,
+                                 chunk_size=cs, meta=meta_t)
+                mid = ws.add_manifest(layer)
+                record = image_record(record_name, mid, meta, time.time()) if record_name else None
+                ws.commit(record, exclusive=exclusive)
+            # The sealed data is already verified plaintext here: seed the
+            # caches so reads after the commit do not go back to the repository.
+            for cid, data in fresh:
+                self.store.cache.put(cid, data)
+                self.memory.put(cid, data)
+            new_map = view.map.with_layer(layer.extents, len(view.layers))
+            self._pin({cid for cid, _ in fresh})
+            new_upper = UpperLayer(up.dir, self.size, mid, create=True)
+            new_upper.flush()
+            self._retired.append(up)   # readers holding the old view keep a valid fd
+            self._view = _View(view.layers + (layer,), new_map, new_upper)
+            zero_bytes = sum(e.length for e in layer.extents if e.chunk is None)
+            return CommitInfo(layer, mid, len(layer.extents), data_bytes, zero_bytes, time.perf_counter() - t0)
+
+    # --- lifecycle -------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        up = self._view.upper
+        if up is not None:
+            up.flush()
+            up.close()
+        for old in self._retired:
+            old.close()
+        if self._pinned:
+            self.store.cache.unpin(self._pinned)
+            self._pinned = set()
+        self.memory.clear()
+
+    def __enter__(self) -> "BlockImage":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def flatten_to(image: BlockImage, out: Path, block: int = 4 << 20) -> int:
+    """Write the image as a raw file (sparse where it reads zeros); returns bytes written."""
+    written = 0
+    zero = bytes(block)
+    with open(out, "wb") as f:
+        f.truncate(image.size)
+        for pos in range(0, image.size, block):
+            n = min(block, image.size - pos)
+            data = image.read(pos, n)
+            if data != zero[:n]:
+                f.seek(pos)
+                f.write(data)
+                written += n
+    return written
+
