@@ -1,0 +1,201 @@
+"""Index files (chunk id -> pack, offset, length, raw length) and the merged
+in-memory index.
+
+Byte layout: docs/store-format.md ("Index files"). The merged index is a
+numpy structured array sorted by the first 8 bytes of the chunk id (read as a
+big-endian u64, so the order equals the byte order of ids): loading ~1M
+entries is a few frombuffer/concatenate/argsort calls, no per-entry Python."""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Iterable
+
+import blake3
+import numpy as np
+
+from .errors import CorruptData
+from .ids import DIGEST_SIZE, Digest
+
+MAGIC = b"AENVINDX"
+VERSION = 1
+HEADER = struct.Struct("<8sIIII")   # magic, version, flags, pack count, entry count
+HEADER_SIZE = HEADER.size           # 24
+CHECKSUM_SIZE = 32
+
+# One on-disk entry (52 bytes, packed). The id is split so numpy can sort and
+# search on its first 8 bytes as a big-endian integer.
+ENTRY_DTYPE = np.dtype([
+    ("key", ">u8"), ("rest", "V24"),
+    ("pack", "<u4"), ("offset", "<u8"), ("length", "<u4"), ("raw_length", "<u4"),
+])
+assert ENTRY_DTYPE.itemsize == 52
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    chunk: Digest
+    pack: Digest
+    offset: int
+    length: int
+    raw_length: int
+
+
+def encode_index(entries: Iterable[IndexEntry]) -> bytes:
+    by_chunk: dict[bytes, IndexEntry] = {}
+    for e in entries:
+        by_chunk.setdefault(bytes(e.chunk), e)
+    packs = sorted({bytes(e.pack) for e in by_chunk.values()})
+    pack_no = {p: i for i, p in enumerate(packs)}
+    table = np.zeros(len(by_chunk), dtype=ENTRY_DTYPE)
+    ids = sorted(by_chunk)
+    if ids:
+        raw_ids = np.frombuffer(b"".join(ids), dtype=np.uint8).reshape(-1, DIGEST_SIZE)
+        table["key"] = raw_ids[:, :8].copy().view(">u8").reshape(-1)
+        table["rest"] = raw_ids[:, 8:].copy().view("V24").reshape(-1)
+        rows = [by_chunk[i] for i in ids]
+        table["pack"] = [pack_no[bytes(e.pack)] for e in rows]
+        table["offset"] = [e.offset for e in rows]
+        table["length"] = [e.length for e in rows]
+        table["raw_length"] = [e.raw_length for e in rows]
+    body = HEADER.pack(MAGIC, VERSION, 0, len(packs), len(ids)) + b"".join(packs) + table.tobytes()
+    return body + blake3.blake3(body).digest()
+
+
+@dataclass(frozen=True)
+class IndexFile:
+    packs: tuple[Digest, ...]
+    table: np.ndarray  # ENTRY_DTYPE, sorted by chunk id
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def entries(self) -> list[IndexEntry]:
+        return [_entry(row, self.packs) for row in self.table]
+
+
+def decode_index(data: bytes) -> IndexFile:
+    if len(data) < HEADER_SIZE + CHECKSUM_SIZE:
+        raise CorruptData("index file truncated")
+    body, checksum = data[:-CHECKSUM_SIZE], data[-CHECKSUM_SIZE:]
+    magic, version, flags, npacks, nentries = HEADER.unpack_from(body)
+    if magic != MAGIC:
+        raise CorruptData("not an aenv index file (bad magic)")
+    if version != VERSION:
+        raise CorruptData(f"unsupported index version {version}")
+    if flags != 0:
+        raise CorruptData(f"unknown index flags {flags:#x}")
+    expect = HEADER_SIZE + npacks * DIGEST_SIZE + nentries * ENTRY_DTYPE.itemsize
+    if len(body) != expect:
+        raise CorruptData(f"index file has {len(body)} bytes before its checksum, expected {expect}")
+    if blake3.blake3(body).digest() != checksum:
+        raise CorruptData("index file checksum mismatch")
+    raw_packs = body[HEADER_SIZE:HEADER_SIZE + npacks * DIGEST_SIZE]
+    packs = tuple(Digest(raw_packs[i:i + DIGEST_SIZE]) for i in range(0, len(raw_packs), DIGEST_SIZE))
+    if any(a >= b for a, b in zip(packs, packs[1:])):
+        raise CorruptData("index file: pack ids not strictly ascending")
+    table = np.frombuffer(body, dtype=ENTRY_DTYPE, offset=HEADER_SIZE + npacks * DIGEST_SIZE, count=nentries)
+    if nentries:
+        start = HEADER_SIZE + npacks * DIGEST_SIZE
+        raw = np.frombuffer(body, dtype=np.uint8, offset=start, count=nentries * ENTRY_DTYPE.itemsize)
+        if not _strictly_ascending(raw.reshape(nentries, ENTRY_DTYPE.itemsize)[:, :DIGEST_SIZE]):
+            raise CorruptData("index file: chunk ids not strictly ascending")
+        if (table["pack"] >= npacks).any():
+            raise CorruptData("index file: pack number out of range")
+        if ((table["length"] == 0) | (table["length"] > table["raw_length"])).any():
+            raise CorruptData("index file: bad chunk lengths")
+    return IndexFile(packs, table)
+
+
+def _strictly_ascending(ids: np.ndarray) -> bool:
+    """Rows of an (n, 32) uint8 matrix in strictly ascending byte order?"""
+    if len(ids) < 2:
+        return True
+    words = np.ascontiguousarray(ids).view(">u8")  # (n, 4) big-endian words keep byte order
+    a, b = words[:-1], words[1:]
+    differs = a != b
+    if not differs.any(axis=1).all():
+        return False
+    first = differs.argmax(axis=1)
+    rows = np.arange(len(a))
+    return bool((b[rows, first] > a[rows, first]).all())
+
+
+def _entry(row: np.void, packs: tuple[Digest, ...] | list[Digest]) -> IndexEntry:
+    chunk = Digest(int(row["key"]).to_bytes(8, "big") + bytes(row["rest"]))
+    return IndexEntry(chunk, packs[int(row["pack"])], int(row["offset"]), int(row["length"]), int(row["raw_length"]))
+
+
+class MergedIndex:
+    """All loaded index files merged: lookup by chunk id.
+
+    Entries added after load (this process's commits) go to a small dict
+    overlay; ``add_file`` folds whole index files into the numpy table."""
+
+    def __init__(self) -> None:
+        self._packs: list[Digest] = []
+        self._pack_no: dict[bytes, int] = {}
+        self._table = np.zeros(0, dtype=ENTRY_DTYPE)
+        self._keys = np.zeros(0, dtype=np.uint64)  # native copy of table["key"] for fast searchsorted
+        self._overlay: dict[bytes, IndexEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._table) + len(self._overlay)
+
+    @property
+    def packs(self) -> list[Digest]:
+        return list(self._packs)
+
+    def add_files(self, files: Iterable[IndexFile]) -> None:
+        tables = [self._table]
+        for f in files:
+            remap = np.array([self._intern(p) for p in f.packs], dtype=np.uint32)
+            t = f.table.copy()
+            if len(t):
+                t["pack"] = remap[t["pack"]]
+            tables.append(t)
+        merged = np.concatenate(tables)
+        keys = merged["key"].astype(np.uint64)
+        order = np.argsort(keys, kind="stable")
+        self._table = merged[order]
+        self._keys = keys[order]
+
+    def add_entries(self, entries: Iterable[IndexEntry]) -> None:
+        for e in entries:
+            self._intern(e.pack)
+            self._overlay.setdefault(bytes(e.chunk), e)
+
+    def _intern(self, pack: Digest) -> int:
+        raw = bytes(pack)
+        no = self._pack_no.get(raw)
+        if no is None:
+            no = len(self._packs)
+            self._packs.append(Digest(raw))
+            self._pack_no[raw] = no
+        return no
+
+    def lookup(self, chunk: bytes) -> IndexEntry | None:
+        hit = self._overlay.get(bytes(chunk))
+        if hit is not None:
+            return hit
+        table = self._table
+        if not len(table):
+            return None
+        key = int.from_bytes(chunk[:8], "big")
+        keys = self._keys
+        i = int(np.searchsorted(keys, np.uint64(key), side="left"))
+        rest = chunk[8:]
+        while i < len(table) and int(keys[i]) == key:
+            row = table[i]
+            if bytes(row["rest"]) == rest:
+                return _entry(row, self._packs)
+            i += 1
+        return None
+
+    def __contains__(self, chunk: bytes) -> bool:
+        return self.lookup(chunk) is not None
+
+    def entries(self) -> Iterable[IndexEntry]:
+        for row in self._table:
+            yield _entry(row, self._packs)
+        yield from self._overlay.values()

@@ -1,0 +1,359 @@
+"""The repository: packs, index files, manifests and catalog records on a Backend.
+
+Key layout and encodings: docs/store-format.md. This layer knows the formats
+and the merged index; it has no local state besides that index (the workspace
+and the node cache live elsewhere)."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import blake3
+import zstandard
+
+from . import pack as packfmt
+from .backends.base import Backend, ObjectInfo
+from .catalog import CatalogRecord, check_name
+from .errors import AlreadyExists, CorruptData, NotFound, RepositoryError
+from .ids import Digest
+from .index import IndexEntry, IndexFile, MergedIndex, decode_index, encode_index
+from .manifest import Manifest, check_chunk_size
+
+log = logging.getLogger(__name__)
+
+FORMAT = "aenv-repository"
+VERSION = 1
+CONFIG_KEY = "config"
+PACKS = "packs/"
+INDEX = "index/"
+MANIFESTS = "manifests/"
+CATALOG = "catalog/"
+LOCKS = "locks/"  # owned by aenv_store.locks
+
+
+def pack_key(pid: bytes) -> str:
+    h = bytes(pid).hex()
+    return f"{PACKS}{h[:2]}/{h}"
+
+
+def index_key(iid: bytes) -> str:
+    return f"{INDEX}{bytes(iid).hex()}"
+
+
+def manifest_key(mid: bytes) -> str:
+    h = bytes(mid).hex()
+    return f"{MANIFESTS}{h[:2]}/{h}"
+
+
+def catalog_key(name: str) -> str:
+    return CATALOG + check_name(name)
+
+
+def id_from_key(key: str) -> Digest | None:
+    """The id in a pack/index/manifest key, or None if the key is not one."""
+    try:
+        return Digest.from_hex(key.rsplit("/", 1)[-1])
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class RepoConfig:
+    id: str
+    chunk_size: int
+    created: float
+    version: int = VERSION
+
+    def encode(self) -> bytes:
+        return json.dumps({"format": FORMAT, "version": self.version, "id": self.id,
+                           "chunk_size": self.chunk_size, "created": self.created},
+                          sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, where: str) -> "RepoConfig":
+        try:
+            obj = json.loads(data)
+            if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+                raise ValueError("not an aenv repository config")
+            version = obj.get("version")
+            if version != VERSION:
+                raise RepositoryError(f"repository at {where} has format version {version!r}; "
+                                      f"this aenv reads version {VERSION}")
+            cfg = cls(id=str(obj["id"]), chunk_size=check_chunk_size(obj["chunk_size"]),
+                      created=float(obj["created"]))
+        except RepositoryError:
+            raise
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise RepositoryError(f"corrupt repository config at {where}: {e}") from None
+        return cfg
+
+
+@dataclass(frozen=True)
+class RepoStats:
+    packs: int
+    pack_bytes: int
+    index_files: int
+    index_entries: int
+    raw_bytes: int
+    manifests: int
+    records: int
+
+
+class Repository:
+    """Formats + merged index over one Backend. Thread-safe for reads."""
+
+    def __init__(self, backend: Backend, config: RepoConfig, where: str) -> None:
+        self.backend = backend
+        self.config = config
+        self.where = where
+        self.index = MergedIndex()
+        self._loaded_index: set[str] = set()
+        self.bad_index_files: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    @classmethod
+    def init(cls, backend: Backend, chunk_size: int, where: str) -> "Repository":
+        check_chunk_size(chunk_size)
+        config = RepoConfig(id=uuid.uuid4().hex, chunk_size=chunk_size, created=time.time())
+        try:
+            backend.create(CONFIG_KEY, config.encode())
+        except AlreadyExists:
+            raise RepositoryError(f"a repository already exists at {where}") from None
+        return cls(backend, config, where)
+
+    @classmethod
+    def open(cls, backend: Backend, where: str) -> "Repository":
+        try:
+            data = backend.get(CONFIG_KEY)
+        except NotFound:
+            raise RepositoryError(f"no repository at {where}; run `aenv repo init`") from None
+        repo = cls(backend, RepoConfig.decode(data, where), where)
+        repo.refresh_index()
+        return repo
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def writer_lock(self) -> AbstractContextManager[object]:
+        """Shared repository lock held by a workspace from staging to commit.
+
+        Hook for aenv_store.locks (verify/gc engineer): when that module provides
+        ``shared_lock(backend, owner)`` it is used; until then, no lock."""
+        try:
+            from . import locks  # type: ignore[attr-defined]
+        except ImportError:
+            return nullcontext()
+        factory = getattr(locks, "shared_lock", None)
+        if factory is None:
+            return nullcontext()
+        return factory(self.backend, f"workspace-{uuid.uuid4().hex[:8]}")
+
+    # -- index -------------------------------------------------------------------
+
+    def refresh_index(self) -> int:
+        """Load index files not loaded yet (e.g. written by other processes).
+        Corrupt ones are skipped and remembered in ``bad_index_files``."""
+        with self._lock:
+            files: list[IndexFile] = []
+            for info in self.backend.list(INDEX):
+                if info.key in self._loaded_index or info.key in self.bad_index_files:
+                    continue
+                try:
+                    data = self.backend.get(info.key)
+                    iid = id_from_key(info.key)
+                    if iid is None or blake3.blake3(data).digest() != iid:
+                        raise CorruptData("content does not match its name")
+                    files.append(decode_index(data))
+                except NotFound:
+                    continue
+                except CorruptData as e:
+                    log.warning("skipping index file %s: %s", info.key, e)
+                    self.bad_index_files[info.key] = str(e)
+                    continue
+                self._loaded_index.add(info.key)
+            if files:
+                self.index.add_files(files)
+            return len(files)
+
+    def lookup(self, chunk: bytes) -> IndexEntry | None:
+        return self.index.lookup(chunk)
+
+    def has_chunk(self, chunk: bytes) -> bool:
+        return self.index.lookup(chunk) is not None
+
+    def write_index(self, entries: list[IndexEntry]) -> Digest:
+        data = encode_index(entries)
+        iid = Digest.of(data)
+        self.backend.put(index_key(iid), data)
+        with self._lock:
+            self._loaded_index.add(index_key(iid))
+            self.index.add_entries(entries)
+        return iid
+
+    def rebuild_index(self) -> tuple[Digest | None, int]:
+        """Write one index file from the trailers of every pack, then delete the
+        index files that existed before. Returns (new index id, entries)."""
+        old = [info.key for info in self.backend.list(INDEX)]
+        entries: list[IndexEntry] = []
+        for info in self.list_packs():
+            pid = id_from_key(info.key)
+            if pid is None:
+                continue
+            try:
+                for e in self.read_pack_trailer(info):
+                    entries.append(IndexEntry(e.chunk, pid, e.offset, e.length, e.raw_length))
+            except (CorruptData, NotFound) as e:
+                log.warning("pack %s skipped in index rebuild: %s", info.key, e)
+        iid = None
+        if entries:
+            data = encode_index(entries)
+            iid = Digest.of(data)
+            self.backend.put(index_key(iid), data)
+        for key in old:
+            if iid is None or key != index_key(iid):
+                self.backend.delete(key)
+        with self._lock:
+            self.index = MergedIndex()
+            self._loaded_index.clear()
+            self.bad_index_files.clear()
+        self.refresh_index()
+        return iid, len(entries)
+
+    # -- packs -------------------------------------------------------------------
+
+    def list_packs(self) -> Iterator[ObjectInfo]:
+        return self.backend.list(PACKS)
+
+    def read_pack_trailer(self, info_or_id: ObjectInfo | bytes) -> list[packfmt.PackEntry]:
+        if isinstance(info_or_id, ObjectInfo):
+            key, size = info_or_id.key, info_or_id.size
+        else:
+            key = pack_key(info_or_id)
+            size = self.backend.stat(key).size
+        try:
+            return packfmt.read_trailer(lambda off, n: self.backend.get_range(key, off, n), size)
+        except CorruptData as e:
+            raise CorruptData(f"pack {key}: {e}") from None
+
+    def has_pack(self, pid: bytes) -> bool:
+        return self.backend.exists(pack_key(pid))
+
+    def read_chunk_entry(self, entry: IndexEntry, dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
+        """Plaintext of one indexed chunk, verified against its id."""
+        key = pack_key(entry.pack)
+        payload = self.backend.get_range(key, entry.offset, entry.length)
+        pe = packfmt.PackEntry(entry.chunk, entry.offset, entry.length, entry.raw_length)
+        try:
+            data = packfmt.decode_payload(payload, pe, dctx)
+        except CorruptData as e:
+            raise CorruptData(f"{e} (pack {entry.pack.hex()})") from None
+        if blake3.blake3(data).digest() != entry.chunk:
+            raise CorruptData(f"chunk {entry.chunk.hex()} in pack {entry.pack.hex()} at offset {entry.offset}: "
+                              "content does not match its id")
+        return data
+
+    def read_chunk(self, chunk: bytes, dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
+        entry = self.index.lookup(chunk)
+        if entry is None and self.refresh_index():
+            entry = self.index.lookup(chunk)
+        if entry is None:
+            raise NotFound(f"chunk {bytes(chunk).hex()} is not in the repository index")
+        return self.read_chunk_entry(entry, dctx)
+
+    # -- manifests ---------------------------------------------------------------
+
+    def put_manifest(self, manifest: Manifest) -> Digest:
+        data = manifest.encode()
+        mid = Digest.of(data)
+        key = manifest_key(mid)
+        if not self.backend.exists(key):
+            self.backend.put(key, data)
+        return mid
+
+    def has_manifest(self, mid: bytes) -> bool:
+        return self.backend.exists(manifest_key(mid))
+
+    def get_manifest(self, mid: bytes) -> Manifest:
+        try:
+            data = self.backend.get(manifest_key(mid))
+        except NotFound:
+            raise NotFound(f"manifest {bytes(mid).hex()} not found") from None
+        if blake3.blake3(data).digest() != mid:
+            raise CorruptData(f"manifest {bytes(mid).hex()}: content does not match its id")
+        return Manifest.decode(data)
+
+    def list_manifests(self) -> Iterator[Digest]:
+        for info in self.backend.list(MANIFESTS):
+            mid = id_from_key(info.key)
+            if mid is not None:
+                yield mid
+
+    # -- catalog -----------------------------------------------------------------
+
+    def put_record(self, record: CatalogRecord, exclusive: bool = True) -> None:
+        key = catalog_key(record.name)
+        if exclusive:
+            try:
+                self.backend.create(key, record.encode())
+            except AlreadyExists:
+                raise AlreadyExists(f"catalog record {record.name!r} already exists") from None
+        else:
+            self.backend.put(key, record.encode())
+
+    def get_record(self, name: str) -> CatalogRecord:
+        try:
+            data = self.backend.get(catalog_key(name))
+        except NotFound:
+            raise NotFound(f"no catalog record named {name!r}") from None
+        rec = CatalogRecord.decode(data)
+        if rec.name != name:
+            raise CorruptData(f"catalog record {name!r} holds a record named {rec.name!r}")
+        return rec
+
+    def list_record_names(self) -> list[str]:
+        return sorted(info.key[len(CATALOG):] for info in self.backend.list(CATALOG)
+                      if "/" not in info.key[len(CATALOG):])
+
+    def list_records(self, kind: str | None = None) -> list[CatalogRecord]:
+        out = []
+        for name in self.list_record_names():
+            try:
+                rec = self.get_record(name)
+            except NotFound:  # deleted while listing
+                continue
+            if kind is None or rec.kind == kind:
+                out.append(rec)
+        return out
+
+    def delete_record(self, name: str) -> None:
+        key = catalog_key(name)
+        if not self.backend.exists(key):
+            raise NotFound(f"no catalog record named {name!r}")
+        self.backend.delete(key)
+
+    # -- stats -------------------------------------------------------------------
+
+    def stats(self) -> RepoStats:
+        packs = list(self.list_packs())
+        entries = list(self.index.entries())
+        return RepoStats(
+            packs=len(packs), pack_bytes=sum(p.size for p in packs),
+            index_files=sum(1 for _ in self.backend.list(INDEX)),
+            index_entries=len({bytes(e.chunk) for e in entries}),
+            raw_bytes=sum({bytes(e.chunk): e.raw_length for e in entries}.values()),
+            manifests=sum(1 for _ in self.backend.list(MANIFESTS)),
+            records=len(self.list_record_names()),
+        )
+
+
+def iter_chunks_of(manifests: Iterable[Manifest]) -> Iterator[Digest]:
+    for m in manifests:
+        yield from m.chunks

@@ -1,0 +1,251 @@
+"""The Store facade: one node's view of the repository, its node cache and
+its builder workspaces. This is the API other layers code against
+(notes: store-api contract; formats: docs/store-format.md)."""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import zstandard
+
+from .backends.base import Backend
+from .backends.factory import open_backend_for, repository_path
+from .catalog import ALIAS, CatalogRecord
+from .config import StoreSettings
+from .errors import ConfigError, NotFound, RepositoryError, StoreError
+from .ids import Digest
+from .manifest import Extent, Manifest, check_chunk_size
+from .repository import Repository
+from .workspace import Workspace, clean_stale_workspaces
+
+log = logging.getLogger(__name__)
+
+MAX_ALIAS_DEPTH = 32
+READ_THREADS = 4  # chunk fetches of one large read overlap I/O, zstd and BLAKE3 (both drop the GIL)
+
+
+def _open_cache(settings: StoreSettings) -> Any:
+    try:
+        from .cache import NodeCache
+    except ImportError:  # the node cache module is optional for the core to work
+        return None
+    path = Path(settings.cache.path).expanduser() if settings.cache.path else settings.paths.cache
+    return NodeCache(path, settings.cache)
+
+
+def describe_location(settings: StoreSettings) -> str:
+    cfg = settings.repository
+    if cfg.backend == "posix_fs":
+        return str(repository_path(cfg, settings.paths.data_dir))
+    return f"{cfg.backend}://{cfg.bucket}/{cfg.prefix}".rstrip("/")
+
+
+class Store:
+    """Repository + node cache + workspace root of one node. Thread-safe reads."""
+
+    def __init__(self, settings: StoreSettings, backend: Backend, repository: Repository, cache: Any) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.repository = repository
+        self.cache = cache
+        # New artifacts use the repository's chunk size (fixed at `aenv repo init`).
+        self.chunk_size = repository.config.chunk_size
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def open(cls, settings: StoreSettings, create: bool = False) -> "Store":
+        """Open the configured repository (``create``: initialise it if missing).
+        RepositoryError if it is missing, corrupt or of an unknown version."""
+        try:
+            check_chunk_size(settings.store.chunk_size)
+        except ValueError as e:
+            raise ConfigError(f"store.chunk_size: {e}") from None
+        if settings.store.compression_level not in range(-7, 23):
+            raise ConfigError(f"store.compression_level must be in 1..19, got {settings.store.compression_level}")
+        if settings.store.pack_target_size < 1 << 20:
+            raise ConfigError("store.pack_target_size must be at least 1 MiB")
+        where = describe_location(settings)
+        backend = open_backend_for(settings)
+        try:
+            try:
+                repo = Repository.open(backend, where)
+            except RepositoryError:
+                if not create or backend.exists("config"):
+                    raise
+                repo = Repository.init(backend, settings.store.chunk_size, where)
+            clean_stale_workspaces(settings.paths.workspace)
+            cleanup = getattr(backend, "cleanup_tmp", None)
+            if cleanup is not None:
+                cleanup()
+            cache = _open_cache(settings)
+        except BaseException:
+            backend.close()
+            raise
+        return cls(settings, backend, repo, cache)
+
+    @classmethod
+    def init(cls, settings: StoreSettings) -> "Store":
+        """Create a new repository (RepositoryError if one exists) and open it."""
+        try:
+            check_chunk_size(settings.store.chunk_size)
+        except ValueError as e:
+            raise ConfigError(f"store.chunk_size: {e}") from None
+        backend = open_backend_for(settings)
+        try:
+            Repository.init(backend, settings.store.chunk_size, describe_location(settings))
+        finally:
+            backend.close()
+        return cls.open(settings)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.cache is not None:
+            self.cache.close()
+        self.repository.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ---------------------------------------------------------------------
+
+    def workspace(self, chunk_size: int | None = None) -> Workspace:
+        """A new staging area under <data-dir>/workspace/<uuid>."""
+        return Workspace(self.settings.paths.workspace, self.repository, self.settings.store,
+                         self.read_chunk, chunk_size or self.chunk_size)
+
+    # -- reading ---------------------------------------------------------------------
+
+    def _dctx(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._local, "dctx", None)
+        if d is None:
+            d = self._local.dctx = zstandard.ZstdDecompressor()
+        return d
+
+    def fetch_chunk(self, cid: Digest) -> bytes:
+        """A chunk straight from the repository (range read of exactly its bytes),
+        decompressed and verified against its id; no cache."""
+        return self.repository.read_chunk(cid, self._dctx())
+
+    def read_chunk(self, cid: Digest) -> bytes:
+        """Plaintext of one chunk: node cache -> repository; verified (CorruptData)."""
+        if self.cache is None:
+            return self.fetch_chunk(cid)
+        return self.cache.get_or_fetch(cid, lambda: self.fetch_chunk(cid))
+
+    def read_chunks(self, cids: list[Digest]) -> list[bytes]:
+        """Several chunks, fetched concurrently when there are more than one."""
+        if len(cids) <= 1:
+            return [self.read_chunk(c) for c in cids]
+        return list(self._read_pool().map(self.read_chunk, cids))
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="aenv-store-read")
+            return self._pool
+
+    def load_manifest(self, mid: Digest) -> Manifest:
+        return self.repository.get_manifest(mid)
+
+    def open_blob(self, mid: Digest | Manifest) -> "BlobReader":
+        manifest = mid if isinstance(mid, Manifest) else self.load_manifest(mid)
+        return BlobReader(self, manifest)
+
+    # -- catalog ---------------------------------------------------------------------
+
+    def get_record(self, name: str) -> CatalogRecord:
+        return self.repository.get_record(name)
+
+    def resolve(self, name: str) -> CatalogRecord:
+        seen = []
+        rec = self.get_record(name)
+        while rec.kind == ALIAS:
+            seen.append(rec.name)
+            if len(seen) > MAX_ALIAS_DEPTH or rec.target in seen:
+                raise StoreError(f"alias loop resolving {name!r}: {' -> '.join(seen + [str(rec.target)])}")
+            assert rec.target is not None
+            rec = self.get_record(rec.target)
+        return rec
+
+    def list_records(self, kind: str | None = None) -> list[CatalogRecord]:
+        return self.repository.list_records(kind)
+
+    def put_record(self, record: CatalogRecord, exclusive: bool = True) -> None:
+        """Write a record whose manifests are already committed (e.g. an alias)."""
+        for role, mid in record.manifests:
+            if not self.repository.has_manifest(mid):
+                raise NotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
+        self.repository.put_record(record, exclusive)
+
+    def delete_record(self, name: str) -> None:
+        self.repository.delete_record(name)
+
+
+class BlobReader:
+    """Random-access reads over one manifest (whole artifact or a delta)."""
+
+    def __init__(self, store: Store, manifest: Manifest) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.size = manifest.size
+        self._pinned = False
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length) clipped at the size; zero extents read as
+        zeros. In a delta manifest, a gap raises NotFound (the caller resolves it
+        from the parent); in a full manifest a gap reads as zeros."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"negative offset/length ({offset}, {length})")
+        end = min(offset + length, self.size)
+        if offset >= end:
+            return b""
+        extents = self.manifest.extents_in(offset, end - offset)
+        datas = self.store.read_chunks([e.chunk for e in extents if e.chunk is not None])
+        out = bytearray(end - offset)
+        pos = offset
+        di = 0
+        for e in extents:
+            if e.offset > pos:
+                self._gap(pos, e.offset)
+            a, b = max(e.offset, offset), min(e.end, end)
+            if e.chunk is not None:
+                data = datas[di]
+                di += 1
+                if len(data) != e.length:
+                    raise StoreError(f"chunk {e.chunk.hex()} has {len(data)} bytes, extent wants {e.length}")
+                out[a - offset:b - offset] = memoryview(data)[a - e.offset:b - e.offset]
+            pos = b
+        if pos < end:
+            self._gap(pos, end)
+        return bytes(out)
+
+    def _gap(self, a: int, b: int) -> None:
+        if self.manifest.parent is not None:
+            raise NotFound(f"range [{a}, {b}) is not in delta manifest {self.manifest.id.short()} "
+                           f"(read it from parent {self.manifest.parent.short()})")
+
+    def extents(self) -> tuple[Extent, ...]:
+        return self.manifest.extents
+
+    def pin(self) -> None:
+        if self.store.cache is not None and not self._pinned:
+            self.store.cache.pin(set(self.manifest.chunks))
+            self._pinned = True
+
+    def unpin(self) -> None:
+        if self.store.cache is not None and self._pinned:
+            self.store.cache.unpin(set(self.manifest.chunks))
+            self._pinned = False

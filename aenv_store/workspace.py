@@ -1,0 +1,460 @@
+"""Builder workspace: a local staging area where artifacts are written before
+they exist anywhere else, then published by ``commit()``.
+
+Layout of ``<data-dir>/workspace/<uuid>/``: ``lock`` (flock held while the
+workspace is alive, so a killed owner's directory is recognisably stale),
+``pack-<n>`` (packs being written, sequentially), ``blob-<n>.scratch`` (sparse
+files holding partially written chunks of random-access writers). Nothing in
+the repository changes before ``commit()``; commit order and crash safety:
+docs/store-format.md."""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import time
+import uuid
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import blake3
+import zstandard
+
+from . import pack as packfmt
+from .catalog import CatalogRecord
+from .chunker import add_range, merge_zero_runs, pieces, zero_digest
+from .config import StoreConfig
+from .durable import write_all
+from .errors import AlreadyExists, NotFound, StoreError
+from .ids import Digest
+from .index import IndexEntry
+from .manifest import BLOB, Extent, Manifest, check_chunk_size
+from .repository import Repository, pack_key
+
+log = logging.getLogger(__name__)
+
+STALE_UNLOCKED_AGE = 3600.0  # a workspace dir without a lock file is stale after this long
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    manifests: tuple[Digest, ...]
+    packs_added: int
+    bytes_added: int
+    chunks_added: int
+    chunks_deduped: int
+
+
+@dataclass
+class _StagedPack:
+    path: Path
+    writer: packfmt.PackWriter | None  # None once finished
+    pack_id: Digest | None = None
+
+
+def clean_stale_workspaces(root: Path) -> int:
+    """Remove workspace dirs whose owner is gone (lock not held). Returns how many."""
+    if not root.is_dir():
+        return 0
+    removed = 0
+    for d in root.iterdir():
+        if not d.is_dir():
+            continue
+        lock = d / "lock"
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:
+            # being created (dot name) or a crash before the lock existed
+            try:
+                if time.time() - d.stat().st_mtime > STALE_UNLOCKED_AGE:
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+            removed += 1
+        finally:
+            os.close(fd)
+    return removed
+
+
+class Workspace(AbstractContextManager["Workspace"]):
+    """Stages chunks into local packs and manifests; ``commit()`` publishes them."""
+
+    def __init__(self, root: Path, repository: Repository, config: StoreConfig,
+                 read_committed: Callable[[Digest], bytes], chunk_size: int | None = None) -> None:
+        self.repository = repository
+        self.config = config
+        self.chunk_size = check_chunk_size(chunk_size or config.chunk_size)
+        self._read_committed = read_committed
+        root.mkdir(parents=True, exist_ok=True)
+        self.id = uuid.uuid4().hex
+        # Create under a dot name, lock, then rename: a cleaner never sees an unlocked new dir.
+        tmp = root / f".new-{self.id}"
+        tmp.mkdir()
+        self._lock_fd = os.open(tmp / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.path = root / self.id
+        os.rename(tmp, self.path)
+        self._repo_lock = repository.writer_lock()
+        self._repo_lock.__enter__()
+        self._cctx = zstandard.ZstdCompressor(level=config.compression_level)
+        self._dctx = zstandard.ZstdDecompressor()
+        self._packs: list[_StagedPack] = []
+        self._current: packfmt.PackWriter | None = None
+        self._staged: dict[bytes, tuple[int, packfmt.PackEntry]] = {}
+        self._manifests: dict[bytes, Manifest] = {}
+        self._writers: set[BlobWriter] = set()
+        self._blob_no = 0
+        self._published = False
+        self.state = "open"  # open | committed | aborted
+        self.chunks_added = 0
+        self.chunks_deduped = 0
+        self.bytes_added = 0
+
+    def __repr__(self) -> str:
+        return f"Workspace({self.id}, {self.state})"
+
+    # -- staging -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.state != "open":
+            raise StoreError(f"workspace {self.id} is {self.state}")
+
+    def stage(self, data: bytes | memoryview) -> Digest | None:
+        """Stage one chunk's plaintext; None if it is all zeros (never stored).
+        Dedups against the repository index and this workspace."""
+        self._check_open()
+        n = len(data)
+        if n == 0:
+            raise ValueError("empty chunk")
+        raw = blake3.blake3(data).digest()
+        if raw == zero_digest(n):
+            return None
+        if raw in self._staged or self.repository.index.lookup(raw) is not None:
+            self.chunks_deduped += 1
+            return Digest(raw)
+        cid = Digest(raw)
+        payload = packfmt.encode_payload(data, self._cctx)
+        if self._current is None:
+            path = self.path / f"pack-{len(self._packs)}"
+            self._current = packfmt.PackWriter(path)
+            self._packs.append(_StagedPack(path, self._current))
+        entry = self._current.add(cid, payload, n)
+        self._staged[raw] = (len(self._packs) - 1, entry)
+        self.chunks_added += 1
+        self.bytes_added += len(payload)
+        if self._current.payload_bytes >= self.config.pack_target_size:
+            self._finish_pack()
+        return cid
+
+    def put_chunk(self, data: bytes) -> Digest:
+        """Stage one chunk and return its id. All-zero data is not stored: use a
+        zero extent for it in manifests (``is_zero_chunk`` tells)."""
+        cid = self.stage(data)
+        return cid if cid is not None else Digest(zero_digest(len(data)))
+
+    def _finish_pack(self) -> None:
+        if self._current is None:
+            return
+        staged = self._packs[-1]
+        staged.pack_id = self._current.finish()
+        staged.writer = None
+        self._current = None
+
+    def has_chunk(self, chunk: bytes) -> bool:
+        return bytes(chunk) in self._staged or self.repository.has_chunk(chunk)
+
+    def read_chunk(self, chunk: Digest) -> bytes:
+        """Plaintext of a staged or committed chunk (for read-modify-write)."""
+        hit = self._staged.get(bytes(chunk))
+        if hit is None:
+            return self._read_committed(chunk)
+        pack_no, entry = hit
+        staged = self._packs[pack_no]
+        if staged.writer is not None:
+            payload = staged.writer.read_payload(entry)
+        else:
+            with open(staged.path, "rb") as f:
+                f.seek(entry.offset)
+                payload = f.read(entry.length)
+        return packfmt.decode_payload(payload, entry, self._dctx)
+
+    def blob_writer(self, media_type: str = BLOB, size: int | None = None, parent: Digest | None = None,
+                    meta: dict[str, str] | None = None, chunk_size: int | None = None) -> "BlobWriter":
+        self._check_open()
+        w = BlobWriter(self, media_type, size, parent, meta or {}, check_chunk_size(chunk_size or self.chunk_size),
+                       self.path / f"blob-{self._blob_no}.scratch")
+        self._blob_no += 1
+        self._writers.add(w)
+        return w
+
+    def add_manifest(self, manifest: Manifest) -> Digest:
+        """Stage a manifest; its chunks and parent must be staged here or committed."""
+        self._check_open()
+        for e in manifest.extents:
+            if e.chunk is not None and not self.has_chunk(e.chunk):
+                if bytes(e.chunk) == zero_digest(e.length):
+                    raise ValueError(f"extent at {e.offset} references the all-zero chunk: use a zero extent")
+                raise NotFound(f"manifest references chunk {e.chunk.hex()} that is neither staged nor committed")
+        if manifest.parent is not None and bytes(manifest.parent) not in self._manifests \
+                and not self.repository.has_manifest(manifest.parent):
+            raise NotFound(f"parent manifest {manifest.parent.hex()} is neither staged nor committed")
+        mid = manifest.id
+        self._manifests.setdefault(bytes(mid), manifest)
+        return mid
+
+    def staged_manifest(self, mid: bytes) -> Manifest | None:
+        return self._manifests.get(bytes(mid))
+
+    # -- commit / abort ----------------------------------------------------------
+
+    def commit(self, record: CatalogRecord | None = None, exclusive: bool = True) -> CommitResult:
+        """Publish: packs -> index -> manifests -> catalog record, each durable."""
+        self._check_open()
+        if self._writers:
+            raise StoreError(f"{len(self._writers)} blob writer(s) still open: close them before commit")
+        repo = self.repository
+        if record is not None:
+            for role, mid in record.manifests:
+                if bytes(mid) not in self._manifests and not repo.has_manifest(mid):
+                    raise NotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
+            if exclusive and repo.backend.exists(f"catalog/{record.name}"):
+                # fail before uploading anything; create() below stays the real arbiter
+                raise AlreadyExists(f"catalog record {record.name!r} already exists")
+        packs_added = 0
+        if not self._published:
+            self._finish_pack()
+            entries: list[IndexEntry] = []
+            for staged in self._packs:
+                assert staged.pack_id is not None
+                if not repo.has_pack(staged.pack_id):
+                    repo.backend.put_file(pack_key(staged.pack_id), staged.path)
+                    packs_added += 1
+            for raw, (pack_no, e) in self._staged.items():
+                pid = self._packs[pack_no].pack_id
+                assert pid is not None
+                entries.append(IndexEntry(e.chunk, pid, e.offset, e.length, e.raw_length))
+            if entries:
+                repo.write_index(entries)
+            for m in self._manifests.values():
+                repo.put_manifest(m)
+            self._published = True
+        if record is not None:
+            repo.put_record(record, exclusive=exclusive)
+        result = CommitResult(
+            manifests=tuple(Digest(m) for m in self._manifests),
+            packs_added=packs_added, bytes_added=self.bytes_added,
+            chunks_added=self.chunks_added, chunks_deduped=self.chunks_deduped,
+        )
+        self._close("committed")
+        return result
+
+    def abort(self) -> None:
+        if self.state == "open":
+            self._close("aborted")
+
+    def _close(self, state: str) -> None:
+        for w in list(self._writers):
+            w._discard()
+        self._writers.clear()
+        for staged in self._packs:
+            if staged.writer is not None:
+                staged.writer.discard()
+        self._current = None
+        self.state = state
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self._repo_lock.__exit__(None, None, None)
+        finally:
+            os.close(self._lock_fd)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        if getattr(self, "state", None) == "open":
+            try:
+                self.abort()
+            except Exception:  # interpreter shutdown: the next open cleans the dir
+                pass
+
+
+def is_zero_chunk(data: bytes | memoryview) -> bool:
+    return blake3.blake3(data).digest() == zero_digest(len(data))
+
+
+class BlobWriter:
+    """Streaming writer of one artifact. Whole aligned chunks are staged as
+    they arrive; partial chunks wait in a sparse scratch file on local disk
+    (read-modify-write), so memory stays bounded by one chunk.
+
+    Full blob (no parent): unwritten ranges read as zeros. Delta (parent set):
+    unwritten ranges are gaps (taken from the parent); ``write_zeros`` marks
+    explicit zeros that mask the parent."""
+
+    def __init__(self, ws: Workspace, media_type: str, size: int | None, parent: Digest | None,
+                 meta: dict[str, str], chunk_size: int, scratch: Path) -> None:
+        if size is not None and size < 0:
+            raise ValueError(f"negative size {size}")
+        self.ws = ws
+        self.media_type = media_type
+        self.fixed_size = size
+        self.parent = parent
+        self.meta = tuple(sorted((str(k), str(v)) for k, v in meta.items()))
+        self.chunk_size = chunk_size
+        self._scratch_path = scratch
+        self._scratch_fd: int | None = None
+        self._done: dict[int, tuple[Digest | None, int]] = {}     # sealed chunk -> (id or None=zeros, length)
+        self._partial: dict[int, list[tuple[int, int]]] = {}     # chunk -> written [a, b) within it
+        self._end = 0
+        self.closed = False
+        # check the manifest fields now, not after streaming gigabytes
+        Manifest(media_type, size or 0, (), parent, chunk_size, self.meta)
+
+    @property
+    def size(self) -> int:
+        return self.fixed_size if self.fixed_size is not None else self._end
+
+    def _chunk_len(self, k: int) -> int:
+        if self.fixed_size is None:
+            return self.chunk_size
+        return min(self.chunk_size, self.fixed_size - k * self.chunk_size)
+
+    def _check(self, offset: int, length: int) -> None:
+        if self.closed:
+            raise StoreError("blob writer is closed")
+        self.ws._check_open()
+        if offset < 0 or length < 0:
+            raise ValueError(f"negative offset/length ({offset}, {length})")
+        if self.fixed_size is not None and offset + length > self.fixed_size:
+            raise ValueError(f"write [{offset}, {offset + length}) beyond blob size {self.fixed_size}")
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" \
+            else data
+        self._check(offset, len(mv))
+        i = 0
+        cs = self.chunk_size
+        for k, within, n in pieces(offset, len(mv), cs):
+            piece = mv[i:i + n]
+            i += n
+            if within == 0 and n == self._chunk_len(k):
+                self._partial.pop(k, None)
+                self._done[k] = (self.ws.stage(piece), n)
+            else:
+                self._write_partial(k, within, piece)
+        self._end = max(self._end, offset + len(mv))
+
+    def append(self, data: bytes | bytearray | memoryview) -> None:
+        self.write(self._end, data)
+
+    def write_zeros(self, offset: int, length: int) -> None:
+        self._check(offset, length)
+        for k, within, n in pieces(offset, length, self.chunk_size):
+            if within == 0 and n == self._chunk_len(k):
+                self._partial.pop(k, None)
+                self._done[k] = (None, n)
+            else:
+                self._write_partial(k, within, bytes(n))
+        self._end = max(self._end, offset + length)
+
+    def _scratch(self) -> int:
+        if self._scratch_fd is None:
+            self._scratch_fd = os.open(self._scratch_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        return self._scratch_fd
+
+    def _pwrite(self, data: bytes | memoryview, pos: int) -> None:
+        fd = self._scratch()
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, pos)
+            view, pos = view[n:], pos + n
+
+    def _pread(self, pos: int, length: int) -> bytes:
+        data = os.pread(self._scratch(), length, pos)
+        if len(data) < length:  # a hole at the end of the sparse file
+            data += bytes(length - len(data))
+        return data
+
+    def _write_partial(self, k: int, within: int, piece: bytes | memoryview) -> None:
+        base = k * self.chunk_size
+        if k in self._done:
+            # read-modify-write of a sealed chunk: bring its bytes back to scratch
+            cid, length = self._done.pop(k)
+            self._pwrite(bytes(length) if cid is None else self.ws.read_chunk(cid), base)
+            self._partial[k] = [(0, length)]
+        self._pwrite(piece, base + within)
+        ranges = add_range(self._partial.get(k, []), within, within + len(piece))
+        full = self._chunk_len(k)
+        if ranges == [(0, full)]:  # the chunk is complete: stage it now, keep scratch small
+            self._partial.pop(k, None)
+            self._done[k] = (self.ws.stage(self._pread(base, full)), full)
+        else:
+            self._partial[k] = ranges
+
+    def close(self) -> Digest:
+        """Seal the remaining partial chunks, stage the manifest, return its id."""
+        if self.closed:
+            raise StoreError("blob writer is closed")
+        self.ws._check_open()
+        size = self.size
+        cs = self.chunk_size
+        delta = self.parent is not None
+        extents: list[Extent] = []
+        for k in sorted(set(self._done) | set(self._partial)):
+            base = k * cs
+            if k in self._done:
+                cid, length = self._done[k]
+                extents.append(Extent(base, length, cid))
+            elif delta:
+                for a, b in self._partial[k]:
+                    extents.append(Extent(base + a, b - a, self.ws.stage(self._pread(base + a, b - a))))
+            else:
+                length = min(cs, size - base)
+                extents.append(Extent(base, length, self.ws.stage(self._pread(base, length))))
+        if not delta:
+            # full blob: everything not written is zeros
+            filled: list[Extent] = []
+            pos = 0
+            for e in extents:
+                if e.offset > pos:
+                    filled.append(Extent(pos, e.offset - pos, None))
+                filled.append(e)
+                pos = e.end
+            if pos < size:
+                filled.append(Extent(pos, size - pos, None))
+            extents = filled
+        manifest = Manifest(self.media_type, size, tuple(merge_zero_runs(extents)), self.parent, cs, self.meta)
+        mid = self.ws.add_manifest(manifest)
+        self._discard()
+        return mid
+
+    def _discard(self) -> None:
+        self.closed = True
+        self.ws._writers.discard(self)
+        if self._scratch_fd is not None:
+            os.close(self._scratch_fd)
+            self._scratch_fd = None
+            self._scratch_path.unlink(missing_ok=True)
+        self._done.clear()
+        self._partial.clear()
+
+    def __enter__(self) -> "BlobWriter":
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None and not self.closed:
+            self.close()
+        elif not self.closed:
+            self._discard()
