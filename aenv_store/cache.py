@@ -53,6 +53,7 @@ TOUCH_INTERVAL = 1.0    # seconds: queued touches/counters are flushed at least 
 # opens the directory in agreement (a per-capacity value would force MDB_MAP_RESIZED dances).
 MAP_SIZE = 32 << 30
 MAX_READERS = 1024
+OPEN_COUNT = b"open_count"
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,9 @@ class NodeCache:
                 try:
                     if first:
                         self._first_open()
+                    with self._env.begin(write=True) as txn:
+                        # users that have not closed cleanly; a crashed one keeps this above zero
+                        self._db.add_u64(txn, OPEN_COUNT, 1)
                     self._users.shared()  # EX -> SH while the gate keeps others out
                 except BaseException:
                     self._env.close()
@@ -226,6 +230,7 @@ class NodeCache:
         with self._env.begin(write=True) as txn:
             self._db.clear_pins(txn)  # pins belong to live users; there are none
             self._db.set_meta(txn, b"clean", b"0")
+            self._db.set_u64(txn, OPEN_COUNT, 0)
             self._db.set_meta(txn, b"boot_id", boot)
             self._make_room(txn, 0, evicted)  # the capacity may have been lowered
         self._unlink_all(evicted)
@@ -271,16 +276,17 @@ class NodeCache:
         try:
             self._flush()
             with self._lock:
-                mine, self._my_pins = self._my_pins, Counter()
-            if mine:
-                with self._env.begin(write=True) as txn:
-                    for digest, n in mine.items():
-                        self._db.add_pin(txn, digest, -n)
+                    mine, self._my_pins = self._my_pins, Counter()
             gate = FileLock(self.path / "gate.lock")
             try:
                 gate.exclusive()
-                if self._users.exclusive(blocking=False):
-                    with self._env.begin(write=True) as txn:
+                with self._env.begin(write=True) as txn:
+                    for digest, n in mine.items():
+                        self._db.add_pin(txn, digest, -n)
+                    self._db.add_u64(txn, OPEN_COUNT, -1)
+                    # Clean only if we are the last user and every other user closed properly:
+                    # a user that crashed may have left orphan files or stale entries.
+                    if self._users.exclusive(blocking=False) and self._db.get_u64(txn, OPEN_COUNT) == 0:
                         self._db.set_meta(txn, b"clean", b"1")
                 self._env.sync(True)
                 self._env.close()

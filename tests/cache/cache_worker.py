@@ -1,0 +1,91 @@
+"""A separate process using a node cache directory, driven by the cache tests.
+
+    cache_worker.py fetch DIR CAPACITY HEX_SEED LOGFILE THREADS
+        print "ready", wait for a line on stdin, then THREADS threads call
+        get_or_fetch on one digest; the fetch appends a line to LOGFILE and
+        sleeps so that the others pile up. Prints "ok" if every thread got the data.
+    cache_worker.py churn DIR CAPACITY SEED
+        print "ready", then put/get/pin/unpin random chunks forever (until killed).
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import blake3
+
+from aenv_store.cache import NodeCache
+from aenv_store.config import CacheConfig
+from aenv_store.ids import Digest
+
+
+def chunk(seed: int, size: int) -> bytes:
+    """Deterministic content: any process can recompute and check it."""
+    return blake3.blake3(seed.to_bytes(8, "little")).digest(length=size)
+
+
+def fetch_mode(cache: NodeCache, seed: int, logfile: str, threads: int) -> int:
+    data = chunk(seed, 65536)
+    digest = Digest.of(data)
+
+    def fetch() -> bytes:
+        with open(logfile, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.5)
+        return data
+
+    results: list[bytes] = []
+    print("ready", flush=True)
+    sys.stdin.readline()
+    workers = [threading.Thread(target=lambda: results.append(cache.get_or_fetch(digest, fetch)))
+               for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    ok = len(results) == threads and all(r == data for r in results)
+    print("ok" if ok else "bad", flush=True)
+    return 0 if ok else 1
+
+
+def churn_mode(cache: NodeCache, seed: int) -> int:
+    rng = random.Random(seed)
+    pinned: list[Digest] = []
+    print("ready", flush=True)
+    while True:
+        op = rng.random()
+        n = rng.randrange(200)
+        size = rng.choice((4096, 16384, 65536, rng.randrange(1, 65536)))
+        data = chunk(n * 1000 + size % 997, size)
+        digest = Digest.of(data)
+        if op < 0.6:
+            cache.put(digest, data)
+        elif op < 0.8:
+            got = cache.get(digest)
+            assert got is None or got == data
+        elif op < 0.9:
+            cache.get_or_fetch(digest, lambda: data)
+        elif op < 0.95 or not pinned:
+            cache.pin([digest])
+            pinned.append(digest)
+        else:
+            cache.unpin([pinned.pop(rng.randrange(len(pinned)))])
+
+
+def main(argv: list[str]) -> int:
+    mode, directory, capacity = argv[0], Path(argv[1]), int(argv[2])
+    cache = NodeCache(directory, CacheConfig(capacity=capacity, min_free_disk=0))
+    try:
+        if mode == "fetch":
+            return fetch_mode(cache, int(argv[3]), argv[4], int(argv[5]))
+        return churn_mode(cache, int(argv[3]))
+    finally:
+        cache.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,237 @@
+"""Node cache behaviour in one process: round trip, LRU order, pins, integrity,
+persistence across reopen, the free-disk floor, configuration errors."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import blake3
+import pytest
+
+from aenv_store.cache import NodeCache
+from aenv_store.config import CacheConfig
+from aenv_store.errors import ConfigError, StoreError
+from aenv_store.ids import Digest
+
+S = 65536
+
+
+def chunk(seed: int, size: int) -> bytes:
+    """Deterministic content (the same function as tests/cache/cache_worker.py)."""
+    return blake3.blake3(seed.to_bytes(8, "little")).digest(length=size)
+
+
+def cfg(capacity: int, **kw: object) -> CacheConfig:
+    kw.setdefault("min_free_disk", 0)
+    return CacheConfig(capacity=capacity, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[NodeCache]:
+    c = NodeCache(tmp_path / "cache", cfg(10 * S))
+    yield c
+    c.close()
+
+
+def chunks(n: int, size: int = S, base: int = 0) -> list[tuple[Digest, bytes]]:
+    out = []
+    for i in range(n):
+        data = chunk(base + i, size)
+        out.append((Digest.of(data), data))
+    return out
+
+
+def test_put_get_roundtrip_and_counters(cache: NodeCache) -> None:
+    (d1, b1), (d2, b2) = chunks(2, 1000)
+    assert cache.get(d1) is None
+    assert cache.put(d1, b1)
+    assert cache.get(d1) == b1
+    assert cache.contains(d1) and not cache.contains(d2)
+    path = cache.path_of(d1)
+    assert path is not None and path.read_bytes() == b1
+    assert cache.path_of(d2) is None
+    st = cache.stats()
+    assert (st.entries, st.used_bytes, st.hits, st.misses, st.fetches, st.evictions) == (1, 1000, 1, 1, 0, 0)
+
+
+def test_empty_chunk_and_duplicate_put(cache: NodeCache) -> None:
+    empty = Digest.of(b"")
+    assert cache.put(empty, b"")
+    assert cache.get(empty) == b""
+    (d, b), = chunks(1)
+    assert cache.put(d, b) and cache.put(d, b)
+    st = cache.stats()
+    assert (st.entries, st.used_bytes) == (2, S)
+
+
+def test_lru_order_and_watermarks(cache: NodeCache) -> None:
+    # capacity 10 chunks, high 0.95, low 0.80: the 10th put evicts down to 8 chunks incl. itself
+    cs = chunks(10)
+    for d, b in cs[:9]:
+        assert cache.put(d, b)
+    assert cache.stats().evictions == 0
+    assert cache.get(cs[0][0]) == cs[0][1]  # 0 and 1 become most recently used
+    assert cache.get(cs[1][0]) == cs[1][1]
+    assert cache.put(*cs[9])
+    present = [i for i, (d, _) in enumerate(cs) if cache.contains(d)]
+    assert present == [0, 1, 4, 5, 6, 7, 8, 9]
+    st = cache.stats()
+    assert (st.evictions, st.evicted_bytes, st.used_bytes) == (2, 2 * S, 8 * S)
+    assert cache.verify(read_data=True) == []
+
+
+def test_pinned_entries_survive_eviction(cache: NodeCache) -> None:
+    cs = chunks(40)
+    late = cs[5]
+    cache.pin([cs[0][0], cs[1][0], late[0]])  # late is pinned before it is cached
+    for d, b in cs[:5]:
+        cache.put(d, b)
+    cache.put(*late)
+    for d, b in cs[6:]:
+        assert cache.put(d, b)
+        assert cache.stats().used_bytes <= 10 * S
+    for d, b in (cs[0], cs[1], late):
+        assert cache.get(d) == b
+    st = cache.stats()
+    assert (st.pinned, st.pinned_bytes) == (3, 3 * S)
+    cache.unpin([cs[0][0]])
+    cache.unpin([cs[0][0]])  # an extra unpin is ignored
+    for d, b in chunks(12, base=100):
+        cache.put(d, b)
+    assert not cache.contains(cs[0][0])
+    assert cache.contains(cs[1][0]) and cache.contains(late[0])
+
+
+def test_put_refused_when_everything_is_pinned(cache: NodeCache) -> None:
+    cs = chunks(11)
+    for d, b in cs[:10]:
+        cache.pin([d])
+        cache.put(d, b)
+    assert cache.stats().used_bytes <= 10 * S
+    assert not cache.put(*cs[10])  # no room: nothing evictable
+    assert cache.stats().used_bytes <= 10 * S
+    assert cache.get_or_fetch(cs[10][0], lambda: cs[10][1]) == cs[10][1]  # still served
+    big = chunk(999, 11 * S)
+    assert not cache.put(Digest.of(big), big)  # larger than the whole cache
+
+
+def test_reopen_keeps_entries_and_counters(tmp_path: Path) -> None:
+    cs = chunks(5, 5000)
+    with NodeCache(tmp_path / "c", cfg(10 * S)) as c:
+        for d, b in cs:
+            c.put(d, b)
+        c.get(cs[0][0])
+        c.get(Digest.of(b"missing"))
+        c.pin([cs[1][0]])  # released by close
+    with NodeCache(tmp_path / "c", cfg(10 * S)) as c:
+        assert all(c.get(d) == b for d, b in cs)
+        st = c.stats()
+        assert (st.entries, st.used_bytes, st.pinned) == (5, 25000, 0)
+        assert (st.hits, st.misses) == (6, 1)  # counters are persisted
+        assert c.verify(read_data=True) == []
+
+
+def test_lower_capacity_on_reopen_evicts(tmp_path: Path) -> None:
+    with NodeCache(tmp_path / "c", cfg(10 * S)) as c:
+        for d, b in chunks(9):
+            c.put(d, b)
+    with NodeCache(tmp_path / "c", cfg(4 * S)) as c:
+        st = c.stats()
+        assert st.used_bytes <= 0.8 * 4 * S and st.evictions == 6
+
+
+def test_corrupt_or_truncated_file_is_a_miss(cache: NodeCache) -> None:
+    (d1, b1), (d2, b2) = chunks(2)
+    cache.put(d1, b1)
+    cache.put(d2, b2)
+    p1, p2 = cache.path_of(d1), cache.path_of(d2)
+    assert p1 is not None and p2 is not None
+    with open(p1, "r+b") as f:  # same size, one byte flipped
+        f.seek(100)
+        f.write(bytes([b1[100] ^ 1]))
+    os.truncate(p2, 10)
+    assert cache.get(d1) is None and cache.get(d2) is None
+    assert not cache.contains(d1) and not p1.exists()
+    st = cache.stats()
+    assert (st.corrupt, st.entries, st.used_bytes) == (2, 0, 0)
+    assert cache.get_or_fetch(d1, lambda: b1) == b1  # refetched and cached again
+    assert cache.get(d1) == b1
+
+
+def test_missing_file_is_a_miss_and_heals(cache: NodeCache) -> None:
+    (d, b), = chunks(1)
+    cache.put(d, b)
+    path = cache.path_of(d)
+    assert path is not None
+    path.unlink()
+    assert cache.get(d) is None
+    assert cache.stats().entries == 0
+    assert cache.put(d, b) and cache.get(d) == b
+
+
+def test_one_instance_per_directory_per_process(cache: NodeCache) -> None:
+    with pytest.raises(StoreError, match="already open"):
+        NodeCache(cache.path, cfg(10 * S))
+    closed = NodeCache(cache.path.parent / "other", cfg(S))
+    closed.close()
+    closed.close()  # idempotent
+    with pytest.raises(StoreError, match="closed"):
+        closed.get(Digest.of(b"x"))
+
+
+@pytest.mark.parametrize("bad, key", [
+    (dict(capacity=0), "capacity"),
+    (dict(capacity=S, low_watermark=0.9, high_watermark=0.5), "watermark"),
+    (dict(capacity=S, high_watermark=1.5), "watermark"),
+    (dict(capacity=S, min_free_disk=-1), "min_free_disk"),
+])
+def test_bad_config_is_a_clear_error(tmp_path: Path, bad: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        NodeCache(tmp_path / "c", CacheConfig(**bad))
+
+
+def test_unusable_index_is_rebuilt_when_alone(tmp_path: Path) -> None:
+    with NodeCache(tmp_path / "c", cfg(10 * S)) as c:
+        for d, b in chunks(3):
+            c.put(d, b)
+    (tmp_path / "c" / "index" / "data.mdb").write_bytes(b"garbage" * 1000)
+    with NodeCache(tmp_path / "c", cfg(10 * S)) as c:  # a cache may always start empty
+        assert c.stats().entries == 0
+        assert c.verify() == []
+
+
+def test_usable_from_asyncio(cache: NodeCache) -> None:
+    cs = chunks(8, 4096)
+
+    async def main() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*(loop.run_in_executor(None, cache.get_or_fetch, d, (lambda b=b: b))
+                                      for d, b in cs))
+
+    assert asyncio.run(main()) == [b for _, b in cs]
+    assert cache.stats().entries == 8
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")
+def test_free_disk_floor(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        floor = 4 << 20
+        # capacity is far above what the disk holds: only the floor can bound the cache
+        with NodeCache(mnt / "c", cfg(64 << 20, min_free_disk=floor)) as c:
+            cs = chunks(80, base=500)
+            for d, b in cs:
+                c.put(d, b)
+                st = os.statvfs(mnt)
+                assert st.f_bavail * st.f_frsize >= floor - S
+            st2 = c.stats()
+            assert st2.evictions > 0 and st2.entries > 0
+            assert c.contains(cs[-1][0])  # the newest are kept
+            assert c.verify() == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
