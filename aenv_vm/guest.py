@@ -1,0 +1,142 @@
+"""The guest image: where the built kernel, initramfs and root disk live.
+
+The build itself is fixtures/build_guest.py (needs root; debootstrap + apt);
+``ensure_guest`` runs it — it returns at once when the cache is current — and
+``find_guest`` only reads the last build's description (for `aenv doctor`).
+Cache: <repo>/.cache/guest, or $AENV_GUEST_CACHE. Layout and keys are
+described in docs/guest.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .qemu.errors import VmError, VmTimeout
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_SCRIPT = REPO_ROOT / "fixtures" / "build_guest.py"
+# TCG boots hang in TSC calibration without the tsc_* / no_timer_check arguments;
+# panic=-1 turns a guest panic into a reboot, which -no-reboot turns into a QEMU exit.
+BASE_CMDLINE = ("console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 tsc=reliable no_timer_check")
+
+
+class GuestBuildError(VmError):
+    """The guest image could not be built or found."""
+
+
+@dataclass(frozen=True)
+class GuestImage:
+    key: str
+    kernel: Path
+    initrd: Path
+    rootfs: Path
+    kernel_release: str
+    has_envd: bool
+    info: dict
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GuestImage":
+        return cls(key=data["key"], kernel=Path(data["kernel"]), initrd=Path(data["initrd"]),
+                   rootfs=Path(data["rootfs"]), kernel_release=data["kernel_release"],
+                   has_envd=bool(data.get("has_envd")), info=data)
+
+    def exists(self) -> bool:
+        return self.kernel.is_file() and self.initrd.is_file() and self.rootfs.is_file()
+
+
+def guest_cache_root() -> Path:
+    return Path(os.environ.get("AENV_GUEST_CACHE") or REPO_ROOT / ".cache" / "guest").resolve()
+
+
+def find_guest(cache: Path | None = None) -> GuestImage | None:
+    """The last guest built into ``cache``, or None (no build is started)."""
+    try:
+        data = json.loads(((cache or guest_cache_root()) / "guest.json").read_text())
+        image = GuestImage.from_json(data)
+    except (OSError, ValueError, KeyError):
+        return None
+    return image if image.exists() else None
+
+
+def ensure_guest(cache: Path | None = None, *, quiet: bool = False, timeout: float = 1800.0) -> GuestImage:
+    """Build the guest if its inputs changed (progress lines on stderr) and describe it.
+
+    Safe to call from several processes at once: the build script holds a lock."""
+    if not BUILD_SCRIPT.is_file():
+        raise GuestBuildError(f"guest build script not found: {BUILD_SCRIPT} (needs a source checkout)")
+    argv = [sys.executable, str(BUILD_SCRIPT), "--json", "--cache", str(cache or guest_cache_root())]
+    try:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=timeout,
+                              stderr=subprocess.PIPE if quiet else None)
+    except subprocess.TimeoutExpired:
+        raise GuestBuildError(f"guest build did not finish within {timeout} s") from None
+    if done.returncode != 0:
+        detail = (done.stderr or "").strip().splitlines()[-10:] if quiet else ["(see the log above)"]
+        raise GuestBuildError("guest build failed:\n" + "\n".join(detail))
+    try:
+        return GuestImage.from_json(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (ValueError, KeyError, IndexError) as e:
+        raise GuestBuildError(f"guest build printed no valid result: {e}") from None
+
+
+def kernel_cmdline(hostname: str = "aenv", seed: bytes | None = None, extra: str = "") -> str:
+    """The guest kernel command line; /sbin/aenv-init reads aenv.hostname and aenv.seed."""
+    seed = secrets.token_bytes(32) if seed is None else seed
+    parts = [BASE_CMDLINE, f"aenv.hostname={hostname}", f"aenv.seed={seed.hex()}"]
+    if extra:
+        parts.append(extra)
+    return " ".join(parts)
+
+
+async def http_get(port: int, path: str = "/health", timeout: float = 2.0,
+                   host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """One HTTP/1.0 GET to the VM's forwarded port: ``(status, body)``. Raises OSError/TimeoutError."""
+    async def _get() -> tuple[int, bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            await writer.drain()
+            data = await reader.read()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        head, _, body = data.partition(b"\r\n\r\n")
+        try:
+            return int(head.split(b" ", 2)[1]), body
+        except (IndexError, ValueError):
+            raise ConnectionError(f"no HTTP response from port {port}: {head[:80]!r}") from None
+    return await asyncio.wait_for(_get(), timeout)
+
+
+async def wait_http_ok(port: int, path: str = "/health", timeout: float = 60.0,
+                       alive: Callable[[], bool] | None = None) -> float:
+    """Poll until GET ``path`` answers 2xx; returns the seconds waited.
+
+    With user-mode networking QEMU accepts the TCP connection itself and closes
+    it while nothing listens in the guest, so "connected" is not "ready":
+    only an HTTP status counts. ``alive()`` returning False aborts early."""
+    start = time.monotonic()
+    last: object = None
+    while True:
+        try:
+            status, _ = await http_get(port, path, timeout=min(2.0, timeout))
+            if 200 <= status < 300:
+                return time.monotonic() - start
+            last = f"HTTP {status}"
+        except (OSError, asyncio.TimeoutError, ConnectionError) as e:
+            last = e
+        if alive is not None and not alive():
+            raise VmError(f"VM exited before GET {path} on port {port} answered (last: {last})")
+        if time.monotonic() - start > timeout:
+            raise VmTimeout(f"GET {path} on port {port} did not answer 2xx within {timeout} s (last: {last})")
+        await asyncio.sleep(0.02)

@@ -1,0 +1,314 @@
+"""Starting and stopping QEMU microVMs.
+
+``VmSpec`` describes one VM; ``build_command`` turns it into a ``-M microvm``
+command line (pure function, unit-tested); ``QemuProcess.start`` launches it
+and connects QMP.
+
+Every QEMU runs in its own process group with ``PR_SET_PDEATHSIG=SIGKILL`` set
+between fork and exec, so it dies with the process that started it, even on
+SIGKILL of that process (no orphans). Linux delivers the death signal when the
+*thread* that forked exits, so start VMs from a long-lived thread (the event
+loop's), not from a short-lived worker thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Union
+
+from .errors import QemuExited, QemuNotFound, VmError, VmTimeout
+from .qmp import QmpClient
+
+QEMU_BINARY = "qemu-system-x86_64"
+GUEST_IP = "10.0.2.15"
+ENVD_PORT = 49983
+MIN_QEMU_VERSION = (7, 2, 0)
+_PR_SET_PDEATHSIG = 1
+_UNIX_PATH_MAX = 107
+
+Accel = Literal["tcg", "kvm"]
+
+
+def find_qemu(binary: str | None = None) -> Path:
+    """The QEMU system binary: ``binary``, $AENV_QEMU_BINARY, or qemu-system-x86_64 on PATH."""
+    name = binary or os.environ.get("AENV_QEMU_BINARY") or QEMU_BINARY
+    found = shutil.which(name)
+    if not found:
+        raise QemuNotFound(f"{name} not found: install Debian's qemu-system-x86 (bash scripts/install.sh)")
+    return Path(found)
+
+
+def qemu_version(binary: Path) -> tuple[int, int, int]:
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise QemuNotFound(f"{binary} --version failed: {e}") from None
+    m = re.search(r"version (\d+)\.(\d+)\.(\d+)", out)
+    if not m:
+        raise QemuNotFound(f"cannot read the version of {binary}: {out.strip()[:200]!r}")
+    return (int(m[1]), int(m[2]), int(m[3]))
+
+
+# ---------------------------------------------------------------- disks
+
+@dataclass(frozen=True)
+class QcowDisk:
+    """A qcow2 file (typically a per-VM overlay whose backing file is the shared image)."""
+    path: Path
+
+    def blockdev(self) -> dict:
+        return {"driver": "qcow2", "node-name": "disk0",
+                "file": {"driver": "file", "filename": str(self.path)}}
+
+
+@dataclass(frozen=True)
+class RawDisk:
+    """A raw image used as it is. Writable only if ``read_only`` is False: the guest
+    then changes the file itself, so never point it at a cached image."""
+    path: Path
+    read_only: bool = True
+
+    def blockdev(self) -> dict:
+        return {"driver": "raw", "node-name": "disk0", "read-only": self.read_only,
+                "file": {"driver": "file", "filename": str(self.path), "read-only": self.read_only}}
+
+
+@dataclass(frozen=True)
+class NbdDisk:
+    """An NBD export on a Unix socket (aenv_vm.blockimage serves layered images this way)."""
+    socket: Path
+    export: str
+
+    def blockdev(self) -> dict:
+        return {"driver": "nbd", "node-name": "disk0",
+                "server": {"type": "unix", "path": str(self.socket)}, "export": self.export}
+
+
+Disk = Union[QcowDisk, RawDisk, NbdDisk]
+
+
+def create_overlay(backing: Path, overlay: Path, backing_format: str = "raw",
+                   qemu_img: str = "qemu-img") -> QcowDisk:
+    """A qcow2 overlay on ``backing`` so the VM's writes never reach the shared image."""
+    if not shutil.which(qemu_img):
+        raise QemuNotFound(f"{qemu_img} not found: install Debian's qemu-utils")
+    done = subprocess.run([qemu_img, "create", "-q", "-f", "qcow2", "-b", str(Path(backing).resolve()),
+                           "-F", backing_format, str(overlay)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise VmError(f"qemu-img create {overlay} failed: {done.stderr.strip()}")
+    return QcowDisk(Path(overlay))
+
+
+# ---------------------------------------------------------------- spec
+
+@dataclass(frozen=True)
+class VmSpec:
+    """Everything that defines one QEMU microVM process.
+
+    Fields that must match between a template and its clones (or migration
+    fails): memory_mib, vcpus, accel, the device set (disk/net present or not)."""
+    name: str
+    kernel: Path
+    initrd: Path
+    kernel_cmdline: str
+    run_dir: Path                   # qmp.sock, serial.log, qemu.log live here
+    memory_mib: int = 256
+    vcpus: int = 1
+    accel: Accel = "tcg"
+    mem_path: Path | None = None    # RAM as memory-backend-file; None = anonymous RAM
+    mem_share: bool = True          # share=on (template/source) or share=off (copy-on-write clone)
+    disk: Disk | None = None
+    host_port: int | None = None    # user-mode net with hostfwd 127.0.0.1:host_port -> guest envd
+    guest_port: int = ENVD_PORT
+    mac: str = "52:54:00:12:34:56"
+    incoming_defer: bool = False    # wait for migrate-incoming (clone restore)
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def qmp_socket(self) -> Path:
+        return self.run_dir / "qmp.sock"
+
+    @property
+    def serial_log(self) -> Path:
+        return self.run_dir / "serial.log"
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.run_dir / "qemu.log"
+
+
+def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
+    if spec.memory_mib < 64:
+        raise VmError(f"memory_mib must be >= 64, got {spec.memory_mib}")
+    if spec.vcpus < 1:
+        raise VmError(f"vcpus must be >= 1, got {spec.vcpus}")
+    if len(str(spec.qmp_socket)) > _UNIX_PATH_MAX:
+        raise VmError(f"QMP socket path too long for a Unix socket ({len(str(spec.qmp_socket))} > "
+                      f"{_UNIX_PATH_MAX}): {spec.qmp_socket}")
+    machine = "microvm"
+    argv = [str(qemu), "-name", spec.name, "-nodefaults", "-no-user-config", "-display", "none",
+            "-no-reboot", "-accel", spec.accel,
+            # -cpu max/host break TCG here; KVM hosts get the host CPU.
+            "-cpu", "host" if spec.accel == "kvm" else "qemu64",
+            "-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
+    if spec.mem_path is not None:
+        argv += ["-object", f"memory-backend-file,id=mem0,size={spec.memory_mib}M,"
+                            f"mem-path={_opt(spec.mem_path)},share={'on' if spec.mem_share else 'off'}"]
+        machine += ",memory-backend=mem0"
+    argv += ["-machine", machine,
+             "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
+             "-chardev", f"file,id=serial0,path={_opt(spec.serial_log)}", "-serial", "chardev:serial0",
+             "-qmp", f"unix:{_opt(spec.qmp_socket)},server=on,wait=off",
+             "-object", "rng-random,id=rng0,filename=/dev/urandom", "-device", "virtio-rng-device,rng=rng0"]
+    if spec.disk is not None:
+        argv += ["-blockdev", json.dumps(spec.disk.blockdev(), separators=(",", ":")),
+                 "-device", "virtio-blk-device,drive=disk0"]
+    if spec.host_port is not None:
+        argv += ["-netdev", f"user,id=net0,hostfwd=tcp:127.0.0.1:{spec.host_port}-{GUEST_IP}:{spec.guest_port}",
+                 "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]
+    if spec.incoming_defer:
+        argv += ["-incoming", "defer"]
+    return argv + list(spec.extra_args)
+
+
+def _opt(path: Path) -> str:
+    """A path inside a QEMU option string, where ',' must be doubled."""
+    return str(path).replace(",", ",,")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (QEMU binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- process
+
+def _child_setup(parent_pid: int) -> None:
+    """Runs in the child between fork and exec (keep it async-signal-safe-ish)."""
+    os.setpgid(0, 0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class QemuProcess:
+    """One running QEMU: its process, its QMP connection and its run files."""
+
+    def __init__(self, spec: VmSpec, proc: subprocess.Popen, argv: list[str]) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.argv = argv
+        self.qmp: QmpClient | None = None
+        self.started_at = time.monotonic()
+        self._pidfd = os.pidfd_open(proc.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    async def start(cls, spec: VmSpec, qemu: Path | None = None, qmp_timeout: float = 10.0) -> "QemuProcess":
+        """Launch QEMU and connect QMP. On any failure QEMU is killed and the error
+        carries the tail of QEMU's stderr and of the serial console."""
+        binary = qemu or find_qemu()
+        argv = build_command(spec, binary)
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        spec.qmp_socket.unlink(missing_ok=True)
+        parent = os.getpid()
+        with open(spec.stderr_log, "wb") as err:
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                        close_fds=True, preexec_fn=lambda: _child_setup(parent))
+            except OSError as e:
+                raise QemuNotFound(f"cannot start {binary}: {e}") from None
+        vm = cls(spec, proc, argv)
+        try:
+            vm.qmp = await QmpClient.connect(spec.qmp_socket, timeout=qmp_timeout,
+                                             alive=lambda: proc.poll() is None)
+        except BaseException as e:
+            await vm.kill()
+            if isinstance(e, VmError):
+                why = f"exited with code {proc.returncode}" if proc.returncode not in (None, -9) else str(e)
+                raise QemuExited(f"QEMU {spec.name} failed to start: {why}\n{vm.log_tail()}",
+                                 stderr=_tail(spec.stderr_log)) from None
+            raise
+        return vm
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    async def wait_exit(self, timeout: float) -> int:
+        """Wait for QEMU to exit (pidfd readiness, no polling) and return its exit code."""
+        if self.proc.poll() is not None:
+            return self.proc.returncode
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        loop.add_reader(self._pidfd, lambda: done.done() or done.set_result(None))
+        try:
+            await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            raise VmTimeout(f"QEMU {self.spec.name} (pid {self.pid}) still running after {timeout} s") from None
+        finally:
+            loop.remove_reader(self._pidfd)
+        return self.proc.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        parts = []
+        err = _tail(self.spec.stderr_log, lines)
+        if err:
+            parts.append(f"--- qemu stderr ({self.spec.stderr_log}) ---\n{err}")
+        ser = _tail(self.spec.serial_log, lines)
+        if ser:
+            parts.append(f"--- serial console ({self.spec.serial_log}) ---\n{ser}")
+        return "\n".join(parts)
+
+    async def stop(self, timeout: float = 3.0) -> None:
+        """Ask QEMU to quit, then SIGKILL its process group if it lingers; remove the QMP socket."""
+        if self.alive() and self.qmp is not None and not self.qmp.closed:
+            with contextlib.suppress(VmError, OSError):
+                await self.qmp.execute("quit", timeout=timeout)
+            with contextlib.suppress(VmTimeout):
+                await self.wait_exit(timeout)
+        await self.kill()
+
+    async def kill(self) -> None:
+        """SIGKILL QEMU's process group and reap it. Idempotent."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(VmTimeout):
+                await self.wait_exit(10.0)
+            self.proc.wait()
+        if self.qmp is not None:
+            await self.qmp.close()
+        with contextlib.suppress(OSError):
+            os.close(self._pidfd)
+        self._pidfd = -1
+        self.spec.qmp_socket.unlink(missing_ok=True)
