@@ -325,7 +325,12 @@ class Collector:
                 self._check_lock()
                 self.backend.put(index_key(Digest.of(data)), data)
                 index_written = 1
-            doomed = [i.key for i in plan.delete.values()] + [i.key for i in plan.repack.values()]
+            # A repacked pack can come out byte-identical to a leftover of an earlier,
+            # interrupted gc (same chunks, same order): never delete what was just written.
+            fresh = {pack_key(pid) for pid, _ in written}
+            doomed = [i.key for i in list(plan.delete.values()) + list(plan.repack.values()) if i.key not in fresh]
+            for pid in [p for p, i in plan.delete.items() if i.key in fresh]:
+                del plan.delete[pid]
             with self.progress("gc: delete", len(plan.obsolete_index) + len(doomed) + len(plan.manifests), "") as bar:
                 self._check_lock()
                 new_key = index_key(Digest.of(data)) if index_written else None
