@@ -1,0 +1,55 @@
+"""Fixtures for the VM tests: the cached guest image and a QEMU leak check.
+
+Tests marked ``qemu`` need qemu-system-x86_64 and root (the guest build runs
+debootstrap). They skip on a developer machine without those, but never in CI
+(CI=true), where a missing QEMU is a failure."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aenv_vm.guest import GuestImage, ensure_guest
+
+
+def _require(condition: bool, why: str) -> None:
+    if not condition:
+        if os.environ.get("CI"):
+            pytest.fail(f"{why} (required in CI)")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def guest() -> GuestImage:
+    _require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
+    _require(os.geteuid() == 0, "building the guest image needs root")
+    return ensure_guest()
+
+
+def qemu_children() -> list[int]:
+    """PIDs of QEMU processes whose parent is this test process."""
+    me = os.getpid()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ..."; comm may contain spaces, so split after the last ')'.
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == me and comm.startswith("qemu-system"):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_qemu():
+    before = set(qemu_children())
+    yield
+    leaked = set(qemu_children()) - before
+    assert not leaked, f"test left QEMU processes running: {sorted(leaked)}"

@@ -1,0 +1,91 @@
+"""QEMU command-line building (pure) and startup errors that need no guest."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from aenv_vm.qemu.errors import QemuNotFound, VmError
+from aenv_vm.qemu.launcher import NbdDisk, QcowDisk, RawDisk, VmSpec, build_command, find_qemu, free_port
+
+
+def spec(tmp_path: Path, **kw) -> VmSpec:
+    base = dict(name="t", kernel=tmp_path / "vmlinuz", initrd=tmp_path / "initrd", kernel_cmdline="console=ttyS0",
+                run_dir=tmp_path / "run")
+    return VmSpec(**{**base, **kw})
+
+
+def opt(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_template_source_maps_memory_shared(tmp_path: Path) -> None:
+    argv = build_command(spec(tmp_path, mem_path=tmp_path / "mem", memory_mib=512, vcpus=2), "qemu")
+    assert argv[0] == "qemu"
+    objs = opt(argv, "-object")
+    assert f"memory-backend-file,id=mem0,size=512M,mem-path={tmp_path}/mem,share=on" in objs
+    assert opt(argv, "-machine") == ["microvm,memory-backend=mem0"]
+    assert opt(argv, "-m") == ["512M"] and opt(argv, "-smp") == ["2"]
+    assert opt(argv, "-cpu") == ["qemu64"] and opt(argv, "-accel") == ["tcg"]
+    assert "-incoming" not in argv and "-no-reboot" in argv
+    assert opt(argv, "-qmp") == [f"unix:{tmp_path}/run/qmp.sock,server=on,wait=off"]
+    assert opt(argv, "-serial") == ["chardev:serial0"]
+    assert f"file,id=serial0,path={tmp_path}/run/serial.log" in opt(argv, "-chardev")
+    assert "virtio-rng-device,rng=rng0" in opt(argv, "-device")
+
+
+def test_clone_maps_memory_private_and_waits_for_incoming(tmp_path: Path) -> None:
+    argv = build_command(spec(tmp_path, mem_path=tmp_path / "mem", mem_share=False, incoming_defer=True,
+                              host_port=40001), "qemu")
+    assert any(o.endswith("share=off") for o in opt(argv, "-object"))
+    assert opt(argv, "-incoming") == ["defer"]
+    assert opt(argv, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:40001-10.0.2.15:49983"]
+    assert "virtio-net-device,netdev=net0,mac=52:54:00:12:34:56" in opt(argv, "-device")
+
+
+def test_kvm_uses_host_cpu(tmp_path: Path) -> None:
+    argv = build_command(spec(tmp_path, accel="kvm"), "qemu")
+    assert opt(argv, "-accel") == ["kvm"] and opt(argv, "-cpu") == ["host"]
+
+
+@pytest.mark.parametrize("disk,expected", [
+    (NbdDisk(Path("/run/x.sock"), "layer1"),
+     {"driver": "nbd", "node-name": "disk0", "server": {"type": "unix", "path": "/run/x.sock"}, "export": "layer1"}),
+    (QcowDisk(Path("/v/o.qcow2")),
+     {"driver": "qcow2", "node-name": "disk0", "file": {"driver": "file", "filename": "/v/o.qcow2"}}),
+    (RawDisk(Path("/v/r.ext4")),
+     {"driver": "raw", "node-name": "disk0", "read-only": True,
+      "file": {"driver": "file", "filename": "/v/r.ext4", "read-only": True}}),
+])
+def test_disks_become_blockdev_json(tmp_path: Path, disk, expected: dict) -> None:
+    argv = build_command(spec(tmp_path, disk=disk), "qemu")
+    assert [json.loads(b) for b in opt(argv, "-blockdev")] == [expected]
+    assert "virtio-blk-device,drive=disk0" in opt(argv, "-device")
+
+
+def test_commas_in_paths_are_escaped(tmp_path: Path) -> None:
+    argv = build_command(spec(tmp_path, mem_path=tmp_path / "a,b"), "qemu")
+    assert any("mem-path=" + str(tmp_path) + "/a,,b," in o for o in opt(argv, "-object"))
+
+
+def test_invalid_specs_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(VmError, match="memory_mib"):
+        build_command(spec(tmp_path, memory_mib=16))
+    with pytest.raises(VmError, match="vcpus"):
+        build_command(spec(tmp_path, vcpus=0))
+    with pytest.raises(VmError, match="too long"):
+        build_command(spec(tmp_path, run_dir=tmp_path / ("x" * 120)))
+
+
+def test_missing_qemu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AENV_QEMU_BINARY", "qemu-system-does-not-exist")
+    with pytest.raises(QemuNotFound, match="qemu-system-does-not-exist not found"):
+        find_qemu()
+
+
+def test_free_port_is_bindable() -> None:
+    import socket
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
