@@ -182,8 +182,9 @@ class OssBackend(Backend):
             mapped = _classify(e, what)
             if mapped is e:
                 raise
-            with self._lock:
-                self._counts["errors"] += 1
+            if not isinstance(mapped, NotFound):
+                with self._lock:
+                    self._counts["errors"] += 1
             raise mapped from None
 
     # ------------------------------------------------------------------ writes

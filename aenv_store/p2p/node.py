@@ -1,0 +1,426 @@
+"""One iroh endpoint per node: serves committed chunks to peers and asks peers
+for chunks, on ALPN ``aenv/chunks/1`` (protocol.py).
+
+The endpoint is bound to loopback with relays and discovery off (the minimal
+preset): nothing leaves the machine, peers are reached by the direct
+addresses in their tickets. All iroh calls run on a private asyncio loop
+thread; the Store's reader threads call the blocking ``fetch``/``fetch_many``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Coroutine, Protocol, TypeVar
+
+import iroh
+
+from ..config import P2PConfig
+from ..errors import ConfigError
+from ..ids import Digest
+from . import _iroh_fast, peers as peerfile
+from .peers import Peer, PeerTable
+from .protocol import (ALPN, MAX_IDS, BadData, Frame, GetResponseParser, Op, ProtocolError, Status,
+                       decode_have, decode_request, encode_frame_head, encode_have, encode_request, request_size)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+READ_SIZE = 1 << 20          # bytes asked of one RecvStream.read
+WRITE_BATCH = 1 << 20        # frames gathered before one write_all
+SERVE_WINDOW = 8             # chunk reads in flight while answering one GET
+IDLE_TIMEOUT = 2.0           # a started transfer that stalls this long is abandoned
+CONNECT_TIMEOUT = 2.0
+STATUS_INTERVAL = 1.0
+BIND_HOST = "127.0.0.1"
+
+
+class ChunkProvider(Protocol):
+    """What a node may serve: committed, verified chunks only."""
+
+    def has(self, cid: Digest) -> bool: ...
+
+    def get(self, cid: Digest) -> bytes | None: ...
+
+
+def parse_ticket(ticket: str) -> tuple[Any, str]:
+    """(EndpointAddr, node id) of a ticket; ConfigError if it is not one."""
+    try:
+        addr = iroh.EndpointTicket.from_string(ticket.strip()).endpoint_addr()
+    except Exception as e:  # IrohError or ValueError from the bindings
+        raise ConfigError(f"not an iroh endpoint ticket: {ticket[:40]!r}… ({e})") from None
+    return addr, str(addr.id())
+
+
+@dataclass
+class _Conn:
+    conn: Any = None
+    lock: asyncio.Lock | None = None
+
+
+class P2PNode:
+    def __init__(self, data_dir: Path, config: P2PConfig, provider: ChunkProvider | None = None,
+                 write_status: bool = True) -> None:
+        _iroh_fast.apply()
+        self.data_dir = data_dir
+        self.config = config
+        self.provider = provider
+        self.write_status_file = write_status
+        self.table = PeerTable()
+        self.lookup_timeout = config.lookup_timeout_ms / 1000.0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="aenv-p2p", daemon=True)
+        self._endpoint: Any = None
+        self._conns: dict[str, _Conn] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._peers_mtime = -1.0
+        self._closed = False
+        self._serve_pool = ThreadPoolExecutor(SERVE_WINDOW, thread_name_prefix="aenv-p2p-serve")
+        self.ticket = ""
+        self.node_id = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "P2PNode":
+        self._thread.start()
+        self._run(self._bind(), timeout=30)
+        for t in self.config.peers:
+            self._add_quietly(t, "config")
+        self._sync_added_peers()
+        self._spawn(self._accept_loop())
+        if self.write_status_file:
+            self._spawn(self._status_loop())
+        log.info("p2p node %s listening on %s", self.node_id[:12], self._endpoint.addr().direct_addresses())
+        return self
+
+    async def _bind(self) -> None:
+        opts = iroh.EndpointOptions(preset=iroh.preset_minimal(), relay_mode=iroh.RelayMode.disabled(),
+                                    bind_addr=f"{BIND_HOST}:{self.config.port}", alpns=[ALPN],
+                                    secret_key=peerfile.load_secret(self.data_dir))
+        self._endpoint = await iroh.Endpoint.bind(opts)
+        addr = self._endpoint.addr()
+        # Only the loopback address goes into the ticket (the endpoint also opens an
+        # IPv6 wildcard socket it does not advertise here).
+        addr = iroh.EndpointAddr(addr.id(), None, [a for a in addr.direct_addresses() if a.startswith(BIND_HOST)])
+        self.ticket = str(iroh.EndpointTicket.from_addr(addr))
+        self.node_id = str(addr.id())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            try:
+                self._run(self._shutdown(), timeout=10)
+            except Exception as e:  # noqa: BLE001 - closing must not fail the caller
+                log.debug("p2p shutdown: %s", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self._serve_pool.shutdown(wait=False, cancel_futures=True)
+        if self.write_status_file:
+            st = self.status()
+            st["closed"] = True
+            peerfile.write_status(self.data_dir, st)
+
+    async def _shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for c in self._conns.values():
+            if c.conn is not None:
+                try:
+                    c.conn.close(0, b"bye")
+                except Exception:  # noqa: BLE001
+                    pass
+        if self._endpoint is not None:
+            await self._endpoint.close()
+
+    def __enter__(self) -> "P2PNode":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            fut.cancel()
+            raise
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        def create() -> None:
+            task = self._loop.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._loop.call_soon_threadsafe(create)
+
+    # ---------------------------------------------------------------------- peers
+    def add_peer(self, ticket: str, source: str = "added") -> Peer:
+        _, node_id = parse_ticket(ticket)
+        if node_id == self.node_id:
+            raise ConfigError("that ticket is this node's own")
+        peer = self.table.add(ticket.strip(), node_id, source)
+        return peer
+
+    def _add_quietly(self, ticket: str, source: str) -> None:
+        try:
+            self.add_peer(ticket, source)
+        except ConfigError as e:
+            log.warning("ignoring p2p peer: %s", e)
+
+    def _sync_added_peers(self) -> None:
+        """Pick up tickets `aenv p2p add-peer` wrote since we last looked."""
+        m = peerfile.peers_mtime(self.data_dir)
+        if m == self._peers_mtime:
+            return
+        self._peers_mtime = m
+        for t in peerfile.read_added_peers(self.data_dir):
+            self._add_quietly(t, "added")
+
+    def drop_peer(self, peer: Peer, reason: str) -> None:
+        with self.table.lock:
+            peer.dropped = reason
+        log.warning("p2p: dropped peer %s: %s", peer.node_id[:12], reason)
+        c = self._conns.pop(peer.node_id, None)
+        if c is not None and c.conn is not None:
+            self._loop.call_soon_threadsafe(c.conn.close, 1, b"bad data")
+
+    def status(self) -> dict[str, Any]:
+        snap = self.table.snapshot()
+        snap.update({"node_id": self.node_id, "ticket": self.ticket, "pid": os.getpid(),
+                     "updated": time.time(), "lookup_timeout_ms": self.config.lookup_timeout_ms})
+        return snap
+
+    async def _status_loop(self) -> None:
+        while True:
+            try:
+                self._sync_added_peers()
+                peerfile.write_status(self.data_dir, self.status())
+            except Exception as e:  # noqa: BLE001 - status is best effort
+                log.debug("p2p status: %s", e)
+            await asyncio.sleep(STATUS_INTERVAL)
+
+    # -------------------------------------------------------------------- serving
+    async def _accept_loop(self) -> None:
+        while True:
+            try:
+                incoming = await self._endpoint.accept_next()
+            except Exception as e:  # noqa: BLE001
+                log.debug("p2p accept: %s", e)
+                return
+            if incoming is None:
+                return
+            self._spawn(self._serve_connection(incoming))
+
+    async def _serve_connection(self, incoming: Any) -> None:
+        try:
+            conn = await (await incoming.accept()).connect()
+        except Exception as e:  # noqa: BLE001
+            log.debug("p2p handshake failed: %s", e)
+            return
+        if conn.alpn() != ALPN:
+            conn.close(2, b"unknown alpn")
+            return
+        remote = str(conn.remote_id())
+        while True:
+            try:
+                bi = await conn.accept_bi()
+            except Exception:  # connection closed
+                return
+            self._spawn(self._serve_stream(bi, remote))
+
+    async def _serve_stream(self, bi: Any, remote: str) -> None:
+        send = bi.send()
+        try:
+            req = decode_request(await bi.recv().read_to_end(request_size(MAX_IDS)))
+        except (ProtocolError, Exception) as e:  # noqa: BLE001 - a bad request only costs its stream
+            log.info("p2p: bad request from %s: %s", remote[:12], e)
+            try:
+                await send.reset(1)
+            except Exception:  # noqa: BLE001
+                pass
+            return
+        served = self.table.served_to(remote)
+        with self.table.lock:
+            served.requests += 1
+        loop = asyncio.get_running_loop()
+        provider = self.provider
+        try:
+            if req.op == Op.HAVE:
+                flags = [False] * len(req.ids) if provider is None else \
+                    await loop.run_in_executor(None, lambda: [provider.has(c) for c in req.ids])
+                await send.write_all(encode_have(flags))
+            else:
+                await self._serve_get(send, req.ids, served)
+            await send.finish()
+        except Exception as e:  # noqa: BLE001 - the peer went away
+            log.debug("p2p: serving %s failed: %s", remote[:12], e)
+
+    async def _serve_get(self, send: Any, ids: tuple[Digest, ...], served: Any) -> None:
+        """Answer a GET in request order while up to SERVE_WINDOW chunk reads run
+        (a chunk may come from the repository: a range read each). Frames are
+        gathered into ~1 MiB writes, but whatever is ready goes out before we wait
+        on a slow read, so the first frame meets the asker's lookup timeout."""
+        loop = asyncio.get_running_loop()
+        provider = self.provider
+        pending: deque[tuple[Digest, asyncio.Future[bytes | None]]] = deque()
+        todo = iter(ids)
+
+        def refill() -> None:
+            for cid in todo:
+                fut = loop.run_in_executor(self._serve_pool, provider.get, cid) if provider is not None \
+                    else loop.create_future()
+                if provider is None:
+                    fut.set_result(None)
+                pending.append((cid, fut))
+                if len(pending) >= SERVE_WINDOW:
+                    return
+
+        refill()
+        batch = bytearray()
+        while pending:
+            cid, fut = pending.popleft()
+            if batch and not fut.done():
+                await send.write_all(bytes(batch))
+                batch.clear()
+            data = await fut
+            refill()
+            if data is None:
+                batch += encode_frame_head(Status.MISSING, 0)
+                with self.table.lock:
+                    served.misses += 1
+            else:
+                batch += encode_frame_head(Status.OK, len(data))
+                batch += data
+                with self.table.lock:
+                    served.chunks_out += 1
+                    served.bytes_out += len(data)
+            if len(batch) >= WRITE_BATCH:
+                await send.write_all(bytes(batch))
+                batch.clear()
+        if batch:
+            await send.write_all(bytes(batch))
+
+    # ------------------------------------------------------------------- fetching
+    async def _connection(self, peer: Peer, timeout: float) -> Any:
+        c = self._conns.get(peer.node_id)
+        if c is None:
+            c = self._conns[peer.node_id] = _Conn(lock=asyncio.Lock())
+        assert c.lock is not None
+        async with c.lock:
+            if c.conn is not None and c.conn.close_reason() is None:
+                return c.conn
+            addr, _ = parse_ticket(peer.ticket)
+            c.conn = await asyncio.wait_for(self._endpoint.connect(addr, ALPN), timeout)
+            return c.conn
+
+    async def _request(self, peer: Peer, op: Op, cids: list[Digest], lookup_deadline: float) -> Any:
+        """One request to one peer; the first answer byte must come by ``lookup_deadline``."""
+        loop = asyncio.get_running_loop()
+        conn = await self._connection(peer, max(0.01, min(CONNECT_TIMEOUT, lookup_deadline - loop.time())))
+        bi = await conn.open_bi()
+        send = bi.send()
+        await send.write_all(encode_request(op, cids))
+        await send.finish()
+        recv = bi.recv()
+        with self.table.lock:
+            peer.counters.requests += 1
+        if op == Op.HAVE:
+            data = await asyncio.wait_for(recv.read_to_end((len(cids) + 7) // 8),
+                                          max(0.001, lookup_deadline - loop.time()))
+            return decode_have(data, len(cids))
+        parser = GetResponseParser(cids)
+        frames: list[Frame] = []
+        try:
+            while not parser.done:
+                wait = IDLE_TIMEOUT if parser.started else max(0.001, lookup_deadline - loop.time())
+                data = await asyncio.wait_for(recv.read(READ_SIZE), wait)
+                if not data:
+                    break
+                frames += parser.feed(data)
+            parser.finish()
+        except BaseException:
+            try:
+                await recv.stop(1)
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        return frames
+
+    async def _fetch_async(self, cids: list[Digest]) -> dict[Digest, bytes]:
+        loop = asyncio.get_running_loop()
+        lookup_deadline = loop.time() + self.lookup_timeout
+        want = list(dict.fromkeys(cids))
+        got: dict[Digest, bytes] = {}
+        for peer in self.table.candidates():
+            if not want:
+                break
+            if loop.time() >= lookup_deadline:
+                break
+            try:
+                frames: list[Frame] = []
+                for i in range(0, len(want), MAX_IDS):
+                    frames += await self._request(peer, Op.GET, want[i:i + MAX_IDS], lookup_deadline)
+            except BadData as e:
+                with self.table.lock:
+                    peer.counters.bad_data += 1
+                self.drop_peer(peer, str(e))
+                continue
+            except (asyncio.TimeoutError, ProtocolError, Exception) as e:  # noqa: BLE001
+                with self.table.lock:
+                    peer.note_failure(f"{type(e).__name__}: {e}".rstrip(": "), time.monotonic())
+                self._conns.pop(peer.node_id, None)
+                log.info("p2p: peer %s failed: %s", peer.node_id[:12], type(e).__name__)
+                continue
+            ok = 0
+            with self.table.lock:
+                for f in frames:
+                    if f.status == Status.OK:
+                        got[f.chunk] = f.data
+                        peer.counters.chunks_in += 1
+                        peer.counters.bytes_in += len(f.data)
+                        ok += 1
+                    else:
+                        peer.counters.misses += 1
+                if ok:
+                    peer.note_success()
+            want = [c for c in want if c not in got]
+        return got
+
+    def fetch_many(self, cids: list[Digest]) -> dict[Digest, bytes]:
+        """Chunks peers gave us (verified against their ids); absent ones are missing
+        everywhere, timed out, or came from a peer that is now dropped."""
+        if self._closed or not cids:
+            return {}
+        self._sync_added_peers()
+        if not self.table.candidates():
+            return {}
+        try:
+            return self._run(self._fetch_async(list(cids)), timeout=self.lookup_timeout + 60 + IDLE_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - P2P never fails a read: the repository is the fallback
+            log.info("p2p fetch failed: %s", e)
+            return {}
+
+    def fetch(self, cid: Digest) -> bytes | None:
+        return self.fetch_many([cid]).get(cid)
+
+    def have(self, ticket: str, cids: list[Digest]) -> list[bool]:
+        """Ask one peer which of ``cids`` it holds (diagnostics, tests)."""
+        _, node_id = parse_ticket(ticket)
+        peer = self.table.add(ticket, node_id, "added")
+
+        async def ask() -> list[bool]:
+            deadline = asyncio.get_running_loop().time() + max(self.lookup_timeout, 2.0)
+            return await self._request(peer, Op.HAVE, cids, deadline)  # type: ignore[no-any-return]
+
+        return self._run(ask(), timeout=10)
