@@ -57,6 +57,9 @@ class Store:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.closed = False
+        # Optional chunk source between node cache and repository (P2P peers,
+        # aenv_store.p2p.source); it returns verified bytes or None.
+        self.peer_source: Any = None
 
     @classmethod
     def open(cls, settings: StoreSettings, create: bool = False) -> "Store":
@@ -87,7 +90,12 @@ class Store:
         except BaseException:
             backend.close()
             raise
-        return cls(settings, backend, repo, cache)
+        store = cls(settings, backend, repo, cache)
+        if settings.p2p.enabled:
+            from .p2p.source import attach
+
+            store.peer_source = attach(store)
+        return store
 
     @classmethod
     def init(cls, settings: StoreSettings) -> "Store":
@@ -109,6 +117,8 @@ class Store:
         self.closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.peer_source is not None:
+            self.peer_source.close()
         if self.cache is not None:
             self.cache.close()
         self.repository.close()
@@ -139,14 +149,28 @@ class Store:
         decompressed and verified against its id; no cache."""
         return self.repository.read_chunk(cid, self._dctx())
 
+    def _fetch_missing(self, cid: Digest) -> bytes:
+        """A chunk the node cache lacks: peers first (if any; verified), then the repository."""
+        if self.peer_source is not None:
+            data = self.peer_source.fetch(cid)
+            if data is not None:
+                return data  # type: ignore[no-any-return]
+        return self.fetch_chunk(cid)
+
     def read_chunk(self, cid: Digest) -> bytes:
-        """Plaintext of one chunk: node cache -> repository; verified (CorruptData)."""
+        """Plaintext of one chunk: node cache -> P2P peers -> repository; verified (CorruptData)."""
         if self.cache is None:
-            return self.fetch_chunk(cid)
-        return self.cache.get_or_fetch(cid, lambda: self.fetch_chunk(cid))
+            return self._fetch_missing(cid)
+        return self.cache.get_or_fetch(cid, lambda: self._fetch_missing(cid))
 
     def read_chunks(self, cids: list[Digest]) -> list[bytes]:
         """Several chunks, fetched concurrently when there are more than one."""
+        if self.peer_source is not None and self.cache is not None and len(cids) > 1:
+            missing = [c for c in dict.fromkeys(cids) if not self.cache.contains(c)]
+            if len(missing) > 1:
+                # one batched peer request instead of a round trip per chunk
+                for cid, data in self.peer_source.fetch_many(missing).items():
+                    self.cache.put(cid, data)
         if len(cids) <= 1:
             return [self.read_chunk(c) for c in cids]
         return list(self._read_pool().map(self.read_chunk, cids))
