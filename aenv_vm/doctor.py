@@ -1,0 +1,99 @@
+"""Host checks for running microVMs (`aenv doctor`): QEMU, the guest image, the
+accelerator that will be used and why, /dev/kvm, disk space."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .guest import find_guest, guest_cache_root
+from .qemu.accel import kvm_usable, probe_accel
+from .qemu.errors import VmError
+from .qemu.launcher import MIN_QEMU_VERSION, find_qemu, qemu_version
+
+GIB = 1 << 30
+DISK_FAIL_BYTES = 1 * GIB
+DISK_WARN_BYTES = 5 * GIB
+GUEST_BUILD_TOOLS = ("apt-get", "dpkg-deb", "debootstrap", "mkfs.ext4", "modinfo", "chroot")
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk(name: str, path: Path) -> Check:
+    where = _existing_parent(path)
+    free = shutil.disk_usage(where).free
+    text = f"{free / GIB:.1f} GiB free at {where}"
+    if free < DISK_FAIL_BYTES:
+        return Check(name, Status.FAIL, text + f" (need at least {DISK_FAIL_BYTES // GIB} GiB)")
+    if free < DISK_WARN_BYTES:
+        return Check(name, Status.WARN, text + f" (below {DISK_WARN_BYTES // GIB} GiB)")
+    return Check(name, Status.OK, text)
+
+
+def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None = None) -> list[Check]:
+    checks: list[Check] = []
+    qemu = None
+    try:
+        qemu = find_qemu()
+        ver = qemu_version(qemu)
+        text = f"QEMU {'.'.join(map(str, ver))} ({qemu})"
+        if ver < MIN_QEMU_VERSION:
+            checks.append(Check("qemu", Status.FAIL, text + f"; need >= {'.'.join(map(str, MIN_QEMU_VERSION))}"))
+        else:
+            checks.append(Check("qemu", Status.OK, text))
+    except VmError as e:
+        checks.append(Check("qemu", Status.FAIL, str(e)))
+    img = shutil.which("qemu-img")
+    checks.append(Check("qemu-img", Status.OK, img) if img else
+                  Check("qemu-img", Status.FAIL, "qemu-img not found: install Debian's qemu-utils"))
+
+    cache = guest_cache or guest_cache_root()
+    guest = find_guest(cache)
+    if guest is None:
+        checks.append(Check("guest", Status.WARN, f"no guest image built in {cache} yet; "
+                            "build it with: sudo python3 fixtures/build_guest.py"))
+    else:
+        checks.append(Check("guest", Status.OK, f"kernel {guest.kernel_release}, image {guest.key}"
+                            f"{'' if guest.has_envd else ' (without envd)'} in {cache}"))
+    missing = [t for t in GUEST_BUILD_TOOLS if shutil.which(t) is None]
+    checks.append(Check("guest-build-tools", Status.WARN, f"missing: {', '.join(missing)} (bash scripts/install.sh)")
+                  if missing else Check("guest-build-tools", Status.OK, ", ".join(GUEST_BUILD_TOOLS)))
+
+    kvm_ok, kvm_why = kvm_usable()
+    checks.append(Check("/dev/kvm", Status.OK, kvm_why))
+    if qemu is None:
+        checks.append(Check("accelerator", Status.FAIL, "no QEMU"))
+    elif not kvm_ok:
+        checks.append(Check("accelerator", Status.OK, f"TCG (software CPU): {kvm_why}"))
+    elif guest is None:
+        checks.append(Check("accelerator", Status.WARN, "KVM not probed yet: needs the guest image"))
+    elif not probe:
+        checks.append(Check("accelerator", Status.WARN, "probe skipped (--no-probe)"))
+    else:
+        choice = asyncio.run(probe_accel(guest.kernel, guest.initrd, qemu=qemu, cache_file=cache / "accel.json"))
+        checks.append(Check("accelerator", Status.OK,
+                            f"{choice.reason}{' (cached probe)' if choice.cached else ''}"))
+
+    checks.append(check_disk("disk (data dir)", data_dir))
+    checks.append(check_disk("disk (guest cache)", cache))
+    return checks

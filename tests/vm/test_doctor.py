@@ -1,0 +1,39 @@
+"""`aenv doctor` through the real CLI entry point."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aenv_api.cli.main import main
+
+
+def run_doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, dict]]:
+    code = main(["doctor", "--json", *args])
+    rows = json.loads(capsys.readouterr().out)
+    return code, {r["check"]: r for r in rows}
+
+
+def test_doctor_reports_every_check(capsys: pytest.CaptureFixture[str]) -> None:
+    code, checks = run_doctor(capsys, "--no-probe")
+    assert set(checks) >= {"qemu", "qemu-img", "guest", "/dev/kvm", "accelerator", "disk (data dir)"}
+    assert checks["qemu"]["status"] == "ok" and "QEMU 7." in checks["qemu"]["detail"] or \
+        checks["qemu"]["status"] == "fail"
+    assert code == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
+
+
+def test_doctor_fails_clearly_without_qemu(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AENV_QEMU_BINARY", "qemu-system-missing")
+    code, checks = run_doctor(capsys, "--no-probe")
+    assert code == 1
+    assert checks["qemu"]["status"] == "fail" and "qemu-system-missing not found" in checks["qemu"]["detail"]
+    assert checks["accelerator"]["status"] == "fail"
+
+
+@pytest.mark.qemu
+def test_doctor_probes_the_accelerator(guest, capsys: pytest.CaptureFixture[str]) -> None:
+    code, checks = run_doctor(capsys)
+    assert code == 0
+    assert checks["guest"]["status"] == "ok" and guest.kernel_release in checks["guest"]["detail"]
+    assert checks["accelerator"]["detail"].startswith(("TCG", "KVM"))
