@@ -97,16 +97,18 @@ class EnvdServer:
                 except HttpError as e:
                     resp = http_error(e.status, e.message)
                     head = RequestHead(head.method, head.path, head.query, head.version, (("connection", "close"),))
+                # A handler that answered without reading its whole body (an
+                # error) leaves the rest unread: the connection is then closed
+                # rather than drained. A streamed response may still be reading
+                # it (StreamInput), so this is decided only after writing.
                 keep = head.keep_alive
-                if not body.finished:
-                    # The handler answered without reading the whole body (an
-                    # error): skip a small remainder, else close the connection.
-                    try:
-                        keep = keep and await body.drain()
+                if not body.finished and resp.stream is None:
+                    try:  # a small remainder is skipped so the client reads the answer
+                        keep = await body.drain() and keep
                     except HttpError:
                         keep = False
                 ok = await self._write(writer, reader, resp, keep, body.finished, head.method)
-                if not (ok and keep):
+                if not (ok and keep and body.finished):
                     return
         except (ConnectionError, OSError):
             return
