@@ -143,18 +143,24 @@ class Borg:
 
 
 class Aenv:
-    """aenv through its public store API (Workspace.blob_writer -> commit; Store.open_blob)."""
+    """aenv, either through its public store API (``mode="api"``: Workspace.blob_writer
+    -> commit, Store.open_blob; every byte of the image goes through the writer) or
+    through its CLI (``mode="cli"``: `aenv image import` / `aenv image export`, which
+    skip the holes of a sparse image file)."""
 
     MEDIA_TYPE = "application/vnd.aenv.disk-layer"
 
-    def __init__(self, work: Path, chunk_size: int | None = None, tag: str = "") -> None:
-        self.name = "aenv" + tag
+    def __init__(self, work: Path, chunk_size: int | None = None, tag: str = "", mode: str = "api") -> None:
+        self.mode = mode
+        self.name = "aenv" + ("-cli" if mode == "cli" else "") + tag
         self.work = work
-        self.data_dir = work / f"aenv{tag}-data"
+        self.data_dir = work / f"{self.name}-data"
         self.chunk_size = chunk_size
         self.blobs: dict[str, Any] = {}
         self.commits: dict[str, Any] = {}
-        self.notes: list[str] = []
+        self.notes: list[str] = (["`aenv image import` / `aenv image export` (sparse-aware: holes not read)"]
+                                 if mode == "cli" else
+                                 ["API: BlobWriter.append of every byte; BlobReader.read from a cold node cache"])
         self._cold = 0
 
     def _settings(self, data_dir: Path) -> Any:
@@ -168,6 +174,21 @@ class Aenv:
         from aenv_store.store import Store
         return Store.open(self._settings(data_dir or self.data_dir), create=create)
 
+    def _cli(self, data_dir: Path, *args: str) -> str:
+        aenv = REPO_ROOT / ".venv" / "bin" / "aenv"
+        cmd = [str(aenv) if aenv.exists() else "aenv", "--data-dir", str(data_dir)]
+        if data_dir != self.data_dir:
+            # a second node: own cache and workspace, the same repository
+            data_dir.mkdir(parents=True, exist_ok=True)
+            (data_dir / "config.toml").write_text(f"[repository]\npath = {json.dumps(str(self.data_dir / 'repo'))}\n")
+        return run(cmd + list(args))
+
+    def cli_has(self, *words: str) -> bool:
+        aenv = REPO_ROOT / ".venv" / "bin" / "aenv"
+        probe = subprocess.run([str(aenv) if aenv.exists() else "aenv", *words, "--help"],
+                               capture_output=True, text=True)
+        return probe.returncode == 0
+
     def version(self) -> str:
         from importlib.metadata import version
         from aenv_store.config import StoreConfig
@@ -175,9 +196,14 @@ class Aenv:
         return f"aenv {version('aenv')} (git {_git_rev()}), chunk {cs // KiB} KiB, zstd {StoreConfig().compression_level}"
 
     def init(self) -> None:
+        if self.mode == "cli" and self.chunk_size is not None:
+            raise BenchError("the CLI subject uses the configured chunk size")
         self._open(create=True).close()
 
     def ingest(self, image: Path, label: str) -> None:
+        if self.mode == "cli":
+            self._cli(self.data_dir, "image", "import", str(image), f"bench-{label}")
+            return
         from aenv_store.catalog import CatalogRecord
         size = image.stat().st_size
         store = self._open()
@@ -198,8 +224,14 @@ class Aenv:
         # A fresh data dir = an empty node cache: every chunk comes from the repository.
         self._cold += 1
         cold_dir = self.work / f"{self.name}-cold-{self._cold}"
-        store = self._open(cold_dir)
         out = dest_dir / f"{label}.img"
+        if self.mode == "cli":
+            try:
+                self._cli(cold_dir, "image", "export", f"bench-{label}", str(out))
+            finally:
+                shutil.rmtree(cold_dir, ignore_errors=True)
+            return out
+        store = self._open(cold_dir)
         try:
             reader = store.open_blob(self.blobs[label])
             with open(out, "wb") as f:
@@ -211,29 +243,19 @@ class Aenv:
         return out
 
     def verify(self) -> str:
-        aenv = REPO_ROOT / ".venv" / "bin" / "aenv"
-        cmd = [str(aenv) if aenv.exists() else "aenv", "--data-dir", str(self.data_dir)]
-        probe = subprocess.run(cmd + ["repo", "verify", "--help"], capture_output=True, text=True)
-        if probe.returncode == 0 and "--read-data" in probe.stdout:
-            run(cmd + ["repo", "verify", "--read-data"])
+        if self.cli_has("repo", "verify"):
+            self._cli(self.data_dir, "repo", "verify", "--read-data")
             return "aenv repo verify --read-data"
-        self._verify_via_api()
-        return "every chunk read + re-hashed via the API (no `aenv repo verify` yet)"
-
-    def _verify_via_api(self) -> None:
-        cold_dir = self.work / f"{self.name}-verify"
-        store = self._open(cold_dir)
+        # `aenv repo` is not registered yet: the same checker, called in-process
+        from aenv_store.verify import format_report, verify
+        store = self._open()
         try:
-            seen: set[bytes] = set()
-            for record in store.list_records():
-                for _role, mid in record.manifests:
-                    for ext in store.load_manifest(mid).extents:
-                        if ext.chunk is not None and ext.chunk not in seen:
-                            seen.add(ext.chunk)
-                            store.read_chunk(ext.chunk)   # verifies BLAKE3 against the id
+            report = verify(store.repository, read_data=True)
         finally:
             store.close()
-            shutil.rmtree(cold_dir, ignore_errors=True)
+        if not report.ok:
+            raise BenchError(f"{self.name}: verify found problems: " + " | ".join(format_report(report, True)))
+        return "aenv_store.verify.verify(read_data=True) in-process (no `aenv repo verify` CLI yet)"
 
     def repo_bytes(self) -> int:
         return dir_bytes(self.data_dir / "repo")
@@ -331,7 +353,8 @@ def measure(subject: Subject, images: Images, work: Path) -> Measured:
     m.readback_identical = file_digest(out) == images.v1_digest
     shutil.rmtree(dest)
     if not m.readback_identical:
-        raise BenchError(f"{subject.name}: read-back of v1 differs from the image")
+        # keep measuring the rest; main() fails the run after printing the table
+        phase(f"{subject.name}: ERROR: read-back of v1 differs from the image")
     phase(f"{subject.name}: verify (read all data)")
     drop_caches()
     with Stopwatch() as sw:
@@ -376,8 +399,13 @@ def _factor(a: float, b: float) -> str:
 
 
 def result_rows(report: Report) -> tuple[list[str], list[list[str]]]:
+    """One row per metric: each tool's value, each aenv variant's ratio to each peer
+    (its value over the peer's: higher is better for speeds, lower for bytes), and
+    whether each aenv variant meets the issue's target against restic."""
     by = {m.tool: m for m in report.results}
-    tools = [t for t in ("aenv", "restic", "borg") if t in by]
+    tools = [t for t in ("aenv", "aenv-cli", "restic", "borg") if t in by]
+    subjects = [t for t in tools if t.startswith("aenv")]
+    peers = [t for t in tools if not t.startswith("aenv")]
     size = report.images["image_bytes"]
     verified = size * 2  # both versions' logical bytes are behind each verify
     metrics: list[tuple[str, str, Any, str]] = [
@@ -387,27 +415,31 @@ def result_rows(report: Report) -> tuple[list[str], list[list[str]]]:
         ("repo after v1", "bytes", lambda m: m.repo_after_v1, ""),
         ("v2 added bytes", "bytes", lambda m: m.v2_added, "v2_added"),
         ("read-back v1 (MB/s)", "speed", lambda m: throughput_mb_s(size, m.readback_s), ""),
-        ("verify all data (s)", "time", lambda m: m.verify_s, "verify"),
-        ("verify (MB/s of image data)", "speed", lambda m: throughput_mb_s(verified, m.verify_s), ""),
+        ("read-back identical", "flag", lambda m: m.readback_identical, ""),
+        ("verify all data (s)", "time", lambda m: m.verify_s, ""),
+        ("verify (MB/s of image data)", "speed", lambda m: throughput_mb_s(verified, m.verify_s), "verify"),
     ]
-    peers = [t for t in tools if t != "aenv"] if "aenv" in tools else []
-    header = ["metric"] + tools + [f"aenv/{t}" for t in peers] + ["target", "met"]
+    pairs = [(s, p) for s in subjects for p in peers]
+    header = (["metric"] + tools + [f"{s}/{p}" for s, p in pairs] + ["target"]
+              + [f"met:{s}" for s in subjects] if "restic" in peers else [])
+    if "restic" not in peers:
+        header = ["metric"] + tools + [f"{s}/{p}" for s, p in pairs]
     rows = []
     for label, kind, value, target in metrics:
         vals = {t: value(by[t]) for t in tools}
-        row = [label] + [human_bytes(vals[t]) if kind == "bytes" else f"{vals[t]:.1f}" for t in tools]
-        ratios = {}
-        for t in peers:
-            # time: how many times faster aenv is; speed/bytes: aenv's value over the peer's
-            ratios[t] = vals[t] / vals["aenv"] if kind == "time" and vals["aenv"] else (
-                vals["aenv"] / vals[t] if vals[t] else float("nan"))
-            row.append(f"{ratios[t]:.2f}x" + (" faster" if kind == "time" else ""))
-        if target and "restic" in ratios:
-            want = TARGETS[target]
-            ok = ratios["restic"] <= want if kind == "bytes" else ratios["restic"] >= want
-            row += [("<= " if kind == "bytes" else ">= ") + f"{want}x restic", "yes" if ok else "NO"]
-        else:
-            row += ["", ""]
+        row = [label] + [human_bytes(vals[t]) if kind == "bytes" else ("yes" if vals[t] else "NO: WRONG DATA")
+                         if kind == "flag" else f"{vals[t]:.1f}" for t in tools]
+        for s, p in pairs:
+            row.append(f"{vals[s] / vals[p]:.2f}x" if kind in ("speed", "bytes") and vals[p] else "")
+        if "restic" in peers:
+            if target:
+                want = TARGETS[target]
+                row.append(("<= " if kind == "bytes" else ">= ") + f"{want}x restic")
+                for s in subjects:
+                    r = vals[s] / vals["restic"] if vals["restic"] else float("nan")
+                    row.append("yes" if (r <= want if kind == "bytes" else r >= want) else "NO")
+            else:
+                row += [""] * (1 + len(subjects))
         rows.append(row)
     return header, rows
 
@@ -461,7 +493,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", type=parse_size, default=parse_size("1G"),
                    help="bytes of real files in the v1 tree (image is ~12%% larger); default 1G")
     p.add_argument("--change-fraction", type=float, default=0.05, help="fraction of files changed in v2")
-    p.add_argument("--tools", default="aenv,restic,borg", help="comma list of aenv,restic,borg")
+    p.add_argument("--tools", default="aenv,aenv-cli,restic,borg",
+                   help="comma list of aenv (store API), aenv-cli (`aenv image import/export`), restic, borg")
     p.add_argument("--chunk-sizes", default="16K,32K,64K,128K,256K",
                    help="aenv chunk sizes for the study (comma list; '' skips it)")
     p.add_argument("--work-dir", type=Path, default=None, help="where images and repositories go (default: a temp dir)")
@@ -472,9 +505,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown here")
     args = p.parse_args(argv)
     args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    bad = sorted(set(args.tools) - {"aenv", "restic", "borg"})
+    bad = sorted(set(args.tools) - {"aenv", "aenv-cli", "restic", "borg"})
     if bad:
-        p.error(f"unknown tool {bad[0]} (choose from aenv, restic, borg)")
+        p.error(f"unknown tool {bad[0]} (choose from aenv, aenv-cli, restic, borg)")
     try:
         args.chunk_sizes = [parse_size(s) for s in args.chunk_sizes.split(",") if s.strip()]
     except ValueError as e:
@@ -501,8 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         report = Report(machine=machine, cache_dropped=drop_caches(), images={
             "image_bytes": images.size, "tree_files": images.tree_files, "tree_bytes": images.tree_bytes,
             "changes": {**asdict(images.changes), "changed": images.changes.changed}})
-        makers = {"aenv": lambda: Aenv(work), "restic": lambda: Restic(work), "borg": lambda: Borg(work)}
+        makers = {"aenv": lambda: Aenv(work), "aenv-cli": lambda: Aenv(work, mode="cli"),
+                  "restic": lambda: Restic(work), "borg": lambda: Borg(work)}
         for tool in args.tools:
+            if tool == "aenv-cli" and not Aenv(work, mode="cli").cli_has("image", "import"):
+                phase("aenv-cli: no `aenv image import` in this build; skipped")
+                continue
             report.results.append(measure(makers[tool](), images, work))
         if args.chunk_sizes:
             from aenv_store.config import StoreConfig
@@ -513,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
             args.markdown.write_text(render(report, markdown=True) + "\n")
         if args.json:
             args.json.write_text(json.dumps(to_json(report), indent=2, default=str) + "\n")
+        wrong = [m.tool for m in report.results if not m.readback_identical]
+        if wrong:
+            raise BenchError(f"read-back differs from the image for: {', '.join(wrong)}")
     finally:
         if args.keep:
             phase(f"kept {work}")
