@@ -56,7 +56,8 @@ def parse_ticket(ticket: str) -> tuple[Any, str]:
     try:
         addr = iroh.EndpointTicket.from_string(ticket.strip()).endpoint_addr()
     except Exception as e:  # IrohError or ValueError from the bindings
-        raise ConfigError(f"not an iroh endpoint ticket: {ticket[:40]!r}… ({e})") from None
+        detail = str(e) or type(e).__name__
+        raise ConfigError(f"not an iroh endpoint ticket: {ticket[:40]!r} ({detail})") from None
     return addr, str(addr.id())
 
 
@@ -138,8 +139,11 @@ class P2PNode:
                     c.conn.close(0, b"bye")
                 except Exception:  # noqa: BLE001
                     pass
+        self._conns.clear()
         if self._endpoint is not None:
             await self._endpoint.close()
+            # the UDP socket is released only when the last handle to the endpoint goes
+            self._endpoint = None
 
     def __enter__(self) -> "P2PNode":
         return self
@@ -424,3 +428,11 @@ class P2PNode:
             return await self._request(peer, Op.HAVE, cids, deadline)  # type: ignore[no-any-return]
 
         return self._run(ask(), timeout=10)
+
+
+def offline_ticket(data_dir: Path, port: int) -> str:
+    """The ticket a node on ``data_dir`` will have when it listens on ``port``
+    (needs a fixed ``p2p.port``; with port 0 only a running node knows its ticket)."""
+    key = iroh.SecretKey.from_bytes(peerfile.load_secret(data_dir))
+    addr = iroh.EndpointAddr(key.public(), None, [f"{BIND_HOST}:{port}"])
+    return str(iroh.EndpointTicket.from_addr(addr))
