@@ -71,8 +71,8 @@ class Store:
             raise ConfigError(f"store.chunk_size: {e}") from None
         if settings.store.compression_level not in range(-7, 23):
             raise ConfigError(f"store.compression_level must be in 1..19, got {settings.store.compression_level}")
-        if settings.store.pack_target_size < 1 << 20:
-            raise ConfigError("store.pack_target_size must be at least 1 MiB")
+        if settings.store.pack_target_size < 64 << 10:
+            raise ConfigError("store.pack_target_size must be at least 64 KiB")
         where = describe_location(settings)
         backend = open_backend_for(settings)
         try:

@@ -1,0 +1,216 @@
+"""Repository/Store behaviour: abort leaves nothing, exclusive catalog records,
+clear errors on open, corruption detection on read, index rebuild, stale
+workspace cleanup after a killed writer."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from aenv_store.catalog import CatalogRecord
+from aenv_store.errors import AlreadyExists, CorruptData, NotFound, RepositoryError
+from aenv_store.ids import Digest
+from aenv_store.repository import pack_key
+from aenv_store.store import Store
+
+from .conftest import make_settings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def objects(repo: Path) -> set[str]:
+    """Every repository object except config and locks."""
+    out = set()
+    for p in repo.rglob("*"):
+        rel = p.relative_to(repo).as_posix()
+        if p.is_file() and rel != "config" and not rel.startswith("locks/"):
+            out.add(rel)
+    return out
+
+
+def write_blob(store: Store, data: bytes, name: str | None = None) -> Digest:
+    with store.workspace() as ws:
+        w = ws.blob_writer()
+        w.append(data)
+        mid = w.close()
+        ws.commit(CatalogRecord(name, "layer", (("d", mid),)) if name else None)
+    return mid
+
+
+def test_abort_and_exception_leave_nothing(settings_factory, tmp_path: Path) -> None:
+    with Store.open(settings_factory(), create=True) as store:
+        ws = store.workspace()
+        w = ws.blob_writer()
+        w.append(os.urandom(200_000))
+        w.close()
+        ws.abort()
+        with pytest.raises(RuntimeError):
+            with store.workspace() as ws2:
+                ws2.blob_writer().append(os.urandom(200_000))
+                raise RuntimeError("builder failed")
+        assert ws2.state == "aborted"
+        assert objects(tmp_path / "repo") == set()
+        assert list((tmp_path / "node" / "workspace").iterdir()) == []
+
+
+def test_exclusive_record_conflict_and_replace(settings_factory) -> None:
+    with Store.open(settings_factory(), create=True) as store:
+        a = write_blob(store, b"a" * 5000, "snap")
+        with store.workspace() as ws:
+            w = ws.blob_writer()
+            w.append(b"b" * 5000)
+            b = w.close()
+            with pytest.raises(AlreadyExists):
+                ws.commit(CatalogRecord("snap", "layer", (("d", b),)))
+            ws.commit(CatalogRecord("snap", "layer", (("d", b),)), exclusive=False)
+        assert store.get_record("snap").manifest("d") == b != a
+        store.put_record(CatalogRecord("latest", "alias", target="snap"))
+        assert store.resolve("latest").manifest("d") == b
+        assert [r.name for r in store.list_records("alias")] == ["latest"]
+        store.delete_record("latest")
+        with pytest.raises(NotFound):
+            store.get_record("latest")
+
+
+def test_concurrent_exclusive_creates_one_winner(settings_factory, tmp_path: Path) -> None:
+    with Store.open(settings_factory(), create=True) as store:
+        mid = write_blob(store, b"z" * 100)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO_ROOT)!r})
+        from pathlib import Path
+        from tests.store.conftest import make_settings
+        from aenv_store.store import Store
+        from aenv_store.catalog import CatalogRecord
+        from aenv_store.ids import Digest
+        from aenv_store.errors import AlreadyExists
+        with Store.open(make_settings(Path(sys.argv[1]), Path(sys.argv[2]))) as s:
+            try:
+                s.put_record(CatalogRecord("race", "layer", (("d", Digest.from_hex({mid.hex()!r})),),
+                                           meta=(("who", sys.argv[1]),)))
+                print("won")
+            except AlreadyExists:
+                print("lost")
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"n{i}"), str(tmp_path / "repo")],
+                              stdout=subprocess.PIPE, text=True) for i in range(4)]
+    results = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert sorted(results) == ["lost", "lost", "lost", "won"]
+
+
+def test_open_errors(tmp_path: Path) -> None:
+    s = make_settings(tmp_path / "d")
+    with pytest.raises(RepositoryError, match="no repository at .*aenv repo init"):
+        Store.open(s)
+    Store.open(s, create=True).close()
+    config = tmp_path / "d" / "repo" / "config"
+    good = config.read_bytes()
+    obj = json.loads(good)
+    config.write_text(json.dumps({**obj, "version": 99}))
+    with pytest.raises(RepositoryError, match="version 99"):
+        Store.open(s)
+    config.write_bytes(b"\x00garbage")
+    with pytest.raises(RepositoryError, match="corrupt repository config"):
+        Store.open(s)
+    config.write_bytes(good)
+    Store.open(s).close()
+    with pytest.raises(RepositoryError, match="already exists"):
+        Store.init(s)
+
+
+def test_corrupt_chunk_is_reported_with_chunk_and_pack(settings_factory, tmp_path: Path) -> None:
+    data = os.urandom(4096) * 3  # incompressible chunk stored raw
+    with Store.open(settings_factory(), create=True) as store:
+        mid = write_blob(store, data)
+        m = store.load_manifest(mid)
+    [pack_file] = [p for p in (tmp_path / "repo" / "packs").rglob("*") if p.is_file()]
+    raw = bytearray(pack_file.read_bytes())
+    raw[100] ^= 0xFF  # inside the first (only) payload
+    pack_file.write_bytes(bytes(raw))
+    with Store.open(settings_factory("cold")) as cold:
+        entry = cold.repository.lookup(m.extents[0].chunk)
+        assert entry is not None
+        with pytest.raises(CorruptData) as e:
+            cold.open_blob(mid).read(0, 4096)
+        assert m.extents[0].chunk.hex() in str(e.value) and entry.pack.hex() in str(e.value)
+        assert cold.cache is None or not cold.cache.contains(m.extents[0].chunk)  # never cached
+
+
+def test_rebuild_index_from_pack_trailers(settings_factory, tmp_path: Path) -> None:
+    data = os.urandom(300_000)  # several 64 KiB packs
+    with Store.open(settings_factory(), create=True) as store:
+        mid = write_blob(store, data, "x")
+        write_blob(store, os.urandom(50_000), "y")
+    index_dir = tmp_path / "repo" / "index"
+    for f in index_dir.iterdir():
+        f.unlink()
+    with Store.open(settings_factory("cold")) as cold:
+        with pytest.raises(NotFound):
+            cold.open_blob(mid).read(0, 10)
+        iid, n = cold.repository.rebuild_index()
+        assert iid is not None and n == 300_000 // 4096 + 1 + 50_000 // 4096 + 1
+        assert cold.open_blob(mid).read(0, len(data)) == data
+    assert [f.name for f in index_dir.iterdir()] == [iid.hex()]
+
+
+def test_truncated_index_file_is_skipped_and_reported(settings_factory, tmp_path: Path) -> None:
+    with Store.open(settings_factory(), create=True) as store:
+        write_blob(store, os.urandom(10_000), "x")
+    [f] = list((tmp_path / "repo" / "index").iterdir())
+    f.write_bytes(f.read_bytes()[:-10])
+    with Store.open(settings_factory("cold")) as cold:
+        assert list(cold.repository.bad_index_files) == [f"index/{f.name}"]
+        assert len(cold.repository.index) == 0
+
+
+def test_killed_writer_leaves_nothing_visible_and_is_cleaned(tmp_path: Path) -> None:
+    data_dir, repo = tmp_path / "killed", tmp_path / "repo"
+    Store.open(make_settings(tmp_path / "init", repo), create=True).close()
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO_ROOT)!r})
+        from pathlib import Path
+        from tests.store.conftest import make_settings
+        from aenv_store.store import Store
+        s = Store.open(make_settings(Path(sys.argv[1]), Path(sys.argv[2])))
+        ws = s.workspace()
+        w = ws.blob_writer()
+        w.append(os.urandom(500_000))
+        w.write(3, b"partial")
+        print("staged", flush=True)
+        sys.stdin.read()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script, str(data_dir), str(repo)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "staged"
+        [ws_dir] = list((data_dir / "workspace").iterdir())
+        assert any(ws_dir.iterdir())  # packs / scratch on local disk
+        # while the owner lives, another open must not touch its workspace
+        Store.open(make_settings(data_dir / "other", repo)).close()
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    assert ws_dir.exists()
+    assert objects(repo) == set()
+    # the next open on that data dir removes the dead workspace (its flock is gone)
+    # and gets past the dead writer's repository lock
+    Store.open(make_settings(data_dir, repo)).close()
+    assert not ws_dir.exists()
+
+
+def test_pack_key_layout(settings_factory, tmp_path: Path) -> None:
+    with Store.open(settings_factory(), create=True) as store:
+        mid = write_blob(store, os.urandom(5000), "k")
+        pid = store.repository.lookup(store.load_manifest(mid).extents[0].chunk).pack
+    repo = tmp_path / "repo"
+    assert (repo / pack_key(pid)).is_file()
+    assert (repo / "manifests" / mid.hex()[:2] / mid.hex()).is_file()
+    assert (repo / "catalog" / "k").is_file()
+    assert Digest.of((repo / pack_key(pid)).read_bytes()) == pid
