@@ -13,13 +13,14 @@ the memory file before resuming it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import QemuExited, VmError, VmTimeout
+from .errors import QemuExited, QmpConnectionError, VmError, VmTimeout
 from .launcher import QemuProcess
 
 
@@ -79,6 +80,24 @@ async def save_device_state(vm: QemuProcess, path: Path, timeout: float = 30.0) 
     return DeviceStateSnapshot(path=path, size=path.stat().st_size, stop_seconds=t1 - t0, save_seconds=t2 - t1)
 
 
+async def _wait_running(vm: QemuProcess, timeout: float) -> None:
+    assert vm.qmp is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        if not vm.alive():
+            raise QmpConnectionError("QEMU exited")
+        state = await status(vm)
+        if state == "running":
+            return
+        if state == "paused" and (await vm.qmp.execute("query-migrate")).get("status") == "completed":
+            # The stream carries the source's run state: a snapshot taken paused loads paused.
+            await vm.qmp.execute("cont")
+            return
+        if time.monotonic() > deadline:
+            raise VmTimeout(f"{vm.spec.name} not running {timeout} s after migrate-incoming (status {state})")
+        await asyncio.sleep(0.002)
+
+
 async def load_device_state(vm: QemuProcess, path: Path, timeout: float = 30.0) -> RestoreTiming:
     """Restore ``path`` into ``vm`` (started with incoming_defer) and wait until it runs."""
     if vm.qmp is None:
@@ -88,25 +107,17 @@ async def load_device_state(vm: QemuProcess, path: Path, timeout: float = 30.0) 
     if not path.is_file():
         raise VmError(f"device-state file not found: {path}")
     t0 = time.monotonic()
-    await _set_ignore_shared(vm)
-    await vm.qmp.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(path))}"})
-    deadline = time.monotonic() + timeout
-    while True:
-        if not vm.alive():  # QEMU exits when an incoming stream does not load
-            raise QemuExited(f"QEMU {vm.spec.name} exited while loading {path}:\n{vm.log_tail()}")
-        try:
-            state = await status(vm)
-        except VmError:
-            if not vm.alive():
-                continue
+    try:
+        await _set_ignore_shared(vm)
+        await vm.qmp.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(path))}"})
+        await _wait_running(vm, timeout)
+    except VmError as e:
+        if isinstance(e, QemuExited):
             raise
-        if state == "running":
-            break
-        if state == "paused" and (await vm.qmp.execute("query-migrate")).get("status") == "completed":
-            # The stream carries the source's run state: a snapshot taken paused loads paused.
-            await vm.qmp.execute("cont")
-            break
-        if time.monotonic() > deadline:
-            raise VmTimeout(f"{vm.spec.name} not running {timeout} s after migrate-incoming (status {state})")
-        await asyncio.sleep(0.002)
+        # QEMU exits when an incoming stream does not load, possibly before it answers QMP.
+        with contextlib.suppress(VmTimeout):
+            await vm.wait_exit(2.0)
+        if not vm.alive():
+            raise QemuExited(f"QEMU {vm.spec.name} exited while loading {path}:\n{vm.log_tail()}") from None
+        raise
     return RestoreTiming(load_seconds=time.monotonic() - t0)
