@@ -196,11 +196,15 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------- process
 
+# Resolved once in the parent: dlopen() in a child forked from a threaded process
+# could deadlock on a loader lock another thread held at fork time.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _child_setup(parent_pid: int) -> None:
-    """Runs in the child between fork and exec (keep it async-signal-safe-ish)."""
+    """Runs in the child between fork and exec: no imports, no dlopen, no locks."""
     os.setpgid(0, 0)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
