@@ -34,9 +34,11 @@ CONNECT_STREAM_CT = "application/connect+json"
 VERSION = "0.6.7"  # the upstream envd feature level this implementation serves
 
 
-def _connect_error_response(err: ConnectError, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+def _connect_error_response(
+    err: ConnectError, headers: tuple[tuple[str, str], ...] = (), status: int | None = None
+) -> Response:
     return Response(
-        err.code.http_status, (("Content-Type", "application/json"), *headers), connect.unary_error_body(err)
+        status or err.code.http_status, (("Content-Type", "application/json"), *headers), connect.unary_error_body(err)
     )
 
 
@@ -183,7 +185,9 @@ class EnvdServer:
         if isinstance(r, RouteError):
             extra = (("Allow", r.allow),) if r.allow else ()
             if r.connect_code is not None:
-                return _connect_error_response(ConnectError(Code(_code(r.connect_code)), r.message), extra)
+                # Protocol-level rejections keep their HTTP status (415, 405,
+                # 404) as connect-go does, with a Connect JSON body.
+                return _connect_error_response(ConnectError(Code(_code(r.connect_code)), r.message), extra, r.status)
             return http_error(r.status, r.message) if not extra else Response(
                 r.status, (("Content-Type", "application/json"), *extra),
                 json.dumps({"code": r.status, "message": r.message}).encode(),
