@@ -12,6 +12,8 @@ checker knows exactly which bytes it must read back, journal or not.
 Journal lines (fsynced, written by the committer):
   ``C <name>``  after commit() returned: the record must exist and read back.
   ``D <name>``  *before* deleting the record: it may or may not exist afterwards.
+Record names are ``<prefix>-<seed>``; the prefix may itself contain dashes
+(re-commits of a deleted artifact's content use ``<prefix>x<n>-<seed>``).
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def _journal(fd: int, line: str) -> None:
 
 
 def run(data_dir: Path, prefix: str, seed: int, journal: Path, count: int, delete_prob: float,
-        pause: float) -> None:
+        pause: float, recommit_prob: float = 0.0) -> None:
     from aenv_api.config import load_config
     from aenv_store.catalog import CatalogRecord
     from aenv_store.store import Store
@@ -97,6 +99,7 @@ def run(data_dir: Path, prefix: str, seed: int, journal: Path, count: int, delet
     rng = random.Random(seed)
     fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     mine: list[str] = []
+    deleted: list[int] = []
     print("ready", flush=True)
     done = 0
     while count <= 0 or done < count:
@@ -104,8 +107,15 @@ def run(data_dir: Path, prefix: str, seed: int, journal: Path, count: int, delet
             victim = mine.pop(rng.randrange(len(mine)))
             _journal(fd, f"D {victim}")
             store.delete_record(victim)
-        art_seed = rng.getrandbits(48)
-        name = record_name(prefix, art_seed)
+            deleted.append(seed_of(victim))
+        if deleted and rng.random() < recommit_prob:
+            # Same content as a deleted artifact, new name: its chunks may be garbage a
+            # gc just removed, so dedup against a stale view of the index would lose data.
+            art_seed = deleted.pop(rng.randrange(len(deleted)))
+            name = record_name(f"{prefix}x{done}", art_seed)
+        else:
+            art_seed = rng.getrandbits(48)
+            name = record_name(prefix, art_seed)
         with store.workspace() as ws:
             mid = write_artifact(ws, content(art_seed), rng)
             ws.commit(CatalogRecord(name=name, kind="snapshot", manifests=(("data", mid),),
@@ -128,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=0, help="commits to make (0 = until killed)")
     p.add_argument("--delete-prob", type=float, default=0.0)
     p.add_argument("--pause", type=float, default=0.0, help="max random sleep between commits (s)")
+    p.add_argument("--recommit-prob", type=float, default=0.0,
+                   help="chance to re-commit the content of a deleted artifact under a new name")
     a = p.parse_args(argv)
-    run(a.data_dir, a.prefix, a.seed, a.journal, a.count, a.delete_prob, a.pause)
+    run(a.data_dir, a.prefix, a.seed, a.journal, a.count, a.delete_prob, a.pause, a.recommit_prob)
     return 0
 
 
