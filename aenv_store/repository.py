@@ -130,13 +130,17 @@ class Repository:
         return cls(backend, config, where)
 
     @classmethod
-    def open(cls, backend: Backend, where: str) -> "Repository":
+    def open(cls, backend: Backend, where: str, load_index: bool = True) -> "Repository":
+        """Open an existing repository; ``load_index=False`` skips reading the index
+        files (catalog / manifest work only; lookups then see nothing until
+        ``refresh_index``)."""
         try:
             data = backend.get(CONFIG_KEY)
         except NotFound:
             raise RepositoryError(f"no repository at {where}; run `aenv repo init`") from None
         repo = cls(backend, RepoConfig.decode(data, where), where)
-        repo.refresh_index()
+        if load_index:
+            repo.refresh_index()
         return repo
 
     def close(self) -> None:
