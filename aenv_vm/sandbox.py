@@ -1,0 +1,274 @@
+"""Sandboxes restored from templates, and the warm pool.
+
+``SandboxManager.create(template)`` never cold-boots: it maps the template's
+memory file ``share=off`` (copy-on-write, shared page cache), gives the
+sandbox its own writable upper disk layer over the template's disk layer
+(served by one NBD server per manager), starts QEMU with ``-incoming defer``,
+loads the device state, waits for envd and calls envd ``/init`` (env vars,
+access token, clock). Any failure tears the half-made sandbox down.
+
+Under TCG the first request to a freshly restored VM is slow (the software
+CPU translates the guest's code afresh in each QEMU process), so a pool per
+template keeps ``pool_size`` sandboxes restored and already warmed by one
+request; ``create`` takes one from the pool (then only ``/init`` remains) and
+refills in the background. pool_size 0 disables the pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import logging
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aenv_store.store import Store
+
+from .blockimage.image import BlockImage
+from .blockimage.nbd_server import NbdServer
+from .guest import GuestImage, wait_http_ok
+from .qemu.errors import VmError
+from .qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
+from .qemu.migration import load_device_state
+from .template import Template, TemplateError, find_template, materialize
+
+log = logging.getLogger(__name__)
+
+
+class SandboxError(VmError):
+    """A sandbox could not be created or found."""
+
+
+@dataclass(frozen=True)
+class CreateTiming:
+    qemu_start: float
+    state_load: float
+    first_answer: float
+    init: float
+    total: float
+    from_pool: bool
+
+
+@dataclass
+class Sandbox:
+    id: str
+    template: Template
+    vm: QemuProcess
+    image: BlockImage
+    dir: Path
+    created: float = field(default_factory=time.time)
+    timing: CreateTiming | None = None
+
+    @property
+    def envd_port(self) -> int:
+        assert self.vm.spec.host_port is not None
+        return self.vm.spec.host_port
+
+    @property
+    def envd_url(self) -> str:
+        return f"http://127.0.0.1:{self.envd_port}"
+
+    @property
+    def serial_log(self) -> Path:
+        return self.vm.spec.serial_log
+
+
+async def _post_json(port: int, path: str, body: dict, timeout: float = 10.0) -> int:
+    payload = json.dumps(body).encode()
+
+    async def _go() -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+            await writer.drain()
+            status_line = await reader.readline()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        try:
+            return int(status_line.split(b" ", 2)[1])
+        except (IndexError, ValueError):
+            raise SandboxError(f"envd sent no HTTP status for POST {path}") from None
+    return await asyncio.wait_for(_go(), timeout)
+
+
+class SandboxManager:
+    """Creates, tracks and kills this node's sandboxes. Use within one event loop."""
+
+    def __init__(self, store: Store, guest: GuestImage, run_root: Path, *, pool_size: int = 0,
+                 ready_timeout: float = 60.0) -> None:
+        self.store = store
+        self.guest = guest
+        self.run_root = run_root
+        self.pool_size = pool_size
+        self.ready_timeout = ready_timeout
+        self.sandboxes: dict[str, Sandbox] = {}
+        self._pools: dict[str, list[Sandbox]] = {}
+        self._refills: dict[str, asyncio.Task] = {}
+        self._local_lock = asyncio.Lock()
+        self.nbd = NbdServer(run_root / "nbd.sock")
+        self._started = False
+
+    async def start(self) -> None:
+        self.run_root.mkdir(parents=True, exist_ok=True)
+        (self.run_root / "sandboxes").mkdir(exist_ok=True)
+        await self.nbd.start()
+        self._started = True
+
+    async def __aenter__(self) -> "SandboxManager":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _template(self, ref: str) -> Template:
+        tpl = find_template(self.store, ref)
+        if tpl.guest_key != self.guest.key:
+            raise TemplateError(f"template {tpl.id} was built from guest {tpl.guest_key}, this node runs guest "
+                                f"{self.guest.key}: rebuild the template")
+        return tpl
+
+    async def _restore(self, tpl: Template) -> Sandbox:
+        """A running, envd-ready sandbox restored from ``tpl`` (not yet /init-ed)."""
+        if not self._started:
+            raise SandboxError("SandboxManager.start() was not called")
+        async with self._local_lock:  # one writer of the local template files
+            mem, state = await asyncio.to_thread(materialize, self.store, tpl, self.run_root / "templates")
+        sid = "sbx-" + secrets.token_hex(8)
+        sdir = self.run_root / "sandboxes" / sid
+        sdir.mkdir(parents=True)
+        image: BlockImage | None = None
+        vm: QemuProcess | None = None
+        try:
+            image = BlockImage.open(self.store, tpl.disk, sid, upper_dir=sdir / "upper")
+            self.nbd.add_export(image)
+            spec = VmSpec(name=sid, kernel=self.guest.kernel, initrd=self.guest.initrd,
+                          kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
+                          vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
+                          mem_path=mem, mem_share=False, disk=NbdDisk(self.nbd.socket_path, sid),
+                          host_port=free_port(), incoming_defer=True)
+            t0 = time.monotonic()
+            vm = await QemuProcess.start(spec)
+            t1 = time.monotonic()
+            await load_device_state(vm, state)
+            t2 = time.monotonic()
+            await wait_http_ok(spec.host_port or 0, "/health", timeout=self.ready_timeout, alive=vm.alive)
+            t3 = time.monotonic()
+            sbx = Sandbox(sid, tpl, vm, image, sdir)
+            sbx.timing = CreateTiming(t1 - t0, t2 - t1, t3 - t2, 0.0, t3 - t0, False)
+            return sbx
+        except BaseException:
+            await self._teardown(sid, vm, image, sdir)
+            raise
+
+    async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
+                     access_token: str | None = None) -> Sandbox:
+        """A new sandbox from ``template`` (id or alias), envd initialised."""
+        t0 = time.monotonic()
+        tpl = self._template(template)
+        pool = self._pools.get(tpl.id, [])
+        sbx = None
+        while pool and sbx is None:
+            candidate = pool.pop(0)
+            if candidate.vm.alive():
+                sbx = candidate
+            else:
+                await self._teardown(candidate.id, candidate.vm, candidate.image, candidate.dir)
+        from_pool = sbx is not None
+        if sbx is None:
+            sbx = await self._restore(tpl)
+        self._schedule_refill(tpl)
+        try:
+            ti = time.monotonic()
+            body: dict = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+            if env_vars:
+                body["envVars"] = env_vars
+            if access_token:
+                body["accessToken"] = access_token
+            code = await _post_json(sbx.envd_port, "/init", body)
+            if not 200 <= code < 300:
+                raise SandboxError(f"envd /init answered HTTP {code}")
+        except BaseException:
+            await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
+            raise
+        done = time.monotonic()
+        base = sbx.timing or CreateTiming(0, 0, 0, 0, 0, False)
+        sbx.timing = CreateTiming(base.qemu_start if not from_pool else 0.0,
+                                  base.state_load if not from_pool else 0.0,
+                                  base.first_answer if not from_pool else 0.0,
+                                  done - ti, done - t0, from_pool)
+        sbx.created = time.time()
+        self.sandboxes[sbx.id] = sbx
+        return sbx
+
+    def _schedule_refill(self, tpl: Template) -> None:
+        if self.pool_size <= 0:
+            return
+        task = self._refills.get(tpl.id)
+        if task is None or task.done():
+            self._refills[tpl.id] = asyncio.get_running_loop().create_task(self._refill(tpl))
+
+    async def _refill(self, tpl: Template) -> None:
+        pool = self._pools.setdefault(tpl.id, [])
+        while len(pool) < self.pool_size:
+            try:
+                sbx = await self._restore(tpl)
+                # One request already served: TCG has translated the hot paths of this QEMU.
+                await wait_http_ok(sbx.envd_port, "/health", timeout=10)
+            except (VmError, OSError) as e:
+                log.warning("pool refill for %s failed: %s", tpl.id, e)
+                return
+            pool.append(sbx)
+
+    async def fill_pool(self, template: str) -> None:
+        """Fill the pool of ``template`` now (e.g. at server start) and wait for it."""
+        tpl = self._template(template)
+        self._schedule_refill(tpl)
+        with contextlib.suppress(Exception):
+            await self._refills[tpl.id]
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        try:
+            return self.sandboxes[sandbox_id]
+        except KeyError:
+            raise SandboxError(f"unknown sandbox {sandbox_id!r}") from None
+
+    async def kill(self, sandbox_id: str) -> None:
+        sbx = self.sandboxes.pop(sandbox_id, None)
+        if sbx is None:
+            raise SandboxError(f"unknown sandbox {sandbox_id!r}")
+        await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
+
+    async def _teardown(self, sid: str, vm: QemuProcess | None, image: BlockImage | None, sdir: Path) -> None:
+        if vm is not None:
+            await vm.stop(timeout=2.0)
+        self.nbd.remove_export(sid)
+        if image is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(image.close)
+        shutil.rmtree(sdir, ignore_errors=True)
+
+    async def close(self) -> None:
+        """Kill every sandbox (pooled too), stop the NBD server, remove local run state."""
+        for task in self._refills.values():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        self._refills.clear()
+        for pool in self._pools.values():
+            for sbx in pool:
+                await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
+        self._pools.clear()
+        for sid in list(self.sandboxes):
+            await self.kill(sid)
+        if self._started:
+            await self.nbd.close()
+            self._started = False
+        shutil.rmtree(self.run_root / "sandboxes", ignore_errors=True)

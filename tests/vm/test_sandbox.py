@@ -1,0 +1,131 @@
+"""Templates and sandboxes end to end: build a template from the guest (root
+disk over aenv's NBD server), restore sandboxes from it, drive them with the
+real e2b SDK pointed straight at each sandbox's envd."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from aenv_store.catalog import CatalogRecord
+from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
+from aenv_store.store import Store
+from aenv_vm.guest import GuestImage
+from aenv_vm.qemu.errors import VmError
+from aenv_vm.sandbox import SandboxManager
+from aenv_vm.template import (DEVICE_STATE, TEMPLATE_KIND, Template, TemplateError, build_template, find_template,
+                              list_templates)
+
+pytestmark = pytest.mark.qemu
+
+
+@dataclass(frozen=True)
+class Built:
+    store: Store
+    template: Template
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def built(guest: GuestImage, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    d = tmp_path_factory.mktemp("tplstore")
+    settings = StoreSettings(paths=StorePaths(d / "data"), repository=RepositoryConfig(), store=StoreConfig(),
+                             cache=CacheConfig(capacity=4 << 30, min_free_disk=0))
+    store = Store.open(settings, create=True)
+    try:
+        t0 = time.monotonic()
+        tpl = asyncio.run(build_template(store, guest, d / "work", alias="base", memory_mib=256))
+        seconds = time.monotonic() - t0
+        print(f"\n[vm] template build (import + NBD cold boot + snapshot + commit) {seconds:.1f} s")
+        assert sorted(os.listdir(d / "work")) == []  # build leftovers removed
+        yield Built(store, tpl, seconds)
+    finally:
+        store.close()
+
+
+def test_template_is_addressable_by_id_and_alias(built: Built) -> None:
+    assert find_template(built.store, "base") == built.template
+    assert find_template(built.store, built.template.id) == built.template
+    assert [(t.id, aliases) for t, aliases in list_templates(built.store)] == [(built.template.id, ["base"])]
+    with pytest.raises(TemplateError, match="unknown template"):
+        find_template(built.store, "no-such-template")
+
+
+def test_three_sandboxes_from_one_template(guest: GuestImage, built: Built, tmp_path: Path) -> None:
+    from e2b import Sandbox as E2BSandbox
+
+    async def run() -> None:
+        async with SandboxManager(built.store, guest, tmp_path / "node") as mgr:
+            sbxs = [await mgr.create("base", env_vars={"AENV_TEST": "yes"}) for _ in range(3)]
+            for s in sbxs:
+                assert s.timing is not None
+                print(f"\n[vm] create (no pool): QEMU start {s.timing.qemu_start * 1000:.0f} ms, state load "
+                      f"{s.timing.state_load * 1000:.0f} ms, first answer {s.timing.first_answer * 1000:.0f} ms, "
+                      f"/init {s.timing.init * 1000:.0f} ms, total {s.timing.total * 1000:.0f} ms")
+
+            def check() -> None:
+                clients = [E2BSandbox.create(debug=True, sandbox_url=s.envd_url, api_key="test") for s in sbxs]
+                for i, c in enumerate(clients):
+                    release = c.commands.run("uname -r").stdout.strip()
+                    assert release == guest.kernel_release and release != os.uname().release
+                    assert c.commands.run("echo $AENV_TEST").stdout.strip() == "yes"
+                    c.files.write(f"/home/user/only-in-{i}", f"sandbox {i}")
+                for i, c in enumerate(clients):
+                    assert c.files.read(f"/home/user/only-in-{i}") == f"sandbox {i}"
+                    others = [j for j in range(3) if j != i]
+                    assert not any(c.files.exists(f"/home/user/only-in-{j}") for j in others)
+                    assert "envd" in c.commands.run("ps -eo args").stdout
+
+            await asyncio.to_thread(check)
+            dirs = [s.dir for s in sbxs]
+            for s in sbxs:
+                await mgr.kill(s.id)
+            assert not any(d.exists() for d in dirs)
+        assert not (tmp_path / "node" / "nbd.sock").exists()
+        assert not (tmp_path / "node" / "sandboxes").exists()
+
+    asyncio.run(run())
+
+
+def test_bad_templates_leave_nothing_behind(guest: GuestImage, built: Built, tmp_path: Path) -> None:
+    tpl = built.template
+    with built.store.workspace() as ws:
+        w = ws.blob_writer(DEVICE_STATE, size=70_000)
+        w.write(0, b"QEVM" + os.urandom(69_996))
+        garbage = w.close()
+        ws.commit(CatalogRecord(name="tpl-corrupt0", kind=TEMPLATE_KIND,
+                                manifests=(("disk", tpl.disk), ("memory", tpl.memory), ("state", garbage)),
+                                meta=(("accel", tpl.accel), ("guest_key", tpl.guest_key),
+                                      ("kernel_cmdline", tpl.kernel_cmdline), ("memory_mib", str(tpl.memory_mib)),
+                                      ("vcpus", str(tpl.vcpus)))))
+
+    async def run() -> None:
+        async with SandboxManager(built.store, guest, tmp_path / "node") as mgr:
+            with pytest.raises(TemplateError, match="unknown template"):
+                await mgr.create("nope")
+            with pytest.raises(VmError, match="exited while loading"):
+                await mgr.create("tpl-corrupt0")
+            assert mgr.sandboxes == {}
+            assert os.listdir(tmp_path / "node" / "sandboxes") == []
+
+    asyncio.run(run())
+
+
+def test_warm_pool_hands_out_ready_sandboxes(guest: GuestImage, built: Built, tmp_path: Path) -> None:
+    async def run() -> None:
+        async with SandboxManager(built.store, guest, tmp_path / "node", pool_size=1) as mgr:
+            await mgr.fill_pool("base")
+            s = await mgr.create("base")
+            assert s.timing is not None and s.timing.from_pool
+            print(f"\n[vm] create from warm pool: total {s.timing.total * 1000:.0f} ms (/init "
+                  f"{s.timing.init * 1000:.0f} ms)")
+            from aenv_vm.guest import http_get
+            code, _ = await http_get(s.envd_port, "/health", timeout=10)
+            assert code == 204
+            await mgr.kill(s.id)
+
+    asyncio.run(run())
