@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from typing import AsyncIterator
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 MAX_HEAD_BYTES = 64 * 1024
 READ_SIZE = 256 * 1024
@@ -88,15 +88,17 @@ def parse_request_head(data: bytes) -> RequestHead:
         raise HttpError(505 if version.startswith("HTTP/") else 400, f"unsupported version {version!r}")
     if not target.startswith("/"):
         raise HttpError(400, "request target must be an absolute path")
-    split = urlsplit(target)
+    # Not urlsplit: "//x" is an absolute path here, not a network location.
+    raw_path, _, raw_query = target.partition("?")
+    raw_path = raw_path.partition("#")[0]
     headers: list[tuple[str, str]] = []
     for line in lines[1:]:
         name, sep, value = line.partition(":")
         if not sep or not name or not set(name) <= _TOKEN_CHARS:
             raise HttpError(400, f"malformed header line {line[:40]!r}")
         headers.append((name.lower(), value.strip(" \t")))
-    query = tuple(parse_qsl(split.query, keep_blank_values=True))
-    return RequestHead(method, unquote(split.path), query, version, tuple(headers))
+    query = tuple(parse_qsl(raw_query.partition("#")[0], keep_blank_values=True))
+    return RequestHead(method, unquote(raw_path), query, version, tuple(headers))
 
 
 class ChunkedDecoder:
