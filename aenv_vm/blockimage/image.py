@@ -160,7 +160,7 @@ class BlockImage:
 
     def _pin(self, chunks: set[Digest]) -> None:
         new = chunks - self._pinned
-        if new:
+        if new and self.store.cache is not None:
             self.store.cache.pin(new)
             self._pinned |= new
 
@@ -202,15 +202,20 @@ class BlockImage:
     def _read_lower(self, m: ExtentMap, offset: int, length: int, nowait: bool) -> bytes | None:
         pieces = m.lookup(offset, length)
         out = []
+        got: dict[Digest, bytes] = {}
         for _pos, n, cid, coff in pieces:
             if cid is None:
                 out.append(bytes(n))
                 continue
-            data = self.memory.get(cid)
+            data = got.get(cid) or self.memory.get(cid)
             if data is None:
                 if nowait:
                     return None
-                data = self.fetch_chunk(cid)
+                # Fetch every missing chunk of this request at once (concurrently).
+                missing = list(dict.fromkeys(c for _, _, c, _ in pieces
+                                             if c is not None and c not in got and c not in self.memory))
+                got.update(zip(missing, self.fetch_chunks(missing)))
+                data = got.get(cid) or self.fetch_chunk(cid)
             out.append(data[coff:coff + n] if (coff or n != len(data)) else data)
         return out[0] if len(out) == 1 else b"".join(out)
 
@@ -219,10 +224,22 @@ class BlockImage:
         data = self.memory.get(cid)
         if data is None:
             data = self.source.read_chunk(cid)
-            self.memory.put(cid, data)
-            for cb in self.on_chunk_read:
-                cb(cid)
+            self._fetched(cid, data)
         return data
+
+    def fetch_chunks(self, cids: list[Digest]) -> list[bytes]:
+        """Several distinct chunks, fetched concurrently by the store."""
+        if len(cids) <= 1 or not hasattr(self.source, "read_chunks"):
+            return [self.fetch_chunk(c) for c in cids]
+        datas = self.source.read_chunks(cids)  # type: ignore[attr-defined]
+        for cid, data in zip(cids, datas):
+            self._fetched(cid, data)
+        return datas
+
+    def _fetched(self, cid: Digest, data: bytes) -> None:
+        self.memory.put(cid, data)
+        for cb in self.on_chunk_read:
+            cb(cid)
 
     # --- writes ----------------------------------------------------------
     def _upper(self) -> UpperLayer:
@@ -346,7 +363,8 @@ class BlockImage:
             # The sealed data is already verified plaintext here: seed the
             # caches so reads after the commit do not go back to the repository.
             for cid, data in fresh:
-                self.store.cache.put(cid, data)
+                if self.store.cache is not None:
+                    self.store.cache.put(cid, data)
                 self.memory.put(cid, data)
             new_map = view.map.with_layer(layer.extents, len(view.layers))
             self._pin({cid for cid, _ in fresh})
@@ -370,7 +388,7 @@ class BlockImage:
             up.close()
         for old in self._retired:
             old.close()
-        if self._pinned:
+        if self._pinned and self.store.cache is not None:
             self.store.cache.unpin(self._pinned)
             self._pinned = set()
         self.memory.clear()
