@@ -38,6 +38,7 @@ READ_SIZE = 1 << 20          # bytes asked of one RecvStream.read
 WRITE_BATCH = 1 << 20        # frames gathered before one write_all
 SERVE_WINDOW = 8             # chunk reads in flight while answering one GET
 IDLE_TIMEOUT = 2.0           # a started transfer that stalls this long is abandoned
+FIRST_BYTE_TIMEOUT = 5.0     # a peer that said it has a chunk must start sending by then
 CONNECT_TIMEOUT = 2.0
 STATUS_INTERVAL = 1.0
 BIND_HOST = "127.0.0.1"
@@ -49,6 +50,14 @@ class ChunkProvider(Protocol):
     def has(self, cid: Digest) -> bool: ...
 
     def get(self, cid: Digest) -> bytes | None: ...
+
+
+async def _cancel(task: "asyncio.Future[Any]") -> None:
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - cancelled or already failed: either way unused
+        pass
 
 
 def parse_ticket(ticket: str) -> tuple[Any, str]:
@@ -328,10 +337,10 @@ class P2PNode:
             c.conn = await asyncio.wait_for(self._endpoint.connect(addr, ALPN), timeout)
             return c.conn
 
-    async def _request(self, peer: Peer, op: Op, cids: list[Digest], lookup_deadline: float) -> Any:
-        """One request to one peer; the first answer byte must come by ``lookup_deadline``."""
+    async def _request(self, peer: Peer, op: Op, cids: list[Digest], first_byte_deadline: float) -> Any:
+        """One request to one peer; the first answer byte must come by ``first_byte_deadline``."""
         loop = asyncio.get_running_loop()
-        conn = await self._connection(peer, max(0.01, min(CONNECT_TIMEOUT, lookup_deadline - loop.time())))
+        conn = await self._connection(peer, max(0.01, min(CONNECT_TIMEOUT, first_byte_deadline - loop.time())))
         bi = await conn.open_bi()
         send = bi.send()
         await send.write_all(encode_request(op, cids))
@@ -341,13 +350,13 @@ class P2PNode:
             peer.counters.requests += 1
         if op == Op.HAVE:
             data = await asyncio.wait_for(recv.read_to_end((len(cids) + 7) // 8),
-                                          max(0.001, lookup_deadline - loop.time()))
+                                          max(0.001, first_byte_deadline - loop.time()))
             return decode_have(data, len(cids))
         parser = GetResponseParser(cids)
         frames: list[Frame] = []
         try:
             while not parser.done:
-                wait = IDLE_TIMEOUT if parser.started else max(0.001, lookup_deadline - loop.time())
+                wait = IDLE_TIMEOUT if parser.started else max(0.001, first_byte_deadline - loop.time())
                 data = await asyncio.wait_for(recv.read(READ_SIZE), wait)
                 if not data:
                     break
@@ -360,6 +369,24 @@ class P2PNode:
                 pass
             raise
         return frames
+
+    async def _lookup_and_get(self, peer: Peer, cids: list[Digest], lookup_deadline: float) -> list[Frame]:
+        """'have?' must be answered by ``lookup_deadline`` (the lookup timeout). The GET
+        goes out at the same time, so a yes costs no extra round trip; a peer that said
+        yes then gets FIRST_BYTE_TIMEOUT (it may be reading its repository) and
+        IDLE_TIMEOUT between reads."""
+        loop = asyncio.get_running_loop()
+        await self._connection(peer, max(0.01, min(CONNECT_TIMEOUT, lookup_deadline - loop.time())))
+        get = asyncio.ensure_future(self._request(peer, Op.GET, cids, loop.time() + FIRST_BYTE_TIMEOUT))
+        try:
+            have = await self._request(peer, Op.HAVE, cids, lookup_deadline)
+        except BaseException:
+            await _cancel(get)
+            raise
+        if not any(have):
+            await _cancel(get)
+            return [Frame(c, Status.MISSING) for c in cids]
+        return await get  # type: ignore[no-any-return]
 
     async def _fetch_async(self, cids: list[Digest]) -> dict[Digest, bytes]:
         loop = asyncio.get_running_loop()
@@ -374,7 +401,7 @@ class P2PNode:
             try:
                 frames: list[Frame] = []
                 for i in range(0, len(want), MAX_IDS):
-                    frames += await self._request(peer, Op.GET, want[i:i + MAX_IDS], lookup_deadline)
+                    frames += await self._lookup_and_get(peer, want[i:i + MAX_IDS], lookup_deadline)
             except BadData as e:
                 with self.table.lock:
                     peer.counters.bad_data += 1
@@ -410,7 +437,7 @@ class P2PNode:
         if not self.table.candidates():
             return {}
         try:
-            return self._run(self._fetch_async(list(cids)), timeout=self.lookup_timeout + 60 + IDLE_TIMEOUT)
+            return self._run(self._fetch_async(list(cids)), timeout=self.lookup_timeout + 60 + FIRST_BYTE_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - P2P never fails a read: the repository is the fallback
             log.info("p2p fetch failed: %s", e)
             return {}
