@@ -21,7 +21,9 @@ Every problem names the catalog records (snapshots) whose data it affects.
 """
 from __future__ import annotations
 
+import io
 import math
+import mmap
 import os
 import random
 import re
@@ -373,7 +375,7 @@ class Checker:
         res = _PackResult(info.key, pid)
         try:
             with self.backend.open_stream(info.key) as f:
-                data = f.read()
+                data = _slurp(f)
         except NotFound:
             return res
         except BackendError as e:
@@ -506,6 +508,18 @@ class Checker:
             out.append(Problem(issue.severity, issue.kind, issue.object, issue.message, tuple(sorted(names))))
         out.sort(key=lambda p: (p.severity != ERROR, p.kind, p.object))
         return out
+
+
+def _slurp(f: Any) -> Any:
+    """The whole stream: a read-only mmap when it is a local file (no copy through
+    Python; closed by refcounting once the last slice is gone), else its bytes."""
+    try:
+        fd = f.fileno()
+        if os.fstat(fd).st_size > 0:
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    return f.read()
 
 
 def verify(repo: Repository, read_data: bool = False, subset: Subset | None = None, threads: int = 0,
