@@ -1,0 +1,92 @@
+"""`aenv template build|ls|rm`: sandbox templates (a booted guest frozen once:
+disk layer + memory image + device state in the store; see docs/guest.md)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import sys
+import tempfile
+from pathlib import Path
+
+from .common import CliError, common_options, config_from_args, print_json, print_table
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("template", help="build, list and remove sandbox templates")
+    sub = p.add_subparsers(dest="template_command", metavar="COMMAND", required=True)
+    b = sub.add_parser("build", parents=[common_options()],
+                       help="boot the base guest once and commit it as a template")
+    b.add_argument("alias", nargs="?", default="base", help="alias to give the template (default: base)")
+    b.add_argument("--memory-mib", type=int, default=256, help="guest memory in MiB (default 256)")
+    b.add_argument("--vcpus", type=int, default=1, help="guest vCPUs (default 1)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(handler=cmd_build)
+    ls = sub.add_parser("ls", parents=[common_options()], help="list templates")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(handler=cmd_ls)
+    rm = sub.add_parser("rm", parents=[common_options()], help="remove a template (by id or alias)")
+    rm.add_argument("template")
+    rm.set_defaults(handler=cmd_rm)
+
+
+def _open_store(args: argparse.Namespace, create: bool = False):  # type: ignore[no-untyped-def]
+    from aenv_store.store import Store
+
+    return Store.open(config_from_args(args).store_settings(), create=create)
+
+
+def _row(tpl, aliases: list[str]) -> dict:  # type: ignore[no-untyped-def]
+    return {"id": tpl.id, "aliases": ",".join(aliases), "memory_mib": tpl.memory_mib, "vcpus": tpl.vcpus,
+            "accel": tpl.accel, "guest": tpl.guest_key,
+            "created": datetime.datetime.fromtimestamp(tpl.created).isoformat(timespec="seconds")}
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from aenv_vm.guest import ensure_guest
+    from aenv_vm.qemu.accel import probe_accel
+    from aenv_vm.qemu.errors import VmError
+    from aenv_vm.template import build_template
+
+    if args.memory_mib < 64 or args.vcpus < 1:
+        raise CliError("--memory-mib must be >= 64 and --vcpus >= 1")
+    cfg = config_from_args(args)
+    try:
+        guest = ensure_guest()
+        choice = asyncio.run(probe_accel(guest.kernel, guest.initrd, cache_file=guest.kernel.parent.parent / "accel.json"))
+        print(f"template: accelerator {choice.reason}", file=sys.stderr)
+        with _open_store(args, create=True) as store:
+            cfg.data_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
+                tpl = asyncio.run(build_template(store, guest, Path(work), alias=args.alias,
+                                                 memory_mib=args.memory_mib, vcpus=args.vcpus,
+                                                 accel=choice.accel))
+    except VmError as e:
+        raise CliError(str(e), 1) from None
+    row = _row(tpl, [args.alias])
+    print_json(row, out=sys.stdout) if args.json else print(tpl.id)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from aenv_vm.template import list_templates
+
+    with _open_store(args) as store:
+        rows = [_row(t, aliases) for t, aliases in list_templates(store)]
+    if args.json:
+        print_json(rows, out=sys.stdout)
+    else:
+        print_table(rows, ["id", "aliases", "memory_mib", "vcpus", "accel", "guest", "created"], out=sys.stdout)
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from aenv_vm.template import TemplateError, remove_template
+
+    with _open_store(args) as store:
+        try:
+            tpl = remove_template(store, args.template)
+        except TemplateError as e:
+            raise CliError(str(e), 1) from None
+    print(f"removed {tpl.id} (its data is freed by `aenv repo gc`)")
+    return 0
