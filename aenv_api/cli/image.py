@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import re
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"name": res.name, "layer": res.layer_id.hex(), "size": res.size, "data_bytes": res.data_bytes,
                     "zero_bytes": res.zero_bytes, "chunks_added": res.chunks_added,
-                    "chunks_deduped": res.chunks_deduped, "seconds": round(res.seconds, 3)})
+                    "chunks_deduped": res.chunks_deduped, "seconds": round(res.seconds, 3)}, out=sys.stdout)
     else:
         print(f"imported {src} as image {res.name}: layer {res.layer_id.short()}, {human_bytes(res.size)} "
               f"({human_bytes(res.data_bytes)} data, {res.chunks_added} new chunks, "
@@ -116,10 +117,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     finally:
         store.close()
     if args.json:
-        print_json(rows)
+        print_json(rows, out=sys.stdout)
     else:
         print_table([{**r, "size": human_bytes(r["size"]), "top": r["top"][:12]} for r in rows],
-                    ["name", "size", "layers", "top"])
+                    ["name", "size", "layers", "top"], out=sys.stdout)
     return 0
 
 
@@ -144,7 +145,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     "meta": dict(m.meta)} for i, m in enumerate(layers)],
     }
     if args.json:
-        print_json(info)
+        print_json(info, out=sys.stdout)
         return 0
     print(f"image {info['name']}: {human_bytes(info['size'])}, {len(layers)} layer(s), top {top.hex()}")
     fs = info["flattened"]
@@ -152,7 +153,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{human_bytes(fs['zero_bytes'])} zeros")
     print_table([{**l, "id": l["id"][:12], "data_bytes": human_bytes(l["data_bytes"]),
                   "zero_bytes": human_bytes(l["zero_bytes"])} for l in info["layers"]],
-                ["index", "id", "extents", "data_bytes", "zero_bytes"])
+                ["index", "id", "extents", "data_bytes", "zero_bytes"], out=sys.stdout)
     return 0
 
 

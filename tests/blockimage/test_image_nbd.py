@@ -1,0 +1,238 @@
+"""Block images served over NBD to real clients (qemu-img, qemu-io), bad
+clients next to good ones, lazy fetch from a repository-only image, import of
+a directory tree, trace prefetch, and the `aenv image` CLI."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from aenv_api.cli.main import main as aenv_main
+from aenv_store.store import Store
+from aenv_vm.blockimage import nbd_protocol as P
+from aenv_vm.blockimage.image import BlockImage
+from aenv_vm.blockimage.importer import export_raw, import_raw, import_tree
+from aenv_vm.blockimage.layer import image_top
+from aenv_vm.blockimage.nbd_client import NbdClient
+from aenv_vm.blockimage.nbd_server import BackgroundNbdServer
+from aenv_vm.blockimage.prefetch import Prefetcher, TraceRecorder, load_trace
+
+from .conftest import store_settings
+
+MiB = 1 << 20
+CHUNK = 64 * 1024
+
+
+def _disk(path: Path, size: int = 4 * MiB, seed: int = 1) -> bytes:
+    rnd = random.Random(seed)
+    data = bytearray(rnd.randbytes(size))
+    data[MiB:2 * MiB] = bytes(MiB)              # a zero region (skipped at import)
+    data[3 * MiB + 100:3 * MiB + 5000] = bytes(4900)
+    path.write_bytes(data)
+    return bytes(data)
+
+
+def _url(sock: Path, name: str) -> str:
+    return f"nbd+unix:///{name}?socket={sock}"
+
+
+def test_qemu_convert_write_compare_commit_reopen(store: Store, tmp_path: Path) -> None:
+    src = tmp_path / "src.raw"
+    data = _disk(src)
+    top = import_raw(store, src, "base").layer_id
+    sock = tmp_path / "nbd.sock"
+    img = BlockImage.open(store, top, "disk0", upper_dir=tmp_path / "upper")
+    try:
+        with BackgroundNbdServer(sock, [img]):
+            out = tmp_path / "out.raw"
+            subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "raw", _url(sock, "disk0"), str(out)],
+                           check=True, timeout=120)
+            subprocess.run(["cmp", str(src), str(out)], check=True)
+            # writes through the export: unaligned, multi-block, zeroes, discard
+            expected = bytearray(data)
+            cmds = ["write -P 0x5a 1000 20000", "write -z 3145728 65536", "write -P 0x11 4193000 576",
+                    "discard 262144 131072", "flush"]
+            subprocess.run(["qemu-io", "-f", "raw", *sum((["-c", c] for c in cmds), []), _url(sock, "disk0")],
+                           check=True, timeout=120, capture_output=True)
+            expected[1000:21000] = b"\x5a" * 20000
+            expected[3 * MiB:3 * MiB + 65536] = bytes(65536)
+            expected[4193000:4193576] = b"\x11" * 576
+            expected[262144:393216] = bytes(131072)
+            exp = tmp_path / "expected.raw"
+            exp.write_bytes(expected)
+            subprocess.run(["qemu-img", "compare", "-f", "raw", "-F", "raw", _url(sock, "disk0"), str(exp)],
+                           check=True, timeout=120, capture_output=True)
+            info = img.commit("disk0-snap")
+            assert info.layer.parent == top
+            assert info.data_bytes <= 20000 + 2 * 4096 + 4096
+    finally:
+        img.close()
+    # reopen the committed image (fresh upper) and serve it again
+    top2 = image_top(store.get_record("disk0-snap"))
+    with BlockImage.open(store, top2, "disk0", upper_dir=tmp_path / "upper2") as img2:
+        with BackgroundNbdServer(sock, [img2]):
+            subprocess.run(["qemu-img", "compare", "-f", "raw", "-F", "raw", _url(sock, "disk0"), str(exp)],
+                           check=True, timeout=120, capture_output=True)
+    out2 = tmp_path / "flat.raw"
+    assert export_raw(store, top2, out2) == len(data)
+    assert out2.read_bytes() == bytes(expected)
+
+
+def test_bad_clients_next_to_image_exports(store: Store, tmp_path: Path) -> None:
+    src = tmp_path / "src.raw"
+    data = _disk(src, 2 * MiB)
+    top = import_raw(store, src, "base").layer_id
+    a = BlockImage.open(store, top, "a", upper_dir=tmp_path / "ua")
+    b = BlockImage.open(store, top, "b")                     # read-only export
+    sock = tmp_path / "nbd.sock"
+    try:
+        with BackgroundNbdServer(sock, [a, b]) as srv:
+            # a client that sends garbage after the greeting, one that vanishes mid-request
+            for junk in (b"\x00" * 4, struct.pack(">I", 1) + b"\xff" * 40):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(str(sock))
+                s.recv(18)
+                s.sendall(junk)
+                s.settimeout(5)
+                assert s.recv(4096) == b""          # closed: that client only
+                s.close()
+
+            async def go() -> None:
+                ca = await NbdClient.connect(str(sock), "a")
+                cb = await NbdClient.connect(str(sock), "b")
+                assert cb.flags & P.TF_READ_ONLY and not ca.flags & P.TF_READ_ONLY
+                with pytest.raises(Exception) as ei:
+                    await cb.write(0, b"nope")
+                assert getattr(ei.value, "errno", None) == P.EPERM
+                with pytest.raises(Exception) as ei:
+                    await ca.read(len(data) - 512, 1024)
+                assert getattr(ei.value, "errno", None) == P.EINVAL
+                with pytest.raises(Exception) as ei:
+                    await ca.read(0, 64 * MiB)
+                assert getattr(ei.value, "errno", None) == P.EINVAL
+                # abrupt disconnect of a third client with 16 reads in flight
+                cc = await NbdClient.connect(str(sock), "a")
+                futs = [cc._submit(P.Cmd.READ, i * CHUNK, CHUNK, reply_len=CHUNK) for i in range(16)]
+                cc._w.transport.abort()
+                await asyncio.gather(*futs, return_exceptions=True)
+                # queue depth 16 on both good exports at once, all correct
+                offs = [random.Random(i).randrange(0, len(data) - 4096) for i in range(16)]
+                ra, rb = await asyncio.gather(asyncio.gather(*(ca.read(o, 4096) for o in offs)),
+                                              asyncio.gather(*(cb.read(o, 4096) for o in offs)))
+                assert ra == rb == [data[o:o + 4096] for o in offs]
+                await ca.write(7, b"still-here", fua=True)
+                assert await ca.read(0, 32) == data[:7] + b"still-here" + data[17:32]
+                await ca.close()
+                await cb.close()
+            asyncio.run(go())
+            for _ in range(200):
+                if srv.server.connection_count == 0:
+                    break
+                time.sleep(0.01)
+            assert srv.server.connection_count == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_lazy_fetch_only_touched_chunks(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    src = tmp_path / "src.raw"
+    data = _disk(src, 8 * MiB)
+    with Store.open(store_settings(tmp_path / "builder", repo=repo), create=True) as builder:
+        top = import_raw(builder, src, "base").layer_id
+    # a fresh node: same repository, empty node cache
+    with Store.open(store_settings(tmp_path / "node", repo=repo)) as node:
+        assert node.cache.stats().entries == 0
+        with BlockImage.open(node, top, "lazy") as img:
+            ranges = [(0, 100), (5000, 4096), (CHUNK - 10, 20), (MiB + 7, 300),   # zero region: no fetch
+                      (5 * MiB + 3, 3 * CHUNK)]
+            for off, n in ranges:
+                assert img.read(off, n) == data[off:off + n]
+            touched = set()
+            for off, n in ranges:
+                touched |= set(img.extent_map.chunks_in(off, n))
+            # chunk 0 (twice), chunk 1 boundary: 0 and 1, zero region: none, 5 MiB: 4 chunks
+            assert len(touched) == 6
+            st = node.cache.stats()
+            assert st.fetches == len(touched)
+            assert st.entries == len(touched)
+            assert st.pinned == len(touched)             # pinned while open
+            assert img.read(0, 100) == data[:100]
+            assert node.cache.stats().fetches == len(touched)
+        assert node.cache.stats().pinned == 0            # unpinned on close
+
+
+def test_trace_prefetch_and_readahead(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    src = tmp_path / "src.raw"
+    data = _disk(src, 8 * MiB)
+    with Store.open(store_settings(tmp_path / "builder", repo=repo), create=True) as builder:
+        top = import_raw(builder, src, "base").layer_id
+    trace = tmp_path / "base.trace"
+    with Store.open(store_settings(tmp_path / "n1", repo=repo)) as node:
+        with BlockImage.open(node, top, "rec") as img:
+            rec = TraceRecorder(img, trace)
+            for off in (6 * MiB, 0, 4 * MiB + 5):
+                img.read(off, 10000)
+            rec.save()
+            expected_order = [img.extent_map.chunks_in(off, 10000)[0] for off in (6 * MiB, 0, 4 * MiB + 5)]
+    order = load_trace(trace)
+    # each 10000-byte read lies inside one 64 KiB chunk: first-access order
+    assert len(order) == 3
+    assert order == expected_order
+    with Store.open(store_settings(tmp_path / "n2", repo=repo)) as node:
+        with BlockImage.open(node, top, "replay") as img:
+            pf = Prefetcher(img)
+            assert pf.replay(order) == len(order)
+            pf.wait_idle()
+            assert node.cache.stats().fetches == len(order)
+            for off in (6 * MiB, 0, 4 * MiB + 5):
+                assert img.read_nowait(off, 10000) == data[off:off + 10000]   # all in memory already
+            # sequential reads trigger read-ahead of the following chunks
+            for i in range(4):
+                img.read(2 * MiB + i * CHUNK, CHUNK)
+            pf.wait_idle()
+            assert img.read_nowait(2 * MiB + 10 * CHUNK, CHUNK) == data[2 * MiB + 10 * CHUNK:2 * MiB + 11 * CHUNK]
+
+
+def test_import_tree_is_mountable_ext4(store: Store, tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "hostname").write_text("aenv\n")
+    (tree / "big.bin").write_bytes(os.urandom(300_000))
+    res = import_tree(store, tree, "rootfs", size=16 * MiB)
+    assert res.size == 16 * MiB and res.data_bytes < 8 * MiB      # mostly zeros, skipped
+    out = tmp_path / "rootfs.ext4"
+    export_raw(store, res.layer_id, out)
+    fsck = subprocess.run(["e2fsck", "-fn", str(out)], capture_output=True, text=True)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    listing = subprocess.run(["debugfs", "-R", "cat /etc/hostname", str(out)], capture_output=True, text=True)
+    assert listing.stdout == "aenv\n"
+
+
+def test_cli_import_ls_inspect_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dd = tmp_path / "data"
+    src = tmp_path / "src.raw"
+    data = _disk(src, 2 * MiB)
+    assert aenv_main(["--data-dir", str(dd), "image", "import", "--init", str(src), "img1"]) == 0
+    assert "imported" in capsys.readouterr().out
+    assert aenv_main(["--data-dir", str(dd), "image", "import", str(src), "img1"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert aenv_main(["--data-dir", str(dd), "image", "ls"]) == 0
+    assert "img1" in capsys.readouterr().out
+    assert aenv_main(["--data-dir", str(dd), "image", "inspect", "img1", "--json"]) == 0
+    assert '"layers"' in capsys.readouterr().out
+    out = tmp_path / "out.raw"
+    assert aenv_main(["--data-dir", str(dd), "image", "export", "img1", str(out)]) == 0
+    assert out.read_bytes() == data
+    assert aenv_main(["--data-dir", str(dd), "image", "inspect", "nope"]) == 1
+    assert "no image named" in capsys.readouterr().err
+    assert aenv_main(["--data-dir", str(dd), "image", "import", str(tmp_path / "missing"), "x"]) == 2
