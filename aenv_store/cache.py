@@ -173,8 +173,9 @@ class NodeCache:
                 raise
         finally:
             gate.close()
-        for i in range(256):
-            os.makedirs(f"{self._data}/{i:02x}", exist_ok=True)
+        if not os.path.isdir(f"{self._data}/ff"):  # shards are made in order: ff exists => all do
+            for i in range(256):
+                os.makedirs(f"{self._data}/{i:02x}", exist_ok=True)
 
     def _open_env(self, wipe_if_bad: bool) -> tuple[lmdb.Environment, IndexDbs]:
         try:

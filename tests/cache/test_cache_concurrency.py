@@ -1,0 +1,211 @@
+"""Single-flight across threads and processes, failing fetches, and crash safety
+(SIGKILL of processes in the middle of puts/evictions, repeated)."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import blake3
+import pytest
+
+from aenv_store.cache import NodeCache
+from aenv_store.config import CacheConfig
+from aenv_store.ids import Digest
+
+WORKER = Path(__file__).with_name("cache_worker.py")
+S = 65536
+
+
+def chunk(seed: int, size: int) -> bytes:
+    return blake3.blake3(seed.to_bytes(8, "little")).digest(length=size)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[NodeCache]:
+    c = NodeCache(tmp_path / "cache", CacheConfig(capacity=64 * S, min_free_disk=0))
+    yield c
+    c.close()
+
+
+def run_threads(n: int, target) -> list:  # type: ignore[no-untyped-def]
+    results: list = [None] * n
+    barrier = threading.Barrier(n)
+
+    def body(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = target(i)
+        except BaseException as e:  # collected and checked by the test
+            results[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_single_flight_threads(cache: NodeCache) -> None:
+    data = chunk(1, S)
+    digest = Digest.of(data)
+    calls = []
+
+    def fetch() -> bytes:
+        calls.append(1)
+        time.sleep(0.2)
+        return data
+
+    results = run_threads(16, lambda i: cache.get_or_fetch(digest, fetch))
+    assert len(calls) == 1
+    assert all(r == data for r in results)
+    st = cache.stats()
+    assert (st.fetches, st.misses, st.entries) == (1, 16, 1)
+
+
+def test_failing_fetch_propagates_to_all_waiters(cache: NodeCache) -> None:
+    data = chunk(2, S)
+    digest = Digest.of(data)
+    calls = []
+
+    def failing() -> bytes:
+        calls.append(1)
+        time.sleep(0.2)
+        raise RuntimeError("repository unreachable")
+
+    results = run_threads(8, lambda i: cache.get_or_fetch(digest, failing))
+    assert len(calls) == 1
+    assert all(isinstance(r, RuntimeError) and "unreachable" in str(r) for r in results)
+    assert not cache.contains(digest) and cache.stats().entries == 0
+    assert not list((cache.path / "inflight").iterdir())  # lock files cleaned up
+    assert not list((cache.path / "tmp").iterdir())
+    # no negative caching: the next caller fetches again
+    assert cache.get_or_fetch(digest, lambda: data) == data
+    assert cache.get(digest) == data
+
+
+def test_many_digests_each_fetched_once(cache: NodeCache) -> None:
+    items = [(Digest.of(b), b) for b in (chunk(100 + i, 4096) for i in range(40))]
+    counts: dict[Digest, int] = {}
+    lock = threading.Lock()
+
+    def worker(i: int) -> bool:
+        order = items[:]
+        random.Random(i).shuffle(order)
+        for d, b in order:
+            def fetch(d: Digest = d, b: bytes = b) -> bytes:
+                with lock:
+                    counts[d] = counts.get(d, 0) + 1
+                time.sleep(0.001)
+                return b
+            assert cache.get_or_fetch(d, fetch) == b
+        return True
+
+    assert run_threads(6, worker) == [True] * 6
+    assert counts == {d: 1 for d, _ in items}
+
+
+def start_worker(*args: object) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"worker did not start: {line!r}")
+    return proc
+
+
+def test_single_flight_across_processes(tmp_path: Path) -> None:
+    log = tmp_path / "fetches.log"
+    log.touch()
+    procs = [start_worker("fetch", tmp_path / "cache", 64 * S, 7, log, 4) for _ in range(3)]
+    try:
+        for p in procs:  # all are ready: release them together
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert all(o.strip() == "ok" for o in outs)
+    assert len(log.read_text().split()) == 1  # 3 processes x 4 threads, one fetch
+    with NodeCache(tmp_path / "cache", CacheConfig(capacity=64 * S, min_free_disk=0)) as c:
+        st = c.stats()
+        assert (st.fetches, st.entries) == (1, 1)
+        assert c.get(Digest.of(chunk(7, S))) == chunk(7, S)
+
+
+def check_contents(c: NodeCache, capacity: int) -> int:
+    """Every file in the cache reads back as the bytes of its digest (or as a miss)."""
+    seen = 0
+    for shard in (c.path / "data").iterdir():
+        for f in shard.iterdir():
+            d = Digest.from_hex(f.name)
+            data = c.get(d)
+            if data is not None:
+                assert Digest.of(data) == d
+                seen += 1
+    assert c.stats().used_bytes <= capacity
+    return seen
+
+
+def kill_after(proc: subprocess.Popen[str], rng: random.Random) -> None:
+    time.sleep(rng.uniform(0.02, 0.4))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_put_leaves_consistent_cache(tmp_path: Path) -> None:
+    rng = random.Random(1234)
+    cap = 16 * S
+    directory = tmp_path / "cache"
+    for i in range(15):
+        kill_after(start_worker("churn", directory, cap, i), rng)
+        with NodeCache(directory, CacheConfig(capacity=cap, min_free_disk=0)) as c:
+            # first user after a crash: reconciled, so index and files agree exactly
+            assert c.verify(read_data=True) == []
+            assert check_contents(c, cap) == c.stats().entries
+            assert c.stats().pinned == 0  # the dead worker's pins are gone
+            assert not list((directory / "tmp").iterdir())
+    with NodeCache(directory, CacheConfig(capacity=cap, min_free_disk=0)) as c:
+        st = c.stats()
+        assert st.entries > 0 and st.evictions > 0  # the workers really churned
+
+
+@pytest.mark.slow
+def test_sigkill_while_others_keep_using_the_cache(tmp_path: Path) -> None:
+    rng = random.Random(99)
+    cap = 16 * S
+    directory = tmp_path / "cache"
+    survivor = NodeCache(directory, CacheConfig(capacity=cap, min_free_disk=0))
+    try:
+        for i in range(8):
+            procs = [start_worker("churn", directory, cap, 100 * i + k) for k in range(2)]
+            time.sleep(rng.uniform(0.02, 0.3))
+            for p in procs:
+                kill_after(p, rng)
+            # no reconciliation happens while we hold the directory: reads must still be right
+            check_contents(survivor, cap)
+            for k in range(20):  # and the cache keeps working
+                data = chunk(10_000 + 100 * i + k, S)
+                assert survivor.get_or_fetch(Digest.of(data), lambda: data) == data
+    finally:
+        survivor.close()
+    # a crashed user means the directory is not clean: the next first user reconciles
+    with NodeCache(directory, CacheConfig(capacity=cap, min_free_disk=0)) as c:
+        assert c.verify(read_data=True) == []
+        assert check_contents(c, cap) == c.stats().entries
