@@ -4,6 +4,7 @@ its builder workspaces. This is the API other layers code against
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +56,7 @@ class Store:
         self.chunk_size = repository.config.chunk_size
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
+        self._cpool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.closed = False
         # Optional chunk source between node cache and repository (P2P peers,
@@ -115,8 +117,9 @@ class Store:
         if self.closed:
             return
         self.closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._cpool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         if self.peer_source is not None:
             self.peer_source.close()
         if self.cache is not None:
@@ -134,7 +137,16 @@ class Store:
     def workspace(self, chunk_size: int | None = None) -> Workspace:
         """A new staging area under <data-dir>/workspace/<uuid>."""
         return Workspace(self.settings.paths.workspace, self.repository, self.settings.store,
-                         self.read_chunk, chunk_size or self.chunk_size)
+                         self.read_chunk, chunk_size or self.chunk_size, executor=self._compress_pool())
+
+    def _compress_pool(self) -> ThreadPoolExecutor | None:
+        threads = os.cpu_count() or 1
+        if threads < 2:
+            return None
+        with self._pool_lock:
+            if self._cpool is None:
+                self._cpool = ThreadPoolExecutor(threads, thread_name_prefix="aenv-store-zstd")
+            return self._cpool
 
     # -- reading ---------------------------------------------------------------------
 

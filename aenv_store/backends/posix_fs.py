@@ -91,6 +91,31 @@ class PosixFsBackend(Backend):
         except OSError as e:
             raise BackendError(f"{self.root}: put {key}: {e.strerror}") from None
 
+    def move_file(self, key: str, path: Path) -> None:
+        """Like ``put_file`` but the local file is consumed: renamed into place when
+        it is on the repository's filesystem (no copy), else copied and removed.
+        Used by the workspace for finished packs it will never touch again."""
+        final = self._prepare(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(path, final)
+        except FileNotFoundError:
+            raise NotFound(f"local file {path} not found") from None
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise BackendError(f"{self.root}: put {key}: {e.strerror}") from None
+            self.put_file(key, path)
+            Path(path).unlink(missing_ok=True)
+            return
+        try:
+            durable.fsync_dir(final.parent)
+        except OSError as e:
+            raise BackendError(f"{self.root}: put {key}: {e.strerror}") from None
+
     def create(self, key: str, data: bytes) -> None:
         final = self._prepare(key)
         try:
