@@ -71,6 +71,7 @@ class GcReport:
     packs_repacked_bytes: int
     packs_written: int
     packs_written_bytes: int
+    repack_live_bytes: int      # payload bytes of live chunks in repacked packs (what a dry run would copy)
     chunks_copied: int
     index_files_deleted: int
     index_files_written: int
@@ -82,8 +83,8 @@ class GcReport:
 
     @property
     def freed_bytes(self) -> int:
-        return (self.packs_deleted_bytes + self.packs_repacked_bytes - self.packs_written_bytes
-                + self.manifests_deleted_bytes)
+        written = self.repack_live_bytes if self.dry_run else self.packs_written_bytes
+        return self.packs_deleted_bytes + self.packs_repacked_bytes - written + self.manifests_deleted_bytes
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -101,6 +102,7 @@ class _Plan:
     manifests: list[ObjectInfo] = field(default_factory=list)       # unreachable, old enough
     young_packs: int = 0
     young_manifests: int = 0
+    repack_live_bytes: int = 0
 
 
 class Collector:
@@ -223,6 +225,7 @@ class Collector:
                 plan.delete[pid] = info      # unreferenced, or not indexed at all (a crashed commit's)
             elif total and (total - live) / total > self.repack_threshold:
                 plan.repack[pid] = info
+                plan.repack_live_bytes += live
         gone = set(plan.delete) | set(plan.repack)
         for key, entries in sorted(index_files.items()):
             if key in young_index:
@@ -354,7 +357,8 @@ class Collector:
             packs_before=len(packs), pack_bytes_before=sum(i.size for i in packs.values()),
             packs_deleted=len(plan.delete), packs_deleted_bytes=sum(i.size for i in plan.delete.values()),
             packs_repacked=len(plan.repack), packs_repacked_bytes=sum(i.size for i in plan.repack.values()),
-            packs_written=len(written), packs_written_bytes=sum(s for _, s in written), chunks_copied=copied,
+            packs_written=len(written), packs_written_bytes=sum(s for _, s in written),
+            repack_live_bytes=plan.repack_live_bytes, chunks_copied=copied,
             index_files_deleted=len(plan.obsolete_index), index_files_written=index_written,
             manifests_deleted=len(plan.manifests), manifests_deleted_bytes=sum(i.size for i in plan.manifests),
             kept_young_packs=plan.young_packs, kept_young_manifests=plan.young_manifests,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -97,7 +98,7 @@ def _open(args: argparse.Namespace) -> tuple[Repository, Any]:
     settings = cfg.store_settings()
     backend = open_backend_for(settings)
     try:
-        return Repository.open(backend, describe_location(settings)), settings
+        return Repository.open(backend, describe_location(settings), load_index=False), settings
     except BaseException:
         backend.close()
         raise
@@ -124,7 +125,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     finally:
         repo.close()
     if args.output == "json":
-        print_json(report.to_json())
+        print_json(report.to_json(), sys.stdout)
     else:
         for line in format_verify(report, args.read_data):
             print(line)
@@ -147,7 +148,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     finally:
         repo.close()
     if args.output == "json":
-        print_json(report.to_json())
+        print_json(report.to_json(), sys.stdout)
     else:
         for line in format_gc(report):
             print(line)
