@@ -147,6 +147,14 @@ class MergedIndex:
         return list(self._packs)
 
     def add_files(self, files: Iterable[IndexFile]) -> None:
+        files = list(files)
+        small = sum(len(f) for f in files)
+        if len(self._table) > 65536 and small * 10 < len(self._table):
+            # a few new files (another process's commits) on a big table: re-sorting the
+            # table would cost far more than keeping them in the overlay dict
+            for f in files:
+                self.add_entries(f.entries())
+            return
         tables = [self._table]
         for f in files:
             remap = np.array([self._intern(p) for p in f.packs], dtype=np.uint32)
