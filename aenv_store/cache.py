@@ -104,16 +104,29 @@ def _boot_id() -> bytes:
         return b"unknown"
 
 
+class _SharedEnv:
+    """One LMDB environment per directory per process, shared by its NodeCache instances:
+    LMDB forbids opening an environment twice in one process (closing either copy
+    would drop the other's fcntl locks on lock.mdb)."""
+
+    __slots__ = ("env", "dbs", "refs")
+
+    def __init__(self, env: lmdb.Environment, dbs: IndexDbs) -> None:
+        self.env = env
+        self.dbs = dbs
+        self.refs = 0
+
+
 class NodeCache:
     """Bounded, LRU-evicting, pin-aware chunk cache shared by the processes of one node.
 
-    Thread-safe. One instance per directory per process (LMDB must not open one
-    environment twice in a process); any number of processes may share a directory.
+    Thread-safe. Any number of processes, and instances within a process, may share a
+    directory; pins and queued LRU touches belong to the instance.
     Blocking calls: use ``loop.run_in_executor`` from asyncio code."""
 
-    # Directories open in this process; guards the LMDB rule above with a clear error.
-    _open_dirs: ClassVar[set[str]] = set()
-    _open_dirs_lock: ClassVar[threading.Lock] = threading.Lock()
+    # path -> environment open in this process (see _SharedEnv); taken after gate.lock
+    _envs: ClassVar[dict[str, _SharedEnv]] = {}
+    _envs_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, path: Path, config: CacheConfig) -> None:
         validate_config(config)
@@ -130,17 +143,7 @@ class NodeCache:
         self._my_pins: Counter[bytes] = Counter()
         self._tmp_seq = itertools.count()
         self._closed = True
-        key = str(self.path)
-        with NodeCache._open_dirs_lock:
-            if key in NodeCache._open_dirs:
-                raise StoreError(f"node cache {key} is already open in this process")
-            NodeCache._open_dirs.add(key)
-        try:
-            self._open()
-        except BaseException:
-            with NodeCache._open_dirs_lock:
-                NodeCache._open_dirs.discard(key)
-            raise
+        self._open()
         self._closed = False
 
     # -- opening and closing ---------------------------------------------------------------
@@ -156,8 +159,9 @@ class NodeCache:
             gate.exclusive()
             self._users = FileLock(self.path / "users.lock")
             try:
+                # no other user in any process (instances of this process hold the lock too)
                 first = self._users.exclusive(blocking=False)
-                self._env, self._db = self._open_env(wipe_if_bad=first)
+                self._shared = self._acquire_env(first)
                 try:
                     if first:
                         self._first_open()
@@ -166,7 +170,7 @@ class NodeCache:
                         self._db.add_u64(txn, OPEN_COUNT, 1)
                     self._users.shared()  # EX -> SH while the gate keeps others out
                 except BaseException:
-                    self._env.close()
+                    self._release_env()
                     raise
             except BaseException:
                 self._users.close()
@@ -176,6 +180,30 @@ class NodeCache:
         if not os.path.isdir(f"{self._data}/ff"):  # shards are made in order: ff exists => all do
             for i in range(256):
                 os.makedirs(f"{self._data}/{i:02x}", exist_ok=True)
+
+    @property
+    def _env(self) -> lmdb.Environment:
+        return self._shared.env
+
+    @property
+    def _db(self) -> IndexDbs:
+        return self._shared.dbs
+
+    def _acquire_env(self, first: bool) -> _SharedEnv:
+        with NodeCache._envs_lock:
+            shared = NodeCache._envs.get(str(self.path))
+            if shared is None:
+                shared = NodeCache._envs[str(self.path)] = _SharedEnv(*self._open_env(wipe_if_bad=first))
+            shared.refs += 1
+            return shared
+
+    def _release_env(self) -> None:
+        with NodeCache._envs_lock:
+            self._shared.refs -= 1
+            if self._shared.refs == 0:
+                del NodeCache._envs[str(self.path)]
+                self._shared.env.sync(True)
+                self._shared.env.close()
 
     def _open_env(self, wipe_if_bad: bool) -> tuple[lmdb.Environment, IndexDbs]:
         try:
@@ -216,9 +244,9 @@ class NodeCache:
             # The host went down with the cache open. LMDB runs without fsync and chunk
             # files are not fsynced (speed), so neither can be trusted now; refilling is cheap.
             log.warning("node cache %s: host restarted without a clean close; starting empty", self.path)
-            self._env.close()
+            self._env.close()  # first user: nobody else shares this environment
             self._wipe()
-            self._env, self._db = self._open_env(wipe_if_bad=False)
+            self._shared.env, self._shared.dbs = self._open_env(wipe_if_bad=False)
         elif not clean:
             self._reconcile()
         for d in (self._tmp, self._inflight):
@@ -273,30 +301,25 @@ class NodeCache:
         directory clean (so the next first user skips reconciliation)."""
         if self._closed:
             return
+        self._flush()
         self._closed = True
+        with self._lock:
+            mine, self._my_pins = self._my_pins, Counter()
+        gate = FileLock(self.path / "gate.lock")
         try:
-            self._flush()
-            with self._lock:
-                    mine, self._my_pins = self._my_pins, Counter()
-            gate = FileLock(self.path / "gate.lock")
-            try:
-                gate.exclusive()
-                with self._env.begin(write=True) as txn:
-                    for digest, n in mine.items():
-                        self._db.add_pin(txn, digest, -n)
-                    self._db.add_u64(txn, OPEN_COUNT, -1)
-                    # Clean only if we are the last user and every other user closed properly:
-                    # a user that crashed may have left orphan files or stale entries.
-                    if self._users.exclusive(blocking=False) and self._db.get_u64(txn, OPEN_COUNT) == 0:
-                        self._db.set_meta(txn, b"clean", b"1")
-                self._env.sync(True)
-                self._env.close()
-                self._users.close()
-            finally:
-                gate.close()
+            gate.exclusive()
+            with self._env.begin(write=True) as txn:
+                for digest, n in mine.items():
+                    self._db.add_pin(txn, digest, -n)
+                self._db.add_u64(txn, OPEN_COUNT, -1)
+                # Clean only if we are the last user and every other user closed properly:
+                # a user that crashed may have left orphan files or stale entries.
+                if self._users.exclusive(blocking=False) and self._db.get_u64(txn, OPEN_COUNT) == 0:
+                    self._db.set_meta(txn, b"clean", b"1")
         finally:
-            with NodeCache._open_dirs_lock:
-                NodeCache._open_dirs.discard(str(self.path))
+            self._release_env()
+            self._users.close()
+            gate.close()
 
     def __enter__(self) -> "NodeCache":
         return self

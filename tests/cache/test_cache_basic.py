@@ -172,9 +172,21 @@ def test_missing_file_is_a_miss_and_heals(cache: NodeCache) -> None:
     assert cache.put(d, b) and cache.get(d) == b
 
 
-def test_one_instance_per_directory_per_process(cache: NodeCache) -> None:
-    with pytest.raises(StoreError, match="already open"):
-        NodeCache(cache.path, cfg(10 * S))
+def test_two_instances_in_one_process_share_the_directory(cache: NodeCache) -> None:
+    (d1, b1), (d2, b2) = chunks(2)
+    other = NodeCache(cache.path, cfg(10 * S))
+    try:
+        cache.put(d1, b1)
+        assert other.get(d1) == b1
+        other.pin([d2])
+        assert cache.stats().pinned == 0 and other.put(d2, b2)
+        assert cache.stats().pinned == 1
+        cache.unpin([d2])  # not pinned by this instance: ignored
+        assert other.stats().pinned == 1
+    finally:
+        other.close()
+    assert cache.stats().pinned == 0  # released by close
+    assert cache.get(d2) == b2  # the shared environment is still open
     closed = NodeCache(cache.path.parent / "other", cfg(S))
     closed.close()
     closed.close()  # idempotent
