@@ -266,7 +266,10 @@ class Repository:
 
     def read_chunk(self, chunk: bytes, dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
         entry = self.index.lookup(chunk)
-        if entry is None and self.refresh_index():
+        if entry is None:
+            # look again even if this refresh loaded nothing: a concurrent reader's
+            # refresh (we waited on its lock) may have loaded the file we need
+            self.refresh_index()
             entry = self.index.lookup(chunk)
         if entry is None:
             raise NotFound(f"chunk {bytes(chunk).hex()} is not in the repository index")
