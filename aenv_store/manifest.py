@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from .errors import CorruptData
@@ -57,11 +57,13 @@ class Manifest:
     parent: Digest | None = None
     chunk_size: int = 65536
     meta: tuple[tuple[str, str], ...] = ()
-    _offsets: list[int] = field(default_factory=list, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         self.validate()
-        object.__setattr__(self, "_offsets", [e.offset for e in self.extents])
+
+    @cached_property
+    def _offsets(self) -> list[int]:
+        return [e.offset for e in self.extents]
 
     def validate(self) -> None:
         """Raise ValueError if the manifest breaks a rule of the format."""

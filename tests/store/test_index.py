@@ -72,3 +72,15 @@ def test_truncated_rejected(entries: list[IndexEntry], cut: int) -> None:
 def test_garbage_rejected(junk: bytes) -> None:
     with pytest.raises(CorruptData):
         decode_index(junk)
+
+
+def test_late_small_files_go_to_overlay_and_resolve() -> None:
+    p = Digest(b"\x02" * 32)
+    big = [IndexEntry(Digest(os.urandom(32)), p, 16, 10, 10) for _ in range(70_000)]
+    late = [IndexEntry(Digest(os.urandom(32)), p, 16, 10, 10) for _ in range(10)]
+    m = MergedIndex()
+    m.add_files([decode_index(encode_index(big))])
+    m.add_files([decode_index(encode_index(late))])
+    assert len(m) == 70_010
+    for e in late + big[:100]:
+        assert m.lookup(e.chunk) == e
