@@ -7,18 +7,20 @@ sandbox its own writable upper disk layer over the template's disk layer
 loads the device state, waits for envd and calls envd ``/init`` (env vars,
 access token, clock). Any failure tears the half-made sandbox down.
 
-Under TCG the first request to a freshly restored VM is slow (the software
-CPU translates the guest's code afresh in each QEMU process), so a pool per
-template keeps ``pool_size`` sandboxes restored and already warmed by one
-request; ``create`` takes one from the pool (then only ``/init`` remains) and
-refills in the background. pool_size 0 disables the pool.
+Every restored clone first gets its own identity (hostname = sandbox id,
+fresh entropy from the host) through one envd command. Under TCG the first
+requests to a freshly restored VM are slow (the software CPU translates the
+guest's code afresh in each QEMU process); that command also warms the
+process-start path. A pool per template keeps ``pool_size`` sandboxes restored
+and warmed; ``create`` takes one from the pool (then only ``/init`` remains)
+and refills in the background. pool_size 0 disables the pool.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
-import json
 import logging
 import secrets
 import shutil
@@ -30,6 +32,7 @@ from aenv_store.store import Store
 
 from .blockimage.image import BlockImage
 from .blockimage.nbd_server import NbdServer
+from .envd_client import init as envd_init, run_command
 from .guest import GuestImage, wait_http_ok
 from .qemu.errors import VmError
 from .qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
@@ -45,10 +48,11 @@ class SandboxError(VmError):
 
 @dataclass(frozen=True)
 class CreateTiming:
-    qemu_start: float
-    state_load: float
-    first_answer: float
-    init: float
+    qemu_start: float       # QEMU process start until QMP answers (-incoming defer)
+    state_load: float       # device state loaded, VM running
+    first_answer: float     # envd /health answered
+    identity: float         # hostname + entropy set by a command (also warms the process path)
+    init: float             # envd /init (env vars, token, clock)
     total: float
     from_pool: bool
 
@@ -77,37 +81,17 @@ class Sandbox:
         return self.vm.spec.serial_log
 
 
-async def _post_json(port: int, path: str, body: dict, timeout: float = 10.0) -> int:
-    payload = json.dumps(body).encode()
-
-    async def _go() -> int:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
-            await writer.drain()
-            status_line = await reader.readline()
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-        try:
-            return int(status_line.split(b" ", 2)[1])
-        except (IndexError, ValueError):
-            raise SandboxError(f"envd sent no HTTP status for POST {path}") from None
-    return await asyncio.wait_for(_go(), timeout)
-
-
 class SandboxManager:
     """Creates, tracks and kills this node's sandboxes. Use within one event loop."""
 
     def __init__(self, store: Store, guest: GuestImage, run_root: Path, *, pool_size: int = 0,
-                 ready_timeout: float = 60.0) -> None:
+                 ready_timeout: float = 60.0, tcg_tb_mib: int | None = None) -> None:
         self.store = store
         self.guest = guest
         self.run_root = run_root
         self.pool_size = pool_size
         self.ready_timeout = ready_timeout
+        self.tcg_tb_mib = tcg_tb_mib
         self.sandboxes: dict[str, Sandbox] = {}
         self._pools: dict[str, list[Sandbox]] = {}
         self._refills: dict[str, asyncio.Task] = {}
@@ -153,7 +137,7 @@ class SandboxManager:
                           kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
                           vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
                           mem_path=mem, mem_share=False, disk=NbdDisk(self.nbd.socket_path, sid),
-                          host_port=free_port(), incoming_defer=True)
+                          host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib)
             t0 = time.monotonic()
             vm = await QemuProcess.start(spec)
             t1 = time.monotonic()
@@ -161,12 +145,27 @@ class SandboxManager:
             t2 = time.monotonic()
             await wait_http_ok(spec.host_port or 0, "/health", timeout=self.ready_timeout, alive=vm.alive)
             t3 = time.monotonic()
+            await self._set_identity(sid, spec.host_port or 0)
+            t4 = time.monotonic()
             sbx = Sandbox(sid, tpl, vm, image, sdir)
-            sbx.timing = CreateTiming(t1 - t0, t2 - t1, t3 - t2, 0.0, t3 - t0, False)
+            sbx.timing = CreateTiming(t1 - t0, t2 - t1, t3 - t2, t4 - t3, 0.0, t4 - t0, False)
             return sbx
         except BaseException:
             await self._teardown(sid, vm, image, sdir)
             raise
+
+    async def _set_identity(self, sid: str, port: int) -> None:
+        """Give a restored clone its own hostname and fresh entropy.
+
+        Every clone of a template wakes up with the template's hostname and RNG
+        state; this runs one command through envd as root, the same way the SDK
+        runs commands, which also warms that code path in this QEMU's TCG cache."""
+        seed = base64.b64encode(secrets.token_bytes(64)).decode()
+        cmd = f"echo {sid} > /proc/sys/kernel/hostname && echo {seed} | base64 -d > /dev/urandom"
+        result = await asyncio.to_thread(run_command, port, cmd, user="root", timeout=30.0)
+        if result.exit_code != 0:
+            raise SandboxError(f"setting the identity of {sid} failed (exit {result.exit_code}): "
+                               f"{result.stderr[-200:].decode(errors='replace')}")
 
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
                      access_token: str | None = None) -> Sandbox:
@@ -192,17 +191,15 @@ class SandboxManager:
                 body["envVars"] = env_vars
             if access_token:
                 body["accessToken"] = access_token
-            code = await _post_json(sbx.envd_port, "/init", body)
-            if not 200 <= code < 300:
-                raise SandboxError(f"envd /init answered HTTP {code}")
+            await asyncio.to_thread(envd_init, sbx.envd_port, body)
         except BaseException:
             await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
             raise
         done = time.monotonic()
-        base = sbx.timing or CreateTiming(0, 0, 0, 0, 0, False)
-        sbx.timing = CreateTiming(base.qemu_start if not from_pool else 0.0,
-                                  base.state_load if not from_pool else 0.0,
-                                  base.first_answer if not from_pool else 0.0,
+        base = sbx.timing or CreateTiming(0, 0, 0, 0, 0, 0, False)
+        if from_pool:  # restore work happened before this create asked
+            base = CreateTiming(0, 0, 0, 0, 0, 0, True)
+        sbx.timing = CreateTiming(base.qemu_start, base.state_load, base.first_answer, base.identity,
                                   done - ti, done - t0, from_pool)
         sbx.created = time.time()
         self.sandboxes[sbx.id] = sbx
@@ -219,9 +216,7 @@ class SandboxManager:
         pool = self._pools.setdefault(tpl.id, [])
         while len(pool) < self.pool_size:
             try:
-                sbx = await self._restore(tpl)
-                # One request already served: TCG has translated the hot paths of this QEMU.
-                await wait_http_ok(sbx.envd_port, "/health", timeout=10)
+                sbx = await self._restore(tpl)  # served /health and one command: warm
             except (VmError, OSError) as e:
                 log.warning("pool refill for %s failed: %s", tpl.id, e)
                 return

@@ -133,6 +133,9 @@ class VmSpec:
     guest_port: int = ENVD_PORT
     mac: str = "52:54:00:12:34:56"
     incoming_defer: bool = False    # wait for migrate-incoming (clone restore)
+    # TCG translation cache size in MiB (None: QEMU's default, 1 GiB of address space).
+    # Smaller also shrinks TCG's lookup structures sized from it: less private memory per VM.
+    tcg_tb_mib: int | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -158,7 +161,8 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
                       f"{_UNIX_PATH_MAX}): {spec.qmp_socket}")
     machine = "microvm"
     argv = [str(qemu), "-name", spec.name, "-nodefaults", "-no-user-config", "-display", "none",
-            "-no-reboot", "-accel", spec.accel,
+            "-no-reboot", "-accel", spec.accel if spec.accel != "tcg" or spec.tcg_tb_mib is None
+            else f"tcg,tb-size={spec.tcg_tb_mib}",
             # -cpu max/host break TCG here; KVM hosts get the host CPU.
             "-cpu", "host" if spec.accel == "kvm" else "qemu64",
             "-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]

@@ -65,7 +65,7 @@ def test_three_sandboxes_from_one_template(guest: GuestImage, built: Built, tmp_
                 assert s.timing is not None
                 print(f"\n[vm] create (no pool): QEMU start {s.timing.qemu_start * 1000:.0f} ms, state load "
                       f"{s.timing.state_load * 1000:.0f} ms, first answer {s.timing.first_answer * 1000:.0f} ms, "
-                      f"/init {s.timing.init * 1000:.0f} ms, total {s.timing.total * 1000:.0f} ms")
+                      f"identity {s.timing.identity * 1000:.0f} ms, /init {s.timing.init * 1000:.0f} ms, total {s.timing.total * 1000:.0f} ms")
 
             def check() -> None:
                 clients = [E2BSandbox.create(debug=True, sandbox_url=s.envd_url, api_key="test") for s in sbxs]
@@ -73,6 +73,7 @@ def test_three_sandboxes_from_one_template(guest: GuestImage, built: Built, tmp_
                     release = c.commands.run("uname -r").stdout.strip()
                     assert release == guest.kernel_release and release != os.uname().release
                     assert c.commands.run("echo $AENV_TEST").stdout.strip() == "yes"
+                    assert c.commands.run("hostname").stdout.strip() == sbxs[i].id  # own identity
                     c.files.write(f"/home/user/only-in-{i}", f"sandbox {i}")
                 for i, c in enumerate(clients):
                     assert c.files.read(f"/home/user/only-in-{i}") == f"sandbox {i}"
