@@ -214,3 +214,45 @@ def test_pack_key_layout(settings_factory, tmp_path: Path) -> None:
     assert (repo / "manifests" / mid.hex()[:2] / mid.hex()).is_file()
     assert (repo / "catalog" / "k").is_file()
     assert Digest.of((repo / pack_key(pid)).read_bytes()) == pid
+
+
+def test_commit_writes_in_order_packs_index_manifests_record(tmp_path: Path) -> None:
+    from aenv_store.backends.posix_fs import PosixFsBackend
+    from aenv_store.repository import Repository
+
+    class Recording(PosixFsBackend):
+        """The real posix_fs backend, noting the order of durable writes."""
+
+        def __init__(self, root: Path) -> None:
+            super().__init__(root)
+            self.writes: list[str] = []
+
+        def put(self, key: str, data: bytes) -> None:
+            super().put(key, data)
+            self.writes.append(key)
+
+        def move_file(self, key: str, path: Path) -> None:
+            super().move_file(key, path)
+            self.writes.append(key)
+
+        def create(self, key: str, data: bytes) -> None:
+            super().create(key, data)
+            self.writes.append(key)
+
+    settings = make_settings(tmp_path / "node", tmp_path / "repo", pack_target=64 << 10)
+    Store.open(settings, create=True).close()
+    backend = Recording(tmp_path / "repo")
+    store = Store(settings, backend, Repository.open(backend, "test"), cache=None)
+    try:
+        with store.workspace() as ws:
+            w = ws.blob_writer()
+            w.append(os.urandom(200_000))  # > 1 pack
+            mid = w.close()
+            backend.writes.clear()  # ignore lock objects written when the workspace opened
+            ws.commit(CatalogRecord("ordered", "layer", (("d", mid),)))
+        kinds = [k.split("/")[0] for k in backend.writes if not k.startswith("locks/")]
+        assert kinds == sorted(kinds, key=["packs", "index", "manifests", "catalog"].index)
+        assert kinds.count("packs") >= 3 and kinds.count("index") == 1
+        assert kinds[-2:] == ["manifests", "catalog"]
+    finally:
+        store.close()
