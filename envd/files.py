@@ -25,7 +25,14 @@ CHUNK = 256 * 1024
 
 
 def _accepts_gzip(accept: str | None) -> bool | None:
-    """True: send gzip; False: identity; None: nothing acceptable (406)."""
+    """True: send gzip; False: identity; None: nothing acceptable (406).
+
+    gzip is used when the client singles it out (``Accept-Encoding: gzip``,
+    what the SDK sends for ``gzip=True``) or refuses identity. A generic list
+    such as httpx's default ``gzip, deflate, br, zstd`` gets identity: it is
+    always acceptable there and compressing costs far more CPU than loopback
+    or virtio bandwidth saves.
+    """
     if not accept:
         return False
     prefs: dict[str, float] = {}
@@ -34,16 +41,20 @@ def _accepts_gzip(accept: str | None) -> bool | None:
         q = 1.0
         for p in params.split(";"):
             k, _, v = p.strip().partition("=")
-            if k == "q":
+            if k.strip() == "q":
                 try:
                     q = float(v)
                 except ValueError:
                     q = 0.0
-        prefs[name.strip().lower()] = q
+        if name.strip():
+            prefs[name.strip().lower()] = q
     star = prefs.get("*")
-    if prefs.get("gzip", star if star is not None else 0.0) > 0:
-        return True
-    if prefs.get("identity", star if star is not None else 1.0) > 0:
+    gzip_q = prefs.get("gzip", star if star is not None else 0.0)
+    identity_q = prefs.get("identity", star if star is not None else 1.0)
+    others = [q for k, q in prefs.items() if k not in ("gzip", "identity", "*") and q > 0]
+    if gzip_q > 0 and (identity_q <= 0 or not others):
+        return True if identity_q <= 0 or "gzip" in prefs else False
+    if identity_q > 0:
         return False
     return None
 
@@ -89,11 +100,13 @@ async def download(head: RequestHead, state: EnvdState, auth_user: str | None) -
     else:
         headers.append(("Content-Length", str(size)))
     headers.append(("Content-Disposition", f"attachment; filename=\"{os.path.basename(path)}\""))
-    return Response(200, tuple(headers), stream=_read_file(f, gz))
+    if gz:
+        return Response(200, tuple(headers), stream=_read_file(f, gz))
+    return Response(200, tuple(headers), file=f)
 
 
 async def _read_file(f: BinaryIO, gz: bool) -> AsyncIterator[bytes]:
-    comp = zlib.compressobj(6, zlib.DEFLATED, 31) if gz else None
+    comp = zlib.compressobj(1, zlib.DEFLATED, 31)  # fast level: CPU is the scarce resource if gz else None
     try:
         while True:
             data = f.read(CHUNK)

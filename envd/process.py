@@ -224,7 +224,9 @@ class ProcessManager:
         if not os.path.isabs(cwd):
             cwd = os.path.join(user.home, cwd)
         if not os.path.isdir(cwd):
-            raise ConnectError(Code.INVALID_ARGUMENT, f"cwd '{cwd}' does not exist or is not a directory")
+            if spec.cwd:
+                raise ConnectError(Code.INVALID_ARGUMENT, f"cwd '{cwd}' does not exist or is not a directory")
+            cwd = "/"  # a user without a home directory (e.g. nobody) still runs commands
         if not os.path.isdir(user.home):
             # A missing home (bare hosts) must not break every command.
             env["HOME"] = cwd

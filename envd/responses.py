@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, BinaryIO
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,9 @@ class Response:
     # When set, the body is streamed: with Content-Length if the headers carry
     # one, else chunked. Each item is flushed before the next is produced.
     stream: AsyncIterator[bytes] | None = None
+    # A file sent as the whole body with the kernel's sendfile (Content-Length
+    # must be in the headers); closed after sending.
+    file: BinaryIO | None = None
 
 
 def json_response(status: int, value: Any, headers: tuple[tuple[str, str], ...] = ()) -> Response:

@@ -131,6 +131,8 @@ class EnvdServer:
         headers = list(resp.headers)
         names = {k.lower() for k, _ in headers}
         chunked = resp.stream is not None and "content-length" not in names
+        if resp.file is not None:
+            return await self._sendfile(writer, resp, headers, keep, method)
         if resp.stream is None and resp.status not in (204, 304):
             headers.append(("Content-Length", str(len(resp.body))))
         if chunked:
@@ -149,7 +151,11 @@ class EnvdServer:
             return True
         await writer.drain()
         stream = resp.stream
-        gone = asyncio.ensure_future(reader.read(1)) if watch_disconnect else None
+        # Idle streams (process output, watches) learn that the client left by
+        # a pending read hitting EOF. Only chunked responses are watched: after
+        # the last byte of a Content-Length body the client may already send
+        # its next request, which that read would swallow.
+        gone = asyncio.ensure_future(reader.read(1)) if watch_disconnect and chunked else None
         try:
             while True:
                 nxt = asyncio.ensure_future(stream.__anext__())
@@ -177,6 +183,23 @@ class EnvdServer:
             writer.write(LAST_CHUNK)
         await writer.drain()
         return True
+
+    async def _sendfile(self, writer: asyncio.StreamWriter, resp: Response, headers: list[tuple[str, str]],
+                        keep: bool, method: str) -> bool:
+        assert resp.file is not None
+        try:
+            if not keep:
+                headers.append(("Connection", "close"))
+            writer.write(format_head(resp.status, headers))
+            if method != "HEAD":
+                await writer.drain()
+                # Zero-copy from the page cache; falls back to read+write where
+                # sendfile is unavailable. Memory stays flat either way.
+                await asyncio.get_running_loop().sendfile(writer.transport, resp.file)
+            await writer.drain()
+            return True
+        finally:
+            resp.file.close()
 
     # -- dispatch ------------------------------------------------------------
 

@@ -214,4 +214,7 @@ def test_accept_encoding() -> None:
     assert _accepts_gzip(None) is False and _accepts_gzip("gzip") is True
     assert _accepts_gzip("gzip;q=0, identity") is False
     assert _accepts_gzip("br, identity;q=0") is None
-    assert _accepts_gzip("*") is True
+    assert _accepts_gzip("*") is False  # anything goes: identity
+    assert _accepts_gzip("gzip, deflate, br, zstd") is False  # httpx's generic default
+    assert _accepts_gzip("gzip, deflate, identity;q=0") is True
+    assert _accepts_gzip("GZIP") is True
