@@ -270,3 +270,20 @@ def test_writer_lock_hook_waits_for_gc(backend: PosixFsBackend) -> None:
     with lock_exclusive(backend, settle=0):
         with pytest.raises(LockError):
             shared_lock(backend, "w", wait=0.2)
+
+
+def test_cli_unlock_removes_only_stale_locks(repo, aenv) -> None:  # type: ignore[no-untyped-def]
+    backend = PosixFsBackend(repo.path)
+    live = lock_shared(backend, purpose="busy writer")  # (acquiring would itself clear stale locks)
+    stale = _foreign_lock(backend, LockKind.EXCLUSIVE, refreshed_ago=7200, timeout=60, name="1" * 32)
+    os.utime(backend._path(stale), (time.time() - 7200, time.time() - 7200))
+    try:
+        r = aenv(repo.data_dir, "repo", "unlock")
+        assert r.rc == 0, r.err
+        assert "1 lock(s) removed" in r.out and "kept live" in r.out and "busy writer" in r.out
+        assert [e.key for e in list_locks(backend)] == [live.key]
+        r = aenv(repo.data_dir, "repo", "unlock", "--remove-all")
+        assert r.rc == 0 and list_locks(backend) == []
+        assert live.lost or not backend.exists(live.key)
+    finally:
+        live.release()
