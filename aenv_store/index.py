@@ -215,6 +215,18 @@ class MergedIndex:
     def __contains__(self, chunk: bytes) -> bool:
         return self.lookup(chunk) is not None
 
+    def summary(self) -> tuple[int, int]:
+        """(distinct chunks, their plaintext bytes), without materialising entries.
+        Rows are told apart by their 8-byte key (a collision only skews a statistic)."""
+        keys = self._keys
+        first = np.ones(len(keys), dtype=bool)
+        if len(keys) > 1:
+            first[1:] = keys[1:] != keys[:-1]
+        seen = {int(k) for k in keys[first]} if self._overlay else set()
+        extra = [e for c, e in self._overlay.items() if int.from_bytes(c[:8], "big") not in seen]
+        return (int(first.sum()) + len(extra),
+                int(self._cols["raw_length"][first].sum(dtype=np.uint64)) + sum(e.raw_length for e in extra))
+
     def entries(self) -> Iterable[IndexEntry]:
         for i in range(len(self._keys)):
             yield self._row(i)

@@ -350,12 +350,12 @@ class Repository:
 
     def stats(self) -> RepoStats:
         packs = list(self.list_packs())
-        entries = list(self.index.entries())
+        chunks, raw_bytes = self.index.summary()
         return RepoStats(
             packs=len(packs), pack_bytes=sum(p.size for p in packs),
             index_files=sum(1 for _ in self.backend.list(INDEX)),
-            index_entries=len({bytes(e.chunk) for e in entries}),
-            raw_bytes=sum({bytes(e.chunk): e.raw_length for e in entries}.values()),
+            index_entries=chunks,
+            raw_bytes=raw_bytes,
             manifests=sum(1 for _ in self.backend.list(MANIFESTS)),
             records=len(self.list_record_names()),
         )

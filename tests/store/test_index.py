@@ -84,3 +84,12 @@ def test_late_small_files_go_to_overlay_and_resolve() -> None:
     assert len(m) == 70_010
     for e in late + big[:100]:
         assert m.lookup(e.chunk) == e
+
+
+def test_summary_counts_distinct_chunks() -> None:
+    p = Digest(b"\x03" * 32)
+    es = [IndexEntry(Digest(os.urandom(32)), p, 16, 5, 10 + i) for i in range(20)]
+    m = MergedIndex()
+    m.add_files([decode_index(encode_index(es[:15])), decode_index(encode_index(es[10:15]))])  # 5 repeated
+    m.add_entries(es[15:] + es[:2])
+    assert m.summary() == (20, sum(e.raw_length for e in es))
