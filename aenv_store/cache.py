@@ -6,7 +6,7 @@ Layout of a cache directory (details and the crash-safety argument in docs/cache
                       last access; LRU order; pin counts; totals and counters
     data/ab/<hex>     one file per chunk, exactly its bytes (mmap-able, see path_of)
     tmp/              chunk files being written
-    inflight/<hex>.lock   flock held by the one process fetching that chunk
+    inflight.lock     byte-range lock per chunk being fetched (one fetch per node)
     users.lock        every open NodeCache holds a shared flock (first/last user detection)
     gate.lock         serialises open/close so first/last detection is race-free
 
@@ -40,7 +40,7 @@ import lmdb
 import xxhash
 
 from .cache_index import COUNTERS, ENTRIES, ENTRY, FORMAT, USED, Entry, IndexDbs
-from .cache_lock import FileLock, InflightLock
+from .cache_lock import DigestLocks, FileLock
 from .config import CacheConfig
 from .errors import ConfigError, StoreError
 from .ids import Digest
@@ -134,7 +134,6 @@ class NodeCache:
         self.config = config
         self._data = str(self.path / "data")
         self._tmp = str(self.path / "tmp")
-        self._inflight = str(self.path / "inflight")
         self._lock = threading.Lock()   # pending touches, counter deltas, flights, own pins
         self._pending: dict[bytes, int] = {}
         self._deltas: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -150,7 +149,7 @@ class NodeCache:
 
     def _open(self) -> None:
         try:
-            for d in (self.path, Path(self._data), Path(self._tmp), Path(self._inflight)):
+            for d in (self.path, Path(self._data), Path(self._tmp)):
                 d.mkdir(parents=True, exist_ok=True)
             gate = FileLock(self.path / "gate.lock")
         except OSError as e:
@@ -177,6 +176,7 @@ class NodeCache:
                 raise
         finally:
             gate.close()
+        self._digest_locks = DigestLocks(self.path / "inflight.lock")
         if not os.path.isdir(f"{self._data}/ff"):  # shards are made in order: ff exists => all do
             for i in range(256):
                 os.makedirs(f"{self._data}/{i:02x}", exist_ok=True)
@@ -230,7 +230,7 @@ class NodeCache:
             return self._open_env(wipe_if_bad=False)
 
     def _wipe(self) -> None:
-        for name in ("index", "data", "tmp", "inflight"):
+        for name in ("index", "data", "tmp"):
             shutil.rmtree(self.path / name, ignore_errors=True)
             (self.path / name).mkdir(exist_ok=True)
 
@@ -249,12 +249,8 @@ class NodeCache:
             self._shared.env, self._shared.dbs = self._open_env(wipe_if_bad=False)
         elif not clean:
             self._reconcile()
-        for d in (self._tmp, self._inflight):
-            for name in os.listdir(d):  # leftovers of dead processes (nobody else is here)
-                try:
-                    os.unlink(os.path.join(d, name))
-                except FileNotFoundError:
-                    pass
+        for name in os.listdir(self._tmp):  # leftovers of dead processes (nobody else is here)
+            self._unlink_all([os.path.join(self._tmp, name)])
         evicted: list[str] = []
         with self._env.begin(write=True) as txn:
             self._db.clear_pins(txn)  # pins belong to live users; there are none
@@ -319,6 +315,7 @@ class NodeCache:
         finally:
             self._release_env()
             self._users.close()
+            self._digest_locks.close()
             gate.close()
 
     def __enter__(self) -> "NodeCache":
@@ -446,7 +443,8 @@ class NodeCache:
             flight.done.set()
 
     def _fetch_across_processes(self, digest: Digest, fetch: Callable[[], bytes]) -> bytes:
-        with InflightLock(Path(self._inflight) / f"{digest.hex()}.lock"):
+        self._digest_locks.lock(digest)
+        try:
             data = self._read(digest)  # another process may have filled it while we waited
             if data is not None:
                 self._note_access(digest)
@@ -456,6 +454,8 @@ class NodeCache:
             data = fetched if type(fetched) is bytes else bytes(fetched)
             self.put(digest, data)
             return data
+        finally:
+            self._digest_locks.unlock(digest)
 
     # -- writes ----------------------------------------------------------------------------
 

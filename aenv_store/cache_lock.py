@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import struct
 from pathlib import Path
 
 
@@ -38,49 +39,36 @@ class FileLock:
             self.fd = -1
 
 
-class InflightLock:
-    """Exclusive lock on ``<dir>/<name>.lock`` for the duration of one fetch.
+class DigestLocks:
+    """Exclusive per-digest locks for fetches in flight, as byte-range locks on one
+    file: the digest picks the byte. Open-file-description locks (F_OFD_SETLKW,
+    Linux >= 3.15) belong to this open file, not to the process, and go away with it
+    when the holder dies; unlike a lock file per fetch, no inode is created or
+    removed (that cost ~180 µs per miss on a busy ext4 here; a range lock ~2 µs).
 
-    The file is unlinked on release so the directory does not fill up. That
-    opens the classic race (a waiter locks a file that the holder already
-    unlinked, while a newcomer creates and locks a fresh one); acquire() closes
-    it by checking, after locking, that the path still names the locked inode."""
+    Threads of one process share the open file, so they do not exclude each other:
+    callers make sure one thread per process holds a given digest (NodeCache's
+    in-process single-flight does)."""
+
+    _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on Linux (x86_64, aarch64)
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = -1
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
-    def acquire(self) -> None:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # releases the GIL while it waits
-                held = os.fstat(fd)
-                try:
-                    now = os.stat(self.path)
-                except FileNotFoundError:
-                    now = None
-            except BaseException:
-                os.close(fd)
-                raise
-            if now is not None and (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev):
-                self.fd = fd
-                return
-            os.close(fd)  # we locked a file the previous holder already removed: retry
+    @staticmethod
+    def _offset(digest: bytes) -> int:
+        return int.from_bytes(digest[:8], "little") >> 2  # a non-negative off_t
 
-    def release(self) -> None:
-        if self.fd < 0:
-            return
-        try:
-            os.unlink(self.path)  # while still locked, so no one can lock this path's inode afterwards
-        except FileNotFoundError:
-            pass
-        os.close(self.fd)
-        self.fd = -1
+    def lock(self, digest: bytes) -> None:
+        """Block (GIL released) until no other open file holds this digest."""
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW,
+                    self._FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, self._offset(digest), 1, 0))
 
-    def __enter__(self) -> "InflightLock":
-        self.acquire()
-        return self
+    def unlock(self, digest: bytes) -> None:
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK,
+                    self._FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, self._offset(digest), 1, 0))
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -84,7 +84,6 @@ def test_failing_fetch_propagates_to_all_waiters(cache: NodeCache) -> None:
     assert len(calls) == 1
     assert all(isinstance(r, RuntimeError) and "unreachable" in str(r) for r in results)
     assert not cache.contains(digest) and cache.stats().entries == 0
-    assert not list((cache.path / "inflight").iterdir())  # lock files cleaned up
     assert not list((cache.path / "tmp").iterdir())
     # no negative caching: the next caller fetches again
     assert cache.get_or_fetch(digest, lambda: data) == data
