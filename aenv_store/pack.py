@@ -128,6 +128,39 @@ def read_trailer(read_range: RangeReader, pack_size: int) -> list[PackEntry]:
     return decode_table(table, footer)
 
 
+class PackReader:
+    """A pack behind a range reader (local file, posix_fs or S3 object): the
+    trailer costs two range reads; each chunk one more."""
+
+    def __init__(self, read_range: RangeReader, size: int, name: str = "pack") -> None:
+        self.read_range = read_range
+        self.size = size
+        self.name = name
+        self._entries: list[PackEntry] | None = None
+
+    def entries(self) -> list[PackEntry]:
+        if self._entries is None:
+            try:
+                self._entries = read_trailer(self.read_range, self.size)
+            except CorruptData as e:
+                raise CorruptData(f"{self.name}: {e}") from None
+        return self._entries
+
+    def read_header(self) -> None:
+        try:
+            decode_header(self.read_range(0, HEADER_SIZE))
+        except CorruptData as e:
+            raise CorruptData(f"{self.name}: {e}") from None
+
+    def read_chunk(self, entry: PackEntry, dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
+        """Plaintext of one entry, checked against its BLAKE3 id."""
+        data = decode_payload(self.read_range(entry.offset, entry.length), entry, dctx)
+        if blake3.blake3(data).digest() != entry.chunk:
+            raise CorruptData(f"chunk {entry.chunk.hex()} in {self.name} at offset {entry.offset}: "
+                              "content does not match its id")
+        return data
+
+
 def parse_pack(data: bytes) -> list[PackEntry]:
     """Check a whole pack held in memory: header, trailer (not payloads)."""
     decode_header(data[:HEADER_SIZE])
@@ -222,5 +255,5 @@ def check_pack_id(data: bytes, expected: Digest) -> None:
         raise CorruptData(f"pack {expected.hex()}: content does not match its id")
 
 
-__all__ = ["PackEntry", "PackWriter", "read_trailer", "parse_pack", "decode_payload", "encode_payload",
+__all__ = ["PackEntry", "PackWriter", "PackReader", "read_trailer", "parse_pack", "decode_payload", "encode_payload",
            "encode_trailer", "decode_footer", "decode_table", "DIGEST_SIZE"]

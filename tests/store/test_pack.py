@@ -125,3 +125,18 @@ def test_reading_payload_while_pack_open(tmp_path: Path) -> None:
     e = w.add(Digest.of(b"xyz"), b"xyz", 3)
     assert w.read_payload(e) == b"xyz"
     w.discard()
+
+
+def test_pack_reader_over_range_reads(tmp_path: Path) -> None:
+    import os
+    chunks = [os.urandom(100), b"z" * 5000, b"abc" * 100]
+    _, data = write_pack(tmp_path / "p", chunks)
+    r = packfmt.PackReader(lambda off, n: data[off:off + n], len(data), "pack-x")
+    r.read_header()
+    assert [r.read_chunk(e) for e in r.entries()] == chunks
+    bad = bytearray(data)
+    e = r.entries()[1]
+    bad[e.offset + 3] ^= 1
+    rb = packfmt.PackReader(lambda off, n: bytes(bad[off:off + n]), len(bad), "pack-x")
+    with pytest.raises(CorruptData, match="pack-x|zstd"):
+        rb.read_chunk(rb.entries()[1])
