@@ -14,6 +14,8 @@ blocks; zeroed blocks become zero runs) and continues on a fresh upper layer.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -36,20 +38,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+COMMIT_BATCH = 64   # chunks staged per stage_many call at commit (4 MiB at 64 KiB chunks)
+
 
 class ChunkMemory:
-    """A byte-bounded LRU of chunk contents shared by an image's readers, so
-    hot reads are answered on the event loop without touching the store."""
+    """Chunk contents an image's readers can use without touching the store,
+    so hot reads are answered on the event loop.
 
-    def __init__(self, capacity: int) -> None:
+    Two kinds of entries: read-only mappings of node-cache files (the page
+    cache holds the bytes, shared by every image and process on the node;
+    bounded by ``max_maps``) and private ``bytes`` (when no cache file exists;
+    bounded by ``capacity`` bytes). Both are LRU. A mapping stays valid even if
+    the cache later evicts the file (the cache replaces files by rename and
+    never rewrites them; chunk contents never change).
+    """
+
+    def __init__(self, capacity: int, max_maps: int = 16384) -> None:
         self.capacity = capacity
+        self.max_maps = max_maps
         self.used = 0
-        self._d: OrderedDict[Digest, bytes] = OrderedDict()
+        self.maps = 0
+        self._d: OrderedDict[Digest, bytes | mmap.mmap] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, cid: Digest) -> bytes | None:
-        # OrderedDict.move_to_end under a lock: this is called from the event
-        # loop and from pool threads at once.
+    def get(self, cid: Digest) -> bytes | mmap.mmap | None:
+        # move_to_end under a lock: called from the event loop and pool threads at once
         with self._lock:
             data = self._d.get(cid)
             if data is not None:
@@ -59,22 +72,52 @@ class ChunkMemory:
     def __contains__(self, cid: Digest) -> bool:
         return cid in self._d
 
-    def put(self, cid: Digest, data: bytes) -> None:
-        if len(data) > self.capacity:
+    def put(self, cid: Digest, data: bytes | mmap.mmap) -> None:
+        is_map = isinstance(data, mmap.mmap)
+        if not is_map and len(data) > self.capacity:
             return
         with self._lock:
-            if cid in self._d:
-                return
+            old = self._d.pop(cid, None)
+            if old is not None:
+                self._account(old, -1)
             self._d[cid] = data
-            self.used += len(data)
-            while self.used > self.capacity:
-                _, old = self._d.popitem(last=False)
-                self.used -= len(old)
+            self._account(data, 1)
+            if self.used > self.capacity or self.maps > self.max_maps:
+                for key in list(self._d):
+                    if self.used <= self.capacity and self.maps <= self.max_maps:
+                        break
+                    victim = self._d[key]
+                    if (isinstance(victim, mmap.mmap) and self.maps > self.max_maps) or \
+                            (not isinstance(victim, mmap.mmap) and self.used > self.capacity):
+                        del self._d[key]
+                        self._account(victim, -1)
+
+    def _account(self, data: bytes | mmap.mmap, sign: int) -> None:
+        if isinstance(data, mmap.mmap):
+            self.maps += sign
+        else:
+            self.used += sign * len(data)
 
     def clear(self) -> None:
         with self._lock:
+            # mappings are not closed explicitly: a reader may still be slicing
+            # one; they are unmapped when the last reference goes.
             self._d.clear()
             self.used = 0
+            self.maps = 0
+
+
+def _map_file(path: Path) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        if os.fstat(fd).st_size == 0:
+            return None
+        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -112,6 +155,7 @@ class BlockImage:
         self.on_chunk_read: list = []           # callbacks(cid) for trace recording
         self._wlock = threading.RLock()
         self._retired: list[UpperLayer] = []
+        self._seeders: list[threading.Thread] = []
         self._pinned: set[Digest] = set()
         flat = ExtentMap.from_layers(size, [m.extents for m in layers])
         upper = None
@@ -207,7 +251,7 @@ class BlockImage:
             if cid is None:
                 out.append(bytes(n))
                 continue
-            data = got.get(cid) or self.memory.get(cid)
+            data = got.get(cid) or self.memory.get(cid)  # type: ignore[assignment]
             if data is None:
                 if nowait:
                     return None
@@ -216,30 +260,64 @@ class BlockImage:
                                              if c is not None and c not in got and c not in self.memory))
                 got.update(zip(missing, self.fetch_chunks(missing)))
                 data = got.get(cid) or self.fetch_chunk(cid)
-            out.append(data[coff:coff + n] if (coff or n != len(data)) else data)
+            out.append(data if (type(data) is bytes and not coff and n == len(data)) else data[coff:coff + n])
         return out[0] if len(out) == 1 else b"".join(out)
 
-    def fetch_chunk(self, cid: Digest) -> bytes:
-        """Chunk bytes via the memory LRU, else the store (may block on I/O)."""
+    def fetch_chunk(self, cid: Digest) -> bytes | mmap.mmap:
+        """Chunk bytes via the chunk memory, else the store (may block on I/O)."""
         data = self.memory.get(cid)
         if data is None:
-            data = self.source.read_chunk(cid)
-            self._fetched(cid, data)
+            data = self._from_node_cache(cid)
+            if data is None:
+                data = self._fetched(cid, self.source.read_chunk(cid))
         return data
 
-    def fetch_chunks(self, cids: list[Digest]) -> list[bytes]:
-        """Several distinct chunks, fetched concurrently by the store."""
-        if len(cids) <= 1 or not hasattr(self.source, "read_chunks"):
-            return [self.fetch_chunk(c) for c in cids]
-        datas = self.source.read_chunks(cids)  # type: ignore[attr-defined]
-        for cid, data in zip(cids, datas):
-            self._fetched(cid, data)
-        return datas
+    def fetch_chunks(self, cids: list[Digest]) -> list[bytes | mmap.mmap]:
+        """Several distinct chunks: node-cache hits mapped directly, the rest
+        fetched concurrently by the store."""
+        out: dict[Digest, bytes | mmap.mmap] = {}
+        todo = []
+        for cid in cids:
+            hit = self._from_node_cache(cid)
+            if hit is not None:
+                out[cid] = hit
+            else:
+                todo.append(cid)
+        if len(todo) > 1 and hasattr(self.source, "read_chunks"):
+            datas = self.source.read_chunks(todo)  # type: ignore[attr-defined]
+            for cid, data in zip(todo, datas):
+                out[cid] = self._fetched(cid, data)
+        else:
+            for cid in todo:
+                out[cid] = self._fetched(cid, self.source.read_chunk(cid))
+        return [out[c] for c in cids]
 
-    def _fetched(self, cid: Digest, data: bytes) -> None:
-        self.memory.put(cid, data)
+    def _from_node_cache(self, cid: Digest) -> mmap.mmap | None:
+        cache = self.store.cache
+        if cache is None or cid not in self._pinned:
+            # only pinned entries: an unpinned file could be evicted between path_of and open
+            return None
+        path = cache.path_of(cid)
+        mm = _map_file(path) if path is not None else None
+        if mm is not None:
+            self.memory.put(cid, mm)
+            for cb in self.on_chunk_read:
+                cb(cid)
+        return mm
+
+    def _fetched(self, cid: Digest, data: bytes) -> bytes | mmap.mmap:
         for cb in self.on_chunk_read:
             cb(cid)
+        # The store put it into the node cache: map that file, keep no private copy.
+        cache = self.store.cache
+        if cache is not None and cid in self._pinned:
+            path = cache.path_of(cid)
+            mm = _map_file(path) if path is not None else None
+            if mm is not None:
+                self.memory.put(cid, mm)
+                return mm
+        self.memory.put(cid, data)
+        return data
 
     # --- writes ----------------------------------------------------------
     def _upper(self) -> UpperLayer:
@@ -329,30 +407,44 @@ class BlockImage:
             if len(view.layers) >= MAX_LAYERS:
                 raise ImageError(f"image {self.name} already has {MAX_LAYERS} layers: flatten it first")
             cs = self.chunk_size
-            zero = bytes(cs)
             extents: list[Extent] = []
             fresh: list[tuple[Digest, bytes]] = []
             data_bytes = 0
             with self.store.workspace() as ws:
+                batch: list[tuple[int, int]] = []
+
+                def stage_batch() -> None:
+                    # stage_many compresses a batch on the store's thread pool
+                    nonlocal data_bytes
+                    datas = [up.read_data(p, n) for p, n in batch]
+                    for (p, n), data, cid in zip(batch, datas, ws.stage_many(datas)):
+                        if cid is None:              # written zeros: a zero run, nothing stored
+                            extents.append(Extent(p, n, None))
+                        else:
+                            extents.append(Extent(p, n, cid))
+                            fresh.append((cid, data))
+                            data_bytes += n
+                    batch.clear()
+
                 for ro, rl, st in up.runs(0, up.nblocks):
                     if st == ABSENT:
                         continue
                     end = min(ro + rl, self.size)
                     if st == ZERO:
+                        if batch:
+                            stage_batch()
                         extents.append(Extent(ro, end - ro, None))
                         continue
                     pos = ro
                     while pos < end:
                         n = min(end, (pos // cs + 1) * cs) - pos
-                        data = up.read_data(pos, n)
-                        if data == zero[:n]:
-                            extents.append(Extent(pos, n, None))
-                        else:
-                            cid = ws.put_chunk(data)
-                            extents.append(Extent(pos, n, cid))
-                            fresh.append((cid, data))
-                            data_bytes += n
+                        batch.append((pos, n))
+                        if len(batch) >= COMMIT_BATCH:
+                            stage_batch()
                         pos += n
+                if batch:
+                    stage_batch()
+                extents.sort(key=lambda e: e.offset)
                 parent = view.layers[-1].id if view.layers else None
                 meta_t = tuple(sorted((meta or {}).items()))
                 layer = Manifest(DISK_LAYER, self.size, tuple(coalesce(extents)), parent=parent,
@@ -360,14 +452,17 @@ class BlockImage:
                 mid = ws.add_manifest(layer)
                 record = image_record(record_name, mid, meta, time.time()) if record_name else None
                 ws.commit(record, exclusive=exclusive)
-            # The sealed data is already verified plaintext here: seed the
-            # caches so reads after the commit do not go back to the repository.
-            for cid, data in fresh:
-                if self.store.cache is not None:
-                    self.store.cache.put(cid, data)
-                self.memory.put(cid, data)
-            new_map = view.map.with_layer(layer.extents, len(view.layers))
+            # The sealed data is verified plaintext already: keep it in the chunk
+            # memory and seed the node cache in the background (off the commit's
+            # latency), so reads after the commit do not go back to the repository.
             self._pin({cid for cid, _ in fresh})
+            for cid, data in fresh:
+                self.memory.put(cid, data)
+            if fresh and self.store.cache is not None:
+                t = threading.Thread(target=self._seed_cache, args=(fresh,), name="blockimage-seed", daemon=True)
+                self._seeders.append(t)
+                t.start()
+            new_map = view.map.with_layer(layer.extents, len(view.layers))
             new_upper = UpperLayer(up.dir, self.size, mid, create=True)
             new_upper.flush()
             self._retired.append(up)   # readers holding the old view keep a valid fd
@@ -375,11 +470,28 @@ class BlockImage:
             zero_bytes = sum(e.length for e in layer.extents if e.chunk is None)
             return CommitInfo(layer, mid, len(layer.extents), data_bytes, zero_bytes, time.perf_counter() - t0)
 
+    def _seed_cache(self, chunks: list[tuple[Digest, bytes]]) -> None:
+        cache = self.store.cache
+        for cid, data in chunks:
+            if self.closed:
+                return
+            try:
+                cache.put(cid, data)
+            except Exception as e:  # noqa: BLE001 - best effort: reads fall back to the repository
+                log.debug("seeding node cache with %s failed: %s", cid.short(), e)
+                return
+
+    def wait_seeded(self) -> None:
+        for t in self._seeders:
+            t.join()
+        self._seeders.clear()
+
     # --- lifecycle -------------------------------------------------------
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self.wait_seeded()
         if self.prefetcher is not None:
             self.prefetcher.close()
         up = self._view.upper

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from aenv_store.store import Store
 
 MiB = 1 << 20
+IMPORT_BATCH = 64     # chunks per stage_many call
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,21 @@ def import_raw(store: "Store", path: Path, name: str, meta: dict[str, str] | Non
     if size == 0:
         raise ImageError(f"{path}: empty image")
     cs = store.chunk_size
-    zero = bytes(cs)
     extents: list[Extent] = []
     data_bytes = 0
     with store.workspace() as ws, open(path, "rb", buffering=0) as f:
         fd = f.fileno()
+        batch: list[tuple[int, bytes]] = []
+
+        def stage_batch() -> None:
+            # stage_many hashes inline and compresses the batch on the store's pool
+            nonlocal data_bytes
+            for (off, data), cid in zip(batch, ws.stage_many([d for _, d in batch])):
+                extents.append(Extent(off, len(data), cid))
+                if cid is not None:
+                    data_bytes += len(data)
+            batch.clear()
+
         pos = 0
         for start, end in _data_ranges(fd, size):
             # align the range outward to chunks so data extents stay chunk-aligned
@@ -87,14 +98,14 @@ def import_raw(store: "Store", path: Path, name: str, meta: dict[str, str] | Non
                 data = os.pread(fd, n, off)
                 if len(data) != n:
                     raise ImageError(f"{path}: changed while importing (short read at {off})")
-                if data == zero[:n]:
-                    extents.append(Extent(off, n, None))
-                else:
-                    extents.append(Extent(off, n, ws.put_chunk(data)))
-                    data_bytes += n
+                batch.append((off, data))
+                if len(batch) >= IMPORT_BATCH:
+                    stage_batch()
+            stage_batch()
             pos = end
         if pos < size:
             extents.append(Extent(pos, size - pos, None))
+        extents.sort(key=lambda e: e.offset)
         full_meta = {"source": path.name, **(meta or {})}
         layer = Manifest(DISK_LAYER, size, tuple(coalesce(extents)), parent=None, chunk_size=cs,
                          meta=tuple(sorted(full_meta.items())))

@@ -96,12 +96,15 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._export: BlockExport | None = None
         self._inflight = 0
-        self._paused = False
+        self._paused = False          # reading paused: too many requests in flight
+        self._write_paused = False    # the transport's send buffer is above its high-water mark
         self._closing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        # room for a few large read replies before pause_writing kicks in
+        transport.set_write_buffer_limits(high=4 << 20, low=1 << 20)
         self._server._connections.add(self)
         transport.write(self._proto.data_to_send())
 
@@ -113,10 +116,24 @@ class _Connection(asyncio.Protocol):
         self._proto.receive_data(data)
         self._pump()
 
+    # Flow control: while the client does not drain our replies, stop taking
+    # requests (they stay parsed-later in the protocol buffer) instead of
+    # growing the transport's send buffer without bound.
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self._transport is not None and not self._paused:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._transport is not None and not self._paused and not self._closing:
+            self._transport.resume_reading()
+            self._pump()
+
     def _pump(self) -> None:
         t = self._transport
         assert t is not None
-        while not self._closing:
+        while not self._closing and not self._write_paused:
             ev = self._proto.next_event()
             out = self._proto.data_to_send()
             if out:
@@ -150,7 +167,10 @@ class _Connection(asyncio.Protocol):
     def _send(self, handle: int, err: int, data: bytes = b"") -> None:
         if self._closing or self._transport is None:
             return
-        self._transport.write(self._proto.reply(handle, err, data))
+        # header and payload as two writes: no 1 MiB concatenation per read reply
+        self._transport.write(self._proto.reply_header(handle, err))
+        if data and not err:
+            self._transport.write(data)
 
     def _dispatch(self, req: Request) -> None:
         export = self._export
@@ -181,8 +201,9 @@ class _Connection(asyncio.Protocol):
         if self._paused and self._inflight < self._server.max_inflight // 2 and not self._closing:
             self._paused = False
             assert self._transport is not None
-            self._transport.resume_reading()
-            self._pump()
+            if not self._write_paused:
+                self._transport.resume_reading()
+                self._pump()
 
 
 def _run(export: BlockExport, req: Request) -> bytes:
