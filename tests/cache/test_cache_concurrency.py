@@ -208,3 +208,34 @@ def test_sigkill_while_others_keep_using_the_cache(tmp_path: Path) -> None:
     with NodeCache(directory, CacheConfig(capacity=cap, min_free_disk=0)) as c:
         assert c.verify(read_data=True) == []
         assert check_contents(c, cap) == c.stats().entries
+
+
+def test_threads_under_eviction_pressure(tmp_path: Path) -> None:
+    """Reads, fetches, pins and evictions from several threads at once on a tiny cache."""
+    cap = 8 * S
+    items = [(Digest.of(b), b) for b in (chunk(5000 + i, rnd) for i, rnd in
+                                         enumerate(random.Random(3).choices([4096, 30000, S], k=60)))]
+    with NodeCache(tmp_path / "c", CacheConfig(capacity=cap, min_free_disk=0)) as c:
+        def worker(i: int) -> int:
+            rng = random.Random(i)
+            for _ in range(300):
+                d, b = items[rng.randrange(len(items))]
+                op = rng.random()
+                if op < 0.5:
+                    assert c.get_or_fetch(d, lambda: b) == b
+                elif op < 0.8:
+                    got = c.get(d)
+                    assert got is None or got == b
+                elif op < 0.9:
+                    c.put(d, b)
+                else:
+                    c.pin([d])
+                    assert c.get_or_fetch(d, lambda: b) == b
+                    c.unpin([d])
+                assert c.stats().used_bytes <= cap if op < 0.05 else True
+            return 0
+
+        assert run_threads(4, worker) == [0, 0, 0, 0]
+        st = c.stats()
+        assert st.used_bytes <= cap and st.evictions > 0 and st.pinned == 0
+        assert c.verify(read_data=True) == []
