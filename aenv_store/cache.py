@@ -39,6 +39,8 @@ from typing import Callable, ClassVar, Iterable
 import lmdb
 import xxhash
 
+from . import cache_files
+from .cache_files import unlink_all, write_file
 from .cache_index import COUNTERS, ENTRIES, ENTRY, FORMAT, USED, Entry, IndexDbs
 from .cache_lock import DigestLocks, FileLock
 from .config import CacheConfig
@@ -132,7 +134,8 @@ class NodeCache:
         validate_config(config)
         self.path = Path(path).absolute()
         self.config = config
-        self._data = str(self.path / "data")
+        self._files = cache_files.ChunkFiles(str(self.path / "data"))
+        self._file = self._files.path
         self._tmp = str(self.path / "tmp")
         self._lock = threading.Lock()   # pending touches, counter deltas, flights, own pins
         self._pending: dict[bytes, int] = {}
@@ -149,7 +152,7 @@ class NodeCache:
 
     def _open(self) -> None:
         try:
-            for d in (self.path, Path(self._data), Path(self._tmp)):
+            for d in (self.path, self.path / "data", Path(self._tmp)):
                 d.mkdir(parents=True, exist_ok=True)
             gate = FileLock(self.path / "gate.lock")
         except OSError as e:
@@ -177,9 +180,7 @@ class NodeCache:
         finally:
             gate.close()
         self._digest_locks = DigestLocks(self.path / "inflight.lock")
-        if not os.path.isdir(f"{self._data}/ff"):  # shards are made in order: ff exists => all do
-            for i in range(256):
-                os.makedirs(f"{self._data}/{i:02x}", exist_ok=True)
+        self._files.make_shards()
 
     @property
     def _env(self) -> lmdb.Environment:
@@ -250,7 +251,7 @@ class NodeCache:
         elif not clean:
             self._reconcile()
         for name in os.listdir(self._tmp):  # leftovers of dead processes (nobody else is here)
-            self._unlink_all([os.path.join(self._tmp, name)])
+            unlink_all([os.path.join(self._tmp, name)])
         evicted: list[str] = []
         with self._env.begin(write=True) as txn:
             self._db.clear_pins(txn)  # pins belong to live users; there are none
@@ -258,36 +259,11 @@ class NodeCache:
             self._db.set_u64(txn, OPEN_COUNT, 0)
             self._db.set_meta(txn, b"boot_id", boot)
             self._make_room(txn, 0, evicted)  # the capacity may have been lowered
-        self._unlink_all(evicted)
+        unlink_all(evicted)
         self._env.sync(True)
 
     def _reconcile(self) -> None:
-        """After a crash: drop entries whose file is missing or the wrong size, delete orphan files."""
-        dropped = orphans = 0
-        with self._env.begin(write=True) as txn:
-            stale = []
-            for digest, entry in self._db.iter_entries(txn):
-                try:
-                    ok = os.stat(self._file(digest)).st_size == entry.size
-                except FileNotFoundError:
-                    ok = False
-                if not ok:
-                    stale.append(digest)
-            for digest in stale:
-                self._db.remove(txn, digest)
-                self._unlink_all([self._file(digest)])
-            dropped = len(stale)
-            for shard in os.scandir(self._data):
-                if not shard.is_dir():
-                    continue
-                for f in os.scandir(shard.path):
-                    try:
-                        known = txn.get(bytes.fromhex(f.name), db=self._db.entries) is not None
-                    except ValueError:
-                        known = False
-                    if not known:
-                        self._unlink_all([f.path])
-                        orphans += 1
+        dropped, orphans = cache_files.reconcile(self._env, self._db, self._files)
         if dropped or orphans:
             log.warning("node cache %s: reconciled after a crash: %d stale entries, %d orphan files removed",
                         self.path, dropped, orphans)
@@ -325,10 +301,6 @@ class NodeCache:
         self.close()
 
     # -- reads -----------------------------------------------------------------------------
-
-    def _file(self, digest: bytes) -> str:
-        h = digest.hex()
-        return f"{self._data}/{h[:2]}/{h}"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -369,7 +341,7 @@ class NodeCache:
             self._db.remove(txn, digest)
             if corrupt:
                 self._db.add_u64(txn, b"corrupt", 1)
-                self._unlink_all([path])  # inside the txn: no put can rename a fresh file in between
+                unlink_all([path])  # inside the txn: no put can rename a fresh file in between
 
     def _note_access(self, digest: bytes, counter: str | None = None) -> None:
         with self._lock:
@@ -474,9 +446,9 @@ class NodeCache:
             return True
         tmp = f"{self._tmp}/{digest.hex()}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
         try:
-            _write_file(tmp, data)
+            write_file(tmp, data)
         except OSError as e:
-            self._unlink_all([tmp])
+            unlink_all([tmp])
             log.warning("node cache %s: cannot write chunk %s: %s", self.path, digest.hex(), e)
             return False
         checksum = xxhash.xxh3_64_intdigest(data)
@@ -502,13 +474,13 @@ class NodeCache:
         except (lmdb.Error, OSError) as e:
             self._restore_pending(touches, deltas)
             if renamed:
-                self._unlink_all([path])  # the txn aborted: the file has no entry
+                unlink_all([path])  # the txn aborted: the file has no entry
             log.warning("node cache %s: cannot store chunk %s: %s", self.path, digest.hex(), e)
             return False
         finally:
             if not renamed:
-                self._unlink_all([tmp])
-        self._unlink_all(evicted)  # entries are gone (committed); now the files
+                unlink_all([tmp])
+        unlink_all(evicted)  # entries are gone (committed); now the files
         return stored
 
     def _disk_free(self) -> int:
@@ -555,14 +527,6 @@ class NodeCache:
             self._db.add_u64(txn, b"evictions", len(victims))
             self._db.add_u64(txn, b"evicted_bytes", freed)
         return freed
-
-    @staticmethod
-    def _unlink_all(paths: Iterable[str]) -> None:
-        for p in paths:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
 
     # -- batched LRU touches and counters --------------------------------------------------
 
@@ -653,45 +617,7 @@ class NodeCache:
     def verify(self, read_data: bool = False) -> list[str]:
         """Problems found between index and files (empty = consistent): entries without a
         file or with the wrong size (``read_data``: wrong checksum), files without an entry,
-        totals that disagree with the entries."""
+        totals that disagree with the entries. Exact while nobody writes."""
         self._check_open()
-        problems: list[str] = []
-        with self._env.begin() as txn:
-            total = count = 0
-            for digest, entry in self._db.iter_entries(txn):
-                total += entry.size
-                count += 1
-                path = self._file(digest)
-                try:
-                    size = os.stat(path).st_size
-                except FileNotFoundError:
-                    problems.append(f"entry {digest.hex()}: file missing")
-                    continue
-                if size != entry.size:
-                    problems.append(f"entry {digest.hex()}: file has {size} bytes, index says {entry.size}")
-                elif read_data:
-                    with open(path, "rb") as f:
-                        if xxhash.xxh3_64_intdigest(f.read()) != entry.checksum:
-                            problems.append(f"entry {digest.hex()}: checksum mismatch")
-            if total != self._db.get_u64(txn, USED) or count != self._db.get_u64(txn, ENTRIES):
-                problems.append(f"totals: index says {self._db.get_u64(txn, USED)} bytes in "
-                                f"{self._db.get_u64(txn, ENTRIES)} entries, entries sum to {total} in {count}")
-            for shard in os.scandir(self._data):
-                for f in os.scandir(shard.path) if shard.is_dir() else ():
-                    try:
-                        known = txn.get(bytes.fromhex(f.name), db=self._db.entries) is not None
-                    except ValueError:
-                        known = False
-                    if not known:
-                        problems.append(f"file {shard.name}/{f.name}: no index entry")
-        return problems
+        return cache_files.verify(self._env, self._db, self._files, read_data)
 
-
-def _write_file(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
