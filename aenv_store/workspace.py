@@ -122,8 +122,14 @@ class Workspace(AbstractContextManager["Workspace"]):
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.path = root / self.id
         os.rename(tmp, self.path)
-        self._repo_lock = repository.writer_lock()
-        self._repo_lock.__enter__()
+        try:
+            # shared repository lock for the workspace's life: gc (exclusive) waits for it
+            self._repo_lock = repository.writer_lock()
+            self._repo_lock.__enter__()
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._lock_fd)
+            raise
         self._level = config.compression_level
         self._cctx = zstandard.ZstdCompressor(level=self._level)
         self._executor = executor
