@@ -122,6 +122,7 @@ class Collector:
         self.progress = progress
         self.tmp_dir = tmp_dir
         self.lock: RepositoryLock | None = None
+        self.young_roots: set[bytes] = set()  # manifests kept only because they are inside the grace period
 
     def run(self, lock_wait: float = 0.0) -> GcReport:
         # A dry run deletes nothing, so it only needs writers' view of a stable repository.
@@ -133,7 +134,7 @@ class Collector:
 
     # -- mark ----------------------------------------------------------------------
 
-    def _mark(self) -> tuple[int, set[bytes], set[bytes]]:
+    def _mark(self, cutoff: float) -> tuple[int, set[bytes], set[bytes]]:
         records: list[CatalogRecord] = []
         for info in self.backend.list(CATALOG):
             try:
@@ -145,27 +146,44 @@ class Collector:
                               "alive. Run `aenv repo verify`, then fix or delete the record") from None
         live_manifests: set[bytes] = set()
         live_chunks: set[bytes] = set()
-        todo = [bytes(mid) for rec in records for _, mid in rec.manifests]
-        with self.progress("gc: mark", len(todo), "") as bar:
-            while todo:
-                mid = todo.pop()
-                if mid in live_manifests:
-                    continue
-                key = manifest_key(mid)
-                try:
-                    data = self.backend.get(key)
-                    if blake3.blake3(data).digest() != mid:
-                        raise CorruptData("content does not match its id")
-                    m = Manifest.decode(data)
-                except (NotFound, CorruptData) as e:
-                    raise GcError(f"manifest {key} reachable from the catalog is unreadable ({e}); "
-                                  "run `aenv repo verify` to see the affected snapshots") from None
-                live_manifests.add(mid)
-                live_chunks.update(bytes(c) for c in m.chunks)
-                if m.parent is not None:
-                    todo.append(bytes(m.parent))
-                bar.advance(1)
+        roots = [bytes(mid) for rec in records for _, mid in rec.manifests]
+        with self.progress("gc: mark", len(roots), "") as bar:
+            self._walk(roots, live_manifests, live_chunks, bar, strict=True)
+            # Manifests inside the grace period are roots too: a writer without a lock (or
+            # one that lost it) may be between writing its manifests and its record; keep
+            # what they reach, parents included. Unreadable ones are not roots of anything.
+            young = [bytes(mid) for info in self.backend.list(MANIFESTS)
+                     if info.mtime > cutoff and (mid := id_from_key(info.key)) is not None
+                     and bytes(mid) not in live_manifests]
+            before = set(live_manifests)
+            self._walk(young, live_manifests, live_chunks, bar, strict=False)
+            self.young_roots = live_manifests - before
         return len(records), live_manifests, live_chunks
+
+    def _walk(self, roots: list[bytes], live_manifests: set[bytes], live_chunks: set[bytes], bar: Any,
+              strict: bool) -> None:
+        todo = list(roots)
+        while todo:
+            mid = todo.pop()
+            if mid in live_manifests:
+                continue
+            key = manifest_key(mid)
+            try:
+                data = self.backend.get(key)
+                if blake3.blake3(data).digest() != mid:
+                    raise CorruptData("content does not match its id")
+                m = Manifest.decode(data)
+            except (NotFound, CorruptData) as e:
+                if not strict:
+                    log.warning("gc: young manifest %s (or its parent) unreadable, not a root: %s", key, e)
+                    continue
+                raise GcError(f"manifest {key} reachable from the catalog is unreadable ({e}); "
+                              "run `aenv repo verify` to see the affected snapshots") from None
+            live_manifests.add(mid)
+            live_chunks.update(bytes(c) for c in m.chunks)
+            if m.parent is not None:
+                todo.append(bytes(m.parent))
+            bar.advance(1)
 
     # -- plan ----------------------------------------------------------------------
 
@@ -308,7 +326,7 @@ class Collector:
     def _run(self) -> GcReport:
         t0 = time.monotonic()
         cutoff = time.time() - self.grace
-        nrecords, live_manifests, live_chunks = self._mark()
+        nrecords, live_manifests, live_chunks = self._mark(cutoff)
         packs: dict[bytes, ObjectInfo] = {}
         for info in self.backend.list(PACKS):
             pid = id_from_key(info.key)
@@ -353,7 +371,8 @@ class Collector:
             if callable(cleanup):  # posix_fs: temp files of crashed writers
                 cleanup(older_than=max(self.grace, 600.0))
         return GcReport(
-            dry_run=self.dry_run, records=nrecords, live_manifests=len(live_manifests), live_chunks=len(live_chunks),
+            dry_run=self.dry_run, records=nrecords, live_manifests=len(live_manifests) - len(self.young_roots),
+            live_chunks=len(live_chunks),
             packs_before=len(packs), pack_bytes_before=sum(i.size for i in packs.values()),
             packs_deleted=len(plan.delete), packs_deleted_bytes=sum(i.size for i in plan.delete.values()),
             packs_repacked=len(plan.repack), packs_repacked_bytes=sum(i.size for i in plan.repack.values()),
@@ -361,7 +380,7 @@ class Collector:
             repack_live_bytes=plan.repack_live_bytes, chunks_copied=copied,
             index_files_deleted=len(plan.obsolete_index), index_files_written=index_written,
             manifests_deleted=len(plan.manifests), manifests_deleted_bytes=sum(i.size for i in plan.manifests),
-            kept_young_packs=plan.young_packs, kept_young_manifests=plan.young_manifests,
+            kept_young_packs=plan.young_packs, kept_young_manifests=plan.young_manifests + len(self.young_roots),
             seconds=time.monotonic() - t0,
         )
 

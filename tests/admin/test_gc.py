@@ -291,3 +291,29 @@ def test_parse_duration_rejects(text: str) -> None:
 
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration(text)
+
+
+def test_young_manifest_protects_old_chunks_it_uses(repo, wl) -> None:  # type: ignore[no-untyped-def]
+    """A lock-less writer that wrote its manifest (deduped against old packs) but not yet
+    its record: inside the grace period gc keeps everything that manifest reaches."""
+    with repo.store() as store:
+        name = repo.commit(store, 77)
+        mid = store.get_record(name).manifests[0][1]
+        _age_everything(repo.path, 2 * 3600)
+        # the "in-flight" manifest: same content under another media type, all chunks deduped
+        m = store.load_manifest(mid)
+        from dataclasses import replace
+
+        inflight = replace(m, media_type="application/vnd.aenv.test-inflight")
+        with store.workspace() as ws:
+            ws.add_manifest(inflight)
+            assert ws.commit().packs_added == 0
+        store.delete_record(name)
+        report = gc(store.repository)  # default grace: 1h
+        assert report.packs_deleted == 0 and report.kept_young_manifests == 1
+        assert report.manifests_deleted == 1  # the old, unreachable original
+        store.put_record(CatalogRecord(name="late", kind="snapshot", manifests=(("data", inflight.id),)))
+    with repo.store() as store:
+        assert verify(store.repository, read_data=True).ok
+        blob = store.open_blob(store.get_record("late").manifests[0][1])
+        assert blob.read(0, blob.size) == wl.content(77)
