@@ -36,7 +36,8 @@ T = TypeVar("T")
 
 READ_SIZE = 1 << 20          # bytes asked of one RecvStream.read
 WRITE_BATCH = 1 << 20        # frames gathered before one write_all
-SERVE_WINDOW = 8             # chunk reads in flight while answering one GET
+SERVE_WINDOW = 4             # chunk-read groups in flight while answering one GET
+SERVE_GROUP = 8              # chunks read per thread hop
 IDLE_TIMEOUT = 2.0           # a started transfer that stalls this long is abandoned
 FIRST_BYTE_TIMEOUT = 5.0     # a peer that said it has a chunk must start sending by then
 CONNECT_TIMEOUT = 2.0
@@ -280,44 +281,49 @@ class P2PNode:
             log.debug("p2p: serving %s failed: %s", remote[:12], e)
 
     async def _serve_get(self, send: Any, ids: tuple[Digest, ...], served: Any) -> None:
-        """Answer a GET in request order while up to SERVE_WINDOW chunk reads run
-        (a chunk may come from the repository: a range read each). Frames are
-        gathered into ~1 MiB writes, but whatever is ready goes out before we wait
-        on a slow read, so the first frame meets the asker's lookup timeout."""
+        """Answer a GET in request order. Chunk reads run on the serve pool in groups
+        (one thread hop per group, not per chunk), SERVE_WINDOW groups in flight (a
+        chunk may come from the repository: a range read each). Frames are gathered
+        into ~1 MiB writes, but whatever is ready goes out before we wait on a slow
+        read, and the first group is a single chunk, so the first frame is quick."""
         loop = asyncio.get_running_loop()
         provider = self.provider
-        pending: deque[tuple[Digest, asyncio.Future[bytes | None]]] = deque()
-        todo = iter(ids)
+
+        def read_group(group: tuple[Digest, ...]) -> list[bytes | None]:
+            return [None if provider is None else provider.get(c) for c in group]
+
+        groups = [ids[:1]] + [ids[i:i + SERVE_GROUP] for i in range(1, len(ids), SERVE_GROUP)]
+        pending: deque[asyncio.Future[list[bytes | None]]] = deque()
+        todo = iter(groups)
 
         def refill() -> None:
-            for cid in todo:
-                fut = loop.run_in_executor(self._serve_pool, provider.get, cid) if provider is not None \
-                    else loop.create_future()
-                if provider is None:
-                    fut.set_result(None)
-                pending.append((cid, fut))
+            for group in todo:
+                pending.append(loop.run_in_executor(self._serve_pool, read_group, group))
                 if len(pending) >= SERVE_WINDOW:
                     return
 
         refill()
         batch = bytearray()
         while pending:
-            cid, fut = pending.popleft()
+            fut = pending.popleft()
             if batch and not fut.done():
                 await send.write_all(bytes(batch))
                 batch.clear()
-            data = await fut
+            datas = await fut
             refill()
-            if data is None:
-                batch += encode_frame_head(Status.MISSING, 0)
-                with self.table.lock:
-                    served.misses += 1
-            else:
-                batch += encode_frame_head(Status.OK, len(data))
-                batch += data
-                with self.table.lock:
-                    served.chunks_out += 1
-                    served.bytes_out += len(data)
+            ok = sum(1 for d in datas if d is not None)
+            nbytes = 0
+            for data in datas:
+                if data is None:
+                    batch += encode_frame_head(Status.MISSING, 0)
+                else:
+                    batch += encode_frame_head(Status.OK, len(data))
+                    batch += data
+                    nbytes += len(data)
+            with self.table.lock:
+                served.misses += len(datas) - ok
+                served.chunks_out += ok
+                served.bytes_out += nbytes
             if len(batch) >= WRITE_BATCH:
                 await send.write_all(bytes(batch))
                 batch.clear()

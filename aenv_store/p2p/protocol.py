@@ -173,7 +173,8 @@ class GetResponseParser:
             status, length = self._head
             if len(self._buf) < length:
                 break
-            payload = bytes(self._buf[:length])
+            with memoryview(self._buf) as view:  # one copy out of the buffer, not two
+                payload = bytes(view[:length])
             del self._buf[:length]
             self._head = None
             cid = self.ids[self._next]
