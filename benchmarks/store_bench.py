@@ -234,11 +234,9 @@ class Aenv:
         self._cold += 1
         cold_dir = self.work / f"{self.name}-cold-{self._cold}"
         out = dest_dir / f"{label}.img"
+        # (the filled cold cache is removed by remove(), outside the timed phase)
         if self.mode == "cli":
-            try:
-                self._cli(cold_dir, "image", "export", f"bench-{label}", str(out))
-            finally:
-                shutil.rmtree(cold_dir, ignore_errors=True)
+            self._cli(cold_dir, "image", "export", f"bench-{label}", str(out))
             return out
         store = self._open(cold_dir)
         try:
@@ -248,7 +246,6 @@ class Aenv:
                     f.write(reader.read(off, READ_BLOCK))
         finally:
             store.close()
-            shutil.rmtree(cold_dir, ignore_errors=True)
         return out
 
     def verify(self) -> str:
@@ -271,6 +268,8 @@ class Aenv:
 
     def remove(self) -> None:
         shutil.rmtree(self.data_dir, ignore_errors=True)
+        for n in range(1, self._cold + 1):
+            shutil.rmtree(self.work / f"{self.name}-cold-{n}", ignore_errors=True)
 
 
 def _git_rev() -> str:
@@ -407,7 +406,7 @@ def chunk_study(images: Images, work: Path, sizes: list[int], reuse: Measured | 
             with Stopwatch() as sw:
                 subject.ingest(images.v2, "v2")
             m.ingest_v2_s, m.repo_after_v2 = sw.seconds, subject.repo_bytes()
-            shutil.rmtree(subject.data_dir, ignore_errors=True)
+            subject.remove()
         rows.append({"chunk_size": cs, "ingest_v1_mb_s": throughput_mb_s(images.size, m.ingest_v1_s),
                      "ingest_v2_mb_s": throughput_mb_s(images.size, m.ingest_v2_s),
                      "repo_after_v1": m.repo_after_v1, "v2_added": m.v2_added})
