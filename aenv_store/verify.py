@@ -40,7 +40,7 @@ import zstandard
 from . import pack as packfmt
 from .backends.base import ObjectInfo
 from .catalog import ALIAS, CatalogRecord
-from .errors import BackendError, CorruptData, NotFound, StoreError
+from .errors import BackendError, CorruptData, NotFound
 from .ids import Digest
 from .index import decode_index
 from .manifest import Manifest
@@ -562,4 +562,4 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-__all__ = ["Checker", "Problem", "Subset", "VerifyReport", "verify", "format_report", "StoreError"]
+__all__ = ["Checker", "Problem", "Subset", "VerifyReport", "verify", "format_report"]
