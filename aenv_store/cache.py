@@ -513,7 +513,7 @@ class NodeCache:
         for digest in self._db.lru_order(txn):
             if freed >= need:
                 break
-            if self._db.pin_count(txn, digest):
+            if self._db.pin_count(txn, digest):  # pinned entries are not listed; stay safe anyway
                 continue
             raw = txn.get(digest, db=entries)
             if raw is None:

@@ -108,6 +108,7 @@ def verify(env: lmdb.Environment, db: IndexDbs, files: ChunkFiles, read_data: bo
         if (total, count) != (used, entries):
             problems.append(f"totals: index says {used} bytes in {entries} entries, "
                             f"entries sum to {total} in {count}")
+        problems += db.lru_problems(txn)
         for shard, path, digest in files.scan():
             if digest is None or txn.get(digest, db=db.entries) is None:
                 problems.append(f"file {shard}/{os.path.basename(path)}: no index entry")

@@ -3,7 +3,8 @@
 Four named databases in one LMDB environment:
 
 ``entries``  digest (32 B) -> ENTRY (size u64, xxh3-64 of the data u64, last access ns i64)
-``lru``      last access ns (u64 big-endian) + digest -> b""   (cursor order = least recent first)
+``lru``      last access ns (u64 big-endian) + digest -> b""   (cursor order = least recent first);
+             holds exactly the entries that are NOT pinned, so eviction never walks past pins
 ``pins``     digest -> pin count u32 (a digest may be pinned before it is cached)
 ``meta``     format marker, byte/entry totals, lifetime counters, clean flag, boot id
 
@@ -58,7 +59,8 @@ class IndexDbs:
     def add(self, txn: lmdb.Transaction, digest: bytes, entry: Entry) -> None:
         """Insert a new entry (caller checked it is absent) and account its bytes."""
         txn.put(digest, ENTRY.pack(entry.size, entry.checksum, entry.last_access), db=self.entries)
-        txn.put(LRU_TIME.pack(entry.last_access) + digest, b"", db=self.lru)
+        if not self.pin_count(txn, digest):
+            txn.put(LRU_TIME.pack(entry.last_access) + digest, b"", db=self.lru)
         self.add_u64(txn, USED, entry.size)
         self.add_u64(txn, ENTRIES, 1)
 
@@ -77,13 +79,13 @@ class IndexDbs:
         entry = self.get(txn, digest)
         if entry is None or when <= entry.last_access:
             return False
-        txn.delete(LRU_TIME.pack(entry.last_access) + digest, db=self.lru)
-        txn.put(LRU_TIME.pack(when) + digest, b"", db=self.lru)
+        if txn.delete(LRU_TIME.pack(entry.last_access) + digest, db=self.lru):  # absent while pinned
+            txn.put(LRU_TIME.pack(when) + digest, b"", db=self.lru)
         txn.put(digest, ENTRY.pack(entry.size, entry.checksum, when), db=self.entries)
         return True
 
     def lru_order(self, txn: lmdb.Transaction) -> Iterator[bytes]:
-        """Digests from least to most recently used."""
+        """Unpinned digests from least to most recently used."""
         cursor = txn.cursor(db=self.lru)
         if not cursor.first():
             return
@@ -102,12 +104,25 @@ class IndexDbs:
         return 0 if raw is None else U32.unpack(raw)[0]
 
     def add_pin(self, txn: lmdb.Transaction, digest: bytes, delta: int) -> int:
-        count = max(0, self.pin_count(txn, digest) + delta)
+        before = self.pin_count(txn, digest)
+        count = max(0, before + delta)
         if count:
             txn.put(digest, U32.pack(count), db=self.pins)
         else:
             txn.delete(digest, db=self.pins)
+        if bool(before) != bool(count):
+            self._set_evictable(txn, digest, evictable=not count)
         return count
+
+    def _set_evictable(self, txn: lmdb.Transaction, digest: bytes, evictable: bool) -> None:
+        entry = self.get(txn, digest)
+        if entry is None:
+            return
+        key = LRU_TIME.pack(entry.last_access) + digest
+        if evictable:
+            txn.put(key, b"", db=self.lru)
+        else:
+            txn.delete(key, db=self.lru)
 
     def iter_pins(self, txn: lmdb.Transaction) -> Iterator[bytes]:
         cursor = txn.cursor(db=self.pins)
@@ -115,7 +130,24 @@ class IndexDbs:
             yield bytes(key)
 
     def clear_pins(self, txn: lmdb.Transaction) -> None:
+        for digest in list(self.iter_pins(txn)):
+            self._set_evictable(txn, digest, evictable=True)
         txn.drop(self.pins, delete=False)
+
+    def lru_problems(self, txn: lmdb.Transaction) -> list[str]:
+        """Check the lru table holds exactly the unpinned entries, at their access times."""
+        problems = []
+        listed = 0
+        for key in txn.cursor(db=self.lru).iternext(keys=True, values=False):
+            listed += 1
+            when, digest = LRU_TIME.unpack(key[:LRU_TIME.size])[0], bytes(key[LRU_TIME.size:])
+            entry = self.get(txn, digest)
+            if entry is None or entry.last_access != when or self.pin_count(txn, digest):
+                problems.append(f"lru key {digest.hex()}@{when}: no such unpinned entry at that time")
+        unpinned = sum(1 for digest, _ in self.iter_entries(txn) if not self.pin_count(txn, digest))
+        if listed != unpinned:
+            problems.append(f"lru lists {listed} entries, {unpinned} entries are unpinned")
+        return problems
 
     # -- meta ------------------------------------------------------------------------------
 

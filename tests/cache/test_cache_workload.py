@@ -120,6 +120,8 @@ class CacheMachine(RuleBasedStateMachine):
         st_ = self.cache.stats()
         assert st_.used_bytes <= CAPACITY  # stronger than "capacity + one chunk"
         assert disk_bytes(self.cache) == st_.used_bytes
+        # index <-> files, totals, and the lru table listing exactly the unpinned entries
+        assert self.cache.verify() == []
 
     @invariant()
     def pinned_survive(self) -> None:
