@@ -31,9 +31,12 @@ log = logging.getLogger("envd.process")
 
 SUBSCRIBER_QUEUE = 32  # chunks of up to READ_CHUNK bytes per attached stream
 READ_CHUNK = 64 * 1024
-# After the main process exits, how long to keep reading output that
-# background children (``cmd &``) still hold open before ending the stream.
+# After the main process exits, output that background children (``cmd &``)
+# hold open is followed until it stays idle this long...
 EXIT_DRAIN_GRACE_S = 0.5
+# ...or, if they keep writing, at most this long. Output already in the pipe is
+# never cut by a slow client: only idleness or this cap ends the stream.
+EXIT_DRAIN_CAP_S = 10.0
 
 _SIGNAL_NAMES = {
     signal.SIGKILL: "killed", signal.SIGTERM: "terminated", signal.SIGINT: "interrupt",
@@ -122,6 +125,8 @@ class Process:
     end: EndInfo | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     deadline: asyncio.TimerHandle | None = None
+    drain_until: float | None = None  # loop time; set when the main process exits
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
     stdin_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def subscribe(self) -> Subscriber:
@@ -289,13 +294,29 @@ class ProcessManager:
         return proc, sub
 
     async def _pump(self, proc: Process, stream: str, fd: int) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                data = await fdio.read_fd(fd, READ_CHUNK)
-            except OSError:
+                data = os.read(fd, READ_CHUNK)
+            except BlockingIOError:
+                if proc.drain_until is None:
+                    await _first(fdio.wait_readable(fd), proc.exited.wait())
+                    continue
+                remaining = proc.drain_until - loop.time()
+                if remaining <= 0:
+                    return
+                try:
+                    async with asyncio.timeout(remaining):
+                        await fdio.wait_readable(fd)
+                except TimeoutError:
+                    return
+                continue
+            except OSError:  # EIO: the PTY's slave side is closed
                 return
             if not data:
                 return
+            if proc.drain_until is not None:  # idle time counts from the last output
+                proc.drain_until = loop.time() + EXIT_DRAIN_GRACE_S
             for sub in list(proc.subscribers):
                 await sub.put(Output(stream, data))
 
@@ -305,13 +326,12 @@ class ProcessManager:
             rc = await _wait_exit(proc.popen)
             if proc.deadline is not None:
                 proc.deadline.cancel()
-            done, pending = await asyncio.wait(pumps, timeout=EXIT_DRAIN_GRACE_S)
-            if pending:
-                # Background children still hold the output open: stop following
-                # it; the children keep running, as they would under upstream envd.
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
+            proc.drain_until = asyncio.get_running_loop().time() + EXIT_DRAIN_GRACE_S
+            proc.exited.set()
+            _, pending = await asyncio.wait(pumps, timeout=EXIT_DRAIN_CAP_S)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
             proc.end = EndInfo.from_returncode(rc)
         finally:
             for t in pumps:
@@ -333,6 +353,17 @@ class ProcessManager:
             proc.signal(signal.SIGKILL)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
+
+
+async def _first(*aws: "asyncio.Future[object] | object") -> None:
+    """Wait until the first of ``aws`` finishes; cancel the others."""
+    tasks = [asyncio.ensure_future(a) for a in aws]  # type: ignore[arg-type]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _wait_exit(popen: subprocess.Popen[bytes]) -> int:

@@ -177,3 +177,47 @@ def test_unary_snake_case_and_int64_strings(envd: Envd, workdir) -> None:  # typ
     assert s == 200 and [e["name"] for e in json.loads(raw)["entries"]] == ["s.bin"]
     body = frames(call(envd, "/process.Process/Start", env(b'{"process": {"cmd": "/bin/true"}, "stdin": false}'), STREAM)[2])
     assert body[0][1]["event"]["start"]["pid"] > 0 and body[-1] == (2, {})
+
+
+def test_slow_reader_gets_all_output_after_exit(envd: Envd) -> None:
+    # The command finishes long before the client reads: nothing may be cut.
+    size = 8 * 1024 * 1024
+    s = FrameStream(envd, "/process.Process/Start", start_msg(f"head -c {size} /dev/zero; echo -n END"))
+    try:
+        s.next()
+        time.sleep(2.5)  # the process has exited; envd holds the tail for us
+        total, tail = 0, b""
+        while True:
+            flags, msg = s.next()
+            if flags & 2:
+                assert msg == {}
+                break
+            ev = msg["event"]
+            if "data" in ev:
+                chunk = base64.b64decode(ev["data"]["stdout"])
+                total += len(chunk)
+                tail = (tail + chunk)[-3:]
+            elif "end" in ev:
+                assert ev["end"]["exited"] is True
+        assert total == size + 3 and tail == b"END"
+    finally:
+        s.close()
+
+
+def test_background_child_output_is_followed_briefly(envd: Envd) -> None:
+    # `cmd &` keeps the pipe open after bash exits: its early output arrives,
+    # then the stream ends without waiting for the child to finish.
+    t0 = time.monotonic()
+    s = FrameStream(envd, "/process.Process/Start", start_msg("(sleep 0.2; echo child; sleep 30) & echo parent"))
+    try:
+        out = b""
+        while True:
+            flags, msg = s.next()
+            if flags & 2:
+                break
+            if "data" in msg["event"]:
+                out += base64.b64decode(msg["event"]["data"]["stdout"])
+        assert out == b"parent\nchild\n"
+        assert time.monotonic() - t0 < 5
+    finally:
+        s.close()
