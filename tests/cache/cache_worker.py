@@ -6,6 +6,9 @@
         sleeps so that the others pile up. Prints "ok" if every thread got the data.
     cache_worker.py churn DIR CAPACITY SEED
         print "ready", then put/get/pin/unpin random chunks forever (until killed).
+    cache_worker.py dirty DIR CAPACITY N
+        put chunks chunk(0..N-1, 4096), pin the first, then exit without closing
+        (what a crash after those operations leaves behind).
 """
 from __future__ import annotations
 
@@ -79,6 +82,13 @@ def churn_mode(cache: NodeCache, seed: int) -> int:
 def main(argv: list[str]) -> int:
     mode, directory, capacity = argv[0], Path(argv[1]), int(argv[2])
     cache = NodeCache(directory, CacheConfig(capacity=capacity, min_free_disk=0))
+    if mode == "dirty":
+        items = [chunk(i, 4096) for i in range(int(argv[3]))]
+        for data in items:
+            assert cache.put(Digest.of(data), data)
+        cache.pin([Digest.of(items[0])])
+        sys.stdout.flush()
+        os._exit(0)  # no close(): the directory stays marked as in use by a user that vanished
     try:
         if mode == "fetch":
             return fetch_mode(cache, int(argv[3]), argv[4], int(argv[5]))

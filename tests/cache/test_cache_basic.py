@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import blake3
+import lmdb
 import pytest
 
 from aenv_store.cache import NodeCache
@@ -247,3 +249,65 @@ def test_free_disk_floor(tmp_path: Path) -> None:
             assert c.verify() == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+WORKER = Path(__file__).with_name("cache_worker.py")
+
+
+def leave_dirty(directory: Path, n: int) -> list[tuple[Digest, bytes]]:
+    """A process that puts n chunks of 4 KiB, pins the first and dies without closing."""
+    subprocess.run([sys.executable, str(WORKER), "dirty", str(directory), str(10 * S), str(n)],
+                   check=True, timeout=60)
+    return [(Digest.of(chunk(i, 4096)), chunk(i, 4096)) for i in range(n)]
+
+
+def test_first_user_after_a_crash_reconciles(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    items = leave_dirty(directory, 6)
+    data_dir = directory / "data"
+    h_missing, h_short = items[1][0].hex(), items[2][0].hex()
+    (data_dir / h_missing[:2] / h_missing).unlink()                     # entry without file
+    os.truncate(data_dir / h_short[:2] / h_short, 100)                  # wrong size
+    orphan = chunk(77, 4096)
+    h_orphan = Digest.of(orphan).hex()
+    (data_dir / h_orphan[:2] / h_orphan).write_bytes(orphan)            # file without entry
+    (data_dir / "00" / "not-a-digest").write_bytes(b"junk")
+    (directory / "tmp" / "half-written").write_bytes(b"x" * 10)
+    with NodeCache(directory, cfg(10 * S)) as c:
+        assert c.verify(read_data=True) == []
+        st = c.stats()
+        assert (st.entries, st.used_bytes, st.pinned) == (4, 4 * 4096, 0)  # the dead user's pin is gone
+        assert not list((directory / "tmp").iterdir())
+        assert not (data_dir / h_orphan[:2] / h_orphan).exists()
+        for i, (d, b) in enumerate(items):
+            assert c.get(d) == (None if i in (1, 2) else b)
+
+
+def set_meta(directory: Path, key: bytes, value: bytes) -> None:
+    env = lmdb.open(str(directory / "index"), max_dbs=4)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key, value, db=env.open_db(b"meta", txn=txn))
+    finally:
+        env.close()
+
+
+def test_host_restart_after_unclean_stop_starts_empty(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    leave_dirty(directory, 3)
+    set_meta(directory, b"boot_id", b"an-earlier-boot")  # as if the host went down meanwhile
+    with NodeCache(directory, cfg(10 * S)) as c:
+        assert c.stats().entries == 0
+        assert c.verify() == []
+    assert not [f for f in (directory / "data").rglob("*") if f.is_file()]
+
+
+def test_host_restart_after_clean_close_keeps_entries(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    items = chunks(3, 4096)
+    with NodeCache(directory, cfg(10 * S)) as c:
+        for d, b in items:
+            c.put(d, b)
+    set_meta(directory, b"boot_id", b"an-earlier-boot")
+    with NodeCache(directory, cfg(10 * S)) as c:
+        assert all(c.get(d) == b for d, b in items)
