@@ -1,9 +1,10 @@
 """A separate process using a node cache directory, driven by the cache tests.
 
-    cache_worker.py fetch DIR CAPACITY HEX_SEED LOGFILE THREADS
+    cache_worker.py fetch DIR CAPACITY SEED LOGFILE THREADS [SLEEP]
         print "ready", wait for a line on stdin, then THREADS threads call
         get_or_fetch on one digest; the fetch appends a line to LOGFILE and
-        sleeps so that the others pile up. Prints "ok" if every thread got the data.
+        sleeps SLEEP seconds (default 0.5) so that the others pile up. Prints
+        "ok" if every thread got the data.
     cache_worker.py churn DIR CAPACITY SEED
         print "ready", then put/get/pin/unpin random chunks forever (until killed).
     cache_worker.py dirty DIR CAPACITY N
@@ -31,14 +32,14 @@ def chunk(seed: int, size: int) -> bytes:
     return blake3.blake3(seed.to_bytes(8, "little")).digest(length=size)
 
 
-def fetch_mode(cache: NodeCache, seed: int, logfile: str, threads: int) -> int:
+def fetch_mode(cache: NodeCache, seed: int, logfile: str, threads: int, sleep: float) -> int:
     data = chunk(seed, 65536)
     digest = Digest.of(data)
 
     def fetch() -> bytes:
         with open(logfile, "a") as f:
             f.write(f"{os.getpid()}\n")
-        time.sleep(0.5)
+        time.sleep(sleep)
         return data
 
     results: list[bytes] = []
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> int:
         os._exit(0)  # no close(): the directory stays marked as in use by a user that vanished
     try:
         if mode == "fetch":
-            return fetch_mode(cache, int(argv[3]), argv[4], int(argv[5]))
+            return fetch_mode(cache, int(argv[3]), argv[4], int(argv[5]), float(argv[6]) if argv[6:] else 0.5)
         return churn_mode(cache, int(argv[3]))
     finally:
         cache.close()

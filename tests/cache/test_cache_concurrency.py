@@ -239,3 +239,38 @@ def test_threads_under_eviction_pressure(tmp_path: Path) -> None:
         st = c.stats()
         assert st.used_bytes <= cap and st.evictions > 0 and st.pinned == 0
         assert c.verify(read_data=True) == []
+
+
+def test_waiter_takes_over_when_the_fetching_process_dies(tmp_path: Path) -> None:
+    log = tmp_path / "fetches.log"
+    log.touch()
+    directory = tmp_path / "cache"
+    leader = start_worker("fetch", directory, 64 * S, 8, log, 1, 600)  # its fetch never ends
+    waiter = None
+    try:
+        assert leader.stdin is not None
+        leader.stdin.write("go\n")
+        leader.stdin.flush()
+        deadline = time.monotonic() + 30
+        while not log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert log.read_text().split() == [str(leader.pid)]  # the leader is inside its fetch
+        waiter = start_worker("fetch", directory, 64 * S, 8, log, 2, 0.05)
+        assert waiter.stdin is not None
+        waiter.stdin.write("go\n")
+        waiter.stdin.flush()
+        time.sleep(0.5)
+        assert waiter.poll() is None  # blocked on the leader's in-flight lock
+        os.kill(leader.pid, signal.SIGKILL)  # the kernel drops its lock
+        leader.wait()
+        out, _ = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0 and out.strip() == "ok"
+        assert log.read_text().split() == [str(leader.pid), str(waiter.pid)]  # exactly one more fetch
+    finally:
+        for p in (leader, waiter):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    with NodeCache(directory, CacheConfig(capacity=64 * S, min_free_disk=0)) as c:
+        assert c.get(Digest.of(chunk(8, S))) == chunk(8, S)
+        assert c.verify() == []
