@@ -211,3 +211,38 @@ def test_manifest_validates_staged_chunks(settings_factory) -> None:
                 ws.add_manifest(Manifest("x", 100, (Extent(0, 100, Digest.of(b"nope")),), chunk_size=CS))
             ws.commit()
         assert store.open_blob(mid).read(0, 100) == b"q" * 100
+
+
+def test_reopen_same_data_dir_reads_cold(settings_factory) -> None:
+    import os
+    data = os.urandom(9 * CS + 123)
+    settings = settings_factory()
+    with Store.open(settings, create=True) as store:
+        with store.workspace() as ws:
+            w = ws.blob_writer()
+            w.append(data)
+            mid = w.close()
+            ws.commit(CatalogRecord("again", "layer", (("d", mid),)))
+    with Store.open(settings) as fresh:  # same data dir: committing never filled its cache
+        assert fresh.cache.stats().entries == 0
+        assert fresh.open_blob(mid).read(0, len(data)) == data
+        assert fresh.cache.stats().entries == 10
+
+
+def test_writer_misuse_is_refused(settings_factory) -> None:
+    from aenv_store.errors import StoreError
+    with Store.open(settings_factory(), create=True) as store:
+        with store.workspace() as ws:
+            w = ws.blob_writer(size=100)
+            with pytest.raises(ValueError):
+                w.write(90, b"x" * 11)
+            with pytest.raises(ValueError):
+                w.write(-1, b"x")
+            with pytest.raises(StoreError, match="still open"):
+                ws.commit()
+            w.close()
+            with pytest.raises(StoreError):
+                w.write(0, b"x")
+            ws.commit()
+            with pytest.raises(StoreError):
+                ws.blob_writer()
