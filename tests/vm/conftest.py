@@ -47,6 +47,12 @@ def qemu_children() -> list[int]:
     return found
 
 
+@pytest.fixture(name="qemu_children")
+def qemu_children_fixture():  # type: ignore[no-untyped-def]
+    """The function listing this process's QEMU children (to kill one mid-operation)."""
+    return qemu_children
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_qemu():
     before = set(qemu_children())

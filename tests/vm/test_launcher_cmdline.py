@@ -89,3 +89,9 @@ def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_tcg_translation_cache_size(tmp_path: Path) -> None:
+    assert opt(build_command(spec(tmp_path, tcg_tb_mib=64), "qemu"), "-accel") == ["tcg,tb-size=64"]
+    # KVM has no translation cache: the knob is ignored there.
+    assert opt(build_command(spec(tmp_path, accel="kvm", tcg_tb_mib=64), "qemu"), "-accel") == ["kvm"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,8 @@ def test_three_sandboxes_from_one_template(guest: GuestImage, built: Built, tmp_
     asyncio.run(run())
 
 
-def test_bad_templates_leave_nothing_behind(guest: GuestImage, built: Built, tmp_path: Path) -> None:
+def test_failed_creates_leave_nothing_behind(guest: GuestImage, built: Built, tmp_path: Path,
+                                             qemu_children) -> None:  # type: ignore[no-untyped-def]
     tpl = built.template
     with built.store.workspace() as ws:
         w = ws.blob_writer(DEVICE_STATE, size=70_000)
@@ -111,6 +113,27 @@ def test_bad_templates_leave_nothing_behind(guest: GuestImage, built: Built, tmp
             with pytest.raises(VmError, match="exited while loading"):
                 await mgr.create("tpl-corrupt0")
             assert mgr.sandboxes == {}
+            assert os.listdir(tmp_path / "node" / "sandboxes") == []
+
+            # QEMU dying mid-create (killed as soon as it exists).
+            task = asyncio.create_task(mgr.create("base"))
+            deadline = time.monotonic() + 30
+            while not (pids := qemu_children()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert pids, "no QEMU appeared"
+            os.kill(pids[0], signal.SIGKILL)
+            with pytest.raises(VmError):
+                await task
+            assert mgr.sandboxes == {}
+            assert os.listdir(tmp_path / "node" / "sandboxes") == []
+
+            # QEMU missing.
+            os.environ["AENV_QEMU_BINARY"] = "qemu-system-missing"
+            try:
+                with pytest.raises(VmError, match="qemu-system-missing not found"):
+                    await mgr.create("base")
+            finally:
+                del os.environ["AENV_QEMU_BINARY"]
             assert os.listdir(tmp_path / "node" / "sandboxes") == []
 
     asyncio.run(run())
