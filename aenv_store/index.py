@@ -132,6 +132,9 @@ _COLUMNS = (("rest", "V24"), ("pack", np.uint32), ("offset", np.uint64), ("lengt
             ("raw_length", np.uint32))
 
 
+OVERLAY_MAX = 65536  # entries kept in the dict overlay before folding into the columns
+
+
 class MergedIndex:
     """All loaded index files merged: lookup by chunk id.
 
@@ -155,12 +158,15 @@ class MergedIndex:
     def add_files(self, files: Iterable[IndexFile]) -> None:
         files = list(files)
         small = sum(len(f) for f in files)
-        if len(self._keys) > 65536 and small * 10 < len(self._keys):
+        if len(self._keys) > OVERLAY_MAX and small * 10 < len(self._keys):
             # a few new files (another process's commits) on a big table: re-sorting the
             # table would cost far more than keeping them in the overlay dict
             for f in files:
                 self.add_entries(f.entries())
             return
+        self._merge(files)
+
+    def _merge(self, files: list[IndexFile]) -> None:
         keys = [self._keys]
         cols: dict[str, list[np.ndarray]] = {name: [self._cols[name]] for name, _ in _COLUMNS}
         for f in files:
@@ -185,6 +191,12 @@ class MergedIndex:
         for e in entries:
             self._intern(e.pack)
             self._overlay.setdefault(bytes(e.chunk), e)
+        if len(self._overlay) > max(OVERLAY_MAX, len(self._keys) // 4):
+            # a long-lived process keeps committing: fold the dict into the columns
+            # (about 200 bytes per dict entry vs 52 in the table)
+            folded = decode_index(encode_index(self._overlay.values()))
+            self._overlay = {}
+            self._merge([folded])
 
     def _intern(self, pack: Digest) -> int:
         raw = bytes(pack)

@@ -93,3 +93,16 @@ def test_summary_counts_distinct_chunks() -> None:
     m.add_files([decode_index(encode_index(es[:15])), decode_index(encode_index(es[10:15]))])  # 5 repeated
     m.add_entries(es[15:] + es[:2])
     assert m.summary() == (20, sum(e.raw_length for e in es))
+
+
+def test_overlay_folds_into_table_when_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aenv_store.index as index_mod
+    monkeypatch.setattr(index_mod, "OVERLAY_MAX", 50)
+    p = Digest(b"\x04" * 32)
+    es = [IndexEntry(Digest(os.urandom(32)), p, 16, 5, 9) for _ in range(120)]
+    m = MergedIndex()
+    for i in range(0, 120, 10):
+        m.add_entries(es[i:i + 10])
+    assert len(m._overlay) <= 50 and len(m) == 120
+    for e in es:
+        assert m.lookup(e.chunk) == e
