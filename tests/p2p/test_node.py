@@ -78,7 +78,8 @@ def test_large_transfer_survives_the_byte_copy_fix(tmp_path: Path) -> None:
         t = time.perf_counter()
         assert b.fetch_many(list(big)) == big
         rate = 12 * 1024 * 1024 / (time.perf_counter() - t) / 1e6
-    assert rate > 15, f"{rate:.1f} MB/s: the bindings' slow byte-by-byte copy is back?"
+    # the byte loop managed 3-7 MB/s here; the block copy runs at 100+ MB/s (less on a loaded box)
+    assert rate > 10, f"{rate:.1f} MB/s: the bindings' slow byte-by-byte copy is back?"
 
 
 def test_corrupt_peer_is_dropped_and_logged(tmp_path: Path, chunks: dict[Digest, bytes], serving: P2PNode,
@@ -114,8 +115,8 @@ def test_dead_peer_costs_one_lookup_timeout_then_backs_off(tmp_path: Path, chunk
             assert b.fetch(c) is None
         rest = time.perf_counter() - t
         (peer,) = b.status()["peers"]
-    assert first < 1.0, first
-    assert rest < 0.2, rest  # peer in backoff: not asked at all
+    assert first < 2.0, first  # one lookup timeout (300 ms) plus scheduling slack on a busy box
+    assert rest < 0.5, rest  # peer in backoff: not asked at all
     assert peer["failures"] == 1 and peer["state"] == "backoff"
 
 
