@@ -129,6 +129,15 @@ class NodeCache:
     # path -> environment open in this process (see _SharedEnv); taken after gate.lock
     _envs: ClassVar[dict[str, _SharedEnv]] = {}
     _envs_lock: ClassVar[threading.Lock] = threading.Lock()
+    # bumped in a forked child: LMDB handles must not be used after fork(), so
+    # instances inherited from the parent refuse to work instead of corrupting it
+    _fork_generation: ClassVar[int] = 0
+
+    @classmethod
+    def _forked(cls) -> None:
+        cls._fork_generation += 1
+        cls._envs = {}
+        cls._envs_lock = threading.Lock()
 
     def __init__(self, path: Path, config: CacheConfig) -> None:
         validate_config(config)
@@ -145,6 +154,7 @@ class NodeCache:
         self._my_pins: Counter[bytes] = Counter()
         self._tmp_seq = itertools.count()
         self._closed = True
+        self._generation = NodeCache._fork_generation
         self._open()
         self._closed = False
 
@@ -224,6 +234,10 @@ class NodeCache:
                 raise
             return env, dbs
         except (lmdb.Error, StoreError) as e:
+            if "already open in this process" in str(e):
+                # py-lmdb remembers environments across fork(): the parent opened this one
+                raise StoreError(f"node cache {self.path} was opened before fork(); a forked child cannot "
+                                 "reopen it (use the 'spawn' start method, or open it only in the child)") from None
             if not wipe_if_bad:
                 raise StoreError(f"node cache index at {self.path / 'index'} is unusable: {e}") from None
             log.warning("node cache %s: index unusable (%s); starting empty", self.path, e)
@@ -273,6 +287,9 @@ class NodeCache:
         directory clean (so the next first user skips reconciliation)."""
         if self._closed:
             return
+        if self._generation != NodeCache._fork_generation:
+            self._closed = True  # inherited across fork(): the parent still owns it
+            return
         self._flush()
         self._closed = True
         with self._lock:
@@ -305,6 +322,8 @@ class NodeCache:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError(f"node cache {self.path} is closed")
+        if self._generation != NodeCache._fork_generation:
+            raise StoreError(f"node cache {self.path} was opened before fork(); open a new NodeCache in this process")
 
     def _read(self, digest: bytes) -> bytes | None:
         """The cached bytes, checked against the index; None (and the entry dropped) otherwise."""
@@ -621,3 +640,5 @@ class NodeCache:
         self._check_open()
         return cache_files.verify(self._env, self._db, self._files, read_data)
 
+
+os.register_at_fork(after_in_child=NodeCache._forked)

@@ -311,3 +311,28 @@ def test_host_restart_after_clean_close_keeps_entries(tmp_path: Path) -> None:
     set_meta(directory, b"boot_id", b"an-earlier-boot")
     with NodeCache(directory, cfg(10 * S)) as c:
         assert all(c.get(d) == b for d, b in items)
+
+
+def test_instance_inherited_across_fork_refuses_work(cache: NodeCache) -> None:
+    (d, b), = chunks(1)
+    cache.put(d, b)
+    pid = os.fork()
+    if pid == 0:  # child: the inherited instance must refuse to touch the parent's LMDB handles
+        code = 1
+        try:
+            try:
+                cache.get(d)
+            except StoreError as e:
+                if "fork" in str(e):
+                    cache.close()  # a no-op for an inherited instance
+                    try:  # py-lmdb cannot reopen the parent's environment: a clear error, no damage
+                        NodeCache(cache.path, cfg(10 * S)).close()
+                        code = 2
+                    except StoreError as e2:
+                        code = 0 if "fork" in str(e2) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert cache.get(d) == b  # the parent's instance is unaffected
+    assert cache.verify() == []
