@@ -32,6 +32,7 @@ from .blockimage.image import BlockImage
 from .blockimage.importer import import_raw
 from .blockimage.layer import DISK_ROLE, image_top
 from .blockimage.nbd_server import NbdServer
+from .envd_client import run_command
 from .guest import GuestImage, kernel_cmdline, wait_http_ok
 from .qemu.errors import VmError
 from .qemu.launcher import Accel, NbdDisk, QemuProcess, VmSpec, free_port
@@ -168,6 +169,13 @@ async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, ali
         vm = await QemuProcess.start(spec)
         try:
             await wait_http_ok(spec.host_port, "/health", timeout=boot_timeout, alive=vm.alive)
+            # Run the command path once per user before freezing: bash, its libraries and
+            # profiles are then in the template's guest page cache, which clones share
+            # instead of each reading them over NBD into private (copy-on-write) pages.
+            for user in ("root", "user"):
+                result = await asyncio.to_thread(run_command, spec.host_port, "true", user=user, timeout=60.0)
+                if result.exit_code != 0:
+                    raise VmError(f"warm-up command as {user} exited {result.exit_code}")
             await save_device_state(vm, work_dir / "device-state")
         except VmError as e:
             raise VmError(f"template boot failed: {e}\n{vm.log_tail()}") from None
