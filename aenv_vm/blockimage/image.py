@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Reads touching the upper layer's data file are done on the event loop only
+# up to this size (a page-cache pread); larger ones go to the thread pool.
+NOWAIT_UPPER_BYTES = 256 * 1024
 COMMIT_BATCH = 64   # chunks staged per stage_many call at commit (4 MiB at 64 KiB chunks)
 
 
@@ -228,6 +231,8 @@ class BlockImage:
         if up is not None:
             b0, b1 = offset // BLOCK, (end + BLOCK - 1) // BLOCK
             if up.states[b0:b1].any():
+                if nowait and end - offset > NOWAIT_UPPER_BYTES:
+                    return None          # a large local-file read: do it on a pool thread
                 parts = []
                 for ro, rl, st in up.runs(b0, b1):
                     lo, hi = max(ro, offset), min(ro + rl, end)

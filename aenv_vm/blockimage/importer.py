@@ -22,7 +22,7 @@ from aenv_store.ids import Digest
 from aenv_store.manifest import Extent, Manifest
 
 from .image import BlockImage, flatten_to
-from .layer import DISK_LAYER, ImageError, coalesce, image_record
+from .layer import DISK_LAYER, LAYER_ALIGN, ImageError, coalesce, image_record
 
 if TYPE_CHECKING:
     from aenv_store.store import Store
@@ -103,15 +103,19 @@ def import_raw(store: "Store", path: Path, name: str, meta: dict[str, str] | Non
                     stage_batch()
             stage_batch()
             pos = end
-        if pos < size:
-            extents.append(Extent(pos, size - pos, None))
+        # The virtual size is rounded up to whole 4 KiB blocks (the padding reads
+        # as zeros): block clients such as QEMU address whole sectors and would
+        # otherwise read past the end of the last partial one.
+        vsize = -(-size // LAYER_ALIGN) * LAYER_ALIGN
+        if pos < vsize:
+            extents.append(Extent(pos, vsize - pos, None))
         extents.sort(key=lambda e: e.offset)
         full_meta = {"source": path.name, **(meta or {})}
-        layer = Manifest(DISK_LAYER, size, tuple(coalesce(extents)), parent=None, chunk_size=cs,
+        layer = Manifest(DISK_LAYER, vsize, tuple(coalesce(extents)), parent=None, chunk_size=cs,
                          meta=tuple(sorted(full_meta.items())))
         mid = ws.add_manifest(layer)
         res = ws.commit(image_record(name, mid, full_meta, time.time()), exclusive=exclusive)
-    return ImportResult(name, mid, size, data_bytes, size - data_bytes, res.chunks_added, res.chunks_deduped,
+    return ImportResult(name, mid, vsize, data_bytes, vsize - data_bytes, res.chunks_added, res.chunks_deduped,
                         time.perf_counter() - t0)
 
 

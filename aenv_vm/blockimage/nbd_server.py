@@ -23,6 +23,8 @@ from .nbd_protocol import (EINVAL, EIO, ENOSPC, EPERM, NEED_DATA, Closed, Cmd, E
 
 log = logging.getLogger(__name__)
 
+BATCH_REPLY_MAX = 64 * 1024   # read replies up to this size are coalesced per event-loop pass
+
 
 class BlockExport(Protocol):
     """What the server needs from an export (BlockImage implements it)."""
@@ -99,6 +101,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False          # reading paused: too many requests in flight
         self._write_paused = False    # the transport's send buffer is above its high-water mark
         self._closing = False
+        self._batch: list[bytes] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -131,6 +134,17 @@ class _Connection(asyncio.Protocol):
             self._pump()
 
     def _pump(self) -> None:
+        # Small replies produced while handling one batch of requests go out in
+        # one write (one send syscall) instead of two writes per request.
+        self._batch = []
+        try:
+            self._pump_requests()
+        finally:
+            batch, self._batch = self._batch, None
+            if batch and not self._closing and self._transport is not None:
+                self._transport.write(b"".join(batch))
+
+    def _pump_requests(self) -> None:
         t = self._transport
         assert t is not None
         while not self._closing and not self._write_paused:
@@ -167,9 +181,17 @@ class _Connection(asyncio.Protocol):
     def _send(self, handle: int, err: int, data: bytes = b"") -> None:
         if self._closing or self._transport is None:
             return
+        header = self._proto.reply_header(handle, err)
+        if err:
+            data = b""
+        if self._batch is not None and len(data) <= BATCH_REPLY_MAX:
+            self._batch.append(header)
+            if data:
+                self._batch.append(data)
+            return
         # header and payload as two writes: no 1 MiB concatenation per read reply
-        self._transport.write(self._proto.reply_header(handle, err))
-        if data and not err:
+        self._transport.write(header)
+        if data:
             self._transport.write(data)
 
     def _dispatch(self, req: Request) -> None:

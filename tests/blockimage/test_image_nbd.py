@@ -34,7 +34,8 @@ def _disk(path: Path, size: int = 4 * MiB, seed: int = 1) -> bytes:
     rnd = random.Random(seed)
     data = bytearray(rnd.randbytes(size))
     data[MiB:2 * MiB] = bytes(MiB)              # a zero region (skipped at import)
-    data[3 * MiB + 100:3 * MiB + 5000] = bytes(4900)
+    if size > 3 * MiB + 5000:
+        data[3 * MiB + 100:3 * MiB + 5000] = bytes(4900)
     path.write_bytes(data)
     return bytes(data)
 
@@ -218,6 +219,17 @@ def test_import_tree_is_mountable_ext4(store: Store, tmp_path: Path) -> None:
     assert listing.stdout == "aenv\n"
 
 
+def test_import_rounds_size_to_blocks(store: Store, tmp_path: Path) -> None:
+    src = tmp_path / "odd.raw"
+    data = os.urandom(MiB + 4900)
+    src.write_bytes(data)
+    res = import_raw(store, src, "odd")
+    assert res.size == MiB + 8192
+    out = tmp_path / "out.raw"
+    export_raw(store, res.layer_id, out)
+    assert out.read_bytes() == data + bytes(8192 - 4900)
+
+
 def test_cli_import_ls_inspect_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dd = tmp_path / "data"
     src = tmp_path / "src.raw"
@@ -236,3 +248,37 @@ def test_cli_import_ls_inspect_export(tmp_path: Path, capsys: pytest.CaptureFixt
     assert aenv_main(["--data-dir", str(dd), "image", "inspect", "nope"]) == 1
     assert "no image named" in capsys.readouterr().err
     assert aenv_main(["--data-dir", str(dd), "image", "import", str(tmp_path / "missing"), "x"]) == 2
+
+
+def test_cli_serve_real_client(tmp_path: Path) -> None:
+    """`aenv image serve` as its own process, read by qemu-img, stopped by SIGTERM."""
+    import signal
+    import sys
+    dd = tmp_path / "data"
+    src = tmp_path / "src.raw"
+    _disk(src, 2 * MiB)
+    assert aenv_main(["--data-dir", str(dd), "image", "import", "--init", str(src), "img1"]) == 0
+    sock = tmp_path / "serve.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(dd), "image", "serve",
+                             "img1", "--socket", str(sock)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert "serving img1" in (proc.stdout.readline() if proc.stdout else "")
+        out = tmp_path / "out.raw"
+        conv = subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "raw", _url(sock, "img1"), str(out)],
+                              timeout=60, capture_output=True, text=True)
+        if conv.returncode:
+            proc.send_signal(signal.SIGTERM)
+            raise AssertionError(conv.stderr + proc.communicate(timeout=30)[1])
+        assert out.read_bytes() == src.read_bytes()
+        subprocess.run(["qemu-io", "-f", "raw", "-c", "write -P 0x77 0 4096", _url(sock, "img1")],
+                       check=True, timeout=60, capture_output=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+    # the write went to the image's upper layer, flushed on exit
+    upper = dd / "images" / "img1" / "upper"
+    assert (upper / "upper.map").exists()
+    with open(upper / "upper.data", "rb") as f:
+        assert f.read(4096) == b"\x77" * 4096
