@@ -175,8 +175,22 @@ class Store:
             return self._fetch_missing(cid)
         return self.cache.get_or_fetch(cid, lambda: self._fetch_missing(cid))
 
-    def read_chunks(self, cids: list[Digest]) -> list[bytes]:
-        """Several chunks, fetched concurrently when there are more than one."""
+    def read_chunk_uncached(self, cid: Digest) -> bytes:
+        """Like read_chunk, but a miss is not added to the node cache (bulk exports
+        and scans that should not evict a node's working set)."""
+        if self.cache is not None:
+            data = self.cache.get(cid)
+            if data is not None:
+                return data  # type: ignore[no-any-return]
+        return self._fetch_missing(cid)
+
+    def read_chunks(self, cids: list[Digest], cache: bool = True) -> list[bytes]:
+        """Several chunks, fetched concurrently when there are more than one.
+        ``cache=False``: misses bypass the node cache (see read_chunk_uncached)."""
+        if not cache:
+            if len(cids) <= 1:
+                return [self.read_chunk_uncached(c) for c in cids]
+            return list(self._read_pool().map(self.read_chunk_uncached, cids))
         if self.peer_source is not None and self.cache is not None and len(cids) > 1:
             missing = [c for c in dict.fromkeys(cids) if not self.cache.contains(c)]
             if len(missing) > 1:
@@ -196,9 +210,11 @@ class Store:
     def load_manifest(self, mid: Digest) -> Manifest:
         return self.repository.get_manifest(mid)
 
-    def open_blob(self, mid: Digest | Manifest) -> "BlobReader":
+    def open_blob(self, mid: Digest | Manifest, cache: bool = True) -> "BlobReader":
+        """A reader over a manifest. ``cache=False`` for one-pass bulk reads (export,
+        restore elsewhere): chunks already cached are used, misses are not cached."""
         manifest = mid if isinstance(mid, Manifest) else self.load_manifest(mid)
-        return BlobReader(self, manifest)
+        return BlobReader(self, manifest, cache)
 
     # -- catalog ---------------------------------------------------------------------
 
@@ -233,10 +249,11 @@ class Store:
 class BlobReader:
     """Random-access reads over one manifest (whole artifact or a delta)."""
 
-    def __init__(self, store: Store, manifest: Manifest) -> None:
+    def __init__(self, store: Store, manifest: Manifest, cache: bool = True) -> None:
         self.store = store
         self.manifest = manifest
         self.size = manifest.size
+        self.cache = cache
         self._pinned = False
 
     def read(self, offset: int, length: int) -> bytes:
@@ -249,7 +266,7 @@ class BlobReader:
         if offset >= end:
             return b""
         extents = self.manifest.extents_in(offset, end - offset)
-        datas = self.store.read_chunks([e.chunk for e in extents if e.chunk is not None])
+        datas = self.store.read_chunks([e.chunk for e in extents if e.chunk is not None], self.cache)
         out = bytearray(end - offset)
         pos = offset
         di = 0

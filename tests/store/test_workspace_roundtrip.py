@@ -246,3 +246,20 @@ def test_writer_misuse_is_refused(settings_factory) -> None:
             ws.commit()
             with pytest.raises(StoreError):
                 ws.blob_writer()
+
+
+def test_uncached_reader_leaves_cache_alone(settings_factory) -> None:
+    import os
+    data = os.urandom(6 * CS)
+    with Store.open(settings_factory(), create=True) as store:
+        with store.workspace() as ws:
+            w = ws.blob_writer()
+            w.append(data)
+            mid = w.close()
+            ws.commit()
+    with Store.open(settings_factory("cold")) as cold:
+        cold.read_chunk(cold.load_manifest(mid).extents[0].chunk)  # one chunk cached
+        assert cold.open_blob(mid, cache=False).read(0, len(data)) == data
+        assert cold.cache.stats().entries == 1
+        assert cold.open_blob(mid).read(0, len(data)) == data
+        assert cold.cache.stats().entries == 6
