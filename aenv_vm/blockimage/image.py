@@ -421,13 +421,16 @@ class BlockImage:
                 def stage_batch() -> None:
                     # stage_many compresses a batch on the store's thread pool
                     nonlocal data_bytes
-                    datas = [up.read_data(p, n) for p, n in batch]
+                    # batches are contiguous: one pread, chunk pieces as views into it
+                    first = batch[0][0]
+                    buf = memoryview(up.read_data(first, batch[-1][0] + batch[-1][1] - first))
+                    datas = [buf[p - first:p - first + n] for p, n in batch]
                     for (p, n), data, cid in zip(batch, datas, ws.stage_many(datas)):
                         if cid is None:              # written zeros: a zero run, nothing stored
                             extents.append(Extent(p, n, None))
                         else:
                             extents.append(Extent(p, n, cid))
-                            fresh.append((cid, data))
+                            fresh.append((cid, bytes(data)))
                             data_bytes += n
                     batch.clear()
 
@@ -440,6 +443,8 @@ class BlockImage:
                             stage_batch()
                         extents.append(Extent(ro, end - ro, None))
                         continue
+                    if batch and batch[-1][0] + batch[-1][1] != ro:
+                        stage_batch()
                     pos = ro
                     while pos < end:
                         n = min(end, (pos // cs + 1) * cs) - pos
