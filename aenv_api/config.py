@@ -14,6 +14,7 @@ from typing import Any
 
 from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.errors import ConfigError
+from aenv_vm.config import VmConfig
 
 DEFAULT_DATA_DIR = Path("~/.local/share/aenv")
 
@@ -53,6 +54,7 @@ SECTIONS: dict[str, type] = {
     "store": StoreConfig,
     "cache": CacheConfig,
     "p2p": P2PConfig,
+    "vm": VmConfig,
 }
 
 

@@ -18,8 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b = sub.add_parser("build", parents=[common_options()],
                        help="boot the base guest once and commit it as a template")
     b.add_argument("alias", nargs="?", default="base", help="alias to give the template (default: base)")
-    b.add_argument("--memory-mib", type=int, default=256, help="guest memory in MiB (default 256)")
-    b.add_argument("--vcpus", type=int, default=1, help="guest vCPUs (default 1)")
+    b.add_argument("--memory-mib", type=int, default=None, help="guest memory in MiB (default: [vm] memory_mib, 256)")
+    b.add_argument("--vcpus", type=int, default=None, help="guest vCPUs (default: [vm] vcpus, 1)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler=cmd_build)
     ls = sub.add_parser("ls", parents=[common_options()], help="list templates")
@@ -48,19 +48,26 @@ def cmd_build(args: argparse.Namespace) -> int:
     from aenv_vm.qemu.errors import VmError
     from aenv_vm.template import build_template
 
-    if args.memory_mib < 64 or args.vcpus < 1:
-        raise CliError("--memory-mib must be >= 64 and --vcpus >= 1")
     cfg = config_from_args(args)
+    vm = cfg.section("vm")
+    memory_mib = vm.memory_mib if args.memory_mib is None else args.memory_mib
+    vcpus = vm.vcpus if args.vcpus is None else args.vcpus
+    if memory_mib < 64 or vcpus < 1:
+        raise CliError("--memory-mib must be >= 64 and --vcpus >= 1")
     try:
         guest = ensure_guest()
-        choice = asyncio.run(probe_accel(guest.kernel, guest.initrd, cache_file=guest.kernel.parent.parent / "accel.json"))
-        print(f"template: accelerator {choice.reason}", file=sys.stderr)
+        if vm.accel == "auto":
+            choice = asyncio.run(probe_accel(guest.kernel, guest.initrd,
+                                             cache_file=guest.kernel.parent.parent / "accel.json"))
+            accel, reason = choice.accel, choice.reason
+        else:
+            accel, reason = vm.accel, f"{vm.accel} (forced by [vm] accel)"
+        print(f"template: accelerator {reason}", file=sys.stderr)
         with _open_store(args, create=True) as store:
             cfg.data_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
                 tpl = asyncio.run(build_template(store, guest, Path(work), alias=args.alias,
-                                                 memory_mib=args.memory_mib, vcpus=args.vcpus,
-                                                 accel=choice.accel))
+                                                 memory_mib=memory_mib, vcpus=vcpus, accel=accel))
     except VmError as e:
         raise CliError(str(e), 1) from None
     row = _row(tpl, [args.alias])

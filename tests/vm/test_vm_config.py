@@ -1,0 +1,27 @@
+"""The [vm] config section."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aenv_api.config import load_config
+from aenv_store.errors import ConfigError
+from aenv_vm.config import VmConfig
+
+
+def test_defaults_and_overrides(tmp_path: Path) -> None:
+    assert load_config(tmp_path, overrides={}).section("vm") == VmConfig()
+    (tmp_path / "config.toml").write_text("[vm]\nmemory_mib = 512\naccel = \"tcg\"\n")
+    cfg = load_config(tmp_path, overrides={"vm": {"pool_size": 0}}).section("vm")
+    assert (cfg.memory_mib, cfg.accel, cfg.pool_size) == (512, "tcg", 0)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("memory_mib", 32, "memory_mib must be >= 64"), ("vcpus", 0, "vcpus must be >= 1"),
+    ("accel", "hvf", "accel must be auto, tcg or kvm"), ("pool_size", -1, "pool_size"),
+    ("nope", 1, "unknown config key vm.nope"), ("vcpus", "two", "expected int"),
+])
+def test_bad_values_name_the_key(tmp_path: Path, key: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path, overrides={"vm": {key: value}})
