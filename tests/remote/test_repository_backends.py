@@ -3,7 +3,6 @@ workspace -> commit -> fresh Store read, exclusive records under concurrency,
 crash safety of an interrupted commit, verify and gc."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from pathlib import Path
@@ -203,4 +202,3 @@ def test_missing_region_fails_store_open(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"repository\.region"):
         Store.open(settings(tmp_path, cfg))
-    _ = dataclasses  # (keeps the import list honest for readers of the helpers above)
