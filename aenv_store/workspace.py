@@ -78,17 +78,20 @@ def clean_stale_workspaces(root: Path) -> int:
     for d in root.iterdir():
         if not d.is_dir():
             continue
+        try:
+            age = time.time() - d.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if d.name.startswith(".new-") and age < STALE_UNLOCKED_AGE:
+            continue  # being created: its lock may not be taken yet
         lock = d / "lock"
         try:
             fd = os.open(lock, os.O_RDWR)
         except FileNotFoundError:
-            # being created (dot name) or a crash before the lock existed
-            try:
-                if time.time() - d.stat().st_mtime > STALE_UNLOCKED_AGE:
-                    shutil.rmtree(d, ignore_errors=True)
-                    removed += 1
-            except FileNotFoundError:
-                pass
+            # a crash before the lock existed
+            if age > STALE_UNLOCKED_AGE:
+                shutil.rmtree(d, ignore_errors=True)
+                removed += 1
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
