@@ -22,6 +22,7 @@ import base64
 import contextlib
 import datetime
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -81,6 +82,19 @@ class Sandbox:
         return self.vm.spec.serial_log
 
 
+# Nice value of pooled (not yet handed out) sandboxes' QEMU processes.
+POOL_NICE = 10
+
+
+def _renice(pgid: int, nice: int) -> None:
+    """Set the nice value of every thread of QEMU's process group (threads created
+    later inherit it from their creator). Raising priority back needs root."""
+    try:
+        os.setpriority(os.PRIO_PGRP, pgid, nice)
+    except OSError as e:
+        log.debug("renice of QEMU group %d to %d failed: %s", pgid, nice, e)
+
+
 class SandboxManager:
     """Creates, tracks and kills this node's sandboxes. Use within one event loop."""
 
@@ -119,8 +133,11 @@ class SandboxManager:
                                 f"{self.guest.key}: rebuild the template")
         return tpl
 
-    async def _restore(self, tpl: Template) -> Sandbox:
-        """A running, envd-ready sandbox restored from ``tpl`` (not yet /init-ed)."""
+    async def _restore(self, tpl: Template, background: bool = False) -> Sandbox:
+        """A running, envd-ready sandbox restored from ``tpl`` (not yet /init-ed).
+
+        ``background`` (pool refills): QEMU runs at a low CPU priority until it is
+        handed out, so refilling never slows the sandboxes users already have."""
         if not self._started:
             raise SandboxError("SandboxManager.start() was not called")
         async with self._local_lock:  # one writer of the local template files
@@ -140,6 +157,8 @@ class SandboxManager:
                           host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib)
             t0 = time.monotonic()
             vm = await QemuProcess.start(spec)
+            if background:
+                _renice(vm.pid, POOL_NICE)
             t1 = time.monotonic()
             await load_device_state(vm, state)
             t2 = time.monotonic()
@@ -181,6 +200,8 @@ class SandboxManager:
             else:
                 await self._teardown(candidate.id, candidate.vm, candidate.image, candidate.dir)
         from_pool = sbx is not None
+        if sbx is not None:
+            _renice(sbx.vm.pid, 0)
         if sbx is None:
             sbx = await self._restore(tpl)
         self._schedule_refill(tpl)
@@ -216,7 +237,7 @@ class SandboxManager:
         pool = self._pools.setdefault(tpl.id, [])
         while len(pool) < self.pool_size:
             try:
-                sbx = await self._restore(tpl)  # served /health and one command: warm
+                sbx = await self._restore(tpl, background=True)  # served /health and one command: warm
             except (VmError, OSError) as e:
                 log.warning("pool refill for %s failed: %s", tpl.id, e)
                 return
@@ -228,6 +249,10 @@ class SandboxManager:
         self._schedule_refill(tpl)
         with contextlib.suppress(Exception):
             await self._refills[tpl.id]
+
+    def pooled(self, template: str) -> list[Sandbox]:
+        """Sandboxes waiting in ``template``'s pool (not handed out)."""
+        return list(self._pools.get(self._template(template).id, []))
 
     def get(self, sandbox_id: str) -> Sandbox:
         try:

@@ -143,8 +143,12 @@ def test_warm_pool_hands_out_ready_sandboxes(guest: GuestImage, built: Built, tm
     async def run() -> None:
         async with SandboxManager(built.store, guest, tmp_path / "node", pool_size=1) as mgr:
             await mgr.fill_pool("base")
+            [waiting] = mgr.pooled("base")
+            assert os.getpriority(os.PRIO_PROCESS, waiting.vm.pid) == 10  # pooled: low priority
             s = await mgr.create("base")
+            assert s.id == waiting.id
             assert s.timing is not None and s.timing.from_pool
+            assert os.getpriority(os.PRIO_PROCESS, s.vm.pid) == 0  # handed out: normal priority again
             print(f"\n[vm] create from warm pool: total {s.timing.total * 1000:.0f} ms (/init "
                   f"{s.timing.init * 1000:.0f} ms)")
             from aenv_vm.guest import http_get
