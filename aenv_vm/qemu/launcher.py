@@ -232,6 +232,7 @@ class QemuProcess:
         self.qmp: QmpClient | None = None
         self.started_at = time.monotonic()
         self._pidfd = os.pidfd_open(proc.pid)
+        self._exited: asyncio.Future[None] | None = None
 
     @property
     def pid(self) -> int:
@@ -276,15 +277,21 @@ class QemuProcess:
         """Wait for QEMU to exit (pidfd readiness, no polling) and return its exit code."""
         if self.proc.poll() is not None:
             return self.proc.returncode
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        loop.add_reader(self._pidfd, lambda: done.done() or done.set_result(None))
+        if self._exited is None:  # one pidfd reader shared by every waiter
+            loop = asyncio.get_running_loop()
+            exited: asyncio.Future[None] = loop.create_future()
+            pidfd = self._pidfd
+
+            def ready() -> None:
+                loop.remove_reader(pidfd)
+                if not exited.done():
+                    exited.set_result(None)
+            loop.add_reader(pidfd, ready)
+            self._exited = exited
         try:
-            await asyncio.wait_for(done, timeout)
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
         except asyncio.TimeoutError:
             raise VmTimeout(f"QEMU {self.spec.name} (pid {self.pid}) still running after {timeout} s") from None
-        finally:
-            loop.remove_reader(self._pidfd)
         return self.proc.wait()
 
     def log_tail(self, lines: int = 20) -> str:
@@ -316,7 +323,11 @@ class QemuProcess:
             self.proc.wait()
         if self.qmp is not None:
             await self.qmp.close()
-        with contextlib.suppress(OSError):
-            os.close(self._pidfd)
+        if self._pidfd >= 0:
+            if self._exited is not None and not self._exited.done():
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(self._pidfd)
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
         self._pidfd = -1
         self.spec.qmp_socket.unlink(missing_ok=True)

@@ -47,8 +47,9 @@ def test_qmp_commands_errors_and_events(guest: GuestImage, tmp_path: Path) -> No
             await vm.qmp.execute("stop")
             await vm.qmp.wait_event("STOP", timeout=10)
             assert (await vm.qmp.execute("query-status"))["status"] == "paused"
+            waiters = [asyncio.create_task(vm.wait_exit(10)) for _ in range(2)]  # share one pidfd reader
             await vm.qmp.execute("quit")
-            assert await vm.wait_exit(10) == 0
+            assert await asyncio.gather(*waiters) == [0, 0]
             await vm.qmp.wait_event("SHUTDOWN", timeout=5)
         finally:
             await vm.stop()
