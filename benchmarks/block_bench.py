@@ -244,6 +244,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                         img.write(pos, rnd.randbytes(MiB))
                     img.flush()
                     commits.append(img.commit("bench-commit"))
+                    # the node cache is seeded in the background after a commit:
+                    # let it finish so it does not overlap the next measurement
+                    img.wait_seeded()
         commits.sort(key=lambda c: c.seconds)
         info = commits[len(commits) // 2]
         results["commit"] = {"written": span, "seconds": info.seconds, "data_bytes": info.data_bytes,

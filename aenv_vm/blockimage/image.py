@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from aenv_store.ids import Digest
 from aenv_store.manifest import Extent, Manifest
 
+from .chunk_memory import ChunkMemory, map_file
 from .extent_map import ExtentMap
 from .layer import DISK_LAYER, MAX_LAYERS, ChunkSource, ImageError, coalesce, image_record, load_stack
 from .nbd_protocol import ExportInfo
@@ -42,85 +41,6 @@ log = logging.getLogger(__name__)
 # up to this size (a page-cache pread); larger ones go to the thread pool.
 NOWAIT_UPPER_BYTES = 256 * 1024
 COMMIT_BATCH = 64   # chunks staged per stage_many call at commit (4 MiB at 64 KiB chunks)
-
-
-class ChunkMemory:
-    """Chunk contents an image's readers can use without touching the store,
-    so hot reads are answered on the event loop.
-
-    Two kinds of entries: read-only mappings of node-cache files (the page
-    cache holds the bytes, shared by every image and process on the node;
-    bounded by ``max_maps``) and private ``bytes`` (when no cache file exists;
-    bounded by ``capacity`` bytes). Both are LRU. A mapping stays valid even if
-    the cache later evicts the file (the cache replaces files by rename and
-    never rewrites them; chunk contents never change).
-    """
-
-    def __init__(self, capacity: int, max_maps: int = 16384) -> None:
-        self.capacity = capacity
-        self.max_maps = max_maps
-        self.used = 0
-        self.maps = 0
-        self._d: OrderedDict[Digest, bytes | mmap.mmap] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, cid: Digest) -> bytes | mmap.mmap | None:
-        # move_to_end under a lock: called from the event loop and pool threads at once
-        with self._lock:
-            data = self._d.get(cid)
-            if data is not None:
-                self._d.move_to_end(cid)
-            return data
-
-    def __contains__(self, cid: Digest) -> bool:
-        return cid in self._d
-
-    def put(self, cid: Digest, data: bytes | mmap.mmap) -> None:
-        is_map = isinstance(data, mmap.mmap)
-        if not is_map and len(data) > self.capacity:
-            return
-        with self._lock:
-            old = self._d.pop(cid, None)
-            if old is not None:
-                self._account(old, -1)
-            self._d[cid] = data
-            self._account(data, 1)
-            if self.used > self.capacity or self.maps > self.max_maps:
-                for key in list(self._d):
-                    if self.used <= self.capacity and self.maps <= self.max_maps:
-                        break
-                    victim = self._d[key]
-                    if (isinstance(victim, mmap.mmap) and self.maps > self.max_maps) or \
-                            (not isinstance(victim, mmap.mmap) and self.used > self.capacity):
-                        del self._d[key]
-                        self._account(victim, -1)
-
-    def _account(self, data: bytes | mmap.mmap, sign: int) -> None:
-        if isinstance(data, mmap.mmap):
-            self.maps += sign
-        else:
-            self.used += sign * len(data)
-
-    def clear(self) -> None:
-        with self._lock:
-            # mappings are not closed explicitly: a reader may still be slicing
-            # one; they are unmapped when the last reference goes.
-            self._d.clear()
-            self.used = 0
-            self.maps = 0
-
-
-def _map_file(path: Path) -> mmap.mmap | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        if os.fstat(fd).st_size == 0:
-            return None
-        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -155,7 +75,7 @@ class BlockImage:
         self.chunk_size = chunk_size or (layers[-1].chunk_size if layers else store.chunk_size)
         self.memory = ChunkMemory(memory_bytes)
         self.prefetcher: "Prefetcher | None" = None
-        self.on_chunk_read: list = []           # callbacks(cid) for trace recording
+        self.on_chunk_read: list[Callable[[Digest], None]] = []   # trace recording
         self._wlock = threading.RLock()
         self._retired: list[UpperLayer] = []
         self._seeders: list[threading.Thread] = []
@@ -303,7 +223,7 @@ class BlockImage:
             # only pinned entries: an unpinned file could be evicted between path_of and open
             return None
         path = cache.path_of(cid)
-        mm = _map_file(path) if path is not None else None
+        mm = map_file(path) if path is not None else None
         if mm is not None:
             self.memory.put(cid, mm)
             for cb in self.on_chunk_read:
@@ -317,7 +237,7 @@ class BlockImage:
         cache = self.store.cache
         if cache is not None and cid in self._pinned:
             path = cache.path_of(cid)
-            mm = _map_file(path) if path is not None else None
+            mm = map_file(path) if path is not None else None
             if mm is not None:
                 self.memory.put(cid, mm)
                 return mm
