@@ -94,12 +94,15 @@ class P2PNode:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._peers_mtime = -1.0
         self._closed = False
+        self._lock_fd: int | None = None
         self._serve_pool = ThreadPoolExecutor(SERVE_WINDOW, thread_name_prefix="aenv-p2p-serve")
         self.ticket = ""
         self.node_id = ""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "P2PNode":
+        """Bind and serve. ``NodeBusy`` if another process on this data dir runs the node."""
+        self._lock_fd = peerfile.take_node_lock(self.data_dir)
         self._thread.start()
         self._run(self._bind(), timeout=30)
         for t in self.config.peers:
@@ -135,10 +138,13 @@ class P2PNode:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         self._serve_pool.shutdown(wait=False, cancel_futures=True)
-        if self.write_status_file:
+        if self.write_status_file and self.ticket:
             st = self.status()
             st["closed"] = True
             peerfile.write_status(self.data_dir, st)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def _shutdown(self) -> None:
         for t in list(self._tasks):

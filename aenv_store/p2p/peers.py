@@ -5,9 +5,11 @@ Files under ``<data-dir>/p2p/`` (the CLI and a running node share them):
   peers.json   tickets added at run time (``aenv p2p add-peer``); running nodes
                pick up changes within a second
   status.json  written by the running node: its ticket, peers and traffic
+  node.lock    flock held by the one process that runs this data dir's node
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import durable
+from ..errors import StoreError
 
 # After a failure (timeout, refused, reset) a peer is skipped for a while, so a
 # dead peer costs one lookup timeout rather than one per chunk.
@@ -125,6 +128,25 @@ class PeerTable:
 
 def p2p_dir(data_dir: Path) -> Path:
     return data_dir / "p2p"
+
+
+class NodeBusy(StoreError):
+    """Another process on this data dir already runs its P2P node."""
+
+
+def take_node_lock(data_dir: Path) -> int:
+    """One P2P node per data dir (one identity, one port, one status file): the
+    first process to take this flock is the node; it is released when the
+    process closes the node or dies. Returns the lock's file descriptor."""
+    d = p2p_dir(data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise NodeBusy(f"another process on {data_dir} runs its P2P node") from None
+    return fd
 
 
 def load_secret(data_dir: Path) -> bytes:

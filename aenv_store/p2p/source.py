@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StoreError
 from ..ids import Digest
 from .node import P2PNode
+from .peers import NodeBusy
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -98,6 +99,11 @@ def attach(store: "Store") -> PeerChunkSource | None:
     node = P2PNode(store.settings.paths.data_dir, cfg, StoreChunkProvider(store))
     try:
         node.start()
+    except NodeBusy as e:
+        # e.g. `aenv repo stats` while the server runs on this data dir: expected
+        log.info("p2p not started in this process: %s", e)
+        node.close()
+        return None
     except Exception as e:  # noqa: BLE001
         log.warning("p2p disabled on this node: the endpoint did not start: %s", e)
         node.close()

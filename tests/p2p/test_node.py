@@ -162,3 +162,20 @@ def test_stable_identity_and_offline_ticket(tmp_path: Path) -> None:
     with P2PNode(tmp_path, P2PConfig(enabled=True, port=port)).start() as n:
         assert n.node_id == first_id  # the secret key persists in <data-dir>/p2p/secret.key
         assert n.ticket == offline_ticket(tmp_path, port)
+
+
+def test_one_node_per_data_dir(tmp_path: Path) -> None:
+    """A second process (or Store) on the same data dir does not start a second
+    node: it would share the identity, fight over the port and the status file."""
+    from aenv_store.p2p.peers import NodeBusy
+
+    with P2PNode(tmp_path, P2PConfig(enabled=True)).start() as first:
+        second = P2PNode(tmp_path, P2PConfig(enabled=True))
+        with pytest.raises(NodeBusy):
+            second.start()
+        second.close()
+        time.sleep(1.2)  # a status refresh of the first node
+        st = peerfile.read_status(tmp_path)
+        assert st is not None and st["running"] and st["ticket"] == first.ticket
+    with P2PNode(tmp_path, P2PConfig(enabled=True)).start():  # released on close
+        pass
