@@ -55,6 +55,7 @@ TOUCH_INTERVAL = 1.0    # seconds: queued touches/counters are flushed at least 
 # opens the directory in agreement (a per-capacity value would force MDB_MAP_RESIZED dances).
 MAP_SIZE = 32 << 30
 MAX_READERS = 1024
+MAX_DBS = 5
 OPEN_COUNT = b"open_count"
 
 
@@ -97,6 +98,16 @@ def validate_config(config: CacheConfig) -> None:
                           f"0 < low <= high <= 1, got {config.low_watermark} and {config.high_watermark}")
     if config.min_free_disk < 0:
         raise ConfigError(f"cache.min_free_disk must be >= 0, got {config.min_free_disk}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _boot_id() -> bytes:
@@ -218,7 +229,7 @@ class NodeCache:
 
     def _open_env(self, wipe_if_bad: bool) -> tuple[lmdb.Environment, IndexDbs]:
         try:
-            env = lmdb.open(str(self.path / "index"), map_size=MAP_SIZE, max_dbs=4, max_readers=MAX_READERS,
+            env = lmdb.open(str(self.path / "index"), map_size=MAP_SIZE, max_dbs=MAX_DBS, max_readers=MAX_READERS,
                             sync=False, metasync=False, readahead=False)
             try:
                 env.reader_check()  # free reader slots of dead processes
@@ -266,14 +277,17 @@ class NodeCache:
             self._reconcile()
         for name in os.listdir(self._tmp):  # leftovers of dead processes (nobody else is here)
             unlink_all([os.path.join(self._tmp, name)])
-        evicted: list[str] = []
+        evicted: list[bytes] = []
         with self._env.begin(write=True) as txn:
+            for digest, _pid in list(self._db.iter_dying(txn)):  # evictions cut short by a crash
+                unlink_all([self._file(digest)])
+                self._db.clear_dying(txn, digest)
             self._db.clear_pins(txn)  # pins belong to live users; there are none
             self._db.set_meta(txn, b"clean", b"0")
             self._db.set_u64(txn, OPEN_COUNT, 0)
             self._db.set_meta(txn, b"boot_id", boot)
             self._make_room(txn, 0, evicted)  # the capacity may have been lowered
-        unlink_all(evicted)
+        self._finish_evictions(evicted)
         self._env.sync(True)
 
     def _reconcile(self) -> None:
@@ -472,7 +486,7 @@ class NodeCache:
             return False
         checksum = xxhash.xxh3_64_intdigest(data)
         touches, deltas = self._take_pending()
-        evicted: list[str] = []
+        evicted: list[bytes] = []
         renamed = stored = False
         try:
             with self._env.begin(write=True) as txn:
@@ -480,6 +494,8 @@ class NodeCache:
                 existing = self._db.get(txn, digest)
                 if existing is not None and os.path.exists(path):
                     stored = True  # raced with another writer of the same chunk
+                elif self._db.is_dying(txn, digest):
+                    pass  # an eviction will unlink this path any moment: do not put a file there now
                 else:
                     if existing is not None:
                         self._db.remove(txn, digest)  # its file vanished: replace the entry
@@ -499,14 +515,14 @@ class NodeCache:
         finally:
             if not renamed:
                 unlink_all([tmp])
-        unlink_all(evicted)  # entries are gone (committed); now the files
+        self._finish_evictions(evicted)
         return stored
 
     def _disk_free(self) -> int:
         st = os.statvfs(self.path)
         return st.f_bavail * st.f_frsize
 
-    def _make_room(self, txn: lmdb.Transaction, incoming: int, evicted: list[str]) -> bool:
+    def _make_room(self, txn: lmdb.Transaction, incoming: int, evicted: list[bytes]) -> bool:
         """Evict (inside ``txn``) per the watermarks and the free-disk floor so ``incoming``
         more bytes fit; False if they still would not (e.g. everything left is pinned)."""
         cfg = self.config
@@ -525,7 +541,11 @@ class NodeCache:
             freed = self._evict(txn, int(used - target), evicted)
         return used - freed + incoming <= cfg.capacity and free + freed - incoming >= cfg.min_free_disk
 
-    def _evict(self, txn: lmdb.Transaction, need: int, evicted: list[str]) -> int:
+    def _evict(self, txn: lmdb.Transaction, need: int, evicted: list[bytes]) -> int:
+        """Remove least-recently-used unpinned entries worth ``need`` bytes from the index.
+        Their files are unlinked after the commit (_finish_evictions); until then the
+        ``dying`` table keeps any put from creating a new file at those paths."""
+        self._sweep_dead_evictions(txn)
         victims: list[bytes] = []
         freed = 0
         entries = self._db.entries
@@ -539,13 +559,36 @@ class NodeCache:
                 continue
             victims.append(digest)
             freed += ENTRY.unpack(raw)[0]
+        pid = os.getpid()
         for digest in victims:  # not while the cursor walks the lru table
             self._db.remove(txn, digest)
-            evicted.append(self._file(digest))
+            self._db.mark_dying(txn, digest, pid)
+            evicted.append(digest)
         if victims:
             self._db.add_u64(txn, b"evictions", len(victims))
             self._db.add_u64(txn, b"evicted_bytes", freed)
         return freed
+
+    def _finish_evictions(self, victims: list[bytes]) -> None:
+        """After the commit that removed their entries: unlink the files, then lift the
+        ``dying`` marks so the chunks may be cached again."""
+        if not victims:
+            return
+        unlink_all(self._file(d) for d in victims)
+        try:
+            with self._env.begin(write=True) as txn:
+                for digest in victims:
+                    self._db.clear_dying(txn, digest)
+        except lmdb.Error as e:  # the marks stay; the next first user sweeps them
+            log.warning("node cache %s: cannot finish evictions: %s", self.path, e)
+
+    def _sweep_dead_evictions(self, txn: lmdb.Transaction) -> None:
+        """Finish evictions whose process died between its commit and its unlinks."""
+        me = os.getpid()
+        for digest, pid in list(self._db.iter_dying(txn)):
+            if pid != me and not _alive(pid):
+                unlink_all([self._file(digest)])
+                self._db.clear_dying(txn, digest)
 
     # -- batched LRU touches and counters --------------------------------------------------
 

@@ -77,6 +77,8 @@ def reconcile(env: lmdb.Environment, db: IndexDbs, files: ChunkFiles) -> tuple[i
         for digest in stale:
             db.remove(txn, digest)
         unlink_all(files.path(d) for d in stale)
+        for digest, _pid in list(db.iter_dying(txn)):
+            db.clear_dying(txn, digest)  # their entries are gone; the files go with the orphans
         orphans = [path for _, path, digest in files.scan()
                    if digest is None or txn.get(digest, db=db.entries) is None]
         unlink_all(orphans)
@@ -109,7 +111,9 @@ def verify(env: lmdb.Environment, db: IndexDbs, files: ChunkFiles, read_data: bo
             problems.append(f"totals: index says {used} bytes in {entries} entries, "
                             f"entries sum to {total} in {count}")
         problems += db.lru_problems(txn)
+        dying = {digest for digest, _ in db.iter_dying(txn)}
+        problems += [f"eviction of {d.hex()} not finished" for d in sorted(dying)]
         for shard, path, digest in files.scan():
-            if digest is None or txn.get(digest, db=db.entries) is None:
+            if digest is None or (digest not in dying and txn.get(digest, db=db.entries) is None):
                 problems.append(f"file {shard}/{os.path.basename(path)}: no index entry")
     return problems

@@ -1,11 +1,13 @@
 """The node cache's LMDB index (format in docs/cache.md).
 
-Four named databases in one LMDB environment:
+Five named databases in one LMDB environment:
 
 ``entries``  digest (32 B) -> ENTRY (size u64, xxh3-64 of the data u64, last access ns i64)
 ``lru``      last access ns (u64 big-endian) + digest -> b""   (cursor order = least recent first);
              holds exactly the entries that are NOT pinned, so eviction never walks past pins
 ``pins``     digest -> pin count u32 (a digest may be pinned before it is cached)
+``dying``    digest -> pid u32 of the process whose eviction removed the entry and has not
+             yet unlinked the file; nobody may create that file meanwhile
 ``meta``     format marker, byte/entry totals, lifetime counters, clean flag, boot id
 
 Every function here works inside a transaction the caller owns, so a put, an
@@ -48,6 +50,7 @@ class IndexDbs:
         self.entries = env.open_db(b"entries")
         self.lru = env.open_db(b"lru")
         self.pins = env.open_db(b"pins")
+        self.dying = env.open_db(b"dying")
         self.meta = env.open_db(b"meta")
 
     # -- entries ---------------------------------------------------------------------------
@@ -148,6 +151,22 @@ class IndexDbs:
         if listed != unpinned:
             problems.append(f"lru lists {listed} entries, {unpinned} entries are unpinned")
         return problems
+
+    # -- evictions in progress -------------------------------------------------------------
+
+    def mark_dying(self, txn: lmdb.Transaction, digest: bytes, pid: int) -> None:
+        txn.put(digest, U32.pack(pid & 0xFFFFFFFF), db=self.dying)
+
+    def is_dying(self, txn: lmdb.Transaction, digest: bytes) -> bool:
+        return txn.get(digest, db=self.dying) is not None
+
+    def clear_dying(self, txn: lmdb.Transaction, digest: bytes) -> None:
+        txn.delete(digest, db=self.dying)
+
+    def iter_dying(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int]]:
+        cursor = txn.cursor(db=self.dying)
+        for key, raw in cursor.iternext(keys=True, values=True):
+            yield bytes(key), U32.unpack(raw)[0]
 
     # -- meta ------------------------------------------------------------------------------
 

@@ -284,7 +284,7 @@ def test_first_user_after_a_crash_reconciles(tmp_path: Path) -> None:
 
 
 def set_meta(directory: Path, key: bytes, value: bytes) -> None:
-    env = lmdb.open(str(directory / "index"), max_dbs=4)
+    env = lmdb.open(str(directory / "index"), max_dbs=5)
     try:
         with env.begin(write=True) as txn:
             txn.put(key, value, db=env.open_db(b"meta", txn=txn))
@@ -336,3 +336,30 @@ def test_instance_inherited_across_fork_refuses_work(cache: NodeCache) -> None:
     assert os.WEXITSTATUS(status) == 0
     assert cache.get(d) == b  # the parent's instance is unaffected
     assert cache.verify() == []
+
+
+def test_put_never_recreates_a_file_whose_eviction_is_unfinished(cache: NodeCache) -> None:
+    """The window between an eviction's commit and its unlink: a put of the same chunk
+    must not place a new file there (the unlink would remove it behind its entry's back)."""
+    (d, b), (d2, b2) = chunks(2, 4096)
+    cache.put(d, b)
+    cache.put(d2, b2)
+    with cache._env.begin(write=True) as txn:  # white box: an eviction committed, unlink pending
+        cache._db.remove(txn, d)
+        cache._db.mark_dying(txn, d, os.getpid())
+    assert not cache.put(d, b) and not cache.contains(d)
+    assert cache.get_or_fetch(d, lambda: b) == b  # still served, just not cached
+    assert cache.verify() == [f"eviction of {d.hex()} not finished"]
+    cache._finish_evictions([d])
+    assert cache.verify() == []
+    assert cache.put(d, b) and cache.get(d) == b
+    # an evicting process that died before its unlinks: the next eviction finishes its work
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with cache._env.begin(write=True) as txn:
+        cache._db.remove(txn, d2)
+        cache._db.mark_dying(txn, d2, dead.pid)
+    for dd, bb in chunks(12, base=300):  # pressure: evictions run
+        cache.put(dd, bb)
+    assert cache.verify() == []
+    assert cache.put(d2, b2) and cache.get(d2) == b2
