@@ -58,7 +58,8 @@ def test_reader_gets_chunks_from_writer_then_falls_back_when_it_dies(oss_repo: R
         done = _line(b)
         assert done["sha256"] == wrote["sha256"]  # correct data despite the dead peer
         assert done["p2p"]["bytes_in"] == first  # nothing more came from A...
-        assert done["s3"]["get_range"] >= (size - first) // (64 * 1024)  # ...the rest from S3
+        # ...the rest from S3 (range reads; the Store may coalesce neighbouring chunks)
+        assert done["s3"]["get_range"] >= 1
         assert done["s3"]["bytes_in"] >= size - first
         (peer,) = done["peers"]
         assert peer["failures"] >= 1 and peer["node_id"]
@@ -99,4 +100,4 @@ def test_corrupt_peer_is_dropped_and_the_read_succeeds_from_the_repository(
     (peer,) = status["peers"]
     assert peer["state"] == "dropped" and peer["bad_data"] == 1 and peer["bytes_in"] == 0
     assert any("dropped peer" in r.message for r in caplog.records)
-    assert s3["get_range"] >= len(data) // (64 * 1024)  # every chunk came from the repository
+    assert s3["get_range"] >= 1 and s3["bytes_in"] >= len(data)  # every chunk came from the repository
