@@ -36,6 +36,7 @@ TRACE_MAGIC = b"AENVTRC1"
 TRACE_VERSION = 1
 _TRACE_HEAD = struct.Struct("<8sII")
 MAX_TRACE = 1 << 20
+PREFETCH_GROUP = 16      # chunks per background fetch task
 
 
 class Prefetcher:
@@ -70,41 +71,43 @@ class Prefetcher:
             todo = [c for c in m.chunks_in(start, end - start)
                     if c not in self._queued and c not in self.image.memory]
             self._queued.update(todo)
-        for cid in todo:
-            self._submit(cid)
+        self._submit_all(todo)
 
     def replay(self, chunks: Iterable[Digest]) -> int:
         """Fetch ``chunks`` (a recorded trace) in order in the background; returns how many were queued."""
         wanted = self.image.extent_map.chunks()
-        n = 0
         with self._lock:
-            todo = [c for c in chunks if c in wanted and c not in self._queued]
+            todo = list(dict.fromkeys(c for c in chunks if c in wanted and c not in self._queued))
             self._queued.update(todo)
-        for cid in todo:
-            self._submit(cid)
-            n += 1
-        return n
+        self._submit_all(todo)
+        return len(todo)
 
-    def _submit(self, cid: Digest) -> None:
-        try:
-            fut = self._pool.submit(self._fetch, cid)
-        except RuntimeError:        # closed meanwhile
-            return
-        fut.add_done_callback(lambda f, c=cid: self._done(c, f))
+    def _submit_all(self, cids: list[Digest]) -> None:
+        # Groups go to the store as one read_chunks call: neighbouring chunks of
+        # a pack are then fetched with one range read.
+        for i in range(0, len(cids), PREFETCH_GROUP):
+            group = cids[i:i + PREFETCH_GROUP]
+            try:
+                fut = self._pool.submit(self._fetch, group)
+            except RuntimeError:        # closed meanwhile
+                return
+            fut.add_done_callback(lambda f, g=group: self._done(g, f))
 
-    def _fetch(self, cid: Digest) -> None:
+    def _fetch(self, group: list[Digest]) -> None:
         if self._closed or self.image.closed:
             return
-        self.image.fetch_chunk(cid)
-        self.fetched += 1
+        todo = [c for c in group if c not in self.image.memory]
+        if todo:
+            self.image.fetch_chunks(todo)
+            self.fetched += len(todo)
 
-    def _done(self, cid: Digest, fut: "Future[None]") -> None:
+    def _done(self, group: list[Digest], fut: "Future[None]") -> None:
         with self._lock:
-            self._queued.discard(cid)
+            self._queued.difference_update(group)
         exc = fut.exception()
         if exc is not None:
             # A failed prefetch is not an error: the demand read retries and reports.
-            log.debug("prefetch of %s failed: %s", cid.short(), exc)
+            log.debug("prefetch of %d chunks failed: %s", len(group), exc)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until queued prefetches finished (tests, benchmarks)."""
