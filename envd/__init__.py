@@ -1,1 +1,6 @@
 """envd: the in-sandbox daemon speaking E2B's envd protocol (stdlib only)."""
+
+# The upstream envd feature level served here: what the control plane reports
+# as a sandbox's ``envdVersion`` (the SDK gates features on it: octet-stream
+# uploads 0.5.7, file metadata 0.6.2, watch entries 0.6.3, network mounts 0.6.4).
+ENVD_VERSION = "0.6.4"

@@ -7,7 +7,7 @@ import errno
 import os
 import stat
 
-from . import users
+from . import metadata, users
 from .connect import Code, ConnectError
 from .rpc import Message
 
@@ -52,6 +52,9 @@ def entry_info(path: str) -> Message:
         except OSError:
             kind = SYMLINK  # dangling link
     info["type"] = kind or "FILE_TYPE_UNSPECIFIED"
+    meta = metadata.read(path)
+    if meta:
+        info["metadata"] = meta
     if not info["mode"]:
         del info["mode"]
     return info

@@ -12,7 +12,7 @@ import os
 import zlib
 from typing import AsyncIterator, BinaryIO
 
-from . import users
+from . import metadata, users
 from .fs_service import chown, ensure_dirs
 from .connect import ConnectError
 from .http11 import BodyReader, HttpError, RequestHead
@@ -123,17 +123,45 @@ async def _read_file(f: BinaryIO, gz: bool) -> AsyncIterator[bytes]:
         f.close()
 
 
-def _open_target(path: str, user: users.User) -> BinaryIO:
-    ensure_dirs(os.path.dirname(path), user)
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-    f = open(path, "wb")
-    chown(path, user)
-    return f
+class _Target:
+    """A file being uploaded. Written in place (as upstream does, so watchers
+    see CREATE/WRITE of the real name); a failed upload removes the file when
+    the upload created it."""
+
+    def __init__(self, path: str, user: users.User, meta: dict[str, str]) -> None:
+        ensure_dirs(os.path.dirname(path), user)
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        self.path = path
+        self.created = not os.path.lexists(path)
+        self.f: BinaryIO = open(path, "wb")
+        try:
+            chown(path, user)
+            metadata.replace(path, meta)
+        except OSError:
+            self.abort()
+            raise
+
+    def write(self, data: bytes) -> None:
+        self.f.write(data)
+
+    def close(self) -> None:
+        self.f.close()
+
+    def abort(self) -> None:
+        self.f.close()
+        if self.created:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
 
 
-def _written(path: str) -> dict[str, str]:
-    return {"name": os.path.basename(path), "type": "file", "path": path}
+def _written(path: str, meta: dict[str, str]) -> dict[str, object]:
+    out: dict[str, object] = {"name": os.path.basename(path), "type": "file", "path": path}
+    if meta:
+        out["metadata"] = meta
+    return out
 
 
 async def upload(head: RequestHead, body: BodyReader, state: EnvdState, auth_user: str | None) -> Response:
@@ -145,46 +173,57 @@ async def upload(head: RequestHead, body: BodyReader, state: EnvdState, auth_use
     media = media_type(ctype)
     raw = head.query_value("path")
     try:
+        meta = metadata.from_headers(head.headers)
+    except metadata.MetadataError as e:
+        return http_error(400, str(e))
+    try:
         if media == "application/octet-stream":
             if not raw:
                 return http_error(400, "the 'path' query parameter is required for octet-stream uploads")
-            return await _upload_octet(head, body, users.resolve_path(raw, user), user)
+            return await _upload_octet(head, body, users.resolve_path(raw, user), user, meta)
         if media == "multipart/form-data":
-            return await _upload_multipart(body, ctype, raw, user)
+            return await _upload_multipart(body, ctype, raw, user, meta)
     except ConnectError as e:
         return http_error(400, e.message)
     return http_error(400, f"unsupported content type {media!r}; use multipart/form-data or application/octet-stream")
 
 
-async def _upload_octet(head: RequestHead, body: BodyReader, path: str, user: users.User) -> Response:
+async def _upload_octet(
+    head: RequestHead, body: BodyReader, path: str, user: users.User, meta: dict[str, str]
+) -> Response:
     encoding = (head.header("content-encoding") or "identity").strip().lower()
     if encoding not in ("identity", "gzip"):
         return http_error(400, f"unsupported content-encoding {encoding!r}")
     decomp = zlib.decompressobj(31) if encoding == "gzip" else None
     try:
-        f = _open_target(path, user)
+        f = _Target(path, user, meta)
     except OSError as e:
         return _os_error_response(e, path)
-    with f:
-        try:
-            async for chunk in body:
-                if decomp is not None:
-                    # Bounded output per step: a gzip bomb cannot balloon memory.
-                    data = decomp.decompress(chunk, CHUNK)
-                    f.write(data)
-                    while decomp.unconsumed_tail:
-                        f.write(decomp.decompress(decomp.unconsumed_tail, CHUNK))
-                else:
-                    f.write(chunk)
+    ok = False
+    try:
+        async for chunk in body:
             if decomp is not None:
-                f.write(decomp.flush())
-                if not decomp.eof:
-                    return http_error(400, "truncated gzip body")
-        except zlib.error as e:
-            return http_error(400, f"invalid gzip body: {e}")
-        except OSError as e:
-            return _os_error_response(e, path)
-    return json_response(200, [_written(path)])
+                # Bounded output per step: a gzip bomb cannot balloon memory.
+                f.write(decomp.decompress(chunk, CHUNK))
+                while decomp.unconsumed_tail:
+                    f.write(decomp.decompress(decomp.unconsumed_tail, CHUNK))
+            else:
+                f.write(chunk)
+        if decomp is not None:
+            f.write(decomp.flush())
+            if not decomp.eof:
+                return http_error(400, "truncated gzip body")
+        ok = True
+    except zlib.error as e:
+        return http_error(400, f"invalid gzip body: {e}")
+    except OSError as e:
+        return _os_error_response(e, path)
+    finally:
+        if ok:
+            f.close()
+        else:
+            f.abort()
+    return json_response(200, [_written(path, meta)])
 
 
 def _part_target(filename: str | None, query_path: str | None, user: users.User) -> str:
@@ -200,13 +239,15 @@ def _part_target(filename: str | None, query_path: str | None, user: users.User)
     raise HttpError(400, "multipart part has no filename and no 'path' query parameter")
 
 
-async def _upload_multipart(body: BodyReader, ctype: str, query_path: str | None, user: users.User) -> Response:
+async def _upload_multipart(
+    body: BodyReader, ctype: str, query_path: str | None, user: users.User, meta: dict[str, str]
+) -> Response:
     try:
         parser = MultipartParser(boundary_from_content_type(ctype))
     except MultipartError as e:
         return http_error(400, str(e))
-    written: list[dict[str, str]] = []
-    current: BinaryIO | None = None
+    written: list[dict[str, object]] = []
+    current: _Target | None = None
     path = ""
     try:
         async for chunk in body:
@@ -217,14 +258,14 @@ async def _upload_multipart(body: BodyReader, ctype: str, query_path: str | None
                         current = None  # a plain form field: ignored
                         continue
                     path = _part_target(disp.get("filename"), query_path, user)
-                    current = _open_target(path, user)
+                    current = _Target(path, user, meta)
                 elif isinstance(ev, PartData):
                     if current is not None:
                         current.write(ev.data)
                 elif isinstance(ev, PartEnd) and current is not None:
                     current.close()
                     current = None
-                    written.append(_written(path))
+                    written.append(_written(path, meta))
         parser.finish()
     except MultipartError as e:
         return http_error(400, f"malformed multipart body: {e}")
@@ -233,8 +274,8 @@ async def _upload_multipart(body: BodyReader, ctype: str, query_path: str | None
     except OSError as e:
         return _os_error_response(e, path)
     finally:
-        if current is not None:
-            current.close()
+        if current is not None:  # a part that did not end: incomplete
+            current.abort()
     if not written:
         return http_error(400, "no file part in multipart body")
     return json_response(200, written)

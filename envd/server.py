@@ -31,7 +31,6 @@ log = logging.getLogger("envd")
 
 UNARY_BODY_LIMIT = connect.MAX_MESSAGE_BYTES
 CONNECT_STREAM_CT = "application/connect+json"
-VERSION = "0.6.7"  # the upstream envd feature level this implementation serves
 
 
 def _connect_error_response(
@@ -238,7 +237,11 @@ class EnvdServer:
             return await self._unary(handler, body, ctx)
         if r.kind is Kind.SERVER_STREAM:
             return await self._server_stream(handler, body, ctx)
-        return self._stream_response(self._client_stream(handler, body, ctx))
+        # The answer of a client stream is sent only once the request body is
+        # consumed: the SDK's HTTP client stops sending the body (ends it
+        # empty) when response headers arrive first.
+        frames = b"".join([f async for f in self._client_stream(handler, body, ctx)])
+        return Response(200, (("Content-Type", CONNECT_STREAM_CT),), frames)
 
     def _authorized(self, head: RequestHead, r: Route) -> bool:
         token = self.state.access_token

@@ -70,17 +70,42 @@ def stop_envd(e: Envd) -> None:
         e.proc.stderr.close()
 
 
+def _kill_user_processes(uid: int) -> None:
+    """Kill what the tests left running as the test user (background children
+    that outlived their command), so the user can be removed."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _remove_user() -> None:
+    try:
+        uid = pwd.getpwnam(TEST_USER).pw_uid
+    except KeyError:
+        return
+    for _ in range(20):
+        _kill_user_processes(uid)
+        if subprocess.run(["userdel", "-r", TEST_USER], capture_output=True).returncode in (0, 6):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"cannot remove test user {TEST_USER}")
+
+
 @pytest.fixture(scope="session")
 def test_user() -> Iterator[pwd.struct_passwd]:
     """A real unprivileged user (CI runs as root, so useradd works)."""
     if os.geteuid() != 0:
         pytest.fail("envd tests run as root (CI does): they create a user and switch to it")
-    subprocess.run(["userdel", "-r", TEST_USER], capture_output=True)
+    _remove_user()  # a leftover from an interrupted run
     subprocess.run(["useradd", "-m", "-s", "/bin/bash", TEST_USER], check=True, capture_output=True)
     try:
         yield pwd.getpwnam(TEST_USER)
     finally:
-        subprocess.run(["userdel", "-r", TEST_USER], capture_output=True)
+        _remove_user()
 
 
 @pytest.fixture(scope="session")

@@ -164,6 +164,8 @@ def test_bad_files_requests(envd: Envd, workdir) -> None:  # type: ignore[no-unt
     assert files("POST", f"?path={workdir}/a", b"--b\r\nbroken", "multipart/form-data; boundary=b")[0] == 400
     assert files("POST", f"?path={workdir}/a", b"", "multipart/form-data")[0] == 400  # no boundary
     assert files("POST", "?path=/sys/kernel/notes", b"x", "application/octet-stream")[0] == 403
+    assert files("POST", f"?path={workdir}/a", b"x", "application/octet-stream", **{"X-Metadata-k": "v" * 5000})[0] == 400
+    assert not (workdir / "a").exists()
     (workdir / "f").write_text("x")
     assert files("POST", f"?path={workdir}/f/under", b"x", "application/octet-stream")[0] == 400
     assert healthy(envd)

@@ -208,7 +208,7 @@ def test_background_child_output_is_followed_briefly(envd: Envd) -> None:
     # `cmd &` keeps the pipe open after bash exits: its early output arrives,
     # then the stream ends without waiting for the child to finish.
     t0 = time.monotonic()
-    s = FrameStream(envd, "/process.Process/Start", start_msg("(sleep 0.2; echo child; sleep 30) & echo parent"))
+    s = FrameStream(envd, "/process.Process/Start", start_msg("(sleep 0.2; echo child; sleep 4) & echo parent"))
     try:
         out = b""
         while True:

@@ -135,3 +135,17 @@ def test_watch_dir_sync(sandbox, workdir) -> None:
 
 def test_is_running(sandbox) -> None:
     assert sandbox.is_running() is True
+
+
+def test_file_metadata_roundtrip(sandbox, workdir) -> None:
+    p = str(workdir / "meta.txt")
+    info = sandbox.files.write(p, "m", metadata={"Owner": "alice", "stage": "raw"})
+    assert info.metadata == {"owner": "alice", "stage": "raw"}  # keys are lower-cased
+    assert sandbox.files.get_info(p).metadata == {"owner": "alice", "stage": "raw"}
+    assert os.getxattr(p, "user.e2b.owner") == b"alice"
+    # an upload replaces the metadata; one without metadata clears it
+    sandbox.files.write(p, "m2", metadata={"stage": "clean"})
+    assert sandbox.files.get_info(p).metadata == {"stage": "clean"}
+    sandbox.files.write(p, "m3")
+    assert sandbox.files.get_info(p).metadata is None
+    assert [e.metadata for e in sandbox.files.list(str(workdir)) if e.name == "meta.txt"] == [None]
