@@ -111,3 +111,16 @@ def test_async_files_and_watch(envd, workdir) -> None:
         assert ("x/w.txt", FilesystemEventType.REMOVE) in events
 
     run(body())
+
+
+def test_many_concurrent_streams(envd) -> None:
+    async def body() -> None:
+        sbx = await _sandbox(envd.url)
+        t0 = asyncio.get_running_loop().time()
+        results = await asyncio.gather(*(sbx.commands.run(f"sleep 1; echo job{i}") for i in range(24)))
+        elapsed = asyncio.get_running_loop().time() - t0
+        assert [r.stdout for r in results] == [f"job{i}\n" for i in range(24)]
+        # concurrent, not serialised: 24 one-second jobs in far less than 24 s
+        assert elapsed < 12, elapsed
+
+    run(body())

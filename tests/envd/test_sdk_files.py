@@ -149,3 +149,19 @@ def test_file_metadata_roundtrip(sandbox, workdir) -> None:
     sandbox.files.write(p, "m3")
     assert sandbox.files.get_info(p).metadata is None
     assert [e.metadata for e in sandbox.files.list(str(workdir)) if e.name == "meta.txt"] == [None]
+
+
+def test_user_parameter_on_files(sandbox, workdir, test_user) -> None:
+    root_file = workdir / "by-root.txt"
+    sandbox.files.write(str(root_file), "r", user="root")
+    assert root_file.stat().st_uid == 0
+    sandbox.files.write(str(workdir / "by-user.txt"), "u", user=test_user.pw_name)
+    assert (workdir / "by-user.txt").stat().st_uid == test_user.pw_uid
+    # relative paths follow the chosen user's home
+    sandbox.files.write("home-rel.txt", "h", user=test_user.pw_name)
+    assert os.path.exists(os.path.join(test_user.pw_dir, "home-rel.txt"))
+    assert sandbox.files.read("home-rel.txt", user=test_user.pw_name) == "h"
+    from e2b.exceptions import AuthenticationException
+
+    with pytest.raises(AuthenticationException):
+        sandbox.files.read(str(root_file), user="no-such-user-q")
