@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import zlib
 from typing import AsyncIterator, BinaryIO
 
@@ -87,9 +88,13 @@ async def download(head: RequestHead, state: EnvdState, auth_user: str | None) -
     gz = _accepts_gzip(head.header("accept-encoding"))
     if gz is None:
         return http_error(406, "no acceptable encoding found, supported: [identity, gzip]")
-    if os.path.isdir(path):
-        return http_error(400, f"path '{path}' is a directory")
     try:
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            return http_error(400, f"path '{path}' is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            # a FIFO or device would block the event loop or never end
+            return http_error(400, f"path '{path}' is not a regular file")
         f = open(path, "rb")
     except OSError as e:
         return _os_error_response(e, path)
@@ -132,6 +137,8 @@ class _Target:
         ensure_dirs(os.path.dirname(path), user)
         if os.path.isdir(path):
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise HttpError(400, f"path '{path}' exists and is not a regular file")
         self.path = path
         self.created = not os.path.lexists(path)
         self.f: BinaryIO = open(path, "wb")
@@ -185,6 +192,8 @@ async def upload(head: RequestHead, body: BodyReader, state: EnvdState, auth_use
             return await _upload_multipart(body, ctype, raw, user, meta)
     except ConnectError as e:
         return http_error(400, e.message)
+    except HttpError as e:
+        return http_error(e.status, e.message)
     return http_error(400, f"unsupported content type {media!r}; use multipart/form-data or application/octet-stream")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import struct
 
@@ -168,6 +169,9 @@ def test_bad_files_requests(envd: Envd, workdir) -> None:  # type: ignore[no-unt
     assert not (workdir / "a").exists()
     (workdir / "f").write_text("x")
     assert files("POST", f"?path={workdir}/f/under", b"x", "application/octet-stream")[0] == 400
+    os.mkfifo(workdir / "fifo")  # would block envd forever if opened
+    assert files("GET", f"?path={workdir}/fifo")[0] == 400
+    assert files("POST", f"?path={workdir}/fifo", b"x", "application/octet-stream")[0] == 400
     assert healthy(envd)
 
 
