@@ -214,6 +214,8 @@ class _Connection(asyncio.Protocol):
 
     def _done(self, req: Request, fut: "asyncio.Future[bytes]") -> None:
         self._inflight -= 1
+        if fut.cancelled():          # server shutting down
+            return
         exc = fut.exception()
         if exc is not None:
             log.warning("nbd: %s %d@%d failed: %s", req.cmd.name, req.length, req.offset, exc)

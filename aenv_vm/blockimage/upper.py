@@ -96,8 +96,8 @@ class UpperLayer:
                 raise CorruptData(f"{self.map_path}: bad run")
             self.states[start:start + count] = state
 
-    def _save_map(self) -> None:
-        runs = [r for r in runs_of(self.states) if r[2] != ABSENT]
+    def _save_map(self, states: np.ndarray) -> None:
+        runs = [r for r in runs_of(states) if r[2] != ABSENT]
         arr = np.array(runs, dtype=_RUN) if runs else np.zeros(0, dtype=_RUN)
         head = _MAP_HEAD.pack(MAP_MAGIC, MAP_VERSION, 0, BLOCK, self.size, len(runs),
                               bytes(self.base) if self.base is not None else bytes(DIGEST_SIZE))
@@ -117,9 +117,19 @@ class UpperLayer:
         with self._lock:
             if not self._dirty:
                 return
-            os.fsync(self.fd)
-            self._save_map()
+            # Cleared before the snapshot: a write landing meanwhile (flush runs
+            # outside the image's write lock) marks it dirty again for the next flush.
             self._dirty = False
+            # Snapshot the map before the fsync: every block it names has its
+            # data written already, so after the fsync the map never runs ahead
+            # of the data on disk.
+            states = self.states.copy()
+            try:
+                os.fsync(self.fd)
+                self._save_map(states)
+            except BaseException:
+                self._dirty = True
+                raise
 
     # --- block I/O (block-aligned) -------------------------------------
     def write_blocks(self, offset: int, data: bytes | memoryview) -> None:

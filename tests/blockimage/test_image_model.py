@@ -192,3 +192,22 @@ def test_commit_stores_only_written_blocks(store: Store, tmp_path: Path) -> None
         assert info.layer.parent == top
         assert not img.upper.touched()           # continues on a fresh upper layer
         assert img.read(0, 200)[100:110] == b"z" * 10
+
+
+def test_upper_durable_on_flush_only(store: Store, tmp_path: Path) -> None:
+    """What a crash leaves: the map as of the last flush (never ahead of the data)."""
+    src = tmp_path / "a.raw"
+    base = os.urandom(256 * 1024)
+    src.write_bytes(base)
+    top = import_raw(store, src, "a").layer_id
+    img = BlockImage.open(store, top, "a", upper_dir=tmp_path / "up")
+    img.write(0, b"A" * 8192)
+    img.write_zeroes(65536, 65536)
+    img.flush()
+    img.write(131072, b"B" * 4096)            # not flushed
+    # "crash": a second opener reads what is on disk while the first never flushed again
+    with BlockImage.open(store, top, "a", upper_dir=tmp_path / "up") as after:
+        assert after.read(0, 8192) == b"A" * 8192
+        assert after.read(65536, 65536) == bytes(65536)
+        assert after.read(131072, 4096) == base[131072:135168]
+    img.upper.close()    # drop without flushing
