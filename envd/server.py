@@ -224,6 +224,9 @@ class EnvdServer:
         if r.kind is Kind.HTTP:
             return await self._http(head, body, auth_user)
         try:
+            version = head.header("connect-protocol-version")
+            if version is not None and version != "1":
+                raise ConnectError(Code.INVALID_ARGUMENT, f"connect-protocol-version must be '1', got {version!r}")
             ctx = RpcContext(
                 self.state, auth_user, connect.parse_timeout_ms(head.header("connect-timeout-ms")),
                 _keepalive(head.header("keepalive-ping-interval")),

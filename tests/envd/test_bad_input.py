@@ -96,6 +96,8 @@ def test_wrong_content_type_unknown_method_bad_json(envd: Envd) -> None:
     assert (s, ct) == (404, "application/json") and json.loads(raw)["code"] == 404
     s, _, raw = call(envd, "/filesystem.Filesystem/Stat", b'{"path":"/"}', UNARY, headers={"Connect-Timeout-Ms": "soon"})
     assert s == 400 and json.loads(raw)["code"] == "invalid_argument"
+    s, _, raw = call(envd, "/process.Process/List", b"{}", UNARY, headers={"Connect-Protocol-Version": "2"})
+    assert s == 400 and json.loads(raw)["code"] == "invalid_argument"
     assert healthy(envd)
 
 
