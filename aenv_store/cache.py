@@ -39,7 +39,7 @@ from typing import Callable, ClassVar, Iterable
 import lmdb
 import xxhash
 
-from . import cache_files
+from . import cache_evict, cache_files
 from .cache_files import unlink_all, write_file
 from .cache_index import COUNTERS, ENTRIES, ENTRY, FORMAT, USED, Entry, IndexDbs
 from .cache_lock import DigestLocks, FileLock
@@ -98,16 +98,6 @@ def validate_config(config: CacheConfig) -> None:
                           f"0 < low <= high <= 1, got {config.low_watermark} and {config.high_watermark}")
     if config.min_free_disk < 0:
         raise ConfigError(f"cache.min_free_disk must be >= 0, got {config.min_free_disk}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _boot_id() -> bytes:
@@ -519,76 +509,16 @@ class NodeCache:
         return stored
 
     def _disk_free(self) -> int:
-        st = os.statvfs(self.path)
-        return st.f_bavail * st.f_frsize
+        return cache_evict.disk_free(self.path)
 
     def _make_room(self, txn: lmdb.Transaction, incoming: int, evicted: list[bytes]) -> bool:
-        """Evict (inside ``txn``) per the watermarks and the free-disk floor so ``incoming``
-        more bytes fit; False if they still would not (e.g. everything left is pinned)."""
-        cfg = self.config
-        used = self._db.get_u64(txn, USED)
-        free = self._disk_free()
-        target: float | None = None
-        if used + incoming > cfg.high_watermark * cfg.capacity:
-            target = cfg.low_watermark * cfg.capacity - incoming
-        deficit = cfg.min_free_disk - (free - incoming)
-        if deficit > 0:
-            # below the floor: free the deficit plus the watermark band, so we do not evict on every put
-            below = used - deficit - (cfg.high_watermark - cfg.low_watermark) * cfg.capacity
-            target = below if target is None else min(target, below)
-        freed = 0
-        if target is not None and used > target:
-            freed = self._evict(txn, int(used - target), evicted)
-        return used - freed + incoming <= cfg.capacity and free + freed - incoming >= cfg.min_free_disk
-
-    def _evict(self, txn: lmdb.Transaction, need: int, evicted: list[bytes]) -> int:
-        """Remove least-recently-used unpinned entries worth ``need`` bytes from the index.
-        Their files are unlinked after the commit (_finish_evictions); until then the
-        ``dying`` table keeps any put from creating a new file at those paths."""
-        self._sweep_dead_evictions(txn)
-        victims: list[bytes] = []
-        freed = 0
-        entries = self._db.entries
-        for digest in self._db.lru_order(txn):
-            if freed >= need:
-                break
-            if self._db.pin_count(txn, digest):  # pinned entries are not listed; stay safe anyway
-                continue
-            raw = txn.get(digest, db=entries)
-            if raw is None:
-                continue
-            victims.append(digest)
-            freed += ENTRY.unpack(raw)[0]
-        pid = os.getpid()
-        for digest in victims:  # not while the cursor walks the lru table
-            self._db.remove(txn, digest)
-            self._db.mark_dying(txn, digest, pid)
-            evicted.append(digest)
-        if victims:
-            self._db.add_u64(txn, b"evictions", len(victims))
-            self._db.add_u64(txn, b"evicted_bytes", freed)
-        return freed
+        return cache_evict.make_room(txn, self._db, self._files, self.config, self.path, incoming, evicted)
 
     def _finish_evictions(self, victims: list[bytes]) -> None:
-        """After the commit that removed their entries: unlink the files, then lift the
-        ``dying`` marks so the chunks may be cached again."""
-        if not victims:
-            return
-        unlink_all(self._file(d) for d in victims)
         try:
-            with self._env.begin(write=True) as txn:
-                for digest in victims:
-                    self._db.clear_dying(txn, digest)
-        except lmdb.Error as e:  # the marks stay; the next first user sweeps them
+            cache_evict.finish_evictions(self._env, self._db, self._files, victims)
+        except lmdb.Error as e:  # the marks stay; the next eviction or first user sweeps them
             log.warning("node cache %s: cannot finish evictions: %s", self.path, e)
-
-    def _sweep_dead_evictions(self, txn: lmdb.Transaction) -> None:
-        """Finish evictions whose process died between its commit and its unlinks."""
-        me = os.getpid()
-        for digest, pid in list(self._db.iter_dying(txn)):
-            if pid != me and not _alive(pid):
-                unlink_all([self._file(digest)])
-                self._db.clear_dying(txn, digest)
 
     # -- batched LRU touches and counters --------------------------------------------------
 
