@@ -99,12 +99,12 @@ class EnvdServer:
                     resp = http_error(e.status, e.message)
                     head = RequestHead(head.method, head.path, head.query, head.version, (("connection", "close"),))
                 # A handler that answered without reading its whole body (an
-                # error) leaves the rest unread: the connection is then closed
-                # rather than drained. A streamed response may still be reading
-                # it (StreamInput), so this is decided only after writing.
+                # early error) leaves the rest unread: a small remainder is
+                # skipped so the client gets to read the answer, a large one
+                # closes the connection after the answer.
                 keep = head.keep_alive
                 if not body.finished and resp.stream is None:
-                    try:  # a small remainder is skipped so the client reads the answer
+                    try:
                         keep = await body.drain() and keep
                     except HttpError:
                         keep = False
