@@ -318,6 +318,7 @@ class Report:
     images: dict[str, Any]
     cache_dropped: bool
     results: list[Measured] = field(default_factory=list)
+    runs: dict[str, list[Measured]] = field(default_factory=dict)  # every repeat, for the record
     chunk_study: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -577,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[tool].append(measure(subject, images, work))
                 subject.remove()
         report.results = [best_of(runs[t]) for t in tools]
+        report.runs = runs
         if args.chunk_sizes:
             from aenv_store.config import StoreConfig
             aenv = next((m for m in report.results if m.tool == "aenv"), None)
