@@ -109,6 +109,7 @@ class EnvdServer:
                     except HttpError:
                         keep = False
                 ok = await self._write(writer, reader, resp, keep, body.finished, head.method)
+                log.debug("%s %s -> %d", head.method, head.path, resp.status)
                 if not (ok and keep and body.finished):
                     return
         except (ConnectionError, OSError):
