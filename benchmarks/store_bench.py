@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -171,6 +171,7 @@ class Aenv:
                                  if mode == "cli" else
                                  ["API: BlobWriter.append of every byte; BlobReader.read from a cold node cache"])
         self._cold = 0
+        self._verify_cli = False
 
     def _settings(self, data_dir: Path) -> Any:
         from aenv_store.config import RepositoryConfig, StoreConfig, StorePaths, StoreSettings
@@ -208,6 +209,8 @@ class Aenv:
         if self.mode == "cli" and self.chunk_size is not None:
             raise BenchError("the CLI subject uses the configured chunk size")
         self._open(create=True).close()
+        # probed here, outside the timed phases
+        self._verify_cli = self.cli_has("repo", "verify")
 
     def ingest(self, image: Path, label: str) -> None:
         if self.mode == "cli":
@@ -249,7 +252,7 @@ class Aenv:
         return out
 
     def verify(self) -> str:
-        if self.cli_has("repo", "verify"):
+        if self._verify_cli:
             self._cli(self.data_dir, "repo", "verify", "--read-data")
             return "aenv repo verify --read-data"
         # `aenv repo` is not registered yet: the same checker, called in-process
@@ -599,7 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM: unwind so the work dir (GiBs) and mounts are cleaned up
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         sys.exit(main())
     except BenchError as e:
