@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -137,6 +138,20 @@ def rand_read(sock: Path, size: int, qd: int, ops: int, seed: int = 7) -> dict[s
     return {"IOPS": ops / secs, "MB/s": throughput_mb_s(ops * bs, secs), "seconds": secs}
 
 
+def qemu_img_bench(sock: Path, size: int, bs: int, qd: int) -> dict[str, float]:
+    """Sequential reads by QEMU's own NBD client (C, coroutines): a cross-check
+    that the Python client is not what decides the comparison."""
+    count = size // bs
+    out = subprocess.run(["qemu-img", "bench", "-f", "raw", "-c", str(count), "-d", str(qd), "-s", str(bs),
+                          "-S", str(bs), f"nbd+unix:///{EXPORT}?socket={sock}"],
+                         capture_output=True, text=True, timeout=600)
+    m = re.search(r"Run completed in ([0-9.]+) seconds", out.stdout)
+    if out.returncode or not m:
+        raise BenchError(f"qemu-img bench failed: {out.stderr.strip() or out.stdout.strip()}")
+    secs = float(m.group(1))
+    return {"MB/s": throughput_mb_s(count * bs, secs), "seconds": secs}
+
+
 def workloads(sock: Path, size: int, rand_ops: int) -> dict[str, dict[str, float]]:
     return {
         "seq 1M QD1": seq_read(sock, size, 1),
@@ -223,6 +238,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(args.repeat):
                     samples["aenv warm"].setdefault(wl, []).append(fn(sock))
                     samples["qemu-nbd warm"].setdefault(wl, []).append(fn(sock_q))
+            qimg: dict[str, dict[str, list[dict[str, float]]]] = {"aenv warm": {}, "qemu-nbd warm": {}}
+            for wl, (bs, qd) in {"qemu-img bench seq 1M QD1": (MiB, 1), "qemu-img bench seq 1M QD16": (MiB, 16),
+                                 "qemu-img bench seq 4K QD16": (4096, 16)}.items():
+                for _ in range(args.repeat):
+                    qimg["aenv warm"].setdefault(wl, []).append(qemu_img_bench(sock, size, bs, qd))
+                    qimg["qemu-nbd warm"].setdefault(wl, []).append(qemu_img_bench(sock_q, size, bs, qd))
+            results["qemu_img_bench"] = {name: {wl: sorted(xs, key=lambda r: r["MB/s"])[len(xs) // 2]
+                                                for wl, xs in per.items()} for name, per in qimg.items()}
             for name, per in samples.items():
                 table[name] = {wl: sorted(xs, key=lambda r: r["MB/s"])[len(xs) // 2] for wl, xs in per.items()}
                 results.setdefault("samples", {})[name] = {wl: [round(r["MB/s"], 1) for r in xs]
@@ -269,6 +292,14 @@ def render(results: dict[str, Any], markdown: bool) -> str:
             f"{a[c]['MB/s'] / q[c]['MB/s']:.2f}x" for c in cols])
     fmt = markdown_table if markdown else format_table
     out = fmt(rows, ["server"] + cols)
+    qi = results.get("qemu_img_bench")
+    if qi:
+        qcols = list(qi["aenv warm"])
+        qrows = [[name] + [f"{per[c]['MB/s']:.0f} MB/s" for c in qcols] for name, per in qi.items()]
+        qrows.append(["ratio aenv/qemu-nbd warm"] + [
+            f"{qi['aenv warm'][c]['MB/s'] / qi['qemu-nbd warm'][c]['MB/s']:.2f}x" for c in qcols])
+        out += "\n\nQEMU's own NBD client (qemu-img bench, sequential):\n\n"
+        out += fmt(qrows, ["server"] + [c.replace("qemu-img bench ", "") for c in qcols])
     c = results["commit"]
     out += (f"\n\ncommit of an upper layer with {c['written'] // MiB} MiB written: {c['seconds']:.3f} s median "
             f"(runs: {', '.join(f'{x:.3f}' for x in c['all_seconds'])} s; {c['extents']} extents, "
