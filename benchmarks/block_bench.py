@@ -246,6 +246,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                     qimg["qemu-nbd warm"].setdefault(wl, []).append(qemu_img_bench(sock_q, size, bs, qd))
             results["qemu_img_bench"] = {name: {wl: sorted(xs, key=lambda r: r["MB/s"])[len(xs) // 2]
                                                 for wl, xs in per.items()} for name, per in qimg.items()}
+            # alternating runs pair up: the median of per-pair ratios is robust to slow drift in load
+            results["warm_pair_ratio"] = {
+                wl: sorted(a["MB/s"] / q["MB/s"] for a, q in zip(samples["aenv warm"][wl],
+                                                              samples["qemu-nbd warm"][wl]))[args.repeat // 2]
+                for wl in runs}
             for name, per in samples.items():
                 table[name] = {wl: sorted(xs, key=lambda r: r["MB/s"])[len(xs) // 2] for wl, xs in per.items()}
                 results.setdefault("samples", {})[name] = {wl: [round(r["MB/s"], 1) for r in xs]
@@ -290,6 +295,9 @@ def render(results: dict[str, Any], markdown: bool) -> str:
         a, q = table[f"aenv {temp}"], table[f"qemu-nbd {temp}"]
         rows.append([f"ratio aenv/qemu-nbd {temp}"] + [
             f"{a[c]['MB/s'] / q[c]['MB/s']:.2f}x" for c in cols])
+    pr = results.get("warm_pair_ratio")
+    if pr:
+        rows.append(["median of paired ratios, warm"] + [f"{pr[c]:.2f}x" for c in cols])
     fmt = markdown_table if markdown else format_table
     out = fmt(rows, ["server"] + cols)
     qi = results.get("qemu_img_bench")
