@@ -175,6 +175,12 @@ def decode_payload(payload: bytes, entry: PackEntry, dctx: zstandard.ZstdDecompr
     if entry.length == entry.raw_length:
         return payload
     try:
+        # The frame header declares its content size and zstandard allocates that much:
+        # check it first, or a damaged header could ask for exabytes.
+        declared = zstandard.frame_content_size(payload)
+        if declared not in (-1, entry.raw_length):
+            raise CorruptData(f"chunk {entry.chunk.hex()}: zstd frame declares {declared} bytes, "
+                              f"expected {entry.raw_length}")
         out = (dctx or zstandard.ZstdDecompressor()).decompress(payload, max_output_size=entry.raw_length)
     except zstandard.ZstdError as e:
         raise CorruptData(f"chunk {entry.chunk.hex()}: bad zstd frame: {e}") from None

@@ -264,6 +264,28 @@ class Repository:
                               "content does not match its id")
         return data
 
+    def read_run(self, run: list[IndexEntry], dctx: zstandard.ZstdDecompressor | None = None) -> list[bytes]:
+        """Plaintexts of index entries lying close together in one pack (see
+        ``coalesce``), fetched with a single range read and each verified."""
+        start = run[0].offset
+        end = max(e.offset + e.length for e in run)
+        pack = run[0].pack
+        blob = self.backend.get_range(pack_key(pack), start, end - start)
+        view = memoryview(blob)
+        out = []
+        for e in run:
+            payload = bytes(view[e.offset - start:e.offset - start + e.length])
+            pe = packfmt.PackEntry(e.chunk, e.offset, e.length, e.raw_length)
+            try:
+                data = packfmt.decode_payload(payload, pe, dctx)
+            except CorruptData as err:
+                raise CorruptData(f"{err} (pack {pack.hex()})") from None
+            if blake3.blake3(data).digest() != e.chunk:
+                raise CorruptData(f"chunk {e.chunk.hex()} in pack {pack.hex()} at offset {e.offset}: "
+                                  "content does not match its id")
+            out.append(data)
+        return out
+
     def read_chunk(self, chunk: bytes, dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
         entry = self.index.lookup(chunk)
         if entry is None:
@@ -359,6 +381,31 @@ class Repository:
             manifests=sum(1 for _ in self.backend.list(MANIFESTS)),
             records=len(self.list_record_names()),
         )
+
+
+def coalesce(entries: Iterable[IndexEntry], max_gap: int = 64 << 10,
+             max_span: int = 8 << 20) -> list[list[IndexEntry]]:
+    """Group index entries into runs readable with one range read each: same
+    pack, sorted by offset, holes of at most ``max_gap`` bytes, at most
+    ``max_span`` bytes per read (a restore or a VM's sequential reads become a
+    few large reads instead of one request per chunk; on S3 that is latency)."""
+    by_pack: dict[bytes, list[IndexEntry]] = {}
+    for e in entries:
+        by_pack.setdefault(bytes(e.pack), []).append(e)
+    runs: list[list[IndexEntry]] = []
+    for group in by_pack.values():
+        group.sort(key=lambda e: e.offset)
+        run = [group[0]]
+        end = group[0].offset + group[0].length
+        for e in group[1:]:
+            if e.offset - end <= max_gap and e.offset + e.length - run[0].offset <= max_span:
+                run.append(e)
+            else:
+                runs.append(run)
+                run = [e]
+            end = max(end, e.offset + e.length)
+        runs.append(run)
+    return runs
 
 
 def iter_chunks_of(manifests: Iterable[Manifest]) -> Iterator[Digest]:

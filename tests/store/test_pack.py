@@ -140,3 +140,20 @@ def test_pack_reader_over_range_reads(tmp_path: Path) -> None:
     rb = packfmt.PackReader(lambda off, n: bytes(bad[off:off + n]), len(bad), "pack-x")
     with pytest.raises(CorruptData, match="pack-x|zstd"):
         rb.read_chunk(rb.entries()[1])
+
+
+def test_damaged_zstd_header_never_allocates_its_claimed_size() -> None:
+    # found by hypothesis: a flipped bit in the frame's content-size field made
+    # zstandard try to allocate the claimed (huge) size -> MemoryError
+    data = b"hello " * 1000
+    frame = zstandard.ZstdCompressor(level=1).compress(data)
+    entry = packfmt.PackEntry(Digest.of(data), 16, len(frame), len(data))
+    for pos in range(min(len(frame), 16)):
+        for bit in range(8):
+            bad = bytearray(frame)
+            bad[pos] ^= 1 << bit
+            try:
+                out = packfmt.decode_payload(bytes(bad), entry)
+            except CorruptData:
+                continue
+            assert blake3.blake3(out).digest() != entry.chunk or out == data

@@ -256,3 +256,36 @@ def test_commit_writes_in_order_packs_index_manifests_record(tmp_path: Path) -> 
         assert kinds[-2:] == ["manifests", "catalog"]
     finally:
         store.close()
+
+
+def test_coalesce_groups_nearby_entries_per_pack() -> None:
+    from aenv_store.index import IndexEntry
+    from aenv_store.repository import coalesce
+
+    p1, p2 = Digest(b"\1" * 32), Digest(b"\2" * 32)
+
+    def e(pack: Digest, off: int, ln: int = 100) -> IndexEntry:
+        return IndexEntry(Digest.of(f"{pack.hex()}{off}".encode()), pack, off, ln, ln)
+
+    entries = [e(p1, 16), e(p2, 16), e(p1, 116), e(p1, 300), e(p1, 10_000_000), e(p1, 200_000)]
+    runs = coalesce(entries, max_gap=1000, max_span=1 << 20)
+    shape = sorted((r[0].pack == p1, [x.offset for x in r]) for r in runs)
+    assert shape == [(False, [16]), (True, [16, 116, 300]), (True, [200_000]), (True, [10_000_000])]
+
+
+def test_batched_reads_match_single_reads_and_detect_corruption(settings_factory, tmp_path: Path) -> None:
+    data = os.urandom(4096) * 2 + os.urandom(20 * 4096)
+    with Store.open(settings_factory(), create=True) as store:
+        mid = write_blob(store, data)
+    with Store.open(settings_factory("cold")) as cold:
+        m = cold.load_manifest(mid)
+        cids = [x.chunk for x in m.extents if x.chunk is not None]
+        assert cold.read_chunks(cids + cids[:3], cache=False) == [cold.fetch_chunk(c) for c in cids + cids[:3]]
+    for pack_file in (tmp_path / "repo" / "packs").rglob("*"):
+        if pack_file.is_file() and pack_file.stat().st_size > 16 + 4 * 4096:
+            raw = bytearray(pack_file.read_bytes())
+            raw[16 + 3 * 4096 + 7] ^= 0x40  # inside a later payload (random data is stored raw)
+            pack_file.write_bytes(bytes(raw))
+    with Store.open(settings_factory("cold2")) as cold:
+        with pytest.raises(CorruptData, match="does not match its id"):
+            cold.open_blob(mid).read(0, len(data))
