@@ -1,0 +1,1 @@
+"""Pause, resume, named snapshots and fork of microVM sandboxes (docs/snapshots.md)."""
