@@ -16,6 +16,8 @@ from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StoreCon
 from aenv_store.errors import ConfigError
 from aenv_vm.config import VmConfig
 
+from .server.settings import ServerConfig
+
 DEFAULT_DATA_DIR = Path("~/.local/share/aenv")
 
 
@@ -55,6 +57,7 @@ SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "p2p": P2PConfig,
     "vm": VmConfig,
+    "server": ServerConfig,
 }
 
 

@@ -1,0 +1,200 @@
+"""`aenv server`: one node — store, sandbox manager (with its warm pool), the
+E2B-compatible API and the sandbox proxy on one port.
+
+First start on an empty data dir: the repository is created (posix_fs under
+the data dir unless configured otherwise), the guest image is built if needed
+and the default template is booted once and committed, with progress lines on
+stderr. Then the three E2B_* variables a client sets are printed on stdout.
+
+SIGTERM/SIGINT: stop accepting connections, pause every running sandbox when
+the node can (else kill it), close the proxy, the manager (no QEMU is left
+behind) and the store.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import CliError, common_options, config_from_args
+
+# Sandbox run dirs hold Unix sockets (QMP, NBD), whose paths are limited to 107 bytes.
+_MAX_RUN_ROOT = 56
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("server", parents=[common_options()],
+                              help="run the E2B-compatible API server and sandbox proxy of this node")
+    p.add_argument("--host", default=None, help="listen address (default: [server] host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default: [server] port, 8000; 0 = any)")
+    p.add_argument("--log-format", choices=("text", "json"), default=None,
+                   help="request log on stderr: text or JSON lines (default: [server] log_format)")
+    p.add_argument("--quiet", action="store_true", help="no request log")
+    p.set_defaults(handler=cmd_server)
+
+
+def say(msg: str) -> None:
+    print(f"aenv server: {msg}", file=sys.stderr, flush=True)
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from aenv_api.server.auth import Credentials
+
+    cfg = config_from_args(args)
+    server_cfg = cfg.section("server")
+    changes: dict[str, Any] = {}
+    if args.host is not None:
+        changes["host"] = args.host
+    if args.port is not None:
+        if not 0 <= args.port <= 65535:
+            raise CliError(f"--port must be in 0..65535, got {args.port}")
+        changes["port"] = args.port
+    if args.log_format is not None:
+        changes["log_format"] = args.log_format
+    server_cfg = dataclasses.replace(server_cfg, **changes)
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    creds = Credentials.load(cfg.data_dir)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("aenv.server.access")
+    access.addHandler(handler)
+    access.propagate = False
+    access.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    return asyncio.run(_serve(cfg, server_cfg, creds))
+
+
+async def _prepare_template(store: Any, guest: Any, cfg: Any, server_cfg: Any) -> Any:
+    from aenv_vm.qemu.accel import probe_accel
+    from aenv_vm.template import TemplateError, build_template, find_template
+
+    try:
+        return find_template(store, server_cfg.default_template)
+    except TemplateError:
+        if not server_cfg.build_template:
+            raise CliError(f"template {server_cfg.default_template!r} not found and [server] build_template is "
+                           f"off: run `aenv template build {server_cfg.default_template}`", 1) from None
+    vm = cfg.section("vm")
+    if vm.accel == "auto":
+        choice = await probe_accel(guest.kernel, guest.initrd, cache_file=guest.kernel.parent.parent / "accel.json")
+        accel, reason = choice.accel, choice.reason
+    else:
+        accel, reason = vm.accel, f"{vm.accel} (forced by [vm] accel)"
+    say(f"accelerator: {reason}")
+    say(f"building template {server_cfg.default_template!r} (first start: one cold boot of the guest, "
+        f"then a snapshot; about a minute under TCG)...")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
+        tpl = await build_template(store, guest, Path(work), alias=server_cfg.default_template,
+                                   memory_mib=vm.memory_mib, vcpus=vm.vcpus, accel=accel)  # type: ignore[arg-type]
+    say(f"template {server_cfg.default_template!r} = {tpl.id} built in {time.monotonic() - t0:.1f} s")
+    return tpl
+
+
+def _run_root(data_dir: Path) -> tuple[Path, bool]:
+    """Where sandboxes' sockets live, and whether it is a temporary directory to remove."""
+    root = data_dir / "run"
+    if len(str(root)) <= _MAX_RUN_ROOT:
+        return root, False
+    return Path(tempfile.mkdtemp(prefix="aenv-run-")), True
+
+
+def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> None:
+    def sandboxes() -> list:
+        counts = lifecycle.counts()
+        counts["pooled"] = sum(len(p) for p in getattr(manager, "_pools", {}).values())
+        return [((("state", k),), float(v)) for k, v in sorted(counts.items())]
+
+    def cache() -> list:
+        if store.cache is None:
+            return []
+        s = store.cache.stats()
+        total = s.hits + s.misses
+        return [((("stat", "hit_ratio"),), s.hits / total if total else 0.0),
+                ((("stat", "used_bytes"),), float(s.used_bytes)), ((("stat", "capacity_bytes"),), float(s.capacity))]
+
+    repo_cache: dict[str, Any] = {"at": 0.0, "value": []}
+
+    def store_bytes() -> list:
+        if time.monotonic() - repo_cache["at"] > 30:  # listing packs is not free: once per 30 s at most
+            st = store.repository.stats()
+            repo_cache.update(at=time.monotonic(), value=[((("kind", "packs"),), float(st.pack_bytes)),
+                                                          ((("kind", "raw"),), float(st.raw_bytes))])
+        return repo_cache["value"]
+
+    metrics.gauge("aenv_sandboxes", sandboxes, "sandboxes on this node by state (pooled: restored, not handed out)")
+    metrics.gauge("aenv_node_cache", cache, "node cache: hit ratio (lifetime), used and capacity bytes")
+    metrics.gauge("aenv_store_bytes", store_bytes, "repository size: pack bytes, raw (uncompressed) chunk bytes")
+
+
+async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
+    from aenv_api.server.app import ApiServer
+    from aenv_api.server.lifecycle import Lifecycle
+    from aenv_api.server.metrics import Metrics
+    from aenv_store.store import Store
+    from aenv_vm.guest import ensure_guest
+    from aenv_vm.qemu.errors import VmError
+    from aenv_vm.sandbox import SandboxManager
+
+    from .main import _version
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    store = await asyncio.to_thread(Store.open, cfg.store_settings(), True)
+    manager = server = lifecycle = None
+    run_root, temp_root = _run_root(cfg.data_dir)
+    try:
+        try:
+            guest = await asyncio.to_thread(ensure_guest)
+            tpl = await _prepare_template(store, guest, cfg, server_cfg)
+        except VmError as e:
+            raise CliError(str(e), 1) from None
+        vm = cfg.section("vm")
+        manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
+                                 tcg_tb_mib=vm.tcg_tb_mib or None)
+        await manager.start()
+        metrics = Metrics()
+        lifecycle = Lifecycle(manager, creds, server_cfg, metrics, store=store)
+        await lifecycle.start()
+        _gauges(metrics, lifecycle, manager, store)
+        server = ApiServer(lifecycle, creds, server_cfg, metrics, _version())
+        try:
+            port = await server.start(server_cfg.host, server_cfg.port)
+        except OSError as e:
+            raise CliError(f"cannot listen on {server_cfg.host}:{server_cfg.port}: {e}", 1) from None
+        pool = asyncio.ensure_future(manager.fill_pool(tpl.id)) if vm.pool_size > 0 else None
+        host = "127.0.0.1" if server_cfg.host in ("0.0.0.0", "", "::") else server_cfg.host
+        url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+        say(f"listening on {url} (template {server_cfg.default_template!r} = {tpl.id}, pool {vm.pool_size}, "
+            f"API key {creds.api_key_source}, data dir {cfg.data_dir})")
+        print(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}",
+              flush=True)
+        await stop.wait()
+        say("shutting down: no new connections; stopping sandboxes")
+        await server.stop_accepting()
+        if pool is not None:
+            pool.cancel()
+            with contextlib.suppress(BaseException):
+                await pool
+        return 0
+    finally:
+        if lifecycle is not None:
+            await lifecycle.shutdown()
+        if server is not None:
+            await server.close()
+        if manager is not None:
+            await manager.close()  # kills pooled and remaining sandboxes: no QEMU outlives the server
+        await asyncio.to_thread(store.close)
+        if temp_root:
+            shutil.rmtree(run_root, ignore_errors=True)
+        say("stopped")

@@ -1,0 +1,186 @@
+"""The control-plane route table: E2B's sandbox-centric API (see
+reference/e2b-wire.md) plus /health, /openapi.json and /metrics."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from . import schemas as S
+from .errors import ApiError
+from .lifecycle import Lifecycle
+from .metrics import Metrics
+from .routes import Call, Reply, Route
+from .settings import ServerConfig
+
+
+def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=json.dumps(value, separators=(",", ":")).encode(),
+                        content_type="application/json", headers=headers)
+
+
+def no_content() -> web.Response:
+    return web.Response(status=204)
+
+
+class ControlPlane:
+    """Handlers bound to one node's lifecycle; ``routes()`` is the served table."""
+
+    def __init__(self, lifecycle: Lifecycle, metrics: Metrics, config: ServerConfig) -> None:
+        self.lc = lifecycle
+        self.metrics = metrics
+        self.config = config
+        self.openapi_doc: dict[str, Any] = {}
+
+    @property
+    def domain(self) -> str:
+        return self.config.domain
+
+    # --- sandboxes -----------------------------------------------------------
+
+    async def create_v1(self, request: web.Request, call: Call) -> web.Response:
+        return await self._create(call, v2=False)
+
+    async def create_v2(self, request: web.Request, call: Call) -> web.Response:
+        return await self._create(call, v2=True)
+
+    async def _create(self, call: Call, v2: bool) -> web.Response:
+        rec = await self.lc.create(S.NewSandbox(**call.body), v2=v2)
+        return json_response(rec.sandbox(self.lc.creds, self.domain), 201)
+
+    async def get_info(self, request: web.Request, call: Call) -> web.Response:
+        return json_response(self.lc.get(call.path["sandboxID"]).detail(self.lc.creds, self.domain))
+
+    async def kill(self, request: web.Request, call: Call) -> web.Response:
+        await self.lc.kill(call.path["sandboxID"])
+        return no_content()
+
+    async def set_timeout(self, request: web.Request, call: Call) -> web.Response:
+        await self.lc.set_timeout(call.path["sandboxID"], call.body["timeout"])
+        return no_content()
+
+    async def refresh(self, request: web.Request, call: Call) -> web.Response:
+        rec = self.lc.get(call.path["sandboxID"])
+        duration = call.body.get("duration")
+        if rec.state.value == "running":  # a paused sandbox has no clock running
+            await self.lc.connect(rec.sandbox_id, self.config.default_timeout if duration is None else duration)
+        return no_content()
+
+    async def list_v1(self, request: web.Request, call: Call) -> web.Response:
+        page, _ = self.lc.list(states=("running",), metadata=call.query["metadata"], limit=10**9)
+        return json_response([r.listed() for r in page])
+
+    async def list_v2(self, request: web.Request, call: Call) -> web.Response:
+        q = call.query
+        page, token = self.lc.list(states=q["state"], metadata=q["metadata"], template=q["template"],
+                                   started_after=q["started_after"], order=q["order"], limit=q["limit"],
+                                   next_token=q["next_token"])
+        headers = {"X-Next-Token": token} if token else {}
+        if not q["state"] or "running" in q["state"]:
+            headers["X-Total-Running"] = str(self.lc.counts()["running"])
+        return json_response([r.listed() for r in page], headers=headers)
+
+    async def connect(self, request: web.Request, call: Call) -> web.Response:
+        rec, resumed = await self.lc.connect(call.path["sandboxID"], call.body.get("timeout"))
+        return json_response(rec.sandbox(self.lc.creds, self.domain), 201 if resumed else 200)
+
+    async def resume(self, request: web.Request, call: Call) -> web.Response:
+        rec = await self.lc.resume(call.path["sandboxID"])
+        if call.body.get("timeout") is not None:
+            rec = await self.lc.set_timeout(rec.sandbox_id, call.body["timeout"])
+        return json_response(rec.sandbox(self.lc.creds, self.domain), 201)
+
+    async def pause(self, request: web.Request, call: Call) -> web.Response:
+        await self.lc.pause(call.path["sandboxID"])
+        return no_content()
+
+    async def snapshot(self, request: web.Request, call: Call) -> web.Response:
+        return json_response(await self.lc.snapshot(call.path["sandboxID"], call.body.get("name")), 201)
+
+    async def list_snapshots(self, request: web.Request, call: Call) -> web.Response:
+        q = call.query
+        page, token = await self.lc.list_snapshots(sandbox_id=q["sandbox_id"], name=q["name"], limit=q["limit"],
+                                                   next_token=q["next_token"])
+        return json_response(page, headers={"X-Next-Token": token} if token else None)
+
+    async def delete_template(self, request: web.Request, call: Call) -> web.Response:
+        await self.lc.delete_snapshot(call.path["templateID"])
+        return no_content()
+
+    async def fork(self, request: web.Request, call: Call) -> web.Response:
+        count = call.body.get("count") or 1
+        return json_response(await self.lc.fork(call.path["sandboxID"], count, call.body.get("timeout")), 201)
+
+    async def sandbox_metrics(self, request: web.Request, call: Call) -> web.Response:
+        start, end = call.query["start"], call.query["end"]
+        if start is not None and end is not None and start > end:
+            raise ApiError(400, "start must not be after end")
+        return json_response(self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
+
+    # --- node ----------------------------------------------------------------
+
+    async def health(self, request: web.Request, call: Call) -> web.Response:
+        return no_content()
+
+    async def openapi(self, request: web.Request, call: Call) -> web.Response:
+        return json_response(self.openapi_doc)
+
+    async def prometheus(self, request: web.Request, call: Call) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain",
+                            headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
+
+    def routes(self) -> list[Route]:
+        cfg = self.config
+        mt, mf = cfg.max_timeout, cfg.max_forks
+        new = S.new_sandbox_schema(mt)
+        created = Reply(201, "the sandbox was created", "Sandbox")
+        gone = Reply(404, "no such sandbox", "Error")
+        nc = lambda d: Reply(204, d)  # noqa: E731
+        sbx = ("sandboxes",)
+        return [
+            Route("GET", "/health", self.health, "health check (no auth)", (nc("healthy"),), auth=False),
+            Route("GET", "/openapi.json", self.openapi, "this API's OpenAPI document (no auth)",
+                  (Reply(200, "the document", None),), auth=False),
+            Route("GET", "/metrics", self.prometheus, "Prometheus metrics of the node",
+                  (Reply(200, "metrics in Prometheus text format", "text"),), content_type="text/plain"),
+            Route("POST", "/sandboxes", self.create_v1, "create a sandbox (SDK <= 2.50)", (created,),
+                  body=new, body_required=True, tags=sbx),
+            Route("POST", "/v2/sandboxes", self.create_v2, "create a sandbox (always secured)", (created,),
+                  body=new, body_required=True, tags=sbx),
+            Route("GET", "/sandboxes", self.list_v1, "list running sandboxes",
+                  (Reply(200, "running sandboxes", "ListedSandbox[]"),), query=S.LIST_V1, tags=sbx),
+            Route("GET", "/v2/sandboxes", self.list_v2, "list sandboxes (filters, pagination)",
+                  (Reply(200, "sandboxes; next page token in X-Next-Token", "ListedSandbox[]",
+                         ("X-Next-Token", "X-Total-Running")),), query=S.LIST_V2, tags=sbx),
+            Route("GET", "/sandboxes/{sandboxID}", self.get_info, "sandbox details",
+                  (Reply(200, "the sandbox", "SandboxDetail"), gone), tags=sbx),
+            Route("DELETE", "/sandboxes/{sandboxID}", self.kill, "kill a sandbox", (nc("killed"), gone), tags=sbx),
+            Route("POST", "/sandboxes/{sandboxID}/timeout", self.set_timeout, "set the time to live from now",
+                  (nc("timeout set"), gone), body=S.timeout_schema(mt), body_required=True, tags=sbx),
+            Route("POST", "/sandboxes/{sandboxID}/refreshes", self.refresh, "extend the time to live",
+                  (nc("refreshed"), gone), body=S.REFRESH, tags=sbx),
+            Route("POST", "/sandboxes/{sandboxID}/connect", self.connect, "connect (resumes a paused sandbox)",
+                  (Reply(200, "was running", "Sandbox"), Reply(201, "was resumed", "Sandbox"), gone),
+                  body=S.connect_schema(mt), body_required=True, tags=sbx),
+            Route("POST", "/v2/sandboxes/{sandboxID}/connect", self.connect, "connect (resumes a paused sandbox)",
+                  (Reply(200, "was running", "Sandbox"), Reply(201, "was resumed", "Sandbox"), gone),
+                  body=S.connect_schema(mt), body_required=True, tags=sbx),
+            Route("POST", "/sandboxes/{sandboxID}/resume", self.resume, "resume a paused sandbox (deprecated)",
+                  (Reply(201, "resumed", "Sandbox"), gone, Reply(409, "not paused", "Error")),
+                  body=S.connect_schema(mt), tags=sbx),
+            Route("POST", "/sandboxes/{sandboxID}/pause", self.pause, "pause a sandbox",
+                  (nc("paused"), gone, Reply(409, "already paused", "Error")), body=S.PAUSE, tags=sbx),
+            Route("POST", "/sandboxes/{sandboxID}/snapshots", self.snapshot, "snapshot a running sandbox",
+                  (Reply(201, "the snapshot", "SnapshotInfo"), gone), body=S.SNAPSHOT, tags=sbx),
+            Route("GET", "/snapshots", self.list_snapshots, "list snapshots",
+                  (Reply(200, "snapshots", "SnapshotInfo[]", ("X-Next-Token",)),), query=S.SNAPSHOT_LIST,
+                  tags=("snapshots",)),
+            Route("DELETE", "/templates/{templateID}", self.delete_template, "delete a snapshot",
+                  (nc("deleted"), Reply(404, "no such snapshot", "Error")), tags=("snapshots",)),
+            Route("POST", "/sandboxes/{sandboxID}/fork", self.fork, "fork a running sandbox into count children",
+                  (Reply(201, "one result per fork", "SandboxForkResult[]"), gone), body=S.fork_schema(mt, mf),
+                  tags=sbx),
+            Route("GET", "/sandboxes/{sandboxID}/metrics", self.sandbox_metrics, "resource use of a sandbox",
+                  (Reply(200, "samples", "SandboxMetric[]"), gone), query=S.METRICS_QUERY, tags=sbx),
+        ]

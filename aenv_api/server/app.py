@@ -1,0 +1,178 @@
+"""The HTTP server: one port for the control plane and the sandbox proxy.
+
+Built on aiohttp (pinned): its HTTP/1.1 server and client already do
+chunked bodies both ways, per-write flushing, keep-alive pools and WebSocket
+— the parts a reverse proxy must get exactly right — so aenv's code is only
+routing, validation and the E2B semantics.
+
+Every request passes one middleware: request id (``X-Request-Id``, taken
+from the client when sane, else made), sandbox-traffic detection (→ proxy),
+API-key check, body/query validation (→ 400), and the mapping of every
+failure to E2B's ``{"code", "message"}`` JSON — a traceback never reaches a
+client. One access-log line per request (text, or JSON lines).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from .api import ControlPlane, json_response
+from .auth import Credentials
+from .errors import ApiError
+from .lifecycle import Lifecycle
+from .metrics import Metrics
+from .proxy import SandboxProxy, route_of
+from .routes import Call, Route, openapi
+from .settings import ServerConfig
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("aenv.server.access")
+
+MAX_BODY = 1 << 20  # control-plane bodies; proxied bodies stream and have no limit here
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def error_response(e: ApiError) -> web.Response:
+    headers = {"Should-Retry": "false"} if e.retry is False else None
+    return json_response(e.body(), e.status, headers=headers)
+
+
+def _parse_json(raw: bytes) -> Any:
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
+
+
+class ApiServer:
+    def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
+                 version: str) -> None:
+        self.lifecycle = lifecycle
+        self.creds = creds
+        self.config = config
+        self.metrics = metrics
+        self.version = version
+        self.proxy = SandboxProxy(lifecycle, creds, metrics)
+        self.control = ControlPlane(lifecycle, metrics, config)
+        self.routes = self.control.routes()
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self.port: int | None = None
+
+    # --- assembly ------------------------------------------------------------
+
+    def _wrap(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            if route.auth and not self.creds.check_api_key(request.headers.get("X-API-Key")):
+                raise ApiError(401, "Invalid API key: send the server's key in the X-API-Key header")
+            body: dict[str, Any] = {}
+            if route.body is not None:
+                raw = await request.read()
+                if raw.strip():
+                    body = route.body.parse_body(_parse_json(raw))
+                elif route.body_required:
+                    raise ApiError(400, "a JSON request body is required")
+                else:
+                    body = route.body.parse_body({})
+            query = route.query.parse_query(request.query) if route.query is not None else {}
+            request["route"] = route.path
+            return await route.handler(request, Call(dict(request.match_info), body, query))
+        return handler
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._front], client_max_size=MAX_BODY)
+        for r in self.routes:
+            app.router.add_route(r.method, r.path, self._wrap(r))
+        self.control.openapi_doc = openapi(self.routes, self.version)
+        return app
+
+    @web.middleware
+    async def _front(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        t0 = time.monotonic()
+        given = request.headers.get("X-Request-Id", "")
+        rid = given if _REQUEST_ID.match(given) else secrets.token_hex(8)
+        kind = "api"
+        sandbox = None
+        try:
+            target = route_of(request, self.config.domain)
+            if target is not None:
+                kind, sandbox = "proxy", target[0]
+                resp = await self.proxy.handle(request, *target)
+            else:
+                resp = await handler(request)
+        except ApiError as e:
+            resp = error_response(e)
+        except web.HTTPException as e:  # aiohttp's own: unknown path 404, wrong method 405, body too large 413
+            if e.status < 400:
+                raise
+            resp = json_response({"code": e.status, "message": e.reason or "error"}, e.status)
+            if e.status == 405:
+                resp.headers["Allow"] = e.headers.get("Allow", "")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:
+            log.exception("request %s %s %s failed", rid, request.method, request.path)
+            resp = json_response({"code": 500, "message": f"internal error ({type(e).__name__}); request id {rid}"},
+                                 500)
+        if not resp.prepared:
+            resp.headers["X-Request-Id"] = rid
+        elapsed = time.monotonic() - t0
+        route = request.get("route", "proxy" if kind == "proxy" else "unmatched")
+        self.metrics.inc("aenv_http_requests_total", (("kind", kind), ("route", route),
+                                                      ("status", str(resp.status))),
+                         help="HTTP requests answered, by route and status")
+        if kind == "api":
+            self.metrics.observe("aenv_http_request_seconds", elapsed, (("route", route),),
+                                 help="control-plane request latency")
+        self._log(rid, request, resp.status, elapsed, kind, sandbox)
+        return resp
+
+    def _log(self, rid: str, request: web.Request, status: int, elapsed: float, kind: str,
+             sandbox: str | None) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        if self.config.log_format == "json":
+            line = json.dumps({"ts": round(time.time(), 3), "request_id": rid, "kind": kind,
+                               "method": request.method, "path": request.path, "status": status,
+                               "ms": round(elapsed * 1000, 2), "sandbox": sandbox, "remote": request.remote})
+        else:
+            where = f" sandbox={sandbox}" if sandbox else ""
+            line = f"{rid} {kind} {request.method} {request.path} -> {status} {elapsed * 1000:.1f} ms{where}"
+        access_log.info(line)
+
+    # --- run -----------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; returns the bound port (``port`` 0 picks a free one)."""
+        self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False,
+                                     shutdown_timeout=self.config.shutdown_grace)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await self._site.start()
+        server = self._site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        return self.port
+
+    async def stop_accepting(self) -> None:
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+
+    async def close(self) -> None:
+        await self.stop_accepting()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.proxy.close()

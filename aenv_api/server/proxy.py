@@ -1,0 +1,200 @@
+"""Reverse proxy from the API port to sandbox ports.
+
+Sandbox traffic is recognised by the ``E2b-Sandbox-Id`` header (port in
+``E2b-Sandbox-Port``, default envd's 49983) or by a host of the form
+``<port>-<sandboxID>.<domain>`` when ``[server] domain`` is set. Everything
+else is control plane.
+
+Both directions stream: request bodies (chunked ones too) are forwarded as
+they arrive, responses are written out chunk by chunk as they come from the
+guest — a Connect stream frame or an SSE event is flushed to the client the
+moment envd sends it. WebSocket upgrades are bridged message by message.
+
+Security: for a ``secure`` sandbox the envd port requires its
+``X-Access-Token`` (checked here, and by envd itself); the API key is never
+forwarded into the sandbox, nor are the routing headers.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .auth import Credentials
+from .errors import ApiError
+from .lifecycle import ENVD_PORT, Lifecycle
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+SANDBOX_ID_HEADER = "E2b-Sandbox-Id"
+SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
+# Never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the routing headers and the API key.
+_DROP_REQUEST = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
+    "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "X-API-Key", SANDBOX_ID_HEADER,
+    SANDBOX_PORT_HEADER))
+_DROP_RESPONSE = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Authenticate", "Trailer", "Transfer-Encoding", "Upgrade",
+    "Content-Length", "Date", "Server"))
+# Bodies up to this size are read whole and sent with a Content-Length (one write upstream).
+_SMALL_BODY = 64 << 10
+
+
+def parse_host(host: str, domain: str) -> tuple[str, int] | None:
+    """``(sandbox id, port)`` of a ``<port>-<id>.<domain>[:p]`` host, else None."""
+    if not domain or not host:
+        return None
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    suffix = "." + domain.lower()
+    if not name.lower().endswith(suffix):
+        return None
+    label = name[: -len(suffix)]
+    port, sep, sid = label.partition("-")
+    if not sep or not sid or "." in sid or not port.isdigit():
+        return None
+    return sid, int(port)
+
+
+def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
+    """Where sandbox traffic goes, or None for control-plane requests. ApiError 400 on a bad port."""
+    sid = request.headers.get(SANDBOX_ID_HEADER)
+    if sid is not None:
+        raw = request.headers.get(SANDBOX_PORT_HEADER, str(ENVD_PORT))
+        if not raw.isdigit() or not 0 < int(raw) < 65536:
+            raise ApiError(400, f"{SANDBOX_PORT_HEADER} must be a port number, got {raw[:20]!r}")
+        return sid.strip(), int(raw)
+    return parse_host(request.host, domain)
+
+
+class SandboxProxy:
+    def __init__(self, lifecycle: Lifecycle, creds: Credentials, metrics: Metrics) -> None:
+        self.lifecycle = lifecycle
+        self.creds = creds
+        self.metrics = metrics
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
+                # streams (process output, watchers) may be silent for as long as they like
+                timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_connect=10.0, sock_read=None),
+                auto_decompress=False, skip_auto_headers=("User-Agent",))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def handle(self, request: web.Request, sid: str, port: int) -> web.StreamResponse:
+        t0 = time.monotonic()
+        rec, host_port = await self.lifecycle.target(sid, port)
+        if rec.secure and port == ENVD_PORT and not self.creds.check_envd_token(
+                sid, request.headers.get("X-Access-Token")):
+            raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self._websocket(request, sid, port, host_port, headers)
+        url = f"http://127.0.0.1:{host_port}{request.rel_url.raw_path_qs}"
+        data: Any = None
+        chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+        if request.body_exists:
+            if not chunked and request.content_length is not None and request.content_length <= _SMALL_BODY:
+                data = await request.read()
+            else:
+                if request.content_length is not None and not chunked:
+                    headers.append(("Content-Length", str(request.content_length)))
+                data = request.content.iter_any()
+        skip = {"Accept", "Accept-Encoding", "Content-Type"} - {k for k, _ in headers}
+        try:
+            upstream = await self._client().request(
+                request.method, url, headers=headers, data=data, allow_redirects=False,
+                skip_auto_headers=skip, compress=None, chunked=None)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+            raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open ({e.__class__.__name__})",
+                           sandboxId=sid, port=port) from None
+        try:
+            return await self._relay(request, upstream, sid, port, t0)
+        finally:
+            upstream.release()
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, sid: str, port: int,
+                     t0: float) -> web.StreamResponse:
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for k, v in upstream.headers.items():
+            if k.lower() not in _DROP_RESPONSE:
+                resp.headers.add(k, v)
+        length = upstream.headers.get("Content-Length")
+        chunked = "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
+        if length is not None and length.isdigit() and not chunked:
+            resp.content_length = int(length)
+        elif request.method != "HEAD" and upstream.status not in (204, 304):
+            resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        ok = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)  # flushed now: a stream frame must not wait for the next one
+            await resp.write_eof()
+        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
+            # Headers are gone already: the only honest signal left is cutting the connection.
+            ok = False
+            log.info("proxy stream to %s:%d ended early: %s", sid, port, e)
+            resp.force_close()
+            if request.transport is not None:
+                request.transport.close()
+        self.metrics.inc("aenv_proxy_requests_total", (("port", "envd" if port == ENVD_PORT else "other"),
+                                                       ("outcome", "ok" if ok else "cut")),
+                         help="requests forwarded to sandboxes")
+        self.metrics.observe("aenv_proxy_response_start_seconds", time.monotonic() - t0,
+                             help="time from request to the end of a proxied response")
+        return resp
+
+    async def _websocket(self, request: web.Request, sid: str, port: int, host_port: int,
+                         headers: list[tuple[str, str]]) -> web.StreamResponse:
+        skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol"}
+        fwd = [(k, v) for k, v in headers if k.lower() not in skip]
+        protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        url = f"ws://127.0.0.1:{host_port}{request.rel_url.raw_path_qs}"
+        try:
+            up = await self._client().ws_connect(url, headers=fwd, protocols=protocols, autoping=False,
+                                                 max_msg_size=0)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open ({e})",
+                           sandboxId=sid, port=port) from None
+        down = web.WebSocketResponse(protocols=protocols, autoping=False, max_msg_size=0)
+        await down.prepare(request)
+
+        async def pump(src: Any, dst: Any) -> None:
+            async for msg in src:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    await dst.send_str(msg.data)
+                elif msg.type == aiohttp.WSMsgType.BINARY:
+                    await dst.send_bytes(msg.data)
+                elif msg.type == aiohttp.WSMsgType.PING:
+                    await dst.ping(msg.data)
+                elif msg.type == aiohttp.WSMsgType.PONG:
+                    await dst.pong(msg.data)
+                else:
+                    break
+            await dst.close()
+
+        tasks = [asyncio.ensure_future(pump(down, up)), asyncio.ensure_future(pump(up, down))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(BaseException):
+                    await t
+            await up.close()
+            await down.close()
+        self.metrics.inc("aenv_proxy_websockets_total", help="WebSocket sessions bridged to sandboxes")
+        return down

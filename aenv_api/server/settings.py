@@ -1,0 +1,45 @@
+"""The ``[server]`` section of aenv's TOML config (see docs/config.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aenv_store.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # Address the API and the sandbox proxy listen on (flags --host/--port override).
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Host-routed sandbox traffic: requests for "<port>-<sandboxID>.<domain>" go to that
+    # sandbox port. Empty: only header routing (E2b-Sandbox-Id / E2b-Sandbox-Port).
+    domain: str = ""
+    # Template a request's "base" resolves to, and the alias the first start builds.
+    default_template: str = "base"
+    # Build the default template at start when the store has none (a cold boot, ~30 s under TCG).
+    build_template: bool = True
+    # Sandbox time to live when create does not say, and the largest accepted (seconds).
+    default_timeout: int = 300
+    max_timeout: int = 86400
+    # Most sandboxes (running + paused) this node holds; create answers 429 beyond it.
+    max_sandboxes: int = 64
+    # Most children of one fork request (AgentENV: 16 per node).
+    max_forks: int = 16
+    # Log format of the server's request log on stderr: "text" or "json" (JSON lines).
+    log_format: str = "text"
+    # Seconds the shutdown waits for in-flight requests before closing them.
+    shutdown_grace: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in 0..65535, got {self.port}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"server.log_format must be text or json, got {self.log_format!r}")
+        if not 0 <= self.default_timeout <= self.max_timeout:
+            raise ConfigError("server.default_timeout must be in 0..server.max_timeout")
+        if self.max_sandboxes < 1 or not 1 <= self.max_forks <= 100:
+            raise ConfigError("server.max_sandboxes must be >= 1 and server.max_forks in 1..100")
+        if self.shutdown_grace < 0:
+            raise ConfigError("server.shutdown_grace must be >= 0")
+        if self.domain.startswith(".") or "/" in self.domain:
+            raise ConfigError(f"server.domain must be a bare domain name, got {self.domain!r}")
