@@ -28,6 +28,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aenv_store.store import Store
 
@@ -39,6 +40,10 @@ from .qemu.errors import VmError
 from .qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
 from .qemu.migration import load_device_state
 from .template import Template, TemplateError, find_template, materialize
+
+if TYPE_CHECKING:
+    from .records import SandboxRecord
+    from .snapshot.snapshotter import SnapshotInfo, Snapshotter
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +104,8 @@ class SandboxManager:
     """Creates, tracks and kills this node's sandboxes. Use within one event loop."""
 
     def __init__(self, store: Store, guest: GuestImage, run_root: Path, *, pool_size: int = 0,
-                 ready_timeout: float = 60.0, tcg_tb_mib: int | None = None) -> None:
+                 ready_timeout: float = 60.0, tcg_tb_mib: int | None = None,
+                 default_timeout: float = 300.0) -> None:
         self.store = store
         self.guest = guest
         self.run_root = run_root
@@ -112,12 +118,17 @@ class SandboxManager:
         self._local_lock = asyncio.Lock()
         self.nbd = NbdServer(run_root / "nbd.sock")
         self._started = False
+        self.default_timeout = default_timeout
+        self.lifecycle: "Snapshotter | None" = None   # pause/resume/snapshot/fork, records, TTL (start())
 
     async def start(self) -> None:
         self.run_root.mkdir(parents=True, exist_ok=True)
         (self.run_root / "sandboxes").mkdir(exist_ok=True)
         await self.nbd.start()
         self._started = True
+        from .snapshot.snapshotter import Snapshotter
+        self.lifecycle = Snapshotter(self, self.default_timeout)
+        await self.lifecycle.start()
 
     async def __aenter__(self) -> "SandboxManager":
         await self.start()
@@ -187,7 +198,8 @@ class SandboxManager:
                                f"{result.stderr[-200:].decode(errors='replace')}")
 
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
-                     access_token: str | None = None) -> Sandbox:
+                     access_token: str | None = None, timeout: float | None = None,
+                     metadata: dict[str, str] | None = None, auto_pause: bool = True) -> Sandbox:
         """A new sandbox from ``template`` (id or alias), envd initialised."""
         t0 = time.monotonic()
         tpl = self._template(template)
@@ -224,6 +236,8 @@ class SandboxManager:
                                   done - ti, done - t0, from_pool)
         sbx.created = time.time()
         self.sandboxes[sbx.id] = sbx
+        self._life.on_created(sbx, timeout=timeout, metadata=metadata, auto_pause=auto_pause,
+                              env_vars=env_vars, access_token=access_token)
         return sbx
 
     def _schedule_refill(self, tpl: Template) -> None:
@@ -261,10 +275,14 @@ class SandboxManager:
             raise SandboxError(f"unknown sandbox {sandbox_id!r}") from None
 
     async def kill(self, sandbox_id: str) -> None:
-        sbx = self.sandboxes.pop(sandbox_id, None)
-        if sbx is None:
-            raise SandboxError(f"unknown sandbox {sandbox_id!r}")
-        await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
+        async with self._life.lock(sandbox_id):
+            sbx = self.sandboxes.pop(sandbox_id, None)
+            if sbx is None:
+                if await self._life.forget(sandbox_id):  # paused or lost
+                    return
+                raise SandboxError(f"unknown sandbox {sandbox_id!r}")
+            await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
+            self._life.on_killed(sandbox_id)
 
     async def _teardown(self, sid: str, vm: QemuProcess | None, image: BlockImage | None, sdir: Path) -> None:
         if vm is not None:
@@ -276,7 +294,10 @@ class SandboxManager:
         shutil.rmtree(sdir, ignore_errors=True)
 
     async def close(self) -> None:
-        """Kill every sandbox (pooled too), stop the NBD server, remove local run state."""
+        """Kill every sandbox (pooled too), stop the NBD server, remove local run state.
+        Paused sandboxes are kept (their records and files live outside ``sandboxes/``)."""
+        if self.lifecycle is not None:
+            await self.lifecycle.close()
         for task in self._refills.values():
             task.cancel()
             with contextlib.suppress(BaseException):
@@ -292,3 +313,41 @@ class SandboxManager:
             await self.nbd.close()
             self._started = False
         shutil.rmtree(self.run_root / "sandboxes", ignore_errors=True)
+        if self.lifecycle is not None:
+            self.lifecycle.close_records()
+            self.lifecycle = None
+
+    # --- pause / resume / snapshot / fork / TTL (aenv_vm/snapshot/snapshotter.py) ---
+    @property
+    def _life(self) -> "Snapshotter":
+        if self.lifecycle is None:
+            raise SandboxError("SandboxManager.start() was not called")
+        return self.lifecycle
+
+    async def pause(self, sandbox_id: str) -> "SandboxRecord":
+        return await self._life.pause(sandbox_id)
+
+    async def resume(self, sandbox_id: str, timeout: float | None = None) -> Sandbox:
+        return await self._life.resume(sandbox_id, timeout)
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> tuple[str, list[str]]:
+        return await self._life.snapshot(sandbox_id, name)
+
+    async def fork(self, sandbox_id: str, count: int, timeout: float | None = None) -> list[Sandbox | Exception]:
+        return await self._life.fork(sandbox_id, count, timeout)
+
+    async def set_timeout(self, sandbox_id: str, seconds: float) -> "SandboxRecord":
+        return self._life.set_timeout(sandbox_id, seconds)
+
+    async def list_snapshots(self) -> list["SnapshotInfo"]:
+        return await asyncio.to_thread(self._life.list_snapshots)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await asyncio.to_thread(self._life.delete_snapshot, snapshot_id)
+
+    def record(self, sandbox_id: str) -> "SandboxRecord":
+        """The sandbox's record: state (running/paused/lost), metadata, started/end times."""
+        return self._life.record(sandbox_id)
+
+    def records(self) -> list["SandboxRecord"]:
+        return self._life.records.all()

@@ -1,0 +1,122 @@
+"""Sandbox records: what this node knows about each sandbox, kept in LMDB so a
+paused sandbox survives a restart of the server.
+
+One LMDB environment per node run directory (``<run_root>/records``), one
+database ``sandboxes``: key = sandbox id, value = the record as canonical JSON.
+Every change is one synchronous write transaction (records change a few times
+per sandbox lifetime; durability matters more than speed here).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+
+from .qemu.errors import VmError
+
+
+class SandboxState(str, enum.Enum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    LOST = "lost"       # found dead at start with no snapshot to resume from
+
+
+class RecordError(VmError):
+    """The record store cannot be opened or holds something unreadable."""
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """The latest pause of a sandbox. ``local`` is a directory with ``memory.delta``
+    and ``device-state``; the ``*_id`` fields are store manifests once committed."""
+    seq: int
+    local: str
+    base: str                       # hex id of the base memory image (full)
+    disk_top: str | None            # committed layer the disk's upper layer sits on / was sealed into
+    committed: bool = False         # disk sealed, delta + state + catalog record in the store
+    memory_id: str | None = None
+    state_id: str | None = None
+    created: float = 0.0
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    id: str
+    template: str
+    state: SandboxState
+    started_at: float
+    end_at: float                   # TTL deadline (unix time)
+    auto_pause: bool = True
+    timeout: float = 300.0          # seconds the TTL is set to on create/resume
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    access_token: str | None = None
+    memory_mib: int = 0
+    vcpus: int = 0
+    envd_port: int | None = None
+    snapshot: SnapshotRef | None = None
+    note: str = ""
+
+    def to_json(self) -> bytes:
+        d = dataclasses.asdict(self)
+        d["state"] = self.state.value
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "SandboxRecord":
+        d = json.loads(raw)
+        d["state"] = SandboxState(d["state"])
+        if d.get("snapshot") is not None:
+            d["snapshot"] = SnapshotRef(**d["snapshot"])
+        return cls(**d)
+
+    def replace(self, **changes: object) -> "SandboxRecord":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def remaining(self, now: float | None = None) -> float:
+        return self.end_at - (time.time() if now is None else now)
+
+
+class RecordStore:
+    """Sandbox records of one node. Thread-safe (LMDB transactions)."""
+
+    def __init__(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            self._env = lmdb.open(str(path), map_size=256 << 20, max_dbs=2, subdir=True, sync=True)
+        except lmdb.Error as e:
+            raise RecordError(f"cannot open sandbox records at {path}: {e}") from None
+        self._db = self._env.open_db(b"sandboxes")
+
+    def put(self, rec: SandboxRecord) -> None:
+        with self._env.begin(write=True, db=self._db) as txn:
+            txn.put(rec.id.encode(), rec.to_json())
+
+    def get(self, sid: str) -> SandboxRecord | None:
+        with self._env.begin(db=self._db) as txn:
+            raw = txn.get(sid.encode())
+        return None if raw is None else self._decode(sid, raw)
+
+    def delete(self, sid: str) -> None:
+        with self._env.begin(write=True, db=self._db) as txn:
+            txn.delete(sid.encode())
+
+    def all(self) -> list[SandboxRecord]:
+        with self._env.begin(db=self._db) as txn:
+            items = [(bytes(k).decode(), bytes(v)) for k, v in txn.cursor()]
+        return [self._decode(k, v) for k, v in items]
+
+    @staticmethod
+    def _decode(sid: str, raw: bytes) -> SandboxRecord:
+        try:
+            return SandboxRecord.from_json(raw)
+        except (ValueError, TypeError, KeyError) as e:
+            raise RecordError(f"sandbox record {sid} is unreadable: {e}") from None
+
+    def close(self) -> None:
+        self._env.close()

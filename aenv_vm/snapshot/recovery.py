@@ -1,0 +1,89 @@
+"""What a restarted node does with the sandbox records it finds.
+
+QEMU processes die with the server (PR_SET_PDEATHSIG), so after a restart no
+sandbox is running. For each record:
+
+* ``running`` with a committed pause → ``paused`` from that pause. Its disk
+  upper layer holds writes made after the pause, which do not match the
+  paused memory: it is discarded (the pause's sealed layer is the disk).
+* ``running`` without a pause → ``lost`` (kept and reported, never dropped).
+* ``paused`` with a pause not yet committed (the server died in the
+  background commit) → committed now: its upper layer is exactly the disk of
+  that pause (resume waits for the commit, so no VM wrote to it since).
+* Directories under ``sandboxes/`` and ``paused/`` that no record names are
+  removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..blockimage.image import BlockImage
+from ..records import SandboxRecord, SandboxState
+
+if TYPE_CHECKING:
+    from .snapshotter import Snapshotter
+
+log = logging.getLogger(__name__)
+
+
+async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
+    from .snapshotter import upper_base
+    mgr = snap.mgr
+    changed: list[SandboxRecord] = []
+    records = snap.records.all()
+    known = {r.id for r in records}
+    for rec in records:
+        sdir = mgr.run_root / "sandboxes" / rec.id
+        if rec.id in mgr.sandboxes:
+            continue
+        if rec.state == SandboxState.RUNNING:
+            if rec.snapshot is not None and rec.snapshot.committed:
+                new = rec.replace(state=SandboxState.PAUSED, envd_port=None,
+                                  note=f"found dead at start; paused from pause {rec.snapshot.seq}")
+            else:
+                new = rec.replace(state=SandboxState.LOST, envd_port=None,
+                                  note="found dead at start with no committed pause to resume from")
+            shutil.rmtree(sdir, ignore_errors=True)
+            snap.records.put(new)
+            changed.append(new)
+            log.warning("sandbox %s: %s", rec.id, new.note)
+        elif rec.state == SandboxState.PAUSED and rec.snapshot is not None and not rec.snapshot.committed:
+            ref = rec.snapshot
+            try:
+                upper = sdir / "upper"
+                top = upper_base(upper) if (upper / "upper.map").exists() else (
+                    None if ref.disk_top is None else bytes.fromhex(ref.disk_top))
+                from aenv_store.ids import Digest
+                image = await asyncio.to_thread(BlockImage.open, mgr.store, None if top is None else Digest(top),
+                                                rec.id, upper_dir=upper)
+                previous = _previous_ref(snap, rec)
+                await snap._commit(rec.id, image, sdir, ref, previous)
+                changed.append(snap.records.get(rec.id) or rec)
+            except Exception as e:  # noqa: BLE001 - keep the record, say why
+                new = rec.replace(note=f"pause {ref.seq} could not be committed at start: {e}")
+                snap.records.put(new)
+                changed.append(new)
+                log.error("sandbox %s: %s", rec.id, new.note)
+    for root in (mgr.run_root / "sandboxes", snap.paused_root):
+        if root.is_dir():
+            for d in root.iterdir():
+                if d.is_dir() and d.name not in known:
+                    shutil.rmtree(d, ignore_errors=True)
+    for rec in snap.records.all():
+        keep = {Path(rec.snapshot.local).name} if rec.snapshot else set()
+        pdir = snap.paused_root / rec.id
+        if pdir.is_dir() and rec.snapshot is not None and rec.snapshot.committed:
+            for d in pdir.iterdir():
+                if d.name not in keep:
+                    shutil.rmtree(d, ignore_errors=True)
+    return changed
+
+
+def _previous_ref(snap: "Snapshotter", rec: SandboxRecord):  # type: ignore[no-untyped-def]
+    """Older pauses are not tracked in the record once replaced; incremental reuse
+    then simply starts over (the delta is complete either way)."""
+    return None

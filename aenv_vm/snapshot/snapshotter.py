@@ -1,0 +1,513 @@
+"""Pause, resume, named snapshots and fork of a SandboxManager's sandboxes.
+
+What each operation captures and guarantees is in docs/snapshots.md. In short:
+
+* **capture** (the VM stopped): device state via ``xen-save-devices-state``
+  (vmstate.py), the guest pages the QEMU holds privately (pagemap.py: exactly
+  the pages that differ from the base memory image the sandbox maps
+  ``share=off``), and the disk (the upper layer, flushed or sealed).
+* **pause**: capture, write ``memory.delta`` + ``device-state`` durably into
+  ``<run_root>/paused/<id>/<seq>/``, record the sandbox as paused (LMDB), kill
+  QEMU (its memory is released). A background task then seals the disk's
+  upper layer and commits delta, device state and a ``paused-<id>`` catalog
+  record to the store. Resume waits for that task, so a resumed VM never
+  writes into an upper layer that is still being sealed.
+* **resume**: a new QEMU maps the same base ``share=off``, the delta pages are
+  written into it through /proc/PID/mem, the device state is loaded; the disk
+  restarts on a fresh upper layer over the sealed one.
+* **snapshot**: capture, seal the disk, let the parent continue, then write a
+  full memory image (base + delta) and commit it as a template record, so
+  ``create(snapshot_id)`` works like any template.
+* **fork**: a hidden snapshot, then ``count`` children restored from it
+  concurrently, each with its own identity, token and upper layer.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import logging
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aenv_store.catalog import ALIAS, CatalogRecord
+from aenv_store.errors import NotFound, StoreError
+from aenv_store.ids import Digest
+
+from ..blockimage.image import BlockImage
+from ..blockimage.layer import DISK_ROLE
+from ..envd_client import _request as envd_request
+from ..guest import wait_http_ok
+from ..qemu.errors import VmError
+from ..qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
+from ..qemu.migration import load_device_state
+from ..records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
+from ..template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, TEMPLATE_KIND, Template, _put_file, find_template,
+                        list_templates, materialize, remove_template)
+from .memory_image import (Delta, consolidate, fetch_delta, page_hashes, read_delta, stage_delta, write_delta)
+from .pagemap import private_pages, ram_mapping, read_pages, write_pages
+from .vmstate import durable_write, save_devices, template_config
+
+if TYPE_CHECKING:
+    from ..sandbox import Sandbox, SandboxManager
+
+log = logging.getLogger(__name__)
+
+PAUSED_KIND = "sandbox-snapshot"
+MAX_FORK = 16
+
+
+class SnapshotError(VmError):
+    """A pause, resume, snapshot or fork could not be done."""
+
+
+@dataclass(frozen=True)
+class PauseTiming:
+    stop: float             # QMP stop
+    device_state: float     # xen-save-devices-state + splice + fsync
+    pages: float            # pagemap + read of the private pages + xxh3
+    write: float            # memory.delta + disk flush durable, record written
+    total: float            # until the pause is durable (QEMU is killed right after)
+    dirty_pages: int
+
+
+@dataclass(frozen=True)
+class ResumeTiming:
+    fetch: float            # local snapshot files present (0 when they were)
+    qemu_start: float
+    inject: float           # delta pages written into the new QEMU
+    state_load: float       # until QMP status "running": (a)
+    first_answer: float     # envd /health
+    init: float             # envd /init (clock)
+    running: float          # (a) total: call → vCPUs running
+    total: float            # call → envd initialised
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    snapshot_id: str
+    names: tuple[str, ...]
+    sandbox_id: str
+    created: float
+
+
+@dataclass
+class _Capture:
+    delta: Delta
+    timing: tuple[float, float, float]
+
+
+def _hex(d: Digest | None) -> str | None:
+    return None if d is None else d.hex()
+
+
+def _digest(h: str | None) -> Digest | None:
+    return None if h is None else Digest(bytes.fromhex(h))
+
+
+def upper_base(upper_dir: Path) -> Digest | None:
+    """The committed layer an upper layer's map says it sits on (docs/block-image.md)."""
+    raw = (upper_dir / "upper.map").read_bytes()[32:64]
+    return None if raw == bytes(32) else Digest(raw)
+
+
+class Snapshotter:
+    """Lifecycle beyond create/kill for one SandboxManager (see the module doc)."""
+
+    def __init__(self, mgr: "SandboxManager", default_timeout: float = 300.0) -> None:
+        self.mgr = mgr
+        self.default_timeout = default_timeout
+        self.records = RecordStore(mgr.run_root / "records")
+        self.paused_root = mgr.run_root / "paused"
+        self._commits: dict[str, asyncio.Task] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._configs: dict[str, bytes] = {}
+        self._ttl: asyncio.Task | None = None
+        self.last_pause: PauseTiming | None = None
+        self.last_resume: ResumeTiming | None = None
+
+    # ------------------------------------------------------------ helpers
+    def lock(self, sid: str) -> asyncio.Lock:
+        return self._locks.setdefault(sid, asyncio.Lock())
+
+    def record(self, sid: str) -> SandboxRecord:
+        rec = self.records.get(sid)
+        if rec is None:
+            from ..sandbox import SandboxError
+            raise SandboxError(f"unknown sandbox {sid!r}")
+        return rec
+
+    async def _template_files(self, tpl: Template) -> tuple[Path, Path]:
+        async with self.mgr._local_lock:
+            return await asyncio.to_thread(materialize, self.mgr.store, tpl, self.mgr.run_root / "templates")
+
+    async def _config(self, tpl: Template) -> bytes:
+        cfg = self._configs.get(tpl.id)
+        if cfg is None:
+            _, state = await self._template_files(tpl)
+            cfg = self._configs[tpl.id] = template_config(state)
+        return cfg
+
+    def _running(self, sid: str) -> "Sandbox":
+        sbx = self.mgr.sandboxes.get(sid)
+        if sbx is None:
+            rec = self.records.get(sid)
+            state = rec.state.value if rec else "unknown"
+            raise SnapshotError(f"sandbox {sid} is not running (state: {state})")
+        return sbx
+
+    async def _capture(self, sbx: "Sandbox", state_path: Path) -> _Capture:
+        """Stop the VM and take its device state and private pages (the VM stays stopped)."""
+        vm = sbx.vm
+        assert vm.qmp is not None and vm.spec.mem_path is not None
+        cfg = await self._config(sbx.template)
+        t0 = time.monotonic()
+        await vm.qmp.execute("stop")
+        t1 = time.monotonic()
+        await save_devices(vm, state_path, cfg)
+        t2 = time.monotonic()
+
+        def pages() -> Delta:
+            mapping = ram_mapping(vm.pid, vm.spec.mem_path)  # type: ignore[arg-type]
+            idx = private_pages(vm.pid, mapping)
+            data = read_pages(vm.pid, mapping, idx)
+            return Delta(sbx.template.memory, sbx.template.memory_mib << 20, idx, page_hashes(data),
+                         memoryview(data))
+        delta = await asyncio.to_thread(pages)
+        t3 = time.monotonic()
+        return _Capture(delta, (t1 - t0, t2 - t1, t3 - t2))
+
+    # ------------------------------------------------------------ records hooks
+    def on_created(self, sbx: "Sandbox", *, timeout: float | None, metadata: dict[str, str] | None,
+                   auto_pause: bool, env_vars: dict[str, str] | None, access_token: str | None) -> None:
+        now = time.time()
+        t = self.default_timeout if timeout is None else timeout
+        self.records.put(SandboxRecord(
+            id=sbx.id, template=sbx.template.id, state=SandboxState.RUNNING, started_at=now, end_at=now + t,
+            auto_pause=auto_pause, metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
+            access_token=access_token, memory_mib=sbx.template.memory_mib, vcpus=sbx.template.vcpus,
+            envd_port=sbx.envd_port, timeout=t))
+
+    async def forget(self, sid: str) -> bool:
+        """Delete a sandbox that is not running (paused or lost): local files, store
+        record, LMDB record. False if there is no such record."""
+        rec = self.records.get(sid)
+        if rec is None:
+            return False
+        task = self._commits.pop(sid, None)
+        if task is not None:
+            with contextlib.suppress(BaseException):
+                await task
+        with contextlib.suppress(NotFound, StoreError):
+            await asyncio.to_thread(self.mgr.store.delete_record, f"paused-{sid}")
+        shutil.rmtree(self.paused_root / sid, ignore_errors=True)
+        shutil.rmtree(self.mgr.run_root / "sandboxes" / sid, ignore_errors=True)
+        self.records.delete(sid)
+        return True
+
+    def on_killed(self, sid: str) -> None:
+        with contextlib.suppress(NotFound, StoreError):
+            self.mgr.store.delete_record(f"paused-{sid}")
+        shutil.rmtree(self.paused_root / sid, ignore_errors=True)
+        self.records.delete(sid)
+
+    def set_timeout(self, sid: str, seconds: float) -> SandboxRecord:
+        if seconds < 0:
+            raise SnapshotError(f"timeout must be >= 0, got {seconds}")
+        rec = self.record(sid).replace(end_at=time.time() + seconds, timeout=seconds)
+        self.records.put(rec)
+        return rec
+
+    # ------------------------------------------------------------ pause
+    async def pause(self, sid: str) -> SandboxRecord:
+        async with self.lock(sid):
+            rec = self.record(sid)
+            if rec.state == SandboxState.PAUSED:
+                return rec
+            sbx = self._running(sid)
+            seq = (rec.snapshot.seq + 1) if rec.snapshot else 1
+            d = self.paused_root / sid / str(seq)
+            d.mkdir(parents=True, exist_ok=True)
+            t0 = time.monotonic()
+            try:
+                cap = await self._capture(sbx, d / "device-state")
+                t1 = time.monotonic()
+
+                def persist() -> None:
+                    write_delta(d / "memory.delta", cap.delta)
+                    sbx.image.flush()
+                await asyncio.to_thread(persist)
+            except BaseException:
+                shutil.rmtree(d, ignore_errors=True)
+                with contextlib.suppress(Exception):
+                    if sbx.vm.alive() and sbx.vm.qmp is not None:
+                        await sbx.vm.qmp.execute("cont")
+                raise
+            snap = SnapshotRef(seq=seq, local=str(d), base=sbx.template.memory.hex(), disk_top=_hex(sbx.image.top),
+                               committed=False, created=time.time())
+            previous = rec.snapshot
+            rec = rec.replace(state=SandboxState.PAUSED, snapshot=snap, envd_port=None)
+            self.records.put(rec)
+            t2 = time.monotonic()
+            self.last_pause = PauseTiming(*cap.timing, t2 - t1, t2 - t0, len(cap.delta.pages))
+            self.mgr.sandboxes.pop(sid, None)
+            await sbx.vm.kill()
+            self.mgr.nbd.remove_export(sid)
+            self._commits[sid] = asyncio.get_running_loop().create_task(
+                self._commit(sid, sbx.image, sbx.dir, snap, previous))
+            return rec
+
+    async def _commit(self, sid: str, image: BlockImage, sdir: Path, snap: SnapshotRef,
+                      previous: SnapshotRef | None) -> None:
+        """Seal the disk and commit the pause to the store (background)."""
+        rec = self.records.get(sid)
+        meta = {"sandbox": sid, "seq": str(snap.seq), "template": rec.template if rec else ""}
+
+        def work() -> SnapshotRef:
+            store = self.mgr.store
+            up = image.upper
+            top = image.commit(meta=meta).layer_id if up is not None and up.touched() else image.top
+            d = Path(snap.local)
+            delta = read_delta(d / "memory.delta")
+            prev = None
+            if previous is not None and previous.committed and previous.memory_id:
+                with contextlib.suppress(Exception):
+                    prev = (read_delta(Path(previous.local) / "memory.delta"),
+                            store.load_manifest(Digest(bytes.fromhex(previous.memory_id))))
+            with store.workspace(chunk_size=4096) as ws:
+                mid, stats = stage_delta(ws, delta, prev, meta)
+                state = (d / "device-state").read_bytes()
+                w = ws.blob_writer(DEVICE_STATE, size=len(state), meta=meta)
+                w.write(0, state)
+                state_id = w.close()
+                roles = ((("disk", top),) if top is not None else ()) + (
+                    ("memory", mid), ("base", delta.base), ("state", state_id))
+                ws.commit(CatalogRecord(name=f"paused-{sid}", kind=PAUSED_KIND, manifests=roles,
+                                        meta=tuple(sorted(meta.items())), created=time.time()), exclusive=False)
+            log.info("pause %s/%d committed: %d pages, %d staged", sid, snap.seq, stats.pages, stats.staged)
+            image.close()
+            shutil.rmtree(sdir, ignore_errors=True)
+            return SnapshotRef(seq=snap.seq, local=snap.local, base=snap.base, disk_top=_hex(top), committed=True,
+                               memory_id=mid.hex(), state_id=state_id.hex(), created=snap.created)
+        try:
+            done = await asyncio.to_thread(work)
+        finally:
+            self._commits.pop(sid, None)
+        rec = self.records.get(sid)
+        if rec is not None and rec.snapshot is not None and rec.snapshot.seq == snap.seq:
+            self.records.put(rec.replace(snapshot=done))
+            if previous is not None and previous.local != done.local:
+                shutil.rmtree(previous.local, ignore_errors=True)
+
+    # ------------------------------------------------------------ resume
+    async def resume(self, sid: str, timeout: float | None = None) -> "Sandbox":
+        from ..sandbox import Sandbox
+        async with self.lock(sid):
+            t0 = time.monotonic()
+            rec = self.record(sid)
+            if rec.state == SandboxState.RUNNING and sid in self.mgr.sandboxes:
+                return self.mgr.sandboxes[sid]
+            if rec.state != SandboxState.PAUSED or rec.snapshot is None:
+                raise SnapshotError(f"sandbox {sid} cannot be resumed (state {rec.state.value}"
+                                    f"{': ' + rec.note if rec.note else ''})")
+            task = self._commits.get(sid)
+            if task is not None:
+                await asyncio.shield(task)
+            rec = self.record(sid)
+            snap = rec.snapshot
+            assert snap is not None
+            tpl = self.mgr._template(rec.template)
+            mem, _ = await self._template_files(tpl)
+            d = Path(snap.local)
+            tf = time.monotonic()
+            if not ((d / "memory.delta").is_file() and (d / "device-state").is_file()):
+                await asyncio.to_thread(self._fetch, snap, d)
+            fetch = time.monotonic() - tf
+            delta = await asyncio.to_thread(read_delta, d / "memory.delta")
+            if delta.base != tpl.memory:
+                raise SnapshotError(f"sandbox {sid}: memory delta is over {delta.base.short()}, "
+                                    f"template {tpl.id} has {tpl.memory.short()}")
+            sdir = self.mgr.run_root / "sandboxes" / sid
+            shutil.rmtree(sdir, ignore_errors=True)
+            sdir.mkdir(parents=True)
+            image: BlockImage | None = None
+            vm: QemuProcess | None = None
+            try:
+                image = await asyncio.to_thread(BlockImage.open, self.mgr.store, _digest(snap.disk_top), sid,
+                                                upper_dir=sdir / "upper", fresh_upper=True)
+                self.mgr.nbd.add_export(image)
+                spec = VmSpec(name=sid, kernel=self.mgr.guest.kernel, initrd=self.mgr.guest.initrd,
+                              kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
+                              vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
+                              mem_path=mem, mem_share=False, disk=NbdDisk(self.mgr.nbd.socket_path, sid),
+                              host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.mgr.tcg_tb_mib)
+                t1 = time.monotonic()
+                vm = await QemuProcess.start(spec)
+                t2 = time.monotonic()
+                await asyncio.to_thread(lambda: write_pages(vm.pid, ram_mapping(vm.pid, mem),  # type: ignore[union-attr]
+                                                            delta.pages, delta.data))
+                t3 = time.monotonic()
+                await load_device_state(vm, d / "device-state")
+                t4 = time.monotonic()
+                port = spec.host_port or 0
+                await wait_http_ok(port, "/health", timeout=self.mgr.ready_timeout, alive=vm.alive)
+                t5 = time.monotonic()
+                await asyncio.to_thread(self._init, port, rec.access_token, None)
+                t6 = time.monotonic()
+            except BaseException:
+                await self.mgr._teardown(sid, vm, image, sdir)
+                raise
+            sbx = Sandbox(sid, tpl, vm, image, sdir)
+            sbx.created = rec.started_at
+            self.mgr.sandboxes[sid] = sbx
+            t = rec.timeout if timeout is None else timeout
+            self.records.put(rec.replace(state=SandboxState.RUNNING, envd_port=port, end_at=time.time() + t,
+                                         timeout=t, note=""))
+            self.last_resume = ResumeTiming(fetch, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t4 - t0, t6 - t0)
+            return sbx
+
+    def _fetch(self, snap: SnapshotRef, d: Path) -> None:
+        """Bring a committed pause back from the store into its local directory."""
+        if not snap.committed or not snap.memory_id or not snap.state_id:
+            raise SnapshotError(f"pause {snap.seq} is neither local ({d}) nor committed to the store")
+        d.mkdir(parents=True, exist_ok=True)
+        delta, _ = fetch_delta(self.mgr.store, Digest(bytes.fromhex(snap.memory_id)))
+        write_delta(d / "memory.delta", delta)
+        reader = self.mgr.store.open_blob(Digest(bytes.fromhex(snap.state_id)))
+        durable_write(d / "device-state", reader.read(0, reader.size))
+
+    @staticmethod
+    def _init(port: int, old_token: str | None, new_token: str | None) -> None:
+        """envd /init after a restore: step the clock; optionally replace the access token."""
+        body: dict[str, object] = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        headers = {"Content-Type": "application/json"}
+        if old_token:
+            headers["X-Access-Token"] = old_token
+        if new_token is not None:
+            body["accessToken"] = new_token
+        status, data = envd_request(port, "POST", "/init", json.dumps(body).encode(), headers, 10.0)
+        if not 200 <= status < 300:
+            raise SnapshotError(f"envd /init after restore answered HTTP {status}: {data[:200]!r}")
+
+    # ------------------------------------------------------------ snapshot / fork
+    async def snapshot(self, sid: str, name: str | None = None, *, hidden: bool = False) -> tuple[str, list[str]]:
+        """A named snapshot of a running sandbox, usable as a template. The VM is
+        stopped only for the capture and the disk seal."""
+        if name is not None:
+            try:
+                find_template(self.mgr.store, name)
+            except VmError:
+                pass
+            else:
+                raise SnapshotError(f"a template or snapshot named {name!r} already exists")
+        async with self.lock(sid):
+            sbx = self._running(sid)
+            tpl = sbx.template
+            tid = f"tpl-{secrets.token_hex(6)}"
+            d = self.mgr.run_root / "templates" / tid
+            d.mkdir(parents=True, exist_ok=True)
+            try:
+                try:
+                    cap = await self._capture(sbx, d / "device-state")
+                    layer = (await asyncio.to_thread(sbx.image.commit, None, {"snapshot": tid})).layer_id
+                finally:
+                    if sbx.vm.alive() and sbx.vm.qmp is not None:
+                        await sbx.vm.qmp.execute("cont")
+                base, _ = await self._template_files(tpl)
+                await asyncio.to_thread(consolidate, base, cap.delta, d / "memory")
+                rec = self.records.get(sid)
+                meta = dict(self.mgr.store.get_record(tpl.id).meta_dict())
+                meta.update({"snapshot_of": sid, "parent_template": tpl.id})
+                if hidden:
+                    meta["hidden"] = "fork"
+                if rec is not None:
+                    meta["metadata"] = json.dumps(rec.metadata, sort_keys=True)
+
+                def commit() -> None:
+                    store = self.mgr.store
+                    with store.workspace() as ws:
+                        mem = _put_file(ws, d / "memory", MEMORY_IMAGE, {"template": tid})
+                        state = _put_file(ws, d / "device-state", DEVICE_STATE, {"template": tid})
+                        ws.commit(CatalogRecord(name=tid, kind=TEMPLATE_KIND,
+                                                manifests=((DISK_ROLE, layer), ("memory", mem), ("state", state)),
+                                                meta=tuple(sorted(meta.items())), created=time.time()))
+                    if name:
+                        store.put_record(CatalogRecord(name=ALIAS_PREFIX + name, kind=ALIAS, target=tid,
+                                                       created=time.time()), exclusive=True)
+                await asyncio.to_thread(commit)
+            except BaseException:
+                shutil.rmtree(d, ignore_errors=True)
+                raise
+            return tid, ([name] if name else [])
+
+    async def fork(self, sid: str, count: int, timeout: float | None = None) -> "list[Sandbox | Exception]":
+        """``count`` children of a running sandbox, started concurrently from one snapshot."""
+        if not 1 <= count <= MAX_FORK:
+            raise SnapshotError(f"fork count must be 1..{MAX_FORK}, got {count}")
+        parent = self.record(sid)
+        tid, _ = await self.snapshot(sid, None, hidden=True)
+        tpl = self.mgr._template(tid)
+
+        async def child() -> "Sandbox":
+            sbx = await self.mgr._restore(tpl)
+            try:
+                token = secrets.token_urlsafe(24) if parent.access_token else None
+                await asyncio.to_thread(self._init, sbx.envd_port, parent.access_token, token)
+            except BaseException:
+                await self.mgr._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
+                raise
+            self.mgr.sandboxes[sbx.id] = sbx
+            self.on_created(sbx, timeout=parent.timeout if timeout is None else timeout,
+                            metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
+                            env_vars=parent.env_vars, access_token=token)
+            return sbx
+        results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
+        out: list[Sandbox | Exception] = []
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+            out.append(r)  # type: ignore[arg-type]
+        return out
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        out = []
+        for tpl, aliases in list_templates(self.mgr.store):
+            meta = self.mgr.store.get_record(tpl.id).meta_dict()
+            if "snapshot_of" in meta and "hidden" not in meta:
+                out.append(SnapshotInfo(tpl.id, tuple(aliases), meta["snapshot_of"], tpl.created))
+        return sorted(out, key=lambda s: s.created)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        tpl = find_template(self.mgr.store, snapshot_id)
+        if "snapshot_of" not in self.mgr.store.get_record(tpl.id).meta_dict():
+            raise SnapshotError(f"{snapshot_id} is a template, not a snapshot")
+        remove_template(self.mgr.store, tpl.id)
+        shutil.rmtree(self.mgr.run_root / "templates" / tpl.id, ignore_errors=True)
+
+    # ------------------------------------------------------------ start / stop
+    async def start(self) -> list[SandboxRecord]:
+        """Recover after a restart: running sandboxes found dead become paused from their
+        last pause (or lost); pauses not yet committed are committed. Returns changes."""
+        from .recovery import recover
+        changed = await recover(self)
+        from ..ttl import TtlWatcher
+        self._ttl = asyncio.get_running_loop().create_task(TtlWatcher(self).run())
+        return changed
+
+    async def close(self) -> None:
+        if self._ttl is not None:
+            self._ttl.cancel()
+            with contextlib.suppress(BaseException):
+                await self._ttl
+            self._ttl = None
+        for task in list(self._commits.values()):
+            with contextlib.suppress(Exception):
+                await task
+
+    def close_records(self) -> None:
+        self.records.close()
