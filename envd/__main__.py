@@ -19,12 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user", default="user", help="default user for commands and files (falls back to the user envd runs as if missing)")
     p.add_argument("--access-token", default=None, help="require this X-Access-Token from the start")
     p.add_argument("--sync-clock", action="store_true", help="let /init set the system clock (guest only)")
+    p.add_argument("--set-identity", action="store_true",
+                   help="let /init set the hostname and reseed the kernel RNG (guest only)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"invalid port {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="envd: %(levelname)s %(message)s", stream=sys.stderr)
-    state = EnvdState(default_user=args.user, access_token=args.access_token, sync_clock=args.sync_clock)
+    state = EnvdState(default_user=args.user, access_token=args.access_token, sync_clock=args.sync_clock,
+                       set_identity=args.set_identity)
     try:
         asyncio.run(_serve(state, args.host, args.port))
     except OSError as e:

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from . import connect, files
+from . import connect, files, identity
 from .connect import Code, ConnectError
 from .fs_service import FilesystemService
 from .http11 import LAST_CHUNK, MAX_HEAD_BYTES, BodyReader, HttpError, RequestHead, encode_chunk, format_head, parse_request_head
@@ -364,6 +364,11 @@ class EnvdServer:
             if not (hmac.compare_digest(given.encode(), token.encode())
                     or hmac.compare_digest(body_token.encode(), token.encode())):
                 return http_error(401, "invalid access token")
+        try:  # validated before anything is applied
+            hostname = identity.parse_hostname(req["hostname"]) if req.get("hostname") is not None else None
+            seed = identity.parse_seed(req["entropy"]) if req.get("entropy") is not None else None
+        except identity.IdentityError as e:
+            return http_error(400, str(e))
         env = req.get("envVars")
         if env is not None:
             if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
@@ -384,6 +389,14 @@ class EnvdServer:
         ts = req.get("timestamp")
         if isinstance(ts, str) and self.state.sync_clock:
             _sync_clock(ts)
+        if self.state.set_identity and (hostname or seed):
+            try:
+                if hostname:
+                    identity.set_hostname(hostname)
+                if seed:
+                    identity.seed_kernel_rng(seed)
+            except OSError as e:  # the host relies on it: say so rather than answer 204
+                return http_error(500, f"cannot set the sandbox identity: {e}")
         return Response(204)
 
 

@@ -18,6 +18,7 @@ class EnvdState:
     env_vars: dict[str, str] = field(default_factory=dict)
     default_workdir: str | None = None
     sync_clock: bool = False
+    set_identity: bool = False  # /init may set the hostname and reseed the kernel RNG (guest only)
 
     def user(self, requested: str | None) -> users.User:
         """The user for an operation: the requested one (must exist), else the

@@ -1,0 +1,90 @@
+"""/init identity fields (hostname, entropy): validated always, applied only
+with --set-identity (the guest), and the RNG reseed itself."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import urllib.error
+import urllib.request
+from typing import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from envd import identity
+
+from .conftest import TEST_USER, Envd, start_envd, stop_envd
+
+
+@pytest.fixture
+def host_envd(test_user) -> Iterator[Envd]:  # type: ignore[no-untyped-def]
+    e = start_envd("--user", TEST_USER)  # no --set-identity: a host's name must never change
+    try:
+        yield e
+    finally:
+        stop_envd(e)
+
+
+def _post(url: str, body: dict) -> int:
+    req = urllib.request.Request(url + "/init", method="POST", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _envs(url: str) -> dict:
+    with urllib.request.urlopen(url + "/envs", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_bad_identity_fields_are_rejected_before_anything_applies(host_envd: Envd) -> None:
+    seed = base64.b64encode(os.urandom(32)).decode()
+    for body in ({"hostname": "bad name"}, {"hostname": 7}, {"hostname": "-x"}, {"hostname": "a" * 65},
+                 {"entropy": "not base64!"}, {"entropy": base64.b64encode(b"short").decode()},
+                 {"entropy": 12}, {"hostname": "ok", "entropy": "%%%"}):
+        assert _post(host_envd.url, {**body, "envVars": {"LEAK": "1"}}) == 400, body
+    assert _envs(host_envd.url) == {}
+    # well-formed but without --set-identity: accepted, host left alone
+    name = socket.gethostname()
+    assert _post(host_envd.url, {"hostname": "sbx-test", "entropy": seed, "envVars": {"A": "b"}}) == 204
+    assert socket.gethostname() == name
+    assert _envs(host_envd.url) == {"A": "b"}
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.text(max_size=70))
+def test_hostname_parser_accepts_exactly_rfc1123_like_names(name: str) -> None:
+    ok = (0 < len(name) <= 64 and name[0].isascii() and name[0].isalnum()
+          and all(c.isascii() and (c.isalnum() or c in ".-") for c in name))
+    if ok:
+        assert identity.parse_hostname(name) == name
+    else:
+        with pytest.raises(identity.IdentityError):
+            identity.parse_hostname(name)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.binary(max_size=5000), st.booleans(), st.booleans())
+def test_seed_parser_round_trips_both_alphabets(seed: bytes, urlsafe: bool, strip: bool) -> None:
+    text = (base64.urlsafe_b64encode if urlsafe else base64.b64encode)(seed).decode()
+    if strip:
+        text = text.rstrip("=")
+    if 16 <= len(seed) <= identity.MAX_SEED_BYTES:
+        assert identity.parse_seed(text) == seed
+    else:
+        with pytest.raises(identity.IdentityError):
+            identity.parse_seed(text)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"), reason="RNDADDENTROPY needs root")
+def test_seed_kernel_rng_credits_and_reseeds() -> None:
+    # Mixing fresh random bytes into this host's pool is harmless; the point is
+    # that both ioctls exist and are accepted (numbers and struct layout right).
+    identity.seed_kernel_rng(os.urandom(64))
