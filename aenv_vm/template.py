@@ -159,7 +159,13 @@ async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, ali
     image = BlockImage.open(store, layer, "template-build", upper_dir=work_dir / "upper")
     server = NbdServer(work_dir / "nbd.sock")
     server.add_export(image)
-    cmdline = kernel_cmdline()
+    # Under TCG, guest ASLR makes every new process map bash and its libraries at
+    # new addresses, and TCG (QEMU 7.2 keys translations by virtual address) then
+    # translates them afresh: 0.5-1 s per command. Without it the translations
+    # made by a pooled clone's warm-up serve the user's commands. The sandbox VM is
+    # the isolation boundary (its user may be root inside), so ASLR within the
+    # guest buys little. KVM translates nothing: ASLR stays on there.
+    cmdline = kernel_cmdline(extra="norandmaps" if accel == "tcg" else "")
     spec = VmSpec(name="template-build", kernel=guest.kernel, initrd=guest.initrd, kernel_cmdline=cmdline,
                   run_dir=work_dir / "run", memory_mib=memory_mib, vcpus=vcpus, accel=accel,
                   mem_path=work_dir / "memory", disk=NbdDisk(server.socket_path, "template-build"),

@@ -27,8 +27,9 @@ def test_template_source_maps_memory_shared(tmp_path: Path) -> None:
     assert f"memory-backend-file,id=mem0,size=512M,mem-path={tmp_path}/mem,share=on" in objs
     assert opt(argv, "-machine") == ["microvm,memory-backend=mem0"]
     assert opt(argv, "-m") == ["512M"] and opt(argv, "-smp") == ["2"]
-    assert opt(argv, "-cpu") == ["qemu64"] and opt(argv, "-accel") == ["tcg"]
+    assert opt(argv, "-cpu") == ["qemu64,+arat"] and opt(argv, "-accel") == ["tcg"]  # ARAT: tickless idle
     assert "-incoming" not in argv and "-no-reboot" in argv
+    assert opt(argv, "-kernel") == [f"{tmp_path}/vmlinuz"] and opt(argv, "-append") == ["console=ttyS0"]
     assert opt(argv, "-qmp") == [f"unix:{tmp_path}/run/qmp.sock,server=on,wait=off"]
     assert opt(argv, "-serial") == ["chardev:serial0"]
     assert f"file,id=serial0,path={tmp_path}/run/serial.log" in opt(argv, "-chardev")
@@ -40,6 +41,8 @@ def test_clone_maps_memory_private_and_waits_for_incoming(tmp_path: Path) -> Non
                               host_port=40001), "qemu")
     assert any(o.endswith("share=off") for o in opt(argv, "-object"))
     assert opt(argv, "-incoming") == ["defer"]
+    # a restored VM never boots: no kernel/initrd copy kept in QEMU's memory
+    assert not {"-kernel", "-initrd", "-append"} & set(argv)
     assert opt(argv, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:40001-10.0.2.15:49983"]
     assert "virtio-net-device,netdev=net0,mac=52:54:00:12:34:56" in opt(argv, "-device")
 
