@@ -7,19 +7,22 @@ sandbox its own writable upper disk layer over the template's disk layer
 loads the device state, waits for envd and calls envd ``/init`` (env vars,
 access token, clock). Any failure tears the half-made sandbox down.
 
-Every restored clone first gets its own identity (hostname = sandbox id,
-fresh entropy from the host) through one envd command. Under TCG the first
-requests to a freshly restored VM are slow (the software CPU translates the
-guest's code afresh in each QEMU process); that command also warms the
-process-start path. A pool per template keeps ``pool_size`` sandboxes restored
-and warmed; ``create`` takes one from the pool (then only ``/init`` remains)
-and refills in the background. pool_size 0 disables the pool.
+Every restored clone first gets its own identity through envd ``/init``
+(hostname = sandbox id, host entropy credited to the kernel RNG and reseeded,
+clock), without starting a process. Under TCG the first requests to a freshly
+restored VM are slow: the software CPU translates the guest's code afresh in
+each QEMU process. So a pool per template keeps ``pool_size`` sandboxes
+restored and warmed -- each ran the SDK's own command path (``bash -l -c`` as
+the default user and as root) and a file write and read, at low CPU priority
+-- and ``create`` takes one (then only ``/init`` remains) and refills in the
+background. pool_size 0 disables the pool.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -34,7 +37,7 @@ from aenv_store.store import Store
 
 from .blockimage.image import BlockImage
 from .blockimage.nbd_server import NbdServer
-from .envd_client import init as envd_init, run_command
+from .envd_client import init as envd_init, read_file, run_command, write_file
 from .guest import GuestImage, wait_http_ok
 from .qemu.errors import VmError
 from .qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
@@ -57,10 +60,11 @@ class CreateTiming:
     qemu_start: float       # QEMU process start until QMP answers (-incoming defer)
     state_load: float       # device state loaded, VM running
     first_answer: float     # envd /health answered
-    identity: float         # hostname + entropy set by a command (also warms the process path)
+    identity: float         # envd /init with hostname, entropy, clock
     init: float             # envd /init (env vars, token, clock)
     total: float
     from_pool: bool
+    warm: float = 0.0       # pool only, before hand-out: the SDK's command path and a file write/read
 
 
 @dataclass
@@ -175,7 +179,8 @@ class SandboxManager:
             t2 = time.monotonic()
             await wait_http_ok(spec.host_port or 0, "/health", timeout=self.ready_timeout, alive=vm.alive)
             t3 = time.monotonic()
-            await self._set_identity(sid, spec.host_port or 0)
+            # a snapshot's envd still holds its sandbox's access token
+            await self._set_identity(sid, spec.host_port or 0, self._life.template_token(tpl))
             t4 = time.monotonic()
             sbx = Sandbox(sid, tpl, vm, image, sdir)
             sbx.timing = CreateTiming(t1 - t0, t2 - t1, t3 - t2, t4 - t3, 0.0, t4 - t0, False)
@@ -184,18 +189,33 @@ class SandboxManager:
             await self._teardown(sid, vm, image, sdir)
             raise
 
-    async def _set_identity(self, sid: str, port: int) -> None:
-        """Give a restored clone its own hostname and fresh entropy.
+    async def _set_identity(self, sid: str, port: int, access_token: str | None = None) -> None:
+        """Give a restored clone its own hostname, fresh kernel randomness and the host's clock.
 
-        Every clone of a template wakes up with the template's hostname and RNG
-        state; this runs one command through envd as root, the same way the SDK
-        runs commands, which also warms that code path in this QEMU's TCG cache."""
-        seed = base64.b64encode(secrets.token_bytes(64)).decode()
-        cmd = f"echo {sid} > /proc/sys/kernel/hostname && echo {seed} | base64 -d > /dev/urandom"
-        result = await asyncio.to_thread(run_command, port, cmd, user="root", timeout=30.0)
-        if result.exit_code != 0:
-            raise SandboxError(f"setting the identity of {sid} failed (exit {result.exit_code}): "
-                               f"{result.stderr[-200:].decode(errors='replace')}")
+        Every clone of a template wakes up with the template's hostname, RNG state
+        and clock; one envd /init sets all three (docs/envd.md), no process start."""
+        body = {"hostname": sid, "entropy": base64.b64encode(secrets.token_bytes(64)).decode(),
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        await asyncio.to_thread(envd_init, port, body, access_token=access_token)
+
+    async def _warm(self, sbx: Sandbox, access_token: str | None = None) -> None:
+        """Run what a user's first calls run, so that this QEMU has translated it before
+        hand-out: a file write and read and the SDK's command request (``bash -l -c`` as
+        envd's default user, then as root, which also removes the file). Templates built
+        under TCG have the guest's ASLR off, so the user's commands reuse these
+        translations instead of paying them (docs/guest.md)."""
+        port, path = sbx.envd_port, f"/tmp/.aenv-warm-{sbx.id}"
+
+        def work() -> None:
+            write_file(port, path, b"warm", access_token=access_token)
+            if read_file(port, path, access_token=access_token) != b"warm":
+                raise SandboxError(f"warming {sbx.id}: file read back differs")
+            for user, cmd in ((None, "true"), ("root", f"rm -f {path}")):
+                result = run_command(port, cmd, user=user, timeout=60.0, access_token=access_token)
+                if result.exit_code != 0:
+                    raise SandboxError(f"warming {sbx.id}: {cmd!r} as {user or 'default user'} exited "
+                                       f"{result.exit_code}")
+        await asyncio.to_thread(work)
 
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
                      access_token: str | None = None, timeout: float | None = None,
@@ -222,9 +242,10 @@ class SandboxManager:
             body: dict = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
             if env_vars:
                 body["envVars"] = env_vars
-            if access_token:
-                body["accessToken"] = access_token
-            await asyncio.to_thread(envd_init, sbx.envd_port, body)
+            old = self._life.template_token(tpl)
+            if access_token or old:  # a snapshot's token is replaced (or cleared), never inherited
+                body["accessToken"] = access_token or ""
+            await asyncio.to_thread(envd_init, sbx.envd_port, body, **({"access_token": old} if old else {}))
         except BaseException:
             await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
             raise
@@ -251,10 +272,23 @@ class SandboxManager:
         pool = self._pools.setdefault(tpl.id, [])
         while len(pool) < self.pool_size:
             try:
-                sbx = await self._restore(tpl, background=True)  # served /health and one command: warm
+                sbx = await self._restore(tpl, background=True)  # at low priority
             except (VmError, OSError) as e:
                 log.warning("pool refill for %s failed: %s", tpl.id, e)
                 return
+            t0 = time.monotonic()
+            try:
+                await self._warm(sbx, self._life.template_token(tpl))
+            except BaseException as e:
+                await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
+                if not isinstance(e, (VmError, OSError)):
+                    raise
+                log.warning("pool refill for %s: warming failed: %s", tpl.id, e)
+                return
+            # Warm: wait at normal priority (idle costs little), ready to serve at once.
+            _renice(sbx.vm.pid, 0)
+            assert sbx.timing is not None
+            sbx.timing = dataclasses.replace(sbx.timing, warm=time.monotonic() - t0)
             pool.append(sbx)
 
     async def fill_pool(self, template: str) -> None:

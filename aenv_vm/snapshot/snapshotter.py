@@ -127,6 +127,7 @@ class Snapshotter:
         self._commits: dict[str, asyncio.Task] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._configs: dict[str, bytes] = {}
+        self._tokens: dict[str, str | None] = {}
         self._ttl: asyncio.Task | None = None
         self.last_pause: PauseTiming | None = None
         self.last_resume: ResumeTiming | None = None
@@ -141,6 +142,15 @@ class Snapshotter:
             from ..sandbox import SandboxError
             raise SandboxError(f"unknown sandbox {sid!r}")
         return rec
+
+    def template_token(self, tpl: Template) -> str | None:
+        """The envd access token a snapshot's guest still holds (None for built templates)."""
+        if tpl.id not in self._tokens:
+            try:
+                self._tokens[tpl.id] = self.mgr.store.get_record(tpl.id).meta_dict().get("envd_token")
+            except (NotFound, StoreError):
+                return None
+        return self._tokens[tpl.id]
 
     async def _template_files(self, tpl: Template) -> tuple[Path, Path]:
         async with self.mgr._local_lock:
@@ -427,6 +437,8 @@ class Snapshotter:
                     meta["hidden"] = "fork"
                 if rec is not None:
                     meta["metadata"] = json.dumps(rec.metadata, sort_keys=True)
+                    if rec.access_token:  # the memory image holds it anyway; restores need it to re-key envd
+                        meta["envd_token"] = rec.access_token
 
                 def commit() -> None:
                     store = self.mgr.store

@@ -33,21 +33,21 @@ while True:
 """
 
 
-def sh(port: int, cmd: str) -> str:
-    r = run_command(port, cmd, user="root", timeout=60.0)
+def sh(port: int, cmd: str, token: str | None = None) -> str:
+    r = run_command(port, cmd, user="root", timeout=60.0, **({"access_token": token} if token else {}))
     assert r.exit_code == 0, r
     return r.stdout.decode().strip()
 
 
-async def ash(port: int, cmd: str) -> str:
-    return await asyncio.to_thread(sh, port, cmd)
+async def ash(port: int, cmd: str, token: str | None = None) -> str:
+    return await asyncio.to_thread(sh, port, cmd, token)
 
 
-async def start_worker(port: int) -> tuple[int, str, int]:
+async def start_worker(port: int, token: str | None = None) -> tuple[int, str, int]:
     await ash(port, "cat > /root/worker.py <<'EOF'\n" + WORKER + "\nEOF\n"
-                    "nohup python3 /root/worker.py >/dev/null 2>&1 &")
+                    "nohup python3 /root/worker.py >/dev/null 2>&1 &", token)
     for _ in range(100):
-        out = await ash(port, "cat /home/user/counter 2>/dev/null; echo; cat /home/user/expected 2>/dev/null; true")
+        out = await ash(port, "cat /home/user/counter 2>/dev/null; echo; cat /home/user/expected 2>/dev/null; true", token)
         lines = out.splitlines()
         if len(lines) == 2 and lines[0]:
             count, digest, pid = lines[0].split()
@@ -57,8 +57,8 @@ async def start_worker(port: int) -> tuple[int, str, int]:
     raise AssertionError("worker did not start")
 
 
-async def read_counter(port: int) -> tuple[int, str, int]:
-    count, digest, pid = (await ash(port, "cat /home/user/counter")).split()
+async def read_counter(port: int, token: str | None = None) -> tuple[int, str, int]:
+    count, digest, pid = (await ash(port, "cat /home/user/counter", token)).split()
     return int(count), digest, int(pid)
 
 

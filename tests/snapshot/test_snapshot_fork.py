@@ -1,0 +1,74 @@
+"""Named snapshots usable as templates, and fork: children continue from the fork
+point, then diverge; siblings and parent do not see each other's writes."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from aenv_vm.sandbox import SandboxManager
+from aenv_vm.snapshot.snapshotter import SnapshotError
+
+from .conftest import Env, qemu_children
+from .test_pause_resume import ash, read_counter, start_worker
+
+pytestmark = pytest.mark.qemu
+
+
+def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
+    async def run() -> None:
+        async with SandboxManager(env.store, env.guest, tmp_path / "node") as mgr:
+            parent = await mgr.create("base", metadata={"role": "parent"}, access_token="tok-parent")
+            T = "tok-parent"
+            _, digest, pid = await start_worker(parent.envd_port, T)
+            await ash(parent.envd_port, "echo before > /home/user/shared", T)
+
+            snap_id, names = await mgr.snapshot(parent.id, "snap-a")
+            assert names == ["snap-a"] and snap_id.startswith("tpl-")
+            assert [(s.snapshot_id, s.names, s.sandbox_id) for s in await mgr.list_snapshots()] == \
+                [(snap_id, ("snap-a",), parent.id)]
+            with pytest.raises(SnapshotError, match="already exists"):
+                await mgr.snapshot(parent.id, "snap-a")
+            # the parent keeps running after the snapshot
+            c1, _, _ = await read_counter(parent.envd_port, T)
+            await asyncio.sleep(0.5)
+            assert (await read_counter(parent.envd_port, T))[0] > c1
+
+            # a sandbox created from the snapshot inherits its envd state, token included
+            child = await mgr.create("snap-a", access_token=T)
+            cc, cd, cp = await read_counter(child.envd_port, T)
+            await asyncio.sleep(0.5)
+            assert (cd, cp) == (digest, pid) and (await read_counter(child.envd_port, T))[0] > cc
+            assert await ash(child.envd_port, "cat /home/user/shared", T) == "before"
+            await ash(child.envd_port, "echo child > /home/user/only-child", T)
+            assert await ash(parent.envd_port, "cat /home/user/only-child 2>/dev/null || echo absent", T) == "absent"
+
+            kids = await mgr.fork(parent.id, 2)
+            assert all(not isinstance(k, Exception) for k in kids), kids
+            assert len({k.id for k in kids} | {parent.id}) == 3         # type: ignore[union-attr]
+            tokens = [mgr.record(k.id).access_token for k in kids]      # type: ignore[union-attr]
+            assert len(set(tokens)) == 2 and T not in tokens and None not in tokens
+            for i, k in enumerate(kids):
+                port = k.envd_port                                        # type: ignore[union-attr]
+                _, kd, kp = await read_counter(port, tokens[i])
+                assert (kd, kp) == (digest, pid)                          # continues from the fork point
+                assert await ash(port, "hostname", tokens[i]) == k.id     # type: ignore[union-attr]
+                await ash(port, f"echo {i} > /home/user/fork-{i}", tokens[i])
+                assert mgr.record(k.id).metadata["forked_from"] == parent.id  # type: ignore[union-attr]
+            for i, k in enumerate(kids):
+                other = kids[1 - i]
+                assert await ash(other.envd_port,                         # type: ignore[union-attr]
+                                 f"cat /home/user/fork-{i} 2>/dev/null || echo absent", tokens[1 - i]) == "absent"
+                assert await ash(parent.envd_port, f"cat /home/user/fork-{i} 2>/dev/null || echo absent",
+                                 T) == "absent"
+            assert (await read_counter(parent.envd_port, T))[1:] == (digest, pid)  # parent resumed with its id
+            with pytest.raises(SnapshotError, match="1..16"):
+                await mgr.fork(parent.id, 17)
+
+            await mgr.delete_snapshot(snap_id)
+            assert await mgr.list_snapshots() == []
+            for s in list(mgr.sandboxes):
+                await mgr.kill(s)
+    asyncio.run(run())
+    assert not qemu_children()
