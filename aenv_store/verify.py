@@ -338,7 +338,9 @@ class Checker:
         total = sum(self.packs[p].size for p in full) if full else len(self.packs)
         label, unit = ("read data", "bytes") if full else ("pack trailers", "")
         order = sorted(self.packs, key=lambda p: self.packs[p].key)
-        with self.progress(label, total, unit) as bar, ThreadPoolExecutor(self.threads) as pool:
+        # Trailer reads are two small range reads each: latency-bound on S3, so more threads.
+        workers = self.threads if full else max(self.threads, 16)
+        with self.progress(label, total, unit) as bar, ThreadPoolExecutor(workers) as pool:
             def one(pid: bytes) -> _PackResult:
                 return self._read_pack(pid) if pid in full else self._read_trailer(pid)
 
