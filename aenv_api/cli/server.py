@@ -16,8 +16,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
-import shutil
 import signal
 import sys
 import tempfile
@@ -27,8 +27,8 @@ from typing import Any
 
 from .common import CliError, common_options, config_from_args
 
-# Sandbox run dirs hold Unix sockets (QMP, NBD), whose paths are limited to 107 bytes.
-_MAX_RUN_ROOT = 56
+# Sandbox run dirs hold Unix sockets: <root>/sandboxes/sbx-<16 hex>/qmp.sock must fit 107 bytes.
+_MAX_RUN_ROOT = 64
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -99,12 +99,22 @@ async def _prepare_template(store: Any, guest: Any, cfg: Any, server_cfg: Any) -
     return tpl
 
 
-def _run_root(data_dir: Path) -> tuple[Path, bool]:
-    """Where sandboxes' sockets live, and whether it is a temporary directory to remove."""
+def _run_root(data_dir: Path) -> Path:
+    """Where the sandbox layer keeps its run state (records, paused sandboxes, sockets).
+
+    It must persist with the data dir (paused sandboxes live there), but Unix socket
+    paths under it are limited to 107 bytes: a long data dir is reached through a
+    short symlink in the temp dir instead."""
     root = data_dir / "run"
+    root.mkdir(parents=True, exist_ok=True)
     if len(str(root)) <= _MAX_RUN_ROOT:
-        return root, False
-    return Path(tempfile.mkdtemp(prefix="aenv-run-")), True
+        return root
+    digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    link = Path(tempfile.gettempdir()) / f"aenv-run-{digest}"
+    if not (link.is_symlink() and link.resolve() == root.resolve()):
+        link.unlink(missing_ok=True)
+        link.symlink_to(root, target_is_directory=True)
+    return link
 
 
 def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> None:
@@ -152,7 +162,7 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
         loop.add_signal_handler(sig, stop.set)
     store = await asyncio.to_thread(Store.open, cfg.store_settings(), True)
     manager = server = lifecycle = None
-    run_root, temp_root = _run_root(cfg.data_dir)
+    run_root = _run_root(cfg.data_dir)
     try:
         try:
             guest = await asyncio.to_thread(ensure_guest)
@@ -161,10 +171,10 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
             raise CliError(str(e), 1) from None
         vm = cfg.section("vm")
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
-                                 tcg_tb_mib=vm.tcg_tb_mib or None)
+                                 tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout)
         await manager.start()
         metrics = Metrics()
-        lifecycle = Lifecycle(manager, creds, server_cfg, metrics, store=store)
+        lifecycle = Lifecycle(manager, server_cfg, metrics, cfg.data_dir)
         await lifecycle.start()
         _gauges(metrics, lifecycle, manager, store)
         server = ApiServer(lifecycle, creds, server_cfg, metrics, _version())
@@ -195,6 +205,4 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
         if manager is not None:
             await manager.close()  # kills pooled and remaining sandboxes: no QEMU outlives the server
         await asyncio.to_thread(store.close)
-        if temp_root:
-            shutil.rmtree(run_root, ignore_errors=True)
         say("stopped")

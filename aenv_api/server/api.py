@@ -47,10 +47,10 @@ class ControlPlane:
 
     async def _create(self, call: Call, v2: bool) -> web.Response:
         rec = await self.lc.create(S.NewSandbox(**call.body), v2=v2)
-        return json_response(rec.sandbox(self.lc.creds, self.domain), 201)
+        return json_response(rec.sandbox(self.domain), 201)
 
     async def get_info(self, request: web.Request, call: Call) -> web.Response:
-        return json_response(self.lc.get(call.path["sandboxID"]).detail(self.lc.creds, self.domain))
+        return json_response(self.lc.get(call.path["sandboxID"]).detail(self.domain))
 
     async def kill(self, request: web.Request, call: Call) -> web.Response:
         await self.lc.kill(call.path["sandboxID"])
@@ -63,7 +63,7 @@ class ControlPlane:
     async def refresh(self, request: web.Request, call: Call) -> web.Response:
         rec = self.lc.get(call.path["sandboxID"])
         duration = call.body.get("duration")
-        if rec.state.value == "running":  # a paused sandbox has no clock running
+        if rec.state == "running":  # a paused sandbox has no clock running
             await self.lc.connect(rec.sandbox_id, self.config.default_timeout if duration is None else duration)
         return no_content()
 
@@ -83,13 +83,11 @@ class ControlPlane:
 
     async def connect(self, request: web.Request, call: Call) -> web.Response:
         rec, resumed = await self.lc.connect(call.path["sandboxID"], call.body.get("timeout"))
-        return json_response(rec.sandbox(self.lc.creds, self.domain), 201 if resumed else 200)
+        return json_response(rec.sandbox(self.domain), 201 if resumed else 200)
 
     async def resume(self, request: web.Request, call: Call) -> web.Response:
-        rec = await self.lc.resume(call.path["sandboxID"])
-        if call.body.get("timeout") is not None:
-            rec = await self.lc.set_timeout(rec.sandbox_id, call.body["timeout"])
-        return json_response(rec.sandbox(self.lc.creds, self.domain), 201)
+        rec = await self.lc.resume(call.path["sandboxID"], call.body.get("timeout"))
+        return json_response(rec.sandbox(self.domain), 201)
 
     async def pause(self, request: web.Request, call: Call) -> web.Response:
         await self.lc.pause(call.path["sandboxID"])

@@ -62,7 +62,7 @@ class ApiServer:
         self.config = config
         self.metrics = metrics
         self.version = version
-        self.proxy = SandboxProxy(lifecycle, creds, metrics)
+        self.proxy = SandboxProxy(lifecycle, metrics)
         self.control = ControlPlane(lifecycle, metrics, config)
         self.routes = self.control.routes()
         self._runner: web.AppRunner | None = None

@@ -4,14 +4,11 @@
   from ``AENV_API_KEY``, else ``<data-dir>/api-key``, else is generated on
   first start (``e2b_`` + 40 hex digits, so the SDK's format checks pass) and
   written there with mode 0600.
-- The **server secret** (``<data-dir>/server-secret``, 0600, generated once)
-  derives each sandbox's ``envdAccessToken`` as HMAC-SHA256(secret, sandbox
-  id): stable across restarts, nothing per sandbox to store, and one sandbox's
-  token says nothing about another's.
+- Sandboxes' ``envdAccessToken``s are random per sandbox and live in the
+  sandbox records (see lifecycle.py); ``check_token`` compares in constant time.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import secrets
@@ -22,7 +19,6 @@ from aenv_store.errors import ConfigError
 
 API_KEY_ENV = "AENV_API_KEY"
 API_KEY_FILE = "api-key"
-SECRET_FILE = "server-secret"
 
 
 def _read_or_create(path: Path, make: str) -> str:
@@ -61,7 +57,6 @@ def generate_api_key() -> str:
 @dataclass(frozen=True)
 class Credentials:
     api_key: str
-    secret: bytes
     api_key_source: str    # "env" | "file" | "generated" (for the start banner)
 
     @classmethod
@@ -76,14 +71,10 @@ class Credentials:
             source = "file" if existed else "generated"
         if not key or any(c.isspace() for c in key):
             raise ConfigError("the API key must be a non-empty string without spaces")
-        secret = bytes.fromhex(_read_or_create(data_dir / SECRET_FILE, secrets.token_hex(32)))
-        return cls(key, secret, source)
+        return cls(key, source)
 
     def check_api_key(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
 
-    def envd_token(self, sandbox_id: str) -> str:
-        return hmac.new(self.secret, sandbox_id.encode(), hashlib.sha256).hexdigest()
-
-    def check_envd_token(self, sandbox_id: str, given: str | None) -> bool:
-        return given is not None and hmac.compare_digest(given.encode(), self.envd_token(sandbox_id).encode())
+def check_token(expected: str, given: str | None) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())

@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .auth import Credentials
+from .auth import check_token
 from .errors import ApiError
 from .lifecycle import ENVD_PORT, Lifecycle
 from .metrics import Metrics
@@ -73,9 +73,8 @@ def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
 
 
 class SandboxProxy:
-    def __init__(self, lifecycle: Lifecycle, creds: Credentials, metrics: Metrics) -> None:
+    def __init__(self, lifecycle: Lifecycle, metrics: Metrics) -> None:
         self.lifecycle = lifecycle
-        self.creds = creds
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
 
@@ -94,9 +93,9 @@ class SandboxProxy:
 
     async def handle(self, request: web.Request, sid: str, port: int) -> web.StreamResponse:
         t0 = time.monotonic()
-        rec, host_port = await self.lifecycle.target(sid, port)
-        if rec.secure and port == ENVD_PORT and not self.creds.check_envd_token(
-                sid, request.headers.get("X-Access-Token")):
+        view, host_port = await self.lifecycle.target(sid, port)
+        if view.access_token and port == ENVD_PORT and not check_token(
+                view.access_token, request.headers.get("X-Access-Token")):
             raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
         if request.headers.get("Upgrade", "").lower() == "websocket":

@@ -27,6 +27,9 @@ class ServerConfig:
     max_forks: int = 16
     # Log format of the server's request log on stderr: "text" or "json" (JSON lines).
     log_format: str = "text"
+    # What a shutdown does with running sandboxes: "pause" (they come back paused on the
+    # next start, as AgentENV does) or "kill".
+    on_shutdown: str = "pause"
     # Seconds the shutdown waits for in-flight requests before closing them.
     shutdown_grace: float = 5.0
 
@@ -39,6 +42,8 @@ class ServerConfig:
             raise ConfigError("server.default_timeout must be in 0..server.max_timeout")
         if self.max_sandboxes < 1 or not 1 <= self.max_forks <= 100:
             raise ConfigError("server.max_sandboxes must be >= 1 and server.max_forks in 1..100")
+        if self.on_shutdown not in ("pause", "kill"):
+            raise ConfigError(f"server.on_shutdown must be pause or kill, got {self.on_shutdown!r}")
         if self.shutdown_grace < 0:
             raise ConfigError("server.shutdown_grace must be >= 0")
         if self.domain.startswith(".") or "/" in self.domain:

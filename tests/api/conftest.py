@@ -1,0 +1,171 @@
+"""Fixtures for the API tests: a real ``aenv server`` subprocess on a free port.
+
+One data dir is shared by the session (the first server start builds the
+``base`` template into it, later starts find it); each test module starts
+its own server on it (modules run one after another). Stopping a server
+checks that it exits cleanly and leaves no QEMU process behind."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+AENV = [sys.executable, "-m", "aenv_api.cli.main"]
+
+
+def _require(condition: bool, why: str) -> None:
+    if not condition:
+        if os.environ.get("CI"):
+            pytest.fail(f"{why} (required in CI)")
+        pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def qemu_children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == pid and comm.startswith("qemu-system"):
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class Server:
+    url: str
+    api_key: str
+    proc: subprocess.Popen
+    data_dir: Path
+    stderr_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def sdk_env(self) -> dict[str, str]:
+        return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url}
+
+    def log(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+                key: str | None = "default", raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
+        """One HTTP request; (status, headers, parsed JSON body or raw bytes)."""
+        hdrs = dict(headers or {})
+        if key == "default":
+            hdrs["X-API-Key"] = self.api_key
+        elif key is not None:
+            hdrs["X-API-Key"] = key
+        data = raw
+        if body is not None:
+            data = json.dumps(body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=hdrs)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                status, rh, payload = r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            status, rh, payload = e.code, dict(e.headers), e.read()
+        ctype = rh.get("Content-Type", "")
+        return status, rh, json.loads(payload) if payload and "json" in ctype else payload
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            qemus = qemu_children(self.proc.pid)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("aenv server did not stop within 60 s of SIGTERM:\n" + self.log()[-3000:])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in qemus):
+                time.sleep(0.1)
+            left = [p for p in qemus if Path(f"/proc/{p}/stat").exists()
+                    and "qemu" in Path(f"/proc/{p}/stat").read_text()]
+            for p in left:
+                os.kill(p, signal.SIGKILL)
+            assert not left, f"QEMU processes outlived the server: {left}"
+            assert self.proc.returncode == 0, f"server exit code {self.proc.returncode}:\n{self.log()[-3000:]}"
+
+
+def start_server(data_dir: Path, log_dir: Path, *, env: dict[str, str] | None = None, timeout: float = 900.0,
+                 extra_args: tuple[str, ...] = ()) -> Server:
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+    if os.environ.get("AENV_GUEST_CACHE"):
+        full_env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
+    full_env["AENV_VM__POOL_SIZE"] = "1"
+    full_env.update(env or {})
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stderr_path = log_dir / f"server-{port}.log"
+    with open(stderr_path, "wb") as err:
+        proc = subprocess.Popen([*AENV, "server", "--data-dir", str(data_dir), "--port", str(port), *extra_args],
+                                cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    values: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(values) < 3:
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(timeout=10)
+            raise AssertionError(f"aenv server exited ({proc.returncode}) before printing its E2B_* variables:\n"
+                                 + stderr_path.read_text(errors="replace")[-4000:])
+        if line.startswith("export E2B_"):
+            name, _, value = line[len("export "):].strip().partition("=")
+            values[name] = value
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("aenv server did not start in time")
+    proc.stdout.close()
+    assert values["E2B_API_URL"] == values["E2B_SANDBOX_URL"] == f"http://127.0.0.1:{port}"
+    return Server(values["E2B_API_URL"], values["E2B_API_KEY"], proc, data_dir, stderr_path, full_env)
+
+
+@pytest.fixture(scope="session")
+def node_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
+    _require(os.geteuid() == 0, "building the guest image needs root")
+    return tmp_path_factory.mktemp("api-node")
+
+
+@pytest.fixture(scope="module")
+def server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(node_data_dir, tmp_path_factory.mktemp("api-logs"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    """The E2B SDK configured by environment variables only, as a user would."""
+    for name in [n for n in os.environ if n.startswith("E2B_")]:
+        monkeypatch.delenv(name)
+    for name, value in server.sdk_env().items():
+        monkeypatch.setenv(name, value)
+    return server
