@@ -1,5 +1,6 @@
 """A minimal host-side client of the guest's envd (what the sandbox layer needs
-itself: readiness, ``/init``, running one command). The wire format is E2B's
+itself: ``/init``, running a command and moving a file the way the SDK does,
+to warm pooled clones). The wire format is E2B's
 (see reference/e2b-wire.md): Connect over HTTP/1.1 with the JSON codec; a
 server-streaming response is a sequence of ``[flags u8][length u32 BE][JSON]``
 frames ending with a frame whose flags have bit 0x02 set.
@@ -10,7 +11,9 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import secrets
 import struct
+import urllib.parse
 from dataclasses import dataclass
 
 from .qemu.errors import VmError
@@ -67,19 +70,55 @@ def _request(port: int, method: str, path: str, body: bytes, headers: dict[str, 
         conn.close()
 
 
-def init(port: int, body: dict, timeout: float = 10.0) -> None:
-    status, data = _request(port, "POST", "/init", json.dumps(body).encode(),
-                            {"Content-Type": "application/json"}, timeout)
+def _auth(user: str | None, access_token: str | None) -> dict[str, str]:
+    """Headers as the SDK sends them: no Authorization means envd's default user."""
+    headers = {}
+    if user is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+    if access_token:
+        headers["X-Access-Token"] = access_token
+    return headers
+
+
+def init(port: int, body: dict, timeout: float = 10.0, access_token: str | None = None) -> None:
+    """POST /init. ``body`` may carry aenv's ``hostname`` and ``entropy`` (docs/envd.md)."""
+    headers = {"Content-Type": "application/json", **_auth(None, access_token)}
+    status, data = _request(port, "POST", "/init", json.dumps(body).encode(), headers, timeout)
     if not 200 <= status < 300:
         raise EnvdError(f"envd /init answered HTTP {status}: {data[:200]!r}")
 
 
-def run_command(port: int, cmd: str, *, user: str = "root", timeout: float = 30.0) -> CommandResult:
-    """``bash -l -c cmd`` in the guest as ``user``, the way the E2B SDK's commands.run does it."""
-    body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}}})
+def write_file(port: int, path: str, data: bytes, *, user: str | None = None, timeout: float = 30.0,
+               access_token: str | None = None) -> None:
+    """Upload ``data`` to ``path`` as the SDK's ``files.write`` does for bytes (multipart/form-data)."""
+    boundary = secrets.token_hex(16)
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path}\"\r\n"
+            f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
+    headers = {"Content-Type": f"multipart/form-data; boundary={boundary}", **_auth(None, access_token)}
+    status, answer = _request(port, "POST", f"/files?{query}", body, headers, timeout)
+    if status != 200:
+        raise EnvdError(f"envd file upload to {path} answered HTTP {status}: {answer[:200]!r}")
+
+
+def read_file(port: int, path: str, *, user: str | None = None, timeout: float = 30.0,
+              access_token: str | None = None) -> bytes:
+    """``GET /files`` as the SDK's ``files.read`` does."""
+    query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
+    status, data = _request(port, "GET", f"/files?{query}", b"", _auth(None, access_token), timeout)
+    if status != 200:
+        raise EnvdError(f"envd file download of {path} answered HTTP {status}: {data[:200]!r}")
+    return data
+
+
+def run_command(port: int, cmd: str, *, user: str | None = "root", timeout: float = 30.0,
+                access_token: str | None = None) -> CommandResult:
+    """``bash -l -c cmd`` in the guest, the way the E2B SDK's ``commands.run`` does it
+    (same request, same headers); ``user=None`` is the SDK's default: envd's default user."""
+    body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}}, "stdin": False})
     headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
-               "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode(),
-               "Connect-Timeout-Ms": str(int(timeout * 1000))}
+               "Keepalive-Ping-Interval": "50", "Connect-Timeout-Ms": str(int(timeout * 1000)),
+               **_auth(user, access_token)}
     status, data = _request(port, "POST", "/process.Process/Start", body, headers, timeout)
     if status != 200:
         raise EnvdError(f"envd process start answered HTTP {status}: {data[:200]!r}")
