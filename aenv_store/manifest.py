@@ -10,6 +10,8 @@ import struct
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from .errors import CorruptData
 from .ids import DIGEST_SIZE, Digest
 
@@ -67,6 +69,10 @@ class Manifest:
 
     def validate(self) -> None:
         """Raise ValueError if the manifest breaks a rule of the format."""
+        self._validate_header()
+        self._validate_extents()
+
+    def _validate_header(self) -> None:
         check_chunk_size(self.chunk_size)
         if not isinstance(self.size, int) or self.size < 0 or self.size >= 1 << 63:
             raise ValueError(f"bad manifest size {self.size!r}")
@@ -86,6 +92,8 @@ class Manifest:
             if prev_key is not None and k <= prev_key:
                 raise ValueError("meta keys must be unique and sorted")
             prev_key = k
+
+    def _validate_extents(self) -> None:
         end = 0
         cs = self.chunk_size
         for e in self.extents:
@@ -196,25 +204,59 @@ def _decode(mv: memoryview) -> Manifest:
     pos += 8
     if next_ > len(mv):
         raise ValueError("extent count too large")
-    extents = []
+    extents: list[Extent] = []
     unpack = _EXT.unpack_from
     raw = mv.obj if isinstance(mv.obj, bytes) else bytes(mv)
-    for _ in range(next_):
+    mk_digest = bytes.__new__  # ids sliced from the buffer are 32 bytes by construction
+    offs: list[int] = []
+    lens: list[int] = []
+    data_at: list[int] = []
+    for i in range(next_):
         kind, off, ln = unpack(mv, pos)
         pos += _EXT.size
+        offs.append(off)
+        lens.append(ln)
         if kind == KIND_ZERO:
             extents.append(Extent(off, ln, None))
         elif kind == KIND_DATA:
             if pos + DIGEST_SIZE > len(raw):
                 raise ValueError("truncated extent")
-            extents.append(Extent(off, ln, Digest(raw[pos:pos + DIGEST_SIZE])))
+            extents.append(Extent(off, ln, mk_digest(Digest, raw[pos:pos + DIGEST_SIZE])))
+            data_at.append(i)
             pos += DIGEST_SIZE
         else:
             raise ValueError(f"unknown extent kind {kind}")
     if pos != len(mv):
         raise ValueError(f"{len(mv) - pos} trailing bytes")
-    return Manifest(media_type=media_type, size=size, extents=tuple(extents), parent=parent,
-                    chunk_size=chunk_size, meta=tuple(meta))
+    m = object.__new__(Manifest)
+    for name, value in (("media_type", media_type), ("size", size), ("extents", tuple(extents)),
+                        ("parent", parent), ("chunk_size", chunk_size), ("meta", tuple(meta))):
+        object.__setattr__(m, name, value)
+    m._validate_header()
+    _check_extent_arrays(offs, lens, data_at, size, chunk_size)
+    return m
+
+
+def _check_extent_arrays(offs: list[int], lens: list[int], data_at: list[int], size: int, cs: int) -> None:
+    """The extent rules of Manifest._validate_extents, vectorised (decoding a
+    manifest of an 8 GiB memory image checks 131k extents)."""
+    if not offs:
+        return
+    o = np.array(offs, dtype=np.uint64)
+    n = np.array(lens, dtype=np.uint64)
+    # size < 2**63, so once offset and length are each <= size their sum cannot wrap
+    if (n == 0).any() or (o > size).any() or (n > size).any():
+        raise ValueError("extents must be non-empty and inside the artifact")
+    ends = o + n
+    if (ends > size).any():
+        raise ValueError(f"extent beyond size {size}")
+    if (o[1:] < ends[:-1]).any():
+        raise ValueError("extents must be sorted and non-overlapping")
+    if data_at:
+        d = np.array(data_at, dtype=np.intp)
+        do, de, dn = o[d], ends[d], n[d]
+        if (dn > cs).any() or (do // np.uint64(cs) != (de - np.uint64(1)) // np.uint64(cs)).any():
+            raise ValueError(f"a data extent crosses a {cs}-byte chunk boundary")
 
 
 def _take(mv: memoryview, pos: int, n: int) -> bytes:
