@@ -239,13 +239,16 @@ class SandboxManager:
         self._schedule_refill(tpl)
         try:
             ti = time.monotonic()
-            body: dict = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+            # The clock was set with the identity at restore and has run since: /init is
+            # needed only for env vars and tokens (an empty one would cost a round trip).
+            body: dict = {}
             if env_vars:
                 body["envVars"] = env_vars
             old = self._life.template_token(tpl)
             if access_token or old:  # a snapshot's token is replaced (or cleared), never inherited
                 body["accessToken"] = access_token or ""
-            await asyncio.to_thread(envd_init, sbx.envd_port, body, **({"access_token": old} if old else {}))
+            if body:
+                await asyncio.to_thread(envd_init, sbx.envd_port, body, **({"access_token": old} if old else {}))
         except BaseException:
             await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
             raise
