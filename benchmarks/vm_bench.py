@@ -1,22 +1,29 @@
 """MicroVM sandboxes: cold boot vs create-from-template, warm pool, host memory.
 
-    sudo .venv/bin/python benchmarks/vm_bench.py [--creates 20] [--cold 3] [--idle 10] [--markdown]
+    sudo .venv/bin/python benchmarks/vm_bench.py [--creates 20] [--cold 3] [--idle 10] [--tcg-tb-mib N] [--markdown]
 
 One run: builds (or finds cached) the guest, builds a template in a temporary
 store, then measures
   * cold boot of the base image (root disk over aenv's NBD server) to envd /health;
   * create-from-template to the first successful ``commands.run("true")``
     through the real e2b SDK, without the pool (split into QEMU start, device
-    state load, first envd answer, /init, first command) and with a warm pool
-    (the pool is allowed to refill between creates);
+    state load, first envd answer, identity /init, /init, first command) and
+    with a warm pool (the pool is allowed to refill between creates), plus the
+    CPU time the sandbox's QEMU used over that span (load-independent) and
+    the host's load average;
   * host memory: PSS (``/proc/PID/smaps_rollup``) of one idle sandbox alone,
-    then summed over ``--idle`` idle sandboxes from the same template.
+    then summed over ``--idle`` idle sandboxes from the same template. Every
+    sandbox measured was created without the pool and ran one
+    ``commands.run("true")`` through the SDK, then sat idle for 2 s; one
+    sandbox's PSS is split by mapping (TCG code buffer, template memory file:
+    pages it wrote and pages it shares, the rest of QEMU).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -58,14 +65,55 @@ def pss_kib_without_tcg(pid: int) -> int:
     return total
 
 
-def first_command(sbx: Sandbox) -> float:
+def pss_split_kib(pid: int) -> dict[str, int]:
+    """One QEMU's PSS by mapping: TCG's code buffer (anonymous rwx), the template's
+    memory file (pages this clone wrote = private COW, the rest shared page cache),
+    everything else (QEMU's heap and TCG state, binaries, libraries)."""
+    out = {"tcg_code": 0, "guest_written": 0, "guest_shared": 0, "qemu_other": 0}
+    kind = "qemu_other"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            if fields[1] == "rwxp" and len(fields) == 5:
+                kind = "tcg_code"
+            elif len(fields) > 5 and fields[5].endswith("/memory"):
+                kind = "guest"
+            else:
+                kind = "qemu_other"
+        elif kind == "guest" and line.startswith("Pss:"):
+            out["guest_shared"] += int(fields[1])
+        elif kind == "guest" and line.startswith("Private_Dirty:"):
+            out["guest_written"] += int(fields[1])
+            out["guest_shared"] -= int(fields[1])
+        elif line.startswith("Pss:"):
+            out[kind] += int(fields[1])
+    return out
+
+
+def cpu_ms(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), ms."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def first_command(sbx: Sandbox, token: str | None = None) -> float:
     from e2b import Sandbox as E2BSandbox
 
     t0 = time.perf_counter()
-    client = E2BSandbox.create(debug=True, sandbox_url=sbx.envd_url, api_key="bench")
-    result = client.commands.run("true")
+    if token is None:
+        client = E2BSandbox.create(debug=True, sandbox_url=sbx.envd_url, api_key="bench")
+    else:  # what Sandbox.create does with the API's answer for a secured sandbox
+        from e2b.connection_config import ConnectionConfig
+        from e2b.envd.versions import ENVD_DEBUG_FALLBACK
+
+        config = ConnectionConfig(debug=True, sandbox_url=sbx.envd_url, api_key="bench",
+                                  extra_sandbox_headers={"X-Access-Token": token})
+        client = E2BSandbox(sandbox_id=sbx.id, sandbox_domain=None, envd_version=ENVD_DEBUG_FALLBACK,
+                            envd_access_token=token, connection_config=config)
+    cmd = "true" if token is None else '[ "$BENCH" = 1 ]'  # /init's env var arrived (a builtin, as cheap)
+    result = client.commands.run(cmd)
     if result.exit_code != 0:
-        raise BenchError(f"commands.run('true') exited {result.exit_code}")
+        raise BenchError(f"commands.run({cmd!r}) exited {result.exit_code}")
     return time.perf_counter() - t0
 
 
@@ -96,36 +144,61 @@ async def cold_boots(store: Store, guest: GuestImage, tpl: Template, work: Path,
     return out
 
 
-async def creates(mgr: SandboxManager, n: int, pooled: bool) -> list[dict[str, float]]:
+async def creates(mgr: SandboxManager, n: int, pooled: bool, with_init: bool = False) -> list[dict[str, float]]:
+    """``with_init``: create with an env var and an access token, as a create through
+    the API does (the SDK's default is a secured sandbox), so envd /init runs."""
     rows = []
     for i in range(n):
+        warm = 0.0
+        cpu0: float | None = None
         if pooled:
             await mgr.fill_pool("base")  # steady state: the pool had time to refill
+            waiting = mgr.pooled("base")
+            if waiting:
+                assert waiting[0].timing is not None
+                warm, cpu0 = waiting[0].timing.warm, cpu_ms(waiting[0].vm.pid)
         t0 = time.perf_counter()
-        sbx = await mgr.create("base")
-        first = await asyncio.to_thread(first_command, sbx)
+        token = f"tok{i}" if with_init else None
+        sbx = await mgr.create("base", env_vars={"BENCH": "1"} if with_init else None, access_token=token)
+        first = await asyncio.to_thread(first_command, sbx, token)
         total = time.perf_counter() - t0
         t = sbx.timing
         assert t is not None
+        if pooled and not t.from_pool:
+            raise BenchError("the pool was empty at create time")
+        # no pool: CPU since QEMU started (restore included); pool: since create was called
+        cpu = cpu_ms(sbx.vm.pid) - (cpu0 or 0.0)
         rows.append({"qemu_start": t.qemu_start, "state_load": t.state_load, "first_answer": t.first_answer,
-                     "identity": t.identity, "init": t.init, "first_command": first, "total": total, "from_pool": float(t.from_pool)})
+                     "identity": t.identity, "init": t.init, "first_command": first, "total": total,
+                     "from_pool": float(t.from_pool), "warm": warm, "qemu_cpu": cpu / 1000,
+                     "load": os.getloadavg()[0]})
         await mgr.kill(sbx.id)
-        print(f"create {'pool' if pooled else 'no-pool'} {i + 1}/{n}: {total * 1000:.0f} ms", file=sys.stderr)
+        print(f"create {'pool' if pooled else 'no-pool'}{' +init' if with_init else ''} {i + 1}/{n}: "
+              f"{total * 1000:.0f} ms", file=sys.stderr)
     return rows
 
 
-async def memory(mgr: SandboxManager, idle: int) -> tuple[int, int, int, int]:
-    one = await mgr.create("base")
+async def used_sandbox(mgr: SandboxManager) -> Sandbox:
+    """A sandbox as a user has it after creating it and running one command."""
+    sbx = await mgr.create("base")
+    await asyncio.to_thread(first_command, sbx)
+    return sbx
+
+
+async def memory(mgr: SandboxManager, idle: int) -> dict:
+    one = await used_sandbox(mgr)
     await asyncio.sleep(2)
-    single, single_nt = pss_kib(one.vm.pid), pss_kib_without_tcg(one.vm.pid)
+    single, single_nt, split = pss_kib(one.vm.pid), pss_kib_without_tcg(one.vm.pid), pss_split_kib(one.vm.pid)
     await mgr.kill(one.id)
-    sbxs = [await mgr.create("base") for _ in range(idle)]
+    sbxs = [await used_sandbox(mgr) for _ in range(idle)]
     await asyncio.sleep(2)
     total = sum(pss_kib(s.vm.pid) for s in sbxs)
     total_nt = sum(pss_kib_without_tcg(s.vm.pid) for s in sbxs)
+    split_in_ten = pss_split_kib(sbxs[0].vm.pid)
     for s in sbxs:
         await mgr.kill(s.id)
-    return single, total, single_nt, total_nt
+    return {"pss_single_kib": single, "pss_idle_total_kib": total, "pss_single_no_tcg_kib": single_nt,
+            "pss_idle_total_no_tcg_kib": total_nt, "split_single_kib": split, "split_in_group_kib": split_in_ten}
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -139,16 +212,16 @@ async def main_async(args: argparse.Namespace) -> dict:
             tpl = await build_template(store, guest, work / "tpl", alias="base", memory_mib=args.memory_mib)
             template_s = time.perf_counter() - t0
             cold = await cold_boots(store, guest, tpl, work, args.cold)
-            async with SandboxManager(store, guest, work / "node") as mgr:
+            tb = args.tcg_tb_mib
+            async with SandboxManager(store, guest, work / "node", tcg_tb_mib=tb) as mgr:
                 nopool = await creates(mgr, args.creates, pooled=False)
-            async with SandboxManager(store, guest, work / "node-pool", pool_size=args.pool) as mgr:
+            async with SandboxManager(store, guest, work / "node-pool", pool_size=args.pool, tcg_tb_mib=tb) as mgr:
                 pool = await creates(mgr, args.creates, pooled=True)
-            async with SandboxManager(store, guest, work / "node-mem") as mgr:
-                single, total, single_nt, total_nt = await memory(mgr, args.idle)
+                pool_init = await creates(mgr, args.creates, pooled=True, with_init=True)
+            async with SandboxManager(store, guest, work / "node-mem", tcg_tb_mib=tb) as mgr:
+                mem = await memory(mgr, args.idle)
     return {"machine": machine_info(), "template_build_s": template_s, "cold": cold, "nopool": nopool,
-            "pool": pool, "pss_single_kib": single, "pss_idle_total_kib": total, "idle": args.idle,
-            "pss_single_no_tcg_kib": single_nt, "pss_idle_total_no_tcg_kib": total_nt,
-            "memory_mib": args.memory_mib}
+            "pool": pool, "pool_init": pool_init, "idle": args.idle, "memory_mib": args.memory_mib, "tcg_tb_mib": tb, **mem}
 
 
 def report(res: dict, markdown: bool) -> None:
@@ -157,15 +230,23 @@ def report(res: dict, markdown: bool) -> None:
     c = ms(res["cold"])
     rows.append(["cold boot to /health (NBD root)", f"{c['p50']:.0f}", f"{c['p99']:.0f}", int(c["n"])])
     for label, key in (("create → first commands.run, no pool", "nopool"),
-                       ("create → first commands.run, warm pool", "pool")):
+                       ("create → first commands.run, warm pool", "pool"),
+                       ("same, create with env var + access token (/init runs)", "pool_init")):
         s = ms([r["total"] for r in res[key]])
         rows.append([label, f"{s['p50']:.0f}", f"{s['p99']:.0f}", int(s["n"])])
-    for part in ("qemu_start", "state_load", "first_answer", "identity", "init", "first_command"):
+    labels = {"identity": "identity (/init)", "qemu_cpu": "QEMU CPU time, restore to first command done",
+              "warm": "warm-up before hand-out (off the create path)"}
+    for part in ("qemu_start", "state_load", "first_answer", "identity", "init", "first_command", "qemu_cpu"):
         s = ms([r[part] for r in res["nopool"]])
-        rows.append([f"  no pool: {part.replace('_', ' ')}", f"{s['p50']:.0f}", f"{s['p99']:.0f}", int(s["n"])])
-    for part in ("init", "first_command"):
-        s = ms([r[part] for r in res["pool"]])
-        rows.append([f"  pool: {part.replace('_', ' ')}", f"{s['p50']:.0f}", f"{s['p99']:.0f}", int(s["n"])])
+        rows.append([f"  no pool: {labels.get(part, part.replace('_', ' '))}", f"{s['p50']:.0f}", f"{s['p99']:.0f}",
+                     int(s["n"])])
+    labels["qemu_cpu"] = "QEMU CPU time, create to first command done"
+    for key, part in (("pool", "first_command"), ("pool", "qemu_cpu"), ("pool", "warm"), ("pool_init", "init"),
+                      ("pool_init", "first_command"), ("pool_init", "qemu_cpu")):
+        s = ms([r[part] for r in res[key]])
+        what = "pool" if key == "pool" else "pool + /init"
+        rows.append([f"  {what}: {labels.get(part, part.replace('_', ' '))}", f"{s['p50']:.0f}", f"{s['p99']:.0f}",
+                     int(s["n"])])
     header = ["what (ms)", "p50", "p99", "n"]
     ratio = res["pss_idle_total_kib"] / (res["idle"] * res["pss_single_kib"])
     mem = [[f"1 idle sandbox ({res['memory_mib']} MiB guest)", f"{res['pss_single_kib'] / 1024:.1f} MiB"],
@@ -174,16 +255,26 @@ def report(res: dict, markdown: bool) -> None:
            ["ratio", f"{ratio * 100:.0f}%"],
            ["ratio without TCG's code buffer (≈ KVM)",
             f"{res['pss_idle_total_no_tcg_kib'] / (res['idle'] * res['pss_single_no_tcg_kib']) * 100:.0f}%"]]
+    names = {"tcg_code": "TCG translated code (private)", "guest_written": "guest pages written since restore (private COW)",
+             "guest_shared": "template memory pages read (shared page cache)",
+             "qemu_other": "rest of QEMU (heap, TCG tables, binaries, libraries)"}
+    split = [[names[k], f"{res['split_single_kib'][k] / 1024:.1f}", f"{res['split_in_group_kib'][k] / 1024:.1f}"]
+             for k in names]
     if markdown:
         print(markdown_table(rows, header))
         print()
         print(markdown_table(mem, ["host memory (PSS of QEMU)", "value"]))
+        print()
+        print(markdown_table(split, ["one sandbox's PSS (MiB)", "alone", f"one of {res['idle']}"]))
     else:
         print_table(rows, header)
         print_table(mem, ["host memory (PSS of QEMU)", "value"])
+        print_table(split, ["one sandbox's PSS (MiB)", "alone", f"one of {res['idle']}"])
     m = res["machine"]
-    print(f"\n{m['cpus']} × {m['cpu']}, {m['memory']}, load {m['loadavg']}; template build "
-          f"{res['template_build_s']:.1f} s; TCG")
+    loads = [r["load"] for r in res["nopool"] + res["pool"] + res["pool_init"]]
+    print(f"\n{m['cpus']} × {m['cpu']}, {m['memory']}, load average during the creates "
+          f"{min(loads):.1f}-{max(loads):.1f}; template build {res['template_build_s']:.1f} s; TCG, "
+          f"tb-size {res['tcg_tb_mib'] or 'default'}")
 
 
 def main() -> int:
@@ -193,6 +284,7 @@ def main() -> int:
     p.add_argument("--idle", type=int, default=10)
     p.add_argument("--pool", type=int, default=1)
     p.add_argument("--memory-mib", type=int, default=256)
+    p.add_argument("--tcg-tb-mib", type=int, default=None, help="TCG translation buffer (default: QEMU's)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = p.parse_args()
