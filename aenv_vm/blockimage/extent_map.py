@@ -142,6 +142,9 @@ class ExtentMap:
         """Pieces covering [offset, offset+length) as (offset, length, chunk, chunk_offset)."""
         end = min(offset + length, self.size)
         i = bisect.bisect_right(self._starts, offset) - 1
+        if end <= self._ends[i]:      # the common case: one segment (hot path, kept short)
+            c = self._chunks[i]
+            return [(offset, end - offset, c, self._offs[i] + offset - self._starts[i] if c is not None else 0)]
         out = []
         starts, ends, chunks, offs = self._starts, self._ends, self._chunks, self._offs
         pos = offset

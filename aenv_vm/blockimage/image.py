@@ -148,9 +148,9 @@ class BlockImage:
         if self.prefetcher is not None:
             self.prefetcher.on_read(view.map, offset, end - offset)
         up = view.upper
-        if up is not None:
+        if up is not None and up.any_written:
             b0, b1 = offset // BLOCK, (end + BLOCK - 1) // BLOCK
-            if up.states[b0:b1].any():
+            if (up.states[b0] if b1 - b0 == 1 else up.states[b0:b1].any()):
                 if nowait and end - offset > NOWAIT_UPPER_BYTES:
                     return None          # a large local-file read: do it on a pool thread
                 parts = []

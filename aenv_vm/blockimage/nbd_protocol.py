@@ -197,6 +197,7 @@ class NbdServerConnection:
     def __init__(self, exports: ExportDirectory) -> None:
         self._exports = exports
         self._in = bytearray()
+        self._pos = 0     # consumed prefix of _in (dropped lazily: no memmove per request)
         self._out = bytearray()
         self.state = State.CLIENT_FLAGS
         self.no_zeroes = False
@@ -211,7 +212,19 @@ class NbdServerConnection:
     def receive_data(self, data: bytes) -> None:
         if self.state is State.CLOSED:
             return
+        if self._pos == len(self._in):
+            self._in.clear()
+            self._pos = 0
         self._in += data
+
+    def _avail(self) -> int:
+        return len(self._in) - self._pos
+
+    def _consume(self, n: int) -> None:
+        self._pos += n
+        if self._pos >= 65536 and self._pos * 2 >= len(self._in):
+            del self._in[:self._pos]
+            self._pos = 0
 
     def data_to_send(self) -> bytes:
         out = bytes(self._out)
@@ -240,10 +253,10 @@ class NbdServerConnection:
                         return NEED_DATA
                     continue
                 if self.state is State.CLIENT_FLAGS:
-                    if len(self._in) < 4:
+                    if self._avail() < 4:
                         return NEED_DATA
-                    (flags,) = struct.unpack_from(">I", self._in)
-                    del self._in[:4]
+                    (flags,) = struct.unpack_from(">I", self._in, self._pos)
+                    self._consume(4)
                     if not flags & FLAG_FIXED_NEWSTYLE or flags & ~CLIENT_FLAGS_KNOWN:
                         raise ProtocolViolation(f"unsupported client flags {flags:#x}")
                     self.no_zeroes = bool(flags & FLAG_NO_ZEROES)
@@ -259,11 +272,12 @@ class NbdServerConnection:
         except ProtocolViolation as e:
             self.state = State.CLOSED
             self._in.clear()
+            self._pos = 0
             return Closed(str(e))
 
     def _drain(self) -> bool:
-        n = min(self._skip, len(self._in))
-        del self._in[:n]
+        n = min(self._skip, self._avail())
+        self._consume(n)
         self._skip -= n
         if self._skip:
             return False
@@ -281,9 +295,9 @@ class NbdServerConnection:
         self._out += _OPT_REPLY.pack(REPLY_MAGIC_OPT, opt, rtype, len(data)) + data
 
     def _option(self) -> Event | None | NeedData:
-        if len(self._in) < _OPT_HDR.size:
+        if self._avail() < _OPT_HDR.size:
             return NEED_DATA
-        magic, opt, length = _OPT_HDR.unpack_from(self._in)
+        magic, opt, length = _OPT_HDR.unpack_from(self._in, self._pos)
         if magic != IHAVEOPT:
             raise ProtocolViolation(f"bad option magic {magic:#x}")
         self._options_seen += 1
@@ -292,13 +306,14 @@ class NbdServerConnection:
         if length > MAX_OPTION_LENGTH:
             if opt == Opt.EXPORT_NAME:
                 raise ProtocolViolation("export name too long")
-            del self._in[:_OPT_HDR.size]
+            self._consume(_OPT_HDR.size)
             self._skip, self._skip_opt = length, opt
             return None
-        if len(self._in) < _OPT_HDR.size + length:
+        if self._avail() < _OPT_HDR.size + length:
             return NEED_DATA
-        payload = bytes(self._in[_OPT_HDR.size:_OPT_HDR.size + length])
-        del self._in[:_OPT_HDR.size + length]
+        start = self._pos + _OPT_HDR.size
+        payload = bytes(self._in[start:start + length])
+        self._consume(_OPT_HDR.size + length)
         return self._handle_option(opt, payload)
 
     def _handle_option(self, opt: int, payload: bytes) -> Event | None:
@@ -369,9 +384,9 @@ class NbdServerConnection:
 
     # --- transmission ---------------------------------------------------
     def _request(self) -> Event | None | NeedData:
-        if len(self._in) < _REQ.size:
+        if self._avail() < _REQ.size:
             return NEED_DATA
-        magic, flags, ctype, handle, offset, length = _REQ.unpack_from(self._in)
+        magic, flags, ctype, handle, offset, length = _REQ.unpack_from(self._in, self._pos)
         if magic != REQUEST_MAGIC:
             raise ProtocolViolation(f"bad request magic {magic:#x}")
         info = self.export
@@ -380,17 +395,18 @@ class NbdServerConnection:
             err = self._check(info, Cmd.WRITE, offset, length)
             if err:
                 # The payload follows regardless: drain it, then answer.
-                del self._in[:_REQ.size]
+                self._consume(_REQ.size)
                 self._skip, self._skip_reply = length, (handle, err)
                 if length == 0:
                     self._out += self.reply_header(handle, err)
                 return None
-            if len(self._in) < _REQ.size + length:
+            if self._avail() < _REQ.size + length:
                 return NEED_DATA
-            data = bytes(self._in[_REQ.size:_REQ.size + length])
-            del self._in[:_REQ.size + length]
+            start = self._pos + _REQ.size
+            data = bytes(self._in[start:start + length])
+            self._consume(_REQ.size + length)
             return Request(Cmd.WRITE, flags, handle, offset, length, data)
-        del self._in[:_REQ.size]
+        self._consume(_REQ.size)
         if ctype == Cmd.DISC:
             self.state = State.CLOSED
             return Closed(None)

@@ -77,6 +77,8 @@ class UpperLayer:
         os.ftruncate(self.fd, self.nblocks * BLOCK)
         self._dirty = create
         self._lock = threading.Lock()
+        # False until a block is written or zeroed: lets reads skip the block map entirely
+        self.any_written = bool(self.states.any())
 
     # --- persistence ---------------------------------------------------
     def _load_map(self) -> None:
@@ -135,6 +137,7 @@ class UpperLayer:
     def write_blocks(self, offset: int, data: bytes | memoryview) -> None:
         assert offset % BLOCK == 0 and len(data) % BLOCK == 0
         os.pwrite(self.fd, data, offset)
+        self.any_written = True
         b0 = offset // BLOCK
         self.states[b0:b0 + len(data) // BLOCK] = DATA
         self._dirty = True
@@ -142,6 +145,7 @@ class UpperLayer:
     def zero_blocks(self, offset: int, length: int) -> None:
         assert offset % BLOCK == 0 and length % BLOCK == 0
         b0 = offset // BLOCK
+        self.any_written = True
         self.states[b0:b0 + length // BLOCK] = ZERO
         _punch_hole(self.fd, offset, length)
         self._dirty = True
