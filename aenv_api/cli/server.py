@@ -69,6 +69,9 @@ def cmd_server(args: argparse.Namespace) -> int:
     access.addHandler(handler)
     access.propagate = False
     access.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    # aiohttp logs requests its HTTP parser rejects (NUL in a header, ...) with a traceback;
+    # the client already got its 400, and every handler error is logged by the app itself.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     return asyncio.run(_serve(cfg, server_cfg, creds))
 
 

@@ -35,6 +35,7 @@ from .settings import ServerConfig
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("aenv.server.access")
 
+MAX_LINE = 64 << 10
 MAX_BODY = 1 << 20  # control-plane bodies; proxied bodies stream and have no limit here
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -155,8 +156,11 @@ class ApiServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port`` 0 picks a free one)."""
+        # Request lines and headers up to 64 KiB: the list filters' own limits (schemas.py)
+        # then answer in JSON instead of the HTTP parser's plain-text 400.
         self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False,
-                                     shutdown_timeout=self.config.shutdown_grace)
+                                     shutdown_timeout=self.config.shutdown_grace,
+                                     max_line_size=MAX_LINE, max_field_size=MAX_LINE)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await self._site.start()

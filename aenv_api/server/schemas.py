@@ -287,9 +287,9 @@ SNAPSHOT = Schema("SandboxSnapshotRequest", (
     Field("name", "string", max_length=128, description="optional snapshot name"),))
 REFRESH = Schema("SandboxRefreshRequest", (Field("duration", "integer", minimum=0, maximum=3600),))
 
-LIST_V1 = Schema("ListQueryV1", (Field("metadata", "string", max_length=16384),))
+LIST_V1 = Schema("ListQueryV1", (Field("metadata", "string", max_length=2048),))
 LIST_V2 = Schema("ListQueryV2", (
-    Field("metadata", "string", max_length=16384,
+    Field("metadata", "string", max_length=2048,
           description="URL-encoded form of key=value pairs, keys and values URL-encoded again"),
     Field("state", "states", enum=STATES),
     Field("order", "string", enum=("asc", "desc")),
