@@ -1,0 +1,137 @@
+"""Pure parts of the API server: schemas, the metadata filter, pagination tokens,
+host routing, credentials, metrics text, the generated OpenAPI document."""
+from __future__ import annotations
+
+import os
+import stat
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, strategies as st
+from multidict import MultiDict
+
+from aenv_api.server.auth import Credentials, check_token
+from aenv_api.server.errors import ApiError
+from aenv_api.server.lifecycle import decode_token, encode_token, page, parse_metadata_filter
+from aenv_api.server.metrics import Metrics
+from aenv_api.server.proxy import parse_host
+from aenv_api.server.schemas import LIST_V2, NewSandbox, new_sandbox_schema
+
+NEW = new_sandbox_schema(86400)
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+                           max_leaves=12)
+
+
+@given(st.dictionaries(st.sampled_from([f.name for f in NEW.fields] + ["other"]), json_values, max_size=8)
+       | json_values)
+def test_new_sandbox_parse_accepts_or_says_why(raw: Any) -> None:
+    try:
+        values = NEW.parse_body(raw)
+    except ApiError as e:
+        assert e.status == 400 and e.message
+        return
+    req = NewSandbox(**values)
+    assert isinstance(req.template_id, str) and len(req.template_id) <= 256
+    assert req.timeout is None or (isinstance(req.timeout, int) and 0 <= req.timeout <= 86400)
+    assert req.metadata is None or all(isinstance(v, str) for v in req.metadata.values())
+    assert req.auto_resume in (None, True, False)
+
+
+def test_new_sandbox_examples() -> None:
+    ok = NEW.parse_body({"templateID": "base", "timeout": 60.0, "autoResume": {"enabled": True},
+                         "metadata": {"k": "v"}, "futureField": [1]})  # unknown fields are ignored
+    assert ok["timeout"] == 60 and ok["auto_resume"] is True and ok["metadata"] == {"k": "v"}
+    for bad, word in [({}, "templateID"), ({"templateID": 1}, "templateID"),
+                      ({"templateID": "b", "timeout": True}, "timeout"),
+                      ({"templateID": "b", "timeout": 86401}, "timeout"),
+                      ({"templateID": "b", "envVars": {"A": "\x00"}}, "NUL")]:
+        with pytest.raises(ApiError, match=word):
+            NEW.parse_body(bad)
+
+
+@given(st.dictionaries(st.sampled_from(["state", "limit", "nextToken", "order", "startedAfter", "x"]),
+                       st.lists(st.text(max_size=20), min_size=1, max_size=3)))
+def test_query_parse_never_crashes(raw: dict[str, list[str]]) -> None:
+    q: MultiDict[str] = MultiDict()
+    for k, vs in raw.items():
+        for v in vs:
+            q.add(k, v)
+    try:
+        LIST_V2.parse_query(q)
+    except ApiError as e:
+        assert e.status == 400
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=20), st.text(max_size=20), min_size=1, max_size=5))
+def test_metadata_filter_decodes_what_the_sdk_encodes(metadata: dict[str, str]) -> None:
+    # e2b's paginator: quote keys and values, urlencode the pairs; the HTTP client
+    # then encodes that value once more in the query string, which aiohttp decodes.
+    sent = urllib.parse.urlencode({urllib.parse.quote(k): urllib.parse.quote(v) for k, v in metadata.items()})
+    wire = urllib.parse.urlencode({"metadata": sent})
+    received = urllib.parse.parse_qs(wire)["metadata"][0]
+    assert parse_metadata_filter(received) == metadata
+
+
+@given(st.floats(min_value=0, max_value=2e9), st.text(max_size=30))
+def test_page_token_round_trip(started: float, sid: str) -> None:
+    assert decode_token(encode_token(started, sid)) == (started, sid)
+
+
+@given(st.text(max_size=60))
+def test_bad_page_tokens_are_400(token: str) -> None:
+    try:
+        decode_token(token)
+    except ApiError as e:
+        assert e.status == 400
+
+
+def test_keyset_pagination_walks_everything_once() -> None:
+    items = [(float(i % 3), f"s{i}") for i in range(10)]
+    seen: list[tuple[float, str]] = []
+    token = None
+    while True:
+        out, token = page(items, lambda x: x, True, 3, token)
+        seen += out
+        if token is None:
+            break
+    assert sorted(seen) == sorted(items) and len(seen) == len(set(seen))
+    assert seen == sorted(items, reverse=True)
+
+
+@pytest.mark.parametrize("host, expected", [
+    ("49983-sbx-1.aenv.local", ("sbx-1", 49983)), ("8080-sbx-2.AENV.local:8000", ("sbx-2", 8080)),
+    ("sbx-1.aenv.local", None), ("49983-.aenv.local", None), ("x-sbx.aenv.local", None),
+    ("49983-sbx-1.other.local", None), ("49983-a.b.aenv.local", None), ("", None)])
+def test_parse_host(host: str, expected: tuple[str, int] | None) -> None:
+    assert parse_host(host, "aenv.local") == expected
+    assert parse_host(host, "") is None
+
+
+def test_api_key_generated_once_with_mode_0600(tmp_path: Path) -> None:
+    a = Credentials.load(tmp_path, environ={})
+    assert a.api_key.startswith("e2b_") and len(a.api_key) == 44 and a.api_key_source == "generated"
+    assert stat.S_IMODE(os.stat(tmp_path / "api-key").st_mode) == 0o600
+    b = Credentials.load(tmp_path, environ={})
+    assert b.api_key == a.api_key and b.api_key_source == "file"
+    c = Credentials.load(tmp_path, environ={"AENV_API_KEY": "e2b_custom"})
+    assert c.api_key == "e2b_custom" and c.check_api_key("e2b_custom") and not c.check_api_key("e2b_other")
+    assert not c.check_api_key(None)
+    assert check_token("t", "t") and not check_token("t", "u") and not check_token("t", None)
+
+
+def test_metrics_text_format() -> None:
+    m = Metrics()
+    m.inc("aenv_x_total", (("route", 'a"b'),), help="x")
+    m.observe("aenv_lat_seconds", 0.03, (("op", "create"),))
+    m.observe("aenv_lat_seconds", 100.0, (("op", "create"),))
+    m.gauge("aenv_g", lambda: [((("state", "running"),), 2.0)], "g")
+    m.gauge("aenv_broken", lambda: 1 / 0)  # type: ignore[arg-type,return-value]
+    text = m.render()
+    assert '# TYPE aenv_x_total counter\naenv_x_total{route="a\\"b"} 1' in text
+    assert 'aenv_lat_seconds_bucket{op="create",le="0.05"} 1' in text
+    assert 'aenv_lat_seconds_bucket{op="create",le="+Inf"} 2' in text
+    assert 'aenv_lat_seconds_count{op="create"} 2' in text
+    assert 'aenv_g{state="running"} 2' in text and "aenv_broken unavailable" in text
