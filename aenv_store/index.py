@@ -144,12 +144,14 @@ class MergedIndex:
     def __init__(self) -> None:
         self._packs: list[Digest] = []
         self._pack_no: dict[bytes, int] = {}
-        self._keys = np.zeros(0, dtype=np.uint64)  # first 8 id bytes as an integer, sorted
-        self._cols: dict[str, np.ndarray] = {name: np.zeros(0, dtype=dt) for name, dt in _COLUMNS}
+        # (keys, columns), swapped as one tuple so lock-free readers never see a
+        # new key array with old columns. keys: first 8 id bytes as integers, sorted.
+        self._table: tuple[np.ndarray, dict[str, np.ndarray]] = (
+            np.zeros(0, dtype=np.uint64), {name: np.zeros(0, dtype=dt) for name, dt in _COLUMNS})
         self._overlay: dict[bytes, IndexEntry] = {}
 
     def __len__(self) -> int:
-        return len(self._keys) + len(self._overlay)
+        return len(self._table[0]) + len(self._overlay)
 
     @property
     def packs(self) -> list[Digest]:
@@ -158,7 +160,8 @@ class MergedIndex:
     def add_files(self, files: Iterable[IndexFile]) -> None:
         files = list(files)
         small = sum(len(f) for f in files)
-        if len(self._keys) > OVERLAY_MAX and small * 10 < len(self._keys):
+        rows = len(self._table[0])
+        if rows > OVERLAY_MAX and small * 10 < rows:
             # a few new files (another process's commits) on a big table: re-sorting the
             # table would cost far more than keeping them in the overlay dict
             for f in files:
@@ -167,8 +170,9 @@ class MergedIndex:
         self._merge(files)
 
     def _merge(self, files: list[IndexFile]) -> None:
-        keys = [self._keys]
-        cols: dict[str, list[np.ndarray]] = {name: [self._cols[name]] for name, _ in _COLUMNS}
+        old_keys, old_cols = self._table
+        keys = [old_keys]
+        cols: dict[str, list[np.ndarray]] = {name: [old_cols[name]] for name, _ in _COLUMNS}
         for f in files:
             t = f.table
             remap = np.array([self._intern(p) for p in f.packs], dtype=np.uint32)
@@ -178,12 +182,12 @@ class MergedIndex:
                 cols[name].append(remap[col] if name == "pack" and len(t) else col.astype(dt))
         all_keys = np.concatenate(keys)
         order = np.argsort(all_keys, kind="stable")
-        self._keys = all_keys[order]
-        self._cols = {name: np.take(np.concatenate(parts), order, axis=0) for name, parts in cols.items()}
+        self._table = (all_keys[order],
+                       {name: np.take(np.concatenate(parts), order, axis=0) for name, parts in cols.items()})
 
-    def _row(self, i: int) -> IndexEntry:
-        c = self._cols
-        chunk = Digest(int(self._keys[i]).to_bytes(8, "big") + bytes(c["rest"][i]))
+    def _row(self, table: tuple[np.ndarray, dict[str, np.ndarray]], i: int) -> IndexEntry:
+        keys, c = table
+        chunk = Digest(int(keys[i]).to_bytes(8, "big") + bytes(c["rest"][i]))
         return IndexEntry(chunk, self._packs[int(c["pack"][i])], int(c["offset"][i]), int(c["length"][i]),
                           int(c["raw_length"][i]))
 
@@ -191,12 +195,29 @@ class MergedIndex:
         for e in entries:
             self._intern(e.pack)
             self._overlay.setdefault(bytes(e.chunk), e)
-        if len(self._overlay) > max(OVERLAY_MAX, len(self._keys) // 4):
+        if len(self._overlay) > max(OVERLAY_MAX, len(self._table[0]) // 4):
             # a long-lived process keeps committing: fold the dict into the columns
-            # (about 200 bytes per dict entry vs 52 in the table)
-            folded = decode_index(encode_index(self._overlay.values()))
+            # (about 200 bytes per dict entry vs 52 in the table); merge first, so a
+            # concurrent lookup always finds the entries in one place or the other
+            self._merge([decode_index(encode_index(self._overlay.values()))])
             self._overlay = {}
-            self._merge([folded])
+
+    def drop_pack(self, pack: bytes) -> int:
+        """Forget every entry pointing into ``pack`` (it was deleted, e.g. by gc
+        after a repack); returns how many. Index files loaded later may list the
+        chunks again in their new packs."""
+        no = self._pack_no.get(bytes(pack))
+        dropped = 0
+        if no is not None:
+            keys, cols = self._table
+            keep = cols["pack"] != no
+            dropped = int(len(keys) - keep.sum())
+            if dropped:
+                self._table = (keys[keep], {name: col[keep] for name, col in cols.items()})
+        stale = [c for c, e in self._overlay.items() if bytes(e.pack) == bytes(pack)]
+        for c in stale:
+            self._overlay.pop(c, None)
+        return dropped + len(stale)
 
     def _intern(self, pack: Digest) -> int:
         raw = bytes(pack)
@@ -211,16 +232,17 @@ class MergedIndex:
         hit = self._overlay.get(bytes(chunk))
         if hit is not None:
             return hit
-        keys = self._keys
+        table = self._table
+        keys = table[0]
         if not len(keys):
             return None
         key = int.from_bytes(chunk[:8], "big")
         i = int(np.searchsorted(keys, np.uint64(key), side="left"))
         rest = bytes(chunk[8:])
-        rests = self._cols["rest"]
+        rests = table[1]["rest"]
         while i < len(keys) and int(keys[i]) == key:
             if bytes(rests[i]) == rest:
-                return self._row(i)
+                return self._row(table, i)
             i += 1
         return None
 
@@ -230,16 +252,17 @@ class MergedIndex:
     def summary(self) -> tuple[int, int]:
         """(distinct chunks, their plaintext bytes), without materialising entries.
         Rows are told apart by their 8-byte key (a collision only skews a statistic)."""
-        keys = self._keys
+        keys, cols = self._table
         first = np.ones(len(keys), dtype=bool)
         if len(keys) > 1:
             first[1:] = keys[1:] != keys[:-1]
         seen = {int(k) for k in keys[first]} if self._overlay else set()
         extra = [e for c, e in self._overlay.items() if int.from_bytes(c[:8], "big") not in seen]
         return (int(first.sum()) + len(extra),
-                int(self._cols["raw_length"][first].sum(dtype=np.uint64)) + sum(e.raw_length for e in extra))
+                int(cols["raw_length"][first].sum(dtype=np.uint64)) + sum(e.raw_length for e in extra))
 
     def entries(self) -> Iterable[IndexEntry]:
-        for i in range(len(self._keys)):
-            yield self._row(i)
-        yield from self._overlay.values()
+        table = self._table
+        for i in range(len(table[0])):
+            yield self._row(table, i)
+        yield from list(self._overlay.values())

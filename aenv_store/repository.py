@@ -164,11 +164,19 @@ class Repository:
 
     def refresh_index(self) -> int:
         """Load index files not loaded yet (e.g. written by other processes).
-        Corrupt ones are skipped and remembered in ``bad_index_files``."""
+        Corrupt ones are skipped and remembered in ``bad_index_files``.
+
+        If an index file we loaded is gone, gc has replaced it (its packs may be
+        deleted or repacked): the merged index is then rebuilt from the files
+        that exist now, so no stale entry makes a writer skip uploading a chunk
+        that no longer exists ("dedup against a ghost")."""
         with self._lock:
+            listed = list(self.backend.list(INDEX))
+            rebuild = bool(self._loaded_index - {info.key for info in listed})
+            loaded = set() if rebuild else self._loaded_index
             files: list[IndexFile] = []
-            for info in self.backend.list(INDEX):
-                if info.key in self._loaded_index or info.key in self.bad_index_files:
+            for info in listed:
+                if info.key in loaded or info.key in self.bad_index_files:
                     continue
                 try:
                     data = self.backend.get(info.key)
@@ -182,7 +190,14 @@ class Repository:
                     log.warning("skipping index file %s: %s", info.key, e)
                     self.bad_index_files[info.key] = str(e)
                     continue
-                self._loaded_index.add(info.key)
+                loaded.add(info.key)
+            if rebuild:
+                index = MergedIndex()
+                index.add_files(files)
+                # swapped whole: lock-free lookups see the old or the new index, never half
+                self.index, self._loaded_index = index, loaded
+                log.info("index files were replaced (gc); reloaded %d index files", len(files))
+                return max(1, len(files))
             if files:
                 self.index.add_files(files)
             return len(files)
@@ -295,7 +310,26 @@ class Repository:
             entry = self.index.lookup(chunk)
         if entry is None:
             raise NotFound(f"chunk {bytes(chunk).hex()} is not in the repository index")
-        return self.read_chunk_entry(entry, dctx)
+        try:
+            return self.read_chunk_entry(entry, dctx)
+        except NotFound:
+            # the pack went away after we loaded the index (gc repacked its live
+            # chunks elsewhere): forget it, load newer index files, try once more
+            self.pack_gone(entry.pack)
+            moved = self.index.lookup(chunk)
+            if moved is None:
+                raise NotFound(f"chunk {bytes(chunk).hex()}: its pack {entry.pack.hex()} is gone "
+                               "and no index lists it elsewhere") from None
+            return self.read_chunk_entry(moved, dctx)
+
+    def pack_gone(self, pack: bytes) -> None:
+        """A pack named by the index is missing: drop its entries, reload index files."""
+        if self.backend.exists(pack_key(pack)):
+            return
+        with self._lock:
+            dropped = self.index.drop_pack(pack)
+        log.info("pack %s is gone: dropped %d index entries", bytes(pack).hex(), dropped)
+        self.refresh_index()
 
     # -- manifests ---------------------------------------------------------------
 

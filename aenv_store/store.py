@@ -218,7 +218,10 @@ class Store:
                 (self.read_chunk(c) if cache else self.read_chunk_uncached(c)) for c in cids]
 
     def _fetch_run(self, run: list[IndexEntry], cache: bool) -> list[bytes]:
-        datas = self.repository.read_run(run, self._dctx())
+        try:
+            datas = self.repository.read_run(run, self._dctx())
+        except NotFound:  # pack gone (gc repack): chunk by chunk, which re-resolves them
+            datas = [self.repository.read_chunk(e.chunk, self._dctx()) for e in run]
         if cache and self.cache is not None:
             for e, data in zip(run, datas):
                 self.cache.put(e.chunk, data)

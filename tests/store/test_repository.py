@@ -289,3 +289,39 @@ def test_batched_reads_match_single_reads_and_detect_corruption(settings_factory
     with Store.open(settings_factory("cold2")) as cold:
         with pytest.raises(CorruptData, match="does not match its id"):
             cold.open_blob(mid).read(0, len(data))
+
+
+def test_reader_survives_a_repack_behind_its_back(settings_factory, tmp_path: Path) -> None:
+    """A long-lived Store loaded the index; then, as gc's repack does, the chunks
+    are rewritten into a new pack (+ index) and the old pack and index deleted."""
+    import zstandard
+
+    from aenv_store import pack as packfmt
+    from aenv_store.index import IndexEntry, encode_index
+    from aenv_store.repository import index_key
+
+    data = os.urandom(30_000)
+    with Store.open(settings_factory(), create=True) as store:
+        mid = write_blob(store, data, "r")
+    repo_dir = tmp_path / "repo"
+    with Store.open(settings_factory("reader")) as reader:
+        assert len(reader.repository.index) == 8
+        [old_pack] = [p for p in (repo_dir / "packs").rglob("*") if p.is_file()]
+        [old_index] = list((repo_dir / "index").iterdir())
+        # the repack: same chunks, reverse order, so a new pack id
+        old_entries = packfmt.parse_pack(old_pack.read_bytes())
+        writer = packfmt.PackWriter(tmp_path / "repacked")
+        blob = old_pack.read_bytes()
+        for e in reversed(old_entries):
+            writer.add(e.chunk, blob[e.offset:e.offset + e.length], e.raw_length)
+        new_id = writer.finish()
+        reader.backend.put_file(pack_key(new_id), tmp_path / "repacked")
+        idx = encode_index([IndexEntry(e.chunk, new_id, e.offset, e.length, e.raw_length)
+                            for e in writer.entries])
+        reader.backend.put(index_key(Digest.of(idx)), idx)
+        old_pack.unlink()
+        old_index.unlink()
+        # batched read (runs) and single-chunk read both re-resolve to the new pack
+        assert reader.open_blob(mid, cache=False).read(0, len(data)) == data
+        assert reader.read_chunk(reader.load_manifest(mid).extents[3].chunk) == data[3 * 4096:4 * 4096]
+        assert all(e.pack == new_id for e in reader.repository.index.entries())
