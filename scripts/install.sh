@@ -37,4 +37,13 @@ if [[ ! -f "$stamp" ]]; then
   .venv/bin/pip install -q --no-deps -e .
   rm -f .venv/.aenv-lock-*; touch "$stamp"
 fi
+# The e2b npm SDK for tests/api/node (the Node half of the API acceptance tests).
+if [[ -f tests/api/node/package-lock.json ]] && command -v npm >/dev/null; then
+  nstamp=tests/api/node/node_modules/.aenv-lock-$(sha256sum tests/api/node/package-lock.json | cut -c1-16)
+  if [[ ! -f "$nstamp" ]]; then
+    echo "install: npm ci (tests/api/node, pinned by its package-lock.json)"
+    (cd tests/api/node && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+    touch "$nstamp"
+  fi
+fi
 echo "install: ok ($(.venv/bin/aenv --version))"

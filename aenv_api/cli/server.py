@@ -79,12 +79,18 @@ async def _prepare_template(store: Any, guest: Any, cfg: Any, server_cfg: Any) -
     from aenv_vm.qemu.accel import probe_accel
     from aenv_vm.template import TemplateError, build_template, find_template
 
+    why = "first start: "
     try:
-        return find_template(store, server_cfg.default_template)
+        tpl = find_template(store, server_cfg.default_template)
+        if tpl.guest_key == guest.key:
+            return tpl
+        why = f"it was built from guest {tpl.guest_key}, this node now runs guest {guest.key}: "
     except TemplateError:
-        if not server_cfg.build_template:
-            raise CliError(f"template {server_cfg.default_template!r} not found and [server] build_template is "
-                           f"off: run `aenv template build {server_cfg.default_template}`", 1) from None
+        pass
+    if not server_cfg.build_template:
+        raise CliError(f"template {server_cfg.default_template!r} is missing or stale ({why.rstrip(': ')}) and "
+                       f"[server] build_template is off: run `aenv template build {server_cfg.default_template}`",
+                       1) from None
     vm = cfg.section("vm")
     if vm.accel == "auto":
         choice = await probe_accel(guest.kernel, guest.initrd, cache_file=guest.kernel.parent.parent / "accel.json")
@@ -92,7 +98,7 @@ async def _prepare_template(store: Any, guest: Any, cfg: Any, server_cfg: Any) -
     else:
         accel, reason = vm.accel, f"{vm.accel} (forced by [vm] accel)"
     say(f"accelerator: {reason}")
-    say(f"building template {server_cfg.default_template!r} (first start: one cold boot of the guest, "
+    say(f"building template {server_cfg.default_template!r} ({why}one cold boot of the guest, "
         f"then a snapshot; about a minute under TCG)...")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
