@@ -83,8 +83,9 @@ def _data_offset(n: int) -> int:
     return -(-head // PAGE) * PAGE
 
 
-def write_delta(path: Path, delta: Delta) -> None:
-    """Write ``delta`` durably (tmp → fsync → rename)."""
+def write_delta(path: Path, delta: Delta, sync: bool = True) -> None:
+    """Write ``delta`` as a whole (tmp → rename: never a torn file under its name).
+    ``sync``: fsync file and directory first (else call ``sync_file`` later)."""
     n = len(delta.pages)
     head = _HEAD.pack(MAGIC, VERSION, PAGE, delta.memory_size, bytes(delta.base), n)
     body = head + delta.pages.astype("<u8").tobytes() + delta.hashes.astype("<u8").tobytes()
@@ -94,9 +95,16 @@ def write_delta(path: Path, delta: Delta) -> None:
         f.write(body)
         f.write(delta.data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    if sync:
+        sync_file(path.parent)
+
+
+def sync_file(path: Path) -> None:
+    """fsync a file or directory."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
     try:
         os.fsync(fd)
     finally:
@@ -225,4 +233,4 @@ def consolidate(base_file: Path, delta: Delta, out: Path) -> None:
 
 
 __all__ = ["Delta", "MEMORY_DELTA", "MemoryImageError", "page_hashes", "write_delta", "read_delta",
-           "stage_delta", "fetch_delta", "consolidate", "durable_write", "CommitStats"]
+           "stage_delta", "fetch_delta", "consolidate", "durable_write", "sync_file", "CommitStats"]

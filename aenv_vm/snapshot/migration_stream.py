@@ -61,17 +61,35 @@ class BlockPages:
     zero_offsets: list[np.ndarray] = field(default_factory=list)
 
     def pages(self) -> tuple[np.ndarray, np.ndarray]:
-        """(offsets, data) of data pages, deduplicated (last record wins)."""
+        """(offsets, data) of data pages, deduplicated (last record wins). Copies the
+        page bytes once; ``runs()`` gives them without copying."""
         if not self.offsets:
             return np.zeros(0, np.int64), np.zeros((0, PAGE_SIZE), np.uint8)
         off = np.concatenate(self.offsets)
         data = np.concatenate(self.data) if len(self.data) > 1 else self.data[0]
+        if len(np.unique(off)) == len(off):   # a stopped VM sends each page once
+            return off, data
         _, last = np.unique(off[::-1], return_index=True)
         keep = np.sort(len(off) - 1 - last)
         return off[keep], data[keep]
 
-    def zeros(self) -> np.ndarray:
-        return np.unique(np.concatenate(self.zero_offsets)) if self.zero_offsets else np.zeros(0, np.int64)
+    def runs(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(offsets, page rows) pieces in stream order, as views into the stream (no copy)."""
+        return _flatten_runs(self.offsets, self.data)
+
+
+def _flatten_runs(offsets: list[np.ndarray], data: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Pair each run's offsets with its page rows: a run stored its first page and
+    (when longer than one) the rest as two data entries."""
+    out = []
+    di = 0
+    for offs in offsets:
+        out.append((offs[:1], data[di]))
+        di += 1
+        if len(offs) > 1:
+            out.append((offs[1:], data[di]))
+            di += 1
+    return out
 
 
 @dataclass
@@ -215,9 +233,11 @@ def _run_length(r: _Reader, stride: int, want: int) -> int:
 
 
 def _ram_records(r: _Reader, blocks: dict[str, BlockPages], sizes: dict[str, int], first: bool,
-                 ignore_shared: bool) -> None:
-    """One ram part, up to and including its EOS record."""
-    block: BlockPages | None = None
+                 ignore_shared: bool, last: list[BlockPages | None]) -> None:
+    """One ram part, up to and including its EOS record. ``last[0]`` is the block
+    of the previous page record: CONTINUE refers to it across parts (QEMU's
+    loader keeps it per channel, not per section)."""
+    block = last[0]
     while True:
         head = r.be64()
         flags, addr = head & _FLAG_MASK, head & ~_FLAG_MASK
@@ -239,6 +259,7 @@ def _ram_records(r: _Reader, blocks: dict[str, BlockPages], sizes: dict[str, int
         if flags & F_EOS:
             if flags != F_EOS:
                 raise StreamError(f"EOS record with extra flags {flags:#x}")
+            last[0] = block
             return
         if not flags & F_CONTINUE:
             name = r.name()
@@ -292,6 +313,7 @@ def split(stream: bytes | bytearray | memoryview, ignore_shared: bool | None = N
     ram_id: int | None = None
     ram_start = b""
     ram_end_id: int | None = None
+    last: list[BlockPages | None] = [None]
     while True:
         s0 = r.pos
         kind = r.u8()
@@ -306,14 +328,14 @@ def split(stream: bytes | bytearray | memoryview, ignore_shared: bool | None = N
             if kind == FULL:
                 raise StreamError("ram sent as a FULL section")
             ram_id = sid
-            _ram_records(r, blocks, sizes, True, ignore_shared)
+            _ram_records(r, blocks, sizes, True, ignore_shared, last)
             _footer(r, sid)
             ram_start = bytes(r.mv[s0:r.pos])
         elif kind in (PART, END):
             sid = r.be32()
             if sid != ram_id:
                 raise StreamError(f"iterative section {sid} that is not ram (only ram is supported)")
-            _ram_records(r, blocks, sizes, False, ignore_shared)
+            _ram_records(r, blocks, sizes, False, ignore_shared, last)
             _footer(r, sid)
             if kind == END:
                 ram_end_id = sid

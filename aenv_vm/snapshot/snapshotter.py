@@ -49,7 +49,8 @@ from ..qemu.migration import load_device_state
 from ..records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from ..template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, TEMPLATE_KIND, Template, _put_file, find_template,
                         list_templates, materialize, remove_template)
-from .memory_image import (Delta, consolidate, fetch_delta, page_hashes, read_delta, stage_delta, write_delta)
+from .memory_image import (Delta, consolidate, fetch_delta, page_hashes, read_delta, stage_delta, sync_file,
+                           write_delta)
 from .pagemap import private_pages, ram_mapping, read_pages, write_pages
 from .vmstate import durable_write, save_devices, template_config
 
@@ -69,9 +70,9 @@ class SnapshotError(VmError):
 @dataclass(frozen=True)
 class PauseTiming:
     stop: float             # QMP stop
-    device_state: float     # xen-save-devices-state + splice + fsync
+    device_state: float     # xen-save-devices-state + splice
     pages: float            # pagemap + read of the private pages + xxh3
-    write: float            # memory.delta + disk flush durable, record written
+    write: float            # memory.delta written, disk flush (ran concurrently since stop) done, record put
     total: float            # until the pause is durable (QEMU is killed right after)
     dirty_pages: int
 
@@ -171,15 +172,19 @@ class Snapshotter:
             raise SnapshotError(f"sandbox {sid} is not running (state: {state})")
         return sbx
 
-    async def _capture(self, sbx: "Sandbox", state_path: Path) -> _Capture:
-        """Stop the VM and take its device state and private pages (the VM stays stopped)."""
+    async def _capture(self, sbx: "Sandbox", state_path: Path, sync: bool = True,
+                       flush: list[asyncio.Future] | None = None) -> _Capture:
+        """Stop the VM and take its device state and private pages (the VM stays stopped).
+        ``flush``: also start the disk flush right after the stop (it overlaps the rest)."""
         vm = sbx.vm
         assert vm.qmp is not None and vm.spec.mem_path is not None
         cfg = await self._config(sbx.template)
         t0 = time.monotonic()
-        await vm.qmp.execute("stop")
+        await vm.qmp.execute("stop")   # returns with the vCPUs stopped and block I/O drained
+        if flush is not None:
+            flush.append(asyncio.ensure_future(asyncio.to_thread(sbx.image.flush)))
         t1 = time.monotonic()
-        await save_devices(vm, state_path, cfg)
+        await save_devices(vm, state_path, cfg, sync)
         t2 = time.monotonic()
 
         def pages() -> Delta:
@@ -245,13 +250,17 @@ class Snapshotter:
             d.mkdir(parents=True, exist_ok=True)
             t0 = time.monotonic()
             try:
-                cap = await self._capture(sbx, d / "device-state")
-                t1 = time.monotonic()
-
-                def persist() -> None:
-                    write_delta(d / "memory.delta", cap.delta)
-                    sbx.image.flush()
-                await asyncio.to_thread(persist)
+                # The pause is durable against a crash of this process at once (files
+                # renamed complete, record in LMDB); fsync for host crashes happens in the
+                # background commit, before anything is staged.
+                flush: list[asyncio.Future] = []
+                try:
+                    cap = await self._capture(sbx, d / "device-state", sync=False, flush=flush)
+                    t1 = time.monotonic()
+                    await asyncio.to_thread(write_delta, d / "memory.delta", cap.delta, False)
+                finally:
+                    for f in flush:
+                        await f
             except BaseException:
                 shutil.rmtree(d, ignore_errors=True)
                 with contextlib.suppress(Exception):
@@ -283,7 +292,11 @@ class Snapshotter:
             up = image.upper
             top = image.commit(meta=meta).layer_id if up is not None and up.touched() else image.top
             d = Path(snap.local)
+            for f in (d / "memory.delta", d / "device-state", d):
+                sync_file(f)
             delta = read_delta(d / "memory.delta")
+            if not (page_hashes(delta.data) == delta.hashes).all():   # torn by a host crash before the fsync
+                raise SnapshotError(f"pause {snap.seq} of {sid}: memory.delta pages do not match their xxh3")
             prev = None
             if previous is not None and previous.committed and previous.memory_id:
                 with contextlib.suppress(Exception):

@@ -28,19 +28,22 @@ class DeviceSave:
     seconds: float
 
 
-def durable_write(path: Path, data: bytes | bytearray | memoryview) -> None:
-    """tmp → fsync → rename → fsync dir: the file is either absent or complete."""
+def durable_write(path: Path, data: bytes | bytearray | memoryview, sync: bool = True) -> None:
+    """tmp → [fsync] → rename → [fsync dir]: the file is either absent or complete
+    (and with ``sync`` also survives a host crash)."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if sync:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def template_config(template_state: Path) -> bytes:
@@ -52,7 +55,7 @@ def template_config(template_state: Path) -> bytes:
         raise VmError(f"cannot read the configuration section of {template_state}: {e}") from None
 
 
-async def save_devices(vm: QemuProcess, path: Path, config: bytes) -> DeviceSave:
+async def save_devices(vm: QemuProcess, path: Path, config: bytes, sync: bool = True) -> DeviceSave:
     """Write ``vm``'s device state (no RAM) to ``path`` durably. The VM must be stopped
     (the command would restart a running VM when done)."""
     if vm.qmp is None:
@@ -68,5 +71,5 @@ async def save_devices(vm: QemuProcess, path: Path, config: bytes) -> DeviceSave
         data = device_state_stream(raw, config)
     except StreamError as e:
         raise VmError(f"QEMU wrote an unexpected device-state stream: {e}") from None
-    durable_write(path, data)
+    durable_write(path, data, sync)
     return DeviceSave(len(data), time.monotonic() - t0)

@@ -34,9 +34,9 @@ def encode(blocks: dict[str, int], records: list[list[tuple[str, int, bytes | No
         if ignore_shared:
             out += struct.pack(">Q", 0x1000000)
     out += struct.pack(">Q", ms.F_EOS) + bytes([ms.FOOTER]) + struct.pack(">I", sid)
+    prev = None  # as QEMU: CONTINUE refers to the last block sent, across parts
     for i, part in enumerate(records):
         out += bytes([ms.PART if i < len(records) - 1 else ms.END]) + struct.pack(">I", sid)
-        prev = None
         for block, off, data in part:
             flags = ms.F_PAGE if data is not None else ms.F_ZERO
             if block == prev:

@@ -1,0 +1,346 @@
+"""Pause, resume, fork and memory of snapshotted sandboxes (issue 6), and the
+measurements that settle docs/snapshots.md's design question.
+
+    sudo .venv/bin/python benchmarks/snapshot_bench.py [--memory-mib 512] [--reps 5] [--resumes 10]
+                                                       [--cold 3] [--fork 16] [--json out.json] [--markdown]
+
+One run, in a temporary store: builds a template (``--memory-mib`` guest), then
+  * pause latency at 1, 16 and 128 MiB dirtied in guest memory since the last
+    resume (p50/p99 over ``--reps``), split into stop / device state / private
+    pages / write; beside it the two alternatives of the design question,
+    measured on the same guest: (1) the stripping route — stop, full QEMU
+    migration of the share=off clone into a file, split by aenv's stream
+    reader; (2) copy-on-fork with share=on — the copy of the base memory file
+    each clone would need (its x-ignore-shared save itself is the "device
+    state" row);
+  * resume latency from local files (``--resumes``) and from a cold node
+    (``--cold``: local snapshot files, materialised template and node cache
+    gone, everything fetched from the repository): (a) call → QMP status
+    running, (b) call → first successful ``commands.run`` through the real e2b
+    SDK, with the breakdown of (b);
+  * fork of ``--fork`` children: call → all children answering (envd
+    initialised), then → every child's first ``commands.run`` done;
+  * host PSS of the idle children vs one sandbox, with and without TCG's
+    translated-code buffer.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import BenchError, machine_info, markdown_table, print_table, summarize
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings  # noqa: E402
+from aenv_store.store import Store  # noqa: E402
+from aenv_vm.envd_client import run_command  # noqa: E402
+from aenv_vm.guest import GuestImage, ensure_guest  # noqa: E402
+from aenv_vm.sandbox import Sandbox, SandboxManager  # noqa: E402
+from aenv_vm.snapshot import migration_stream  # noqa: E402
+from aenv_vm.snapshot.memory_image import Delta, consolidate  # noqa: E402
+from aenv_vm.template import build_template  # noqa: E402
+from vm_bench import first_command, pss_kib, pss_kib_without_tcg  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+def settings_for(data: Path, cache: Path | None = None) -> StoreSettings:
+    return StoreSettings(paths=StorePaths(data), repository=RepositoryConfig(), store=StoreConfig(),
+                         cache=CacheConfig(capacity=8 << 30, min_free_disk=0, path=str(cache or "")))
+
+
+async def settled(mgr: SandboxManager, sid: str) -> None:
+    """Wait for the background commit of the last pause."""
+    assert mgr.lifecycle is not None
+    task = mgr.lifecycle._commits.get(sid)
+    if task is not None:
+        await task
+
+
+async def guest(sbx: Sandbox, cmd: str) -> None:
+    r = await asyncio.to_thread(run_command, sbx.envd_port, cmd, user="root", timeout=300.0)
+    if r.exit_code != 0:
+        raise BenchError(f"guest command {cmd!r} exited {r.exit_code}: {r.stderr[-300:]!r}")
+
+
+async def dirty(sbx: Sandbox, mib: int, fill: int) -> None:
+    """Make ``mib`` MiB of guest memory differ: a tmpfs file of non-zero bytes."""
+    await guest(sbx, f"python3 -c \"open('/dev/shm/dirty','wb').write(bytes([{fill}])*({mib}<<20))\"")
+
+
+async def pauses(mgr: SandboxManager, mib: int, reps: int) -> list[dict]:
+    sbx = await mgr.create("base")
+    assert mgr.lifecycle is not None
+    out = []
+    try:
+        await mgr.pause(sbx.id)
+        for i in range(reps):
+            sbx = await mgr.resume(sbx.id)
+            await dirty(sbx, mib, 1 + i % 250)
+            t0 = time.perf_counter()
+            await mgr.pause(sbx.id)
+            call = time.perf_counter() - t0
+            t = mgr.lifecycle.last_pause
+            assert t is not None
+            out.append({"total": t.total, "call": call, "stop": t.stop, "device_state": t.device_state,
+                        "pages": t.pages, "write": t.write, "delta_mib": t.dirty_pages * 4096 / 2**20,
+                        "load": os.getloadavg()[0]})
+            await settled(mgr, sbx.id)
+    finally:
+        await mgr.kill(sbx.id)
+    return out
+
+
+async def strip_route(mgr: SandboxManager, mib: int, reps: int, tmp: Path) -> list[dict]:
+    """The alternative: stop, full migration of the share=off clone, split the stream."""
+    out = []
+    for i in range(reps):
+        sbx = await mgr.create("base")
+        try:
+            await dirty(sbx, mib, 1 + i)
+            vm = sbx.vm
+            assert vm.qmp is not None
+            await vm.qmp.execute("migrate-set-parameters", {"max-bandwidth": 64 << 30})
+            await vm.qmp.execute("migrate-set-capabilities", {"capabilities": [
+                {"capability": "x-ignore-shared", "state": True}]})
+            path = tmp / "full-stream"
+            t0 = time.perf_counter()
+            await vm.qmp.execute("stop")
+            t1 = time.perf_counter()
+            await vm.qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
+            while (await vm.qmp.execute("query-migrate")).get("status") not in ("completed", "failed"):
+                await asyncio.sleep(0.002)
+            t2 = time.perf_counter()
+            data = path.read_bytes()
+            split = migration_stream.split(data)
+            # keep only the pages that differ from the base memory file (vectorised compare)
+            base = np.memmap(mgr.run_root / "templates" / sbx.template.id / "memory", dtype=np.uint8,
+                             mode="r").reshape(-1, 4096)
+            ram = max(split.blocks.values(), key=lambda b: split.ram_sizes[b.name])
+            changed = sum(int((rows != base[offs // 4096]).any(axis=1).sum()) for offs, rows in ram.runs())
+            t3 = time.perf_counter()
+            out.append({"total": t3 - t0, "stop": t1 - t0, "migrate": t2 - t1, "split": t3 - t2,
+                        "stream_mib": len(data) / 2**20, "changed_pages": changed,
+                        "stripped_kib": len(split.stripped()) / 1024})
+            path.unlink()
+        finally:
+            await mgr.kill(sbx.id)
+    return out
+
+
+def copy_route(tpl_mem: Path, tmp: Path, reps: int) -> list[float]:
+    """share=on copy-on-fork: the private copy of the base memory file a clone needs."""
+    empty = Delta(b"\0" * 32, tpl_mem.stat().st_size, np.zeros(0, np.int64), np.zeros(0, np.uint64),  # type: ignore[arg-type]
+                  memoryview(b""))
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        consolidate(tpl_mem, empty, tmp / "copy")
+        out.append(time.perf_counter() - t0)
+        (tmp / "copy").unlink()
+    return out
+
+
+async def resumes(mgr: SandboxManager, n: int) -> list[dict]:
+    sbx = await mgr.create("base")
+    assert mgr.lifecycle is not None
+    out = []
+    try:
+        await guest(sbx, "true")
+        for _ in range(n):
+            await mgr.pause(sbx.id)
+            await settled(mgr, sbx.id)  # measure the resume alone
+            t0 = time.perf_counter()
+            sbx = await mgr.resume(sbx.id)
+            call = time.perf_counter() - t0
+            cmd = await asyncio.to_thread(first_command, sbx)
+            t = mgr.lifecycle.last_resume
+            assert t is not None
+            out.append({"running": t.running, "first_command_total": call + cmd, "qemu_start": t.qemu_start,
+                        "inject": t.inject, "state_load": t.state_load, "first_answer": t.first_answer,
+                        "init": t.init, "first_command": cmd, "fetch": t.fetch, "load": os.getloadavg()[0]})
+    finally:
+        await mgr.kill(sbx.id)
+    return out
+
+
+async def cold_resumes(store: Store, guest_img: GuestImage, work: Path, n: int) -> list[dict]:
+    node = work / "node-cold"
+    async with SandboxManager(store, guest_img, node) as mgr:
+        sbx = await mgr.create("base")
+        await guest(sbx, "true")
+        sid = sbx.id
+        await mgr.pause(sid)
+    out = []
+    for i in range(n):
+        # a node that has nothing local: no snapshot files, no template files, an empty node cache
+        rec_local = None
+        shutil.rmtree(node / "templates", ignore_errors=True)
+        for d in (node / "paused" / sid).iterdir():
+            rec_local = d
+            shutil.rmtree(d)
+        cache = work / f"cold-cache-{i}"
+        with Store.open(settings_for(work / "data", cache)) as cold_store:
+            async with SandboxManager(cold_store, guest_img, node) as mgr:
+                assert mgr.lifecycle is not None
+                t0 = time.perf_counter()
+                sbx = await mgr.resume(sid)
+                call = time.perf_counter() - t0
+                cmd = await asyncio.to_thread(first_command, sbx)
+                t = mgr.lifecycle.last_resume
+                assert t is not None
+                out.append({"running": t.running, "first_command_total": call + cmd, "fetch": t.fetch,
+                            "qemu_start": t.qemu_start, "inject": t.inject, "state_load": t.state_load,
+                            "first_answer": t.first_answer, "init": t.init, "first_command": cmd,
+                            "load": os.getloadavg()[0]})
+                await mgr.pause(sid)
+                await settled(mgr, sid)
+                if i == n - 1:
+                    await mgr.kill(sid)
+        shutil.rmtree(cache, ignore_errors=True)
+        del rec_local
+    return out
+
+
+async def fork(mgr: SandboxManager, count: int) -> dict:
+    parent = await mgr.create("base")
+    await guest(parent, "true")
+    await asyncio.sleep(2)
+    one = pss_kib(parent.vm.pid)
+    one_no_tcg = pss_kib_without_tcg(parent.vm.pid)
+    t0 = time.perf_counter()
+    kids = await mgr.fork(parent.id, count)
+    answering = time.perf_counter() - t0
+    failed = [k for k in kids if isinstance(k, Exception)]
+    if failed:
+        raise BenchError(f"{len(failed)} fork children failed: {failed[0]}")
+    ok = [k for k in kids if isinstance(k, Sandbox)]
+    await asyncio.gather(*(asyncio.to_thread(first_command, k) for k in ok))
+    all_commands = time.perf_counter() - t0
+    await asyncio.sleep(2)
+    total = sum(pss_kib(k.vm.pid) for k in ok)
+    total_no_tcg = sum(pss_kib_without_tcg(k.vm.pid) for k in ok)
+    for k in ok + [parent]:
+        await mgr.kill(k.id)
+    return {"count": count, "answering": answering, "all_first_command": all_commands, "pss_one_kib": one,
+            "pss_children_kib": total, "pss_one_no_tcg_kib": one_no_tcg, "pss_children_no_tcg_kib": total_no_tcg}
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    guest_img = ensure_guest()
+    with tempfile.TemporaryDirectory(prefix="aenv-snap-bench-") as tmp:
+        work = Path(tmp)
+        with Store.open(settings_for(work / "data"), create=True) as store:
+            t0 = time.perf_counter()
+            await build_template(store, guest_img, work / "tpl", alias="base", memory_mib=args.memory_mib)
+            template_s = time.perf_counter() - t0
+            res: dict = {"machine": machine_info(), "memory_mib": args.memory_mib, "template_build_s": template_s,
+                         "pause": {}, "strip": {}}
+            async with SandboxManager(store, guest_img, work / "node") as mgr:
+                for mib in args.dirty:
+                    res["pause"][mib] = await pauses(mgr, mib, args.reps)
+                    res["strip"][mib] = await strip_route(mgr, mib, args.strip_reps, work)
+                    print(f"[bench] pause at {mib} MiB done", file=sys.stderr)
+                tpl_mem = next((work / "node" / "templates").glob("tpl-*/memory"))
+                res["copy"] = copy_route(tpl_mem, work, 3)
+                res["copy_file_mib"] = tpl_mem.stat().st_blocks * 512 / 2**20
+                res["resume"] = await resumes(mgr, args.resumes)
+                print("[bench] resumes done", file=sys.stderr)
+                res["fork"] = await fork(mgr, args.fork)
+                print("[bench] fork done", file=sys.stderr)
+            res["cold"] = await cold_resumes(store, guest_img, work, args.cold)
+    return res
+
+
+def report(res: dict, markdown: bool) -> None:
+    ms = lambda xs: summarize([x * 1000 for x in xs])  # noqa: E731
+    rows = []
+    for mib, reps in res["pause"].items():
+        s = ms([r["total"] for r in reps])
+        parts = ", ".join(f"{k} {ms([r[k] for r in reps])['p50']:.0f}" for k in ("stop", "device_state", "pages", "write"))
+        delta = summarize([r["delta_mib"] for r in reps])["p50"]
+        rows.append([f"pause, {mib} MiB dirtied (delta {delta:.0f} MiB)", f"{s['p50']:.0f}", f"{s['p99']:.0f}",
+                     int(s["n"]), parts])
+    for mib, reps in res["strip"].items():
+        s = ms([r["total"] for r in reps])
+        parts = ", ".join(f"{k} {ms([r[k] for r in reps])['p50']:.0f}" for k in ("stop", "migrate", "split"))
+        parts += " (split = parse + compare with the base)"
+        stream = summarize([r["stream_mib"] for r in reps])["p50"]
+        rows.append([f"  alternative: strip route, {mib} MiB (stream {stream:.0f} MiB)", f"{s['p50']:.0f}",
+                     f"{s['p99']:.0f}", int(s["n"]), parts])
+    c = ms(res["copy"])
+    rows.append([f"  alternative: share=on copy of the base file ({res['copy_file_mib']:.0f} MiB allocated)",
+                 f"{c['p50']:.0f}", f"{c['p99']:.0f}", int(c["n"]), "per clone, at create/fork"])
+    for label, key in (("resume, local", "resume"), ("resume, cold node (from the repository)", "cold")):
+        reps = res[key]
+        for what, field in (("(a) → running", "running"), ("(b) → first commands.run", "first_command_total")):
+            s = ms([r[field] for r in reps])
+            parts = ""
+            if field == "first_command_total":
+                parts = ", ".join(f"{k} {ms([r[k] for r in reps])['p50']:.0f}" for k in
+                                  ("fetch", "qemu_start", "inject", "state_load", "first_answer", "init",
+                                   "first_command"))
+            rows.append([f"{label} {what}", f"{s['p50']:.0f}", f"{s['p99']:.0f}", int(s["n"]), parts])
+    f = res["fork"]
+    rows.append([f"fork {f['count']} → all answering (envd initialised)", f"{f['answering'] * 1000:.0f}", "", 1, ""])
+    rows.append([f"fork {f['count']} → every child's first commands.run done", f"{f['all_first_command'] * 1000:.0f}",
+                 "", 1, ""])
+    header = ["what (ms)", "p50", "p99", "n", "p50 breakdown (ms)"]
+    mem = [[f"1 sandbox ({res['memory_mib']} MiB guest)", f"{f['pss_one_kib'] / 1024:.1f} MiB",
+            f"{f['pss_one_no_tcg_kib'] / 1024:.1f} MiB"],
+           [f"{f['count']} idle fork children", f"{f['pss_children_kib'] / 1024:.1f} MiB",
+            f"{f['pss_children_no_tcg_kib'] / 1024:.1f} MiB"],
+           ["children / one sandbox", f"{f['pss_children_kib'] / f['pss_one_kib']:.2f}×",
+            f"{f['pss_children_no_tcg_kib'] / f['pss_one_no_tcg_kib']:.2f}×"]]
+    mh = ["host PSS", "total", "without TCG's code buffer (≈ KVM)"]
+    if markdown:
+        print(markdown_table(rows, header))
+        print()
+        print(markdown_table(mem, mh))
+    else:
+        print_table(rows, header)
+        print_table(mem, mh)
+    loads = [r["load"] for k in ("resume", "cold") for r in res[k]]
+    m = res["machine"]
+    print(f"\n{m['cpus']} × {m['cpu']}, {m['memory']}; load average {min(loads):.1f}-{max(loads):.1f}; "
+          f"template build {res['template_build_s']:.1f} s; TCG")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--memory-mib", type=int, default=512)
+    p.add_argument("--dirty", type=int, nargs="+", default=[1, 16, 128])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--strip-reps", type=int, default=2)
+    p.add_argument("--resumes", type=int, default=10)
+    p.add_argument("--cold", type=int, default=3)
+    p.add_argument("--fork", type=int, default=16)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        print("snapshot_bench: error: needs root (guest build, /proc/PID/mem)", file=sys.stderr)
+        return 2
+    try:
+        res = asyncio.run(main_async(args))
+    except BenchError as e:
+        print(f"snapshot_bench: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1, default=str))
+    report(res, args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
