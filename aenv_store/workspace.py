@@ -129,6 +129,14 @@ class Workspace(AbstractContextManager["Workspace"]):
             # shared repository lock for the workspace's life: gc (exclusive) waits for it
             self._repo_lock = repository.writer_lock()
             self._repo_lock.__enter__()
+            # gc may have run since the index was loaded (it cannot run again while we
+            # hold the lock): dedup must not trust entries for packs it deleted
+            # (refresh_index rebuilds the merged index when index files were removed)
+            try:
+                repository.refresh_index()
+            except BaseException:
+                self._repo_lock.__exit__(None, None, None)
+                raise
         except BaseException:
             shutil.rmtree(self.path, ignore_errors=True)
             os.close(self._lock_fd)

@@ -325,3 +325,26 @@ def test_reader_survives_a_repack_behind_its_back(settings_factory, tmp_path: Pa
         assert reader.open_blob(mid, cache=False).read(0, len(data)) == data
         assert reader.read_chunk(reader.load_manifest(mid).extents[3].chunk) == data[3 * 4096:4 * 4096]
         assert all(e.pack == new_id for e in reader.repository.index.entries())
+
+
+def test_workspace_never_dedups_against_packs_gc_deleted(settings_factory, tmp_path: Path) -> None:
+    """A Store kept open across a gc: its next workspace must reload the index,
+    or it would reference chunks whose pack is gone (admin.md: requirement on writers)."""
+    data = os.urandom(20_000)
+    with Store.open(settings_factory(), create=True) as store:
+        write_blob(store, data)  # no record: garbage for gc
+        repo_dir = tmp_path / "repo"
+        # what gc does for an unreferenced commit: delete its pack, index and manifest
+        for sub in ("packs", "index", "manifests"):
+            for f in (repo_dir / sub).rglob("*"):
+                if f.is_file():
+                    f.unlink()
+        assert store.repository.has_chunk(Digest.of(data[:4096]))  # stale in memory
+        with store.workspace() as ws:
+            w = ws.blob_writer()
+            w.append(data)
+            mid = w.close()
+            res = ws.commit(CatalogRecord("again", "layer", (("d", mid),)))
+        assert res.chunks_added == 5 and res.chunks_deduped == 0
+    with Store.open(settings_factory("cold")) as cold:
+        assert cold.open_blob(mid).read(0, len(data)) == data
