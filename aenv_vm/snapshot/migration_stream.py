@@ -77,6 +77,9 @@ class BlockPages:
         """(offsets, page rows) pieces in stream order, as views into the stream (no copy)."""
         return _flatten_runs(self.offsets, self.data)
 
+    def zeros(self) -> np.ndarray:
+        return np.unique(np.concatenate(self.zero_offsets)) if self.zero_offsets else np.zeros(0, np.int64)
+
 
 def _flatten_runs(offsets: list[np.ndarray], data: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Pair each run's offsets with its page rows: a run stored its first page and
