@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static
-              zstd cpio kmod restic borgbackup iproute2 nodejs npm)
+              zstd cpio kmod restic borgbackup iproute2 nodejs npm nftables)
 
 need=()
 for p in "${APT_PACKAGES[@]}"; do
