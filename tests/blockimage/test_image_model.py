@@ -78,7 +78,7 @@ def _base_bytes(seed: int) -> bytes:
     return bytes(data[:SIZE])
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(st.integers(0, 2**32), st.lists(op, min_size=1, max_size=40), st.integers(0, 19))
 def test_image_matches_model(mstore: Store, seed: int, ops: list[tuple[str, int, int, int]],
