@@ -17,6 +17,7 @@ restic and borgbackup from Debian if missing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import signal
@@ -193,7 +194,10 @@ class Aenv:
             (data_dir / "config.toml").write_text(f"[repository]\npath = {json.dumps(str(self.data_dir / 'repo'))}\n")
         return run(cmd + list(args))
 
-    def cli_has(self, *words: str) -> bool:
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def cli_has(*words: str) -> bool:
+        """Does this build's CLI have `aenv <words>`? (asked once per run: a start costs ~1 s)"""
         aenv = REPO_ROOT / ".venv" / "bin" / "aenv"
         probe = subprocess.run([str(aenv) if aenv.exists() else "aenv", *words, "--help"],
                                capture_output=True, text=True)
@@ -569,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         makers = {"aenv": lambda: Aenv(work), "aenv-cli": lambda: Aenv(work, mode="cli"),
                   "restic": lambda: Restic(work), "borg": lambda: Borg(work)}
         tools = list(args.tools)
-        if "aenv-cli" in tools and not Aenv(work, mode="cli").cli_has("image", "import"):
+        if "aenv-cli" in tools and not Aenv.cli_has("image", "import"):
             phase("aenv-cli: no `aenv image import` in this build; skipped")
             tools.remove("aenv-cli")
         # Round-robin repeats, best of each: on a shared machine, load from others
