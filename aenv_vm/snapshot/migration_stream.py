@@ -369,3 +369,48 @@ def device_state_stream(devices_only: bytes, config: bytes) -> bytes:
     if r.pos < len(r.mv) and r.peek() == CONFIG:
         return bytes(devices_only)
     return bytes(devices_only[:8]) + config + bytes(devices_only[8:])
+
+
+def _plausible_section_start(mv: memoryview, pos: int) -> bool:
+    """Whether a device section header (or EOF) starts at ``pos``."""
+    if pos >= len(mv):
+        return False
+    kind = mv[pos]
+    if kind == EOF:
+        return True
+    if kind not in (FULL, START) or pos + 6 > len(mv):
+        return False
+    n = mv[pos + 5]
+    name = bytes(mv[pos + 6:pos + 6 + n])
+    return 0 < n == len(name) and all(0x20 < c < 0x7F for c in name) and pos + 6 + n + 8 <= len(mv)
+
+
+def drop_section(stream: bytes | bytearray | memoryview, idstr: str) -> bytes:
+    """The stream without the FULL device section named ``idstr`` (e.g. ``slirp``,
+    the user-mode network backend's state, which a VM on a tap device has no
+    place for). Device sections are not length-prefixed: the section ends at its
+    footer (0x7e + be32 section id) that is followed by another section header
+    or EOF. Returns the stream unchanged if there is no such section."""
+    mv = memoryview(stream).cast("B")
+    raw = bytes(mv)
+    name = idstr.encode()
+    head_tail = bytes([len(name)]) + name
+    pos = 0
+    while True:
+        pos = raw.find(head_tail, pos)
+        if pos < 0:
+            return raw
+        start = pos - 5
+        if start >= 0 and raw[start] == FULL:
+            break
+        pos += 1
+    sid = raw[start + 1:start + 5]
+    footer = bytes([FOOTER]) + sid
+    search = start + 5 + len(head_tail) + 8
+    while True:
+        end = raw.find(footer, search)
+        if end < 0:
+            raise StreamError(f"no footer found for section {idstr!r}")
+        if _plausible_section_start(mv, end + 5):
+            return raw[:start] + raw[end + 5:]
+        search = end + 1

@@ -144,3 +144,13 @@ def test_device_state_stream_inserts_config() -> None:
     with pytest.raises(ms.StreamError, match="bad magic"):
         ms.split(b"XXXX" + out[4:])
     assert np.array_equal(ms.split(out).blocks.get("mem0", ms.BlockPages("mem0")).zeros(), np.zeros(0))
+
+
+def test_drop_section_removes_one_device() -> None:
+    slirp = (bytes([ms.FULL]) + struct.pack(">I", 9) + _name("slirp") + struct.pack(">II", 0, 4)
+             + b"\x2a\x7e\x00\x00\x00\x09\xff" + b"\x00" * 20 + bytes([ms.FOOTER]) + struct.pack(">I", 9))
+    with_slirp = encode({"mem0": PAGE}, [[]], slirp + DEVICES, True)
+    without = ms.drop_section(with_slirp, "slirp")
+    assert without == encode({"mem0": PAGE}, [[]], DEVICES, True)
+    assert ms.drop_section(without, "slirp") == without
+    assert ms.split(without).devices == DEVICES

@@ -1,0 +1,1 @@
+"""Per-sandbox network namespaces with a tap device (clone-safe networking)."""

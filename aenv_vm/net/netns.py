@@ -1,0 +1,208 @@
+"""Tap networking for clones: one network namespace per sandbox.
+
+Every clone of a snapshot wakes up with the same guest address (10.0.2.15/24,
+gateway 10.0.2.2) and the same MAC, so each sandbox gets its own namespace in
+which that is the only guest::
+
+    host  ── veth <host_if> 10.201.a.b+1/30 ══ eth0 10.201.a.b+2/30 ── [netns aenv-<tag>-<id>]
+                                                    tap0 10.0.2.2/24 ── QEMU ── guest 10.0.2.15
+
+Inside the namespace nftables DNATs TCP to the namespace address's envd port
+to the guest, and masquerades what leaves through eth0; the host reaches a
+sandbox's envd at ``http://<ns_ip>:49983``. Egress (``allow_internet_access``)
+is a filter in the namespace's forward chain: off drops every new connection
+from tap0 out of eth0 (replies to the host's connections still pass). Internet
+access beyond the host additionally needs the host's own forwarding and
+masquerade for 10.201.0.0/16 (``enable_host_egress``).
+
+QEMU joins the namespace through ``nsenter`` exec'ed by a small per-sandbox
+wrapper script (PR_SET_PDEATHSIG and the process group survive the execs).
+Links, addresses and routes are made with pyroute2; nftables rules with the
+``nft`` tool inside the namespace. ``destroy`` removes the namespace (which
+takes the veth pair and the tap with it); ``remove_orphans`` removes every
+namespace of this node's tag that no live sandbox owns (after a restart).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..qemu.errors import VmError
+
+GUEST_IP = "10.0.2.15"
+TAP_ADDR = "10.0.2.2"
+ENVD_PORT = 49983
+NETNS_DIR = Path("/run/netns")
+MAX_INDEX = 16384           # 10.201.0.0/16 in /30s
+
+
+class NetError(VmError):
+    """A sandbox network namespace could not be made or removed."""
+
+
+@dataclass(frozen=True)
+class SandboxNet:
+    name: str               # network namespace
+    index: int
+    host_if: str
+    host_ip: str
+    ns_ip: str
+    egress: bool
+
+    @property
+    def envd_host(self) -> str:
+        return self.ns_ip
+
+    def qemu_netdev_args(self, mac: str) -> tuple[str, ...]:
+        return ("-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
+                "-device", f"virtio-net-device,netdev=net0,mac={mac}")
+
+
+def node_tag(run_root: Path) -> str:
+    """A short tag per node run directory, so two nodes on one host never touch
+    each other's namespaces."""
+    return hashlib.blake2s(str(run_root.resolve()).encode(), digest_size=2).hexdigest()
+
+
+def addresses(index: int) -> tuple[str, str]:
+    if not 0 <= index < MAX_INDEX:
+        raise NetError(f"sandbox network index {index} out of range 0..{MAX_INDEX - 1}")
+    base = index * 4
+    a, b = base >> 8, base & 255
+    return f"10.201.{a}.{b + 1}", f"10.201.{a}.{b + 2}"
+
+
+def _nsenter(name: str, argv: list[str], stdin: str | None = None) -> None:
+    done = subprocess.run(["nsenter", f"--net={NETNS_DIR / name}", "--", *argv], input=stdin, text=True,
+                          capture_output=True, timeout=30)
+    if done.returncode != 0:
+        raise NetError(f"{' '.join(argv)} in netns {name} failed: {done.stderr.strip()}")
+
+
+def _ruleset(egress: bool) -> str:
+    forward = "" if egress else (
+        '        iifname "tap0" oifname "eth0" ct state established,related accept\n'
+        '        iifname "tap0" oifname "eth0" drop\n')
+    return (
+        "table ip aenv {\n"
+        "    chain dnat_in {\n"
+        "        type nat hook prerouting priority -100; policy accept;\n"
+        f'        iifname "eth0" tcp dport {ENVD_PORT} dnat to {GUEST_IP}\n'
+        "    }\n"
+        "    chain snat_out {\n"
+        "        type nat hook postrouting priority 100; policy accept;\n"
+        '        oifname "eth0" masquerade\n'
+        "    }\n"
+        "    chain egress {\n"
+        "        type filter hook forward priority 0; policy accept;\n"
+        f"{forward}"
+        "    }\n"
+        "}\n")
+
+
+def _require_tools() -> None:
+    for tool in ("nsenter", "nft"):
+        if shutil.which(tool) is None:
+            raise NetError(f"{tool} not found: tap networking needs util-linux and nftables (scripts/install.sh)")
+
+
+def create(tag: str, sid: str, index: int, egress: bool = True) -> SandboxNet:
+    """The namespace, veth pair, tap device and rules of one sandbox."""
+    from pyroute2 import IPRoute, NetNS
+    from pyroute2 import netns as pnetns
+    _require_tools()
+    host_ip, ns_ip = addresses(index)
+    net = SandboxNet(name=f"aenv-{tag}-{sid[-12:]}", index=index, host_if=f"ae{tag}{index:x}"[:15],
+                     host_ip=host_ip, ns_ip=ns_ip, egress=egress)
+    try:
+        pnetns.create(net.name)
+        with IPRoute() as ipr:
+            ipr.link("add", ifname=net.host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": net.name})
+            idx = ipr.link_lookup(ifname=net.host_if)[0]
+            ipr.addr("add", index=idx, address=host_ip, prefixlen=30)
+            ipr.link("set", index=idx, state="up")
+        ns = NetNS(net.name)
+        try:
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+            eth = ns.link_lookup(ifname="eth0")[0]
+            ns.addr("add", index=eth, address=ns_ip, prefixlen=30)
+            ns.link("set", index=eth, state="up")
+            ns.route("add", dst="0.0.0.0/0", gateway=host_ip)
+            ns.link("add", ifname="tap0", kind="tuntap", mode="tap")
+            tap = ns.link_lookup(ifname="tap0")[0]
+            ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=24)
+            ns.link("set", index=tap, state="up")
+        finally:
+            ns.close()
+        _nsenter(net.name, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        _nsenter(net.name, ["nft", "-f", "-"], _ruleset(egress))
+    except BaseException as e:
+        destroy(net)
+        if isinstance(e, NetError):
+            raise
+        if isinstance(e, Exception):
+            raise NetError(f"creating the network of {sid} failed: {e}") from None
+        raise
+    return net
+
+
+def set_egress(net: SandboxNet, egress: bool) -> SandboxNet:
+    """Turn the sandbox's outbound connections on or off (the guest keeps running)."""
+    _nsenter(net.name, ["nft", "-f", "-"], "flush ruleset\n" + _ruleset(egress))
+    return SandboxNet(net.name, net.index, net.host_if, net.host_ip, net.ns_ip, egress)
+
+
+def destroy(net: SandboxNet | str) -> None:
+    """Remove a sandbox's namespace and everything in it. Idempotent."""
+    from pyroute2 import IPRoute
+    from pyroute2 import netns as pnetns
+    name = net if isinstance(net, str) else net.name
+    if (NETNS_DIR / name).exists():
+        try:
+            pnetns.remove(name)
+        except OSError as e:
+            raise NetError(f"removing netns {name} failed: {e}") from None
+    if not isinstance(net, str):
+        with IPRoute() as ipr:  # normally gone with its peer
+            for idx in ipr.link_lookup(ifname=net.host_if):
+                ipr.link("del", index=idx)
+
+
+def list_namespaces(tag: str) -> list[str]:
+    prefix = f"aenv-{tag}-"
+    try:
+        return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def remove_orphans(tag: str, keep: set[str]) -> list[str]:
+    """Remove this node's namespaces that no live sandbox owns; returns their names."""
+    gone = [n for n in list_namespaces(tag) if n not in keep]
+    for n in gone:
+        destroy(n)
+    return gone
+
+
+def qemu_wrapper(net: SandboxNet, qemu: Path, path: Path) -> Path:
+    """A script that runs QEMU inside the sandbox's namespace (pass it as the QEMU binary)."""
+    path.write_text(f'#!/bin/sh\nexec nsenter --net={NETNS_DIR / net.name} -- {qemu} "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def enable_host_egress(outbound_if: str | None = None) -> None:
+    """Host side of internet access: forwarding on, sandbox traffic masqueraded."""
+    _require_tools()
+    Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+    rule = f'oifname "{outbound_if}" ' if outbound_if else 'oifname != "ae*" '
+    script = ("table ip aenv_host {\n  chain post {\n    type nat hook postrouting priority 100; policy accept;\n"
+              f"    ip saddr 10.201.0.0/16 {rule}masquerade\n  }}\n}}\n")
+    done = subprocess.run(["nft", "-f", "-"], input="add table ip aenv_host\ndelete table ip aenv_host\n" + script,
+                          text=True, capture_output=True)
+    if done.returncode != 0:
+        raise NetError(f"host egress rules failed: {done.stderr.strip()}")
