@@ -35,14 +35,16 @@ def config_from_args(args: argparse.Namespace) -> AenvConfig:
     return load_config(data_dir, Path(cfg).expanduser() if cfg else None)
 
 
-def print_table(rows: list[dict[str, Any]], columns: list[str], out: TextIO = sys.stdout) -> None:
+def print_table(rows: list[dict[str, Any]], columns: list[str], out: TextIO | None = None) -> None:
+    out = out or sys.stdout  # looked up per call, so redirected/captured stdout is honoured
     widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
     out.write("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip() + "\n")
     for r in rows:
         out.write("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns).rstrip() + "\n")
 
 
-def print_json(value: Any, out: TextIO = sys.stdout) -> None:
+def print_json(value: Any, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
     out.write(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
 
 
