@@ -144,37 +144,49 @@ async def cold_boots(store: Store, guest: GuestImage, tpl: Template, work: Path,
     return out
 
 
-async def creates(mgr: SandboxManager, n: int, pooled: bool, with_init: bool = False) -> list[dict[str, float]]:
-    """``with_init``: create with an env var and an access token, as a create through
-    the API does (the SDK's default is a secured sandbox), so envd /init runs."""
-    rows = []
-    for i in range(n):
-        warm = 0.0
-        cpu0: float | None = None
-        if pooled:
-            await mgr.fill_pool("base")  # steady state: the pool had time to refill
-            waiting = mgr.pooled("base")
-            if waiting:
-                assert waiting[0].timing is not None
-                warm, cpu0 = waiting[0].timing.warm, cpu_ms(waiting[0].vm.pid)
-        t0 = time.perf_counter()
-        token = f"tok{i}" if with_init else None
-        sbx = await mgr.create("base", env_vars={"BENCH": "1"} if with_init else None, access_token=token)
-        first = await asyncio.to_thread(first_command, sbx, token)
-        total = time.perf_counter() - t0
-        t = sbx.timing
-        assert t is not None
-        if pooled and not t.from_pool:
+VARIANTS = ("nopool", "pool", "pool_init")
+
+
+async def one_create(mgr: SandboxManager, pooled: bool, with_init: bool, i: int) -> dict[str, float]:
+    """One create → first successful commands.run. ``with_init``: create with an env
+    var and an access token, as a create through the API does (the SDK's default is a
+    secured sandbox), so envd /init runs."""
+    warm = 0.0
+    cpu0: float | None = None
+    if pooled:
+        waiting = mgr.pooled("base")
+        if not waiting:
             raise BenchError("the pool was empty at create time")
-        # no pool: CPU since QEMU started (restore included); pool: since create was called
-        cpu = cpu_ms(sbx.vm.pid) - (cpu0 or 0.0)
-        rows.append({"qemu_start": t.qemu_start, "state_load": t.state_load, "first_answer": t.first_answer,
-                     "identity": t.identity, "init": t.init, "first_command": first, "total": total,
-                     "from_pool": float(t.from_pool), "warm": warm, "qemu_cpu": cpu / 1000,
-                     "load": os.getloadavg()[0]})
-        await mgr.kill(sbx.id)
-        print(f"create {'pool' if pooled else 'no-pool'}{' +init' if with_init else ''} {i + 1}/{n}: "
-              f"{total * 1000:.0f} ms", file=sys.stderr)
+        assert waiting[0].timing is not None
+        warm, cpu0 = waiting[0].timing.warm, cpu_ms(waiting[0].vm.pid)
+    t0 = time.perf_counter()
+    token = f"tok{i}" if with_init else None
+    sbx = await mgr.create("base", env_vars={"BENCH": "1"} if with_init else None, access_token=token)
+    first = await asyncio.to_thread(first_command, sbx, token)
+    total = time.perf_counter() - t0
+    t = sbx.timing
+    assert t is not None and t.from_pool == pooled
+    # no pool: CPU since QEMU started (restore included); pool: since create was called
+    cpu = cpu_ms(sbx.vm.pid) - (cpu0 or 0.0)
+    await mgr.kill(sbx.id)
+    return {"qemu_start": t.qemu_start, "state_load": t.state_load, "first_answer": t.first_answer,
+            "identity": t.identity, "init": t.init, "first_command": first, "total": total,
+            "from_pool": float(t.from_pool), "warm": warm, "qemu_cpu": cpu / 1000, "load": os.getloadavg()[0]}
+
+
+async def creates(plain: SandboxManager, pooled: SandboxManager, n: int) -> dict[str, list[dict[str, float]]]:
+    """``n`` creates of each variant, interleaved (rotating order) so that every
+    variant sees the same phases of this shared machine's load. Before each create
+    the pool is full and no refill is running: nothing else of ours competes."""
+    rows: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    for i in range(n):
+        for k in range(len(VARIANTS)):
+            variant = VARIANTS[(i + k) % len(VARIANTS)]
+            await pooled.fill_pool("base")
+            mgr = plain if variant == "nopool" else pooled
+            row = await one_create(mgr, variant != "nopool", variant == "pool_init", i)
+            rows[variant].append(row)
+            print(f"create {variant} {i + 1}/{n}: {row['total'] * 1000:.0f} ms", file=sys.stderr)
     return rows
 
 
@@ -213,22 +225,20 @@ async def main_async(args: argparse.Namespace) -> dict:
             template_s = time.perf_counter() - t0
             cold = await cold_boots(store, guest, tpl, work, args.cold)
             tb = args.tcg_tb_mib
-            async with SandboxManager(store, guest, work / "node", tcg_tb_mib=tb) as mgr:
-                nopool = await creates(mgr, args.creates, pooled=False)
-            async with SandboxManager(store, guest, work / "node-pool", pool_size=args.pool, tcg_tb_mib=tb) as mgr:
-                pool = await creates(mgr, args.creates, pooled=True)
-                pool_init = await creates(mgr, args.creates, pooled=True, with_init=True)
+            async with SandboxManager(store, guest, work / "node", tcg_tb_mib=tb) as plain, \
+                    SandboxManager(store, guest, work / "node-pool", pool_size=args.pool, tcg_tb_mib=tb) as pooled:
+                rows = await creates(plain, pooled, args.creates)
             async with SandboxManager(store, guest, work / "node-mem", tcg_tb_mib=tb) as mgr:
                 mem = await memory(mgr, args.idle)
-    return {"machine": machine_info(), "template_build_s": template_s, "cold": cold, "nopool": nopool,
-            "pool": pool, "pool_init": pool_init, "idle": args.idle, "memory_mib": args.memory_mib, "tcg_tb_mib": tb, **mem}
+    return {"machine": machine_info(), "template_build_s": template_s, "cold": cold, **rows, "idle": args.idle, "memory_mib": args.memory_mib, "tcg_tb_mib": tb, **mem}
 
 
 def report(res: dict, markdown: bool) -> None:
     ms = lambda xs: summarize([x * 1000 for x in xs])  # noqa: E731
     rows = []
-    c = ms(res["cold"])
-    rows.append(["cold boot to /health (NBD root)", f"{c['p50']:.0f}", f"{c['p99']:.0f}", int(c["n"])])
+    if res["cold"]:  # --cold 0 skips them
+        c = ms(res["cold"])
+        rows.append(["cold boot to /health (NBD root)", f"{c['p50']:.0f}", f"{c['p99']:.0f}", int(c["n"])])
     for label, key in (("create → first commands.run, no pool", "nopool"),
                        ("create → first commands.run, warm pool", "pool"),
                        ("same, create with env var + access token (/init runs)", "pool_init")):
