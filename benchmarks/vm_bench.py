@@ -246,7 +246,11 @@ def report(res: dict, markdown: bool) -> None:
         rows.append([label, f"{s['p50']:.0f}", f"{s['p99']:.0f}", int(s["n"])])
     labels = {"identity": "identity (/init)", "qemu_cpu": "QEMU CPU time, restore to first command done",
               "warm": "warm-up before hand-out (off the create path)"}
-    for part in ("qemu_start", "state_load", "first_answer", "identity", "init", "first_command", "qemu_cpu"):
+    parts = ("qemu_start", "state_load", "first_answer", "identity", "init", "first_command")
+    labels["setup"] = "setup (template lookup, upper disk layer, NBD export: rest of the total)"
+    for r in res["nopool"]:
+        r["setup"] = r["total"] - sum(r[p] for p in parts)
+    for part in (*parts, "setup", "qemu_cpu"):
         s = ms([r[part] for r in res["nopool"]])
         rows.append([f"  no pool: {labels.get(part, part.replace('_', ' '))}", f"{s['p50']:.0f}", f"{s['p99']:.0f}",
                      int(s["n"])])
