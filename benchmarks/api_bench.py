@@ -88,7 +88,12 @@ def stats(name: str, ms: list[float]) -> dict[str, float | str | int]:
             "p99": percentile(ms, 99), "mean": sum(ms) / len(ms)}
 
 
-def bench_proxy(calls: int) -> dict:
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_proxy(calls: int, server_pid: int | None) -> dict:
     from e2b import Sandbox
 
     sbx = Sandbox.create(timeout=3600)
@@ -98,16 +103,20 @@ def bench_proxy(calls: int) -> dict:
             for _ in range(5):
                 c.commands.run("true")
         via, straight = [], []
+        cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
         for i in range(calls):
             order = (sbx, direct) if i % 2 == 0 else (direct, sbx)
             for c in order:
                 t0 = time.perf_counter()
                 c.commands.run("true")
                 (via if c is sbx else straight).append((time.perf_counter() - t0) * 1000)
+        # The server process's CPU time per proxied call (direct calls do not touch it):
+        # the proxy's cost independent of how loaded the machine is.
+        cpu_ms = (cpu_seconds(server_pid) - cpu0) * 1000 / calls if server_pid else None
     finally:
         sbx.kill()
     diffs = [a - b for a, b in zip(via, straight)]
-    return {"proxy": stats("through the proxy", via), "direct": stats("straight to envd", straight),
+    return {"server_cpu_ms_per_call": cpu_ms, "proxy": stats("through the proxy", via), "direct": stats("straight to envd", straight),
             "overhead_p50_ms": percentile(via, 50) - percentile(straight, 50),
             "overhead_p99_ms": percentile(via, 99) - percentile(straight, 99),
             "paired_diff_p50_ms": percentile(diffs, 50)}
@@ -173,6 +182,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--pool-size", type=int, default=2)
+    p.add_argument("--only-proxy", action="store_true", help="measure the proxy overhead only")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -193,11 +203,14 @@ def main() -> int:
             wait_pool(url, key, args.pool_size, timeout=300)
         result = {"machine": machine_info(), "load_before": os.getloadavg()[0]}
         print("api_bench: proxy overhead ...", file=sys.stderr)
-        result["proxy"] = bench_proxy(args.calls)
-        print("api_bench: create → first command ...", file=sys.stderr)
-        result["create"] = bench_create(url, key, args.creates, args.pool_size)
-        print(f"api_bench: {args.clients} clients creating for {args.seconds:.0f} s ...", file=sys.stderr)
-        result["throughput"] = bench_throughput(args.clients, args.seconds)
+        result["proxy"] = bench_proxy(args.calls, proc.pid if proc is not None else None)
+        if args.only_proxy:
+            result["create"] = result["throughput"] = None
+        if not args.only_proxy:
+            print("api_bench: create → first command ...", file=sys.stderr)
+            result["create"] = bench_create(url, key, args.creates, args.pool_size)
+            print(f"api_bench: {args.clients} clients creating for {args.seconds:.0f} s ...", file=sys.stderr)
+            result["throughput"] = bench_throughput(args.clients, args.seconds)
         result["load_after"] = os.getloadavg()[0]
     except BenchError as e:
         print(f"api_bench: error: {e}", file=sys.stderr)
@@ -208,20 +221,25 @@ def main() -> int:
             proc.wait(timeout=120)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+    measures = [result["proxy"]["proxy"], result["proxy"]["direct"]]
+    if result["create"]:
+        measures += [result["create"]["create_to_first_command"], result["create"]["create"]]
     rows = [[s["name"], s["n"], f"{s['p50']:.1f}", f"{s['p90']:.1f}", f"{s['p99']:.1f}", f"{s['mean']:.1f}"]
-            for s in (result["proxy"]["proxy"], result["proxy"]["direct"],
-                      result["create"]["create_to_first_command"], result["create"]["create"])]
+            for s in measures]
     header = ["measure", "n", "p50 ms", "p90 ms", "p99 ms", "mean ms"]
     if args.markdown:
         print(markdown_table(rows, header))
     else:
         print_table(rows, header)
     pr, th = result["proxy"], result["throughput"]
+    cpu = pr["server_cpu_ms_per_call"]
     print(f"\nproxy overhead: p50 {pr['overhead_p50_ms']:+.2f} ms, p99 {pr['overhead_p99_ms']:+.2f} ms, "
-          f"paired-difference p50 {pr['paired_diff_p50_ms']:+.2f} ms")
-    print(f"creates/s with {th['clients']} clients: {th['creates_per_s']:.2f} ({th['creates']} in "
-          f"{th['seconds']:.1f} s, {th['errors']} errors); load {result['load_before']:.1f} → "
-          f"{result['load_after']:.1f}")
+          f"paired-difference p50 {pr['paired_diff_p50_ms']:+.2f} ms"
+          + (f"; server CPU {cpu:.2f} ms per proxied call" if cpu is not None else ""))
+    if th:
+        print(f"creates/s with {th['clients']} clients: {th['creates_per_s']:.2f} ({th['creates']} in "
+              f"{th['seconds']:.1f} s, {th['errors']} errors)")
+    print(f"load average {result['load_before']:.1f} -> {result['load_after']:.1f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))
     return 0

@@ -138,9 +138,12 @@ class SandboxProxy:
         await resp.prepare(request)
         ok = True
         try:
-            async for chunk in upstream.content.iter_any():
+            content = upstream.content
+            while chunk := await content.readany():
+                if content.at_eof():  # the last piece: one send with the end of the response
+                    break
                 await resp.write(chunk)  # flushed now: a stream frame must not wait for the next one
-            await resp.write_eof()
+            await resp.write_eof(chunk)
         except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
             # Headers are gone already: the only honest signal left is cutting the connection.
             ok = False
