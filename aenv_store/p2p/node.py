@@ -309,6 +309,15 @@ class P2PNode:
                     return
 
         refill()
+        try:
+            await self._send_groups(send, pending, refill, served)
+        finally:
+            # the asker went away (or we are closing): do not read what nobody will get
+            for fut in pending:
+                fut.cancel()
+
+    async def _send_groups(self, send: Any, pending: "deque[asyncio.Future[list[bytes | None]]]",
+                           refill: Any, served: Any) -> None:
         batch = bytearray()
         while pending:
             fut = pending.popleft()

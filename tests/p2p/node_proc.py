@@ -3,7 +3,7 @@
   writer DATA_DIR REPO_JSON SIZE SEED
       open the store (P2P on), commit SIZE random bytes as record "snap",
       print {"ticket", "mid", "sha256"} and serve peers until killed.
-  reader DATA_DIR REPO_JSON TICKET MID FIRST
+  reader DATA_DIR REPO_JSON TICKET MID FIRST [LOOKUP_MS]
       open the store (P2P on, the writer as peer), read [0, FIRST) of the blob,
       print counters, wait for a line on stdin, read the rest, print counters
       and the sha256 of the whole blob.
@@ -47,8 +47,9 @@ def writer(data_dir: Path, repo: RepositoryConfig, size: int, seed: int) -> None
         time.sleep(3600)
 
 
-def reader(data_dir: Path, repo: RepositoryConfig, ticket: str, mid: str, first: int) -> None:
-    settings = StoreSettings(StorePaths(data_dir), repository=repo, p2p=P2PConfig(enabled=True, peers=(ticket,)))
+def reader(data_dir: Path, repo: RepositoryConfig, ticket: str, mid: str, first: int, lookup_ms: int) -> None:
+    settings = StoreSettings(StorePaths(data_dir), repository=repo,
+                             p2p=P2PConfig(enabled=True, peers=(ticket,), lookup_timeout_ms=lookup_ms))
     with Store.open(settings) as store:
         blob = store.open_blob(Digest.from_hex(mid))
         h = hashlib.sha256()
@@ -70,7 +71,7 @@ def main() -> None:
     if role == "writer":
         writer(data_dir, repo, int(sys.argv[4]), int(sys.argv[5]))
     else:
-        reader(data_dir, repo, sys.argv[4], sys.argv[5], int(sys.argv[6]))
+        reader(data_dir, repo, sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7]) if len(sys.argv) > 7 else 300)
 
 
 if __name__ == "__main__":

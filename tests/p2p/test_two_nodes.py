@@ -43,7 +43,7 @@ def test_reader_gets_chunks_from_writer_then_falls_back_when_it_dies(oss_repo: R
     try:
         wrote = _line(a)
         b = subprocess.Popen([sys.executable, NODE, "reader", str(tmp_path / "b"), repo_json, wrote["ticket"],
-                              wrote["mid"], str(first)],
+                              wrote["mid"], str(first), "2000"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         half = _line(b)
         # Phase 1, A alive: every chunk byte came over P2P, not one range read hit S3.
@@ -90,8 +90,10 @@ def test_corrupt_peer_is_dropped_and_the_read_succeeds_from_the_repository(
             mid = w.close()
             ws.commit(CatalogRecord(name="snap", kind="snapshot", manifests=(("disk", mid),)))
         with P2PNode(tmp_path / "evil", P2PConfig(enabled=True), _Corrupting(a), write_status=False).start() as evil:
+            # a generous lookup timeout: this test is about bad data, not about a loaded
+            # CI box missing 300 ms (tests/p2p/test_node.py covers the timeout path)
             settings = StoreSettings(StorePaths(tmp_path / "b"), repository=oss_repo,
-                                     p2p=P2PConfig(enabled=True, peers=(evil.ticket,)))
+                                     p2p=P2PConfig(enabled=True, peers=(evil.ticket,), lookup_timeout_ms=3000))
             with caplog.at_level(logging.WARNING, logger="aenv_store.p2p"), Store.open(settings) as b:
                 got = b.open_blob(mid).read(0, len(data))
                 status = b.peer_source.status()
