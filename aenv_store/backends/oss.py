@@ -404,21 +404,6 @@ class OssBackend(Backend):
             raise _classify(e, f"create {key}") from None
         self._count("put", nbytes_out=len(data))
 
-    # ------------------------------------------------------------------- admin
-    def ensure_bucket(self) -> None:
-        """Create the bucket if it does not exist (``aenv repo init`` on a fresh endpoint)."""
-        try:
-            self._client.head_bucket(Bucket=self.bucket)
-            return
-        except botocore.exceptions.ClientError:
-            pass
-        except Exception as e:
-            raise _classify(e, f"head bucket {self.bucket}") from None
-        kwargs: dict[str, Any] = {"Bucket": self.bucket}
-        if self.cfg.region != "us-east-1":
-            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.cfg.region}
-        self._call(f"create bucket {self.bucket}", lambda: self._client.create_bucket(**kwargs))
-
     def close(self) -> None:
         if self._aio is not None:
             if self._aio_client is not None:
