@@ -21,6 +21,9 @@ Links, addresses and routes are made with pyroute2; nftables rules with the
 ``nft`` tool inside the namespace. ``destroy`` removes the namespace (which
 takes the veth pair and the tap with it); ``remove_orphans`` removes every
 namespace of this node's tag that no live sandbox owns (after a restart).
+
+Synchronous: pyroute2's API runs its own event loop, so from asyncio code
+call these functions in a worker thread (``asyncio.to_thread``).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ sandbox is running. For each record:
   background commit) → committed now: its upper layer is exactly the disk of
   that pause (resume waits for the commit, so no VM wrote to it since).
 * Directories under ``sandboxes/`` and ``paused/`` that no record names are
-  removed.
+  removed, and so are this node's tap-mode network namespaces.
 """
 from __future__ import annotations
 
@@ -68,6 +68,14 @@ async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
                 snap.records.put(new)
                 changed.append(new)
                 log.error("sandbox %s: %s", rec.id, new.note)
+    # Tap-mode namespaces of this node: no sandbox runs yet, so every one is an orphan.
+    from ..net import netns
+    for name in netns.list_namespaces(netns.node_tag(mgr.run_root)):
+        try:
+            await asyncio.to_thread(netns.destroy, name)  # pyroute2 runs its own event loop
+            log.warning("removed orphaned network namespace %s", name)
+        except netns.NetError as e:
+            log.error("%s", e)
     for root in (mgr.run_root / "sandboxes", snap.paused_root):
         if root.is_dir():
             for d in root.iterdir():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -120,9 +121,14 @@ def upper_base(upper_dir: Path) -> Digest | None:
 class Snapshotter:
     """Lifecycle beyond create/kill for one SandboxManager (see the module doc)."""
 
-    def __init__(self, mgr: "SandboxManager", default_timeout: float = 300.0) -> None:
+    def __init__(self, mgr: "SandboxManager", default_timeout: float = 300.0, standby: int = 4) -> None:
         self.mgr = mgr
         self.default_timeout = default_timeout
+        # Paused sandboxes (most recent first) whose next QEMU is already started
+        # (-incoming defer, base mapped, disk export kept): resume skips QEMU's start.
+        self.standby_limit = standby
+        self._held: dict[str, tuple[BlockImage, Path]] = {}      # disk image kept open while paused
+        self._standby: dict[str, asyncio.Task] = {}               # sid → task starting its standby QEMU
         self.records = RecordStore(mgr.run_root / "records")
         self.paused_root = mgr.run_root / "paused"
         self._commits: dict[str, asyncio.Task] = {}
@@ -218,6 +224,7 @@ class Snapshotter:
         if task is not None:
             with contextlib.suppress(BaseException):
                 await task
+        await self._release(sid)
         with contextlib.suppress(NotFound, StoreError):
             await asyncio.to_thread(self.mgr.store.delete_record, f"paused-{sid}")
         shutil.rmtree(self.paused_root / sid, ignore_errors=True)
@@ -276,10 +283,41 @@ class Snapshotter:
             self.last_pause = PauseTiming(*cap.timing, t2 - t1, t2 - t0, len(cap.delta.pages))
             self.mgr.sandboxes.pop(sid, None)
             await sbx.vm.kill()
-            self.mgr.nbd.remove_export(sid)
-            self._commits[sid] = asyncio.get_running_loop().create_task(
-                self._commit(sid, sbx.image, sbx.dir, snap, previous))
+            loop = asyncio.get_running_loop()
+            self._held[sid] = (sbx.image, sbx.dir)
+            self._commits[sid] = loop.create_task(self._commit(sid, sbx.image, sbx.dir, snap, previous))
+            if self.standby_limit > 0:
+                self._standby[sid] = loop.create_task(self._start_standby(sbx.vm.spec))
+                for old in list(self._standby)[:-self.standby_limit]:
+                    loop.create_task(self._evict(old))
             return rec
+
+    async def _start_standby(self, spec: VmSpec) -> QemuProcess:
+        """The QEMU a resume will use: started now, waiting for its device state."""
+        spec = dataclasses.replace(spec, host_port=free_port(), incoming_defer=True)
+        return await QemuProcess.start(spec)
+
+    async def _drop_standby(self, sid: str) -> None:
+        task = self._standby.pop(sid, None)
+        if task is not None:
+            with contextlib.suppress(BaseException):
+                await (await task).kill()
+
+    async def _evict(self, sid: str) -> None:
+        """Beyond the standby limit: stop the standby; free the rest once committed."""
+        await self._drop_standby(sid)
+        if sid not in self._commits:
+            await self._release(sid)
+
+    async def _release(self, sid: str) -> None:
+        """Give up what a paused sandbox holds on this node: standby QEMU, export, image, run dir."""
+        await self._drop_standby(sid)
+        held = self._held.pop(sid, None)
+        self.mgr.nbd.remove_export(sid)
+        if held is not None:
+            image, sdir = held
+            await asyncio.to_thread(image.close)
+            shutil.rmtree(sdir, ignore_errors=True)
 
     async def _commit(self, sid: str, image: BlockImage, sdir: Path, snap: SnapshotRef,
                       previous: SnapshotRef | None) -> None:
@@ -313,14 +351,17 @@ class Snapshotter:
                 ws.commit(CatalogRecord(name=f"paused-{sid}", kind=PAUSED_KIND, manifests=roles,
                                         meta=tuple(sorted(meta.items())), created=time.time()), exclusive=False)
             log.info("pause %s/%d committed: %d pages, %d staged", sid, snap.seq, stats.pages, stats.staged)
-            image.close()
-            shutil.rmtree(sdir, ignore_errors=True)
             return SnapshotRef(seq=snap.seq, local=snap.local, base=snap.base, disk_top=_hex(top), committed=True,
                                memory_id=mid.hex(), state_id=state_id.hex(), created=snap.created)
         try:
             done = await asyncio.to_thread(work)
+        except BaseException:
+            await self._release(sid)
+            raise
         finally:
             self._commits.pop(sid, None)
+        if sid not in self._standby:
+            await self._release(sid)
         rec = self.records.get(sid)
         if rec is not None and rec.snapshot is not None and rec.snapshot.seq == snap.seq:
             self.records.put(rec.replace(snapshot=done))
@@ -356,21 +397,35 @@ class Snapshotter:
                 raise SnapshotError(f"sandbox {sid}: memory delta is over {delta.base.short()}, "
                                     f"template {tpl.id} has {tpl.memory.short()}")
             sdir = self.mgr.run_root / "sandboxes" / sid
-            shutil.rmtree(sdir, ignore_errors=True)
-            sdir.mkdir(parents=True)
             image: BlockImage | None = None
             vm: QemuProcess | None = None
+            standby = self._standby.pop(sid, None)
+            if standby is not None and sid in self._held:
+                with contextlib.suppress(Exception):
+                    vm = await standby
+                if vm is not None and (not vm.alive() or vm.spec.mem_path != mem):
+                    await vm.kill()
+                    vm = None
+            if vm is not None:
+                image = self._held.pop(sid)[0]      # sealed by the commit: a fresh upper over the pause's layer
+            else:
+                await self._release(sid)
+                shutil.rmtree(sdir, ignore_errors=True)
+                sdir.mkdir(parents=True)
             try:
-                image = await asyncio.to_thread(BlockImage.open, self.mgr.store, _digest(snap.disk_top), sid,
-                                                upper_dir=sdir / "upper", fresh_upper=True)
-                self.mgr.nbd.add_export(image)
-                spec = VmSpec(name=sid, kernel=self.mgr.guest.kernel, initrd=self.mgr.guest.initrd,
-                              kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
-                              vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
-                              mem_path=mem, mem_share=False, disk=NbdDisk(self.mgr.nbd.socket_path, sid),
-                              host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.mgr.tcg_tb_mib)
                 t1 = time.monotonic()
-                vm = await QemuProcess.start(spec)
+                if vm is None:
+                    image = await asyncio.to_thread(BlockImage.open, self.mgr.store, _digest(snap.disk_top), sid,
+                                                    upper_dir=sdir / "upper", fresh_upper=True)
+                    self.mgr.nbd.add_export(image)
+                    spec = VmSpec(name=sid, kernel=self.mgr.guest.kernel, initrd=self.mgr.guest.initrd,
+                                  kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
+                                  vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
+                                  mem_path=mem, mem_share=False, disk=NbdDisk(self.mgr.nbd.socket_path, sid),
+                                  host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.mgr.tcg_tb_mib)
+                    t1 = time.monotonic()
+                    vm = await QemuProcess.start(spec)
+                spec = vm.spec
                 t2 = time.monotonic()
                 await asyncio.to_thread(lambda: write_pages(vm.pid, ram_mapping(vm.pid, mem),  # type: ignore[union-attr]
                                                             delta.pages, delta.data))
@@ -533,6 +588,8 @@ class Snapshotter:
         for task in list(self._commits.values()):
             with contextlib.suppress(Exception):
                 await task
+        for sid in list(self._held) + list(self._standby):
+            await self._release(sid)
 
     def close_records(self) -> None:
         self.records.close()

@@ -91,7 +91,7 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
         try:
             for i in range(2):
                 sid = f"sbx-nettest{i:04d}"
-                net = netns.create(tag, sid, 100 + i, egress=(i == 0))
+                net = await asyncio.to_thread(netns.create, tag, sid, 100 + i, i == 0)
                 nets.append(net)
                 image = BlockImage.open(env.store, tpl.disk, sid, upper_dir=tmp_path / sid / "upper")
                 images.append(image)
@@ -115,9 +115,9 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
             assert (await asyncio.to_thread(run, nets[0].envd_host, probe.format(ip=nets[0].host_ip)))[1] == "ok"
             assert (await asyncio.to_thread(run, nets[1].envd_host, probe.format(ip=nets[1].host_ip)))[1] == "blocked"
             assert nets[0].ns_ip in accepted and nets[1].ns_ip not in accepted
-            nets[1] = netns.set_egress(nets[1], True)
+            nets[1] = await asyncio.to_thread(netns.set_egress, nets[1], True)
             assert (await asyncio.to_thread(run, nets[1].envd_host, probe.format(ip=nets[1].host_ip)))[1] == "ok"
-            nets[0] = netns.set_egress(nets[0], False)
+            nets[0] = await asyncio.to_thread(netns.set_egress, nets[0], False)
             assert (await asyncio.to_thread(run, nets[0].envd_host, probe.format(ip=nets[0].host_ip)))[1] == "blocked"
         finally:
             for vm in vms:
@@ -126,7 +126,7 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
             for image in images:
                 image.close()
             for net in nets:
-                netns.destroy(net)
+                await asyncio.to_thread(netns.destroy, net)
     try:
         asyncio.run(main())
     finally:
