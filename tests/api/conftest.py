@@ -119,6 +119,7 @@ def start_server(data_dir: Path, log_dir: Path, *, env: dict[str, str] | None = 
     if os.environ.get("AENV_GUEST_CACHE"):
         full_env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
     full_env["AENV_VM__POOL_SIZE"] = "1"
+    full_env["AENV_SERVER__DOMAIN"] = "aenv.test"  # host-routed sandbox traffic is tested too
     full_env.update(env or {})
     log_dir.mkdir(parents=True, exist_ok=True)
     stderr_path = log_dir / f"server-{port}.log"

@@ -148,18 +148,53 @@ def test_unknown_sandbox_is_502_was_not_found(sdk_env: Server) -> None:
         Sandbox.connect("sbx-nope")
 
 
-def test_other_guest_port_and_api_key_not_forwarded(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
+GUEST_SERVER = r"""
+import base64, hashlib, http.server, json, socketserver, struct, time
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        if self.path == "/sse":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for i in range(3):
+                self.wfile.write(f"data: {i}\n\n".encode()); self.wfile.flush(); time.sleep(0.7)
+            self.close_connection = True
+            return
+        if self.headers.get("Upgrade", "").lower() == "websocket":
+            key = self.headers["Sec-WebSocket-Key"]
+            accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
+            self.send_response(101)
+            self.send_header("Upgrade", "websocket"); self.send_header("Connection", "Upgrade")
+            self.send_header("Sec-WebSocket-Accept", accept.decode()); self.end_headers(); self.wfile.flush()
+            b0, b1 = self.rfile.read(2)
+            n = b1 & 0x7f
+            if n == 126: n = struct.unpack(">H", self.rfile.read(2))[0]
+            mask = self.rfile.read(4)
+            data = bytes(c ^ mask[i % 4] for i, c in enumerate(self.rfile.read(n)))
+            reply = b"echo:" + data
+            self.wfile.write(bytes([0x81, len(reply)]) + reply); self.wfile.flush()
+            self.close_connection = True
+            return
+        b = json.dumps(dict(self.headers)).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers()
+        self.wfile.write(b)
+class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+S(("0.0.0.0", 8080), H).serve_forever()
+"""
+
+
+def test_other_guest_port_sse_websocket_and_host_routing(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    import aiohttp
+
     a, _ = pair
-    script = ("import http.server,json\n"
-              "class H(http.server.BaseHTTPRequestHandler):\n"
-              "  def do_GET(self):\n"
-              "    b=json.dumps(dict(self.headers)).encode()\n"
-              "    self.send_response(200);self.send_header('Content-Length',str(len(b)));self.end_headers()\n"
-              "    self.wfile.write(b)\n"
-              "http.server.HTTPServer(('0.0.0.0',8080),H).serve_forever()\n")
-    a.files.write("/tmp/echo.py", script)
-    a.commands.run("python3 /tmp/echo.py", background=True)
-    deadline = time.monotonic() + 60
+    a.files.write("/tmp/guest_server.py", GUEST_SERVER)
+    a.commands.run("python3 /tmp/guest_server.py", background=True)
+    deadline = time.monotonic() + 90
     hdr = {"E2b-Sandbox-Id": a.sandbox_id, "E2b-Sandbox-Port": "8080", "X-Probe": "yes"}
     while True:
         status, _, body = sdk_env.request("GET", "/echo", headers=hdr)  # carries X-API-Key
@@ -169,6 +204,33 @@ def test_other_guest_port_and_api_key_not_forwarded(sdk_env: Server, pair) -> No
     assert status == 200, body
     seen = {k.lower() for k in json.loads(body)}
     assert "x-probe" in seen and "x-api-key" not in seen and "e2b-sandbox-id" not in seen
+
+    # host routing: <port>-<id>.<domain> (the test servers run with domain aenv.test)
+    status, _, body = sdk_env.request("GET", "/echo", key=None,
+                                      headers={"Host": f"8080-{a.sandbox_id}.aenv.test", "X-Probe": "host"})
+    assert status == 200 and json.loads(body)["X-Probe"] == "host"
+    status, _, body = sdk_env.request("GET", "/health", key=None,
+                                      headers={"Host": f"49983-{a.sandbox_id}.aenv.test"})
+    assert status == 401  # envd port, no token
+    status, _, _ = sdk_env.request("GET", "/health", key=None, headers={
+        "Host": f"49983-{a.sandbox_id}.aenv.test", "X-Access-Token": a._envd_access_token})
+    assert status == 204
+
+    async def streams() -> None:
+        async with aiohttp.ClientSession() as session:
+            arrivals = []
+            async with session.get(sdk_env.url + "/sse", headers=hdr) as r:
+                assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+                async for line in r.content:
+                    if line.startswith(b"data:"):
+                        arrivals.append((time.monotonic(), line.strip()))
+            assert [x for _, x in arrivals] == [b"data: 0", b"data: 1", b"data: 2"]
+            assert arrivals[-1][0] - arrivals[0][0] > 1.0, "SSE events were buffered by the proxy"
+            async with session.ws_connect(sdk_env.url + "/ws", headers=hdr) as ws:
+                await ws.send_str("hello")
+                msg = await ws.receive(timeout=30)
+                assert msg.type == aiohttp.WSMsgType.TEXT and msg.data == "echo:hello"
+    asyncio.run(streams())
 
 
 def test_kill_then_list(sdk_env: Server) -> None:
