@@ -17,7 +17,8 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import Executor
+from collections import deque
+from concurrent.futures import Executor, Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,12 @@ log = logging.getLogger(__name__)
 
 STALE_UNLOCKED_AGE = 3600.0
 STAGE_BATCH = 64  # whole chunks compressed concurrently per batch (bounds memory to ~64 payloads)
+# Ingest pipeline (BlobWriter with an executor): whole chunks go to the pool in jobs of
+# PIPELINE_JOB chunks (hash + zero check + zstd off the caller's thread, which meanwhile
+# reads its next block); at most PIPELINE_DEPTH jobs are in flight (16 x 64 KiB x 8 = 8 MiB
+# of payloads at the default chunk size) and they are staged in submission order.
+PIPELINE_JOB = 16
+PIPELINE_DEPTH = 8
 
 _tls = threading.local()
 
@@ -208,6 +215,40 @@ class Workspace(AbstractContextManager["Workspace"]):
             payloads = (packfmt.encode_payload(d, self._cctx) for _, d in new)
         for (cid, data), payload in zip(new, payloads):
             self._append(cid, payload, len(data))
+        return out
+
+    def _prepare(self, chunks: Sequence[bytes | memoryview]) -> list[tuple[bytes, bytes | memoryview | None]]:
+        """Worker-thread half of staging: (BLAKE3, zstd payload) per chunk; the payload
+        is None when the chunk is all zeros or already known (no zstd spent on dedup hits).
+        BLAKE3 and zstd release the GIL, so several of these run in parallel."""
+        out: list[tuple[bytes, bytes | memoryview | None]] = []
+        lookup = self.repository.index.lookup
+        staged = self._staged  # read-only here; the caller's thread is the only writer
+        for data in chunks:
+            raw = blake3.blake3(data).digest()
+            known = raw == zero_digest(len(data)) or raw in staged or lookup(raw) is not None
+            out.append((raw, None if known else _compress(data, self._level)))
+        return out
+
+    def _stage_prepared(self, chunks: Sequence[bytes | memoryview],
+                        prepared: list[tuple[bytes, bytes | memoryview | None]]) -> list[Digest | None]:
+        """Caller-thread half: dedup and pack append in order (same result as stage_many)."""
+        self._check_staging()
+        out: list[Digest | None] = []
+        lookup = self.repository.index.lookup
+        for data, (raw, payload) in zip(chunks, prepared):
+            n = len(data)
+            if raw == zero_digest(n):
+                out.append(None)
+                continue
+            cid = Digest(raw)
+            out.append(cid)
+            if raw in self._staged or lookup(raw) is not None:
+                self.chunks_deduped += 1
+                continue
+            if payload is None:  # known when prepared, gone since (index reloaded): compress now
+                payload = packfmt.encode_payload(data, self._cctx)
+            self._append(cid, payload, n)
         return out
 
     def _append(self, cid: Digest, payload: bytes | memoryview, raw_length: int) -> None:
@@ -387,6 +428,8 @@ class BlobWriter:
         self._done: dict[int, tuple[Digest | None, int]] = {}     # sealed chunk -> (id or None=zeros, length)
         self._partial: dict[int, list[tuple[int, int]]] = {}     # chunk -> written [a, b) within it
         self._end = 0
+        # pipelined whole chunks: (chunk numbers, their data, the worker's result)
+        self._inflight: deque[tuple[list[int], list[memoryview], Future[list[tuple[bytes, bytes | memoryview | None]]]]] = deque()
         self.closed = False
         # check the manifest fields now, not after streaming gigabytes
         Manifest(media_type, size or 0, (), parent, chunk_size, self.meta)
@@ -413,6 +456,10 @@ class BlobWriter:
         mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" \
             else data
         self._check(offset, len(mv))
+        if self.ws._executor is not None and not isinstance(mv.obj, bytes) and len(mv) >= self.chunk_size:
+            # whole chunks stay referenced after we return (pipeline): the caller may
+            # reuse a bytearray/mmap buffer, so take an immutable copy once per call
+            mv = memoryview(mv.tobytes())
         i = 0
         cs = self.chunk_size
         whole: list[tuple[int, memoryview]] = []  # full chunks, staged in batches
@@ -432,16 +479,45 @@ class BlobWriter:
     def _stage_whole(self, whole: list[tuple[int, memoryview]]) -> None:
         if not whole:
             return
-        for (k, piece), cid in zip(whole, self.ws.stage_many([p for _, p in whole])):
-            self._partial.pop(k, None)
-            self._done[k] = (cid, len(piece))
+        ex = self.ws._executor
+        if ex is None:
+            for (k, piece), cid in zip(whole, self.ws.stage_many([p for _, p in whole])):
+                self._partial.pop(k, None)
+                self._done[k] = (cid, len(piece))
+            whole.clear()
+            return
+        self.ws._check_staging()
+        for j in range(0, len(whole), PIPELINE_JOB):
+            job = whole[j:j + PIPELINE_JOB]
+            ks = [k for k, _ in job]
+            datas = [p for _, p in job]
+            for k in ks:
+                # a whole-chunk write replaces whatever partial data the chunk had
+                self._partial.pop(k, None)
+            self._inflight.append((ks, datas, ex.submit(self.ws._prepare, datas)))
+            self._reap(PIPELINE_DEPTH)
         whole.clear()
+
+    def _reap(self, depth: int) -> None:
+        """Stage finished jobs in order; block on the oldest while more than ``depth`` are in flight."""
+        q = self._inflight
+        while q and (len(q) > depth or q[0][2].done()):
+            ks, datas, fut = q[0]
+            prepared = fut.result()
+            q.popleft()
+            for k, data, cid in zip(ks, datas, self.ws._stage_prepared(datas, prepared)):
+                self._done[k] = (cid, len(data))
+
+    def _drain(self) -> None:
+        """Everything in flight staged: needed before _done is read or changed out of order."""
+        self._reap(0)
 
     def append(self, data: bytes | bytearray | memoryview) -> None:
         self.write(self._end, data)
 
     def write_zeros(self, offset: int, length: int) -> None:
         self._check(offset, length)
+        self._drain()
         for k, within, n in pieces(offset, length, self.chunk_size):
             if within == 0 and n == self._chunk_len(k):
                 self._partial.pop(k, None)
@@ -469,6 +545,7 @@ class BlobWriter:
         return data
 
     def _write_partial(self, k: int, within: int, piece: bytes | memoryview) -> None:
+        self._drain()
         base = k * self.chunk_size
         if k in self._done:
             # read-modify-write of a sealed chunk: bring its bytes back to scratch
@@ -489,6 +566,7 @@ class BlobWriter:
         if self.closed:
             raise StoreError("blob writer is closed")
         self.ws._check_open()
+        self._drain()
         size = self.size
         cs = self.chunk_size
         delta = self.parent is not None
@@ -523,6 +601,10 @@ class BlobWriter:
 
     def _discard(self) -> None:
         self.closed = True
+        for _, _, fut in self._inflight:
+            # abandoned: let running jobs finish (they only read their own data), drop results
+            fut.cancel()
+        self._inflight.clear()
         self.ws._writers.discard(self)
         if self._scratch_fd is not None:
             os.close(self._scratch_fd)
