@@ -72,6 +72,15 @@ def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
     return parse_host(request.host, domain)
 
 
+class _RelayResponse(web.StreamResponse):
+    """Headers go out with the first piece of the body (one send instead of two: on
+    this kind of host a loopback send costs ~0.4 ms, the largest part of the proxy's
+    overhead). Used for envd, whose streams start with an event at once; other guest
+    ports and SSE answers send headers at once (a client may wait for them alone)."""
+
+    _send_headers_immediately = False
+
+
 class SandboxProxy:
     def __init__(self, lifecycle: Lifecycle, metrics: Metrics) -> None:
         self.lifecycle = lifecycle
@@ -125,7 +134,9 @@ class SandboxProxy:
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, sid: str, port: int,
                      t0: float) -> web.StreamResponse:
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        cls = _RelayResponse if port == ENVD_PORT and not sse else web.StreamResponse
+        resp = cls(status=upstream.status, reason=upstream.reason)
         for k, v in upstream.headers.items():
             if k.lower() not in _DROP_RESPONSE:
                 resp.headers.add(k, v)
