@@ -202,10 +202,11 @@ class Store:
                 got[c] = data
         if self.peer_source is not None and len(missing) > 1:
             # one batched peer request instead of a round trip per chunk
-            for cid, data in self.peer_source.fetch_many([Digest(c) for c in missing]).items():
+            fetched = self.peer_source.fetch_many([Digest(c) for c in missing])
+            for cid, data in fetched.items():
                 got[bytes(cid)] = data
-                if cache and self.cache is not None:
-                    self.cache.put(cid, data)
+            if cache and self.cache is not None and fetched:
+                self.cache.put_many(list(fetched.items()))
             missing = [c for c in missing if c not in got]
         if len(missing) > 1:
             entries = [e for e in map(self.repository.lookup, missing) if e is not None]
@@ -223,8 +224,7 @@ class Store:
         except NotFound:  # pack gone (gc repack): chunk by chunk, which re-resolves them
             datas = [self.repository.read_chunk(e.chunk, self._dctx()) for e in run]
         if cache and self.cache is not None:
-            for e, data in zip(run, datas):
-                self.cache.put(e.chunk, data)
+            self.cache.put_many([(e.chunk, data) for e, data in zip(run, datas)])
         return datas
 
     def _read_pool(self) -> ThreadPoolExecutor:

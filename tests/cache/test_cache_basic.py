@@ -363,3 +363,17 @@ def test_put_never_recreates_a_file_whose_eviction_is_unfinished(cache: NodeCach
         cache.put(dd, bb)
     assert cache.verify() == []
     assert cache.put(d2, b2) and cache.get(d2) == b2
+
+
+def test_put_many_one_batch_with_duplicates_oversize_and_eviction(tmp_path: Path) -> None:
+    with NodeCache(tmp_path / "c", cfg(4 * S)) as c:
+        items = chunks(6)
+        big = b"x" * (5 * S)
+        batch = [items[0], items[1], items[0], (Digest.of(big), big), *items[2:]]
+        ok = c.put_many(batch)
+        assert ok[:3] == [True, True, True] and ok[3] is False  # duplicate stored once; too big: no
+        st = c.stats()
+        assert st.used_bytes <= 4 * S and st.evictions >= 2  # evicted down to its low watermark
+        for d, data in items[-st.entries:]:  # the newest survive (LRU)
+            assert c.get(d) == data
+        assert not os.listdir(c._tmp)  # no temp file left behind
