@@ -1,0 +1,45 @@
+"""Graceful shutdown pauses running sandboxes; the next start lists them as paused
+and `connect` resumes them with their files and processes."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .conftest import start_server
+
+pytestmark = pytest.mark.qemu
+
+
+def test_shutdown_pauses_and_restart_restores(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2b import Sandbox, SandboxQuery, SandboxState
+
+    logs = tmp_path_factory.mktemp("restart-logs")
+    first = start_server(node_data_dir, logs)
+    try:
+        for k, v in first.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        s = Sandbox.create(metadata={"suite": "restart"}, timeout=600)
+        s.files.write("/home/user/state.txt", "before restart")
+        pid = s.commands.run("sleep 1000", background=True).pid
+    finally:
+        first.stop()  # SIGTERM: pauses the sandbox, kills the pool, exits 0, no QEMU left
+    assert "stopping sandboxes" in first.log()
+
+    second = start_server(node_data_dir, logs)
+    try:
+        for k, v in second.sdk_env().items():
+            monkeypatch.setenv(k, v)
+        assert second.api_key == first.api_key  # the key file persists
+        listed = Sandbox.list(query=SandboxQuery(metadata={"suite": "restart"})).next_items()
+        assert [(x.sandbox_id, x.state) for x in listed] == [(s.sandbox_id, SandboxState.PAUSED)]
+        back = Sandbox.connect(s.sandbox_id)
+        assert back.files.read("/home/user/state.txt") == "before restart"
+        assert str(pid) in back.commands.run("ps -eo pid,args").stdout
+        back.kill()
+        assert Sandbox.list(query=SandboxQuery(metadata={"suite": "restart"})).next_items() == []
+    finally:
+        second.stop()
+    assert os.path.exists(node_data_dir / "api-key")
