@@ -18,7 +18,7 @@ import json
 import os
 import struct
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .common import CliError, common_options, print_json, print_table
@@ -52,6 +52,7 @@ class ApiClient:
     url: str
     api_key: str
     timeout: float = 300.0
+    last_headers: dict[str, str] = field(default_factory=dict)   # of the last call() answer
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ApiClient":

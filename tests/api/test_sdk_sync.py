@@ -275,6 +275,23 @@ def test_pause_and_connect_resume_keep_processes_and_files(sdk_env: Server) -> N
         s.kill()
 
 
+def test_auto_resume_on_traffic(sdk_env: Server) -> None:
+    from e2b import Sandbox, SandboxState
+
+    s = Sandbox.create(lifecycle={"on_timeout": "pause", "auto_resume": True}, timeout=600)
+    try:
+        info = s.get_info()
+        assert info.lifecycle == {"on_timeout": "pause", "auto_resume": True} or (
+            str(info.lifecycle["on_timeout"]).endswith("pause") and info.lifecycle["auto_resume"] is True)
+        s.files.write("/home/user/ar.txt", "kept")
+        s.pause()
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+        assert s.files.read("/home/user/ar.txt") == "kept"  # the proxied request resumed it
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.RUNNING
+    finally:
+        s.kill()
+
+
 def test_snapshot_create_from_it_list_and_delete(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
     from e2b import Sandbox
 
