@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from .common import CliError, common_options, config_from_args
 
@@ -126,7 +126,7 @@ def _run_root(data_dir: Path) -> Path:
     return link
 
 
-def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> None:
+def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> Callable[[], Awaitable[None]]:
     def sandboxes() -> list:
         counts = lifecycle.counts()
         counts["pooled"] = sum(len(p) for p in getattr(manager, "_pools", {}).values())
@@ -140,18 +140,25 @@ def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> None:
         return [((("stat", "hit_ratio"),), s.hits / total if total else 0.0),
                 ((("stat", "used_bytes"),), float(s.used_bytes)), ((("stat", "capacity_bytes"),), float(s.capacity))]
 
-    repo_cache: dict[str, Any] = {"at": 0.0, "value": []}
+    repo_value: list = []
+
+    async def refresh_store_bytes() -> None:
+        # Listing every pack is not free (a LIST on S3): done off the event loop, every 30 s.
+        while True:
+            try:
+                st = await asyncio.to_thread(store.repository.stats)
+                repo_value[:] = [((("kind", "packs"),), float(st.pack_bytes)), ((("kind", "raw"),), float(st.raw_bytes))]
+            except Exception as e:  # a metric must never take the server down
+                say(f"store size for /metrics unavailable: {e}")
+            await asyncio.sleep(30)
 
     def store_bytes() -> list:
-        if time.monotonic() - repo_cache["at"] > 30:  # listing packs is not free: once per 30 s at most
-            st = store.repository.stats()
-            repo_cache.update(at=time.monotonic(), value=[((("kind", "packs"),), float(st.pack_bytes)),
-                                                          ((("kind", "raw"),), float(st.raw_bytes))])
-        return repo_cache["value"]
+        return list(repo_value)
 
     metrics.gauge("aenv_sandboxes", sandboxes, "sandboxes on this node by state (pooled: restored, not handed out)")
     metrics.gauge("aenv_node_cache", cache, "node cache: hit ratio (lifetime), used and capacity bytes")
     metrics.gauge("aenv_store_bytes", store_bytes, "repository size: pack bytes, raw (uncompressed) chunk bytes")
+    return refresh_store_bytes
 
 
 async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
@@ -171,6 +178,7 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
         loop.add_signal_handler(sig, stop.set)
     store = await asyncio.to_thread(Store.open, cfg.store_settings(), True)
     manager = server = lifecycle = None
+    background: list[asyncio.Future] = []
     run_root = _run_root(cfg.data_dir)
     try:
         try:
@@ -185,13 +193,14 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
         metrics = Metrics()
         lifecycle = Lifecycle(manager, server_cfg, metrics, cfg.data_dir)
         await lifecycle.start()
-        _gauges(metrics, lifecycle, manager, store)
+        background.append(asyncio.ensure_future(_gauges(metrics, lifecycle, manager, store)()))
         server = ApiServer(lifecycle, creds, server_cfg, metrics, _version())
         try:
             port = await server.start(server_cfg.host, server_cfg.port)
         except OSError as e:
             raise CliError(f"cannot listen on {server_cfg.host}:{server_cfg.port}: {e}", 1) from None
-        pool = asyncio.ensure_future(manager.fill_pool(tpl.id)) if vm.pool_size > 0 else None
+        if vm.pool_size > 0:
+            background.append(asyncio.ensure_future(manager.fill_pool(tpl.id)))
         host = "127.0.0.1" if server_cfg.host in ("0.0.0.0", "", "::") else server_cfg.host
         url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
         say(f"listening on {url} (template {server_cfg.default_template!r} = {tpl.id}, pool {vm.pool_size}, "
@@ -201,12 +210,12 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
         await stop.wait()
         say("shutting down: no new connections; stopping sandboxes")
         await server.stop_accepting()
-        if pool is not None:
-            pool.cancel()
-            with contextlib.suppress(BaseException):
-                await pool
         return 0
     finally:
+        for task in background:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         if lifecycle is not None:
             await lifecycle.shutdown()
         if server is not None:
