@@ -22,12 +22,23 @@ class TtlWatcher:
         self.snap = snap
         self.interval = interval
         self.expired: list[tuple[str, str]] = []   # (sandbox id, "paused" | "killed"), for tests and logs
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        """End ``run`` after the action in progress (never cancel a pause half-way)."""
+        self._stop.set()
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.interval)
+                return
+            except asyncio.TimeoutError:
+                pass
             now = time.time()
             for rec in self.snap.records.all():
+                if self._stop.is_set():
+                    return
                 if rec.state != SandboxState.RUNNING or rec.end_at > now or rec.id not in self.snap.mgr.sandboxes:
                     continue
                 try:

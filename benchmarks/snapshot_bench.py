@@ -49,7 +49,7 @@ from aenv_vm.sandbox import Sandbox, SandboxManager  # noqa: E402
 from aenv_vm.snapshot import migration_stream  # noqa: E402
 from aenv_vm.snapshot.memory_image import Delta, consolidate  # noqa: E402
 from aenv_vm.template import build_template  # noqa: E402
-from vm_bench import first_command, pss_kib, pss_kib_without_tcg  # noqa: E402
+from vm_bench import cpu_ms, first_command, pss_kib, pss_kib_without_tcg, pss_split_kib  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -74,8 +74,11 @@ async def guest(sbx: Sandbox, cmd: str) -> None:
 
 
 async def dirty(sbx: Sandbox, mib: int, fill: int) -> None:
-    """Make ``mib`` MiB of guest memory differ: a tmpfs file of non-zero bytes."""
-    await guest(sbx, f"python3 -c \"open('/dev/shm/dirty','wb').write(bytes([{fill}])*({mib}<<20))\"")
+    """Make ``mib`` MiB of guest memory differ from the last pause: a tmpfs file
+    overwritten in place, 1 MiB at a time (the same guest pages each time, so the
+    delta grows only once)."""
+    await guest(sbx, "python3 -c \"import os; f=os.open('/dev/shm/dirty', os.O_WRONLY | os.O_CREAT); "
+                     f"b=bytes([{fill}])*(1<<20); [os.write(f, b) for _ in range({mib})]\"")
 
 
 async def pauses(mgr: SandboxManager, mib: int, reps: int) -> list[dict]:
@@ -151,9 +154,10 @@ def copy_route(tpl_mem: Path, tmp: Path, reps: int) -> list[float]:
     return out
 
 
-async def resumes(mgr: SandboxManager, n: int) -> list[dict]:
+async def resumes(mgr: SandboxManager, n: int, standby: bool) -> list[dict]:
     sbx = await mgr.create("base")
     assert mgr.lifecycle is not None
+    mgr.lifecycle.standby_limit = 4 if standby else 0
     out = []
     try:
         await guest(sbx, "true")
@@ -225,14 +229,17 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
     if failed:
         raise BenchError(f"{len(failed)} fork children failed: {failed[0]}")
     ok = [k for k in kids if isinstance(k, Sandbox)]
+    cpu_before = sum(cpu_ms(k.vm.pid) for k in ok)
     await asyncio.gather(*(asyncio.to_thread(first_command, k) for k in ok))
     all_commands = time.perf_counter() - t0
     await asyncio.sleep(2)
+    split = pss_split_kib(ok[0].vm.pid)
     total = sum(pss_kib(k.vm.pid) for k in ok)
     total_no_tcg = sum(pss_kib_without_tcg(k.vm.pid) for k in ok)
     for k in ok + [parent]:
         await mgr.kill(k.id)
-    return {"count": count, "answering": answering, "all_first_command": all_commands, "pss_one_kib": one,
+    return {"count": count, "answering": answering, "children_cpu_ms_at_answering": cpu_before,
+            "split_child_kib": split, "all_first_command": all_commands, "pss_one_kib": one,
             "pss_children_kib": total, "pss_one_no_tcg_kib": one_no_tcg, "pss_children_no_tcg_kib": total_no_tcg}
 
 
@@ -254,11 +261,15 @@ async def main_async(args: argparse.Namespace) -> dict:
                 tpl_mem = next((work / "node" / "templates").glob("tpl-*/memory"))
                 res["copy"] = copy_route(tpl_mem, work, 3)
                 res["copy_file_mib"] = tpl_mem.stat().st_blocks * 512 / 2**20
-                res["resume"] = await resumes(mgr, args.resumes)
-                print("[bench] resumes done", file=sys.stderr)
-                res["fork"] = await fork(mgr, args.fork)
-                print("[bench] fork done", file=sys.stderr)
-            res["cold"] = await cold_resumes(store, guest_img, work, args.cold)
+                if args.resumes:
+                    res["resume"] = await resumes(mgr, args.resumes, standby=True)
+                    res["resume_nostandby"] = await resumes(mgr, args.resumes, standby=False)
+                    print("[bench] resumes done", file=sys.stderr)
+                if args.fork:
+                    res["fork"] = await fork(mgr, args.fork)
+                    print("[bench] fork done", file=sys.stderr)
+            if args.cold:
+                res["cold"] = await cold_resumes(store, guest_img, work, args.cold)
     return res
 
 
@@ -281,8 +292,11 @@ def report(res: dict, markdown: bool) -> None:
     c = ms(res["copy"])
     rows.append([f"  alternative: share=on copy of the base file ({res['copy_file_mib']:.0f} MiB allocated)",
                  f"{c['p50']:.0f}", f"{c['p99']:.0f}", int(c["n"]), "per clone, at create/fork"])
-    for label, key in (("resume, local", "resume"), ("resume, cold node (from the repository)", "cold")):
-        reps = res[key]
+    for label, key in (("resume, local (standby QEMU)", "resume"), ("resume, local, no standby", "resume_nostandby"),
+                       ("resume, cold node (from the repository)", "cold")):
+        reps = res.get(key)
+        if not reps:
+            continue
         for what, field in (("(a) → running", "running"), ("(b) → first commands.run", "first_command_total")):
             s = ms([r[field] for r in reps])
             parts = ""
@@ -291,8 +305,14 @@ def report(res: dict, markdown: bool) -> None:
                                   ("fetch", "qemu_start", "inject", "state_load", "first_answer", "init",
                                    "first_command"))
             rows.append([f"{label} {what}", f"{s['p50']:.0f}", f"{s['p99']:.0f}", int(s["n"]), parts])
-    f = res["fork"]
-    rows.append([f"fork {f['count']} → all answering (envd initialised)", f"{f['answering'] * 1000:.0f}", "", 1, ""])
+    f = res.get("fork")
+    if f is None:
+        print(markdown_table(rows, ["what (ms)", "p50", "p99", "n", "p50 breakdown (ms)"]) if markdown else "")
+        if not markdown:
+            print_table(rows, ["what (ms)", "p50", "p99", "n", "p50 breakdown (ms)"])
+        return
+    rows.append([f"fork {f['count']} → all answering (envd initialised)", f"{f['answering'] * 1000:.0f}", "", 1,
+                 f"children's QEMU CPU time until then {f['children_cpu_ms_at_answering']:.0f}"])
     rows.append([f"fork {f['count']} → every child's first commands.run done", f"{f['all_first_command'] * 1000:.0f}",
                  "", 1, ""])
     header = ["what (ms)", "p50", "p99", "n", "p50 breakdown (ms)"]
@@ -302,6 +322,7 @@ def report(res: dict, markdown: bool) -> None:
             f"{f['pss_children_no_tcg_kib'] / 1024:.1f} MiB"],
            ["children / one sandbox", f"{f['pss_children_kib'] / f['pss_one_kib']:.2f}×",
             f"{f['pss_children_no_tcg_kib'] / f['pss_one_no_tcg_kib']:.2f}×"]]
+    mem += [[f"one child: {k.replace('_', ' ')}", f"{v / 1024:.1f} MiB", ""] for k, v in f["split_child_kib"].items()]
     mh = ["host PSS", "total", "without TCG's code buffer (≈ KVM)"]
     if markdown:
         print(markdown_table(rows, header))
@@ -310,7 +331,7 @@ def report(res: dict, markdown: bool) -> None:
     else:
         print_table(rows, header)
         print_table(mem, mh)
-    loads = [r["load"] for k in ("resume", "cold") for r in res[k]]
+    loads = [r["load"] for k in ("resume", "resume_nostandby", "cold") for r in res.get(k, [])] or [0.0]
     m = res["machine"]
     print(f"\n{m['cpus']} × {m['cpu']}, {m['memory']}; load average {min(loads):.1f}-{max(loads):.1f}; "
           f"template build {res['template_build_s']:.1f} s; TCG")

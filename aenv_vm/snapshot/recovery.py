@@ -21,7 +21,6 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..blockimage.image import BlockImage
 from ..records import SandboxRecord, SandboxState
 
 if TYPE_CHECKING:
@@ -31,7 +30,6 @@ log = logging.getLogger(__name__)
 
 
 async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
-    from .snapshotter import upper_base
     mgr = snap.mgr
     changed: list[SandboxRecord] = []
     records = snap.records.all()
@@ -54,14 +52,7 @@ async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
         elif rec.state == SandboxState.PAUSED and rec.snapshot is not None and not rec.snapshot.committed:
             ref = rec.snapshot
             try:
-                upper = sdir / "upper"
-                top = upper_base(upper) if (upper / "upper.map").exists() else (
-                    None if ref.disk_top is None else bytes.fromhex(ref.disk_top))
-                from aenv_store.ids import Digest
-                image = await asyncio.to_thread(BlockImage.open, mgr.store, None if top is None else Digest(top),
-                                                rec.id, upper_dir=upper)
-                previous = _previous_ref(snap, rec)
-                await snap._commit(rec.id, image, sdir, ref, previous)
+                await snap.commit_pending(rec)
                 changed.append(snap.records.get(rec.id) or rec)
             except Exception as e:  # noqa: BLE001 - keep the record, say why
                 new = rec.replace(note=f"pause {ref.seq} could not be committed at start: {e}")
@@ -89,9 +80,3 @@ async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
                 if d.name not in keep:
                     shutil.rmtree(d, ignore_errors=True)
     return changed
-
-
-def _previous_ref(snap: "Snapshotter", rec: SandboxRecord):  # type: ignore[no-untyped-def]
-    """Older pauses are not tracked in the record once replaced; incremental reuse
-    then simply starts over (the delta is complete either way)."""
-    return None

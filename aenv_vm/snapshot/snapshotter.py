@@ -57,6 +57,7 @@ from .vmstate import durable_write, save_devices, template_config
 
 if TYPE_CHECKING:
     from ..sandbox import Sandbox, SandboxManager
+    from ..ttl import TtlWatcher
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class Snapshotter:
         self._configs: dict[str, bytes] = {}
         self._tokens: dict[str, str | None] = {}
         self._ttl: asyncio.Task | None = None
+        self._ttl_watcher: "TtlWatcher | None" = None
         self.last_pause: PauseTiming | None = None
         self.last_resume: ResumeTiming | None = None
 
@@ -282,15 +284,20 @@ class Snapshotter:
             t2 = time.monotonic()
             self.last_pause = PauseTiming(*cap.timing, t2 - t1, t2 - t0, len(cap.delta.pages))
             self.mgr.sandboxes.pop(sid, None)
-            await sbx.vm.kill()
-            loop = asyncio.get_running_loop()
-            self._held[sid] = (sbx.image, sbx.dir)
-            self._commits[sid] = loop.create_task(self._commit(sid, sbx.image, sbx.dir, snap, previous))
-            if self.standby_limit > 0:
-                self._standby[sid] = loop.create_task(self._start_standby(sbx.vm.spec))
-                for old in list(self._standby)[:-self.standby_limit]:
-                    loop.create_task(self._evict(old))
+            # The record says paused: finish even if the caller is cancelled now, or the
+            # QEMU and the disk image would belong to nobody.
+            await asyncio.shield(self._after_pause(sid, sbx, snap, previous))
             return rec
+
+    async def _after_pause(self, sid: str, sbx: "Sandbox", snap: SnapshotRef, previous: SnapshotRef | None) -> None:
+        await sbx.vm.kill()
+        loop = asyncio.get_running_loop()
+        self._held[sid] = (sbx.image, sbx.dir)
+        self._commits[sid] = loop.create_task(self._commit(sid, sbx.image, sbx.dir, snap, previous))
+        if self.standby_limit > 0:
+            self._standby[sid] = loop.create_task(self._start_standby(sbx.vm.spec))
+            for old in list(self._standby)[:-self.standby_limit]:
+                loop.create_task(self._evict(old))
 
     async def _start_standby(self, spec: VmSpec) -> QemuProcess:
         """The QEMU a resume will use: started now, waiting for its device state."""
@@ -309,15 +316,29 @@ class Snapshotter:
         if sid not in self._commits:
             await self._release(sid)
 
-    async def _release(self, sid: str) -> None:
-        """Give up what a paused sandbox holds on this node: standby QEMU, export, image, run dir."""
+    async def _release(self, sid: str, keep_dir: bool = False) -> None:
+        """Give up what a paused sandbox holds on this node: standby QEMU, export, image,
+        and (unless ``keep_dir``: a pause whose commit failed keeps its upper layer) run dir."""
         await self._drop_standby(sid)
         held = self._held.pop(sid, None)
         self.mgr.nbd.remove_export(sid)
         if held is not None:
             image, sdir = held
             await asyncio.to_thread(image.close)
-            shutil.rmtree(sdir, ignore_errors=True)
+            if not keep_dir:
+                shutil.rmtree(sdir, ignore_errors=True)
+
+    async def commit_pending(self, rec: SandboxRecord) -> None:
+        """Commit a pause whose background commit did not finish (server restart, store
+        error): its upper layer on disk is exactly that pause's disk."""
+        assert rec.snapshot is not None
+        ref = rec.snapshot
+        sdir = self.mgr.run_root / "sandboxes" / rec.id
+        upper = sdir / "upper"
+        top = upper_base(upper) if (upper / "upper.map").exists() else _digest(ref.disk_top)
+        image = await asyncio.to_thread(BlockImage.open, self.mgr.store, top, rec.id, upper_dir=upper)
+        self._held[rec.id] = (image, sdir)
+        await self._commit(rec.id, image, sdir, ref, None)
 
     async def _commit(self, sid: str, image: BlockImage, sdir: Path, snap: SnapshotRef,
                       previous: SnapshotRef | None) -> None:
@@ -356,7 +377,7 @@ class Snapshotter:
         try:
             done = await asyncio.to_thread(work)
         except BaseException:
-            await self._release(sid)
+            await self._release(sid, keep_dir=True)
             raise
         finally:
             self._commits.pop(sid, None)
@@ -383,8 +404,11 @@ class Snapshotter:
             if task is not None:
                 await asyncio.shield(task)
             rec = self.record(sid)
+            if rec.snapshot is not None and not rec.snapshot.committed:
+                await self.commit_pending(rec)   # an earlier commit failed: never resume over an unsealed disk
+                rec = self.record(sid)
             snap = rec.snapshot
-            assert snap is not None
+            assert snap is not None and snap.committed
             tpl = self.mgr._template(rec.template)
             mem, _ = await self._template_files(tpl)
             d = Path(snap.local)
@@ -576,13 +600,14 @@ class Snapshotter:
         from .recovery import recover
         changed = await recover(self)
         from ..ttl import TtlWatcher
-        self._ttl = asyncio.get_running_loop().create_task(TtlWatcher(self).run())
+        self._ttl_watcher = TtlWatcher(self)
+        self._ttl = asyncio.get_running_loop().create_task(self._ttl_watcher.run())
         return changed
 
     async def close(self) -> None:
-        if self._ttl is not None:
-            self._ttl.cancel()
-            with contextlib.suppress(BaseException):
+        if self._ttl is not None and self._ttl_watcher is not None:
+            self._ttl_watcher.stop()          # lets a pause or kill in progress finish
+            with contextlib.suppress(Exception):
                 await self._ttl
             self._ttl = None
         for task in list(self._commits.values()):

@@ -35,7 +35,8 @@ def test_ttl_pause_and_delete_then_restart(env: Env, tmp_path: Path) -> None:
             await ash(keep.envd_port, "echo persisted > /home/user/p")
             rec = await mgr.set_timeout(keep.id, 1.0)
             assert rec.end_at - time.time() < 1.5 and rec.started_at <= time.time()
-            await wait_for(lambda: gone.id not in mgr.sandboxes and keep.id not in mgr.sandboxes)
+            await wait_for(lambda: gone.id not in mgr.sandboxes and keep.id not in mgr.sandboxes
+                           and not gone.vm.alive() and not keep.vm.alive())
             assert mgr.record(keep.id).state == SandboxState.PAUSED             # auto-paused
             with pytest.raises(SandboxError, match="unknown sandbox"):
                 mgr.record(gone.id)                                               # deleted
