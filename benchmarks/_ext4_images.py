@@ -190,7 +190,10 @@ def _apply_changes(mnt: Path, fraction: float, holdout: Sequence[Path], rng: ran
             counts["overwritten"] += 1
             written += n
         elif roll < 0.60:
-            data = _read_some(rng.choice(files), rng, rng.randrange(1024, 65537))
+            src = rng.choice(files)
+            while not src.exists():  # deleted earlier in this loop: take another source
+                src = rng.choice(files)
+            data = _read_some(src, rng, rng.randrange(1024, 65537))
             with open(path, "ab") as f:
                 f.write(data)
             counts["appended"] += 1
