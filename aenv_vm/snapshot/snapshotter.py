@@ -140,6 +140,7 @@ class Snapshotter:
         self._ttl_watcher: "TtlWatcher | None" = None
         self.last_pause: PauseTiming | None = None
         self.last_resume: ResumeTiming | None = None
+        self.last_fork_snapshot: float | None = None      # seconds the fork's snapshot took
 
     # ------------------------------------------------------------ helpers
     def lock(self, sid: str) -> asyncio.Lock:
@@ -554,7 +555,9 @@ class Snapshotter:
         if not 1 <= count <= MAX_FORK:
             raise SnapshotError(f"fork count must be 1..{MAX_FORK}, got {count}")
         parent = self.record(sid)
+        t0 = time.monotonic()
         tid, _ = await self.snapshot(sid, None, hidden=True)
+        self.last_fork_snapshot = time.monotonic() - t0
         tpl = self.mgr._template(tid)
 
         async def child() -> "Sandbox":
