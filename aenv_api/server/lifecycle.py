@@ -211,6 +211,7 @@ class Lifecycle:
         self.extras = ApiExtras(data_dir / "api-sandboxes.json")
         self._creating = 0
         self._ports: dict[tuple[str, int], int] = {}   # (sid, guest port) -> host port
+        self._tokens: dict[str, str | None] = {}        # sid -> envd access token (immutable per sandbox)
         self._closing = False
 
     # --- capabilities --------------------------------------------------------
@@ -325,6 +326,7 @@ class Lifecycle:
     def _forget_ports(self, sid: str) -> None:
         for key in [k for k in self._ports if k[0] == sid]:
             del self._ports[key]
+        self._tokens.pop(sid, None)
 
     # --- timeouts ------------------------------------------------------------
 
@@ -377,6 +379,7 @@ class Lifecycle:
             await resume(sid, timeout)
         except VmError as e:
             raise self._vm_error("resume", sid, e) from None
+        self._forget_ports(sid)  # a new QEMU: its port forwards are made afresh
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "resume"),))
         return self.get(sid)
 
@@ -471,28 +474,36 @@ class Lifecycle:
                  "cpuUsedPct": round(cpu_pct, 2), "memUsed": rss, "memTotal": view.memory_mb << 20,
                  "memCache": 0, "diskUsed": _upper_bytes(sbx), "diskTotal": view.disk_size_mb << 20}]
 
-    async def target(self, sid: str, port: int) -> tuple[SandboxView, int]:
-        """The sandbox and the host port that reach its guest ``port`` (resuming a paused
-        sandbox created with autoResume). ApiError 502 in E2B's shapes otherwise."""
-        try:
-            view = self._view(self.manager.record(sid))
-        except VmError:
-            raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid) from None
-        if view.state == "paused":
-            if not view.auto_resume or not self.supports("resume"):
-                raise ApiError(502, f"The sandbox {sid} was not found: it is paused and autoResume is off "
-                                    f"(connect to resume it)", sandboxId=sid)
-            view = await self.resume(sid)
+    async def target(self, sid: str, port: int) -> tuple[str | None, int]:
+        """The envd access token of ``sid`` (None: not secured) and the host port that
+        reaches its guest ``port``, resuming a paused sandbox created with autoResume.
+        ApiError 502 in E2B's shapes otherwise.
+
+        Hot path of every proxied request: a running sandbox whose token is known is
+        answered from memory (a sandbox's token never changes), without a record read."""
         sbx = self.manager.sandboxes.get(sid)
-        if sbx is None or view.state != "running":
-            raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid)
+        if sbx is None or sid not in self._tokens:
+            try:
+                view = self._view(self.manager.record(sid))
+            except VmError:
+                raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid) from None
+            if view.state == "paused":
+                if not view.auto_resume or not self.supports("resume"):
+                    raise ApiError(502, f"The sandbox {sid} was not found: it is paused and autoResume is off "
+                                        f"(connect to resume it)", sandboxId=sid)
+                view = await self.resume(sid)
+            sbx = self.manager.sandboxes.get(sid)
+            if sbx is None or view.state != "running":
+                raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid)
+            self._tokens[sid] = view.access_token
+        token = self._tokens[sid]
         if port == ENVD_PORT:
-            return view, sbx.envd_port
+            return token, sbx.envd_port
         host_port = self._ports.get((sid, port))
         if host_port is None:
             host_port = await self._forward(sbx, port)
             self._ports[(sid, port)] = host_port
-        return view, host_port
+        return token, host_port
 
     async def _forward(self, sbx: Any, port: int) -> int:
         """Open a host port to guest ``port`` on the VM's user-mode network (QEMU's hostfwd_add)."""

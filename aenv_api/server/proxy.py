@@ -102,9 +102,8 @@ class SandboxProxy:
 
     async def handle(self, request: web.Request, sid: str, port: int) -> web.StreamResponse:
         t0 = time.monotonic()
-        view, host_port = await self.lifecycle.target(sid, port)
-        if view.access_token and port == ENVD_PORT and not check_token(
-                view.access_token, request.headers.get("X-Access-Token")):
+        token, host_port = await self.lifecycle.target(sid, port)
+        if token and port == ENVD_PORT and not check_token(token, request.headers.get("X-Access-Token")):
             raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
         if request.headers.get("Upgrade", "").lower() == "websocket":
