@@ -112,7 +112,17 @@ class SandboxProxy:
         data: Any = None
         chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
         if request.body_exists:
-            if not chunked and request.content_length is not None and request.content_length <= _SMALL_BODY:
+            body = request.content
+
+            def complete() -> bool:
+                return body.is_eof() and body.total_bytes <= _SMALL_BODY
+            if chunked and not complete():
+                # A streamed body that is complete a moment later (the SDK's server-streaming
+                # RPCs: one envelope, then the terminator) goes upstream whole with a
+                # Content-Length: one send instead of two. Longer streams are relayed.
+                await asyncio.sleep(0)
+            small = not chunked and request.content_length is not None and request.content_length <= _SMALL_BODY
+            if complete() or small:
                 data = await request.read()
             else:
                 if request.content_length is not None and not chunked:
