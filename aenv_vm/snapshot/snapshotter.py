@@ -233,13 +233,33 @@ class Snapshotter:
         shutil.rmtree(self.paused_root / sid, ignore_errors=True)
         shutil.rmtree(self.mgr.run_root / "sandboxes" / sid, ignore_errors=True)
         self.records.delete(sid)
+        self._drop_unused_fork(rec.template)
         return True
 
     def on_killed(self, sid: str) -> None:
+        rec = self.records.get(sid)
         with contextlib.suppress(NotFound, StoreError):
             self.mgr.store.delete_record(f"paused-{sid}")
         shutil.rmtree(self.paused_root / sid, ignore_errors=True)
         self.records.delete(sid)
+        if rec is not None:
+            self._drop_unused_fork(rec.template)
+
+    def _drop_unused_fork(self, tid: str) -> None:
+        """A fork's hidden snapshot lives while a child (running or paused) uses it."""
+        try:
+            if self.mgr.store.get_record(tid).meta_dict().get("hidden") != "fork":
+                return
+        except (NotFound, StoreError, ValueError):
+            return
+        if any(r.template == tid for r in self.records.all()) or any(
+                s.template.id == tid for s in self.mgr.sandboxes.values()):
+            return
+        with contextlib.suppress(NotFound, StoreError, VmError):
+            remove_template(self.mgr.store, tid)
+        shutil.rmtree(self.mgr.run_root / "templates" / tid, ignore_errors=True)
+        self._configs.pop(tid, None)
+        self._tokens.pop(tid, None)
 
     def set_timeout(self, sid: str, seconds: float) -> SandboxRecord:
         if seconds < 0:
@@ -574,6 +594,7 @@ class Snapshotter:
                             env_vars=parent.env_vars, access_token=token)
             return sbx
         results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
+        self._drop_unused_fork(tid)   # every child failed: nothing uses the snapshot
         out: list[Sandbox | Exception] = []
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):

@@ -66,9 +66,13 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
             with pytest.raises(SnapshotError, match="1..16"):
                 await mgr.fork(parent.id, 17)
 
+            fork_tpl = mgr.record(kids[0].id).template                  # type: ignore[union-attr]
             await mgr.delete_snapshot(snap_id)
             assert await mgr.list_snapshots() == []
             for s in list(mgr.sandboxes):
                 await mgr.kill(s)
+            # the fork's hidden snapshot goes with its last child
+            assert fork_tpl not in {r.name for r in env.store.list_records("template")}
+            assert not (tmp_path / "node" / "templates" / fork_tpl).exists()
     asyncio.run(run())
     assert not qemu_children()
