@@ -29,31 +29,30 @@ import dataclasses
 import datetime
 import json
 import logging
-import secrets
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aenv_store.catalog import ALIAS, CatalogRecord
+from aenv_store.catalog import CatalogRecord
 from aenv_store.errors import NotFound, StoreError
 from aenv_store.ids import Digest
 
 from ..blockimage.image import BlockImage
-from ..blockimage.layer import DISK_ROLE
 from ..envd_client import _request as envd_request
 from ..guest import wait_http_ok
-from ..qemu.errors import VmError
 from ..qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
 from ..qemu.migration import load_device_state
 from ..records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
-from ..template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, TEMPLATE_KIND, Template, _put_file, find_template,
-                        list_templates, materialize, remove_template)
-from .memory_image import (Delta, consolidate, fetch_delta, page_hashes, read_delta, stage_delta, sync_file,
-                           write_delta)
+from ..template import DEVICE_STATE, Template, materialize
+from .errors import SnapshotError
+from .memory_image import Delta, fetch_delta, page_hashes, read_delta, stage_delta, sync_file, write_delta
+from .named import MAX_FORK, NamedSnapshots, SnapshotInfo
 from .pagemap import private_pages, ram_mapping, read_pages, write_pages
 from .vmstate import durable_write, save_devices, template_config
+
+__all__ = ["Snapshotter", "SnapshotError", "SnapshotInfo", "PauseTiming", "ResumeTiming", "MAX_FORK"]
 
 if TYPE_CHECKING:
     from ..sandbox import Sandbox, SandboxManager
@@ -62,11 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAUSED_KIND = "sandbox-snapshot"
-MAX_FORK = 16
-
-
-class SnapshotError(VmError):
-    """A pause, resume, snapshot or fork could not be done."""
 
 
 @dataclass(frozen=True)
@@ -91,12 +85,6 @@ class ResumeTiming:
     total: float            # call → envd initialised
 
 
-@dataclass(frozen=True)
-class SnapshotInfo:
-    snapshot_id: str
-    names: tuple[str, ...]
-    sandbox_id: str
-    created: float
 
 
 @dataclass
@@ -119,7 +107,7 @@ def upper_base(upper_dir: Path) -> Digest | None:
     return None if raw == bytes(32) else Digest(raw)
 
 
-class Snapshotter:
+class Snapshotter(NamedSnapshots):
     """Lifecycle beyond create/kill for one SandboxManager (see the module doc)."""
 
     def __init__(self, mgr: "SandboxManager", default_timeout: float = 300.0, standby: int = 4) -> None:
@@ -244,22 +232,6 @@ class Snapshotter:
         self.records.delete(sid)
         if rec is not None:
             self._drop_unused_fork(rec.template)
-
-    def _drop_unused_fork(self, tid: str) -> None:
-        """A fork's hidden snapshot lives while a child (running or paused) uses it."""
-        try:
-            if self.mgr.store.get_record(tid).meta_dict().get("hidden") != "fork":
-                return
-        except (NotFound, StoreError, ValueError):
-            return
-        if any(r.template == tid for r in self.records.all()) or any(
-                s.template.id == tid for s in self.mgr.sandboxes.values()):
-            return
-        with contextlib.suppress(NotFound, StoreError, VmError):
-            remove_template(self.mgr.store, tid)
-        shutil.rmtree(self.mgr.run_root / "templates" / tid, ignore_errors=True)
-        self._configs.pop(tid, None)
-        self._tokens.pop(tid, None)
 
     def set_timeout(self, sid: str, seconds: float) -> SandboxRecord:
         if seconds < 0:
@@ -516,106 +488,6 @@ class Snapshotter:
         status, data = envd_request(port, "POST", "/init", json.dumps(body).encode(), headers, 10.0)
         if not 200 <= status < 300:
             raise SnapshotError(f"envd /init after restore answered HTTP {status}: {data[:200]!r}")
-
-    # ------------------------------------------------------------ snapshot / fork
-    async def snapshot(self, sid: str, name: str | None = None, *, hidden: bool = False) -> tuple[str, list[str]]:
-        """A named snapshot of a running sandbox, usable as a template. The VM is
-        stopped only for the capture and the disk seal."""
-        if name is not None:
-            try:
-                find_template(self.mgr.store, name)
-            except VmError:
-                pass
-            else:
-                raise SnapshotError(f"a template or snapshot named {name!r} already exists")
-        async with self.lock(sid):
-            sbx = self._running(sid)
-            tpl = sbx.template
-            tid = f"tpl-{secrets.token_hex(6)}"
-            d = self.mgr.run_root / "templates" / tid
-            d.mkdir(parents=True, exist_ok=True)
-            try:
-                try:
-                    cap = await self._capture(sbx, d / "device-state")
-                    layer = (await asyncio.to_thread(sbx.image.commit, None, {"snapshot": tid})).layer_id
-                finally:
-                    if sbx.vm.alive() and sbx.vm.qmp is not None:
-                        await sbx.vm.qmp.execute("cont")
-                base, _ = await self._template_files(tpl)
-                await asyncio.to_thread(consolidate, base, cap.delta, d / "memory")
-                rec = self.records.get(sid)
-                meta = dict(self.mgr.store.get_record(tpl.id).meta_dict())
-                meta.update({"snapshot_of": sid, "parent_template": tpl.id})
-                if hidden:
-                    meta["hidden"] = "fork"
-                if rec is not None:
-                    meta["metadata"] = json.dumps(rec.metadata, sort_keys=True)
-                    if rec.access_token:  # the memory image holds it anyway; restores need it to re-key envd
-                        meta["envd_token"] = rec.access_token
-
-                def commit() -> None:
-                    store = self.mgr.store
-                    with store.workspace() as ws:
-                        mem = _put_file(ws, d / "memory", MEMORY_IMAGE, {"template": tid})
-                        state = _put_file(ws, d / "device-state", DEVICE_STATE, {"template": tid})
-                        ws.commit(CatalogRecord(name=tid, kind=TEMPLATE_KIND,
-                                                manifests=((DISK_ROLE, layer), ("memory", mem), ("state", state)),
-                                                meta=tuple(sorted(meta.items())), created=time.time()))
-                    if name:
-                        store.put_record(CatalogRecord(name=ALIAS_PREFIX + name, kind=ALIAS, target=tid,
-                                                       created=time.time()), exclusive=True)
-                await asyncio.to_thread(commit)
-            except BaseException:
-                shutil.rmtree(d, ignore_errors=True)
-                raise
-            return tid, ([name] if name else [])
-
-    async def fork(self, sid: str, count: int, timeout: float | None = None) -> "list[Sandbox | Exception]":
-        """``count`` children of a running sandbox, started concurrently from one snapshot."""
-        if not 1 <= count <= MAX_FORK:
-            raise SnapshotError(f"fork count must be 1..{MAX_FORK}, got {count}")
-        parent = self.record(sid)
-        t0 = time.monotonic()
-        tid, _ = await self.snapshot(sid, None, hidden=True)
-        self.last_fork_snapshot = time.monotonic() - t0
-        tpl = self.mgr._template(tid)
-
-        async def child() -> "Sandbox":
-            sbx = await self.mgr._restore(tpl)
-            try:
-                token = secrets.token_urlsafe(24) if parent.access_token else None
-                await asyncio.to_thread(self._init, sbx.envd_port, parent.access_token, token)
-            except BaseException:
-                await self.mgr._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
-                raise
-            self.mgr.sandboxes[sbx.id] = sbx
-            self.on_created(sbx, timeout=parent.timeout if timeout is None else timeout,
-                            metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
-                            env_vars=parent.env_vars, access_token=token)
-            return sbx
-        results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
-        self._drop_unused_fork(tid)   # every child failed: nothing uses the snapshot
-        out: list[Sandbox | Exception] = []
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, Exception):
-                raise r
-            out.append(r)  # type: ignore[arg-type]
-        return out
-
-    def list_snapshots(self) -> list[SnapshotInfo]:
-        out = []
-        for tpl, aliases in list_templates(self.mgr.store):
-            meta = self.mgr.store.get_record(tpl.id).meta_dict()
-            if "snapshot_of" in meta and "hidden" not in meta:
-                out.append(SnapshotInfo(tpl.id, tuple(aliases), meta["snapshot_of"], tpl.created))
-        return sorted(out, key=lambda s: s.created)
-
-    def delete_snapshot(self, snapshot_id: str) -> None:
-        tpl = find_template(self.mgr.store, snapshot_id)
-        if "snapshot_of" not in self.mgr.store.get_record(tpl.id).meta_dict():
-            raise SnapshotError(f"{snapshot_id} is a template, not a snapshot")
-        remove_template(self.mgr.store, tpl.id)
-        shutil.rmtree(self.mgr.run_root / "templates" / tpl.id, ignore_errors=True)
 
     # ------------------------------------------------------------ start / stop
     async def start(self) -> list[SandboxRecord]:
