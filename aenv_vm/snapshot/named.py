@@ -148,6 +148,10 @@ class NamedSnapshots:
         tpl = find_template(self.mgr.store, snapshot_id)
         if "snapshot_of" not in self.mgr.store.get_record(tpl.id).meta_dict():
             raise SnapshotError(f"{snapshot_id} is a template, not a snapshot")
+        users = sorted(r.id for r in self.records.all() if r.template == tpl.id)
+        if users:  # their pauses are deltas over its memory image, their resumes need its record
+            raise SnapshotError(f"snapshot {snapshot_id} is in use by {len(users)} sandbox(es) "
+                                f"({', '.join(users[:3])}{', ...' if len(users) > 3 else ''}): kill them first")
         remove_template(self.mgr.store, tpl.id)
         shutil.rmtree(self.mgr.run_root / "templates" / tpl.id, ignore_errors=True)
 

@@ -67,6 +67,9 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
                 await mgr.fork(parent.id, 17)
 
             fork_tpl = mgr.record(kids[0].id).template                  # type: ignore[union-attr]
+            with pytest.raises(SnapshotError, match="in use by 1 sandbox"):
+                await mgr.delete_snapshot(snap_id)                        # `child` was created from it
+            await mgr.kill(child.id)
             await mgr.delete_snapshot(snap_id)
             assert await mgr.list_snapshots() == []
             for s in list(mgr.sandboxes):
