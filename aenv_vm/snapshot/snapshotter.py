@@ -46,6 +46,7 @@ from ..qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
 from ..qemu.migration import load_device_state
 from ..records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from ..template import DEVICE_STATE, Template, materialize
+from .disk_squash import MAX_DISK_CHAIN, squash
 from .errors import SnapshotError
 from .memory_image import Delta, fetch_delta, page_hashes, read_delta, stage_delta, sync_file, write_delta
 from .named import MAX_FORK, NamedSnapshots, SnapshotInfo
@@ -339,7 +340,7 @@ class Snapshotter(NamedSnapshots):
         rec = self.records.get(sid)
         meta = {"sandbox": sid, "seq": str(snap.seq), "template": rec.template if rec else ""}
 
-        def work() -> SnapshotRef:
+        def work() -> tuple[SnapshotRef, bool]:
             store = self.mgr.store
             up = image.upper
             top = image.commit(meta=meta).layer_id if up is not None and up.touched() else image.top
@@ -355,6 +356,12 @@ class Snapshotter(NamedSnapshots):
                     prev = (read_delta(Path(previous.local) / "memory.delta"),
                             store.load_manifest(Digest(bytes.fromhex(previous.memory_id))))
             with store.workspace(chunk_size=4096) as ws:
+                squashed = top is not None and len(image.layers) > MAX_DISK_CHAIN
+                if squashed:  # bound the disk chain: one equivalent layer replaces the stack
+                    assert top is not None
+                    top, restaged = squash(store, ws, top, meta)
+                    log.info("pause %s/%d: disk stack of %d layers squashed (%d bytes restaged)", sid, snap.seq,
+                             len(image.layers), restaged)
                 mid, stats = stage_delta(ws, delta, prev, meta)
                 state = (d / "device-state").read_bytes()
                 w = ws.blob_writer(DEVICE_STATE, size=len(state), meta=meta)
@@ -366,15 +373,15 @@ class Snapshotter(NamedSnapshots):
                                         meta=tuple(sorted(meta.items())), created=time.time()), exclusive=False)
             log.info("pause %s/%d committed: %d pages, %d staged", sid, snap.seq, stats.pages, stats.staged)
             return SnapshotRef(seq=snap.seq, local=snap.local, base=snap.base, disk_top=_hex(top), committed=True,
-                               memory_id=mid.hex(), state_id=state_id.hex(), created=snap.created)
+                               memory_id=mid.hex(), state_id=state_id.hex(), created=snap.created), squashed
         try:
-            done = await asyncio.to_thread(work)
+            done, squashed = await asyncio.to_thread(work)
         except BaseException:
             await self._release(sid, keep_dir=True)
             raise
         finally:
             self._commits.pop(sid, None)
-        if sid not in self._standby:
+        if sid not in self._standby or squashed:   # a squash: resume reopens on the new layer
             await self._release(sid)
         rec = self.records.get(sid)
         if rec is not None and rec.snapshot is not None and rec.snapshot.seq == snap.seq:
