@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 import time
 from typing import Any
 
@@ -42,6 +43,7 @@ _DROP_REQUEST = frozenset(h.lower() for h in (
 _DROP_RESPONSE = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Trailer", "Transfer-Encoding", "Upgrade",
     "Content-Length", "Date", "Server"))
+CONNECT_STREAM = "application/connect+json"
 # Bodies up to this size are read whole and sent with a Content-Length (one write upstream).
 _SMALL_BODY = 64 << 10
 
@@ -70,6 +72,38 @@ def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
             raise ApiError(400, f"{SANDBOX_PORT_HEADER} must be a port number, got {raw[:20]!r}")
         return sid.strip(), int(raw)
     return parse_host(request.host, domain)
+
+
+class ConnectFrames:
+    """Follows the Connect envelopes (``[flags u8][length u32 BE][payload]``) of a
+    streamed response piece by piece, however pieces cut them, to tell when the
+    end-of-stream frame (flags & 0x02) is complete. Sans-IO."""
+
+    def __init__(self) -> None:
+        self._head = b""        # bytes of an incomplete 5-byte frame header
+        self._left = 0          # payload bytes of the current frame still to come
+        self._end = False       # the current frame is the end-of-stream frame
+        self.ended = False      # the end-of-stream frame is complete
+
+    def feed(self, data: bytes) -> bool:
+        pos = 0
+        while pos < len(data) and not self.ended:
+            if self._left:
+                take = min(self._left, len(data) - pos)
+                self._left -= take
+                pos += take
+            else:
+                need = 5 - len(self._head)
+                self._head += data[pos:pos + need]
+                pos += min(need, len(data) - pos)
+                if len(self._head) < 5:
+                    break
+                flags, self._left = struct.unpack(">BI", self._head)
+                self._head = b""
+                self._end = bool(flags & 0x02)
+            if not self._left and self._end and not self._head:
+                self.ended = True
+        return self.ended
 
 
 class _RelayResponse(web.StreamResponse):
@@ -159,8 +193,14 @@ class SandboxProxy:
         ok = True
         try:
             content = upstream.content
+            frames = ConnectFrames() if upstream.headers.get("Content-Type") == CONNECT_STREAM else None
             while chunk := await content.readany():
                 if content.at_eof():  # the last piece: one send with the end of the response
+                    break
+                if frames is not None and frames.feed(chunk):
+                    # After a Connect end-of-stream frame only the end of the response can
+                    # come (envd sends it at once): the two leave in one send.
+                    chunk += await content.read()
                     break
                 await resp.write(chunk)  # flushed now: a stream frame must not wait for the next one
             await resp.write_eof(chunk)

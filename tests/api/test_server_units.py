@@ -153,3 +153,23 @@ def test_docs_config_lists_every_key_with_its_default() -> None:
             if shown is None:
                 shown = f'"{default}"' if isinstance(default, str) else ("[]" if default == () else str(default))
             assert f"| `{f.name}` | `{shown}` |" in m.group(0), f"[{section}] {f.name} = {shown} not documented"
+
+
+@given(st.lists(st.tuples(st.booleans(), st.binary(max_size=40)), min_size=1, max_size=6), st.data())
+def test_connect_frames_find_the_end_of_stream_however_cut(frames: list[tuple[bool, bytes]], data: Any) -> None:
+    import struct
+
+    from aenv_api.server.proxy import ConnectFrames
+
+    # a stream: data frames (flags 0), then one end-of-stream frame (flags 2)
+    body = b"".join(struct.pack(">BI", 0, len(p)) + p for _, p in frames[:-1])
+    end_at = len(body) + 5 + len(frames[-1][1])
+    body += struct.pack(">BI", 2, len(frames[-1][1])) + frames[-1][1]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8)))
+    tracker = ConnectFrames()
+    pos = 0
+    for cut in cuts + [len(body)]:
+        ended = tracker.feed(body[pos:cut])
+        assert ended == (cut >= end_at)
+        pos = cut
+    assert tracker.ended
