@@ -107,10 +107,10 @@ class ConnectFrames:
 
 
 class _RelayResponse(web.StreamResponse):
-    """Headers go out with the first piece of the body (one send instead of two: on
-    this kind of host a loopback send costs ~0.4 ms, the largest part of the proxy's
-    overhead). Used for envd, whose streams start with an event at once; other guest
-    ports and SSE answers send headers at once (a client may wait for them alone)."""
+    """Headers go out with the first piece of the body: one send and one client wake-up
+    instead of two (per-piece relaying is most of the proxy's cost, docs/benchmarks.md).
+    Used for envd, whose streams start with an event at once; other guest ports and
+    SSE answers send headers at once (a client may wait for them alone)."""
 
     _send_headers_immediately = False
 
