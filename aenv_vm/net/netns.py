@@ -27,9 +27,12 @@ call these functions in a worker thread (``asyncio.to_thread``).
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,7 @@ TAP_ADDR = "10.0.2.2"
 ENVD_PORT = 49983
 NETNS_DIR = Path("/run/netns")
 MAX_INDEX = 16384           # 10.201.0.0/16 in /30s
+LOCK_PATH = "/run/aenv-netns.lock"
 
 
 class NetError(VmError):
@@ -113,11 +117,39 @@ def _require_tools() -> None:
             raise NetError(f"{tool} not found: tap networking needs util-linux and nftables (scripts/install.sh)")
 
 
-def create(tag: str, sid: str, index: int, egress: bool = True) -> SandboxNet:
-    """The namespace, veth pair, tap device and rules of one sandbox."""
+def used_indexes() -> set[int]:
+    """Indexes whose /30 already has an address on the host (any node's, or a leftover)."""
+    from pyroute2 import IPRoute
+    out = set()
+    with IPRoute() as ipr:
+        for msg in ipr.get_addr(family=socket.AF_INET):
+            addr = msg.get_attr("IFA_ADDRESS") or ""
+            parts = addr.split(".")
+            if len(parts) == 4 and parts[0] == "10" and parts[1] == "201":
+                out.add((int(parts[2]) * 256 + int(parts[3])) // 4)
+    return out
+
+
+def create(tag: str, sid: str, index: int | None = None, egress: bool = True) -> SandboxNet:
+    """The namespace, veth pair, tap device and rules of one sandbox. ``index`` picks
+    its /30 in 10.201.0.0/16; None takes the lowest one free on this host (under a
+    host-wide lock, so concurrent nodes never pick the same)."""
     from pyroute2 import IPRoute, NetNS
     from pyroute2 import netns as pnetns
     _require_tools()
+    with open(LOCK_PATH, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if index is None:
+            used = used_indexes()
+            index = next((i for i in range(MAX_INDEX) if i not in used), None)
+            if index is None:
+                raise NetError("no free sandbox network left in 10.201.0.0/16")
+        elif index in used_indexes():
+            raise NetError(f"sandbox network {addresses(index)[0]}/30 is already in use on this host")
+        return _create(tag, sid, index, egress, IPRoute, NetNS, pnetns)
+
+
+def _create(tag: str, sid: str, index: int, egress: bool, IPRoute, NetNS, pnetns) -> SandboxNet:  # type: ignore[no-untyped-def]  # noqa: N803
     host_ip, ns_ip = addresses(index)
     net = SandboxNet(name=f"aenv-{tag}-{sid[-12:]}", index=index, host_if=f"ae{tag}{index:x}"[:15],
                      host_ip=host_ip, ns_ip=ns_ip, egress=egress)
@@ -170,9 +202,14 @@ def destroy(net: SandboxNet | str) -> None:
         except OSError as e:
             raise NetError(f"removing netns {name} failed: {e}") from None
     if not isinstance(net, str):
-        with IPRoute() as ipr:  # normally gone with its peer
+        from pyroute2 import NetlinkError
+        with IPRoute() as ipr:  # normally gone with its peer, but the kernel frees a namespace asynchronously
             for idx in ipr.link_lookup(ifname=net.host_if):
-                ipr.link("del", index=idx)
+                try:
+                    ipr.link("del", index=idx)
+                except NetlinkError as e:
+                    if e.code != errno.ENODEV:
+                        raise NetError(f"removing {net.host_if} failed: {e}") from None
 
 
 def list_namespaces(tag: str) -> list[str]:
