@@ -267,17 +267,8 @@ class Repository:
 
     def read_chunk_entry(self, entry: IndexEntry, dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
         """Plaintext of one indexed chunk, verified against its id."""
-        key = pack_key(entry.pack)
-        payload = self.backend.get_range(key, entry.offset, entry.length)
-        pe = packfmt.PackEntry(entry.chunk, entry.offset, entry.length, entry.raw_length)
-        try:
-            data = packfmt.decode_payload(payload, pe, dctx)
-        except CorruptData as e:
-            raise CorruptData(f"{e} (pack {entry.pack.hex()})") from None
-        if blake3.blake3(data).digest() != entry.chunk:
-            raise CorruptData(f"chunk {entry.chunk.hex()} in pack {entry.pack.hex()} at offset {entry.offset}: "
-                              "content does not match its id")
-        return data
+        payload = self.backend.get_range(pack_key(entry.pack), entry.offset, entry.length)
+        return _decode_verified(entry, payload, dctx)
 
     def read_run(self, run: list[IndexEntry], dctx: zstandard.ZstdDecompressor | None = None) -> list[bytes]:
         """Plaintexts of index entries lying close together in one pack (see
@@ -287,19 +278,7 @@ class Repository:
         pack = run[0].pack
         blob = self.backend.get_range(pack_key(pack), start, end - start)
         view = memoryview(blob)
-        out = []
-        for e in run:
-            payload = bytes(view[e.offset - start:e.offset - start + e.length])
-            pe = packfmt.PackEntry(e.chunk, e.offset, e.length, e.raw_length)
-            try:
-                data = packfmt.decode_payload(payload, pe, dctx)
-            except CorruptData as err:
-                raise CorruptData(f"{err} (pack {pack.hex()})") from None
-            if blake3.blake3(data).digest() != e.chunk:
-                raise CorruptData(f"chunk {e.chunk.hex()} in pack {pack.hex()} at offset {e.offset}: "
-                                  "content does not match its id")
-            out.append(data)
-        return out
+        return [_decode_verified(e, bytes(view[e.offset - start:e.offset - start + e.length]), dctx) for e in run]
 
     def read_chunk(self, chunk: bytes, dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
         entry = self.index.lookup(chunk)
@@ -445,3 +424,16 @@ def coalesce(entries: Iterable[IndexEntry], max_gap: int = 64 << 10,
 def iter_chunks_of(manifests: Iterable[Manifest]) -> Iterator[Digest]:
     for m in manifests:
         yield from m.chunks
+
+
+def _decode_verified(entry: IndexEntry, payload: bytes, dctx: zstandard.ZstdDecompressor | None) -> bytes:
+    """Decode one chunk's stored payload and check it against its id; errors name the pack."""
+    pe = packfmt.PackEntry(entry.chunk, entry.offset, entry.length, entry.raw_length)
+    try:
+        data = packfmt.decode_payload(payload, pe, dctx)
+    except CorruptData as e:
+        raise CorruptData(f"{e} (pack {entry.pack.hex()})") from None
+    if blake3.blake3(data).digest() != entry.chunk:
+        raise CorruptData(f"chunk {entry.chunk.hex()} in pack {entry.pack.hex()} at offset {entry.offset}: "
+                          "content does not match its id")
+    return data
