@@ -22,6 +22,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from ..vm.procs import qemu_children
+
 REPO = Path(__file__).resolve().parents[2]
 AENV = [sys.executable, "-m", "aenv_api.cli.main"]
 
@@ -39,20 +41,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def qemu_children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        if ppid == pid and comm.startswith("qemu-system"):
-            found.append(int(entry.name))
-    return found
 
 
 @dataclass

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ..vm.procs import qemu_children
+
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.store import Store
 from aenv_vm.guest import GuestImage, ensure_guest
@@ -58,21 +60,6 @@ def env(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
         store.close()
 
 
-def qemu_children() -> list[int]:
-    me = os.getpid()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        if ppid == me and comm.startswith("qemu-system"):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from .procs import qemu_children
+
 from aenv_vm.guest import GuestImage, ensure_guest
 
 
@@ -28,23 +30,6 @@ def guest() -> GuestImage:
     return ensure_guest()
 
 
-def qemu_children() -> list[int]:
-    """PIDs of QEMU processes whose parent is this test process."""
-    me = os.getpid()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ..."; comm may contain spaces, so split after the last ')'.
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        if ppid == me and comm.startswith("qemu-system"):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture(name="qemu_children")
