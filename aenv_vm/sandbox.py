@@ -31,7 +31,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from aenv_store.store import Store
 
@@ -224,7 +224,7 @@ class SandboxManager:
         await asyncio.to_thread(work)
 
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
-                     access_token: str | None = None, timeout: float | None = None,
+                     access_token: str | Callable[[str], str] | None = None, timeout: float | None = None,
                      metadata: dict[str, str] | None = None, auto_pause: bool = True) -> Sandbox:
         """A new sandbox from ``template`` (id or alias), envd initialised."""
         t0 = time.monotonic()
@@ -243,6 +243,8 @@ class SandboxManager:
         if sbx is None:
             sbx = await self._restore(tpl)
         self._schedule_refill(tpl, POOL_REFILL_DELAY)
+        if callable(access_token):  # derived from the sandbox id (the API's HMAC), known only now
+            access_token = access_token(sbx.id)
         try:
             ti = time.monotonic()
             # The clock was set with the identity at restore and has run since: /init is
@@ -378,8 +380,9 @@ class SandboxManager:
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> tuple[str, list[str]]:
         return await self._life.snapshot(sandbox_id, name)
 
-    async def fork(self, sandbox_id: str, count: int, timeout: float | None = None) -> list[Sandbox | Exception]:
-        return await self._life.fork(sandbox_id, count, timeout)
+    async def fork(self, sandbox_id: str, count: int, timeout: float | None = None,
+                   access_token: Callable[[str], str] | None = None) -> list[Sandbox | Exception]:
+        return await self._life.fork(sandbox_id, count, timeout, access_token)
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> "SandboxRecord":
         return self._life.set_timeout(sandbox_id, seconds)

@@ -17,7 +17,7 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from aenv_store.catalog import ALIAS, CatalogRecord
 from aenv_store.errors import NotFound, StoreError
@@ -104,8 +104,10 @@ class NamedSnapshots:
                 raise
             return tid, ([name] if name else [])
 
-    async def fork(self, sid: str, count: int, timeout: float | None = None) -> "list[Sandbox | Exception]":
-        """``count`` children of a running sandbox, started concurrently from one snapshot."""
+    async def fork(self, sid: str, count: int, timeout: float | None = None,
+                   access_token: Callable[[str], str] | None = None) -> "list[Sandbox | Exception]":
+        """``count`` children of a running sandbox, started concurrently from one snapshot.
+        A secured parent's children get ``access_token(child id)`` (default: random)."""
         if not 1 <= count <= MAX_FORK:
             raise SnapshotError(f"fork count must be 1..{MAX_FORK}, got {count}")
         parent = self.record(sid)
@@ -117,7 +119,8 @@ class NamedSnapshots:
         async def child() -> "Sandbox":
             sbx = await self.mgr._restore(tpl)
             try:
-                token = secrets.token_urlsafe(24) if parent.access_token else None
+                token = ((access_token or (lambda _sid: secrets.token_urlsafe(24)))(sbx.id)
+                         if parent.access_token else None)
                 await asyncio.to_thread(self._init, sbx.envd_port, parent.access_token, token)
             except BaseException:
                 await self.mgr._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
