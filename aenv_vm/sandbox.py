@@ -39,6 +39,7 @@ from .blockimage.image import BlockImage
 from .blockimage.nbd_server import NbdServer
 from .envd_client import init as envd_init, read_file, run_command, write_file
 from .guest import GuestImage, wait_http_ok
+from .ksm import KsmSettings, enable as ksm_enable
 from .qemu.errors import VmError
 from .qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
 from .qemu.migration import load_device_state
@@ -115,13 +116,14 @@ class SandboxManager:
 
     def __init__(self, store: Store, guest: GuestImage, run_root: Path, *, pool_size: int = 0,
                  ready_timeout: float = 60.0, tcg_tb_mib: int | None = None,
-                 default_timeout: float = 300.0) -> None:
+                 default_timeout: float = 300.0, ksm: KsmSettings | None = None) -> None:
         self.store = store
         self.guest = guest
         self.run_root = run_root
         self.pool_size = pool_size
         self.ready_timeout = ready_timeout
         self.tcg_tb_mib = tcg_tb_mib
+        self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self.sandboxes: dict[str, Sandbox] = {}
         self._pools: dict[str, list[Sandbox]] = {}
         self._refills: dict[str, asyncio.Task] = {}
@@ -135,10 +137,17 @@ class SandboxManager:
         self.run_root.mkdir(parents=True, exist_ok=True)
         (self.run_root / "sandboxes").mkdir(exist_ok=True)
         await self.nbd.start()
+        if self.ksm is not None and (why := await asyncio.to_thread(ksm_enable, self.ksm)) is not None:
+            log.warning("KSM not enabled: %s", why)
         self._started = True
         from .snapshot.snapshotter import Snapshotter
         self.lifecycle = Snapshotter(self, self.default_timeout)
         await self.lifecycle.start()
+
+    def process_flags(self) -> dict[str, bool]:
+        """VmSpec fields every sandbox QEMU of this node gets (KSM, address layout)."""
+        k = self.ksm
+        return {"merge_memory": bool(k and k.merge_process_memory), "fixed_layout": bool(k and k.fixed_layout)}
 
     async def __aenter__(self) -> "SandboxManager":
         await self.start()
@@ -175,7 +184,8 @@ class SandboxManager:
                           kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
                           vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
                           mem_path=mem, mem_share=False, disk=NbdDisk(self.nbd.socket_path, sid),
-                          host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib)
+                          host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib,
+                          **self.process_flags())
             t0 = time.monotonic()
             vm = await QemuProcess.start(spec)
             if background:

@@ -35,6 +35,8 @@ GUEST_IP = "10.0.2.15"
 ENVD_PORT = 49983
 MIN_QEMU_VERSION = (7, 2, 0)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_MEMORY_MERGE = 67        # Linux >= 6.4: every anonymous mapping KSM-mergeable
+_ADDR_NO_RANDOMIZE = 0x0040000   # personality flag: no ASLR after exec
 _UNIX_PATH_MAX = 107
 
 Accel = Literal["tcg", "kvm"]
@@ -141,6 +143,9 @@ class VmSpec:
     # TCG translation cache size in MiB (None: QEMU's default, 1 GiB of address space).
     # Smaller also shrinks TCG's lookup structures sized from it: less private memory per VM.
     tcg_tb_mib: int | None = None
+    # KSM for the whole process and a fixed address layout (aenv_vm/ksm.py says why).
+    merge_memory: bool = False
+    fixed_layout: bool = False
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -210,15 +215,25 @@ def free_port() -> int:
 
 # Resolved once in the parent: dlopen() in a child forked from a threaded process
 # could deadlock on a loader lock another thread held at fork time.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl = _libc.prctl
+_personality = _libc.personality
 
 
-def _child_setup(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: no imports, no dlopen, no locks."""
+def _child_setup(parent_pid: int, merge_memory: bool = False, fixed_layout: bool = False) -> None:
+    """Runs in the child between fork and exec: no imports, no dlopen, no locks.
+    The merge flag and the personality are kept across exec; a kernel without them
+    returns an error that is ignored (the VM runs, without that saving)."""
     os.setpgid(0, 0)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+    if merge_memory:
+        _prctl(_PR_SET_MEMORY_MERGE, 1, 0, 0, 0)
+    if fixed_layout:
+        current = _personality(0xFFFFFFFF)
+        if current != -1:
+            _personality(current | _ADDR_NO_RANDOMIZE)
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -258,7 +273,8 @@ class QemuProcess:
         with open(spec.stderr_log, "wb") as err:
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                        close_fds=True, preexec_fn=lambda: _child_setup(parent))
+                                        close_fds=True, preexec_fn=lambda: _child_setup(parent, spec.merge_memory,
+                                                                                spec.fixed_layout))
             except OSError as e:
                 raise QemuNotFound(f"cannot start {binary}: {e}") from None
         vm = cls(spec, proc, argv)

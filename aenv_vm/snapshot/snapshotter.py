@@ -446,7 +446,8 @@ class Snapshotter(NamedSnapshots):
                                   kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
                                   vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
                                   mem_path=mem, mem_share=False, disk=NbdDisk(self.mgr.nbd.socket_path, sid),
-                                  host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.mgr.tcg_tb_mib)
+                                  host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.mgr.tcg_tb_mib,
+                                  **self.mgr.process_flags())
                     t1 = time.monotonic()
                     vm = await QemuProcess.start(spec)
                 spec = vm.spec
