@@ -7,9 +7,12 @@ which that is the only guest::
     host  ── veth <host_if> 10.201.a.b+1/30 ══ eth0 10.201.a.b+2/30 ── [netns aenv-<tag>-<id>]
                                                     tap0 10.0.2.2/24 ── QEMU ── guest 10.0.2.15
 
-Inside the namespace nftables DNATs TCP to the namespace address's envd port
-to the guest, and masquerades what leaves through eth0; the host reaches a
-sandbox's envd at ``http://<ns_ip>:49983``. Egress (``allow_internet_access``)
+Inside the namespace nftables DNATs every TCP connection that arrives on eth0
+to the guest (any guest port, not only envd's), and masquerades what leaves
+through eth0; the host reaches guest port P at ``<ns_ip>:P``
+(``SandboxNet.endpoint``). tap0 carries the MAC of user-mode networking's
+gateway (52:55:0a:00:02:02), so the neighbour entry a guest restored from a
+template made in user mode already holds for 10.0.2.2 stays right. Egress (``allow_internet_access``)
 is a filter in the namespace's forward chain: off drops every new connection
 from tap0 out of eth0 (replies to the host's connections still pass). Internet
 access beyond the host additionally needs the host's own forwarding and
@@ -41,6 +44,7 @@ from ..qemu.errors import VmError
 
 GUEST_IP = "10.0.2.15"
 TAP_ADDR = "10.0.2.2"
+TAP_MAC = "52:55:0a:00:02:02"   # QEMU slirp's gateway MAC (what template guests have cached)
 ENVD_PORT = 49983
 NETNS_DIR = Path("/run/netns")
 MAX_INDEX = 16384           # 10.201.0.0/16 in /30s
@@ -63,6 +67,10 @@ class SandboxNet:
     @property
     def envd_host(self) -> str:
         return self.ns_ip
+
+    def endpoint(self, port: int) -> tuple[str, int]:
+        """Where the host connects to reach guest TCP ``port`` (DNAT in the namespace)."""
+        return self.ns_ip, port
 
     def qemu_netdev_args(self, mac: str) -> tuple[str, ...]:
         return ("-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
@@ -98,7 +106,7 @@ def _ruleset(egress: bool) -> str:
         "table ip aenv {\n"
         "    chain dnat_in {\n"
         "        type nat hook prerouting priority -100; policy accept;\n"
-        f'        iifname "eth0" tcp dport {ENVD_PORT} dnat to {GUEST_IP}\n'
+        f'        iifname "eth0" meta l4proto tcp dnat to {GUEST_IP}\n'
         "    }\n"
         "    chain snat_out {\n"
         "        type nat hook postrouting priority 100; policy accept;\n"
@@ -169,6 +177,7 @@ def _create(tag: str, sid: str, index: int, egress: bool, IPRoute, NetNS, pnetns
             ns.route("add", dst="0.0.0.0/0", gateway=host_ip)
             ns.link("add", ifname="tap0", kind="tuntap", mode="tap")
             tap = ns.link_lookup(ifname="tap0")[0]
+            ns.link("set", index=tap, address=TAP_MAC)
             ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=24)
             ns.link("set", index=tap, state="up")
         finally:

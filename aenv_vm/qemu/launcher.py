@@ -6,7 +6,9 @@ and connects QMP.
 
 Every QEMU runs in its own process group with ``PR_SET_PDEATHSIG=SIGKILL`` set
 between fork and exec, so it dies with the process that started it, even on
-SIGKILL of that process (no orphans). Linux delivers the death signal when the
+SIGKILL of that process (no orphans). A VM with ``netns`` set (tap networking,
+aenv_vm/net) joins that network namespace in the same place, before exec,
+and gets a tap netdev instead of user-mode networking. Linux delivers the death signal when the
 *thread* that forked exits, so start VMs from a long-lived thread (the event
 loop's), not from a short-lived worker thread.
 """
@@ -137,6 +139,7 @@ class VmSpec:
     mem_share: bool = True          # share=on (template/source) or share=off (copy-on-write clone)
     disk: Disk | None = None
     host_port: int | None = None    # user-mode net with hostfwd 127.0.0.1:host_port -> guest envd
+    netns: str | None = None        # tap net instead: run in this network namespace (/run/netns), tap0 there
     guest_port: int = ENVD_PORT
     mac: str = "52:54:00:12:34:56"
     incoming_defer: bool = False    # wait for migrate-incoming (clone restore)
@@ -191,7 +194,10 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
     if spec.disk is not None:
         argv += ["-blockdev", json.dumps(spec.disk.blockdev(), separators=(",", ":")),
                  "-device", "virtio-blk-device,drive=disk0"]
-    if spec.host_port is not None:
+    if spec.netns is not None:
+        argv += ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
+                 "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]
+    elif spec.host_port is not None:
         argv += ["-netdev", f"user,id=net0,hostfwd=tcp:127.0.0.1:{spec.host_port}-{GUEST_IP}:{spec.guest_port}",
                  "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]
     if spec.incoming_defer:
@@ -218,9 +224,13 @@ def free_port() -> int:
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
 _personality = _libc.personality
+_setns = _libc.setns
+_CLONE_NEWNET = 0x40000000
+NETNS_DIR = Path("/run/netns")
 
 
-def _child_setup(parent_pid: int, merge_memory: bool = False, fixed_layout: bool = False) -> None:
+def _child_setup(parent_pid: int, merge_memory: bool = False, fixed_layout: bool = False,
+                 netns_fd: int = -1) -> None:
     """Runs in the child between fork and exec: no imports, no dlopen, no locks.
     The merge flag and the personality are kept across exec; a kernel without them
     returns an error that is ignored (the VM runs, without that saving)."""
@@ -234,6 +244,9 @@ def _child_setup(parent_pid: int, merge_memory: bool = False, fixed_layout: bool
         current = _personality(0xFFFFFFFF)
         if current != -1:
             _personality(current | _ADDR_NO_RANDOMIZE)
+    # preexec runs before close_fds: the namespace's fd is still open here
+    if netns_fd >= 0 and _setns(netns_fd, _CLONE_NEWNET) != 0:
+        os._exit(2)
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -270,13 +283,23 @@ class QemuProcess:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         spec.qmp_socket.unlink(missing_ok=True)
         parent = os.getpid()
-        with open(spec.stderr_log, "wb") as err:
+        netns_fd = -1
+        if spec.netns is not None:
             try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                        close_fds=True, preexec_fn=lambda: _child_setup(parent, spec.merge_memory,
-                                                                                spec.fixed_layout))
+                netns_fd = os.open(NETNS_DIR / spec.netns, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
-                raise QemuNotFound(f"cannot start {binary}: {e}") from None
+                raise VmError(f"network namespace {spec.netns} of {spec.name} cannot be opened: {e}") from None
+        try:
+            with open(spec.stderr_log, "wb") as err:
+                try:
+                    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                            close_fds=True, preexec_fn=lambda: _child_setup(
+                                                parent, spec.merge_memory, spec.fixed_layout, netns_fd))
+                except OSError as e:
+                    raise QemuNotFound(f"cannot start {binary}: {e}") from None
+        finally:
+            if netns_fd >= 0:
+                os.close(netns_fd)
         vm = cls(spec, proc, argv)
         try:
             vm.qmp = await QmpClient.connect(spec.qmp_socket, timeout=qmp_timeout,
