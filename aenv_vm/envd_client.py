@@ -58,14 +58,15 @@ def decode_envelopes(data: bytes) -> list[tuple[int, dict]]:
 
 
 def _request(port: int, method: str, path: str, body: bytes, headers: dict[str, str],
-             timeout: float) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+             timeout: float, host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """``host``: 127.0.0.1 with user-mode networking, the sandbox's namespace address with tap."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read()
     except (OSError, http.client.HTTPException) as e:
-        raise EnvdError(f"envd on port {port}: {method} {path}: {e}") from None
+        raise EnvdError(f"envd at {host}:{port}: {method} {path}: {e}") from None
     finally:
         conn.close()
 
@@ -80,46 +81,47 @@ def _auth(user: str | None, access_token: str | None) -> dict[str, str]:
     return headers
 
 
-def init(port: int, body: dict, timeout: float = 10.0, access_token: str | None = None) -> None:
+def init(port: int, body: dict, timeout: float = 10.0, access_token: str | None = None,
+         host: str = "127.0.0.1") -> None:
     """POST /init. ``body`` may carry aenv's ``hostname`` and ``entropy`` (docs/envd.md)."""
     headers = {"Content-Type": "application/json", **_auth(None, access_token)}
-    status, data = _request(port, "POST", "/init", json.dumps(body).encode(), headers, timeout)
+    status, data = _request(port, "POST", "/init", json.dumps(body).encode(), headers, timeout, host)
     if not 200 <= status < 300:
         raise EnvdError(f"envd /init answered HTTP {status}: {data[:200]!r}")
 
 
 def write_file(port: int, path: str, data: bytes, *, user: str | None = None, timeout: float = 30.0,
-               access_token: str | None = None) -> None:
+               access_token: str | None = None, host: str = "127.0.0.1") -> None:
     """Upload ``data`` to ``path`` as the SDK's ``files.write`` does for bytes (multipart/form-data)."""
     boundary = secrets.token_hex(16)
     body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path}\"\r\n"
             f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
     query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
     headers = {"Content-Type": f"multipart/form-data; boundary={boundary}", **_auth(None, access_token)}
-    status, answer = _request(port, "POST", f"/files?{query}", body, headers, timeout)
+    status, answer = _request(port, "POST", f"/files?{query}", body, headers, timeout, host)
     if status != 200:
         raise EnvdError(f"envd file upload to {path} answered HTTP {status}: {answer[:200]!r}")
 
 
 def read_file(port: int, path: str, *, user: str | None = None, timeout: float = 30.0,
-              access_token: str | None = None) -> bytes:
+              access_token: str | None = None, host: str = "127.0.0.1") -> bytes:
     """``GET /files`` as the SDK's ``files.read`` does."""
     query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
-    status, data = _request(port, "GET", f"/files?{query}", b"", _auth(None, access_token), timeout)
+    status, data = _request(port, "GET", f"/files?{query}", b"", _auth(None, access_token), timeout, host)
     if status != 200:
         raise EnvdError(f"envd file download of {path} answered HTTP {status}: {data[:200]!r}")
     return data
 
 
 def run_command(port: int, cmd: str, *, user: str | None = "root", timeout: float = 30.0,
-                access_token: str | None = None) -> CommandResult:
+                access_token: str | None = None, host: str = "127.0.0.1") -> CommandResult:
     """``bash -l -c cmd`` in the guest, the way the E2B SDK's ``commands.run`` does it
     (same request, same headers); ``user=None`` is the SDK's default: envd's default user."""
     body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}}, "stdin": False})
     headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                "Keepalive-Ping-Interval": "50", "Connect-Timeout-Ms": str(int(timeout * 1000)),
                **_auth(user, access_token)}
-    status, data = _request(port, "POST", "/process.Process/Start", body, headers, timeout)
+    status, data = _request(port, "POST", "/process.Process/Start", body, headers, timeout, host)
     if status != 200:
         raise EnvdError(f"envd process start answered HTTP {status}: {data[:200]!r}")
     out, err = bytearray(), bytearray()

@@ -119,7 +119,7 @@ async def http_get(port: int, path: str = "/health", timeout: float = 2.0,
 
 
 async def wait_http_ok(port: int, path: str = "/health", timeout: float = 60.0,
-                       alive: Callable[[], bool] | None = None) -> float:
+                       alive: Callable[[], bool] | None = None, host: str = "127.0.0.1") -> float:
     """Poll until GET ``path`` answers 2xx; returns the seconds waited.
 
     With user-mode networking QEMU accepts the TCP connection itself and closes
@@ -129,7 +129,7 @@ async def wait_http_ok(port: int, path: str = "/health", timeout: float = 60.0,
     last: object = None
     while True:
         try:
-            status, _ = await http_get(port, path, timeout=min(2.0, timeout))
+            status, _ = await http_get(port, path, timeout=min(2.0, timeout), host=host)
             if 200 <= status < 300:
                 return time.monotonic() - start
             last = f"HTTP {status}"
