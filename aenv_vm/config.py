@@ -36,6 +36,11 @@ class VmConfig:
     ksm_fixed_layout: bool = True
     ksm_pages_to_scan: int = 200
     ksm_sleep_ms: int = 20
+    # How sandboxes are networked (aenv_vm/net/networks.py): "user" = QEMU user-mode
+    # networking with host port forwards (works anywhere); "tap" = one network namespace
+    # per sandbox with a tap device, reachable at its veth address, egress per sandbox
+    # (allow_internet_access). tap needs root, nftables and iproute2 (`aenv doctor`).
+    network: str = "user"
 
     def ksm_settings(self) -> "KsmSettings | None":
         from .ksm import KsmSettings
@@ -48,6 +53,8 @@ class VmConfig:
             raise ConfigError(f"vm.memory_mib must be >= 64, got {self.memory_mib}")
         if self.vcpus < 1:
             raise ConfigError(f"vm.vcpus must be >= 1, got {self.vcpus}")
+        if self.network not in ("user", "tap"):
+            raise ConfigError(f"vm.network must be user or tap, got {self.network!r}")
         if self.accel not in ("auto", "tcg", "kvm"):
             raise ConfigError(f"vm.accel must be auto, tcg or kvm, got {self.accel!r}")
         if self.pool_size < 0 or self.ready_timeout <= 0 or self.tcg_tb_mib < 0:

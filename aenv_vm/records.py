@@ -56,6 +56,7 @@ class SandboxRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     access_token: str | None = None
+    allow_internet_access: bool = True  # tap mode: egress filter of its namespace, kept across pause/resume
     memory_mib: int = 0
     vcpus: int = 0
     envd_port: int | None = None

@@ -16,6 +16,11 @@ restored and warmed -- each ran the SDK's own command path (``bash -l -c`` as
 the default user and as root) and a file write and read, at low CPU priority
 -- and ``create`` takes one (then only ``/init`` remains) and refills in the
 background. pool_size 0 disables the pool.
+
+Networking (aenv_vm/net/networks.py): user-mode with host port forwards, or
+tap mode where each sandbox's QEMU runs in its own network namespace (made
+before QEMU starts, removed with it). ``Sandbox.endpoint(port)`` says where
+the host reaches a guest port in either mode.
 """
 from __future__ import annotations
 
@@ -40,8 +45,10 @@ from .blockimage.nbd_server import NbdServer
 from .envd_client import init as envd_init, read_file, run_command, write_file
 from .guest import GuestImage, wait_http_ok
 from .ksm import KsmSettings, enable as ksm_enable
+from .net.netns import SandboxNet
+from .net.networks import NodeNetworks
 from .qemu.errors import VmError
-from .qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
+from .qemu.launcher import ENVD_PORT, GUEST_IP, NbdDisk, QemuProcess, VmSpec, free_port
 from .qemu.migration import load_device_state
 from .template import Template, TemplateError, find_template, materialize
 
@@ -77,15 +84,44 @@ class Sandbox:
     dir: Path
     created: float = field(default_factory=time.time)
     timing: CreateTiming | None = None
+    net: SandboxNet | None = None       # tap mode: the sandbox's network namespace
+    _forwards: dict[int, int] = field(default_factory=dict, repr=False)   # user mode: guest port -> host port
+
+    @property
+    def envd_host(self) -> str:
+        return "127.0.0.1" if self.net is None else self.net.ns_ip
 
     @property
     def envd_port(self) -> int:
+        if self.net is not None:
+            return ENVD_PORT
         assert self.vm.spec.host_port is not None
         return self.vm.spec.host_port
 
     @property
     def envd_url(self) -> str:
-        return f"http://127.0.0.1:{self.envd_port}"
+        return f"http://{self.envd_host}:{self.envd_port}"
+
+    async def endpoint(self, port: int) -> tuple[str, int]:
+        """``(host, port)`` where the host reaches guest TCP ``port``: in tap mode the
+        namespace address (every port is DNATed to the guest); in user mode 127.0.0.1
+        and a host port forwarded by QEMU (envd's at start, others added on first use
+        with QMP ``hostfwd_add``; they go with this QEMU)."""
+        if self.net is not None:
+            return self.net.endpoint(port)
+        if port == ENVD_PORT:
+            return "127.0.0.1", self.envd_port
+        host_port = self._forwards.get(port)
+        if host_port is None:
+            if self.vm.qmp is None:
+                raise SandboxError(f"sandbox {self.id} has no QMP connection to forward port {port}")
+            host_port = free_port()
+            reply = await self.vm.qmp.execute("human-monitor-command", {
+                "command-line": f"hostfwd_add net0 tcp:127.0.0.1:{host_port}-{GUEST_IP}:{port}"})
+            if isinstance(reply, str) and reply.strip():
+                raise SandboxError(f"forwarding port {port} of sandbox {self.id} failed: {reply.strip()}")
+            self._forwards[port] = host_port
+        return "127.0.0.1", host_port
 
     @property
     def serial_log(self) -> Path:
@@ -116,7 +152,7 @@ class SandboxManager:
 
     def __init__(self, store: Store, guest: GuestImage, run_root: Path, *, pool_size: int = 0,
                  ready_timeout: float = 60.0, tcg_tb_mib: int | None = None,
-                 default_timeout: float = 300.0, ksm: KsmSettings | None = None) -> None:
+                 default_timeout: float = 300.0, ksm: KsmSettings | None = None, network: str = "user") -> None:
         self.store = store
         self.guest = guest
         self.run_root = run_root
@@ -124,6 +160,7 @@ class SandboxManager:
         self.ready_timeout = ready_timeout
         self.tcg_tb_mib = tcg_tb_mib
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
+        self.networks = NodeNetworks(network, run_root)   # "user" or "tap" (root)
         self.sandboxes: dict[str, Sandbox] = {}
         self._pools: dict[str, list[Sandbox]] = {}
         self._refills: dict[str, asyncio.Task] = {}
@@ -136,6 +173,7 @@ class SandboxManager:
     async def start(self) -> None:
         self.run_root.mkdir(parents=True, exist_ok=True)
         (self.run_root / "sandboxes").mkdir(exist_ok=True)
+        await self.networks.start()
         await self.nbd.start()
         if self.ksm is not None and (why := await asyncio.to_thread(ksm_enable, self.ksm)) is not None:
             log.warning("KSM not enabled: %s", why)
@@ -163,11 +201,12 @@ class SandboxManager:
                                 f"{self.guest.key}: rebuild the template")
         return tpl
 
-    async def _restore(self, tpl: Template, background: bool = False) -> Sandbox:
+    async def _restore(self, tpl: Template, background: bool = False, egress: bool = True) -> Sandbox:
         """A running, envd-ready sandbox restored from ``tpl`` (not yet /init-ed).
 
         ``background`` (pool refills): QEMU runs at a low CPU priority until it is
-        handed out, so refilling never slows the sandboxes users already have."""
+        handed out, so refilling never slows the sandboxes users already have.
+        ``egress``: outbound connections allowed (tap mode)."""
         if not self._started:
             raise SandboxError("SandboxManager.start() was not called")
         async with self._local_lock:  # one writer of the local template files
@@ -180,12 +219,14 @@ class SandboxManager:
         try:
             image = BlockImage.open(self.store, tpl.disk, sid, upper_dir=sdir / "upper")
             self.nbd.add_export(image)
+            netfields = await self.networks.attach(sid, egress)
+            state = await self.networks.device_state(state)
             spec = VmSpec(name=sid, kernel=self.guest.kernel, initrd=self.guest.initrd,
                           kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
                           vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
                           mem_path=mem, mem_share=False, disk=NbdDisk(self.nbd.socket_path, sid),
-                          host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib,
-                          **self.process_flags())
+                          incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib,
+                          **netfields, **self.process_flags())  # type: ignore[arg-type]
             t0 = time.monotonic()
             vm = await QemuProcess.start(spec)
             if background:
@@ -193,26 +234,28 @@ class SandboxManager:
             t1 = time.monotonic()
             await load_device_state(vm, state)
             t2 = time.monotonic()
-            await wait_http_ok(spec.host_port or 0, "/health", timeout=self.ready_timeout, alive=vm.alive)
+            sbx = Sandbox(sid, tpl, vm, image, sdir, net=self.networks.get(sid))
+            await wait_http_ok(sbx.envd_port, "/health", timeout=self.ready_timeout, alive=vm.alive,
+                               host=sbx.envd_host)
             t3 = time.monotonic()
             # a snapshot's envd still holds its sandbox's access token
-            await self._set_identity(sid, spec.host_port or 0, self._life.template_token(tpl))
+            await self._set_identity(sid, sbx.envd_port, self._life.template_token(tpl), host=sbx.envd_host)
             t4 = time.monotonic()
-            sbx = Sandbox(sid, tpl, vm, image, sdir)
             sbx.timing = CreateTiming(t1 - t0, t2 - t1, t3 - t2, t4 - t3, 0.0, t4 - t0, False)
             return sbx
         except BaseException:
             await self._teardown(sid, vm, image, sdir)
             raise
 
-    async def _set_identity(self, sid: str, port: int, access_token: str | None = None) -> None:
+    async def _set_identity(self, sid: str, port: int, access_token: str | None = None,
+                            host: str = "127.0.0.1") -> None:
         """Give a restored clone its own hostname, fresh kernel randomness and the host's clock.
 
         Every clone of a template wakes up with the template's hostname, RNG state
         and clock; one envd /init sets all three (docs/envd.md), no process start."""
         body = {"hostname": sid, "entropy": base64.b64encode(secrets.token_bytes(64)).decode(),
                 "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-        await asyncio.to_thread(envd_init, port, body, access_token=access_token)
+        await asyncio.to_thread(envd_init, port, body, access_token=access_token, host=host)
 
     async def _warm(self, sbx: Sandbox, access_token: str | None = None) -> None:
         """Run what a user's first calls run, so that this QEMU has translated it before
@@ -220,14 +263,14 @@ class SandboxManager:
         envd's default user, then as root, which also removes the file). Templates built
         under TCG have the guest's ASLR off, so the user's commands reuse these
         translations instead of paying them (docs/guest.md)."""
-        port, path = sbx.envd_port, f"/tmp/.aenv-warm-{sbx.id}"
+        port, host, path = sbx.envd_port, sbx.envd_host, f"/tmp/.aenv-warm-{sbx.id}"
 
         def work() -> None:
-            write_file(port, path, b"warm", access_token=access_token)
-            if read_file(port, path, access_token=access_token) != b"warm":
+            write_file(port, path, b"warm", access_token=access_token, host=host)
+            if read_file(port, path, access_token=access_token, host=host) != b"warm":
                 raise SandboxError(f"warming {sbx.id}: file read back differs")
             for user, cmd in ((None, "true"), ("root", f"rm -f {path}")):
-                result = run_command(port, cmd, user=user, timeout=60.0, access_token=access_token)
+                result = run_command(port, cmd, user=user, timeout=60.0, access_token=access_token, host=host)
                 if result.exit_code != 0:
                     raise SandboxError(f"warming {sbx.id}: {cmd!r} as {user or 'default user'} exited "
                                        f"{result.exit_code}")
@@ -235,8 +278,10 @@ class SandboxManager:
 
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
                      access_token: str | Callable[[str], str] | None = None, timeout: float | None = None,
-                     metadata: dict[str, str] | None = None, auto_pause: bool = True) -> Sandbox:
-        """A new sandbox from ``template`` (id or alias), envd initialised."""
+                     metadata: dict[str, str] | None = None, auto_pause: bool = True,
+                     allow_internet_access: bool = True) -> Sandbox:
+        """A new sandbox from ``template`` (id or alias), envd initialised.
+        ``allow_internet_access``: the guest may open outbound connections (tap mode)."""
         t0 = time.monotonic()
         tpl = self._template(template)
         pool = self._pools.get(tpl.id, [])
@@ -251,12 +296,13 @@ class SandboxManager:
         if sbx is not None:
             _renice(sbx.vm.pid, 0)
         if sbx is None:
-            sbx = await self._restore(tpl)
+            sbx = await self._restore(tpl, egress=allow_internet_access)
         self._schedule_refill(tpl, POOL_REFILL_DELAY)
         if callable(access_token):  # derived from the sandbox id (the API's HMAC), known only now
             access_token = access_token(sbx.id)
         try:
             ti = time.monotonic()
+            await self.networks.set_egress(sbx.id, allow_internet_access)   # pooled: made with egress on
             # The clock was set with the identity at restore and has run since: /init is
             # needed only for env vars and tokens (an empty one would cost a round trip).
             body: dict = {}
@@ -266,7 +312,8 @@ class SandboxManager:
             if access_token or old:  # a snapshot's token is replaced (or cleared), never inherited
                 body["accessToken"] = access_token or ""
             if body:
-                await asyncio.to_thread(envd_init, sbx.envd_port, body, **({"access_token": old} if old else {}))
+                await asyncio.to_thread(envd_init, sbx.envd_port, body, host=sbx.envd_host,
+                                        **({"access_token": old} if old else {}))
         except BaseException:
             await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
             raise
@@ -279,7 +326,8 @@ class SandboxManager:
         sbx.created = time.time()
         self.sandboxes[sbx.id] = sbx
         self._life.on_created(sbx, timeout=timeout, metadata=metadata, auto_pause=auto_pause,
-                              env_vars=env_vars, access_token=access_token)
+                              env_vars=env_vars, access_token=access_token,
+                              allow_internet_access=allow_internet_access)
         return sbx
 
     def _schedule_refill(self, tpl: Template, delay: float = 0.0) -> None:
@@ -344,6 +392,7 @@ class SandboxManager:
     async def _teardown(self, sid: str, vm: QemuProcess | None, image: BlockImage | None, sdir: Path) -> None:
         if vm is not None:
             await vm.stop(timeout=2.0)
+        await self.networks.release(sid)
         self.nbd.remove_export(sid)
         if image is not None:
             with contextlib.suppress(Exception):
@@ -370,6 +419,7 @@ class SandboxManager:
             await self.nbd.close()
             self._started = False
         shutil.rmtree(self.run_root / "sandboxes", ignore_errors=True)
+        await self.networks.close()
         if self.lifecycle is not None:
             self.lifecycle.close_records()
             self.lifecycle = None

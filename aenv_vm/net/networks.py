@@ -22,11 +22,14 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..qemu.launcher import free_port
 from . import netns
 from .netns import NetError, SandboxNet
+
+if TYPE_CHECKING:
+    from ..qemu.launcher import VmSpec
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,16 @@ class NodeNetworks:
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
         net = await asyncio.to_thread(netns.create, self.tag, sid, None, egress)  # pyroute2 has its own loop
         self._nets[sid] = net
+        return {"host_port": None, "netns": net.name}
+
+    async def attach_again(self, spec: "VmSpec") -> dict[str, object]:
+        """The network fields of another QEMU for the same sandbox (a paused sandbox's
+        standby): a new host port (user), or the namespace it already has (tap)."""
+        if not self.tap:
+            return {"host_port": free_port(), "netns": None}
+        net = self._nets.get(spec.name)
+        if net is None or spec.netns != net.name:
+            raise NetError(f"sandbox {spec.name} has no network namespace any more")
         return {"host_port": None, "netns": net.name}
 
     def get(self, sid: str) -> SandboxNet | None:

@@ -117,18 +117,19 @@ class NamedSnapshots:
         tpl = self.mgr._template(tid)
 
         async def child() -> "Sandbox":
-            sbx = await self.mgr._restore(tpl)
+            sbx = await self.mgr._restore(tpl, egress=parent.allow_internet_access)
             try:
                 token = ((access_token or (lambda _sid: secrets.token_urlsafe(24)))(sbx.id)
                          if parent.access_token else None)
-                await asyncio.to_thread(self._init, sbx.envd_port, parent.access_token, token)
+                await asyncio.to_thread(self._init, sbx.envd_port, parent.access_token, token, sbx.envd_host)
             except BaseException:
                 await self.mgr._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
                 raise
             self.mgr.sandboxes[sbx.id] = sbx
             self.on_created(sbx, timeout=parent.timeout if timeout is None else timeout,
                             metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
-                            env_vars=parent.env_vars, access_token=token)
+                            env_vars=parent.env_vars, access_token=token,
+                            allow_internet_access=parent.allow_internet_access)
             return sbx
         results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
         self._drop_unused_fork(tid)   # every child failed: nothing uses the snapshot

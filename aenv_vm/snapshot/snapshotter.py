@@ -42,7 +42,7 @@ from aenv_store.ids import Digest
 from ..blockimage.image import BlockImage
 from ..envd_client import _request as envd_request
 from ..guest import wait_http_ok
-from ..qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
+from ..qemu.launcher import NbdDisk, QemuProcess, VmSpec
 from ..qemu.migration import load_device_state
 from ..records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from ..template import DEVICE_STATE, Template, materialize
@@ -197,13 +197,15 @@ class Snapshotter(NamedSnapshots):
 
     # ------------------------------------------------------------ records hooks
     def on_created(self, sbx: "Sandbox", *, timeout: float | None, metadata: dict[str, str] | None,
-                   auto_pause: bool, env_vars: dict[str, str] | None, access_token: str | None) -> None:
+                   auto_pause: bool, env_vars: dict[str, str] | None, access_token: str | None,
+                   allow_internet_access: bool = True) -> None:
         now = time.time()
         t = self.default_timeout if timeout is None else timeout
         self.records.put(SandboxRecord(
             id=sbx.id, template=sbx.template.id, state=SandboxState.RUNNING, started_at=now, end_at=now + t,
             auto_pause=auto_pause, metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
-            access_token=access_token, memory_mib=sbx.template.memory_mib, vcpus=sbx.template.vcpus,
+            access_token=access_token, allow_internet_access=allow_internet_access,
+            memory_mib=sbx.template.memory_mib, vcpus=sbx.template.vcpus,
             envd_port=sbx.envd_port, timeout=t))
 
     async def forget(self, sid: str) -> bool:
@@ -285,6 +287,8 @@ class Snapshotter(NamedSnapshots):
 
     async def _after_pause(self, sid: str, sbx: "Sandbox", snap: SnapshotRef, previous: SnapshotRef | None) -> None:
         await sbx.vm.kill()
+        if self.standby_limit <= 0:   # tap mode: no QEMU left in the namespace (a standby would keep it)
+            await self.mgr.networks.release(sid)
         loop = asyncio.get_running_loop()
         self._held[sid] = (sbx.image, sbx.dir)
         self._commits[sid] = loop.create_task(self._commit(sid, sbx.image, sbx.dir, snap, previous))
@@ -295,7 +299,9 @@ class Snapshotter(NamedSnapshots):
 
     async def _start_standby(self, spec: VmSpec) -> QemuProcess:
         """The QEMU a resume will use: started now, waiting for its device state."""
-        spec = dataclasses.replace(spec, host_port=free_port(), incoming_defer=True)
+        # user mode: a new host port; tap mode: the same namespace (kept until the standby goes)
+        spec = dataclasses.replace(spec, **await self.mgr.networks.attach_again(spec),  # type: ignore[arg-type]
+                                   incoming_defer=True)
         return await QemuProcess.start(spec)
 
     async def _drop_standby(self, sid: str) -> None:
@@ -314,6 +320,8 @@ class Snapshotter(NamedSnapshots):
         """Give up what a paused sandbox holds on this node: standby QEMU, export, image,
         and (unless ``keep_dir``: a pause whose commit failed keeps its upper layer) run dir."""
         await self._drop_standby(sid)
+        if sid not in self.mgr.sandboxes:   # tap mode: no QEMU of it runs in its namespace now
+            await self.mgr.networks.release(sid)
         held = self._held.pop(sid, None)
         self.mgr.nbd.remove_export(sid)
         if held is not None:
@@ -427,7 +435,8 @@ class Snapshotter(NamedSnapshots):
             if standby is not None and sid in self._held:
                 with contextlib.suppress(Exception):
                     vm = await standby
-                if vm is not None and (not vm.alive() or vm.spec.mem_path != mem):
+                if vm is not None and (not vm.alive() or vm.spec.mem_path != mem or (
+                        vm.spec.netns is not None and self.mgr.networks.get(sid) is None)):
                     await vm.kill()
                     vm = None
             if vm is not None:
@@ -442,12 +451,13 @@ class Snapshotter(NamedSnapshots):
                     image = await asyncio.to_thread(BlockImage.open, self.mgr.store, _digest(snap.disk_top), sid,
                                                     upper_dir=sdir / "upper", fresh_upper=True)
                     self.mgr.nbd.add_export(image)
+                    netfields = await self.mgr.networks.attach(sid, rec.allow_internet_access)
                     spec = VmSpec(name=sid, kernel=self.mgr.guest.kernel, initrd=self.mgr.guest.initrd,
                                   kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
                                   vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
                                   mem_path=mem, mem_share=False, disk=NbdDisk(self.mgr.nbd.socket_path, sid),
-                                  host_port=free_port(), incoming_defer=True, tcg_tb_mib=self.mgr.tcg_tb_mib,
-                                  **self.mgr.process_flags())
+                                  incoming_defer=True, tcg_tb_mib=self.mgr.tcg_tb_mib,
+                                  **netfields, **self.mgr.process_flags())  # type: ignore[arg-type]
                     t1 = time.monotonic()
                     vm = await QemuProcess.start(spec)
                 spec = vm.spec
@@ -455,17 +465,18 @@ class Snapshotter(NamedSnapshots):
                 await asyncio.to_thread(lambda: write_pages(vm.pid, ram_mapping(vm.pid, mem),  # type: ignore[union-attr]
                                                             delta.pages, delta.data))
                 t3 = time.monotonic()
-                await load_device_state(vm, d / "device-state")
+                await load_device_state(vm, await self.mgr.networks.device_state(d / "device-state"))
                 t4 = time.monotonic()
-                port = spec.host_port or 0
-                await wait_http_ok(port, "/health", timeout=self.mgr.ready_timeout, alive=vm.alive)
+                sbx = Sandbox(sid, tpl, vm, image, sdir, net=self.mgr.networks.get(sid))  # type: ignore[arg-type]
+                port = sbx.envd_port
+                await wait_http_ok(port, "/health", timeout=self.mgr.ready_timeout, alive=vm.alive,
+                                   host=sbx.envd_host)
                 t5 = time.monotonic()
-                await asyncio.to_thread(self._init, port, rec.access_token, None)
+                await asyncio.to_thread(self._init, port, rec.access_token, None, sbx.envd_host)
                 t6 = time.monotonic()
             except BaseException:
                 await self.mgr._teardown(sid, vm, image, sdir)
                 raise
-            sbx = Sandbox(sid, tpl, vm, image, sdir)
             sbx.created = rec.started_at
             self.mgr.sandboxes[sid] = sbx
             t = rec.timeout if timeout is None else timeout
@@ -485,7 +496,7 @@ class Snapshotter(NamedSnapshots):
         durable_write(d / "device-state", reader.read(0, reader.size))
 
     @staticmethod
-    def _init(port: int, old_token: str | None, new_token: str | None) -> None:
+    def _init(port: int, old_token: str | None, new_token: str | None, host: str = "127.0.0.1") -> None:
         """envd /init after a restore: step the clock; optionally replace the access token."""
         body: dict[str, object] = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         headers = {"Content-Type": "application/json"}
@@ -493,7 +504,7 @@ class Snapshotter(NamedSnapshots):
             headers["X-Access-Token"] = old_token
         if new_token is not None:
             body["accessToken"] = new_token
-        status, data = envd_request(port, "POST", "/init", json.dumps(body).encode(), headers, 10.0)
+        status, data = envd_request(port, "POST", "/init", json.dumps(body).encode(), headers, 10.0, host)
         if not 200 <= status < 300:
             raise SnapshotError(f"envd /init after restore answered HTTP {status}: {data[:200]!r}")
 
