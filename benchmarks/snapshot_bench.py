@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shlex
 import shutil
 import sys
@@ -52,6 +53,9 @@ from aenv_vm.template import build_template  # noqa: E402
 from vm_bench import cpu_ms, first_command, pss_kib, pss_kib_without_tcg, pss_split_kib  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+
+PARTS = ("pause", "strip", "resume", "cold", "fork")
 
 
 def settings_for(data: Path, cache: Path | None = None) -> StoreSettings:
@@ -81,6 +85,12 @@ async def dirty(sbx: Sandbox, mib: int, fill: int) -> None:
                      f"b=bytes([{fill}])*(1<<20); [os.write(f, b) for _ in range({mib})]\"")
 
 
+def _self_cpu() -> float:
+    """CPU seconds of this process (all threads): what a pause costs the manager."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 async def pauses(mgr: SandboxManager, mib: int, reps: int) -> list[dict]:
     sbx = await mgr.create("base")
     assert mgr.lifecycle is not None
@@ -90,13 +100,13 @@ async def pauses(mgr: SandboxManager, mib: int, reps: int) -> list[dict]:
         for i in range(reps):
             sbx = await mgr.resume(sbx.id)
             await dirty(sbx, mib, 1 + i % 250)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _self_cpu()
             await mgr.pause(sbx.id)
-            call = time.perf_counter() - t0
+            call, cpu = time.perf_counter() - t0, _self_cpu() - c0
             t = mgr.lifecycle.last_pause
             assert t is not None
             out.append({"total": t.total, "call": call, "stop": t.stop, "device_state": t.device_state,
-                        "pages": t.pages, "write": t.write, "delta_mib": t.dirty_pages * 4096 / 2**20,
+                        "pages": t.pages, "write": t.write, "delta_mib": t.dirty_pages * 4096 / 2**20, "cpu": cpu,
                         "load": os.getloadavg()[0]})
             await settled(mgr, sbx.id)
     finally:
@@ -222,14 +232,17 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
     await asyncio.sleep(2)
     one = pss_kib(parent.vm.pid)
     one_no_tcg = pss_kib_without_tcg(parent.vm.pid)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _self_cpu()
     kids = await mgr.fork(parent.id, count)
-    answering = time.perf_counter() - t0
+    answering, manager_cpu = time.perf_counter() - t0, _self_cpu() - c0
     failed = [k for k in kids if isinstance(k, Exception)]
     if failed:
         raise BenchError(f"{len(failed)} fork children failed: {failed[0]}")
     ok = [k for k in kids if isinstance(k, Sandbox)]
     cpu_before = sum(cpu_ms(k.vm.pid) for k in ok)
+    # per child (p50 over children): where its restore went (sandbox.CreateTiming + the fork's /init)
+    per_child = {f: float(np.median([getattr(k.timing, f) for k in ok if k.timing is not None]))
+                 for f in ("qemu_start", "state_load", "first_answer", "identity", "init", "total")}
     await asyncio.gather(*(asyncio.to_thread(first_command, k) for k in ok))
     all_commands = time.perf_counter() - t0
     await asyncio.sleep(2)
@@ -241,6 +254,7 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
     assert mgr.lifecycle is not None
     return {"count": count, "answering": answering, "children_cpu_ms_at_answering": cpu_before,
             "snapshot_s": mgr.lifecycle.last_fork_snapshot,
+            "manager_cpu_ms": manager_cpu * 1000, "per_child_s": per_child,
             "split_child_kib": split, "all_first_command": all_commands, "pss_one_kib": one,
             "pss_children_kib": total, "pss_one_no_tcg_kib": one_no_tcg, "pss_children_no_tcg_kib": total_no_tcg}
 
@@ -255,22 +269,25 @@ async def main_async(args: argparse.Namespace) -> dict:
             template_s = time.perf_counter() - t0
             res: dict = {"machine": machine_info(), "memory_mib": args.memory_mib, "template_build_s": template_s,
                          "pause": {}, "strip": {}}
+            parts = set(args.only or PARTS)
             async with SandboxManager(store, guest_img, work / "node") as mgr:
-                for mib in args.dirty:
+                for mib in args.dirty if "pause" in parts else ():
                     res["pause"][mib] = await pauses(mgr, mib, args.reps)
-                    res["strip"][mib] = await strip_route(mgr, mib, args.strip_reps, work)
+                    if "strip" in parts:
+                        res["strip"][mib] = await strip_route(mgr, mib, args.strip_reps, work)
                     print(f"[bench] pause at {mib} MiB done", file=sys.stderr)
-                tpl_mem = next((work / "node" / "templates").glob("tpl-*/memory"))
-                res["copy"] = copy_route(tpl_mem, work, 3)
-                res["copy_file_mib"] = tpl_mem.stat().st_blocks * 512 / 2**20
-                if args.resumes:
+                if "strip" in parts:
+                    tpl_mem = next((work / "node" / "templates").glob("tpl-*/memory"))
+                    res["copy"] = copy_route(tpl_mem, work, 3)
+                    res["copy_file_mib"] = tpl_mem.stat().st_blocks * 512 / 2**20
+                if args.resumes and "resume" in parts:
                     res["resume"] = await resumes(mgr, args.resumes, standby=True)
                     res["resume_nostandby"] = await resumes(mgr, args.resumes, standby=False)
                     print("[bench] resumes done", file=sys.stderr)
-                if args.fork:
+                if args.fork and "fork" in parts:
                     res["fork"] = await fork(mgr, args.fork)
                     print("[bench] fork done", file=sys.stderr)
-            if args.cold:
+            if args.cold and "cold" in parts:
                 res["cold"] = await cold_resumes(store, guest_img, work, args.cold)
     return res
 
@@ -281,6 +298,8 @@ def report(res: dict, markdown: bool) -> None:
     for mib, reps in res["pause"].items():
         s = ms([r["total"] for r in reps])
         parts = ", ".join(f"{k} {ms([r[k] for r in reps])['p50']:.0f}" for k in ("stop", "device_state", "pages", "write"))
+        if "cpu" in reps[0]:
+            parts += f"; manager CPU {ms([r['cpu'] for r in reps])['p50']:.0f}"
         delta = summarize([r["delta_mib"] for r in reps])["p50"]
         rows.append([f"pause, {mib} MiB dirtied (delta {delta:.0f} MiB)", f"{s['p50']:.0f}", f"{s['p99']:.0f}",
                      int(s["n"]), parts])
@@ -291,9 +310,10 @@ def report(res: dict, markdown: bool) -> None:
         stream = summarize([r["stream_mib"] for r in reps])["p50"]
         rows.append([f"  alternative: strip route, {mib} MiB (stream {stream:.0f} MiB)", f"{s['p50']:.0f}",
                      f"{s['p99']:.0f}", int(s["n"]), parts])
-    c = ms(res["copy"])
-    rows.append([f"  alternative: share=on copy of the base file ({res['copy_file_mib']:.0f} MiB allocated)",
-                 f"{c['p50']:.0f}", f"{c['p99']:.0f}", int(c["n"]), "per clone, at create/fork"])
+    if "copy" in res:
+        c = ms(res["copy"])
+        rows.append([f"  alternative: share=on copy of the base file ({res['copy_file_mib']:.0f} MiB allocated)",
+                     f"{c['p50']:.0f}", f"{c['p99']:.0f}", int(c["n"]), "per clone, at create/fork"])
     for label, key in (("resume, local (standby QEMU)", "resume"), ("resume, local, no standby", "resume_nostandby"),
                        ("resume, cold node (from the repository)", "cold")):
         reps = res.get(key)
@@ -315,7 +335,8 @@ def report(res: dict, markdown: bool) -> None:
         return
     rows.append([f"fork {f['count']} → all answering (envd initialised)", f"{f['answering'] * 1000:.0f}", "", 1,
                  f"snapshot {f['snapshot_s'] * 1000:.0f}; children's QEMU CPU time until then "
-                 f"{f['children_cpu_ms_at_answering']:.0f}"])
+                 f"{f['children_cpu_ms_at_answering']:.0f}, manager CPU {f.get('manager_cpu_ms', 0):.0f}; "
+                 "per child p50: " + ", ".join(f"{k} {v * 1000:.0f}" for k, v in f.get("per_child_s", {}).items())])
     rows.append([f"fork {f['count']} → every child's first commands.run done", f"{f['all_first_command'] * 1000:.0f}",
                  "", 1, ""])
     header = ["what (ms)", "p50", "p99", "n", "p50 breakdown (ms)"]
@@ -349,6 +370,7 @@ def main() -> int:
     p.add_argument("--resumes", type=int, default=10)
     p.add_argument("--cold", type=int, default=3)
     p.add_argument("--fork", type=int, default=16)
+    p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts (default: all)")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
