@@ -284,7 +284,8 @@ class SandboxManager:
         ``allow_internet_access``: the guest may open outbound connections (tap mode)."""
         t0 = time.monotonic()
         tpl = self._template(template)
-        pool = self._pools.get(tpl.id, [])
+        # Pooled clones have egress on; user mode cannot turn it off in a running QEMU.
+        pool = self._pools.get(tpl.id, []) if allow_internet_access or self.networks.tap else []
         sbx = None
         while pool and sbx is None:
             candidate = pool.pop(0)

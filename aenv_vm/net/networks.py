@@ -2,7 +2,8 @@
 
 * ``user`` (default, works anywhere, no root): QEMU's user-mode network with a
   host port forwarded to envd (``hostfwd``); other guest ports are forwarded on
-  demand with QMP ``hostfwd_add`` (``Sandbox.endpoint``).
+  demand with QMP ``hostfwd_add`` (``Sandbox.endpoint``). Egress off is QEMU's
+  ``restrict=on``, fixed when QEMU starts (so such a create skips the pool).
 * ``tap`` (needs root, nftables, iproute2): every sandbox's QEMU runs in its own
   network namespace (netns.py) with the same guest IP/MAC; the host reaches any
   guest TCP port at the namespace's veth address; egress is on or off per
@@ -109,7 +110,7 @@ class NodeNetworks:
         """The ``VmSpec`` fields that network sandbox ``sid``: a free host port (user), or
         a new namespace (tap) with ``egress`` on or off."""
         if not self.tap:
-            return {"host_port": free_port(), "netns": None}
+            return {"host_port": free_port(), "netns": None, "net_restrict": not egress}
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
         net = await asyncio.to_thread(netns.create, self.tag, sid, None, egress)  # pyroute2 has its own loop
         self._nets[sid] = net

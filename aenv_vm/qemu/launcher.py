@@ -140,6 +140,7 @@ class VmSpec:
     disk: Disk | None = None
     host_port: int | None = None    # user-mode net with hostfwd 127.0.0.1:host_port -> guest envd
     netns: str | None = None        # tap net instead: run in this network namespace (/run/netns), tap0 there
+    net_restrict: bool = False      # user net: the guest reaches neither the host nor beyond (forwards still work)
     guest_port: int = ENVD_PORT
     mac: str = "52:54:00:12:34:56"
     incoming_defer: bool = False    # wait for migrate-incoming (clone restore)
@@ -198,7 +199,8 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
         argv += ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
                  "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]
     elif spec.host_port is not None:
-        argv += ["-netdev", f"user,id=net0,hostfwd=tcp:127.0.0.1:{spec.host_port}-{GUEST_IP}:{spec.guest_port}",
+        argv += ["-netdev", f"user,id=net0,{'restrict=on,' if spec.net_restrict else ''}"
+                            f"hostfwd=tcp:127.0.0.1:{spec.host_port}-{GUEST_IP}:{spec.guest_port}",
                  "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]
     if spec.incoming_defer:
         argv += ["-incoming", "defer"]
