@@ -210,7 +210,7 @@ class Lifecycle:
         self.metrics = metrics
         self.extras = ApiExtras(data_dir / "api-sandboxes.json")
         self._creating = 0
-        self._ports: dict[tuple[str, int], int] = {}   # (sid, guest port) -> host port
+        self._ports: dict[tuple[str, int], tuple[str, int]] = {}   # (sid, guest port) -> (host, port) reaching it
         self._tokens: dict[str, str | None] = {}        # sid -> envd access token (immutable per sandbox)
         self._closing = False
 
@@ -292,7 +292,8 @@ class Lifecycle:
         try:
             sbx = await self.manager.create(self._template_ref(req.template_id), env_vars=req.env_vars or None,
                                             access_token=token, timeout=timeout, metadata=req.metadata or {},
-                                            auto_pause=bool(req.auto_pause))
+                                            auto_pause=bool(req.auto_pause),
+                                            allow_internet_access=req.allow_internet_access is not False)
         except TemplateError as e:
             self.metrics.inc("aenv_sandbox_create_failures_total", help="sandbox creates that failed")
             if "unknown template" in str(e):
@@ -474,9 +475,11 @@ class Lifecycle:
                  "cpuUsedPct": round(cpu_pct, 2), "memUsed": rss, "memTotal": view.memory_mb << 20,
                  "memCache": 0, "diskUsed": _upper_bytes(sbx), "diskTotal": view.disk_size_mb << 20}]
 
-    async def target(self, sid: str, port: int) -> tuple[str | None, int]:
-        """The envd access token of ``sid`` (None: not secured) and the host port that
-        reaches its guest ``port``, resuming a paused sandbox created with autoResume.
+    async def target(self, sid: str, port: int) -> tuple[str | None, tuple[str, int]]:
+        """The envd access token of ``sid`` (None: not secured) and the ``(host, port)``
+        that reaches its guest ``port`` (``Sandbox.endpoint``: 127.0.0.1 and a forwarded
+        port in user mode, the namespace address in tap mode), resuming a paused sandbox
+        created with autoResume.
         ApiError 502 in E2B's shapes otherwise.
 
         Hot path of every proxied request: a running sandbox whose token is known is
@@ -498,27 +501,16 @@ class Lifecycle:
             self._tokens[sid] = view.access_token
         token = self._tokens[sid]
         if port == ENVD_PORT:
-            return token, sbx.envd_port
-        host_port = self._ports.get((sid, port))
-        if host_port is None:
-            host_port = await self._forward(sbx, port)
-            self._ports[(sid, port)] = host_port
-        return token, host_port
-
-    async def _forward(self, sbx: Any, port: int) -> int:
-        """Open a host port to guest ``port`` on the VM's user-mode network (QEMU's hostfwd_add)."""
-        from aenv_vm.qemu.launcher import GUEST_IP, free_port
-
-        qmp = getattr(sbx.vm, "qmp", None)
-        if qmp is None:
-            raise ApiError(502, f"The sandbox {sbx.id} is running but port {port} is not open", sandboxId=sbx.id)
-        host_port = free_port()
-        reply = await qmp.execute("human-monitor-command", {
-            "command-line": f"hostfwd_add net0 tcp:127.0.0.1:{host_port}-{GUEST_IP}:{port}"})
-        if isinstance(reply, str) and reply.strip():
-            raise ApiError(502, f"The sandbox {sbx.id} is running but port {port} is not open: {reply.strip()}",
-                           sandboxId=sbx.id)
-        return host_port
+            return token, (sbx.envd_host, sbx.envd_port)
+        where = self._ports.get((sid, port))
+        if where is None:
+            try:
+                where = await sbx.endpoint(port)
+            except VmError as e:
+                raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open: {e}",
+                               sandboxId=sid) from None
+            self._ports[(sid, port)] = where
+        return token, where
 
     def counts(self) -> dict[str, int]:
         out = {s: 0 for s in VISIBLE_STATES}

@@ -136,13 +136,13 @@ class SandboxProxy:
 
     async def handle(self, request: web.Request, sid: str, port: int) -> web.StreamResponse:
         t0 = time.monotonic()
-        token, host_port = await self.lifecycle.target(sid, port)
+        token, (host, host_port) = await self.lifecycle.target(sid, port)  # host: 127.0.0.1 or a tap netns
         if token and port == ENVD_PORT and not check_token(token, request.headers.get("X-Access-Token")):
             raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
         if request.headers.get("Upgrade", "").lower() == "websocket":
-            return await self._websocket(request, sid, port, host_port, headers)
-        url = f"http://127.0.0.1:{host_port}{request.rel_url.raw_path_qs}"
+            return await self._websocket(request, sid, port, f"{host}:{host_port}", headers)
+        url = f"http://{host}:{host_port}{request.rel_url.raw_path_qs}"
         data: Any = None
         chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
         if request.body_exists:
@@ -218,12 +218,12 @@ class SandboxProxy:
                              help="time from request to the end of a proxied response")
         return resp
 
-    async def _websocket(self, request: web.Request, sid: str, port: int, host_port: int,
+    async def _websocket(self, request: web.Request, sid: str, port: int, upstream: str,
                          headers: list[tuple[str, str]]) -> web.StreamResponse:
         skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol"}
         fwd = [(k, v) for k, v in headers if k.lower() not in skip]
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
-        url = f"ws://127.0.0.1:{host_port}{request.rel_url.raw_path_qs}"
+        url = f"ws://{upstream}{request.rel_url.raw_path_qs}"
         try:
             up = await self._client().ws_connect(url, headers=fwd, protocols=protocols, autoping=False,
                                                  max_msg_size=0)
