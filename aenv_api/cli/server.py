@@ -62,7 +62,9 @@ def cmd_server(args: argparse.Namespace) -> int:
         changes["log_format"] = args.log_format
     server_cfg = dataclasses.replace(server_cfg, **changes)
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
-    creds = Credentials.load(cfg.data_dir)
+    # a relative envd_secret_file is relative to the data dir (an absolute one stays as it is)
+    secret_file = cfg.data_dir / server_cfg.envd_secret_file if server_cfg.envd_secret_file else None
+    creds = Credentials.load(cfg.data_dir, envd_secret_file=secret_file)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     access = logging.getLogger("aenv.server.access")
@@ -188,10 +190,11 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
             raise CliError(str(e), 1) from None
         vm = cfg.section("vm")
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
-                                 tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout)
+                                 tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
+                                 ksm=vm.ksm_settings())
         await manager.start()
         metrics = Metrics()
-        lifecycle = Lifecycle(manager, server_cfg, metrics, cfg.data_dir)
+        lifecycle = Lifecycle(manager, server_cfg, metrics, cfg.data_dir, creds.envd_token)
         await lifecycle.start()
         background.append(asyncio.ensure_future(_gauges(metrics, lifecycle, manager, store)()))
         server = ApiServer(lifecycle, creds, server_cfg, metrics, _version())

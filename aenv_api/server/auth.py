@@ -4,21 +4,33 @@
   from ``AENV_API_KEY``, else ``<data-dir>/api-key``, else is generated on
   first start (``e2b_`` + 40 hex digits, so the SDK's format checks pass) and
   written there with mode 0600.
-- Sandboxes' ``envdAccessToken``s are random per sandbox and live in the
-  sandbox records (see lifecycle.py); ``check_token`` compares in constant time.
+- A sandbox's ``envdAccessToken`` is ``base64url(HMAC-SHA256(secret, sandbox
+  id))`` (unpadded), the secret being per deployment: ``AENV_ENVD_SECRET``,
+  else the file ``[server] envd_secret_file`` (default ``<data-dir>/envd-secret``),
+  else generated there on first start (32 random bytes as hex, mode 0600). A
+  token therefore survives restarts (paused sandboxes resume with the token
+  their clients hold), every sandbox — fork children and sandboxes created
+  from a snapshot too — has its own, and nodes sharing the secret agree on
+  them. The sandbox records keep the token as well (the proxy's check, and
+  the re-keying of envd after a restore); ``check_token`` compares in constant
+  time.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aenv_store.errors import ConfigError
 
 API_KEY_ENV = "AENV_API_KEY"
 API_KEY_FILE = "api-key"
+ENVD_SECRET_ENV = "AENV_ENVD_SECRET"
+ENVD_SECRET_FILE = "envd-secret"
 
 
 def _read_or_create(path: Path, make: str) -> str:
@@ -54,13 +66,22 @@ def generate_api_key() -> str:
     return "e2b_" + secrets.token_hex(20)
 
 
+def envd_token(secret: bytes, sandbox_id: str) -> str:
+    """The envd access token of ``sandbox_id``: ``base64url(HMAC-SHA256(secret, id))``, unpadded."""
+    mac = hmac.new(secret, sandbox_id.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+
 @dataclass(frozen=True)
 class Credentials:
-    api_key: str
+    api_key: str = field(repr=False)
     api_key_source: str    # "env" | "file" | "generated" (for the start banner)
+    envd_secret: bytes = field(default=b"", repr=False)
 
     @classmethod
-    def load(cls, data_dir: Path, environ: dict[str, str] | None = None) -> "Credentials":
+    def load(cls, data_dir: Path, environ: dict[str, str] | None = None,
+             envd_secret_file: Path | None = None) -> "Credentials":
+        """``envd_secret_file``: where the envd token secret lives (default ``<data_dir>/envd-secret``)."""
         env = os.environ if environ is None else environ
         key_file = data_dir / API_KEY_FILE
         if env.get(API_KEY_ENV):
@@ -71,10 +92,20 @@ class Credentials:
             source = "file" if existed else "generated"
         if not key or any(c.isspace() for c in key):
             raise ConfigError("the API key must be a non-empty string without spaces")
-        return cls(key, source)
+        if env.get(ENVD_SECRET_ENV, "").strip():
+            secret = env[ENVD_SECRET_ENV].strip()
+        else:
+            secret = _read_or_create(envd_secret_file or data_dir / ENVD_SECRET_FILE, secrets.token_hex(32))
+        if len(secret) < 16:
+            raise ConfigError(f"the envd token secret must be at least 16 characters, got {len(secret)}")
+        return cls(key, source, secret.encode())
+
+    def envd_token(self, sandbox_id: str) -> str:
+        return envd_token(self.envd_secret, sandbox_id)
 
     def check_api_key(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
+
 
 def check_token(expected: str, given: str | None) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())

@@ -13,9 +13,11 @@ Capabilities are called by name on the manager (``pause``, ``resume``,
 ``delete_snapshot``) and answer ``501 … not supported by this node yet`` on a
 manager without them.
 
-envd access tokens: a random token per secured sandbox, made here and handed
-to the manager at create (envd gets it in the same ``/init``); fork children
-get theirs from the sandbox layer. The record is where the proxy checks them.
+envd access tokens: derived from the sandbox id (``envd_token``, the
+deployment's HMAC, auth.py) and handed to the manager as that function at
+create and fork (the id is known only once the manager has picked a pooled
+or restored VM; envd gets the token in the same ``/init``). The record keeps
+it: that is where the proxy checks it.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import time
 import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from aenv_vm.qemu.errors import VmError
 from aenv_vm.template import TemplateError
@@ -62,7 +64,8 @@ def envd_version() -> str:
     return "0.5.7"  # the oldest version whose features the SDK needs (octet-stream uploads)
 
 
-def new_envd_token() -> str:
+def random_envd_token(_sandbox_id: str) -> str:
+    """Tokens of a Lifecycle given no deployment secret (library use, unit tests)."""
     return secrets.token_urlsafe(24)
 
 
@@ -204,8 +207,10 @@ async def _maybe_await(value: Any) -> Any:
 class Lifecycle:
     """Sandbox operations as the API sees them. Use from the server's event loop."""
 
-    def __init__(self, manager: Any, config: ServerConfig, metrics: Metrics, data_dir: Path) -> None:
+    def __init__(self, manager: Any, config: ServerConfig, metrics: Metrics, data_dir: Path,
+                 envd_token: Callable[[str], str] = random_envd_token) -> None:
         self.manager = manager
+        self.envd_token = envd_token
         self.config = config
         self.metrics = metrics
         self.extras = ApiExtras(data_dir / "api-sandboxes.json")
@@ -286,7 +291,7 @@ class Lifecycle:
                            retry=False)
         timeout = self.config.default_timeout if req.timeout is None else req.timeout
         # v2 creates are always secured (E2B: "all system communication with the sandbox is always secured").
-        token = new_envd_token() if (v2 or req.secure) else None
+        token = self.envd_token if (v2 or req.secure) else None
         self._creating += 1
         t0 = time.monotonic()
         try:
@@ -443,7 +448,7 @@ class Lifecycle:
         t0 = time.monotonic()
         self._creating += count
         try:
-            results = await fork(sid, count, timeout)
+            results = await fork(sid, count, timeout, access_token=self.envd_token)
         except VmError as e:
             raise self._vm_error("fork", sid, e) from None
         finally:

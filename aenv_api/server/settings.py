@@ -32,6 +32,11 @@ class ServerConfig:
     on_shutdown: str = "pause"
     # Seconds the shutdown waits for in-flight requests before closing them.
     shutdown_grace: float = 5.0
+    # File holding the secret envd access tokens are derived from (HMAC-SHA256 of the
+    # sandbox id); generated on first start, mode 0600. "" = <data-dir>/envd-secret; a
+    # relative path is relative to the data dir.
+    # The AENV_ENVD_SECRET environment variable, when set, is the secret itself.
+    envd_secret_file: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -6,6 +6,9 @@ its own server on it (modules run one after another). Stopping a server
 checks that it exits cleanly and leaves no QEMU process behind."""
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -54,6 +57,13 @@ class Server:
 
     def sdk_env(self) -> dict[str, str]:
         return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url}
+
+    def envd_token(self, sandbox_id: str) -> str:
+        """What the issue specifies, computed independently: base64url(HMAC-SHA256(the
+        deployment's secret file, sandbox id)), unpadded."""
+        secret = (self.data_dir / "envd-secret").read_text().strip().encode()
+        mac = hmac.new(secret, sandbox_id.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
     def log(self) -> str:
         return self.stderr_path.read_text(errors="replace")

@@ -3,6 +3,7 @@ and `connect` resumes them with their files and processes."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,23 @@ def test_shutdown_pauses_and_restart_restores(node_data_dir: Path, tmp_path_fact
         for k, v in second.sdk_env().items():
             monkeypatch.setenv(k, v)
         assert second.api_key == first.api_key  # the key file persists
+        assert s._envd_access_token == second.envd_token(s.sandbox_id)  # the secret persists too
         listed = Sandbox.list(query=SandboxQuery(metadata={"suite": "restart"})).next_items()
         assert [(x.sandbox_id, x.state) for x in listed] == [(s.sandbox_id, SandboxState.PAUSED)]
         back = Sandbox.connect(s.sandbox_id)
         assert back.files.read("/home/user/state.txt") == "before restart"
         assert str(pid) in back.commands.run("ps -eo pid,args").stdout
+        assert back._envd_access_token == s._envd_access_token
+        hdr = {"E2b-Sandbox-Id": s.sandbox_id}  # the token clients held before the restart still opens it
+        status, _, body = second.request("GET", "/files?path=/home/user/state.txt", key=None,
+                                         headers={**hdr, "X-Access-Token": s._envd_access_token})
+        assert status == 200 and body == b"before restart"
+        status, _, _ = second.request("GET", "/files?path=/home/user/state.txt", key=None,
+                                      headers={**hdr, "X-Access-Token": second.envd_token("sbx-other")})
+        assert status == 401
         back.kill()
         assert Sandbox.list(query=SandboxQuery(metadata={"suite": "restart"})).next_items() == []
     finally:
         second.stop()
     assert os.path.exists(node_data_dir / "api-key")
+    assert stat.S_IMODE(os.stat(node_data_dir / "envd-secret").st_mode) == 0o600

@@ -137,6 +137,11 @@ def test_envd_tokens(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-
     status, _, body = server.request("GET", "/files?path=/etc/hostname",
                                      headers={**hdr, "X-Access-Token": a._envd_access_token}, key=None)
     assert status == 200 and body.decode().strip()
+    for s in (a, b):  # the token is the deployment's HMAC of the sandbox id
+        assert s._envd_access_token == server.envd_token(s.sandbox_id)
+    status, _, body = server.request("GET", "/files?path=/etc/hostname",
+                                     headers={**hdr, "X-Access-Token": a._envd_access_token[:-1] + "A"}, key=None)
+    assert status == 401 and body["code"] == 401  # one character off
 
 
 def test_unknown_sandbox_is_502_was_not_found(sdk_env: Server) -> None:
@@ -305,6 +310,7 @@ def test_snapshot_create_from_it_list_and_delete(sdk_env: Server, pair) -> None:
     try:
         assert child.files.read("/home/user/snap.txt") == "in the snapshot"
         assert child.commands.run("hostname").stdout.strip() == child.sandbox_id
+        assert child._envd_access_token == sdk_env.envd_token(child.sandbox_id) != a._envd_access_token
     finally:
         child.kill()
     assert a.commands.run("echo parent-ok").stdout.strip() == "parent-ok"  # the parent kept running
@@ -325,7 +331,7 @@ def test_fork(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
         for c in children:
             assert c.files.read("/home/user/fork.txt") == "from the parent"
             assert c.commands.run("echo $AENV_GREETING").stdout.strip() == "hi there"  # env inherited
-            assert c._envd_access_token != a._envd_access_token
+            assert c._envd_access_token == sdk_env.envd_token(c.sandbox_id) != a._envd_access_token
         children[0].files.write("/home/user/fork.txt", "changed in child 0")
         assert children[1].files.read("/home/user/fork.txt") == "from the parent"
         assert a.files.read("/home/user/fork.txt") == "from the parent"

@@ -122,6 +122,30 @@ def test_api_key_generated_once_with_mode_0600(tmp_path: Path) -> None:
     assert check_token("t", "t") and not check_token("t", "u") and not check_token("t", None)
 
 
+def test_envd_secret_generated_once_and_tokens_are_its_hmac(tmp_path: Path) -> None:
+    import base64
+    import hashlib
+    import hmac
+
+    from aenv_store.errors import ConfigError
+
+    a = Credentials.load(tmp_path, environ={})
+    secret = (tmp_path / "envd-secret").read_text().strip()
+    assert len(secret) == 64 and stat.S_IMODE(os.stat(tmp_path / "envd-secret").st_mode) == 0o600
+    mac = hmac.new(secret.encode(), b"sbx-0123456789abcdef", hashlib.sha256).digest()
+    assert a.envd_token("sbx-0123456789abcdef") == base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+    assert Credentials.load(tmp_path, environ={}).envd_token("sbx-1") == a.envd_token("sbx-1")  # stable
+    assert a.envd_token("sbx-1") != a.envd_token("sbx-2")
+    other = Credentials.load(tmp_path, environ={}, envd_secret_file=tmp_path / "sub" / "secret")
+    assert other.envd_token("sbx-1") != a.envd_token("sbx-1")
+    env = Credentials.load(tmp_path, environ={"AENV_ENVD_SECRET": "s" * 32})
+    assert env.envd_token("x") == base64.urlsafe_b64encode(
+        hmac.new(b"s" * 32, b"x", hashlib.sha256).digest()).rstrip(b"=").decode()
+    with pytest.raises(ConfigError, match="at least 16"):
+        Credentials.load(tmp_path, environ={"AENV_ENVD_SECRET": "short"})
+    assert secret not in repr(a) and a.api_key not in repr(a)
+
+
 def test_metrics_text_format() -> None:
     m = Metrics()
     m.inc("aenv_x_total", (("route", 'a"b'),), help="x")
