@@ -169,6 +169,7 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
     from aenv_api.server.metrics import Metrics
     from aenv_store.store import Store
     from aenv_vm.guest import ensure_guest
+    from aenv_vm.net.netns import NetError
     from aenv_vm.qemu.errors import VmError
     from aenv_vm.sandbox import SandboxManager
 
@@ -191,8 +192,11 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
         vm = cfg.section("vm")
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                  tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
-                                 ksm=vm.ksm_settings())
-        await manager.start()
+                                 ksm=vm.ksm_settings(), network=vm.network)
+        try:
+            await manager.start()
+        except NetError as e:   # [vm] network = "tap" on a host that cannot do it
+            raise CliError(str(e), 1) from None
         metrics = Metrics()
         lifecycle = Lifecycle(manager, server_cfg, metrics, cfg.data_dir, creds.envd_token)
         await lifecycle.start()
