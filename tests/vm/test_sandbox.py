@@ -168,3 +168,59 @@ def test_warm_pool_hands_out_ready_sandboxes(guest: GuestImage, built: Built, tm
             await mgr.kill(s.id)
 
     asyncio.run(run())
+
+
+def _ksm_kib_outside_guest_ram(pid: int) -> int:
+    """KSM-merged KiB of a QEMU outside its guest RAM mapping (heap, TCG tables, ...)."""
+    total, guest_ram = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            guest_ram = len(fields) > 5 and fields[5].endswith("/memory")
+        elif line.startswith("KSM:") and not guest_ram:
+            total += int(fields[1])
+    return total
+
+
+def test_ksm_whole_qemu(guest: GuestImage, built: Built, tmp_path: Path) -> None:
+    """With [vm] ksm every clone's QEMU is mergeable as a whole, with a fixed layout, and
+    ksmd merges pages beyond guest RAM; without it QEMU keeps its own defaults."""
+    from aenv_vm import ksm
+
+    if not (ksm.available() and ksm.process_merge_supported()):
+        if os.environ.get("CI"):
+            pytest.fail("KSM with PR_SET_MEMORY_MERGE is required in CI (Linux >= 6.4)")
+        pytest.skip("no KSM / PR_SET_MEMORY_MERGE in this kernel")
+    knobs = ("run", "pages_to_scan", "sleep_millisecs")
+    before = {k: (ksm.KSM_SYSFS / k).read_text().strip() for k in knobs}
+
+    async def run() -> None:
+        settings = ksm.KsmSettings(pages_to_scan=4000, sleep_ms=10)   # fast, for the test only
+        async with SandboxManager(built.store, guest, tmp_path / "ksm", ksm=settings) as mgr, \
+                SandboxManager(built.store, guest, tmp_path / "plain") as plain:
+            a, b = await mgr.create("base"), await mgr.create("base")
+            c = await plain.create("base")
+            assert ksm.read_stats() is not None and ksm.read_stats().run == 1   # type: ignore[union-attr]
+            heaps = []
+            for s in (a, b):
+                assert "ksm_merge_any: yes" in Path(f"/proc/{s.vm.pid}/ksm_stat").read_text()
+                assert int(Path(f"/proc/{s.vm.pid}/personality").read_text(), 16) & ksm.ADDR_NO_RANDOMIZE
+                heaps += [ln.split("-")[0] for ln in Path(f"/proc/{s.vm.pid}/maps").read_text().splitlines()
+                          if ln.endswith("[heap]")]
+            assert len(heaps) == 2 and heaps[0] == heaps[1]   # same layout in both clones
+            assert "ksm_merge_any: no" in Path(f"/proc/{c.vm.pid}/ksm_stat").read_text()
+            assert not int(Path(f"/proc/{c.vm.pid}/personality").read_text(), 16) & ksm.ADDR_NO_RANDOMIZE
+            assert await ksm.wait_full_scans(2, timeout=120) >= 2
+            merged = [_ksm_kib_outside_guest_ram(s.vm.pid) for s in (a, b, c)]
+            print(f"\n[vm] KSM-merged KiB outside guest RAM: clones {merged[:2]}, plain QEMU {merged[2]}")
+            # QEMU itself marks only its RAM blocks mergeable (a few ROM pages beside guest RAM)
+            assert min(merged[:2]) >= 1024 and merged[2] < 512
+            for s in (a, b):
+                await mgr.kill(s.id)
+            await plain.kill(c.id)
+
+    try:
+        asyncio.run(run())
+    finally:
+        for k in ("pages_to_scan", "sleep_millisecs", "run"):
+            (ksm.KSM_SYSFS / k).write_text(before[k])
