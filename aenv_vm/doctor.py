@@ -1,5 +1,6 @@
 """Host checks for running microVMs (`aenv doctor`): QEMU, the guest image, the
-accelerator that will be used and why, /dev/kvm, disk space."""
+accelerator that will be used and why, /dev/kvm, disk space, and whether tap
+networking (``[vm] network = "tap"``) can work here."""
 from __future__ import annotations
 
 import asyncio
@@ -50,7 +51,29 @@ def check_disk(name: str, path: Path) -> Check:
     return Check(name, Status.OK, text)
 
 
-def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None = None) -> list[Check]:
+def check_tap_network(data_dir: Path, configured: str = "user") -> Check:
+    """Can tap mode work: root, nft/ip/nsenter, /dev/net/tun, and a real namespace made
+    and removed. FAIL only when the config asks for tap; otherwise a WARN says why not."""
+    from .net.netns import NetError
+    from .net.networks import probe_tap, tap_problems
+    name = f"network (configured: {configured})"
+    problems = tap_problems()
+    if not problems:
+        try:
+            probe_tap(data_dir / "doctor-probe")   # its own tag: never one of a running node
+        except (NetError, OSError) as e:
+            problems = [f"a test namespace could not be made: {e}"]
+    if not problems:
+        return Check(name, Status.OK, "tap mode works here (namespace, veth, tap and nft rules made and removed)"
+                     + ("" if configured == "tap" else "; user mode in use"))
+    text = "tap mode cannot work: " + "; ".join(problems)
+    if configured == "tap":
+        return Check(name, Status.FAIL, text)
+    return Check(name, Status.WARN, text + " (user mode in use works)")
+
+
+def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None = None,
+               network: str = "user") -> list[Check]:
     checks: list[Check] = []
     qemu = None
     try:
@@ -94,6 +117,7 @@ def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None =
         checks.append(Check("accelerator", Status.OK,
                             f"{choice.reason}{' (cached probe)' if choice.cached else ''}"))
 
+    checks.append(check_tap_network(data_dir, network))
     checks.append(check_disk("disk (data dir)", data_dir))
     checks.append(check_disk("disk (guest cache)", cache))
     return checks
