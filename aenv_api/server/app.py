@@ -22,6 +22,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .api import ControlPlane, json_response
 from .auth import Credentials
@@ -29,13 +30,13 @@ from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .proxy import SandboxProxy, route_of
+from .rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner, parser_reason
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("aenv.server.access")
 
-MAX_LINE = 64 << 10
 MAX_BODY = 1 << 20  # control-plane bodies; proxied bodies stream and have no limit here
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -66,7 +67,7 @@ class ApiServer:
         self.proxy = SandboxProxy(lifecycle, metrics)
         self.control = ControlPlane(lifecycle, metrics, config)
         self.routes = self.control.routes()
-        self._runner: web.AppRunner | None = None
+        self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None
         self.port: int | None = None
 
@@ -109,11 +110,14 @@ class ApiServer:
             target = route_of(request, self.config.domain)
             if target is not None:
                 kind, sandbox = "proxy", target[0]
-                resp = await self.proxy.handle(request, *target)
+                resp = await self.proxy.handle(request, *target, rid)
             else:
                 resp = await handler(request)
         except ApiError as e:
             resp = error_response(e)
+        except HttpProcessingError as e:  # a body the parser found malformed while it was read (bad chunking)
+            resp = json_response({"code": 400, "message": f"malformed request body: {parser_reason(e)}"}, 400)
+            resp.force_close()  # where the next request would start is unknown
         except web.HTTPException as e:  # aiohttp's own: unknown path 404, wrong method 405, body too large 413
             if e.status < 400:
                 raise
@@ -152,15 +156,26 @@ class ApiServer:
             line = f"{rid} {kind} {request.method} {request.path} -> {status} {elapsed * 1000:.1f} ms{where}"
         access_log.info(line)
 
+    def _log_reject(self, rid: str, status: int, message: str) -> None:
+        self.metrics.inc("aenv_http_requests_total", (("kind", "rejected"), ("route", "unparsed"),
+                                                      ("status", str(status))))
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        if self.config.log_format == "json":
+            line = json.dumps({"ts": round(time.time(), 3), "request_id": rid, "kind": "rejected",
+                               "status": status, "message": message})
+        else:
+            line = f"{rid} rejected -> {status} {message}"
+        access_log.info(line)
+
     # --- run -----------------------------------------------------------------
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port`` 0 picks a free one)."""
-        # Request lines and headers up to 64 KiB: the list filters' own limits (schemas.py)
-        # then answer in JSON instead of the HTTP parser's plain-text 400.
-        self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False,
-                                     shutdown_timeout=self.config.shutdown_grace,
-                                     max_line_size=MAX_LINE, max_field_size=MAX_LINE)
+        # Requests the HTTP parser itself refuses are answered in JSON too (rejects.py).
+        self._runner = JsonErrorRunner(self.build_app(), on_reject=self._log_reject, access_log=None,
+                                       handle_signals=False, shutdown_timeout=self.config.shutdown_grace,
+                                       max_line_size=MAX_LINE, max_field_size=MAX_FIELD)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await self._site.start()

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .auth import check_token
 from .errors import ApiError
@@ -134,14 +135,15 @@ class SandboxProxy:
         if self._session is not None:
             await self._session.close()
 
-    async def handle(self, request: web.Request, sid: str, port: int) -> web.StreamResponse:
+    async def handle(self, request: web.Request, sid: str, port: int, rid: str = "") -> web.StreamResponse:
+        """Forward ``request`` to ``sid``'s guest ``port``; the answer carries ``X-Request-Id: rid``."""
         t0 = time.monotonic()
         token, (host, host_port) = await self.lifecycle.target(sid, port)  # host: 127.0.0.1 or a tap netns
         if token and port == ENVD_PORT and not check_token(token, request.headers.get("X-Access-Token")):
             raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
         if request.headers.get("Upgrade", "").lower() == "websocket":
-            return await self._websocket(request, sid, port, f"{host}:{host_port}", headers)
+            return await self._websocket(request, sid, port, f"{host}:{host_port}", headers, rid)
         url = f"http://{host}:{host_port}{request.rel_url.raw_path_qs}"
         data: Any = None
         chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
@@ -168,21 +170,26 @@ class SandboxProxy:
                 request.method, url, headers=headers, data=data, allow_redirects=False,
                 skip_auto_headers=skip, compress=None, chunked=None)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+            bad_body = request.content.exception()
+            if isinstance(bad_body, HttpProcessingError):  # the client's framing broke, not the sandbox: 400
+                raise bad_body from None
             raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open ({e.__class__.__name__})",
                            sandboxId=sid, port=port) from None
         try:
-            return await self._relay(request, upstream, sid, port, t0)
+            return await self._relay(request, upstream, sid, port, t0, rid)
         finally:
             upstream.release()
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, sid: str, port: int,
-                     t0: float) -> web.StreamResponse:
+                     t0: float, rid: str) -> web.StreamResponse:
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         cls = _RelayResponse if port == ENVD_PORT and not sse else web.StreamResponse
         resp = cls(status=upstream.status, reason=upstream.reason)
         for k, v in upstream.headers.items():
             if k.lower() not in _DROP_RESPONSE:
                 resp.headers.add(k, v)
+        if rid:
+            resp.headers["X-Request-Id"] = rid
         length = upstream.headers.get("Content-Length")
         chunked = "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
         if length is not None and length.isdigit() and not chunked:
@@ -207,7 +214,7 @@ class SandboxProxy:
         except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
             # Headers are gone already: the only honest signal left is cutting the connection.
             ok = False
-            log.info("proxy stream to %s:%d ended early: %s", sid, port, e)
+            log.info("request %s: proxy stream to %s:%d ended early: %s", rid, sid, port, e)
             resp.force_close()
             if request.transport is not None:
                 request.transport.close()
@@ -219,7 +226,7 @@ class SandboxProxy:
         return resp
 
     async def _websocket(self, request: web.Request, sid: str, port: int, upstream: str,
-                         headers: list[tuple[str, str]]) -> web.StreamResponse:
+                         headers: list[tuple[str, str]], rid: str) -> web.StreamResponse:
         skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol"}
         fwd = [(k, v) for k, v in headers if k.lower() not in skip]
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
@@ -231,6 +238,8 @@ class SandboxProxy:
             raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open ({e})",
                            sandboxId=sid, port=port) from None
         down = web.WebSocketResponse(protocols=protocols, autoping=False, max_msg_size=0)
+        if rid:
+            down.headers["X-Request-Id"] = rid
         await down.prepare(request)
 
         async def pump(src: Any, dst: Any) -> None:

@@ -144,6 +144,29 @@ def test_envd_tokens(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-
     assert status == 401 and body["code"] == 401  # one character off
 
 
+def test_proxied_responses_carry_request_ids(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
+    from .test_raw_http import exchange
+
+    a, _ = pair
+    hdr = {"E2b-Sandbox-Id": a.sandbox_id, "X-Access-Token": a._envd_access_token}
+    status, headers, _ = sdk_env.request("GET", "/files?path=/etc/hostname", headers={**hdr, "X-Request-Id": "req-42"},
+                                         key=None)
+    assert status == 200 and headers["X-Request-Id"] == "req-42"  # the client's id, echoed
+    status, headers, _ = sdk_env.request("GET", "/files?path=/etc/hostname", headers=hdr, key=None)
+    rid = headers["X-Request-Id"]
+    assert status == 200 and len(rid) == 16
+    assert any(rid in line and "proxy" in line and a.sandbox_id in line for line in sdk_env.log().splitlines())
+    status, headers, _ = sdk_env.request("GET", "/files?path=/etc/hostname", headers={**hdr, "X-Access-Token": "x"},
+                                         key=None)
+    assert status == 401 and len(headers["X-Request-Id"]) == 16
+    # a chunked upload whose framing breaks mid-stream: the client's fault, 400 JSON (not 502)
+    head = (f"POST /files?path=/tmp/x HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {a.sandbox_id}\r\n"
+            f"X-Access-Token: {a._envd_access_token}\r\nContent-Type: application/octet-stream\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n2\r\nab\r\n").encode()
+    status, headers, body = exchange(sdk_env, head, b"zz\r\n")
+    assert status == 400 and json.loads(body)["code"] == 400 and "chunk" in json.loads(body)["message"]
+
+
 def test_unknown_sandbox_is_502_was_not_found(sdk_env: Server) -> None:
     from e2b import Sandbox
 
