@@ -16,7 +16,11 @@ store, then measures
     sandbox measured was created without the pool and ran one
     ``commands.run("true")`` through the SDK, then sat idle for 2 s; one
     sandbox's PSS is split by mapping (TCG code buffer, template memory file:
-    pages it wrote and pages it shares, the rest of QEMU).
+    pages it wrote and pages it shares, the rest of QEMU). Measured twice in
+    the same run: with QEMU's defaults and ksmd stopped, and with the node's
+    default ``[vm] ksm`` settings (whole-process KSM, fixed layout, ksmd at the
+    configured rate, after it finished 3 full scans; its CPU is reported).
+    The creates use the node's default KSM settings too (``--no-ksm``: not).
 """
 from __future__ import annotations
 
@@ -36,7 +40,10 @@ sys.path.insert(0, str(REPO))
 
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings  # noqa: E402
 from aenv_store.store import Store  # noqa: E402
+from aenv_vm import ksm  # noqa: E402
 from aenv_vm.blockimage.image import BlockImage  # noqa: E402
+from aenv_vm.config import VmConfig  # noqa: E402
+from aenv_vm.ksm import KsmSettings  # noqa: E402
 from aenv_vm.blockimage.nbd_server import NbdServer  # noqa: E402
 from aenv_vm.guest import GuestImage, ensure_guest, kernel_cmdline, wait_http_ok  # noqa: E402
 from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port  # noqa: E402
@@ -197,20 +204,44 @@ async def used_sandbox(mgr: SandboxManager) -> Sandbox:
     return sbx
 
 
-async def memory(mgr: SandboxManager, idle: int) -> dict:
-    one = await used_sandbox(mgr)
+async def settle(settings: KsmSettings | None) -> dict[str, float]:
+    """Let an idle group settle: 2 s without KSM; with KSM until ksmd finished 3 more
+    full scans at the node's configured rate (pages merge on the second scan that sees
+    them unchanged), reporting ksmd's CPU over that time."""
+    if settings is None:
+        await asyncio.sleep(2)
+        return {}
+    cpu0, t0 = ksm.ksmd_cpu_seconds() or 0.0, time.perf_counter()
+    scans = await ksm.wait_full_scans(3, timeout=600)
     await asyncio.sleep(2)
+    wall = time.perf_counter() - t0
+    return {"settle_s": wall, "scans": scans, "ksmd_cpu_pct": 100 * ((ksm.ksmd_cpu_seconds() or 0.0) - cpu0) / wall}
+
+
+async def memory(mgr: SandboxManager, idle: int) -> dict:
+    """PSS of one idle sandbox alone, then of ``idle`` idle sandboxes together, in
+    ``mgr``'s KSM configuration. KSM is host-wide: without it, ksmd is stopped and
+    everything merged is unmerged first, so that QEMU's own guest-RAM marking merges
+    nothing either; with it, the node's settings start ksmd."""
+    settings = mgr.ksm
+    if settings is None:
+        ksm.KSM_SYSFS.joinpath("run").write_text("2")   # unmerge all, stop
+    else:
+        ksm.enable(settings)
+    one = await used_sandbox(mgr)
+    solo = await settle(settings)
     single, single_nt, split = pss_kib(one.vm.pid), pss_kib_without_tcg(one.vm.pid), pss_split_kib(one.vm.pid)
     await mgr.kill(one.id)
     sbxs = [await used_sandbox(mgr) for _ in range(idle)]
-    await asyncio.sleep(2)
+    group = await settle(settings)
     total = sum(pss_kib(s.vm.pid) for s in sbxs)
     total_nt = sum(pss_kib_without_tcg(s.vm.pid) for s in sbxs)
     split_in_ten = pss_split_kib(sbxs[0].vm.pid)
     for s in sbxs:
         await mgr.kill(s.id)
     return {"pss_single_kib": single, "pss_idle_total_kib": total, "pss_single_no_tcg_kib": single_nt,
-            "pss_idle_total_no_tcg_kib": total_nt, "split_single_kib": split, "split_in_group_kib": split_in_ten}
+            "pss_idle_total_no_tcg_kib": total_nt, "split_single_kib": split, "split_in_group_kib": split_in_ten,
+            "settle_single": solo, "settle_group": group}
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -225,12 +256,22 @@ async def main_async(args: argparse.Namespace) -> dict:
             template_s = time.perf_counter() - t0
             cold = await cold_boots(store, guest, tpl, work, args.cold)
             tb = args.tcg_tb_mib
-            async with SandboxManager(store, guest, work / "node", tcg_tb_mib=tb) as plain, \
-                    SandboxManager(store, guest, work / "node-pool", pool_size=args.pool, tcg_tb_mib=tb) as pooled:
+            node_ksm = None if args.no_ksm else VmConfig().ksm_settings()   # what `aenv server` uses
+            async with SandboxManager(store, guest, work / "node", tcg_tb_mib=tb, ksm=node_ksm) as plain, \
+                    SandboxManager(store, guest, work / "node-pool", pool_size=args.pool, tcg_tb_mib=tb,
+                                   ksm=node_ksm) as pooled:
                 rows = await creates(plain, pooled, args.creates)
-            async with SandboxManager(store, guest, work / "node-mem", tcg_tb_mib=tb) as mgr:
-                mem = await memory(mgr, args.idle)
-    return {"machine": machine_info(), "template_build_s": template_s, "cold": cold, **rows, "idle": args.idle, "memory_mib": args.memory_mib, "tcg_tb_mib": tb, **mem}
+            mem = {}
+            knobs = {k: (ksm.KSM_SYSFS / k).read_text().strip() for k in ("run", "pages_to_scan", "sleep_millisecs")}
+            try:
+                for label, settings in (("plain", None), ("ksm", VmConfig().ksm_settings())):
+                    async with SandboxManager(store, guest, work / f"m-{label}", tcg_tb_mib=tb, ksm=settings) as mgr:
+                        mem[label] = await memory(mgr, args.idle)
+            finally:
+                for k in ("pages_to_scan", "sleep_millisecs", "run"):
+                    (ksm.KSM_SYSFS / k).write_text(knobs[k])
+    return {"machine": machine_info(), "template_build_s": template_s, "cold": cold, **rows, "idle": args.idle, "memory_mib": args.memory_mib, "tcg_tb_mib": tb,
+            "create_ksm": node_ksm is not None, "mem": mem}
 
 
 def report(res: dict, markdown: bool) -> None:
@@ -262,33 +303,41 @@ def report(res: dict, markdown: bool) -> None:
         rows.append([f"  {what}: {labels.get(part, part.replace('_', ' '))}", f"{s['p50']:.0f}", f"{s['p99']:.0f}",
                      int(s["n"])])
     header = ["what (ms)", "p50", "p99", "n"]
-    ratio = res["pss_idle_total_kib"] / (res["idle"] * res["pss_single_kib"])
-    mem = [[f"1 idle sandbox ({res['memory_mib']} MiB guest)", f"{res['pss_single_kib'] / 1024:.1f} MiB"],
-           [f"{res['idle']} idle sandboxes, one template", f"{res['pss_idle_total_kib'] / 1024:.1f} MiB"],
-           [f"{res['idle']} × one sandbox", f"{res['idle'] * res['pss_single_kib'] / 1024:.1f} MiB"],
-           ["ratio", f"{ratio * 100:.0f}%"],
-           ["ratio without TCG's code buffer (≈ KVM)",
-            f"{res['pss_idle_total_no_tcg_kib'] / (res['idle'] * res['pss_single_no_tcg_kib']) * 100:.0f}%"]]
     names = {"tcg_code": "TCG translated code (private)", "guest_written": "guest pages written since restore (private COW)",
              "guest_shared": "template memory pages read (shared page cache)",
              "qemu_other": "rest of QEMU (heap, TCG tables, binaries, libraries)"}
-    split = [[names[k], f"{res['split_single_kib'][k] / 1024:.1f}", f"{res['split_in_group_kib'][k] / 1024:.1f}"]
+    n = res["idle"]
+    mem_header = ["host memory (PSS of QEMU)", "QEMU defaults (no KSM)", "[vm] ksm (node default)"]
+    split_header = ["one sandbox's PSS (MiB)", "alone", f"one of {n}", "alone, ksm", f"one of {n}, ksm"]
+    mems = [res["mem"][k] for k in ("plain", "ksm")]
+    mib = lambda kib: f"{kib / 1024:.1f} MiB"  # noqa: E731
+    mem = [[f"1 idle sandbox ({res['memory_mib']} MiB guest)", *(mib(m["pss_single_kib"]) for m in mems)],
+           [f"{n} idle sandboxes, one template", *(mib(m["pss_idle_total_kib"]) for m in mems)],
+           [f"{n} × one sandbox", *(mib(n * m["pss_single_kib"]) for m in mems)],
+           ["ratio", *(f"{m['pss_idle_total_kib'] / (n * m['pss_single_kib']) * 100:.1f}%" for m in mems)],
+           ["ratio without TCG's code buffer (≈ KVM)",
+            *(f"{m['pss_idle_total_no_tcg_kib'] / (n * m['pss_single_no_tcg_kib']) * 100:.1f}%" for m in mems)]]
+    g = res["mem"]["ksm"]["settle_group"]
+    mem.append(["ksmd: time to 3 full scans (group) / CPU of one core meanwhile", "",
+                f"{g['settle_s']:.0f} s / {g['ksmd_cpu_pct']:.1f}%"])
+    split = [[names[k], *(f"{m[part][k] / 1024:.1f}" for m in mems for part in ("split_single_kib", "split_in_group_kib"))]
              for k in names]
     if markdown:
         print(markdown_table(rows, header))
         print()
-        print(markdown_table(mem, ["host memory (PSS of QEMU)", "value"]))
+        print(markdown_table(mem, mem_header))
         print()
-        print(markdown_table(split, ["one sandbox's PSS (MiB)", "alone", f"one of {res['idle']}"]))
+        print(markdown_table(split, split_header))
     else:
         print_table(rows, header)
-        print_table(mem, ["host memory (PSS of QEMU)", "value"])
-        print_table(split, ["one sandbox's PSS (MiB)", "alone", f"one of {res['idle']}"])
+        print_table(mem, mem_header)
+        print_table(split, split_header)
     m = res["machine"]
     loads = [r["load"] for r in res["nopool"] + res["pool"] + res["pool_init"]]
     print(f"\n{m['cpus']} × {m['cpu']}, {m['memory']}, load average during the creates "
           f"{min(loads):.1f}-{max(loads):.1f}; template build {res['template_build_s']:.1f} s; TCG, "
-          f"tb-size {res['tcg_tb_mib'] or 'default'}")
+          f"tb-size {res['tcg_tb_mib'] or 'default'}; creates {'with' if res['create_ksm'] else 'without'} "
+          f"the node's KSM settings")
 
 
 def main() -> int:
@@ -299,6 +348,7 @@ def main() -> int:
     p.add_argument("--pool", type=int, default=1)
     p.add_argument("--memory-mib", type=int, default=256)
     p.add_argument("--tcg-tb-mib", type=int, default=None, help="TCG translation buffer (default: QEMU's)")
+    p.add_argument("--no-ksm", action="store_true", help="creates without the node's default KSM settings")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = p.parse_args()
