@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,22 @@ def check_tap_network(data_dir: Path, configured: str = "user") -> Check:
     return Check(name, Status.WARN, text + " (user mode in use works)")
 
 
+def check_ksm() -> Check:
+    """Whether `[vm] ksm` can work here, and what ksmd has saved so far."""
+    from . import ksm
+    stats = ksm.read_stats()
+    if stats is None:
+        return Check("ksm", Status.WARN, "no KSM in this kernel: set [vm] ksm = false (clones use more memory)")
+    if not ksm.process_merge_supported():
+        return Check("ksm", Status.WARN, "kernel lacks PR_SET_MEMORY_MERGE (Linux >= 6.4): only guest RAM merges")
+    if not os.access(ksm.KSM_SYSFS / "run", os.W_OK):
+        return Check("ksm", Status.WARN, "/sys/kernel/mm/ksm is not writable: run the server as root or set "
+                                         "[vm] ksm = false")
+    state = {0: "stopped", 1: "running", 2: "unmerging"}.get(stats.run, str(stats.run))
+    return Check("ksm", Status.OK, f"ksmd {state}; {stats.saved_bytes / (1 << 20):.1f} MiB saved, "
+                                   f"{stats.full_scans} full scans")
+
+
 def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None = None,
                network: str = "user") -> list[Check]:
     checks: list[Check] = []
@@ -118,6 +135,7 @@ def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None =
                             f"{choice.reason}{' (cached probe)' if choice.cached else ''}"))
 
     checks.append(check_tap_network(data_dir, network))
+    checks.append(check_ksm())
     checks.append(check_disk("disk (data dir)", data_dir))
     checks.append(check_disk("disk (guest cache)", cache))
     return checks

@@ -22,6 +22,17 @@ def test_doctor_reports_every_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
 
 
+def test_doctor_reports_ksm(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                            tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from aenv_vm import ksm
+    _, checks = run_doctor(capsys, "--no-probe")
+    if ksm.available() and ksm.process_merge_supported():
+        assert checks["ksm"]["status"] == "ok" and "full scans" in checks["ksm"]["detail"]
+    monkeypatch.setattr(ksm, "KSM_SYSFS", tmp_path / "no-ksm")   # a kernel built without KSM
+    _, checks = run_doctor(capsys, "--no-probe")
+    assert checks["ksm"]["status"] == "warn" and "[vm] ksm = false" in checks["ksm"]["detail"]
+
+
 def test_doctor_fails_clearly_without_qemu(capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AENV_QEMU_BINARY", "qemu-system-missing")
