@@ -76,7 +76,10 @@ class NamedSnapshots:
                     if sbx.vm.alive() and sbx.vm.qmp is not None:
                         await sbx.vm.qmp.execute("cont")
                 base, _ = await self._template_files(tpl)
-                await asyncio.to_thread(consolidate, base, cap.delta, d / "memory")
+                try:
+                    await asyncio.to_thread(consolidate, base, cap.delta, d / "memory")
+                finally:
+                    self._give_back(cap.delta.data)
                 rec = self.records.get(sid)
                 meta = dict(self.mgr.store.get_record(tpl.id).meta_dict())
                 meta.update({"snapshot_of": sid, "parent_template": tpl.id})

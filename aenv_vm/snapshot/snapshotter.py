@@ -50,7 +50,7 @@ from .disk_squash import MAX_DISK_CHAIN, squash
 from .errors import SnapshotError
 from .memory_image import Delta, fetch_delta, page_hashes, read_delta, stage_delta, sync_file, write_delta
 from .named import MAX_FORK, NamedSnapshots, SnapshotInfo
-from .pagemap import private_pages, ram_mapping, read_pages, write_pages
+from .pagemap import private_pages, ram_mapping, read_and_hash, write_pages
 from .vmstate import durable_write, save_devices, template_config
 
 __all__ = ["Snapshotter", "SnapshotError", "SnapshotInfo", "PauseTiming", "ResumeTiming", "MAX_FORK"]
@@ -62,6 +62,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAUSED_KIND = "sandbox-snapshot"
+# The page buffer a capture reads into is kept for the next one up to this size
+# (the manager holds it resident: reading 26 MiB took 25 ms into a fresh buffer,
+# 11 ms into a reused one).
+RETAINED_BUFFER = 160 << 20
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class Snapshotter(NamedSnapshots):
         self._tokens: dict[str, str | None] = {}
         self._ttl: asyncio.Task | None = None
         self._ttl_watcher: "TtlWatcher | None" = None
+        self._buffers: list[bytearray] = []     # at most one, see _give_back
         self.last_pause: PauseTiming | None = None
         self.last_resume: ResumeTiming | None = None
         self.last_fork_snapshot: float | None = None      # seconds the fork's snapshot took
@@ -185,15 +190,28 @@ class Snapshotter(NamedSnapshots):
         await save_devices(vm, state_path, cfg, sync)
         t2 = time.monotonic()
 
+        buffer = self._buffers.pop() if self._buffers else None
+
         def pages() -> Delta:
             mapping = ram_mapping(vm.pid, vm.spec.mem_path)  # type: ignore[arg-type]
             idx = private_pages(vm.pid, mapping)
-            data = read_pages(vm.pid, mapping, idx)
-            return Delta(sbx.template.memory, sbx.template.memory_mib << 20, idx, page_hashes(data),
-                         memoryview(data))
-        delta = await asyncio.to_thread(pages)
+            data, hashes = read_and_hash(vm.pid, mapping, idx, buffer)
+            return Delta(sbx.template.memory, sbx.template.memory_mib << 20, idx, hashes, data)
+        try:
+            delta = await asyncio.to_thread(pages)
+        except BaseException:
+            self._give_back(buffer)
+            raise
         t3 = time.monotonic()
         return _Capture(delta, (t1 - t0, t2 - t1, t3 - t2))
+
+    def _give_back(self, buffer: bytearray | memoryview | None) -> None:
+        """Keep one page buffer for the next capture (up to RETAINED_BUFFER bytes)."""
+        if isinstance(buffer, memoryview):
+            buffer = buffer.obj  # type: ignore[assignment]
+        if isinstance(buffer, bytearray) and len(buffer) <= RETAINED_BUFFER and (
+                not self._buffers or len(self._buffers[0]) < len(buffer)):
+            self._buffers[:] = [buffer]
 
     # ------------------------------------------------------------ records hooks
     def on_created(self, sbx: "Sandbox", *, timeout: float | None, metadata: dict[str, str] | None,
@@ -262,7 +280,10 @@ class Snapshotter(NamedSnapshots):
                 try:
                     cap = await self._capture(sbx, d / "device-state", sync=False, flush=flush)
                     t1 = time.monotonic()
-                    await asyncio.to_thread(write_delta, d / "memory.delta", cap.delta, False)
+                    try:
+                        await asyncio.to_thread(write_delta, d / "memory.delta", cap.delta, False)
+                    finally:
+                        self._give_back(cap.delta.data)
                 finally:
                     for f in flush:
                         await f
