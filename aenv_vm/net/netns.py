@@ -18,9 +18,9 @@ from tap0 out of eth0 (replies to the host's connections still pass). Internet
 access beyond the host additionally needs the host's own forwarding and
 masquerade for 10.201.0.0/16 (``enable_host_egress``).
 
-QEMU joins the namespace through ``nsenter`` exec'ed by a small per-sandbox
-wrapper script (PR_SET_PDEATHSIG and the process group survive the execs).
-Links, addresses and routes are made with pyroute2; nftables rules with the
+QEMU joins the namespace itself: ``VmSpec.netns`` makes the launcher
+``setns`` between fork and exec (aenv_vm/qemu/launcher.py), with a tap netdev
+on ``tap0``. Links, addresses and routes are made with pyroute2; nftables rules with the
 ``nft`` tool inside the namespace. ``destroy`` removes the namespace (which
 takes the veth pair and the tap with it); ``remove_orphans`` removes every
 namespace of this node's tag that no live sandbox owns (after a restart).
@@ -72,10 +72,6 @@ class SandboxNet:
         """Where the host connects to reach guest TCP ``port`` (DNAT in the namespace)."""
         return self.ns_ip, port
 
-    def qemu_netdev_args(self, mac: str) -> tuple[str, ...]:
-        return ("-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
-                "-device", f"virtio-net-device,netdev=net0,mac={mac}")
-
 
 def node_tag(run_root: Path) -> str:
     """A short tag per node run directory, so two nodes on one host never touch
@@ -119,6 +115,15 @@ def _ruleset(egress: bool) -> str:
         "}\n")
 
 
+def _quiet_children() -> None:
+    """pyroute2 does namespace work in a forked child that it stops with SIGTERM. That
+    child inherits the parent's Python signal handlers and asyncio's wakeup fd, so the
+    SIGTERM would reach the parent's event loop as its own (``aenv server`` then shuts
+    down). With this flag the child takes SIGTERM with the default action instead."""
+    from pyroute2 import config
+    config.disable_mp_signal = True
+
+
 def _require_tools() -> None:
     for tool in ("nsenter", "nft"):
         if shutil.which(tool) is None:
@@ -145,6 +150,7 @@ def create(tag: str, sid: str, index: int | None = None, egress: bool = True) ->
     from pyroute2 import IPRoute, NetNS
     from pyroute2 import netns as pnetns
     _require_tools()
+    _quiet_children()
     with open(LOCK_PATH, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if index is None:
@@ -204,6 +210,7 @@ def destroy(net: SandboxNet | str) -> None:
     """Remove a sandbox's namespace and everything in it. Idempotent."""
     from pyroute2 import IPRoute
     from pyroute2 import netns as pnetns
+    _quiet_children()
     name = net if isinstance(net, str) else net.name
     if (NETNS_DIR / name).exists():
         try:
@@ -235,13 +242,6 @@ def remove_orphans(tag: str, keep: set[str]) -> list[str]:
     for n in gone:
         destroy(n)
     return gone
-
-
-def qemu_wrapper(net: SandboxNet, qemu: Path, path: Path) -> Path:
-    """A script that runs QEMU inside the sandbox's namespace (pass it as the QEMU binary)."""
-    path.write_text(f'#!/bin/sh\nexec nsenter --net={NETNS_DIR / net.name} -- {qemu} "$@"\n')
-    path.chmod(0o755)
-    return path
 
 
 def enable_host_egress(outbound_if: str | None = None) -> None:

@@ -1,6 +1,8 @@
 """Tap networking: two clones restored from one snapshot, each in its own network
 namespace with the same guest IP and MAC, both reachable from the host through
-their veth address; egress switched off and on per sandbox; nothing left after."""
+their veth address (envd and another guest port); egress switched off and on per
+sandbox; nothing left after. Plus the pure parts: QEMU's command line per mode
+and the tap copy of a template's device state."""
 from __future__ import annotations
 
 import asyncio
@@ -19,10 +21,9 @@ from aenv_vm.blockimage.image import BlockImage
 from aenv_vm.blockimage.nbd_server import NbdServer
 from aenv_vm.envd_client import decode_envelopes, encode_envelope
 from aenv_vm.guest import http_get
-from aenv_vm.net import netns
-from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, find_qemu
+from aenv_vm.net import netns, networks
+from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, build_command
 from aenv_vm.qemu.migration import load_device_state
-from aenv_vm.snapshot.migration_stream import drop_section
 from aenv_vm.template import materialize
 
 from .conftest import Env, qemu_children
@@ -66,8 +67,8 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
     tag = netns.node_tag(tmp_path)
     tpl = env.template
     mem, state = materialize(env.store, tpl, tmp_path / "templates")
-    tap_state = tmp_path / "state-tap"
-    tap_state.write_bytes(drop_section(state.read_bytes(), "slirp"))   # no user-mode network to restore into
+    tap_state = networks.device_state(state)   # no user-mode network to restore into
+    assert tap_state != state and len(tap_state.read_bytes()) < len(state.read_bytes())
     listener = socket.create_server(("0.0.0.0", 0))
     port = listener.getsockname()[1]
     accepted: list[str] = []
@@ -100,9 +101,8 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
                               kernel_cmdline=tpl.kernel_cmdline, run_dir=tmp_path / sid, memory_mib=tpl.memory_mib,
                               vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
                               mem_path=mem, mem_share=False, disk=NbdDisk(server.socket_path, sid),
-                              incoming_defer=True, extra_args=net.qemu_netdev_args("52:54:00:12:34:56"))
-                wrapper = netns.qemu_wrapper(net, find_qemu(), tmp_path / f"qemu-{i}")
-                vm = await QemuProcess.start(spec, qemu=wrapper)
+                              incoming_defer=True, netns=net.name)
+                vm = await QemuProcess.start(spec)   # joins the namespace itself (setns before exec)
                 vms.append(vm)
                 await load_device_state(vm, tap_state)
             for net in nets:
@@ -110,6 +110,20 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
             views = [await asyncio.to_thread(run, n.envd_host, "ip -br addr show eth0; cat /sys/class/net/eth0/address")
                      for n in nets]
             assert views[0] == views[1] and "10.0.2.15" in views[0][1] and "52:54:00:12:34:56" in views[0][1]
+            # any guest port is reachable at the namespace address (DNAT of all TCP), not only envd's
+            await asyncio.to_thread(run, nets[0].envd_host,
+                                    "cd /etc && nohup python3 -m http.server 8080 >/dev/null 2>&1 &")
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    status, body = await http_get(8080, "/hostname", timeout=2.0, host=nets[0].ns_ip)
+                    if status == 200:
+                        break
+                except (OSError, asyncio.TimeoutError, ConnectionError):
+                    pass
+                assert time.monotonic() < deadline, "guest port 8080 not reachable through the namespace"
+                await asyncio.sleep(0.2)
+            assert nets[0].endpoint(8080) == (nets[0].ns_ip, 8080)
             # egress: on for sandbox 0, off for sandbox 1, then switched
             probe = f"timeout 3 bash -c 'echo > /dev/tcp/{{ip}}/{port}' && echo ok || echo blocked"
             assert (await asyncio.to_thread(run, nets[0].envd_host, probe.format(ip=nets[0].host_ip)))[1] == "ok"
@@ -156,3 +170,47 @@ def test_remove_orphans(tmp_path: Path) -> None:
         netns.destroy(a)
         netns.destroy(b)
     assert netns.list_namespaces(tag) == []
+
+
+def test_command_line_per_network_mode(tmp_path: Path) -> None:
+    base = dict(name="x", kernel=tmp_path / "k", initrd=tmp_path / "i", kernel_cmdline="", run_dir=tmp_path)
+    user = " ".join(build_command(VmSpec(**base, host_port=4000)))  # type: ignore[arg-type]
+    assert "user,id=net0,hostfwd=tcp:127.0.0.1:4000-10.0.2.15:49983" in user and "restrict" not in user
+    closed = " ".join(build_command(VmSpec(**base, host_port=4000, net_restrict=True)))  # type: ignore[arg-type]
+    assert "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:4000-10.0.2.15:49983" in closed
+    tap = " ".join(build_command(VmSpec(**base, netns="aenv-ab-123", host_port=None)))  # type: ignore[arg-type]
+    assert "-netdev tap,id=net0,ifname=tap0,script=no,downscript=no" in tap and "hostfwd" not in tap
+    assert "virtio-net-device,netdev=net0,mac=52:54:00:12:34:56" in tap
+
+
+def test_device_state_for_tap_is_made_once(env: Env, tmp_path: Path) -> None:
+    _, state = materialize(env.store, env.template, tmp_path / "templates")
+    first = networks.device_state(state)
+    assert first.name == "device-state.tap" and b"\x05slirp" in state.read_bytes()
+    assert b"\x05slirp" not in first.read_bytes()
+    mtime = first.stat().st_mtime_ns
+    assert networks.device_state(state) == first and first.stat().st_mtime_ns == mtime
+    assert networks.device_state(first) == first          # nothing to drop: the file itself
+    shutil.rmtree(tmp_path / "templates", ignore_errors=True)
+
+
+def test_node_networks_modes(tmp_path: Path) -> None:
+    with pytest.raises(netns.NetError, match="user, tap"):
+        networks.NodeNetworks("bridge", tmp_path)
+
+    async def main() -> None:
+        user = networks.NodeNetworks("user", tmp_path)
+        fields = await user.attach("sbx-0000000000000001", egress=False)
+        assert fields["netns"] is None and fields["net_restrict"] is True and isinstance(fields["host_port"], int)
+        if os.geteuid() != 0:
+            return
+        tap = networks.NodeNetworks("tap", tmp_path)
+        fields = await tap.attach("sbx-0000000000000002", egress=False)
+        net = tap.get("sbx-0000000000000002")
+        assert net is not None and fields == {"host_port": None, "netns": net.name} and not net.egress
+        await tap.set_egress("sbx-0000000000000002", True)
+        assert tap.get("sbx-0000000000000002").egress  # type: ignore[union-attr]
+        await tap.release("sbx-0000000000000002")
+        await tap.release("sbx-0000000000000002")   # idempotent
+        assert netns.list_namespaces(tap.tag) == []
+    asyncio.run(main())

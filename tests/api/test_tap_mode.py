@@ -1,0 +1,180 @@
+"""Tap networking end to end: `aenv server` with ``[vm] network = "tap"`` driven by the
+real e2b SDK. Each sandbox runs in its own network namespace with the same guest
+IP; the proxy reaches envd and other guest ports through the namespace address;
+fork children answer separately; ``allow_internet_access`` filters egress (a
+real listener in a namespace of its own, reached through the host's forwarding,
+stands in for the internet); nothing is left after kill and after the server."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from .conftest import Server, _require, start_server
+
+pytestmark = pytest.mark.qemu
+
+HTTP_PORT = 8080
+# The "internet": a namespace with a veth to the host, routed back to the sandboxes.
+OUTSIDE_NS = f"aenvtest-out-{os.getpid()}"
+OUTSIDE_HOST_IF = f"aeto{os.getpid() % 100000}"
+OUTSIDE_HOST_IP, OUTSIDE_IP = "10.203.7.1", "10.203.7.2"
+LISTENER = """
+import socket, sys
+s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
+while True:
+    c, addr = s.accept()
+    print(addr[0], flush=True)
+    c.close()
+"""
+
+
+def netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def sandbox_netns(sid: str) -> list[str]:
+    """The namespaces named for sandbox ``sid`` (aenv-<node tag>-<last 12 of the id>)."""
+    return [n for n in netns_names() if n.startswith("aenv-") and n.endswith("-" + sid[-12:])]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tap_server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    _require(os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "nft", "nsenter")),
+             "tap mode needs root, iproute2, nftables and util-linux")
+    before = {n for n in netns_names() if n.startswith("aenv-")}
+    srv = start_server(node_data_dir, tmp_path_factory.mktemp("tap-logs"), env={"AENV_VM__NETWORK": "tap"})
+    try:
+        yield srv
+    finally:
+        srv.stop()   # asserts: clean exit, no QEMU left
+    left = {n for n in netns_names() if n.startswith("aenv-")} - before
+    assert not left, f"namespaces left after the server stopped: {left}"
+
+
+@pytest.fixture(scope="module")
+def outside() -> Iterator[tuple[str, int, Path]]:
+    """A TCP listener at OUTSIDE_IP in a namespace of its own: (address, port, file of peers)."""
+    _ip("netns", "add", OUTSIDE_NS)
+    proc = None
+    try:
+        _ip("link", "add", OUTSIDE_HOST_IF, "type", "veth", "peer", "name", "eth0", "netns", OUTSIDE_NS)
+        _ip("addr", "add", f"{OUTSIDE_HOST_IP}/30", "dev", OUTSIDE_HOST_IF)
+        _ip("link", "set", OUTSIDE_HOST_IF, "up")
+        _ip("-n", OUTSIDE_NS, "addr", "add", f"{OUTSIDE_IP}/30", "dev", "eth0")
+        _ip("-n", OUTSIDE_NS, "link", "set", "eth0", "up")
+        _ip("-n", OUTSIDE_NS, "route", "add", "default", "via", OUTSIDE_HOST_IP)
+        port = 9777
+        peers = Path(f"/tmp/aenvtest-peers-{os.getpid()}")
+        with open(peers, "w") as out:
+            proc = subprocess.Popen(["ip", "netns", "exec", OUTSIDE_NS, sys.executable, "-c", LISTENER, str(port)],
+                                    stdout=out, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while "ready" not in peers.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "listener did not start"
+            time.sleep(0.05)
+        yield OUTSIDE_IP, port, peers
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "netns", "del", OUTSIDE_NS], capture_output=True)
+        subprocess.run(["ip", "link", "del", OUTSIDE_HOST_IF], capture_output=True)
+        Path(f"/tmp/aenvtest-peers-{os.getpid()}").unlink(missing_ok=True)
+
+
+@pytest.fixture
+def sdk(tap_server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    for name in [n for n in os.environ if n.startswith("E2B_")]:
+        monkeypatch.delenv(name)
+    for name, value in tap_server.sdk_env().items():
+        monkeypatch.setenv(name, value)
+    return tap_server
+
+
+def serve_hostname(sbx, port: int = HTTP_PORT) -> None:  # type: ignore[no-untyped-def]
+    """A guest HTTP server on ``port`` whose / answers the guest's hostname."""
+    sbx.commands.run(f"mkdir -p /tmp/www && hostname > /tmp/www/index.html && cd /tmp/www && "
+                     f"python3 -m http.server {port}", background=True)
+
+
+def get_via_proxy(server: Server, sid: str, port: int = HTTP_PORT, timeout: float = 90.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, _, body = server.request("GET", "/", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)})
+        if status == 200:
+            return body.decode().strip()
+        assert time.monotonic() < deadline, f"guest port {port} of {sid} not reachable: {status} {body!r}"
+        time.sleep(0.5)
+
+
+def probe(sbx, addr: str, port: int) -> str:  # type: ignore[no-untyped-def]
+    return sbx.commands.run(f"timeout 3 bash -c 'echo > /dev/tcp/{addr}/{port}' && echo ok || echo blocked",
+                            timeout=30).stdout.strip()
+
+
+def test_create_run_other_port_and_fork(sdk: Server) -> None:
+    from e2b import Sandbox
+
+    s = Sandbox.create(timeout=600)
+    children: list = []
+    try:
+        [ns] = sandbox_netns(s.sandbox_id)
+        out = s.commands.run("hostname; ip -br -4 addr show eth0").stdout
+        assert out.split("\n")[0] == s.sandbox_id and "10.0.2.15/" in out
+        # the host side: the namespace's veth address, not 127.0.0.1
+        veth = subprocess.run(["ip", "-n", ns, "-br", "-4", "addr", "show", "eth0"], capture_output=True,
+                              text=True, check=True).stdout
+        assert "10.201." in veth
+        serve_hostname(s)
+        assert get_via_proxy(sdk, s.sandbox_id) == s.sandbox_id     # another guest port, through the proxy
+
+        children = s.fork(count=2)
+        assert all(not isinstance(c, Exception) for c in children), children
+        for c in children:
+            assert len(sandbox_netns(c.sandbox_id)) == 1
+            assert "10.0.2.15/" in c.commands.run("ip -br -4 addr show eth0").stdout   # the same guest IP
+            serve_hostname(c, HTTP_PORT + 1)   # the parent's server was forked too: a fresh one per child
+        answers = [get_via_proxy(sdk, c.sandbox_id, HTTP_PORT + 1) for c in children]
+        assert answers == [c.sandbox_id for c in children] and answers[0] != answers[1]
+        assert get_via_proxy(sdk, s.sandbox_id) == s.sandbox_id
+    finally:
+        for c in children:
+            if not isinstance(c, Exception):
+                c.kill()
+        s.kill()
+    for sbx in [s, *children]:
+        assert sandbox_netns(sbx.sandbox_id) == [], f"namespace of {sbx.sandbox_id} left after kill"
+
+
+def test_allow_internet_access_kept_across_pause(sdk: Server, outside: tuple[str, int, Path]) -> None:
+    from e2b import Sandbox
+
+    addr, port, peers = outside
+    on = Sandbox.create(timeout=600)
+    off = Sandbox.create(timeout=600, allow_internet_access=False)
+    try:
+        assert probe(on, addr, port) == "ok"
+        assert probe(off, addr, port) == "blocked"
+        seen = peers.read_text().split()[1:]
+        assert len(seen) == 1 and seen[0].startswith("10.201.")   # masqueraded to its namespace address
+        off.pause()
+        again = Sandbox.connect(off.sandbox_id)
+        assert probe(again, addr, port) == "blocked"          # the setting survived pause/resume
+        assert len(peers.read_text().split()[1:]) == 1
+    finally:
+        on.kill()
+        off.kill()
+    assert sandbox_netns(on.sandbox_id) == [] and sandbox_netns(off.sandbox_id) == []
