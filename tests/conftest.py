@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+
+from .remote.motoserver import MotoServer
 
 
 @pytest.fixture
@@ -22,3 +25,14 @@ def _isolate_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         if name.startswith("AENV_") and name not in ("AENV_GUEST_CACHE",):
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AENV_DATA_DIR", str(tmp_path / "default-data-dir"))
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One real moto S3 server process for the whole session (started on first use);
+    tests take a fresh bucket each (``moto.new_bucket()``)."""
+    server = MotoServer.start(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,12 +1,9 @@
-"""Fixtures for the remote-repository tests: a moto S3 server process per
-session, a fresh bucket per test, and a ``backend`` fixture parametrised over
+"""Fixtures for the remote-repository tests: the moto S3 server process (tests/conftest.py),
+a fresh bucket per test, and a ``backend`` fixture parametrised over
 posix_fs and oss so one suite checks both."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Iterator
 
 import pytest
@@ -15,33 +12,11 @@ from aenv_store.backends.base import Backend
 from aenv_store.backends.factory import open_backend
 from aenv_store.config import RepositoryConfig
 
-
-def _load_motoserver() -> ModuleType:
-    name = "aenv_tests_motoserver"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("motoserver.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-motoserver = _load_motoserver()
-
-
-@pytest.fixture(scope="session")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator["motoserver.MotoServer"]:
-    server = motoserver.MotoServer.start(tmp_path_factory.mktemp("moto") / "moto.log")
-    try:
-        yield server
-    finally:
-        server.stop()
+from .motoserver import MotoServer
 
 
 @pytest.fixture
-def oss_config(moto: "motoserver.MotoServer") -> RepositoryConfig:
+def oss_config(moto: MotoServer) -> RepositoryConfig:
     return RepositoryConfig(**moto.repository_config(moto.new_bucket()))  # type: ignore[arg-type]
 
 
