@@ -148,14 +148,6 @@ class NodeNetworks:
     async def device_state(self, state: Path) -> Path:
         return await asyncio.to_thread(device_state, state) if self.tap else state
 
-    async def remove_orphans(self) -> list[str]:
-        """This node's namespaces that no sandbox here owns (after a restart: all of them)."""
-        try:
-            return await asyncio.to_thread(netns.remove_orphans, self.tag, {n.name for n in self._nets.values()})
-        except NetError as e:
-            log.error("%s", e)
-            return []
-
     async def close(self) -> None:
         for sid in list(self._nets):
             await self.release(sid)

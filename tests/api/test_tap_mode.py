@@ -178,3 +178,46 @@ def test_allow_internet_access_kept_across_pause(sdk: Server, outside: tuple[str
         on.kill()
         off.kill()
     assert sandbox_netns(on.sandbox_id) == [] and sandbox_netns(off.sandbox_id) == []
+
+
+def test_restart_removes_orphans_and_keeps_egress(tmp_path_factory: pytest.TempPathFactory,
+                                                   outside: tuple[str, int, Path],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL of the server leaves namespaces behind (a paused sandbox's standby one, the
+    pool's); the next start removes them, and the paused sandbox resumes into a new
+    namespace with its egress setting from the record."""
+    from e2b import Sandbox
+
+    addr, port, _ = outside
+    data = tmp_path_factory.mktemp("tap-restart")
+    logs = tmp_path_factory.mktemp("tap-restart-logs")
+
+    def use(srv: Server) -> None:
+        for name, value in srv.sdk_env().items():
+            monkeypatch.setenv(name, value)
+
+    srv = start_server(data, logs, env={"AENV_VM__NETWORK": "tap"})
+    try:
+        use(srv)
+        off = Sandbox.create(timeout=600, allow_internet_access=False)
+        off.pause()
+        [ns] = sandbox_netns(off.sandbox_id)      # kept while a standby QEMU waits in it
+        tag_prefix = ns.rsplit("-", 1)[0] + "-"
+        srv.proc.kill()
+        srv.proc.wait()
+    finally:
+        srv.stop()
+    orphans = {n for n in netns_names() if n.startswith(tag_prefix)}
+    assert ns in orphans
+    srv = start_server(data, logs, env={"AENV_VM__NETWORK": "tap"})
+    try:
+        use(srv)
+        assert not orphans & netns_names(), "orphaned namespaces survived the restart"
+        again = Sandbox.connect(off.sandbox_id)
+        assert len(sandbox_netns(off.sandbox_id)) == 1
+        assert probe(again, addr, port) == "blocked"
+        again.kill()
+        assert sandbox_netns(off.sandbox_id) == []
+    finally:
+        srv.stop()
+    assert not {n for n in netns_names() if n.startswith(tag_prefix)}
