@@ -24,6 +24,7 @@ from aenv_vm.guest import http_get
 from aenv_vm.net import netns, networks
 from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, build_command
 from aenv_vm.qemu.migration import load_device_state
+from aenv_vm.sandbox import Sandbox
 from aenv_vm.template import materialize
 
 from .conftest import Env, qemu_children
@@ -31,9 +32,9 @@ from .conftest import Env, qemu_children
 pytestmark = pytest.mark.qemu
 
 
-def run(host: str, cmd: str) -> tuple[int, str]:
+def run(host: str, cmd: str, port: int = netns.ENVD_PORT) -> tuple[int, str]:
     body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}}})
-    conn = http.client.HTTPConnection(host, netns.ENVD_PORT, timeout=60)
+    conn = http.client.HTTPConnection(host, port, timeout=60)
     try:
         conn.request("POST", "/process.Process/Start", body=body, headers={
             "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
@@ -50,11 +51,11 @@ def run(host: str, cmd: str) -> tuple[int, str]:
     return code, out.decode().strip()
 
 
-async def wait_health(host: str, timeout: float = 60.0) -> None:
+async def wait_health(host: str, timeout: float = 60.0, port: int = netns.ENVD_PORT) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            status, _ = await http_get(netns.ENVD_PORT, "/health", timeout=2.0, host=host)
+            status, _ = await http_get(port, "/health", timeout=2.0, host=host)
             if 200 <= status < 300:
                 return
         except (OSError, asyncio.TimeoutError, ConnectionError):
@@ -214,3 +215,81 @@ def test_node_networks_modes(tmp_path: Path) -> None:
         await tap.release("sbx-0000000000000002")   # idempotent
         assert netns.list_namespaces(tap.tag) == []
     asyncio.run(main())
+
+
+def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
+    """User mode: egress off (QEMU's restrict=on) stops the guest reaching the host
+    (10.0.2.2 is the host's loopback there) while envd's forward still works; another
+    guest port is reached through the forward ``Sandbox.endpoint`` adds (hostfwd_add)."""
+    tpl = env.template
+    mem, state = materialize(env.store, tpl, tmp_path / "templates")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted: list[str] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                c, addr = listener.accept()
+            except OSError:
+                return
+            accepted.append(addr[0])
+            c.close()
+    threading.Thread(target=accept, daemon=True).start()
+
+    async def main() -> list[str]:
+        user = networks.NodeNetworks("user", tmp_path)
+        server = NbdServer(tmp_path / "nbd.sock")
+        await server.start()
+        vms: list[QemuProcess] = []
+        images: list[BlockImage] = []
+        answers: list[str] = []
+        try:
+            for i, egress in enumerate((True, False)):
+                sid = f"sbx-usertest{i:04d}"
+                image = BlockImage.open(env.store, tpl.disk, sid, upper_dir=tmp_path / sid / "upper")
+                images.append(image)
+                server.add_export(image)
+                fields = await user.attach(sid, egress)
+                spec = VmSpec(name=sid, kernel=env.guest.kernel, initrd=env.guest.initrd,
+                              kernel_cmdline=tpl.kernel_cmdline, run_dir=tmp_path / sid, memory_mib=tpl.memory_mib,
+                              vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
+                              mem_path=mem, mem_share=False, disk=NbdDisk(server.socket_path, sid),
+                              incoming_defer=True, **fields)  # type: ignore[arg-type]
+                vm = await QemuProcess.start(spec)
+                vms.append(vm)
+                await load_device_state(vm, state)
+                await wait_health("127.0.0.1", port=spec.host_port or 0)
+                probe = f"timeout 3 bash -c 'echo > /dev/tcp/10.0.2.2/{port}' && echo ok || echo blocked"
+                answers.append((await asyncio.to_thread(run, "127.0.0.1", probe, spec.host_port or 0))[1])
+                if egress:
+                    sbx = Sandbox(sid, tpl, vm, image, tmp_path / sid)
+                    assert await sbx.endpoint(netns.ENVD_PORT) == ("127.0.0.1", spec.host_port)
+                    await asyncio.to_thread(run, "127.0.0.1", "cd /etc && nohup python3 -m http.server 8080 "
+                                            ">/dev/null 2>&1 &", spec.host_port or 0)
+                    host, fwd = await sbx.endpoint(8080)
+                    assert host == "127.0.0.1" and fwd != spec.host_port and await sbx.endpoint(8080) == (host, fwd)
+                    deadline = time.monotonic() + 60
+                    while True:
+                        try:
+                            if (await http_get(fwd, "/hostname", timeout=2.0))[0] == 200:
+                                break
+                        except (OSError, asyncio.TimeoutError, ConnectionError):
+                            pass
+                        assert time.monotonic() < deadline, "guest port 8080 not reachable through hostfwd"
+                        await asyncio.sleep(0.2)
+        finally:
+            for vm in vms:
+                await vm.stop()
+            await server.close()
+            for image in images:
+                image.close()
+        return answers
+    try:
+        answers = asyncio.run(main())
+    finally:
+        listener.close()
+    assert answers == ["ok", "blocked"], answers
+    assert len(accepted) == 1
+    assert not qemu_children()
+    shutil.rmtree(tmp_path / "templates", ignore_errors=True)
