@@ -201,12 +201,16 @@ class SandboxManager:
                                 f"{self.guest.key}: rebuild the template")
         return tpl
 
-    async def _restore(self, tpl: Template, background: bool = False, egress: bool = True) -> Sandbox:
+    async def _restore(self, tpl: Template, background: bool = False, egress: bool = True,
+                       init: Callable[[str], dict] | None = None) -> Sandbox:
         """A running, envd-ready sandbox restored from ``tpl`` (not yet /init-ed).
 
         ``background`` (pool refills): QEMU runs at a low CPU priority until it is
         handed out, so refilling never slows the sandboxes users already have.
-        ``egress``: outbound connections allowed (tap mode)."""
+        ``egress``: outbound connections allowed (tap mode).
+        ``init`` (fork children): sandbox id → more /init fields (the new access token), sent
+        with the identity as the clone's first and only request (no /health first:
+        snapshot/first_init.py); ``timing.identity`` then covers it all."""
         if not self._started:
             raise SandboxError("SandboxManager.start() was not called")
         async with self._local_lock:  # one writer of the local template files
@@ -217,7 +221,8 @@ class SandboxManager:
         image: BlockImage | None = None
         vm: QemuProcess | None = None
         try:
-            image = BlockImage.open(self.store, tpl.disk, sid, upper_dir=sdir / "upper")
+            # off the event loop: 20-50 ms here, 16 at once in a fork
+            image = await asyncio.to_thread(BlockImage.open, self.store, tpl.disk, sid, upper_dir=sdir / "upper")
             self.nbd.add_export(image)
             netfields = await self.networks.attach(sid, egress)
             state = await self.networks.device_state(state)
@@ -235,12 +240,19 @@ class SandboxManager:
             await load_device_state(vm, state)
             t2 = time.monotonic()
             sbx = Sandbox(sid, tpl, vm, image, sdir, net=self.networks.get(sid))
-            await wait_http_ok(sbx.envd_port, "/health", timeout=self.ready_timeout, alive=vm.alive,
-                               host=sbx.envd_host)
-            t3 = time.monotonic()
-            # a snapshot's envd still holds its sandbox's access token
-            await self._set_identity(sid, sbx.envd_port, self._life.template_token(tpl), host=sbx.envd_host)
-            t4 = time.monotonic()
+            if init is not None:
+                from .snapshot.first_init import init_when_ready
+                t3 = time.monotonic()
+                await init_when_ready(sbx.envd_host, sbx.envd_port, {**self._identity(sid), **init(sid)},
+                                      self._life.template_token(tpl), self.ready_timeout, vm.alive)
+                t4 = time.monotonic()
+            else:
+                await wait_http_ok(sbx.envd_port, "/health", timeout=self.ready_timeout, alive=vm.alive,
+                                   host=sbx.envd_host)
+                t3 = time.monotonic()
+                # a snapshot's envd still holds its sandbox's access token
+                await self._set_identity(sid, sbx.envd_port, self._life.template_token(tpl), host=sbx.envd_host)
+                t4 = time.monotonic()
             sbx.timing = CreateTiming(t1 - t0, t2 - t1, t3 - t2, t4 - t3, 0.0, t4 - t0, False)
             return sbx
         except BaseException:
@@ -253,9 +265,13 @@ class SandboxManager:
 
         Every clone of a template wakes up with the template's hostname, RNG state
         and clock; one envd /init sets all three (docs/envd.md), no process start."""
-        body = {"hostname": sid, "entropy": base64.b64encode(secrets.token_bytes(64)).decode(),
+        await asyncio.to_thread(envd_init, port, self._identity(sid), access_token=access_token, host=host)
+
+    @staticmethod
+    def _identity(sid: str) -> dict:
+        """/init fields of a clone's identity: hostname, fresh entropy, the host's clock."""
+        return {"hostname": sid, "entropy": base64.b64encode(secrets.token_bytes(64)).decode(),
                 "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-        await asyncio.to_thread(envd_init, port, body, access_token=access_token, host=host)
 
     async def _warm(self, sbx: Sandbox, access_token: str | None = None) -> None:
         """Run what a user's first calls run, so that this QEMU has translated it before

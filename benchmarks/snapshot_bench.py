@@ -255,6 +255,7 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
     return {"count": count, "answering": answering, "children_cpu_ms_at_answering": cpu_before,
             "snapshot_s": mgr.lifecycle.last_fork_snapshot,
             "manager_cpu_ms": manager_cpu * 1000, "per_child_s": per_child,
+            "snapshot_parts_s": mgr.lifecycle.last_fork_timing,
             "split_child_kib": split, "all_first_command": all_commands, "pss_one_kib": one,
             "pss_children_kib": total, "pss_one_no_tcg_kib": one_no_tcg, "pss_children_no_tcg_kib": total_no_tcg}
 
@@ -334,7 +335,9 @@ def report(res: dict, markdown: bool) -> None:
             print_table(rows, ["what (ms)", "p50", "p99", "n", "p50 breakdown (ms)"])
         return
     rows.append([f"fork {f['count']} → all answering (envd initialised)", f"{f['answering'] * 1000:.0f}", "", 1,
-                 f"snapshot {f['snapshot_s'] * 1000:.0f}; children's QEMU CPU time until then "
+                 f"snapshot {f['snapshot_s'] * 1000:.0f} ("
+                 + ", ".join(f"{k} {v * 1000:.0f}" for k, v in (f.get("snapshot_parts_s") or {}).items())
+                 + f"); children's QEMU CPU time until then "
                  f"{f['children_cpu_ms_at_answering']:.0f}, manager CPU {f.get('manager_cpu_ms', 0):.0f}; "
                  "per child p50: " + ", ".join(f"{k} {v * 1000:.0f}" for k, v in f.get("per_child_s", {}).items())])
     rows.append([f"fork {f['count']} → every child's first commands.run done", f"{f['all_first_command'] * 1000:.0f}",

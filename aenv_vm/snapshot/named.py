@@ -17,15 +17,17 @@ import secrets
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from aenv_store.catalog import ALIAS, CatalogRecord
 from aenv_store.errors import NotFound, StoreError
+from aenv_store.ids import Digest
 
 from ..blockimage.layer import DISK_ROLE
 from ..qemu.errors import VmError
-from ..template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, TEMPLATE_KIND, _put_file, find_template,
-                        list_templates, remove_template)
+from ..template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, TEMPLATE_KIND, Template, _put_file,
+                        find_template, list_templates, remove_template)
 from .errors import SnapshotError
 from .memory_image import consolidate
 
@@ -33,6 +35,17 @@ if TYPE_CHECKING:
     from ..sandbox import Sandbox
 
 MAX_FORK = 16
+
+
+@dataclass(frozen=True)
+class _LocalSnapshot:
+    tid: str
+    dir: Path
+    layer: Digest                   # the sealed disk layer
+    meta: dict[str, str]            # of the template record
+    token: str | None               # envd access token the snapshot's guest holds
+    provisional: Template           # restorable from the local files (memory/state ids unknown)
+    timing: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class NamedSnapshots:
     _configs: dict
     _tokens: dict
     last_fork_snapshot: float | None
+    last_fork_timing: dict[str, float] | None
 
     async def snapshot(self, sid: str, name: str | None = None, *, hidden: bool = False) -> tuple[str, list[str]]:
         """A named snapshot of a running sandbox, usable as a template. The VM is
@@ -62,79 +76,133 @@ class NamedSnapshots:
                 pass
             else:
                 raise SnapshotError(f"a template or snapshot named {name!r} already exists")
+        local = await self._snapshot_local(sid, hidden)
+        try:
+            await asyncio.to_thread(self._snapshot_commit, local, name)
+        except BaseException:
+            shutil.rmtree(local.dir, ignore_errors=True)
+            raise
+        return local.tid, ([name] if name else [])
+
+    async def _snapshot_local(self, sid: str, hidden: bool) -> _LocalSnapshot:
+        """Capture, seal the disk, let the VM run again, write the full memory file:
+        everything a restore on this node needs, nothing committed yet."""
         async with self.lock(sid):
             sbx = self._running(sid)
             tpl = sbx.template
             tid = f"tpl-{secrets.token_hex(6)}"
             d = self.mgr.run_root / "templates" / tid
             d.mkdir(parents=True, exist_ok=True)
+            t0 = time.monotonic()
             try:
                 try:
                     cap = await self._capture(sbx, d / "device-state")
+                    t1 = time.monotonic()
                     layer = (await asyncio.to_thread(sbx.image.commit, None, {"snapshot": tid})).layer_id
                 finally:
                     if sbx.vm.alive() and sbx.vm.qmp is not None:
                         await sbx.vm.qmp.execute("cont")
+                t2 = time.monotonic()
                 base, _ = await self._template_files(tpl)
                 try:
                     await asyncio.to_thread(consolidate, base, cap.delta, d / "memory")
                 finally:
                     self._give_back(cap.delta.data)
+                t3 = time.monotonic()
                 rec = self.records.get(sid)
                 meta = dict(self.mgr.store.get_record(tpl.id).meta_dict())
                 meta.update({"snapshot_of": sid, "parent_template": tpl.id})
                 if hidden:
                     meta["hidden"] = "fork"
+                token = rec.access_token if rec is not None else None
                 if rec is not None:
                     meta["metadata"] = json.dumps(rec.metadata, sort_keys=True)
                     if rec.access_token:  # the memory image holds it anyway; restores need it to re-key envd
                         meta["envd_token"] = rec.access_token
-
-                def commit() -> None:
-                    store = self.mgr.store
-                    with store.workspace() as ws:
-                        mem = _put_file(ws, d / "memory", MEMORY_IMAGE, {"template": tid})
-                        state = _put_file(ws, d / "device-state", DEVICE_STATE, {"template": tid})
-                        ws.commit(CatalogRecord(name=tid, kind=TEMPLATE_KIND,
-                                                manifests=((DISK_ROLE, layer), ("memory", mem), ("state", state)),
-                                                meta=tuple(sorted(meta.items())), created=time.time()))
-                    if name:
-                        store.put_record(CatalogRecord(name=ALIAS_PREFIX + name, kind=ALIAS, target=tid,
-                                                       created=time.time()), exclusive=True)
-                await asyncio.to_thread(commit)
             except BaseException:
                 shutil.rmtree(d, ignore_errors=True)
                 raise
-            return tid, ([name] if name else [])
+            # a Template for restores from the local files; its memory and state ids are
+            # known once committed (the fork swaps in the committed one before it returns)
+            unknown = Digest(bytes(32))
+            provisional = Template(id=tid, disk=layer, memory=unknown, device_state=unknown,
+                                   memory_mib=tpl.memory_mib, vcpus=tpl.vcpus, accel=tpl.accel,
+                                   guest_key=tpl.guest_key, kernel_cmdline=tpl.kernel_cmdline, created=time.time())
+            return _LocalSnapshot(tid, d, layer, meta, token, provisional,
+                                  {"capture": t1 - t0, "seal": t2 - t1, "consolidate": t3 - t2})
+
+    def _snapshot_commit(self, local: _LocalSnapshot, name: str | None) -> None:
+        """Commit a local snapshot to the store as a template record (worker thread)."""
+        store = self.mgr.store
+        d = local.dir
+        with store.workspace() as ws:
+            mem = _put_file(ws, d / "memory", MEMORY_IMAGE, {"template": local.tid})
+            state = _put_file(ws, d / "device-state", DEVICE_STATE, {"template": local.tid})
+            ws.commit(CatalogRecord(name=local.tid, kind=TEMPLATE_KIND,
+                                    manifests=((DISK_ROLE, local.layer), ("memory", mem), ("state", state)),
+                                    meta=tuple(sorted(local.meta.items())), created=time.time()))
+        if name:
+            store.put_record(CatalogRecord(name=ALIAS_PREFIX + name, kind=ALIAS, target=local.tid,
+                                           created=time.time()), exclusive=True)
 
     async def fork(self, sid: str, count: int, timeout: float | None = None,
                    access_token: Callable[[str], str] | None = None) -> "list[Sandbox | Exception]":
         """``count`` children of a running sandbox, started concurrently from one snapshot.
-        A secured parent's children get ``access_token(child id)`` (default: random)."""
+        A secured parent's children get ``access_token(child id)`` (default: random).
+
+        The children restore from the snapshot's local files while the snapshot is
+        committed to the store (its ids are needed only from the children's first
+        pause on); they become visible (sandboxes, records) once it is committed."""
         if not 1 <= count <= MAX_FORK:
             raise SnapshotError(f"fork count must be 1..{MAX_FORK}, got {count}")
         parent = self.record(sid)
         t0 = time.monotonic()
-        tid, _ = await self.snapshot(sid, None, hidden=True)
-        self.last_fork_snapshot = time.monotonic() - t0
-        tpl = self.mgr._template(tid)
+        local = await self._snapshot_local(sid, hidden=True)
+        tid = local.tid
+        self._tokens[tid] = local.token     # what the children's envd holds until their /init
+        commit_s: list[float] = []
 
-        async def child() -> "Sandbox":
-            sbx = await self.mgr._restore(tpl, egress=parent.allow_internet_access)
-            try:
-                token = ((access_token or (lambda _sid: secrets.token_urlsafe(24)))(sbx.id)
-                         if parent.access_token else None)
-                await asyncio.to_thread(self._init, sbx.envd_port, parent.access_token, token, sbx.envd_host)
-            except BaseException:
-                await self.mgr._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
-                raise
-            self.mgr.sandboxes[sbx.id] = sbx
-            self.on_created(sbx, timeout=parent.timeout if timeout is None else timeout,
+        def commit() -> None:
+            tc = time.monotonic()
+            self._snapshot_commit(local, None)
+            commit_s.append(time.monotonic() - tc)
+        committing = asyncio.ensure_future(asyncio.to_thread(commit))
+        t1 = time.monotonic()
+        tokens: dict[str, str | None] = {}
+
+        def init(child_id: str) -> dict:
+            # identity, clock and the child's own token in the child's one /init
+            tokens[child_id] = ((access_token or (lambda _sid: secrets.token_urlsafe(24)))(child_id)
+                                if parent.access_token else None)
+            return {"accessToken": tokens[child_id]} if parent.access_token else {}
+        tasks = [asyncio.ensure_future(self.mgr._restore(local.provisional, egress=parent.allow_internet_access,
+                                                         init=init)) for _ in range(count)]
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            await committing
+            tpl = self.mgr._template(tid)
+        except BaseException:
+            # nobody else knows these children yet: stop them (and anything still starting)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for t in tasks:
+                k = t.result() if t.done() and not t.cancelled() and t.exception() is None else None
+                if k is not None:
+                    await self.mgr._teardown(k.id, k.vm, k.image, k.dir)
+            shutil.rmtree(local.dir, ignore_errors=True)
+            self._tokens.pop(tid, None)
+            raise
+        kids = [r for r in results if not isinstance(r, BaseException)]
+        self.last_fork_snapshot = t1 - t0
+        self.last_fork_timing = {**local.timing, "commit (concurrent)": commit_s[0]}
+        for k in kids:
+            k.template = tpl
+            self.mgr.sandboxes[k.id] = k
+            self.on_created(k, timeout=parent.timeout if timeout is None else timeout,
                             metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
-                            env_vars=parent.env_vars, access_token=token,
+                            env_vars=parent.env_vars, access_token=tokens[k.id],
                             allow_internet_access=parent.allow_internet_access)
-            return sbx
-        results = await asyncio.gather(*(child() for _ in range(count)), return_exceptions=True)
         self._drop_unused_fork(tid)   # every child failed: nothing uses the snapshot
         out: list[Sandbox | Exception] = []
         for r in results:

@@ -134,7 +134,8 @@ class Snapshotter(NamedSnapshots):
         self._buffers: list[bytearray] = []     # at most one, see _give_back
         self.last_pause: PauseTiming | None = None
         self.last_resume: ResumeTiming | None = None
-        self.last_fork_snapshot: float | None = None      # seconds the fork's snapshot took
+        self.last_fork_snapshot: float | None = None      # seconds the fork's snapshot took (until restorable)
+        self.last_fork_timing: dict[str, float] | None = None
 
     # ------------------------------------------------------------ helpers
     def lock(self, sid: str) -> asyncio.Lock:
