@@ -47,6 +47,8 @@ _DROP_RESPONSE = frozenset(h.lower() for h in (
 CONNECT_STREAM = "application/connect+json"
 # Bodies up to this size are read whole and sent with a Content-Length (one write upstream).
 _SMALL_BODY = 64 << 10
+# How long a chunked request body may take to complete before it is relayed piece by piece.
+_BODY_WAIT = 0.005
 
 
 def parse_host(host: str, domain: str) -> tuple[str, int] | None:
@@ -154,9 +156,12 @@ class SandboxProxy:
                 return body.is_eof() and body.total_bytes <= _SMALL_BODY
             if chunked and not complete():
                 # A streamed body that is complete a moment later (the SDK's server-streaming
-                # RPCs: one envelope, then the terminator) goes upstream whole with a
-                # Content-Length: one send instead of two. Longer streams are relayed.
-                await asyncio.sleep(0)
+                # RPCs: head, one envelope, then the terminator, as separate writes) goes
+                # upstream whole with a Content-Length: one send instead of three (each send
+                # is most of the proxy's CPU, docs/benchmarks.md). Longer or slower streams
+                # are relayed as they come, after at most this one short wait.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(body.wait_eof(), _BODY_WAIT)
             small = not chunked and request.content_length is not None and request.content_length <= _SMALL_BODY
             if complete() or small:
                 data = await request.read()

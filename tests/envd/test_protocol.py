@@ -7,6 +7,7 @@ import base64
 import http.client
 import json
 import os
+import socket
 import struct
 import time
 
@@ -221,3 +222,42 @@ def test_background_child_output_is_followed_briefly(envd: Envd) -> None:
         assert time.monotonic() - t0 < 5
     finally:
         s.close()
+
+
+def _recv_all(sock: socket.socket) -> list[bytes]:
+    """Every recv() of one response, until its chunked terminator."""
+    pieces: list[bytes] = []
+    while not b"".join(pieces).endswith(b"\r\n0\r\n\r\n"):
+        data = sock.recv(65536)
+        assert data, b"".join(pieces)
+        pieces.append(data)
+    return pieces
+
+
+def test_pieces_ready_together_leave_in_one_write(envd: Envd) -> None:
+    """The head goes with the start event, and a command's end event, the end-of-stream
+    frame and the chunked terminator with each other: one write each (a write is one
+    send and one wake-up of the reader, e.g. the API's proxy). A single write of a few
+    hundred bytes on loopback is never split across recv() calls; separate writes
+    often are (a reader that waits between recv()s sees them joined, never split)."""
+    body = env(json.dumps(start_msg("sleep 0.3")).encode())
+    req = (f"POST /process.Process/Start HTTP/1.1\r\nHost: x\r\nContent-Type: {STREAM}\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", envd.port), timeout=30) as s:
+            s.sendall(req)
+            pieces = _recv_all(s)
+        # the first recv holds the whole head and the start event
+        assert b"\r\n\r\n" in pieces[0] and b'"start"' in pieces[0], pieces
+        # the recv with the terminator also holds the end event and the end-of-stream frame
+        assert b'"end"' in pieces[-1] and b"\x02\x00\x00\x00\x02{}" in pieces[-1], pieces
+        assert len(pieces) <= 2, pieces
+    # a plain (unary) answer: head and body in one piece
+    call_body = b"{}"
+    with socket.create_connection(("127.0.0.1", envd.port), timeout=30) as s:
+        s.sendall((f"POST /process.Process/List HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(call_body)}\r\n\r\n").encode() + call_body)
+        first = s.recv(65536)
+    head, _, rest = first.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    assert len(rest) == length, first
