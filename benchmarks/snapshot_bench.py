@@ -107,6 +107,7 @@ async def pauses(mgr: SandboxManager, mib: int, reps: int) -> list[dict]:
             assert t is not None
             out.append({"total": t.total, "call": call, "stop": t.stop, "device_state": t.device_state,
                         "pages": t.pages, "write": t.write, "delta_mib": t.dirty_pages * 4096 / 2**20, "cpu": cpu,
+                        "written_mib": t.written_pages * 4096 / 2**20,
                         "load": os.getloadavg()[0]})
             await settled(mgr, sbx.id)
     finally:
@@ -302,8 +303,9 @@ def report(res: dict, markdown: bool) -> None:
         if "cpu" in reps[0]:
             parts += f"; manager CPU {ms([r['cpu'] for r in reps])['p50']:.0f}"
         delta = summarize([r["delta_mib"] for r in reps])["p50"]
-        rows.append([f"pause, {mib} MiB dirtied (delta {delta:.0f} MiB)", f"{s['p50']:.0f}", f"{s['p99']:.0f}",
-                     int(s["n"]), parts])
+        written = f", written {summarize([r['written_mib'] for r in reps])['p50']:.0f}" if "written_mib" in reps[0] else ""
+        rows.append([f"pause, {mib} MiB dirtied (delta {delta:.0f}{written} MiB)", f"{s['p50']:.0f}",
+                     f"{s['p99']:.0f}", int(s["n"]), parts])
     for mib, reps in res["strip"].items():
         s = ms([r["total"] for r in reps])
         parts = ", ".join(f"{k} {ms([r[k] for r in reps])['p50']:.0f}" for k in ("stop", "migrate", "split"))

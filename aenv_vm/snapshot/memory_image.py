@@ -21,6 +21,28 @@ Local form (``memory.delta``, version 1, little endian)::
     ..  zero padding to a multiple of 4096
     4096n page bytes, in page-number order
 
+Incremental form (version 2, written by a pause whose previous pause is a
+version-1 file: only the pages whose xxh3 changed since then are written)::
+
+    8   magic "AENVMDL1"
+    4   version = 2
+    4   page size = 4096
+    8   memory size (bytes)
+    32  base memory manifest id
+    8   n = page count (all pages of the flattened map)
+    8   m = pages stored in this file
+    8   parent: seq of the previous pause (its file is ../<seq>/memory.delta, version 1)
+    8n  page numbers (u64, strictly ascending)
+    8n  xxh3-64 of each page
+    8n  where each page is (i64): slot in this file (0..m-1), or -1-slot in the parent
+    ..  zero padding to a multiple of 4096
+    4096m page bytes of this file, in page-number order
+
+The index is still the whole flattened map (restore reads every page from the
+place it names: never a chain walk), and the chain is one link long and short
+lived: the pause's background commit rewrites the file as version 1 before the
+parent is removed, and resume waits for that commit.
+
 Store form: a manifest of media type ``application/vnd.aenv.memory-delta``,
 chunk size 4096, parent = the base manifest, one 4 KiB extent per page (data,
 or zero for a page that became all zeros); gaps read from the base.
@@ -49,6 +71,9 @@ MEMORY_DELTA = "application/vnd.aenv.memory-delta"
 MAGIC = b"AENVMDL1"
 VERSION = 1
 _HEAD = struct.Struct("<8sIIQ32sQ")
+_HEAD2_EXTRA = struct.Struct("<QQ")         # version 2: m, parent seq
+INCREMENTAL = 2
+_IOV_MAX = 1024
 
 
 class MemoryImageError(VmError):
@@ -69,18 +94,83 @@ class Delta:
 
 
 def page_hashes(data: bytes | bytearray | memoryview) -> np.ndarray:
-    mv = memoryview(data)
+    mv = memoryview(data).cast("B")
     n = len(mv) // PAGE
-    out = np.empty(n, dtype=np.uint64)
-    h = xxhash.xxh3_64_intdigest
-    for i in range(n):
-        out[i] = h(mv[i * PAGE:(i + 1) * PAGE])
-    return out
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, (mv[k:k + PAGE] for k in range(0, n * PAGE, PAGE))),
+                       dtype=np.uint64, count=n)
 
 
-def _data_offset(n: int) -> int:
-    head = _HEAD.size + 16 * n
+def _data_offset(n: int, version: int = VERSION) -> int:
+    head = _HEAD.size + 16 * n if version == VERSION else _HEAD.size + _HEAD2_EXTRA.size + 24 * n
     return -(-head // PAGE) * PAGE
+
+
+@dataclass(frozen=True)
+class DeltaIndex:
+    """The page numbers and hashes of a version-1 delta (what the next pause compares with)."""
+    base: Digest
+    pages: np.ndarray
+    hashes: np.ndarray
+
+
+def read_index(path: Path) -> DeltaIndex | None:
+    """The index of a version-1 delta; None if it is missing or not version 1."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD.size)
+            if len(head) < _HEAD.size:
+                return None
+            magic, version, page, mem_size, base, n = _HEAD.unpack(head)
+            if magic != MAGIC or version != VERSION or page != PAGE or n > mem_size // PAGE:
+                return None
+            idx = f.read(16 * n)
+    except OSError:
+        return None
+    if len(idx) != 16 * n:
+        return None
+    return DeltaIndex(Digest(base), np.frombuffer(idx[:8 * n], dtype="<u8").astype(np.int64),
+                      np.frombuffer(idx[8 * n:], dtype="<u8").astype(np.uint64))
+
+
+def write_incremental(path: Path, delta: Delta, parent: DeltaIndex, parent_seq: int) -> int:
+    """Write ``delta`` as version 2 over ``parent`` (the previous pause's version-1 file,
+    ``../<parent_seq>/memory.delta``): only pages that are new or whose xxh3 changed are
+    stored; when none is unchanged, a plain version-1 file is written. tmp → rename, no
+    fsync (the background commit syncs). Returns the pages written."""
+    if parent.base != delta.base:
+        raise MemoryImageError(f"{path}: parent delta is over another base")
+    n = len(delta.pages)
+    if n == 0 or len(parent.pages) == 0:
+        write_delta(path, delta, sync=False)
+        return n
+    pos_c = np.minimum(np.searchsorted(parent.pages, delta.pages), len(parent.pages) - 1)
+    same = (parent.pages[pos_c] == delta.pages) & (parent.hashes[pos_c] == delta.hashes)
+    if not same.any():
+        write_delta(path, delta, sync=False)
+        return n
+    own = np.flatnonzero(~same)
+    loc = np.where(same, -1 - pos_c, 0).astype(np.int64)
+    loc[own] = np.arange(len(own), dtype=np.int64)
+    head = _HEAD.pack(MAGIC, INCREMENTAL, PAGE, delta.memory_size, bytes(delta.base), n) + \
+        _HEAD2_EXTRA.pack(len(own), parent_seq)
+    body = head + delta.pages.astype("<u8").tobytes() + delta.hashes.astype("<u8").tobytes() + \
+        loc.astype("<i8").tobytes()
+    body += bytes(_data_offset(n, INCREMENTAL) - len(body))
+    data = memoryview(delta.data).cast("B")
+    first, length, _ = runs(own)         # runs of consecutive delta slots: one iovec each
+    iov = [data[i * PAGE:(i + k) * PAGE] for i, k in zip(first.tolist(), length.tolist())]
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(body)
+        f.flush()
+        for k in range(0, len(iov), _IOV_MAX):
+            part = iov[k:k + _IOV_MAX]
+            want = sum(len(v) for v in part)
+            done = os.writev(f.fileno(), part)
+            if done != want:   # short write: finish it plainly
+                f.write(b"".join(bytes(v) for v in part)[done:])
+    os.replace(tmp, path)
+    return len(own)
 
 
 def write_delta(path: Path, delta: Delta, sync: bool = True) -> None:
@@ -111,8 +201,65 @@ def sync_file(path: Path) -> None:
         os.close(fd)
 
 
+def is_incremental(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD.size)
+    except OSError as e:
+        raise MemoryImageError(f"cannot read memory delta {path}: {e}") from None
+    return len(head) == _HEAD.size and _HEAD.unpack(head)[:2] == (MAGIC, INCREMENTAL)
+
+
+def parent_seq(path: Path) -> int | None:
+    """The pause a version-2 delta takes unchanged pages from (None for version 1)."""
+    if not is_incremental(path):
+        return None
+    with open(path, "rb") as f:
+        f.seek(_HEAD.size)
+        return int(_HEAD2_EXTRA.unpack(f.read(_HEAD2_EXTRA.size))[1])
+
+
+def _read_incremental(path: Path, f, size: int, mem_size: int, base: bytes, n: int) -> Delta:  # type: ignore[no-untyped-def]
+    """A version-2 delta with its parent's pages filled in (one contiguous copy)."""
+    extra = f.read(_HEAD2_EXTRA.size)
+    if len(extra) < _HEAD2_EXTRA.size:
+        raise MemoryImageError(f"{path}: truncated header")
+    m, parent_seq = _HEAD2_EXTRA.unpack(extra)
+    if n > mem_size // PAGE or m > n or size != _data_offset(n, INCREMENTAL) + m * PAGE:
+        raise MemoryImageError(f"{path}: {size} bytes do not match {n} pages ({m} stored)")
+    idx = f.read(24 * n)
+    pages = np.frombuffer(idx[:8 * n], dtype="<u8").astype(np.int64)
+    hashes = np.frombuffer(idx[8 * n:16 * n], dtype="<u8").astype(np.uint64)
+    loc = np.frombuffer(idx[16 * n:], dtype="<i8").astype(np.int64)
+    if n and (np.any(np.diff(pages) <= 0) or pages[0] < 0 or pages[-1] >= mem_size // PAGE):
+        raise MemoryImageError(f"{path}: page numbers out of order or out of range")
+    mine = loc >= 0
+    if np.any(loc[mine] >= m) or not np.array_equal(loc[mine], np.arange(int(mine.sum()))):
+        raise MemoryImageError(f"{path}: page slots out of order or out of range")
+    parent_path = path.parent.parent / str(parent_seq) / path.name
+    parent = None
+    if not mine.all():
+        if is_incremental(parent_path):     # never a chain: a version-2 file's parent is version 1
+            raise MemoryImageError(f"{path}: parent {parent_path} is itself incremental")
+        parent = read_delta(parent_path)
+        if parent.base != Digest(base):
+            raise MemoryImageError(f"{path}: parent {parent_path} is over another base")
+    out = np.empty((n, PAGE), dtype=np.uint8)
+    if m:
+        own = np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), dtype=np.uint8,
+                            offset=_data_offset(n, INCREMENTAL)).reshape(m, PAGE)
+        out[mine] = own
+    if parent is not None:
+        slots = -1 - loc[~mine]
+        if np.any(slots >= len(parent.pages)) or not np.array_equal(parent.pages[slots], pages[~mine]):
+            raise MemoryImageError(f"{path}: parent slots do not match {parent_path}")
+        out[~mine] = np.frombuffer(parent.data, dtype=np.uint8).reshape(-1, PAGE)[slots]
+    return Delta(Digest(base), mem_size, pages, hashes, memoryview(out.reshape(-1)))
+
+
 def read_delta(path: Path) -> Delta:
-    """A local delta (page data memory-mapped, not copied)."""
+    """A local delta (version 1: page data memory-mapped, not copied; version 2: the
+    pages of this file and of its parent gathered into memory)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -120,6 +267,8 @@ def read_delta(path: Path) -> Delta:
             if len(head) < _HEAD.size:
                 raise MemoryImageError(f"{path}: truncated header")
             magic, version, page, mem_size, base, n = _HEAD.unpack(head)
+            if magic == MAGIC and version == INCREMENTAL and page == PAGE:
+                return _read_incremental(path, f, size, mem_size, base, n)
             if magic != MAGIC or version != VERSION or page != PAGE:
                 raise MemoryImageError(f"{path}: not a version-{VERSION} memory delta")
             if size != _data_offset(n) + n * PAGE or n > mem_size // PAGE:
@@ -232,5 +381,6 @@ def consolidate(base_file: Path, delta: Delta, out: Path) -> None:
     os.replace(tmp, out)
 
 
-__all__ = ["Delta", "MEMORY_DELTA", "MemoryImageError", "page_hashes", "write_delta", "read_delta",
+__all__ = ["Delta", "DeltaIndex", "MEMORY_DELTA", "MemoryImageError", "page_hashes", "write_delta", "read_delta",
+           "read_index", "write_incremental", "is_incremental", "parent_seq",
            "stage_delta", "fetch_delta", "consolidate", "durable_write", "sync_file", "CommitStats"]

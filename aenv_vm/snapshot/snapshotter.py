@@ -48,7 +48,8 @@ from ..records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from ..template import DEVICE_STATE, Template, materialize
 from .disk_squash import MAX_DISK_CHAIN, squash
 from .errors import SnapshotError
-from .memory_image import Delta, fetch_delta, page_hashes, read_delta, stage_delta, sync_file, write_delta
+from .memory_image import (Delta, fetch_delta, page_hashes, parent_seq, read_delta, read_index, stage_delta,
+                           sync_file, write_delta, write_incremental)
 from .named import MAX_FORK, NamedSnapshots, SnapshotInfo
 from .pagemap import private_pages, ram_mapping, read_and_hash, write_pages
 from .vmstate import durable_write, save_devices, template_config
@@ -75,7 +76,8 @@ class PauseTiming:
     pages: float            # pagemap + read of the private pages + xxh3
     write: float            # memory.delta written, disk flush (ran concurrently since stop) done, record put
     total: float            # until the pause is durable (QEMU is killed right after)
-    dirty_pages: int
+    dirty_pages: int        # pages the sandbox holds privately (the flattened delta)
+    written_pages: int = 0  # of those, written by this pause (new or changed since the previous one)
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,8 @@ class Snapshotter(NamedSnapshots):
                     cap = await self._capture(sbx, d / "device-state", sync=False, flush=flush)
                     t1 = time.monotonic()
                     try:
-                        await asyncio.to_thread(write_delta, d / "memory.delta", cap.delta, False)
+                        written = await asyncio.to_thread(self._write_pause_delta, d / "memory.delta", cap.delta,
+                                                          rec.snapshot)
                     finally:
                         self._give_back(cap.delta.data)
                 finally:
@@ -300,12 +303,25 @@ class Snapshotter(NamedSnapshots):
             rec = rec.replace(state=SandboxState.PAUSED, snapshot=snap, envd_port=None)
             self.records.put(rec)
             t2 = time.monotonic()
-            self.last_pause = PauseTiming(*cap.timing, t2 - t1, t2 - t0, len(cap.delta.pages))
+            self.last_pause = PauseTiming(*cap.timing, t2 - t1, t2 - t0, len(cap.delta.pages), written)
             self.mgr.sandboxes.pop(sid, None)
             # The record says paused: finish even if the caller is cancelled now, or the
             # QEMU and the disk image would belong to nobody.
             await asyncio.shield(self._after_pause(sid, sbx, snap, previous))
             return rec
+
+    @staticmethod
+    def _write_pause_delta(path: Path, delta: Delta, previous: SnapshotRef | None) -> int:
+        """memory.delta of a pause: only pages new or changed since the previous pause
+        (a version-2 file over its version-1 file) when that one is here, else whole.
+        Returns the pages written."""
+        if previous is not None and previous.committed and Path(previous.local) == path.parent.parent / str(
+                previous.seq) and previous.seq != int(path.parent.name):
+            parent = read_index(Path(previous.local) / "memory.delta")
+            if parent is not None and parent.base == delta.base:
+                return write_incremental(path, delta, parent, previous.seq)
+        write_delta(path, delta, False)
+        return len(delta.pages)
 
     async def _after_pause(self, sid: str, sbx: "Sandbox", snap: SnapshotRef, previous: SnapshotRef | None) -> None:
         await sbx.vm.kill()
@@ -401,6 +417,10 @@ class Snapshotter(NamedSnapshots):
                     ("memory", mid), ("base", delta.base), ("state", state_id))
                 ws.commit(CatalogRecord(name=f"paused-{sid}", kind=PAUSED_KIND, manifests=roles,
                                         meta=tuple(sorted(meta.items())), created=time.time()), exclusive=False)
+            parent = parent_seq(d / "memory.delta")
+            if parent is not None:   # self-contained again (durably) before its parent is removed
+                write_delta(d / "memory.delta", delta)
+                shutil.rmtree(d.parent / str(parent), ignore_errors=True)
             log.info("pause %s/%d committed: %d pages, %d staged", sid, snap.seq, stats.pages, stats.staged)
             return SnapshotRef(seq=snap.seq, local=snap.local, base=snap.base, disk_top=_hex(top), committed=True,
                                memory_id=mid.hex(), state_id=state_id.hex(), created=snap.created), squashed

@@ -63,6 +63,68 @@ def test_corrupt_delta_is_rejected_or_detected(tmp_path_factory: pytest.TempPath
         or not np.array_equal(back.pages, d.pages) or not (mi.page_hashes(back.data) == back.hashes).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 63), max_size=40), st.lists(st.integers(0, 63), max_size=40), st.data())
+def test_incremental_delta_roundtrip(tmp_path_factory: pytest.TempPathFactory, before: list[int],
+                                     after: list[int], data: st.DataObject) -> None:
+    """A version-2 delta over its parent reads back as the whole flattened delta, and
+    holds only the pages that are new or changed."""
+    root = tmp_path_factory.mktemp("paused")
+    (root / "1").mkdir()
+    (root / "2").mkdir()
+    parent = delta_of(before)
+    mi.write_delta(root / "1" / "memory.delta", parent, sync=False)
+    # the next pause: some of the parent's pages unchanged, some rewritten, some new
+    pages = np.array(sorted(set(after) | set(data.draw(st.lists(st.sampled_from(before), max_size=40))
+                                               if before else [])), dtype=np.int64)
+    keep = set(data.draw(st.lists(st.sampled_from(pages.tolist()), max_size=40)) if len(pages) else [])
+    buf = bytearray(os.urandom(len(pages) * PAGE))
+    for i, p in enumerate(pages.tolist()):
+        j = np.searchsorted(parent.pages, p)
+        if p in keep and j < len(parent.pages) and parent.pages[j] == p:
+            buf[i * PAGE:(i + 1) * PAGE] = parent.data[j * PAGE:(j + 1) * PAGE]
+    d = mi.Delta(BASE, parent.memory_size, pages, mi.page_hashes(buf), memoryview(buf))
+    index = mi.read_index(root / "1" / "memory.delta")
+    assert index is not None
+    written = mi.write_incremental(root / "2" / "memory.delta", d, index, 1)
+    unchanged = sum(1 for p in pages.tolist() if p in keep and p in set(parent.pages.tolist()))
+    assert written == len(pages) - unchanged
+    assert mi.is_incremental(root / "2" / "memory.delta") == (unchanged > 0)
+    back = mi.read_delta(root / "2" / "memory.delta")
+    assert np.array_equal(back.pages, d.pages) and np.array_equal(back.hashes, d.hashes)
+    assert bytes(back.data) == bytes(d.data)
+    if unchanged:
+        assert mi.parent_seq(root / "2" / "memory.delta") == 1
+        # consolidation (what the pause's commit does) makes it self-contained
+        mi.write_delta(root / "2" / "memory.delta", back, sync=False)
+        (root / "1" / "memory.delta").unlink()
+        assert bytes(mi.read_delta(root / "2" / "memory.delta").data) == bytes(d.data)
+
+
+def test_incremental_delta_needs_its_version1_parent(tmp_path: Path) -> None:
+    for s in ("1", "2", "3"):
+        (tmp_path / s).mkdir()
+    parent = delta_of([1, 2, 3, 9])
+    mi.write_delta(tmp_path / "1" / "memory.delta", parent, sync=False)
+    buf = bytearray(parent.data)
+    buf[:PAGE] = os.urandom(PAGE)                            # page 1 changed, the rest not
+    d = mi.Delta(BASE, parent.memory_size, parent.pages, mi.page_hashes(buf), memoryview(buf))
+    assert mi.write_incremental(tmp_path / "2" / "memory.delta", d, mi.read_index(tmp_path / "1" / "memory.delta"),
+                                1) == 1
+    # a version-2 file is never a parent (that would be a chain)
+    assert mi.read_index(tmp_path / "2" / "memory.delta") is None
+    (tmp_path / "3" / "memory.delta").write_bytes((tmp_path / "2" / "memory.delta").read_bytes())
+    os.replace(tmp_path / "2" / "memory.delta", tmp_path / "1" / "memory.delta")
+    with pytest.raises(mi.MemoryImageError, match="cannot read|itself incremental"):
+        mi.read_delta(tmp_path / "3" / "memory.delta")      # its parent ../1 is now itself incremental
+    (tmp_path / "1" / "memory.delta").unlink()
+    with pytest.raises(mi.MemoryImageError, match="cannot read"):
+        mi.read_delta(tmp_path / "3" / "memory.delta")      # parent gone
+    other = mi.DeltaIndex(Digest(bytes(32)), parent.pages, parent.hashes)
+    with pytest.raises(mi.MemoryImageError, match="another base"):
+        mi.write_incremental(tmp_path / "2" / "memory.delta", d, other, 1)
+
+
 def test_bad_delta_files(tmp_path: Path) -> None:
     with pytest.raises(mi.MemoryImageError, match="cannot read"):
         mi.read_delta(tmp_path / "missing")

@@ -10,6 +10,7 @@ import pytest
 from aenv_vm.envd_client import run_command
 from aenv_vm.records import SandboxState
 from aenv_vm.sandbox import SandboxManager
+from aenv_vm.snapshot import memory_image as mi
 from aenv_vm.snapshot.snapshotter import SnapshotError
 
 from .conftest import Env, qemu_children
@@ -104,8 +105,16 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
             port = mgr.get(sbx.id).envd_port
             before = repo_bytes(env)
             await ash(port, "head -c 8M /dev/urandom > /home/user/big")
-            await mgr.pause(sbx.id)
+            previous = Path(mgr.record(sbx.id).snapshot.local)              # type: ignore[union-attr]
+            rec = await mgr.pause(sbx.id)
+            # this pause wrote only what changed since the previous one (a version-2 file over it) ...
+            t = mgr.lifecycle.last_pause
+            assert t is not None and 0 < t.written_pages < t.dirty_pages, t
+            delta = Path(rec.snapshot.local) / "memory.delta"              # type: ignore[union-attr]
+            assert mi.parent_seq(delta) == int(previous.name) and previous.is_dir()
             await mgr.lifecycle._commits[sbx.id]
+            # ... and its commit made it self-contained, then removed the previous one
+            assert mi.parent_seq(delta) is None and not previous.exists()
             added = repo_bytes(env) - before
             print(f"[snapshot] second pause after writing 8 MiB added {added / 2**20:.1f} MiB to the store")
             assert added <= 2 * (8 << 20) + (2 << 20)
