@@ -56,7 +56,9 @@ class SandboxRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     access_token: str | None = None
-    allow_internet_access: bool = True  # tap mode: egress filter of its namespace, kept across pause/resume
+    # Egress of the sandbox (tap: its namespace's filter; user: restrict=on), kept across
+    # pause/resume. None = not set at create (allowed, and shown as null, as E2B does).
+    allow_internet_access: bool | None = None
     memory_mib: int = 0
     vcpus: int = 0
     envd_port: int | None = None

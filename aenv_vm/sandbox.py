@@ -295,13 +295,15 @@ class SandboxManager:
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
                      access_token: str | Callable[[str], str] | None = None, timeout: float | None = None,
                      metadata: dict[str, str] | None = None, auto_pause: bool = True,
-                     allow_internet_access: bool = True) -> Sandbox:
+                     allow_internet_access: bool | None = None) -> Sandbox:
         """A new sandbox from ``template`` (id or alias), envd initialised.
-        ``allow_internet_access``: the guest may open outbound connections (tap mode)."""
+        ``allow_internet_access``: False = the guest may not open outbound connections
+        (None, not set: it may)."""
+        egress = allow_internet_access is not False
         t0 = time.monotonic()
         tpl = self._template(template)
         # Pooled clones have egress on; user mode cannot turn it off in a running QEMU.
-        pool = self._pools.get(tpl.id, []) if allow_internet_access or self.networks.tap else []
+        pool = self._pools.get(tpl.id, []) if egress or self.networks.tap else []
         sbx = None
         while pool and sbx is None:
             candidate = pool.pop(0)
@@ -313,13 +315,13 @@ class SandboxManager:
         if sbx is not None:
             _renice(sbx.vm.pid, 0)
         if sbx is None:
-            sbx = await self._restore(tpl, egress=allow_internet_access)
+            sbx = await self._restore(tpl, egress=egress)
         self._schedule_refill(tpl, POOL_REFILL_DELAY)
         if callable(access_token):  # derived from the sandbox id (the API's HMAC), known only now
             access_token = access_token(sbx.id)
         try:
             ti = time.monotonic()
-            await self.networks.set_egress(sbx.id, allow_internet_access)   # pooled: made with egress on
+            await self.networks.set_egress(sbx.id, egress)   # pooled: made with egress on
             # The clock was set with the identity at restore and has run since: /init is
             # needed only for env vars and tokens (an empty one would cost a round trip).
             body: dict = {}

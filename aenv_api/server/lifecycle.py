@@ -129,6 +129,7 @@ class SandboxView:
     auto_pause: bool
     auto_resume: bool
     metadata: dict[str, str]
+    allow_internet_access: bool | None = None   # None: not set at create (allowed)
 
     @property
     def secure(self) -> bool:
@@ -164,7 +165,19 @@ class SandboxView:
             out["envdAccessToken"] = self.access_token
         out["domain"] = domain or None
         out["lifecycle"] = {"autoResume": self.auto_resume, "onTimeout": "pause" if self.auto_pause else "kill"}
+        out["allowInternetAccess"] = self.allow_internet_access
         return out
+
+
+def egress_choice(req: NewSandbox) -> bool | None:
+    """``allow_internet_access`` of a create: the field itself, or False when ``network.denyOut``
+    denies everything (E2B: the two are the same); None when neither says. Finer allow/deny
+    lists are not enforced by this node: with deny-all, ``allowOut`` entries stay closed too
+    (closed rather than open when the node cannot do what was asked)."""
+    if req.allow_internet_access is not None:
+        return req.allow_internet_access
+    deny = (req.network or {}).get("denyOut") or []
+    return False if isinstance(deny, list) and "0.0.0.0/0" in deny else None
 
 
 def parse_metadata_filter(raw: str) -> dict[str, str]:
@@ -260,7 +273,8 @@ class Lifecycle:
             sandbox_id=rec.id, template_id=rec.template, alias=extra.alias, started_at=rec.started_at,
             end_at=rec.end_at, cpu_count=rec.vcpus, memory_mb=rec.memory_mib, disk_size_mb=extra.disk_mb,
             state=rec.state.value, access_token=rec.access_token, auto_pause=rec.auto_pause,
-            auto_resume=extra.auto_resume, metadata=dict(rec.metadata))
+            auto_resume=extra.auto_resume, metadata=dict(rec.metadata),
+            allow_internet_access=getattr(rec, "allow_internet_access", None))
 
     def _record(self, sid: str) -> Any:
         try:
@@ -298,7 +312,7 @@ class Lifecycle:
             sbx = await self.manager.create(self._template_ref(req.template_id), env_vars=req.env_vars or None,
                                             access_token=token, timeout=timeout, metadata=req.metadata or {},
                                             auto_pause=bool(req.auto_pause),
-                                            allow_internet_access=req.allow_internet_access is not False)
+                                            allow_internet_access=egress_choice(req))
         except TemplateError as e:
             self.metrics.inc("aenv_sandbox_create_failures_total", help="sandbox creates that failed")
             if "unknown template" in str(e):

@@ -167,8 +167,8 @@ def create(tag: str, sid: str, index: int | None = None, egress: bool = True) ->
                        claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN))
 
 
-def _create(tag: str, sid: str, index: int, egress: bool, IPRoute, NetNS, pnetns,  # type: ignore[no-untyped-def]  # noqa: N803
-            claimed: Callable[[], None]) -> SandboxNet:
+def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-untyped-def]
+            IPRoute, NetNS, pnetns, claimed: Callable[[], None]) -> SandboxNet:  # noqa: N803
     host_ip, ns_ip = addresses(index)
     net = SandboxNet(name=f"aenv-{tag}-{sid[-12:]}", index=index, host_if=f"ae{tag}{index:x}"[:15],
                      host_ip=host_ip, ns_ip=ns_ip, egress=egress)

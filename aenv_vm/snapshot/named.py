@@ -175,8 +175,9 @@ class NamedSnapshots:
             tokens[child_id] = ((access_token or (lambda _sid: secrets.token_urlsafe(24)))(child_id)
                                 if parent.access_token else None)
             return {"accessToken": tokens[child_id]} if parent.access_token else {}
-        tasks = [asyncio.ensure_future(self.mgr._restore(local.provisional, egress=parent.allow_internet_access,
-                                                         init=init)) for _ in range(count)]
+        egress = parent.allow_internet_access is not False
+        tasks = [asyncio.ensure_future(self.mgr._restore(local.provisional, egress=egress, init=init))
+                 for _ in range(count)]
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
             await committing

@@ -219,7 +219,7 @@ class Snapshotter(NamedSnapshots):
     # ------------------------------------------------------------ records hooks
     def on_created(self, sbx: "Sandbox", *, timeout: float | None, metadata: dict[str, str] | None,
                    auto_pause: bool, env_vars: dict[str, str] | None, access_token: str | None,
-                   allow_internet_access: bool = True) -> None:
+                   allow_internet_access: bool | None = None) -> None:
         now = time.time()
         t = self.default_timeout if timeout is None else timeout
         self.records.put(SandboxRecord(
@@ -493,7 +493,7 @@ class Snapshotter(NamedSnapshots):
                     image = await asyncio.to_thread(BlockImage.open, self.mgr.store, _digest(snap.disk_top), sid,
                                                     upper_dir=sdir / "upper", fresh_upper=True)
                     self.mgr.nbd.add_export(image)
-                    netfields = await self.mgr.networks.attach(sid, rec.allow_internet_access)
+                    netfields = await self.mgr.networks.attach(sid, rec.allow_internet_access is not False)
                     spec = VmSpec(name=sid, kernel=self.mgr.guest.kernel, initrd=self.mgr.guest.initrd,
                                   kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
                                   vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]

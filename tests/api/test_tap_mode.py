@@ -22,18 +22,36 @@ pytestmark = pytest.mark.qemu
 
 HTTP_PORT = 8080
 # The "internet": a namespace with a veth to the host, routed back to the sandboxes.
+# Names and a /30 in 10.203.0.0/16 of this test process (others may run this file at once).
 OUTSIDE_NS = f"aenvtest-out-{os.getpid()}"
 OUTSIDE_HOST_IF = f"aeto{os.getpid() % 100000}"
-OUTSIDE_HOST_IP, OUTSIDE_IP = "10.203.7.1", "10.203.7.2"
 LISTENER = """
 import socket, sys
-s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-print("ready", flush=True)
+s = socket.create_server(("0.0.0.0", 0))
+print("ready", s.getsockname()[1], flush=True)
 while True:
     c, addr = s.accept()
     print(addr[0], flush=True)
     c.close()
 """
+
+
+def free_outside_net() -> tuple[str, str]:
+    """A /30 in 10.203.0.0/16 with no address on the host: (host address, namespace address)."""
+    used = subprocess.run(["ip", "-br", "-4", "addr"], capture_output=True, text=True, check=True).stdout
+    for i in range(os.getpid() % 16384, os.getpid() % 16384 + 16384):
+        base = (i % 16384) * 4
+        host_ip = f"10.203.{base >> 8}.{(base & 255) + 1}"
+        if f" {host_ip}/" not in used:
+            return host_ip, f"10.203.{base >> 8}.{(base & 255) + 2}"
+    raise AssertionError("no free /30 in 10.203.0.0/16")
+
+
+def node_prefix(data_dir: Path) -> str:
+    """``aenv-<tag>-``: the namespaces of the node on ``data_dir`` (and no other node's)."""
+    from aenv_api.cli.server import _run_root
+    from aenv_vm.net.netns import node_tag
+    return f"aenv-{node_tag(_run_root(data_dir))}-"
 
 
 def netns_names() -> set[str]:
@@ -54,13 +72,13 @@ def _ip(*args: str) -> None:
 def tap_server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     _require(os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "nft", "nsenter")),
              "tap mode needs root, iproute2, nftables and util-linux")
-    before = {n for n in netns_names() if n.startswith("aenv-")}
+    prefix = node_prefix(node_data_dir)
     srv = start_server(node_data_dir, tmp_path_factory.mktemp("tap-logs"), env={"AENV_VM__NETWORK": "tap"})
     try:
         yield srv
     finally:
         srv.stop()   # asserts: clean exit, no QEMU left
-    left = {n for n in netns_names() if n.startswith("aenv-")} - before
+    left = {n for n in netns_names() if n.startswith(prefix)}
     assert not left, f"namespaces left after the server stopped: {left}"
 
 
@@ -69,23 +87,24 @@ def outside() -> Iterator[tuple[str, int, Path]]:
     """A TCP listener at OUTSIDE_IP in a namespace of its own: (address, port, file of peers)."""
     _ip("netns", "add", OUTSIDE_NS)
     proc = None
+    outside_host_ip, outside_ip = free_outside_net()
     try:
         _ip("link", "add", OUTSIDE_HOST_IF, "type", "veth", "peer", "name", "eth0", "netns", OUTSIDE_NS)
-        _ip("addr", "add", f"{OUTSIDE_HOST_IP}/30", "dev", OUTSIDE_HOST_IF)
+        _ip("addr", "add", f"{outside_host_ip}/30", "dev", OUTSIDE_HOST_IF)
         _ip("link", "set", OUTSIDE_HOST_IF, "up")
-        _ip("-n", OUTSIDE_NS, "addr", "add", f"{OUTSIDE_IP}/30", "dev", "eth0")
+        _ip("-n", OUTSIDE_NS, "addr", "add", f"{outside_ip}/30", "dev", "eth0")
         _ip("-n", OUTSIDE_NS, "link", "set", "eth0", "up")
-        _ip("-n", OUTSIDE_NS, "route", "add", "default", "via", OUTSIDE_HOST_IP)
-        port = 9777
+        _ip("-n", OUTSIDE_NS, "route", "add", "default", "via", outside_host_ip)
         peers = Path(f"/tmp/aenvtest-peers-{os.getpid()}")
         with open(peers, "w") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", OUTSIDE_NS, sys.executable, "-c", LISTENER, str(port)],
+            proc = subprocess.Popen(["ip", "netns", "exec", OUTSIDE_NS, sys.executable, "-c", LISTENER],
                                     stdout=out, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while "ready" not in peers.read_text():
             assert time.monotonic() < deadline and proc.poll() is None, "listener did not start"
             time.sleep(0.05)
-        yield OUTSIDE_IP, port, peers
+        port = int(peers.read_text().split()[1])
+        yield outside_ip, port, peers
     finally:
         if proc is not None:
             proc.kill()
@@ -121,7 +140,7 @@ def get_via_proxy(server: Server, sid: str, port: int = HTTP_PORT, timeout: floa
 
 
 def probe(sbx, addr: str, port: int) -> str:  # type: ignore[no-untyped-def]
-    return sbx.commands.run(f"timeout 3 bash -c 'echo > /dev/tcp/{addr}/{port}' && echo ok || echo blocked",
+    return sbx.commands.run(f"timeout 5 bash -c 'echo > /dev/tcp/{addr}/{port}' && echo ok || echo blocked",
                             timeout=30).stdout.strip()
 
 
@@ -164,16 +183,18 @@ def test_allow_internet_access_kept_across_pause(sdk: Server, outside: tuple[str
 
     addr, port, peers = outside
     on = Sandbox.create(timeout=600)
-    off = Sandbox.create(timeout=600, allow_internet_access=False)
+    off = Sandbox.create(timeout=600, network={"deny_out": ["0.0.0.0/0"]})   # = allow_internet_access=False
     try:
+        assert on.get_info().allow_internet_access is None and off.get_info().allow_internet_access is False
         assert probe(on, addr, port) == "ok"
         assert probe(off, addr, port) == "blocked"
-        seen = peers.read_text().split()[1:]
+        seen = peers.read_text().split()[2:]
         assert len(seen) == 1 and seen[0].startswith("10.201.")   # masqueraded to its namespace address
         off.pause()
         again = Sandbox.connect(off.sandbox_id)
         assert probe(again, addr, port) == "blocked"          # the setting survived pause/resume
-        assert len(peers.read_text().split()[1:]) == 1
+        assert again.get_info().allow_internet_access is False
+        assert len(peers.read_text().split()[2:]) == 1
     finally:
         on.kill()
         off.kill()
