@@ -293,3 +293,27 @@ def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
     assert len(accepted) == 1
     assert not qemu_children()
     shutil.rmtree(tmp_path / "templates", ignore_errors=True)
+
+
+def test_doctor_reports_tap_networking(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from aenv_vm.doctor import Status, check_tap_network
+
+    problems = networks.tap_problems()
+    check = check_tap_network(tmp_path, "tap")
+    if os.geteuid() == 0 and not problems:
+        assert check.status is Status.OK and "tap mode works here" in check.detail
+    else:
+        assert check.status is Status.FAIL and "tap mode cannot work" in check.detail
+        assert check_tap_network(tmp_path, "user").status is Status.WARN
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_")}
+    done = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "doctor", "--json", "--no-probe",
+                           "--data-dir", str(tmp_path / "data")], cwd=repo, capture_output=True, text=True,
+                          env={**env, "AENV_VM__NETWORK": "tap"}, timeout=120)
+    rows = {r["check"]: r for r in json.loads(done.stdout)}
+    assert rows["network (configured: tap)"]["status"] == check.status.value
+    assert netns.list_namespaces(netns.node_tag(tmp_path / "data" / "doctor-probe")) == []   # probe removed
