@@ -30,6 +30,7 @@ call these functions in a worker thread (``asyncio.to_thread``).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -232,6 +233,17 @@ def destroy(net: SandboxNet | str) -> None:
                 except NetlinkError as e:
                     if e.code != errno.ENODEV:
                         raise NetError(f"removing {net.host_if} failed: {e}") from None
+        _abort_host_sockets(net.ns_ip)
+
+
+def _abort_host_sockets(ns_ip: str) -> None:
+    """Abort this host's TCP sockets to a removed sandbox's address. Its guest vanished
+    without a FIN, so a keep-alive connection (the API proxy pools them) would stay open
+    and, once the /30 is given to a new sandbox, carry a request to that sandbox's guest,
+    which resets it: a failed request. ``ss -K`` (sock_destroy) closes them now. Best
+    effort: a kernel without CONFIG_INET_DIAG_DESTROY leaves them to the keep-alive timeout."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["ss", "-K", "-t", "dst", ns_ip], capture_output=True, timeout=10)
 
 
 def list_namespaces(tag: str) -> list[str]:

@@ -317,3 +317,40 @@ def test_doctor_reports_tap_networking(tmp_path: Path) -> None:
     rows = {r["check"]: r for r in json.loads(done.stdout)}
     assert rows["network (configured: tap)"]["status"] == check.status.value
     assert netns.list_namespaces(netns.node_tag(tmp_path / "data" / "doctor-probe")) == []   # probe removed
+
+
+def test_destroy_aborts_host_connections(tmp_path: Path) -> None:
+    """A host connection into a removed namespace is aborted at once, not left to a
+    keep-alive pool that would later send it to the next sandbox on that address."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    import subprocess
+    import sys
+
+    net = netns.create(netns.node_tag(tmp_path), "sbx-sockets000001")
+    server = None
+    try:
+        # the guest's address answered by the namespace itself (no VM needed for this)
+        subprocess.run(["ip", "-n", net.name, "addr", "add", f"{netns.GUEST_IP}/32", "dev", "lo"], check=True)
+        server = subprocess.Popen(["ip", "netns", "exec", net.name, sys.executable, "-c",
+                                   "import socket,time\ns=socket.create_server(('0.0.0.0',8123))\n"
+                                   "print('ready',flush=True)\nc,_=s.accept()\ntime.sleep(60)"],
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        conn = socket.create_connection(net.endpoint(8123), timeout=5)   # DNAT to the "guest"
+        conn.settimeout(5)
+        netns.destroy(net)
+        try:
+            data = conn.recv(1)
+        except TimeoutError:
+            pytest.fail("the connection into the removed namespace was not aborted")
+        except OSError:   # ECONNABORTED
+            data = b""
+        assert data == b""
+        conn.close()
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        netns.destroy(net)
+    assert netns.list_namespaces(netns.node_tag(tmp_path)) == []
