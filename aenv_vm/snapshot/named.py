@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import shutil
 import time
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from ..sandbox import Sandbox
 
 MAX_FORK = 16
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class NamedSnapshots:
     _tokens: dict
     last_fork_snapshot: float | None
     last_fork_timing: dict[str, float] | None
+    _fork_commits: dict[str, asyncio.Task]
 
     async def snapshot(self, sid: str, name: str | None = None, *, hidden: bool = False) -> tuple[str, list[str]]:
         """A named snapshot of a running sandbox, usable as a template. The VM is
@@ -89,6 +92,7 @@ class NamedSnapshots:
         everything a restore on this node needs, nothing committed yet."""
         async with self.lock(sid):
             sbx = self._running(sid)
+            await self._template_committed(sbx)
             tpl = sbx.template
             tid = f"tpl-{secrets.token_hex(6)}"
             d = self.mgr.run_root / "templates" / tid
@@ -150,9 +154,10 @@ class NamedSnapshots:
         """``count`` children of a running sandbox, started concurrently from one snapshot.
         A secured parent's children get ``access_token(child id)`` (default: random).
 
-        The children restore from the snapshot's local files while the snapshot is
-        committed to the store (its ids are needed only from the children's first
-        pause on); they become visible (sandboxes, records) once it is committed."""
+        The children restore from the snapshot's local files; the snapshot is
+        committed to the store in the background once they answer (so that it does
+        not compete with them for the CPU). Its ids are needed only from a child's
+        first pause or snapshot on, which wait for that commit (``_template_committed``)."""
         if not 1 <= count <= MAX_FORK:
             raise SnapshotError(f"fork count must be 1..{MAX_FORK}, got {count}")
         parent = self.record(sid)
@@ -160,13 +165,6 @@ class NamedSnapshots:
         local = await self._snapshot_local(sid, hidden=True)
         tid = local.tid
         self._tokens[tid] = local.token     # what the children's envd holds until their /init
-        commit_s: list[float] = []
-
-        def commit() -> None:
-            tc = time.monotonic()
-            self._snapshot_commit(local, None)
-            commit_s.append(time.monotonic() - tc)
-        committing = asyncio.ensure_future(asyncio.to_thread(commit))
         t1 = time.monotonic()
         tokens: dict[str, str | None] = {}
 
@@ -178,10 +176,11 @@ class NamedSnapshots:
         egress = parent.allow_internet_access is not False
         tasks = [asyncio.ensure_future(self.mgr._restore(local.provisional, egress=egress, init=init))
                  for _ in range(count)]
+        answered: list[float] = []      # when each child's /init answered (or it failed)
+        for task in tasks:
+            task.add_done_callback(lambda _t: answered.append(time.monotonic()))
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
-            await committing
-            tpl = self.mgr._template(tid)
         except BaseException:
             # nobody else knows these children yet: stop them (and anything still starting)
             for t in tasks:
@@ -196,21 +195,54 @@ class NamedSnapshots:
             raise
         kids = [r for r in results if not isinstance(r, BaseException)]
         self.last_fork_snapshot = t1 - t0
-        self.last_fork_timing = {**local.timing, "commit (concurrent)": commit_s[0]}
+        self.last_fork_timing = {**local.timing, "children answering": max(answered) - t1}
+        if kids:
+            self._fork_commits[tid] = asyncio.get_running_loop().create_task(self._commit_fork(local))
+        else:   # every child failed: nothing uses the snapshot
+            shutil.rmtree(local.dir, ignore_errors=True)
+            self._tokens.pop(tid, None)
         for k in kids:
-            k.template = tpl
             self.mgr.sandboxes[k.id] = k
             self.on_created(k, timeout=parent.timeout if timeout is None else timeout,
                             metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
                             env_vars=parent.env_vars, access_token=tokens[k.id],
                             allow_internet_access=parent.allow_internet_access)
-        self._drop_unused_fork(tid)   # every child failed: nothing uses the snapshot
         out: list[Sandbox | Exception] = []
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r
             out.append(r)  # type: ignore[arg-type]
         return out
+
+    async def _commit_fork(self, local: _LocalSnapshot) -> None:
+        """A fork's hidden snapshot to the store (background); then its children carry
+        the committed template. On failure the task keeps the error: their pauses fail
+        with it (there is no memory image in the store to take a delta over)."""
+        tc = time.monotonic()
+        try:
+            await asyncio.to_thread(self._snapshot_commit, local, None)
+            tpl = self.mgr._template(local.tid)
+        except Exception as e:
+            log.error("fork snapshot %s could not be committed: %s", local.tid, e)
+            raise
+        for sbx in self.mgr.sandboxes.values():
+            if sbx.template.id == local.tid:
+                sbx.template = tpl
+        self._fork_commits.pop(local.tid, None)
+        if self.last_fork_timing is not None:
+            self.last_fork_timing["commit (background)"] = time.monotonic() - tc
+        self._drop_unused_fork(local.tid)   # its children may all be gone already
+
+    async def _template_committed(self, sbx: "Sandbox") -> None:
+        """Wait until the template ``sbx`` runs on is in the store (a fork child's, right
+        after the fork); ``sbx.template`` is then the committed one."""
+        pending = self._fork_commits.get(sbx.template.id)
+        if pending is not None:
+            try:
+                await asyncio.shield(pending)
+            except Exception as e:
+                raise SnapshotError(f"sandbox {sbx.id}: its fork snapshot {sbx.template.id} was not committed "
+                                    f"to the store ({e}): it cannot be paused or snapshotted") from None
 
     def list_snapshots(self) -> list[SnapshotInfo]:
         out = []

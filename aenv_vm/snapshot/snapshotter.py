@@ -138,6 +138,7 @@ class Snapshotter(NamedSnapshots):
         self.last_resume: ResumeTiming | None = None
         self.last_fork_snapshot: float | None = None      # seconds the fork's snapshot took (until restorable)
         self.last_fork_timing: dict[str, float] | None = None
+        self._fork_commits: dict[str, asyncio.Task] = {}         # fork snapshot id → its background commit
 
     # ------------------------------------------------------------ helpers
     def lock(self, sid: str) -> asyncio.Lock:
@@ -182,6 +183,7 @@ class Snapshotter(NamedSnapshots):
                        flush: list[asyncio.Future] | None = None) -> _Capture:
         """Stop the VM and take its device state and private pages (the VM stays stopped).
         ``flush``: also start the disk flush right after the stop (it overlaps the rest)."""
+        await self._template_committed(sbx)
         vm = sbx.vm
         assert vm.qmp is not None and vm.spec.mem_path is not None
         cfg = await self._config(sbx.template)
@@ -567,7 +569,7 @@ class Snapshotter(NamedSnapshots):
             with contextlib.suppress(Exception):
                 await self._ttl
             self._ttl = None
-        for task in list(self._commits.values()):
+        for task in list(self._commits.values()) + list(self._fork_commits.values()):
             with contextlib.suppress(Exception):
                 await task
         for sid in list(self._held) + list(self._standby):

@@ -63,11 +63,12 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
                 assert await ash(parent.envd_port, f"cat /home/user/fork-{i} 2>/dev/null || echo absent",
                                  T) == "absent"
             assert (await read_counter(parent.envd_port, T))[1:] == (digest, pid)  # parent resumed with its id
-            # children restored while the fork's snapshot was being committed end up on the
-            # committed template: a child pauses (a delta over its memory image) and resumes
+            # the fork's snapshot is committed in the background: a child's pause waits for it
+            # and takes its delta over the committed memory image; the child resumes from it
             k0 = kids[0]
-            assert k0.template == mgr._template(mgr.record(k0.id).template)  # type: ignore[union-attr]
-            await mgr.pause(k0.id)                                       # type: ignore[union-attr]
+            rec0 = await mgr.pause(k0.id)                                # type: ignore[union-attr]
+            assert rec0.snapshot is not None
+            assert rec0.snapshot.base == mgr._template(rec0.template).memory.hex()
             k0 = await mgr.resume(k0.id)                                 # type: ignore[union-attr]
             assert await ash(k0.envd_port, "cat /home/user/fork-0", tokens[0]) == "0"
             assert (await read_counter(k0.envd_port, tokens[0]))[1:] == (digest, pid)
