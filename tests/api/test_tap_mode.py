@@ -147,10 +147,18 @@ def probe(sbx, addr: str, port: int) -> str:  # type: ignore[no-untyped-def]
 def test_create_run_other_port_and_fork(sdk: Server) -> None:
     from e2b import Sandbox
 
+    # the warm pool works in tap mode: its clone waits in a namespace of its own and is handed out
+    prefix = node_prefix(sdk.data_dir)
+    deadline = time.monotonic() + 120
+    while 'aenv_sandboxes{state="pooled"} 1' not in sdk.request("GET", "/metrics")[2].decode():
+        assert time.monotonic() < deadline, "the pool was not filled"
+        time.sleep(0.5)
+    pooled = {n for n in netns_names() if n.startswith(prefix)}
     s = Sandbox.create(timeout=600)
     children: list = []
     try:
         [ns] = sandbox_netns(s.sandbox_id)
+        assert ns in pooled
         out = s.commands.run("hostname; ip -br -4 addr show eth0").stdout
         assert out.split("\n")[0] == s.sandbox_id and "10.0.2.15/" in out
         # the host side: the namespace's veth address, not 127.0.0.1
