@@ -16,6 +16,9 @@ class VmConfig:
     # Guest memory (MiB) and vCPUs of templates built without explicit values.
     memory_mib: int = 256
     vcpus: int = 1
+    # Root disk of such templates in MiB (0: the guest image's size, 1 GiB); larger disks
+    # are grown inside the guest at template build (sparse: unwritten space costs nothing).
+    disk_mib: int = 0
     # "auto": KVM only if a probe VM boots with it (aenv_vm/qemu/accel.py), else TCG.
     # "tcg" or "kvm" force one (kvm fails clearly where it does not work).
     accel: str = "auto"
@@ -53,6 +56,8 @@ class VmConfig:
             raise ConfigError(f"vm.memory_mib must be >= 64, got {self.memory_mib}")
         if self.vcpus < 1:
             raise ConfigError(f"vm.vcpus must be >= 1, got {self.vcpus}")
+        if self.disk_mib < 0:
+            raise ConfigError(f"vm.disk_mib must be >= 0, got {self.disk_mib}")
         if self.network not in ("user", "tap"):
             raise ConfigError(f"vm.network must be user or tap, got {self.network!r}")
         if self.accel not in ("auto", "tcg", "kvm"):

@@ -42,6 +42,7 @@ TEMPLATE_KIND = "template"
 MEMORY_IMAGE = "application/vnd.aenv.memory-image"
 DEVICE_STATE = "application/vnd.aenv.device-state"
 ALIAS_PREFIX = "template."
+MAX_DISK_MIB = 1 << 20    # 1 TiB: the upper layer and NBD export are sparse; this bounds typos
 
 
 class TemplateError(VmError):
@@ -60,6 +61,7 @@ class Template:
     guest_key: str
     kernel_cmdline: str
     created: float
+    disk_mib: int = 0    # root disk size (0: a record from before sizes were recorded)
 
     @classmethod
     def from_record(cls, rec: CatalogRecord) -> "Template":
@@ -70,7 +72,8 @@ class Template:
             return cls(id=rec.name, disk=rec.manifest(DISK_ROLE), memory=rec.manifest("memory"),
                        device_state=rec.manifest("state"), memory_mib=int(meta["memory_mib"]),
                        vcpus=int(meta["vcpus"]), accel=meta["accel"], guest_key=meta["guest_key"],
-                       kernel_cmdline=meta["kernel_cmdline"], created=rec.created)
+                       kernel_cmdline=meta["kernel_cmdline"], created=rec.created,
+                       disk_mib=int(meta.get("disk_mib", "0")))
         except (KeyError, ValueError) as e:
             raise TemplateError(f"template record {rec.name} is incomplete: {e}") from None
 
@@ -152,11 +155,20 @@ def _put_file(ws, path: Path, media_type: str, meta: dict[str, str]) -> Digest: 
 
 async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, alias: str | None = None,
                          memory_mib: int = 256, vcpus: int = 1, accel: Accel = "tcg",
-                         boot_timeout: float = 180.0) -> Template:
-    """Cold-boot the guest once and commit it as a template (see the module doc)."""
+                         disk_mib: int | None = None, boot_timeout: float = 180.0) -> Template:
+    """Cold-boot the guest once and commit it as a template (see the module doc).
+    ``disk_mib``: root disk size (None: the guest image's); a larger disk is grown
+    inside the booted guest (online ``resize2fs``) before the snapshot, so every
+    sandbox of the template starts with the space, in its memory and on its disk."""
     work_dir.mkdir(parents=True, exist_ok=True)
     layer = await asyncio.to_thread(base_layer, store, guest)
-    image = BlockImage.open(store, layer, "template-build", upper_dir=work_dir / "upper")
+    image_mib = store.load_manifest(layer).size >> 20
+    if disk_mib is not None and disk_mib < image_mib:
+        raise TemplateError(f"disk_mib {disk_mib} is smaller than the guest image ({image_mib} MiB)")
+    if disk_mib is not None and disk_mib > MAX_DISK_MIB:
+        raise TemplateError(f"disk_mib {disk_mib} is larger than {MAX_DISK_MIB} MiB")
+    disk_mib = image_mib if disk_mib is None else disk_mib
+    image = BlockImage.open(store, layer, "template-build", upper_dir=work_dir / "upper", size=disk_mib << 20)
     server = NbdServer(work_dir / "nbd.sock")
     server.add_export(image)
     # Under TCG, guest ASLR makes every new process map bash and its libraries at
@@ -178,6 +190,12 @@ async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, ali
             # Run the command path once per user before freezing: bash, its libraries and
             # profiles are then in the template's guest page cache, which clones share
             # instead of each reading them over NBD into private (copy-on-write) pages.
+            if disk_mib > image_mib:
+                grown = await asyncio.to_thread(run_command, spec.host_port, "resize2fs /dev/vda", user="root",
+                                                timeout=120.0)
+                if grown.exit_code != 0:
+                    raise VmError(f"growing the root filesystem to {disk_mib} MiB failed: "
+                                  f"{grown.stderr.decode(errors='replace').strip()}")
             for user in ("root", "user"):
                 result = await asyncio.to_thread(run_command, spec.host_port, "true", user=user, timeout=60.0)
                 if result.exit_code != 0:
@@ -195,7 +213,7 @@ async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, ali
             with store.workspace() as ws:
                 mem = _put_file(ws, work_dir / "memory", MEMORY_IMAGE, {"template": tid})
                 state = _put_file(ws, work_dir / "device-state", DEVICE_STATE, {"template": tid})
-                meta = {"memory_mib": str(memory_mib), "vcpus": str(vcpus), "accel": accel,
+                meta = {"memory_mib": str(memory_mib), "vcpus": str(vcpus), "accel": accel, "disk_mib": str(disk_mib),
                         "guest_key": guest.key, "kernel_release": guest.kernel_release,
                         "kernel_cmdline": cmdline}
                 ws.commit(CatalogRecord(name=tid, kind=TEMPLATE_KIND,

@@ -105,7 +105,8 @@ async def _prepare_template(store: Any, guest: Any, cfg: Any, server_cfg: Any) -
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
         tpl = await build_template(store, guest, Path(work), alias=server_cfg.default_template,
-                                   memory_mib=vm.memory_mib, vcpus=vm.vcpus, accel=accel)  # type: ignore[arg-type]
+                                   memory_mib=vm.memory_mib, vcpus=vm.vcpus, accel=accel,  # type: ignore[arg-type]
+                                   disk_mib=vm.disk_mib or None)
     say(f"template {server_cfg.default_template!r} = {tpl.id} built in {time.monotonic() - t0:.1f} s")
     return tpl
 

@@ -20,6 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("alias", nargs="?", default="base", help="alias to give the template (default: base)")
     b.add_argument("--memory-mib", type=int, default=None, help="guest memory in MiB (default: [vm] memory_mib, 256)")
     b.add_argument("--vcpus", type=int, default=None, help="guest vCPUs (default: [vm] vcpus, 1)")
+    b.add_argument("--disk-mib", type=int, default=None,
+                   help="root disk size in MiB, at least the guest image's (default: [vm] disk_mib; 0 = the image's)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler=cmd_build)
     ls = sub.add_parser("ls", parents=[common_options()], help="list templates")
@@ -38,6 +40,7 @@ def _open_store(args: argparse.Namespace, create: bool = False):  # type: ignore
 
 def _row(tpl, aliases: list[str]) -> dict:  # type: ignore[no-untyped-def]
     return {"id": tpl.id, "aliases": ",".join(aliases), "memory_mib": tpl.memory_mib, "vcpus": tpl.vcpus,
+            "disk_mib": tpl.disk_mib,
             "accel": tpl.accel, "guest": tpl.guest_key,
             "created": datetime.datetime.fromtimestamp(tpl.created).isoformat(timespec="seconds")}
 
@@ -52,8 +55,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     vm = cfg.section("vm")
     memory_mib = vm.memory_mib if args.memory_mib is None else args.memory_mib
     vcpus = vm.vcpus if args.vcpus is None else args.vcpus
-    if memory_mib < 64 or vcpus < 1:
-        raise CliError("--memory-mib must be >= 64 and --vcpus >= 1")
+    disk_mib = vm.disk_mib if args.disk_mib is None else args.disk_mib
+    if memory_mib < 64 or vcpus < 1 or disk_mib < 0:
+        raise CliError("--memory-mib must be >= 64, --vcpus >= 1 and --disk-mib >= 0")
     try:
         guest = ensure_guest()
         if vm.accel == "auto":
@@ -67,7 +71,8 @@ def cmd_build(args: argparse.Namespace) -> int:
             cfg.data_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
                 tpl = asyncio.run(build_template(store, guest, Path(work), alias=args.alias,
-                                                 memory_mib=memory_mib, vcpus=vcpus, accel=accel))
+                                                 memory_mib=memory_mib, vcpus=vcpus, accel=accel,
+                                                 disk_mib=disk_mib or None))
     except VmError as e:
         raise CliError(str(e), 1) from None
     row = _row(tpl, [args.alias])
@@ -83,7 +88,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows, out=sys.stdout)
     else:
-        print_table(rows, ["id", "aliases", "memory_mib", "vcpus", "accel", "guest", "created"], out=sys.stdout)
+        print_table(rows, ["id", "aliases", "memory_mib", "vcpus", "disk_mib", "accel", "guest", "created"], out=sys.stdout)
     return 0
 
 

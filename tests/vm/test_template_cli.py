@@ -1,6 +1,7 @@
 """`aenv template build|ls|rm` through the real CLI entry point."""
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -15,11 +16,37 @@ def test_bad_sizes_are_rejected(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert "aenv: error: --memory-mib must be >= 64" in capsys.readouterr().err
 
 
+def _check_disk_size(guest: GuestImage, data: Path, template: str, mib: int) -> None:
+    """A sandbox of the template sees a root filesystem grown to the template's disk size."""
+    from aenv_api.config import load_config
+    from aenv_store.store import Store
+    from aenv_vm.envd_client import run_command
+    from aenv_vm.sandbox import SandboxManager
+
+    async def run() -> None:
+        with Store.open(load_config(data_dir=data).store_settings()) as store:
+            async with SandboxManager(store, guest, data / "node") as mgr:
+                sbx = await mgr.create(template)
+                try:
+                    res = await asyncio.to_thread(run_command, sbx.envd_port, "df -BM --output=size / | tail -1",
+                                                  user="root", timeout=60.0)
+                    size = int(res.stdout.decode().strip().rstrip("M"))
+                    # ext4 keeps a few % for its own metadata; the 1 GiB image would show ~990
+                    assert mib * 0.95 < size <= mib, size
+                finally:
+                    await mgr.kill(sbx.id)
+    asyncio.run(run())
+
+
 @pytest.mark.qemu
 def test_build_ls_rm(guest: GuestImage, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     data = ["--data-dir", str(tmp_path / "data")]
-    assert main(["template", "build", "cli-tpl", "--json", *data]) == 0
+    assert main(["template", "build", "cli-tpl", "--disk-mib", "100", *data]) == 1
+    assert "aenv: error: disk_mib 100 is smaller than the guest image (1024 MiB)" in capsys.readouterr().err
+    assert main(["template", "build", "cli-tpl", "--json", "--disk-mib", "1536", *data]) == 0
     built = json.loads(capsys.readouterr().out)
+    assert built["disk_mib"] == 1536
+    _check_disk_size(guest, tmp_path / "data", "cli-tpl", 1536)
     # The guest key is the build's current one (it moves if envd/ is edited during a run).
     assert built["id"].startswith("tpl-") and built["aliases"] == "cli-tpl" and len(built["guest"]) == 16
     assert main(["template", "ls", "--json", *data]) == 0
