@@ -31,9 +31,11 @@ call these functions in a worker thread (``asyncio.to_thread``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
+import ipaddress
 import os
 import shutil
 import socket
@@ -46,6 +48,7 @@ from ..qemu.errors import VmError
 
 GUEST_IP = "10.0.2.15"
 TAP_ADDR = "10.0.2.2"
+SLIRP_DNS = "10.0.2.3"          # the resolver user-mode networking gives guests
 TAP_MAC = "52:55:0a:00:02:02"   # QEMU slirp's gateway MAC (what template guests have cached)
 ENVD_PORT = 49983
 NETNS_DIR = Path("/run/netns")
@@ -65,6 +68,7 @@ class SandboxNet:
     host_ip: str
     ns_ip: str
     egress: bool
+    dns: str | None = None  # the guest's resolver 10.0.2.3 is DNATed here (the host's nameserver)
 
     @property
     def envd_host(self) -> str:
@@ -96,7 +100,30 @@ def _nsenter(name: str, argv: list[str], stdin: str | None = None) -> None:
         raise NetError(f"{' '.join(argv)} in netns {name} failed: {done.stderr.strip()}")
 
 
-def _ruleset(egress: bool) -> str:
+def host_nameserver(resolv_conf: Path = Path("/etc/resolv.conf")) -> str | None:
+    """The host's first IPv4 nameserver a namespace can reach (not a loopback one, like
+    systemd-resolved's 127.0.0.53), or None."""
+    try:
+        lines = resolv_conf.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "nameserver":
+            try:
+                addr = ipaddress.ip_address(parts[1])
+            except ValueError:
+                continue
+            if addr.version == 4 and not addr.is_loopback and not addr.is_unspecified:
+                return str(addr)
+    return None
+
+
+def _ruleset(egress: bool, dns: str | None = None) -> str:
+    # Guests restored from templates made in user mode ask QEMU slirp's resolver 10.0.2.3:
+    # here that is the host's nameserver (subject to the egress filter like any traffic).
+    resolver = "" if dns is None else "".join(
+        f'        iifname "tap0" ip daddr {SLIRP_DNS} {proto} dport 53 dnat to {dns}\n' for proto in ("udp", "tcp"))
     forward = "" if egress else (
         '        iifname "tap0" oifname "eth0" ct state established,related accept\n'
         '        iifname "tap0" oifname "eth0" drop\n')
@@ -105,6 +132,7 @@ def _ruleset(egress: bool) -> str:
         "    chain dnat_in {\n"
         "        type nat hook prerouting priority -100; policy accept;\n"
         f'        iifname "eth0" meta l4proto tcp dnat to {GUEST_IP}\n'
+        f"{resolver}"
         "    }\n"
         "    chain snat_out {\n"
         "        type nat hook postrouting priority 100; policy accept;\n"
@@ -145,12 +173,14 @@ def used_indexes() -> set[int]:
     return out
 
 
-def create(tag: str, sid: str, index: int | None = None, egress: bool = True) -> SandboxNet:
+def create(tag: str, sid: str, index: int | None = None, egress: bool = True,
+           dns: str | None = None) -> SandboxNet:
     """The namespace, veth pair, tap device and rules of one sandbox. ``index`` picks
     its /30 in 10.201.0.0/16; None takes the lowest one free on this host (under a
     host-wide lock, so concurrent nodes never pick the same). The lock is held only
     until the /30 is claimed (its host address added); the namespace side is set up
-    after, so concurrent creates (a fork's children) overlap there."""
+    after, so concurrent creates (a fork's children) overlap there. ``dns``: where the
+    guest's DNS queries to 10.0.2.3 go (None: nowhere)."""
     from pyroute2 import IPRoute, NetNS
     from pyroute2 import netns as pnetns
     _require_tools()
@@ -165,14 +195,14 @@ def create(tag: str, sid: str, index: int | None = None, egress: bool = True) ->
         elif index in used_indexes():
             raise NetError(f"sandbox network {addresses(index)[0]}/30 is already in use on this host")
         return _create(tag, sid, index, egress, IPRoute, NetNS, pnetns,
-                       claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN))
+                       claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN), dns=dns)
 
 
 def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-untyped-def]
-            IPRoute, NetNS, pnetns, claimed: Callable[[], None]) -> SandboxNet:  # noqa: N803
+            IPRoute, NetNS, pnetns, claimed: Callable[[], None], dns: str | None = None) -> SandboxNet:  # noqa: N803
     host_ip, ns_ip = addresses(index)
     net = SandboxNet(name=f"aenv-{tag}-{sid[-12:]}", index=index, host_if=f"ae{tag}{index:x}"[:15],
-                     host_ip=host_ip, ns_ip=ns_ip, egress=egress)
+                     host_ip=host_ip, ns_ip=ns_ip, egress=egress, dns=dns)
     try:
         pnetns.create(net.name)
         with IPRoute() as ipr:
@@ -192,11 +222,13 @@ def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-unt
             tap = ns.link_lookup(ifname="tap0")[0]
             ns.link("set", index=tap, address=TAP_MAC)
             ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=24)
+            # 10.0.2.3 answers the guest's ARP on tap0, so its DNS queries are sent (then DNATed)
+            ns.addr("add", index=tap, address=SLIRP_DNS, prefixlen=32)
             ns.link("set", index=tap, state="up")
         finally:
             ns.close()
         # one process for both (each nsenter costs ~7 ms here)
-        _nsenter(net.name, ["sh", "-c", "sysctl -q -w net.ipv4.ip_forward=1 && exec nft -f -"], _ruleset(egress))
+        _nsenter(net.name, ["sh", "-c", "sysctl -q -w net.ipv4.ip_forward=1 && exec nft -f -"], _ruleset(egress, dns))
     except BaseException as e:
         destroy(net)
         if isinstance(e, NetError):
@@ -209,8 +241,8 @@ def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-unt
 
 def set_egress(net: SandboxNet, egress: bool) -> SandboxNet:
     """Turn the sandbox's outbound connections on or off (the guest keeps running)."""
-    _nsenter(net.name, ["nft", "-f", "-"], "flush ruleset\n" + _ruleset(egress))
-    return SandboxNet(net.name, net.index, net.host_if, net.host_ip, net.ns_ip, egress)
+    _nsenter(net.name, ["nft", "-f", "-"], "flush ruleset\n" + _ruleset(egress, net.dns))
+    return dataclasses.replace(net, egress=egress)
 
 
 def destroy(net: SandboxNet | str) -> None:

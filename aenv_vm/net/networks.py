@@ -91,6 +91,7 @@ class NodeNetworks:
         self.mode: NetworkMode = mode  # type: ignore[assignment]
         self.tag = netns.node_tag(run_root)
         self._nets: dict[str, SandboxNet] = {}
+        self.dns: str | None = None     # tap: the host nameserver guests' 10.0.2.3 is sent to
 
     @property
     def tap(self) -> bool:
@@ -105,6 +106,10 @@ class NodeNetworks:
         if problems:
             raise NetError("[vm] network = \"tap\" cannot work here: " + "; ".join(problems))
         await asyncio.to_thread(netns.enable_host_egress)
+        self.dns = netns.host_nameserver()
+        if self.dns is None:
+            log.warning("tap networking: no IPv4 nameserver a namespace can reach in /etc/resolv.conf; "
+                        "guests will have no DNS")
 
     async def attach(self, sid: str, egress: bool = True) -> dict[str, object]:
         """The ``VmSpec`` fields that network sandbox ``sid``: a free host port (user), or
@@ -112,7 +117,7 @@ class NodeNetworks:
         if not self.tap:
             return {"host_port": free_port(), "netns": None, "net_restrict": not egress}
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
-        net = await asyncio.to_thread(netns.create, self.tag, sid, None, egress)  # pyroute2 has its own loop
+        net = await asyncio.to_thread(netns.create, self.tag, sid, None, egress, self.dns)  # pyroute2: own loop
         self._nets[sid] = net
         return {"host_port": None, "netns": net.name}
 
