@@ -354,3 +354,17 @@ def test_destroy_aborts_host_connections(tmp_path: Path) -> None:
             server.wait()
         netns.destroy(net)
     assert netns.list_namespaces(netns.node_tag(tmp_path)) == []
+
+
+def test_host_nameserver_and_rules(tmp_path: Path) -> None:
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("# comment\nnameserver 127.0.0.53\nnameserver ::1\nnameserver fd00::1\nnameserver bogus\n"
+                    "search example\nnameserver 192.0.2.53\nnameserver 198.51.100.1\n")
+    assert netns.host_nameserver(conf) == "192.0.2.53"
+    conf.write_text("nameserver 127.0.0.53\n")
+    assert netns.host_nameserver(conf) is None
+    assert netns.host_nameserver(tmp_path / "missing") is None
+    rules = netns._ruleset(False, "192.0.2.53")
+    assert 'iifname "tap0" ip daddr 10.0.2.3 udp dport 53 dnat to 192.0.2.53' in rules
+    assert 'iifname "eth0" meta l4proto tcp dnat to 10.0.2.15' in rules and 'oifname "eth0" drop' in rules
+    assert "dport 53" not in netns._ruleset(True) and "drop" not in netns._ruleset(True)
