@@ -6,9 +6,15 @@ Sandbox traffic is recognised by the ``E2b-Sandbox-Id`` header (port in
 else is control plane.
 
 Both directions stream: request bodies (chunked ones too) are forwarded as
-they arrive, responses are written out chunk by chunk as they come from the
+they arrive, responses are written out piece by piece as they come from the
 guest — a Connect stream frame or an SSE event is flushed to the client the
-moment envd sends it. WebSocket upgrades are bridged message by message.
+moment envd sends it. The upstream side is the small HTTP/1.1 client of
+upstream.py (chunked answers pass through undecoded); WebSocket upgrades are
+bridged message by message with aiohttp's client.
+
+The proxy's cost is CPU in this process, mostly per send and per wake-up
+(docs/benchmarks.md, "API"): whole bodies go upstream with their head in one
+send, and envd's answers go back in as few sends as envd made pieces.
 
 Security: for a ``secure`` sandbox the envd port requires its
 ``X-Access-Token`` (checked here, and by envd itself); the API key is never
@@ -19,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 from typing import Any
 
@@ -31,6 +36,7 @@ from .auth import check_token
 from .errors import ApiError
 from .lifecycle import ENVD_PORT, Lifecycle
 from .metrics import Metrics
+from .upstream import MAX_HEAD, ChunkedBody, ResponseHead, UpstreamConn, UpstreamError, Upstreams, parse_response_head
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +50,14 @@ _DROP_REQUEST = frozenset(h.lower() for h in (
 _DROP_RESPONSE = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Trailer", "Transfer-Encoding", "Upgrade",
     "Content-Length", "Date", "Server"))
-CONNECT_STREAM = "application/connect+json"
 # Bodies up to this size are read whole and sent with a Content-Length (one write upstream).
 _SMALL_BODY = 64 << 10
 # How long a chunked request body may take to complete before it is relayed piece by piece.
 _BODY_WAIT = 0.005
+
+
+class _Stale(Exception):
+    """A reused connection was closed by the sandbox before any answer."""
 
 
 def parse_host(host: str, domain: str) -> tuple[str, int] | None:
@@ -77,38 +86,6 @@ def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
     return parse_host(request.host, domain)
 
 
-class ConnectFrames:
-    """Follows the Connect envelopes (``[flags u8][length u32 BE][payload]``) of a
-    streamed response piece by piece, however pieces cut them, to tell when the
-    end-of-stream frame (flags & 0x02) is complete. Sans-IO."""
-
-    def __init__(self) -> None:
-        self._head = b""        # bytes of an incomplete 5-byte frame header
-        self._left = 0          # payload bytes of the current frame still to come
-        self._end = False       # the current frame is the end-of-stream frame
-        self.ended = False      # the end-of-stream frame is complete
-
-    def feed(self, data: bytes) -> bool:
-        pos = 0
-        while pos < len(data) and not self.ended:
-            if self._left:
-                take = min(self._left, len(data) - pos)
-                self._left -= take
-                pos += take
-            else:
-                need = 5 - len(self._head)
-                self._head += data[pos:pos + need]
-                pos += min(need, len(data) - pos)
-                if len(self._head) < 5:
-                    break
-                flags, self._left = struct.unpack(">BI", self._head)
-                self._head = b""
-                self._end = bool(flags & 0x02)
-            if not self._left and self._end and not self._head:
-                self.ended = True
-        return self.ended
-
-
 class _RelayResponse(web.StreamResponse):
     """Headers go out with the first piece of the body: one send and one client wake-up
     instead of two (per-piece relaying is most of the proxy's cost, docs/benchmarks.md).
@@ -118,22 +95,48 @@ class _RelayResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+class _PassThrough(_RelayResponse):
+    """A chunked answer relayed as the very bytes the sandbox sent (its chunk framing
+    included): aiohttp neither decodes nor re-encodes it. ``Transfer-Encoding:
+    chunked`` is set by the proxy; the length check is off as for WebSockets."""
+
+    def __init__(self, *, status: int, reason: str | None, immediate: bool) -> None:
+        super().__init__(status=status, reason=reason)
+        self._length_check = False
+        self._send_headers_immediately = immediate
+
+
+def _upstream_head(request: web.Request, host: str, port: int, framing: str, length: int | None) -> bytes:
+    """Request line and headers for the sandbox: hop-by-hop headers, routing headers and
+    the API key dropped; the body's framing as the proxy sends it."""
+    lines = [f"{request.method} {request.rel_url.raw_path_qs} HTTP/1.1", f"Host: {host}:{port}"]
+    for k, v in request.headers.items():
+        if k.lower() not in _DROP_REQUEST:
+            lines.append(f"{k}: {v}")
+    if framing == "chunked":
+        lines.append("Transfer-Encoding: chunked")
+    elif length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+
+
 class SandboxProxy:
     def __init__(self, lifecycle: Lifecycle, metrics: Metrics) -> None:
         self.lifecycle = lifecycle
         self.metrics = metrics
-        self._session: aiohttp.ClientSession | None = None
+        self.upstreams = Upstreams()
+        self._session: aiohttp.ClientSession | None = None   # WebSocket bridging only
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
-                # streams (process output, watchers) may be silent for as long as they like
                 timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_connect=10.0, sock_read=None),
                 auto_decompress=False, skip_auto_headers=("User-Agent",))
         return self._session
 
     async def close(self) -> None:
+        self.upstreams.close()
         if self._session is not None:
             await self._session.close()
 
@@ -143,86 +146,191 @@ class SandboxProxy:
         token, (host, host_port) = await self.lifecycle.target(sid, port)  # host: 127.0.0.1 or a tap netns
         if token and port == ENVD_PORT and not check_token(token, request.headers.get("X-Access-Token")):
             raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
         if request.headers.get("Upgrade", "").lower() == "websocket":
+            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
             return await self._websocket(request, sid, port, f"{host}:{host_port}", headers, rid)
-        url = f"http://{host}:{host_port}{request.rel_url.raw_path_qs}"
-        data: Any = None
+        body: bytes | None = None
+        streamed = False
         chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
         if request.body_exists:
-            body = request.content
+            content = request.content
 
             def complete() -> bool:
-                return body.is_eof() and body.total_bytes <= _SMALL_BODY
+                return content.is_eof() and content.total_bytes <= _SMALL_BODY
             if chunked and not complete():
                 # A streamed body that is complete a moment later (the SDK's server-streaming
                 # RPCs: head, one envelope, then the terminator, as separate writes) goes
-                # upstream whole with a Content-Length: one send instead of three (each send
-                # is most of the proxy's CPU, docs/benchmarks.md). Longer or slower streams
-                # are relayed as they come, after at most this one short wait.
+                # upstream whole with its head and a Content-Length: one send instead of three.
+                # Longer or slower streams are relayed as they come, after this one short wait.
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(body.wait_eof(), _BODY_WAIT)
+                    await asyncio.wait_for(content.wait_eof(), _BODY_WAIT)
             small = not chunked and request.content_length is not None and request.content_length <= _SMALL_BODY
             if complete() or small:
-                data = await request.read()
+                body = await request.read()
             else:
-                if request.content_length is not None and not chunked:
-                    headers.append(("Content-Length", str(request.content_length)))
-                data = request.content.iter_any()
-        skip = {"Accept", "Accept-Encoding", "Content-Type"} - {k for k, _ in headers}
+                streamed = True
+        if streamed:
+            framing = "length" if request.content_length is not None and not chunked else "chunked"
+            head = _upstream_head(request, host, host_port, framing, request.content_length)
+        else:
+            head = _upstream_head(request, host, host_port, "length" if body is not None else "none",
+                                  len(body) if body is not None else None)
+        conn: UpstreamConn | None = None
+        sender: asyncio.Future[None] | None = None
         try:
-            upstream = await self._client().request(
-                request.method, url, headers=headers, data=data, allow_redirects=False,
-                skip_auto_headers=skip, compress=None, chunked=None)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+            for attempt in (0, 1):
+                try:
+                    conn, reused = await self.upstreams.acquire(host, host_port)
+                except (OSError, asyncio.TimeoutError) as e:
+                    raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open "
+                                        f"({e.__class__.__name__})", sandboxId=sid, port=port) from None
+                if streamed:
+                    conn.write(head)
+                    sender = asyncio.ensure_future(self._send_body(request, conn, framing == "chunked"))
+                else:
+                    conn.write(head + body if body else head)
+                try:
+                    resp_head, rest = await self._answer(conn, request.method, sender)
+                    break
+                except _Stale:
+                    # A kept-alive connection the sandbox had closed: nothing was answered, so
+                    # the request (whole in memory) is sent once more on a fresh one.
+                    conn.close()
+                    conn = None
+                    if not reused or streamed or attempt:
+                        raise ApiError(502, f"The sandbox {sid} closed the connection to port {port} without "
+                                            f"an answer", sandboxId=sid, port=port) from None
+            assert conn is not None
+            return await self._relay(request, conn, resp_head, rest, sender, sid, port, t0, rid)
+        except HttpProcessingError:
+            raise
+        except (UpstreamError, ValueError, OSError) as e:
             bad_body = request.content.exception()
             if isinstance(bad_body, HttpProcessingError):  # the client's framing broke, not the sandbox: 400
                 raise bad_body from None
-            raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open ({e.__class__.__name__})",
+            raise ApiError(502, f"The sandbox {sid} answered on port {port} with a broken response ({e})",
                            sandboxId=sid, port=port) from None
-        try:
-            return await self._relay(request, upstream, sid, port, t0, rid)
         finally:
-            upstream.release()
+            if sender is not None and not sender.done():
+                sender.cancel()
+                with contextlib.suppress(BaseException):
+                    await sender
+            if conn is not None and not conn.in_pool:
+                conn.close()
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, sid: str, port: int,
-                     t0: float, rid: str) -> web.StreamResponse:
-        sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        cls = _RelayResponse if port == ENVD_PORT and not sse else web.StreamResponse
-        resp = cls(status=upstream.status, reason=upstream.reason)
-        for k, v in upstream.headers.items():
+    @staticmethod
+    async def _send_body(request: web.Request, conn: UpstreamConn, chunk: bool) -> None:
+        """Relay a request body that streams, piece by piece, as it arrives."""
+        async for piece in request.content.iter_any():
+            if piece:
+                conn.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunk else piece)
+                await conn.drain()
+        if chunk:
+            conn.write(b"0\r\n\r\n")
+
+    async def _answer(self, conn: UpstreamConn, method: str,
+                      sender: asyncio.Future[None] | None) -> tuple[ResponseHead, bytes]:
+        """The sandbox's response head; while a request body still streams, a failure to
+        read that body (the client's framing broke: 400) ends the wait too."""
+        if sender is None:
+            return await self._read_head(conn, method)
+        reading = asyncio.ensure_future(self._read_head(conn, method))
+        try:
+            await asyncio.wait({reading, sender}, return_when=asyncio.FIRST_COMPLETED)
+            if not reading.done() and sender.exception() is not None:
+                raise sender.exception()  # type: ignore[misc]
+            return await reading
+        finally:
+            if not reading.done():
+                reading.cancel()
+                with contextlib.suppress(BaseException):
+                    await reading
+
+    @staticmethod
+    async def _read_head(conn: UpstreamConn, method: str) -> tuple[ResponseHead, bytes]:
+        buf = b""
+        while True:
+            data = await conn.read()
+            if not data:
+                if not buf:
+                    raise _Stale()
+                raise UpstreamError("the sandbox closed the connection inside a response head")
+            buf += data
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD:
+                    raise UpstreamError(f"response head over {MAX_HEAD} bytes")
+                continue
+            head = parse_response_head(buf[:end], method)
+            buf = buf[end + 4:]
+            if 100 <= head.status < 200:  # interim answers (100 Continue): the final one follows
+                continue
+            return head, buf
+
+    async def _relay(self, request: web.Request, conn: UpstreamConn, head: ResponseHead, piece: bytes,
+                     sender: asyncio.Future[None] | None, sid: str, port: int, t0: float,
+                     rid: str) -> web.StreamResponse:
+        sse = head.get("Content-Type").startswith("text/event-stream")
+        held = port == ENVD_PORT and not sse   # headers leave with the first piece of the body
+        framing = head.framing
+        raw = framing == "chunked" and request.version >= aiohttp.HttpVersion11
+        resp: web.StreamResponse
+        if raw:
+            resp = _PassThrough(status=head.status, reason=head.reason, immediate=not held)
+        else:
+            resp = (_RelayResponse if held else web.StreamResponse)(status=head.status, reason=head.reason)
+        for k, v in head.headers:
             if k.lower() not in _DROP_RESPONSE:
                 resp.headers.add(k, v)
         if rid:
             resp.headers["X-Request-Id"] = rid
-        length = upstream.headers.get("Content-Length")
-        chunked = "chunked" in upstream.headers.get("Transfer-Encoding", "").lower()
-        if length is not None and length.isdigit() and not chunked:
-            resp.content_length = int(length)
-        elif request.method != "HEAD" and upstream.status not in (204, 304):
+        if raw:
+            resp.headers["Transfer-Encoding"] = "chunked"
+        elif framing == "length" or (framing == "none" and head.get("Content-Length").isdigit()):
+            resp.content_length = head.length if framing == "length" else int(head.get("Content-Length"))
+        elif framing in ("close", "chunked") and request.version >= aiohttp.HttpVersion11:
             resp.enable_chunked_encoding()
+        tracker = ChunkedBody() if framing == "chunked" else None
+        left = head.length
+        done = ok = False
         await resp.prepare(request)
-        ok = True
         try:
-            content = upstream.content
-            frames = ConnectFrames() if upstream.headers.get("Content-Type") == CONNECT_STREAM else None
-            while chunk := await content.readany():
-                if content.at_eof():  # the last piece: one send with the end of the response
+            while True:
+                extra = b""
+                if framing == "none":
+                    out, done, extra = b"", True, piece
+                elif tracker is not None:
+                    used, payload = tracker.feed(piece)
+                    out, done, extra = (piece[:used] if raw else payload), tracker.done, piece[used:]
+                elif framing == "length":
+                    take = min(left, len(piece))
+                    out, extra = piece[:take], piece[take:]
+                    left -= take
+                    done = not left
+                else:
+                    out = piece
+                if extra:
+                    raise UpstreamError("the sandbox sent bytes after its response")
+                if done:  # the last piece leaves with the end of the response: one send
+                    await resp.write_eof(out)
                     break
-                if frames is not None and frames.feed(chunk):
-                    # After a Connect end-of-stream frame only the end of the response can
-                    # come (envd sends it at once): the two leave in one send.
-                    chunk += await content.read()
+                if out:
+                    await resp.write(out)  # flushed now: a stream frame must not wait for the next one
+                piece = await conn.read()
+                if not piece:
+                    if framing != "close":
+                        raise UpstreamError("the sandbox closed the connection inside a response")
+                    await resp.write_eof()
                     break
-                await resp.write(chunk)  # flushed now: a stream frame must not wait for the next one
-            await resp.write_eof(chunk)
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
+            ok = True
+        except (UpstreamError, ValueError, ConnectionError) as e:
             # Headers are gone already: the only honest signal left is cutting the connection.
-            ok = False
             log.info("request %s: proxy stream to %s:%d ended early: %s", rid, sid, port, e)
             resp.force_close()
             if request.transport is not None:
                 request.transport.close()
+        reusable = ok and done and head.keep_alive and (sender is None or sender.done())
+        self.upstreams.release(conn, reusable)
         self.metrics.inc("aenv_proxy_requests_total", (("port", "envd" if port == ENVD_PORT else "other"),
                                                        ("outcome", "ok" if ok else "cut")),
                          help="requests forwarded to sandboxes")

@@ -179,21 +179,65 @@ def test_docs_config_lists_every_key_with_its_default() -> None:
             assert f"| `{f.name}` | `{shown}` |" in m.group(0), f"[{section}] {f.name} = {shown} not documented"
 
 
-@given(st.lists(st.tuples(st.booleans(), st.binary(max_size=40)), min_size=1, max_size=6), st.data())
-def test_connect_frames_find_the_end_of_stream_however_cut(frames: list[tuple[bool, bytes]], data: Any) -> None:
-    import struct
+@given(st.lists(st.binary(min_size=1, max_size=300), max_size=6), st.data(),
+       st.sampled_from([b"", b"X-Trailer: 1\r\n"]), st.sampled_from([b"", b";ext=1"]), st.binary(max_size=20))
+def test_chunked_body_follows_framing_however_cut(chunks: list[bytes], data: Any, trailer: bytes, ext: bytes,
+                                                  after: bytes) -> None:
+    """The pass-through relay's framing tracker: the payload it reports is the body, the
+    bytes it claims end exactly at the end of the trailer section, whatever the cuts."""
+    from aenv_api.server.upstream import ChunkedBody
 
-    from aenv_api.server.proxy import ConnectFrames
-
-    # a stream: data frames (flags 0), then one end-of-stream frame (flags 2)
-    body = b"".join(struct.pack(">BI", 0, len(p)) + p for _, p in frames[:-1])
-    end_at = len(body) + 5 + len(frames[-1][1])
-    body += struct.pack(">BI", 2, len(frames[-1][1])) + frames[-1][1]
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8)))
-    tracker = ConnectFrames()
-    pos = 0
-    for cut in cuts + [len(body)]:
-        ended = tracker.feed(body[pos:cut])
-        assert ended == (cut >= end_at)
+    body = b"".join(b"%x%s\r\n%s\r\n" % (len(c), ext, c) for c in chunks) + b"0\r\n" + trailer + b"\r\n"
+    wire = body + after
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=8)))
+    tracker, pos, used_total, payload = ChunkedBody(), 0, 0, b""
+    for cut in cuts + [len(wire)]:
+        piece = wire[pos:cut]
+        used, out = tracker.feed(piece)
+        assert 0 <= used <= len(piece) and (used == len(piece) or tracker.done)
+        used_total += used
+        payload += out
         pos = cut
-    assert tracker.ended
+        if tracker.done:
+            break
+    assert tracker.done and used_total == len(body) and payload == b"".join(chunks)
+
+
+@given(st.binary(max_size=200))
+def test_chunked_body_rejects_or_waits_never_crashes(junk: bytes) -> None:
+    from aenv_api.server.upstream import ChunkedBody
+
+    try:
+        used, _ = ChunkedBody().feed(junk)
+        assert 0 <= used <= len(junk)
+    except ValueError:
+        pass
+
+
+def test_response_heads() -> None:
+    from aenv_api.server.upstream import parse_response_head
+
+    h = parse_response_head(b"HTTP/1.1 200 OK\r\nContent-Type: x\r\nTransfer-Encoding: chunked", "POST")
+    assert (h.status, h.framing, h.keep_alive, h.get("content-type")) == (200, "chunked", True, "x")
+    h = parse_response_head(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close", "GET")
+    assert (h.framing, h.length, h.keep_alive) == ("length", 5, False)
+    assert parse_response_head(b"HTTP/1.1 200 OK\r\nContent-Length: 5", "HEAD").framing == "none"
+    assert parse_response_head(b"HTTP/1.1 204 No Content", "GET").framing == "none"
+    assert parse_response_head(b"HTTP/1.0 200 OK", "GET").framing == "close"
+    assert not parse_response_head(b"HTTP/1.0 200 OK\r\nContent-Length: 1", "GET").keep_alive
+    for bad in (b"HTTP/2 200 OK", b"HTTP/1.1 2000 OK", b"garbage", b"HTTP/1.1 200 OK\r\nNo colon",
+                b"HTTP/1.1 200 OK\r\nContent-Length: -1", b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2",
+                b"HTTP/1.1 200 OK\r\nBad Name: 1"):
+        with pytest.raises(ValueError):
+            parse_response_head(bad, "GET")
+
+
+@given(st.binary(max_size=300))
+def test_response_head_parse_never_crashes(junk: bytes) -> None:
+    from aenv_api.server.upstream import parse_response_head
+
+    try:
+        h = parse_response_head(junk, "GET")
+        assert h.framing in ("length", "chunked", "close", "none") and 100 <= h.status <= 999
+    except ValueError:
+        pass
