@@ -167,6 +167,7 @@ def test_create_run_other_port_and_fork(sdk: Server) -> None:
     pooled = {n for n in netns_names() if n.startswith(prefix)}
     s = Sandbox.create(timeout=600)
     children: list = []
+    snap = None
     try:
         [ns] = sandbox_netns(s.sandbox_id)
         assert ns in pooled
@@ -188,11 +189,23 @@ def test_create_run_other_port_and_fork(sdk: Server) -> None:
         answers = [get_via_proxy(sdk, c.sandbox_id, HTTP_PORT + 1) for c in children]
         assert answers == [c.sandbox_id for c in children] and answers[0] != answers[1]
         assert get_via_proxy(sdk, s.sandbox_id) == s.sandbox_id
+
+        # a snapshot of a tap sandbox (its device state has no slirp section) as a template
+        snap = s.create_snapshot()
+        made = Sandbox.create(snap.snapshot_id, timeout=600)
+        children.append(made)
+        assert len(sandbox_netns(made.sandbox_id)) == 1
+        out = made.commands.run("hostname; ip -br -4 addr show eth0").stdout
+        assert out.split("\n")[0] == made.sandbox_id and "10.0.2.15/" in out
+        # the parent's guest server was running when the snapshot was taken: it answers here too
+        assert get_via_proxy(sdk, made.sandbox_id) == s.sandbox_id
     finally:
         for c in children:
             if not isinstance(c, Exception):
                 c.kill()
         s.kill()
+        if snap is not None:   # the data dir is shared with the other API test modules
+            Sandbox.delete_snapshot(snap.snapshot_id)
     for sbx in [s, *children]:
         assert sandbox_netns(sbx.sandbox_id) == [], f"namespace of {sbx.sandbox_id} left after kill"
 
