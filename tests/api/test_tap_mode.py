@@ -292,3 +292,19 @@ def test_egress_choice_of_a_create() -> None:
     assert egress_choice(NewSandbox("base", network={"denyOut": ["8.8.8.8"]})) is None
     # the explicit field wins over the network block
     assert egress_choice(NewSandbox("base", allow_internet_access=True, network={"denyOut": ["0.0.0.0/0"]})) is True
+
+
+def test_network_config_key(tmp_path: Path) -> None:
+    from aenv_api.config import load_config
+    from aenv_store.errors import ConfigError
+
+    assert load_config(tmp_path, overrides={}).section("vm").network == "user"            # the default
+    assert load_config(tmp_path, overrides={"vm": {"network": "tap"}}).section("vm").network == "tap"
+    with pytest.raises(ConfigError, match="vm.network must be user or tap"):
+        load_config(tmp_path, overrides={"vm": {"network": "bridge"}})
+    # through the CLI: a clear error, no traceback
+    done = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "doctor", "--no-probe", "--data-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("AENV_")},
+                               "AENV_VM__NETWORK": "bridge"}, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode != 0 and "aenv: error:" in done.stderr and "Traceback" not in done.stderr
