@@ -139,8 +139,9 @@ def test_envd_tokens(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-
     assert status == 200 and body.decode().strip()
     for s in (a, b):  # the token is the deployment's HMAC of the sandbox id
         assert s._envd_access_token == server.envd_token(s.sandbox_id)
-    status, _, body = server.request("GET", "/files?path=/etc/hostname",
-                                     headers={**hdr, "X-Access-Token": a._envd_access_token[:-1] + "A"}, key=None)
+    off = a._envd_access_token[:-1] + ("B" if a._envd_access_token.endswith("A") else "A")
+    status, _, body = server.request("GET", "/files?path=/etc/hostname", headers={**hdr, "X-Access-Token": off},
+                                     key=None)
     assert status == 401 and body["code"] == 401  # one character off
 
 
