@@ -162,8 +162,9 @@ class SandboxProxy:
                 # RPCs: head, one envelope, then the terminator, as separate writes) goes
                 # upstream whole with its head and a Content-Length: one send instead of three.
                 # Longer or slower streams are relayed as they come, after this one short wait.
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(content.wait_eof(), _BODY_WAIT)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_BODY_WAIT):  # no extra task, unlike wait_for
+                        await content.wait_eof()
             small = not chunked and request.content_length is not None and request.content_length <= _SMALL_BODY
             if complete() or small:
                 body = await request.read()

@@ -109,11 +109,12 @@ class ChunkedBody:
                 if not self._left:
                     self._crlf = 2
             elif self._crlf:
-                want = b"\r\n"[2 - self._crlf]
-                if data[pos] != want:
+                want = b"\r\n"[2 - self._crlf:]
+                got = data[pos:pos + len(want)]
+                if not want.startswith(got):
                     raise ValueError("chunk data not followed by CRLF")
-                self._crlf -= 1
-                pos += 1
+                self._crlf -= len(got)
+                pos += len(got)
             else:
                 end = data.find(b"\n", pos)
                 if end < 0:
@@ -226,6 +227,7 @@ class Upstreams:
     def __init__(self, connect_timeout: float = 10.0) -> None:
         self.connect_timeout = connect_timeout
         self._idle: dict[tuple[str, int], list[UpstreamConn]] = {}
+        self._releases = 0
 
     async def acquire(self, host: str, port: int) -> tuple[UpstreamConn, bool]:
         """A connection and whether it was reused (a reused one may turn out closed)."""
@@ -235,6 +237,8 @@ class Upstreams:
         while idle:
             conn = idle.pop()
             conn.in_pool = False
+            if not idle:
+                del self._idle[key]
             if not conn.closed and now - conn.idle_since < _IDLE_KEEP and not conn._buf:
                 return conn, True
             conn.close()
@@ -249,15 +253,27 @@ class Upstreams:
             return
         idle = self._idle.setdefault(conn.key, [])
         now = time.monotonic()
-        idle[:] = [c for c in idle if not c.closed and now - c.idle_since < _IDLE_KEEP] or []
-        if len(idle) >= _IDLE_PER_TARGET:
-            conn.close()
-            return
+        if len(idle) >= _IDLE_PER_TARGET:  # the oldest make room (they are the likeliest to be stale)
+            idle[:] = [c for c in idle if not c.closed and now - c.idle_since < _IDLE_KEEP]
+            while len(idle) >= _IDLE_PER_TARGET:
+                idle.pop(0).close()
         conn.idle_since = now
         conn.in_pool = True
         idle.append(conn)
-        for k in [k for k, v in self._idle.items() if not v]:
-            del self._idle[k]
+        self._releases += 1
+        if not self._releases % 256:  # targets that went away (killed, paused) leave closed connections
+            self.prune(now)
+
+    def prune(self, now: float) -> None:
+        for key, conns in list(self._idle.items()):
+            keep = [c for c in conns if not c.closed and now - c.idle_since < _IDLE_KEEP]
+            for c in conns:
+                if c not in keep:
+                    c.close()
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
 
     def close(self) -> None:
         for conns in self._idle.values():

@@ -156,7 +156,10 @@ def test_proxied_responses_carry_request_ids(sdk_env: Server, pair) -> None:  # 
     status, headers, _ = sdk_env.request("GET", "/files?path=/etc/hostname", headers=hdr, key=None)
     rid = headers["X-Request-Id"]
     assert status == 200 and len(rid) == 16
-    assert any(rid in line and "proxy" in line and a.sandbox_id in line for line in sdk_env.log().splitlines())
+    deadline = time.monotonic() + 5  # the log line is written just after the answer left
+    while not any(rid in line and "proxy" in line and a.sandbox_id in line for line in sdk_env.log().splitlines()):
+        assert time.monotonic() < deadline, f"request {rid} not in the server log"
+        time.sleep(0.05)
     status, headers, _ = sdk_env.request("GET", "/files?path=/etc/hostname", headers={**hdr, "X-Access-Token": "x"},
                                          key=None)
     assert status == 401 and len(headers["X-Request-Id"]) == 16
