@@ -1,9 +1,11 @@
-"""`aenv sandbox create|ls|info|exec|pause|resume|snapshot|fork|kill|timeout`:
+"""`aenv sandbox create|ls|info|exec|logs|pause|resume|snapshot|fork|kill|timeout`:
 sandboxes of a running `aenv server` (local or remote, through its E2B API;
 see apiclient.py for --url / --api-key)."""
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import sys
 import urllib.parse
 
@@ -77,6 +79,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--count", "-n", type=int, default=1)
     f.add_argument("--timeout", type=int, default=None, help="children's time to live in seconds")
     f.set_defaults(handler=cmd_fork)
+
+    lg = sub.add_parser("logs", parents=[opts], help="a sandbox's log: lifecycle events and guest console")
+    lg.add_argument("sandbox")
+    lg.add_argument("--level", choices=("debug", "info", "warn", "error"), default=None, help="minimum level")
+    lg.add_argument("--search", default=None, help="only entries whose message contains this")
+    lg.add_argument("--limit", type=int, default=1000, help="at most this many entries (1..1000, default 1000)")
+    lg.add_argument("--follow", "-f", action="store_true", help="keep printing new entries until interrupted")
+    lg.set_defaults(handler=cmd_logs)
 
     t = sub.add_parser("timeout", parents=[opts], help="set a sandbox's time to live from now")
     t.add_argument("sandbox")
@@ -211,3 +221,47 @@ def cmd_exec(args: argparse.Namespace) -> int:
                     "stderr": out["stderr"].decode(errors="replace")})
         return 0
     return code
+
+
+def _log_line(e: dict) -> str:
+    fields = " ".join(f"{k}={v}" for k, v in sorted(e.get("fields", {}).items()))
+    return f"{e['timestamp']} {e['level'].upper():5} {e['message']}" + (f"  [{fields}]" if fields else "")
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """One page of entries (v2 logs endpoint); with --follow, poll for newer ones from
+    the last timestamp on (entries of that same millisecond are not repeated)."""
+    import time
+
+    if not 1 <= args.limit <= 1000:
+        raise CliError("--limit must be in 1..1000")
+    api = ApiClient.from_args(args)
+    query: dict[str, str] = {"limit": str(args.limit)}
+    for key in ("level", "search"):
+        if getattr(args, key) is not None:
+            query[key] = getattr(args, key)
+    seen: set[str] = set()
+    cursor: int | None = None
+    try:
+        while True:
+            q = dict(query, **({"cursor": str(cursor)} if cursor is not None else {}))
+            page = api.call("GET", f"/v2/sandboxes/{_sid(args.sandbox)}/logs?" + urllib.parse.urlencode(q))["logs"]
+            fresh = []
+            for e in page:
+                key = f"{e['timestamp']}|{e['message']}|{sorted(e.get('fields', {}).items())}"
+                if key not in seen:
+                    seen.add(key)
+                    fresh.append(e)
+            if args.output == "json" and not args.follow:
+                emit(args, page)
+                return 0
+            for e in fresh:
+                print(_log_line(e) if args.output != "json" else json.dumps(e), flush=True)
+            if not args.follow:
+                return 0
+            if page:
+                last = page[-1]["timestamp"]
+                cursor = int(datetime.datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() * 1000)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return 0

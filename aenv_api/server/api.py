@@ -11,6 +11,7 @@ from . import schemas as S
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .routes import Call, Reply, Route
+from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 
 
@@ -21,6 +22,10 @@ def json_response(value: Any, status: int = 200, headers: dict[str, str] | None 
 
 def no_content() -> web.Response:
     return web.Response(status=204)
+
+
+def _log_entry(e: "LogEntry") -> dict[str, Any]:
+    return {"timestamp": S.iso(e.timestamp_ms / 1000), "level": e.level, "message": e.message, "fields": e.fields}
 
 
 class ControlPlane:
@@ -113,6 +118,21 @@ class ControlPlane:
         start, end = call.query["start"], call.query["end"]
         return json_response(self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
 
+    async def logs_v1(self, request: web.Request, call: Call) -> web.Response:
+        q = call.query
+        limit = 1000 if q["limit"] is None else q["limit"]
+        entries = self.lc.sandbox_logs(call.path["sandboxID"], since_ms=q["start"], limit=limit)
+        return json_response({"logs": [{"timestamp": S.iso(e.timestamp_ms / 1000), "line": e.message}
+                                       for e in entries],
+                              "logEntries": [_log_entry(e) for e in entries]})
+
+    async def logs_v2(self, request: web.Request, call: Call) -> web.Response:
+        q = call.query
+        entries = self.lc.sandbox_logs(call.path["sandboxID"], since_ms=q["cursor"],
+                                       limit=1000 if q["limit"] is None else q["limit"],
+                                       forward=q["direction"] != "backward", min_level=q["level"], search=q["search"])
+        return json_response({"logs": [_log_entry(e) for e in entries]})
+
     # --- node ----------------------------------------------------------------
 
     async def health(self, request: web.Request, call: Call) -> web.Response:
@@ -176,6 +196,10 @@ class ControlPlane:
             Route("POST", "/sandboxes/{sandboxID}/fork", self.fork, "fork a running sandbox into count children",
                   (Reply(201, "one result per fork", "SandboxForkResult[]"), gone), body=S.fork_schema(mt, mf),
                   tags=sbx),
+            Route("GET", "/sandboxes/{sandboxID}/logs", self.logs_v1, "sandbox logs (lifecycle events, console)",
+                  (Reply(200, "the logs", "SandboxLogs"), gone), query=S.LOGS_V1, tags=sbx),
+            Route("GET", "/v2/sandboxes/{sandboxID}/logs", self.logs_v2, "sandbox logs, filtered",
+                  (Reply(200, "the logs", "SandboxLogsV2Response"), gone), query=S.LOGS_V2, tags=sbx),
             Route("GET", "/sandboxes/{sandboxID}/metrics", self.sandbox_metrics, "resource use of a sandbox",
                   (Reply(200, "samples", "SandboxMetric[]"), gone), query=S.METRICS_QUERY, tags=sbx),
         ]

@@ -41,6 +41,7 @@ from aenv_vm.template import TemplateError
 
 from .errors import ApiError, bad_request, not_found, not_supported
 from .metrics import Metrics
+from .sandbox_logs import LogEntry, SandboxLogs
 from .schemas import NewSandbox, iso
 from .settings import ServerConfig
 
@@ -227,6 +228,7 @@ class Lifecycle:
         self.config = config
         self.metrics = metrics
         self.extras = ApiExtras(data_dir / "api-sandboxes.json")
+        self.logs = SandboxLogs(data_dir / "sandbox-logs")
         self._creating = 0
         self._ports: dict[tuple[str, int], tuple[str, int]] = {}   # (sid, guest port) -> (host, port) reaching it
         self._tokens: dict[str, str | None] = {}        # sid -> envd access token (immutable per sandbox)
@@ -245,6 +247,7 @@ class Lifecycle:
 
     async def start(self) -> None:
         self.extras.keep_only({r.id for r in self._records()})
+        self.logs.keep_only({r.id for r in self._records()})
 
     async def shutdown(self) -> None:
         """Pause every running sandbox (``[server] on_shutdown = "pause"`` and the node can),
@@ -328,6 +331,9 @@ class Lifecycle:
         alias = None if req.template_id.startswith("tpl-") else req.template_id
         size = getattr(getattr(sbx, "image", None), "size", 0)
         self.extras.put(sbx.id, Extra(alias, bool(req.auto_resume), int(size or 0) >> 20))
+        timing = getattr(sbx, "timing", None)
+        self.logs.event(sbx.id, "sandbox created", template=req.template_id, timeout=timeout,
+                        pooled=getattr(timing, "from_pool", None), secure=token is not None)
         return self.get(sbx.id)
 
     async def kill(self, sid: str) -> None:
@@ -340,6 +346,7 @@ class Lifecycle:
                 raise not_found(f"sandbox {sid!r} not found") from None
             raise ApiError(500, f"kill of {sid} failed: {e}") from None
         self.extras.drop([sid])
+        self.logs.remove(sid)
         self._forget_ports(sid)
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "kill"),))
 
@@ -353,6 +360,7 @@ class Lifecycle:
     async def set_timeout(self, sid: str, seconds: int) -> SandboxView:
         self.get(sid)
         await _maybe_await(self._cap("set_timeout", "timeouts")(sid, seconds))
+        self.logs.event(sid, "timeout set", seconds=seconds)
         return self.get(sid)
 
     # --- list ----------------------------------------------------------------
@@ -382,11 +390,13 @@ class Lifecycle:
         if self.get(sid).state == "paused":
             raise ApiError(409, f"sandbox {sid} is already paused")
         pause = self._cap("pause", "pause")
+        self._capture_console(sid)   # its QEMU is about to go away
         t0 = time.monotonic()
         try:
             await pause(sid)
         except VmError as e:
             raise self._vm_error("pause", sid, e) from None
+        self.logs.event(sid, "sandbox paused", seconds=f"{time.monotonic() - t0:.3f}")
         self._forget_ports(sid)
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "pause"),))
 
@@ -398,7 +408,9 @@ class Lifecycle:
         try:
             await resume(sid, timeout)
         except VmError as e:
+            self.logs.event(sid, "resume failed", level="error", error=str(e))
             raise self._vm_error("resume", sid, e) from None
+        self.logs.event(sid, "sandbox resumed", seconds=f"{time.monotonic() - t0:.3f}")
         self._forget_ports(sid)  # a new QEMU: its port forwards are made afresh
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "resume"),))
         return self.get(sid)
@@ -425,6 +437,7 @@ class Lifecycle:
                 raise ApiError(409, str(e)) from None
             raise self._vm_error("snapshot", sid, e) from None
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "snapshot"),))
+        self.logs.event(sid, "snapshot taken", snapshot=snapshot_id, names=",".join(names) or None)
         return {"snapshotID": snapshot_id, "names": list(names)}
 
     async def list_snapshots(self, *, sandbox_id: str | None, name: str | None, limit: int | None,
@@ -475,8 +488,27 @@ class Lifecycle:
                 out.append({"error": {"code": 500, "message": str(child) or type(child).__name__}})
                 continue
             self.extras.put(child.id, parent_extra)
+            self.logs.event(child.id, "sandbox forked", parent=sid)
             out.append({"sandbox": self.get(child.id).sandbox(self.config.domain)})
+        self.logs.event(sid, "sandbox forked", count=count,
+                        children=",".join(c.id for c in results if not isinstance(c, BaseException)),
+                        failed=sum(1 for c in results if isinstance(c, BaseException)) or None)
         return out
+
+    # --- logs ----------------------------------------------------------------
+
+    def _capture_console(self, sid: str) -> None:
+        sbx = self.manager.sandboxes.get(sid) if hasattr(self.manager, "sandboxes") else None
+        console = getattr(getattr(getattr(sbx, "vm", None), "spec", None), "serial_log", None)
+        if console is not None:
+            self.logs.capture_console(sid, console)
+
+    def sandbox_logs(self, sid: str, *, since_ms: int | None, limit: int, forward: bool = True,
+                     min_level: str | None = None, search: str | None = None) -> list[LogEntry]:
+        self.get(sid)
+        self._capture_console(sid)
+        return self.logs.query(sid, since_ms=since_ms, limit=limit, forward=forward, min_level=min_level,
+                               search=search)
 
     # --- metrics and proxy targets ------------------------------------------
 

@@ -304,6 +304,17 @@ SNAPSHOT_LIST = Schema("SnapshotListQuery", (
     Field("limit", "integer", minimum=1, maximum=100),
     Field("nextToken", "string", attr="next_token", max_length=512),
 ))
+LOGS_V1 = Schema("SandboxLogsQuery", (
+    Field("start", "integer", minimum=0, maximum=2**62, description="first timestamp (ms since the epoch)"),
+    Field("limit", "integer", minimum=0, maximum=INT32_MAX, description="at most this many entries (1000)"),
+))
+LOGS_V2 = Schema("SandboxLogsQueryV2", (
+    Field("cursor", "integer", minimum=0, maximum=2**62, description="timestamp to start from (ms since the epoch)"),
+    Field("limit", "integer", minimum=0, maximum=1000, description="at most this many entries (1000)"),
+    Field("direction", "string", enum=("forward", "backward")),
+    Field("level", "string", enum=("debug", "info", "warn", "error"), description="minimum level"),
+    Field("search", "string", max_length=256, description="case-sensitive substring of the message"),
+))
 METRICS_QUERY = Schema("MetricsQuery", (Field("start", "integer", minimum=0, maximum=2**62),
                                         Field("end", "integer", minimum=0, maximum=2**62)))
 
@@ -339,7 +350,18 @@ METRIC = Schema("SandboxMetric", tuple(
         ("cpuUsedPct", "number"), ("memUsed", "integer"), ("memTotal", "integer"), ("memCache", "integer"),
         ("diskUsed", "integer"), ("diskTotal", "integer"))))
 
-RESPONSE_SCHEMAS = (ERROR, SANDBOX, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC)
+LOG_LINE = Schema("SandboxLog", (Field("timestamp", "date-time", required=True),
+                                 Field("line", "string", required=True)))
+LOG_ENTRY = Schema("SandboxLogEntry", (
+    Field("timestamp", "date-time", required=True), Field("message", "string", required=True),
+    Field("level", "string", required=True, enum=("debug", "info", "warn", "error")),
+    Field("fields", "strmap", required=True)))
+LOGS = Schema("SandboxLogs", (Field("logs", "array", required=True, ref="SandboxLog"),
+                              Field("logEntries", "array", required=True, ref="SandboxLogEntry")))
+LOGS_V2_RESPONSE = Schema("SandboxLogsV2Response", (Field("logs", "array", required=True, ref="SandboxLogEntry"),))
+
+RESPONSE_SCHEMAS = (ERROR, SANDBOX, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, LOG_LINE,
+                    LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)
 
 
 def iso(ts: float) -> str:

@@ -81,3 +81,46 @@ def test_cli_errors_are_one_line(server: Server) -> None:
     bad_meta = subprocess.run([*AENV, "sandbox", "create", "--url", server.url, "--api-key", server.api_key,
                                "-m", "novalue"], cwd=REPO, capture_output=True, timeout=60)
     assert bad_meta.returncode == 2 and b"KEY=VALUE" in bad_meta.stderr and b"Traceback" not in bad_meta.stderr
+
+
+def test_sandbox_logs(server: Server) -> None:
+    """Lifecycle events and the guest console through `aenv sandbox logs` and E2B's
+    v1/v2 logs endpoints; filters, bad queries, unknown and killed sandboxes."""
+    sid = aenv(server, "sandbox", "create", "--timeout", "600").stdout.decode().strip()
+    try:
+        aenv(server, "sandbox", "exec", sid, "--user", "root", "--", "echo console-marker-42 > /dev/console")
+        aenv(server, "sandbox", "timeout", sid, "700")
+        aenv(server, "sandbox", "pause", sid)
+        aenv(server, "sandbox", "resume", sid)
+        child = json.loads(aenv(server, "sandbox", "fork", sid, "-o", "json").stdout)[0]["sandbox"]["sandboxID"]
+
+        entries = json.loads(aenv(server, "sandbox", "logs", sid, "-o", "json").stdout)
+        events = [e["message"] for e in entries if e["fields"].get("source") != "console"]
+        assert events == ["sandbox created", "timeout set", "sandbox paused", "sandbox resumed", "sandbox forked"]
+        assert entries[-1]["fields"]["children"] == child
+        console = [e for e in entries if e["fields"].get("source") == "console"]
+        assert any(e["message"] == "console-marker-42" for e in console), console
+        stamps = [e["timestamp"] for e in entries]
+        assert stamps == sorted(stamps)
+        text = aenv(server, "sandbox", "logs", sid, "--search", "paused").stdout.decode().splitlines()
+        assert len(text) == 1 and text[0].split()[1:3] == ["INFO", "sandbox"] and text[0].endswith("]")
+        assert json.loads(aenv(server, "sandbox", "logs", sid, "--level", "warn", "-o", "json").stdout) == []
+        child_log = json.loads(aenv(server, "sandbox", "logs", child, "-o", "json").stdout)
+        assert [(e["message"], e["fields"].get("parent")) for e in child_log] == [("sandbox forked", sid)]
+
+        status, _, v1 = server.request("GET", f"/sandboxes/{sid}/logs?limit=2")
+        assert status == 200 and len(v1["logs"]) == 2 and v1["logs"][0]["line"] == "sandbox created"
+        assert v1["logEntries"][0]["message"] == "sandbox created" and v1["logEntries"][0]["level"] == "info"
+        status, _, v2 = server.request("GET", f"/v2/sandboxes/{sid}/logs?direction=backward&limit=1")
+        assert status == 200 and [e["message"] for e in v2["logs"]] == ["sandbox forked"]
+        for bad in ("limit=-1", "limit=1001", "direction=sideways", "level=loud", "cursor=x", "search=" + "s" * 300):
+            status, _, err = server.request("GET", f"/v2/sandboxes/{sid}/logs?{bad}")
+            assert status == 400 and set(err) == {"code", "message"} and err["code"] == 400, bad
+        aenv(server, "sandbox", "kill", child)
+    finally:
+        aenv(server, "sandbox", "kill", sid)
+    for path in (f"/sandboxes/{sid}/logs", f"/v2/sandboxes/{sid}/logs", "/v2/sandboxes/sbx-nope/logs"):
+        status, _, err = server.request("GET", path)
+        assert status == 404 and err["code"] == 404
+    gone = aenv(server, "sandbox", "logs", sid, ok=False)
+    assert gone.returncode == 1 and "404" in gone.stderr.decode() and b"Traceback" not in gone.stderr

@@ -1,0 +1,140 @@
+"""Per-sandbox logs as E2B's ``GET /sandboxes/{id}/logs`` serves them.
+
+Two sources, merged in one append-only JSON-lines file per sandbox
+(``<data-dir>/sandbox-logs/<id>.jsonl``):
+
+* lifecycle events the API layer records (created, paused, resumed, snapshot,
+  forked, timeout, ...) with structured fields;
+* the guest's serial console (kernel messages, ``aenv-init``, envd's stderr),
+  read from QEMU's console file whenever the logs are asked for and before the
+  QEMU goes away (pause, kill). A console line carries the time aenv read it,
+  which is at most one request late: QEMU's console file has no timestamps.
+
+The log lives as long as the sandbox's record (paused sandboxes keep theirs;
+a kill deletes it). A sandbox's console contributes at most
+``MAX_CONSOLE_BYTES`` per read, so a guest printing in a loop cannot make one
+request read gigabytes; what is skipped is said in the log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+LEVELS = ("debug", "info", "warn", "error")
+MAX_CONSOLE_BYTES = 1 << 20
+MAX_LINE = 4096
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    timestamp_ms: int
+    level: str
+    message: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"t": self.timestamp_ms, "l": self.level, "m": self.message, "f": self.fields},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> "LogEntry":
+        d = json.loads(line)
+        return cls(int(d["t"]), str(d["l"]), str(d["m"]), {str(k): str(v) for k, v in d.get("f", {}).items()})
+
+
+class SandboxLogs:
+    """The node's sandbox log files. Single writer: the server's event loop."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, sid: str) -> Path:
+        if not sid or "/" in sid or sid.startswith("."):
+            raise ValueError(f"bad sandbox id {sid!r}")
+        return self.root / f"{sid}.jsonl"
+
+    def _append(self, sid: str, entries: list[LogEntry]) -> None:
+        if entries:
+            with open(self._path(sid), "a", encoding="utf-8") as f:
+                f.write("".join(e.to_json() + "\n" for e in entries))
+
+    def event(self, sid: str, message: str, level: str = "info", **fields: object) -> None:
+        self._append(sid, [LogEntry(int(time.time() * 1000), level, message,
+                                    {k: str(v) for k, v in fields.items() if v is not None})])
+
+    def capture_console(self, sid: str, console: Path) -> None:
+        """Append the console lines written since the last capture of this file. The
+        read position is kept beside the log, per console file (a resumed sandbox's
+        new QEMU writes a new file)."""
+        pos_file = self.root / f"{sid}.console"
+        try:
+            name, _, offset = pos_file.read_text().rpartition(" ")
+            pos = int(offset) if name == str(console) else 0
+        except (OSError, ValueError):
+            pos = 0
+        try:
+            with open(console, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < pos:          # the file was replaced: start over
+                    pos = 0
+                skipped = max(0, size - pos - MAX_CONSOLE_BYTES)
+                f.seek(pos + skipped)
+                data = f.read(MAX_CONSOLE_BYTES)
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1      # a partial last line waits for its newline
+        if end == 0 and len(data) < MAX_CONSOLE_BYTES:
+            return
+        end = end or len(data)
+        now = int(time.time() * 1000)
+        entries = []
+        if skipped:
+            entries.append(LogEntry(now, "warn", f"{skipped} bytes of console output skipped",
+                                    {"source": "console"}))
+        for raw in data[:end].splitlines():
+            line = raw.decode("utf-8", errors="replace").rstrip("\r")[:MAX_LINE]
+            if line.strip():
+                entries.append(LogEntry(now, "info", line, {"source": "console"}))
+        self._append(sid, entries)
+        tmp = pos_file.with_suffix(".console.tmp")
+        tmp.write_text(f"{console} {pos + skipped + end}")
+        os.replace(tmp, pos_file)
+
+    def entries(self, sid: str) -> Iterator[LogEntry]:
+        try:
+            with open(self._path(sid), encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        yield LogEntry.from_json(line)
+                    except (ValueError, KeyError, TypeError):
+                        continue        # a torn last line after a crash
+        except FileNotFoundError:
+            return
+
+    def query(self, sid: str, *, since_ms: int | None = None, limit: int = 1000, forward: bool = True,
+              min_level: str | None = None, search: str | None = None) -> list[LogEntry]:
+        """Entries at or after ``since_ms`` (forward) or at or before it (backward,
+        newest first), at ``min_level`` or above, containing ``search``; ``limit`` at most."""
+        floor = LEVELS.index(min_level) if min_level else 0
+        picked = [e for e in self.entries(sid)
+                  if LEVELS.index(e.level if e.level in LEVELS else "info") >= floor
+                  and (search is None or search in e.message)
+                  and (since_ms is None or (e.timestamp_ms >= since_ms if forward else e.timestamp_ms <= since_ms))]
+        if not forward:
+            picked.reverse()
+        return picked[:limit]
+
+    def remove(self, sid: str) -> None:
+        for p in (self._path(sid), self.root / f"{sid}.console"):
+            p.unlink(missing_ok=True)
+
+    def keep_only(self, sids: set[str]) -> None:
+        """Drop the logs of sandboxes that no longer exist (after a restart)."""
+        for p in self.root.iterdir():
+            if p.suffix in (".jsonl", ".console") and p.stem not in sids:
+                p.unlink(missing_ok=True)
