@@ -161,6 +161,17 @@ def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> Callable[
     metrics.gauge("aenv_sandboxes", sandboxes, "sandboxes on this node by state (pooled: restored, not handed out)")
     metrics.gauge("aenv_node_cache", cache, "node cache: hit ratio (lifetime), used and capacity bytes")
     metrics.gauge("aenv_store_bytes", store_bytes, "repository size: pack bytes, raw (uncompressed) chunk bytes")
+
+    def ksm_stats() -> list:
+        from aenv_vm import ksm
+        st = ksm.read_stats()
+        if st is None:
+            return []
+        return [((("stat", "saved_bytes"),), float(st.saved_bytes)), ((("stat", "full_scans"),), float(st.full_scans)),
+                ((("stat", "running"),), float(st.run == 1))]
+
+    metrics.gauge("aenv_ksm", ksm_stats, "kernel samepage merging on this host ([vm] ksm): bytes saved, full scans, "
+                                          "whether ksmd runs")
     return refresh_store_bytes
 
 

@@ -380,6 +380,8 @@ def test_node_endpoints(sdk_env: Server) -> None:
     text = text.decode()
     assert 'aenv_sandboxes{state="running"}' in text and "aenv_lifecycle_seconds_bucket" in text
     assert 'aenv_node_cache{stat="hit_ratio"}' in text and "aenv_store_bytes" in text
+    # [vm] ksm is on by default: the server started ksmd and reports what it saved
+    assert 'aenv_ksm{stat="running"} 1' in text and 'aenv_ksm{stat="saved_bytes"}' in text
     status, _, _ = sdk_env.request("GET", "/metrics", key=None)
     assert status == 401
 
