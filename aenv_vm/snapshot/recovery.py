@@ -11,7 +11,9 @@ sandbox is running. For each record:
   background commit) → committed now: its upper layer is exactly the disk of
   that pause (resume waits for the commit, so no VM wrote to it since).
 * Directories under ``sandboxes/`` and ``paused/`` that no record names are
-  removed, and so are this node's tap-mode network namespaces.
+  removed, and so are this node's tap-mode network namespaces, and
+  ``templates/<id>/`` whose template the store does not have (a snapshot or a
+  fork's hidden snapshot that was not committed when the server died).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from aenv_store.errors import NotFound, StoreError
 
 from ..records import SandboxRecord, SandboxState
 
@@ -72,6 +76,15 @@ async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
             for d in root.iterdir():
                 if d.is_dir() and d.name not in known:
                     shutil.rmtree(d, ignore_errors=True)
+    templates = mgr.run_root / "templates"
+    for d in sorted(templates.iterdir()) if templates.is_dir() else []:
+        try:
+            await asyncio.to_thread(mgr.store.get_record, d.name)
+        except NotFound:
+            shutil.rmtree(d, ignore_errors=True)
+            log.warning("removed local files of template %s: not in the store", d.name)
+        except StoreError as e:  # the store cannot tell now: keep them
+            log.warning("template %s: %s", d.name, e)
     for rec in snap.records.all():
         keep = {Path(rec.snapshot.local).name} if rec.snapshot else set()
         pdir = snap.paused_root / rec.id

@@ -45,9 +45,16 @@ def test_ttl_pause_and_delete_then_restart(env: Env, tmp_path: Path) -> None:
 
     sid, digest, pid = asyncio.run(first())
     assert not qemu_children()
+    # local files of a snapshot that never reached the store (server killed mid-fork)
+    orphan = node / "templates" / "tpl-000000000000"
+    orphan.mkdir(parents=True)
+    (orphan / "memory").write_bytes(b"x")
+    kept = sorted(p.name for p in (node / "templates").iterdir() if p != orphan)
 
     async def second() -> None:
         async with SandboxManager(env.store, env.guest, node) as mgr:               # a restarted node
+            assert not orphan.exists() and kept                                   # the template's files stay
+            assert sorted(p.name for p in (node / "templates").iterdir()) == kept
             rec = mgr.record(sid)
             assert rec.state == SandboxState.PAUSED and rec.metadata == {"k": "v"}
             assert rec.snapshot is not None and rec.snapshot.committed
