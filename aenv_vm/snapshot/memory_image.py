@@ -132,7 +132,23 @@ def read_index(path: Path) -> DeltaIndex | None:
                       np.frombuffer(idx[8 * n:], dtype="<u8").astype(np.uint64))
 
 
-def write_incremental(path: Path, delta: Delta, parent: DeltaIndex, parent_seq: int) -> int:
+def _open_tmp(path: Path, spare: Path | None):  # type: ignore[no-untyped-def]
+    """The tmp file a delta is written to before its rename: ``spare`` (an old delta
+    of the same sandbox, no longer referenced) taken over when there is one.
+    Overwriting a file whose pages are in the page cache skips allocating them:
+    26 MiB took 4-5 ms that way here, 67-112 ms into a new file at load 10."""
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    if spare is not None:
+        try:
+            os.replace(spare, tmp)
+            return tmp, open(tmp, "r+b")
+        except OSError:
+            pass
+    return tmp, open(tmp, "wb")
+
+
+def write_incremental(path: Path, delta: Delta, parent: DeltaIndex, parent_seq: int,
+                      spare: Path | None = None) -> int:
     """Write ``delta`` as version 2 over ``parent`` (the previous pause's version-1 file,
     ``../<parent_seq>/memory.delta``): only pages that are new or whose xxh3 changed are
     stored; when none is unchanged, a plain version-1 file is written. tmp → rename, no
@@ -141,12 +157,12 @@ def write_incremental(path: Path, delta: Delta, parent: DeltaIndex, parent_seq: 
         raise MemoryImageError(f"{path}: parent delta is over another base")
     n = len(delta.pages)
     if n == 0 or len(parent.pages) == 0:
-        write_delta(path, delta, sync=False)
+        write_delta(path, delta, sync=False, spare=spare)
         return n
     pos_c = np.minimum(np.searchsorted(parent.pages, delta.pages), len(parent.pages) - 1)
     same = (parent.pages[pos_c] == delta.pages) & (parent.hashes[pos_c] == delta.hashes)
     if not same.any():
-        write_delta(path, delta, sync=False)
+        write_delta(path, delta, sync=False, spare=spare)
         return n
     own = np.flatnonzero(~same)
     loc = np.where(same, -1 - pos_c, 0).astype(np.int64)
@@ -159,8 +175,8 @@ def write_incremental(path: Path, delta: Delta, parent: DeltaIndex, parent_seq: 
     data = memoryview(delta.data).cast("B")
     first, length, _ = runs(own)         # runs of consecutive delta slots: one iovec each
     iov = [data[i * PAGE:(i + k) * PAGE] for i, k in zip(first.tolist(), length.tolist())]
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    tmp, f = _open_tmp(path, spare)
+    with f:
         f.write(body)
         f.flush()
         for k in range(0, len(iov), _IOV_MAX):
@@ -169,21 +185,24 @@ def write_incremental(path: Path, delta: Delta, parent: DeltaIndex, parent_seq: 
             done = os.writev(f.fileno(), part)
             if done != want:   # short write: finish it plainly
                 f.write(b"".join(bytes(v) for v in part)[done:])
+        f.truncate(len(body) + len(own) * PAGE)
     os.replace(tmp, path)
     return len(own)
 
 
-def write_delta(path: Path, delta: Delta, sync: bool = True) -> None:
+def write_delta(path: Path, delta: Delta, sync: bool = True, spare: Path | None = None) -> None:
     """Write ``delta`` as a whole (tmp → rename: never a torn file under its name).
-    ``sync``: fsync file and directory first (else call ``sync_file`` later)."""
+    ``sync``: fsync file and directory first (else call ``sync_file`` later).
+    ``spare``: an unreferenced old delta file to overwrite instead of a new file."""
     n = len(delta.pages)
     head = _HEAD.pack(MAGIC, VERSION, PAGE, delta.memory_size, bytes(delta.base), n)
     body = head + delta.pages.astype("<u8").tobytes() + delta.hashes.astype("<u8").tobytes()
     body += bytes(_data_offset(n) - len(body))
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    tmp, f = _open_tmp(path, spare)
+    with f:
         f.write(body)
         f.write(delta.data)
+        f.truncate(len(body) + len(delta.data))
         f.flush()
         if sync:
             os.fsync(f.fileno())

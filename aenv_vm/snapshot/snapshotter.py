@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAUSED_KIND = "sandbox-snapshot"
+SPARE = "spare"     # paused/<sid>/spare: an old memory.delta the next pause overwrites
 # The page buffer a capture reads into is kept for the next one up to this size
 # (the manager holds it resident: reading 26 MiB took 25 ms into a fresh buffer,
 # 11 ms into a reused one).
@@ -321,9 +323,17 @@ class Snapshotter(NamedSnapshots):
                 previous.seq) and previous.seq != int(path.parent.name):
             parent = read_index(Path(previous.local) / "memory.delta")
             if parent is not None and parent.base == delta.base:
-                return write_incremental(path, delta, parent, previous.seq)
-        write_delta(path, delta, False)
+                return write_incremental(path, delta, parent, previous.seq, spare=path.parent.parent / SPARE)
+        write_delta(path, delta, False, spare=path.parent.parent / SPARE)
         return len(delta.pages)
+
+    @staticmethod
+    def _retire(pause_dir: Path) -> None:
+        """Remove a pause directory nothing references any more, keeping its memory.delta
+        as the sandbox's spare: the next pause overwrites it instead of a new file."""
+        with contextlib.suppress(OSError):
+            os.replace(pause_dir / "memory.delta", pause_dir.parent / SPARE)
+        shutil.rmtree(pause_dir, ignore_errors=True)
 
     async def _after_pause(self, sid: str, sbx: "Sandbox", snap: SnapshotRef, previous: SnapshotRef | None) -> None:
         await sbx.vm.kill()
@@ -422,7 +432,7 @@ class Snapshotter(NamedSnapshots):
             parent = parent_seq(d / "memory.delta")
             if parent is not None:   # self-contained again (durably) before its parent is removed
                 write_delta(d / "memory.delta", delta)
-                shutil.rmtree(d.parent / str(parent), ignore_errors=True)
+                self._retire(d.parent / str(parent))
             log.info("pause %s/%d committed: %d pages, %d staged", sid, snap.seq, stats.pages, stats.staged)
             return SnapshotRef(seq=snap.seq, local=snap.local, base=snap.base, disk_top=_hex(top), committed=True,
                                memory_id=mid.hex(), state_id=state_id.hex(), created=snap.created), squashed
@@ -439,7 +449,7 @@ class Snapshotter(NamedSnapshots):
         if rec is not None and rec.snapshot is not None and rec.snapshot.seq == snap.seq:
             self.records.put(rec.replace(snapshot=done))
             if previous is not None and previous.local != done.local:
-                shutil.rmtree(previous.local, ignore_errors=True)
+                self._retire(Path(previous.local))
 
     # ------------------------------------------------------------ resume
     async def resume(self, sid: str, timeout: float | None = None) -> "Sandbox":

@@ -166,3 +166,31 @@ def test_records_survive_reopen(tmp_path: Path) -> None:
     again.delete("sbx-1")
     assert again.get("sbx-1") is None
     again.close()
+
+
+def test_delta_written_over_a_spare_file(tmp_path: Path) -> None:
+    """A pause overwrites its sandbox's spare (an old, larger delta) in place: the result
+    is exactly the new delta, the spare is consumed, nothing of the old one remains."""
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    spare = tmp_path / "spare"
+    old = delta_of(list(range(0, 60)))
+    mi.write_delta(spare, old, sync=False)
+    parent = delta_of([1, 2, 3])
+    mi.write_delta(tmp_path / "1" / "memory.delta", parent, sync=False)
+    new = delta_of([2, 5])
+    mi.write_delta(tmp_path / "2" / "memory.delta", new, sync=False, spare=spare)
+    assert not spare.exists()
+    back = mi.read_delta(tmp_path / "2" / "memory.delta")
+    assert bytes(back.data) == bytes(new.data) and np.array_equal(back.pages, new.pages)
+    mi.write_delta(spare, old, sync=False)
+    buf = bytearray(parent.data)
+    buf[PAGE:2 * PAGE] = os.urandom(PAGE)                    # page 2 changed, 1 and 3 not
+    d = mi.Delta(BASE, parent.memory_size, parent.pages, mi.page_hashes(buf), memoryview(buf))
+    index = mi.read_index(tmp_path / "1" / "memory.delta")
+    assert index is not None
+    assert mi.write_incremental(tmp_path / "2" / "memory.delta", d, index, 1, spare=spare) == 1
+    assert not spare.exists()
+    assert bytes(mi.read_delta(tmp_path / "2" / "memory.delta").data) == bytes(buf)
+    # no spare: a new file, as before
+    assert mi.write_incremental(tmp_path / "2" / "memory.delta", d, index, 1, spare=spare) == 1

@@ -115,6 +115,7 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
             await mgr.lifecycle._commits[sbx.id]
             # ... and its commit made it self-contained, then removed the previous one
             assert mi.parent_seq(delta) is None and not previous.exists()
+            assert (previous.parent / "spare").is_file()          # its file, for the next pause to overwrite
             added = repo_bytes(env) - before
             print(f"[snapshot] second pause after writing 8 MiB added {added / 2**20:.1f} MiB to the store")
             assert added <= 2 * (8 << 20) + (2 << 20)
