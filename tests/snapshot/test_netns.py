@@ -64,14 +64,10 @@ async def wait_health(host: str, timeout: float = 60.0, port: int = netns.ENVD_P
         await asyncio.sleep(0.05)
 
 
-def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
-    tag = netns.node_tag(tmp_path)
-    tpl = env.template
-    mem, state = materialize(env.store, tpl, tmp_path / "templates")
-    tap_state = networks.device_state(state)   # no user-mode network to restore into
-    assert tap_state != state and len(tap_state.read_bytes()) < len(state.read_bytes())
-    listener = socket.create_server(("0.0.0.0", 0))
-    port = listener.getsockname()[1]
+def _listener(host: str) -> tuple[socket.socket, int, list[str]]:
+    """A TCP listener on ``host`` that accepts and closes every connection, recording
+    the peer addresses (who reached the host from a guest)."""
+    listener = socket.create_server((host, 0))
     accepted: list[str] = []
 
     def accept() -> None:
@@ -83,6 +79,16 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
             accepted.append(addr[0])
             c.close()
     threading.Thread(target=accept, daemon=True).start()
+    return listener, listener.getsockname()[1], accepted
+
+
+def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
+    tag = netns.node_tag(tmp_path)
+    tpl = env.template
+    mem, state = materialize(env.store, tpl, tmp_path / "templates")
+    tap_state = networks.device_state(state)   # no user-mode network to restore into
+    assert tap_state != state and len(tap_state.read_bytes()) < len(state.read_bytes())
+    listener, port, accepted = _listener("0.0.0.0")
 
     async def main() -> None:
         nets: list[netns.SandboxNet] = []
@@ -223,19 +229,7 @@ def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
     guest port is reached through the forward ``Sandbox.endpoint`` adds (hostfwd_add)."""
     tpl = env.template
     mem, state = materialize(env.store, tpl, tmp_path / "templates")
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    accepted: list[str] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                c, addr = listener.accept()
-            except OSError:
-                return
-            accepted.append(addr[0])
-            c.close()
-    threading.Thread(target=accept, daemon=True).start()
+    listener, port, accepted = _listener("127.0.0.1")
 
     async def main() -> list[str]:
         user = networks.NodeNetworks("user", tmp_path)
