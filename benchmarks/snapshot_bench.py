@@ -203,7 +203,10 @@ async def cold_resumes(store: Store, guest_img: GuestImage, work: Path, n: int) 
         shutil.rmtree(node / "templates", ignore_errors=True)
         for d in (node / "paused" / sid).iterdir():
             rec_local = d
-            shutil.rmtree(d)
+            if d.is_dir():
+                shutil.rmtree(d)
+            else:       # the sandbox's spare delta file
+                d.unlink()
         cache = work / f"cold-cache-{i}"
         with Store.open(settings_for(work / "data", cache)) as cold_store:
             async with SandboxManager(cold_store, guest_img, node) as mgr:

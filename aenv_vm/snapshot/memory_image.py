@@ -73,6 +73,7 @@ VERSION = 1
 _HEAD = struct.Struct("<8sIIQ32sQ")
 _HEAD2_EXTRA = struct.Struct("<QQ")         # version 2: m, parent seq
 INCREMENTAL = 2
+SPARE = "spare"     # paused/<sid>/spare: a retired memory.delta the sandbox's next pause overwrites
 _IOV_MAX = 1024
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from aenv_store.errors import NotFound, StoreError
 
 from ..records import SandboxRecord, SandboxState
+from .memory_image import SPARE
 
 if TYPE_CHECKING:
     from .snapshotter import Snapshotter
@@ -86,7 +87,7 @@ async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
         except StoreError as e:  # the store cannot tell now: keep them
             log.warning("template %s: %s", d.name, e)
     for rec in snap.records.all():
-        keep = {Path(rec.snapshot.local).name} if rec.snapshot else set()
+        keep = ({Path(rec.snapshot.local).name} if rec.snapshot else set()) | {SPARE}
         pdir = snap.paused_root / rec.id
         if pdir.is_dir() and rec.snapshot is not None and rec.snapshot.committed:
             for d in pdir.iterdir():

@@ -49,8 +49,8 @@ from ..records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from ..template import DEVICE_STATE, Template, materialize
 from .disk_squash import MAX_DISK_CHAIN, squash
 from .errors import SnapshotError
-from .memory_image import (Delta, fetch_delta, page_hashes, parent_seq, read_delta, read_index, stage_delta,
-                           sync_file, write_delta, write_incremental)
+from .memory_image import (SPARE, Delta, fetch_delta, page_hashes, parent_seq, read_delta, read_index,
+                           stage_delta, sync_file, write_delta, write_incremental)
 from .named import MAX_FORK, NamedSnapshots, SnapshotInfo
 from .pagemap import private_pages, ram_mapping, read_and_hash, write_pages
 from .vmstate import durable_write, save_devices, template_config
@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAUSED_KIND = "sandbox-snapshot"
-SPARE = "spare"     # paused/<sid>/spare: an old memory.delta the next pause overwrites
 # The page buffer a capture reads into is kept for the next one up to this size
 # (the manager holds it resident: reading 26 MiB took 25 ms into a fresh buffer,
 # 11 ms into a reused one).
