@@ -102,3 +102,30 @@ def test_debian_mirror_is_read_from_apt_config(tmp_path: Path, monkeypatch: pyte
     assert guest_base.debian_mirror("bookworm") == expected
     with pytest.raises(guest_base.BuildError, match="no Debian mirror"):
         guest_base.debian_mirror("trixie")
+
+
+def test_login_profile_tests_root_without_forking_id() -> None:
+    guest_image = fixture_module("guest_image")
+    debian = (b'if [ "$(id -u)" -eq 0 ]; then\n  PATH="/usr/local/sbin:/usr/sbin"\nfi\n'
+              b'if [ "${PS1-}" ]; then\n  if [ "$(id -u)" -eq 0 ]; then PS1="# "; fi\nfi\n')
+    out = guest_image.login_profile(debian)
+    assert b"$(id -u)\" -eq" not in out.replace(b"${EUID:-$(id -u)}", b"")
+    assert out.count(b'[ "${EUID:-$(id -u)}" -eq 0 ]') == 2
+    # the same decision in bash (EUID) and in sh without EUID (falls back to id)
+    for shell, env_euid in (("bash", None), ("sh", "")):
+        script = out.decode() + 'echo "$PATH"\n'
+        got = subprocess.run([shell, "-c", script], capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", **({"EUID": env_euid} if env_euid is not None else {})})
+        assert got.stdout.strip().startswith("/usr/local/sbin") == (subprocess.run(
+            ["id", "-u"], capture_output=True, text=True).stdout.strip() == "0"), (shell, got)
+    with pytest.raises(guest_image.BuildError, match="root test"):
+        guest_image.login_profile(b"PATH=/bin\n")
+
+
+@pytest.mark.qemu
+def test_login_shell_path_per_user(guest: GuestImage) -> None:
+    """The rewritten /etc/profile still gives root the sbin directories and user not
+    (checked in the image itself)."""
+    profile = subprocess.run(["debugfs", "-R", "cat /etc/profile", str(guest.rootfs)], capture_output=True,
+                             check=True).stdout
+    assert b'[ "${EUID:-$(id -u)}" -eq 0 ]' in profile and b'[ "$(id -u)" -eq 0 ]' not in profile

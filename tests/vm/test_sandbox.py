@@ -76,6 +76,9 @@ def test_three_sandboxes_from_one_template(guest: GuestImage, built: Built, tmp_
                     assert release == guest.kernel_release and release != os.uname().release
                     assert c.commands.run("echo $AENV_TEST").stdout.strip() == "yes"
                     assert c.commands.run("hostname").stdout.strip() == sbxs[i].id  # own identity
+                    if i == 0:  # /etc/profile's root test (bash's $EUID, no `id` fork) per user
+                        assert "/usr/sbin" in c.commands.run("echo $PATH", user="root").stdout.split(":")
+                        assert "/usr/sbin" not in c.commands.run("echo $PATH", user="user").stdout.split(":")
                     randoms.append(c.commands.run("head -c 16 /dev/urandom | od -An -tx1").stdout)
                     c.files.write(f"/home/user/only-in-{i}", f"sandbox {i}")
                 # Clones share the template's RNG state: only /init's entropy + reseed separates them.
