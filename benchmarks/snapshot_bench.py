@@ -44,6 +44,8 @@ sys.path.insert(0, str(REPO))
 
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings  # noqa: E402
 from aenv_store.store import Store  # noqa: E402
+from aenv_vm import ksm  # noqa: E402
+from aenv_vm.config import VmConfig  # noqa: E402
 from aenv_vm.envd_client import run_command  # noqa: E402
 from aenv_vm.guest import GuestImage, ensure_guest  # noqa: E402
 from aenv_vm.sandbox import Sandbox, SandboxManager  # noqa: E402
@@ -230,12 +232,31 @@ async def cold_resumes(store: Store, guest_img: GuestImage, work: Path, n: int) 
     return out
 
 
+async def _pss_both_ways(mgr: SandboxManager, pids: list[int]) -> dict[str, dict[str, int]]:
+    """Summed PSS (and without TCG's code) of ``pids`` twice: with ksmd stopped and
+    everything unmerged (QEMU's defaults), then — if the node uses KSM — after ksmd
+    at the node's rate finished 3 full scans. ksmd is left running as the node has it."""
+    out = {}
+    ksm.KSM_SYSFS.joinpath("run").write_text("2")
+    await asyncio.sleep(2)
+    out["plain"] = {"pss": sum(map(pss_kib, pids)), "no_tcg": sum(map(pss_kib_without_tcg, pids)),
+                    "split": pss_split_kib(pids[0])}
+    if mgr.ksm is not None:
+        ksm.enable(mgr.ksm)
+        t0, cpu0 = time.perf_counter(), ksm.ksmd_cpu_seconds() or 0.0
+        await ksm.wait_full_scans(3, timeout=600)
+        await asyncio.sleep(2)
+        wall = time.perf_counter() - t0
+        out["ksm"] = {"pss": sum(map(pss_kib, pids)), "no_tcg": sum(map(pss_kib_without_tcg, pids)),
+                      "split": pss_split_kib(pids[0]), "settle_s": wall,
+                      "ksmd_cpu_pct": 100 * ((ksm.ksmd_cpu_seconds() or 0.0) - cpu0) / wall}
+    return out
+
+
 async def fork(mgr: SandboxManager, count: int) -> dict:
     parent = await mgr.create("base")
     await guest(parent, "true")
-    await asyncio.sleep(2)
-    one = pss_kib(parent.vm.pid)
-    one_no_tcg = pss_kib_without_tcg(parent.vm.pid)
+    one_mem = await _pss_both_ways(mgr, [parent.vm.pid])
     t0, c0 = time.perf_counter(), _self_cpu()
     kids = await mgr.fork(parent.id, count)
     answering, manager_cpu = time.perf_counter() - t0, _self_cpu() - c0
@@ -249,10 +270,7 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
                  for f in ("qemu_start", "state_load", "first_answer", "identity", "init", "total")}
     await asyncio.gather(*(asyncio.to_thread(first_command, k) for k in ok))
     all_commands = time.perf_counter() - t0
-    await asyncio.sleep(2)
-    split = pss_split_kib(ok[0].vm.pid)
-    total = sum(pss_kib(k.vm.pid) for k in ok)
-    total_no_tcg = sum(pss_kib_without_tcg(k.vm.pid) for k in ok)
+    kids_mem = await _pss_both_ways(mgr, [k.vm.pid for k in ok])
     for k in ok + [parent]:
         await mgr.kill(k.id)
     assert mgr.lifecycle is not None
@@ -260,11 +278,22 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
             "snapshot_s": mgr.lifecycle.last_fork_snapshot,
             "manager_cpu_ms": manager_cpu * 1000, "per_child_s": per_child,
             "snapshot_parts_s": mgr.lifecycle.last_fork_timing,
-            "split_child_kib": split, "all_first_command": all_commands, "pss_one_kib": one,
-            "pss_children_kib": total, "pss_one_no_tcg_kib": one_no_tcg, "pss_children_no_tcg_kib": total_no_tcg}
+            "all_first_command": all_commands, "mem_one": one_mem, "mem_children": kids_mem}
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    """Runs the parts; the host's KSM knobs are put back as they were afterwards."""
+    knobs = {k: (ksm.KSM_SYSFS / k).read_text().strip() for k in ("run", "pages_to_scan", "sleep_millisecs")} \
+        if ksm.available() else {}
+    try:
+        return await _run(args)
+    finally:
+        for k in ("pages_to_scan", "sleep_millisecs", "run"):
+            if k in knobs:
+                (ksm.KSM_SYSFS / k).write_text(knobs[k])
+
+
+async def _run(args: argparse.Namespace) -> dict:
     guest_img = ensure_guest()
     with tempfile.TemporaryDirectory(prefix="aenv-snap-bench-") as tmp:
         work = Path(tmp)
@@ -275,7 +304,9 @@ async def main_async(args: argparse.Namespace) -> dict:
             res: dict = {"machine": machine_info(), "memory_mib": args.memory_mib, "template_build_s": template_s,
                          "pause": {}, "strip": {}}
             parts = set(args.only or PARTS)
-            async with SandboxManager(store, guest_img, work / "node") as mgr:
+            node_ksm = None if args.no_ksm else VmConfig().ksm_settings()   # what `aenv server` uses
+            res["ksm"] = node_ksm is not None
+            async with SandboxManager(store, guest_img, work / "node", ksm=node_ksm) as mgr:
                 for mib in args.dirty if "pause" in parts else ():
                     res["pause"][mib] = await pauses(mgr, mib, args.reps)
                     if "strip" in parts:
@@ -348,14 +379,19 @@ def report(res: dict, markdown: bool) -> None:
     rows.append([f"fork {f['count']} → every child's first commands.run done", f"{f['all_first_command'] * 1000:.0f}",
                  "", 1, ""])
     header = ["what (ms)", "p50", "p99", "n", "p50 breakdown (ms)"]
-    mem = [[f"1 sandbox ({res['memory_mib']} MiB guest)", f"{f['pss_one_kib'] / 1024:.1f} MiB",
-            f"{f['pss_one_no_tcg_kib'] / 1024:.1f} MiB"],
-           [f"{f['count']} idle fork children", f"{f['pss_children_kib'] / 1024:.1f} MiB",
-            f"{f['pss_children_no_tcg_kib'] / 1024:.1f} MiB"],
-           ["children / one sandbox", f"{f['pss_children_kib'] / f['pss_one_kib']:.2f}×",
-            f"{f['pss_children_no_tcg_kib'] / f['pss_one_no_tcg_kib']:.2f}×"]]
-    mem += [[f"one child: {k.replace('_', ' ')}", f"{v / 1024:.1f} MiB", ""] for k, v in f["split_child_kib"].items()]
-    mh = ["host PSS", "total", "without TCG's code buffer (≈ KVM)"]
+    modes = [m for m in ("plain", "ksm") if m in f["mem_children"]]
+    one, kids = f["mem_one"], f["mem_children"]
+    mib = lambda kib: f"{kib / 1024:.1f} MiB"  # noqa: E731
+    mem = [[f"1 sandbox ({res['memory_mib']} MiB guest)", *(mib(one[m][k]) for m in modes for k in ("pss", "no_tcg"))],
+           [f"{f['count']} idle fork children", *(mib(kids[m][k]) for m in modes for k in ("pss", "no_tcg"))],
+           ["children / one sandbox", *(f"{kids[m][k] / one[m][k]:.2f}×" for m in modes for k in ("pss", "no_tcg"))]]
+    mem += [[f"one child: {k.replace('_', ' ')}", *(x for m in modes for x in (mib(kids[m]["split"][k]), ""))]
+            for k in kids["plain"]["split"]]
+    if "ksm" in kids:
+        mem.append(["ksmd: time to 3 full scans / CPU of one core meanwhile", "", "",
+                    f"{kids['ksm']['settle_s']:.0f} s / {kids['ksm']['ksmd_cpu_pct']:.1f}%", ""])
+    names = {"plain": "QEMU defaults", "ksm": "[vm] ksm"}
+    mh = ["host PSS", *(x for m in modes for x in (f"{names[m]}: total", f"{names[m]}: without TCG code (≈ KVM)"))]
     if markdown:
         print(markdown_table(rows, header))
         print()
@@ -378,6 +414,7 @@ def main() -> int:
     p.add_argument("--resumes", type=int, default=10)
     p.add_argument("--cold", type=int, default=3)
     p.add_argument("--fork", type=int, default=16)
+    p.add_argument("--no-ksm", action="store_true", help="the node without its default [vm] ksm settings")
     p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts (default: all)")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", action="store_true")
