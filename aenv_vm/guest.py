@@ -97,25 +97,36 @@ def kernel_cmdline(hostname: str = "aenv", seed: bytes | None = None, extra: str
     return " ".join(parts)
 
 
-async def http_get(port: int, path: str = "/health", timeout: float = 2.0,
-                   host: str = "127.0.0.1") -> tuple[int, bytes]:
-    """One HTTP/1.0 GET to the VM's forwarded port: ``(status, body)``. Raises OSError/TimeoutError."""
-    async def _get() -> tuple[int, bytes]:
+async def http_request(method: str, port: int, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None,
+                       timeout: float = 2.0, host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """One HTTP/1.0 request to a VM's port: ``(status, body)``. Raises OSError/TimeoutError,
+    or ConnectionError when the peer closed without an HTTP answer (under user-mode
+    networking QEMU accepts the connection itself while nothing in the guest listens)."""
+    async def go() -> tuple[int, bytes]:
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+            length = f"Content-Length: {len(body)}\r\n" if body or method != "GET" else ""
+            writer.write(f"{method} {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n{head}{length}"
+                         f"\r\n".encode() + body)
             await writer.drain()
             data = await reader.read()
         finally:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
-        head, _, body = data.partition(b"\r\n\r\n")
+        top, _, rest = data.partition(b"\r\n\r\n")
         try:
-            return int(head.split(b" ", 2)[1]), body
+            return int(top.split(b" ", 2)[1]), rest
         except (IndexError, ValueError):
-            raise ConnectionError(f"no HTTP response from port {port}: {head[:80]!r}") from None
-    return await asyncio.wait_for(_get(), timeout)
+            raise ConnectionError(f"no HTTP response from port {port}: {top[:80]!r}") from None
+    return await asyncio.wait_for(go(), timeout)
+
+
+async def http_get(port: int, path: str = "/health", timeout: float = 2.0,
+                   host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """One HTTP/1.0 GET to the VM's forwarded port: ``(status, body)``."""
+    return await http_request("GET", port, path, timeout=timeout, host=host)
 
 
 async def wait_http_ok(port: int, path: str = "/health", timeout: float = 60.0,

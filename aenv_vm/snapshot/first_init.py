@@ -16,38 +16,13 @@ lost still authenticates.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from typing import Callable
 
+from ..guest import http_request
 from ..qemu.errors import VmError, VmTimeout
 from .errors import SnapshotError
-
-
-async def _post(host: str, port: int, path: str, body: bytes, headers: dict[str, str],
-                timeout: float) -> tuple[int, bytes]:
-    async def go() -> tuple[int, bytes]:
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-            writer.write(f"POST {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n{head}"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            await writer.drain()
-            data = await reader.read()
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-        status_line, _, rest = data.partition(b"\r\n")
-        try:
-            status = int(status_line.split(b" ", 2)[1])
-        except (IndexError, ValueError):
-            # user-mode networking: QEMU accepts the connection itself and closes it
-            # while nothing in the guest answered
-            raise ConnectionError(f"no HTTP response from port {port}: {status_line[:80]!r}") from None
-        return status, rest.partition(b"\r\n\r\n")[2]
-    return await asyncio.wait_for(go(), timeout)
 
 
 async def init_when_ready(host: str, port: int, body: dict, access_token: str | None, timeout: float,
@@ -65,7 +40,8 @@ async def init_when_ready(host: str, port: int, body: dict, access_token: str | 
         try:
             # one long attempt: under load the first answer can take seconds, and a
             # retry after a client-side timeout would make the guest do it twice
-            status, data = await _post(host, port, "/init", raw, headers, max(left, 0.1))
+            status, data = await http_request("POST", port, "/init", body=raw, headers=headers,
+                                              timeout=max(left, 0.1), host=host)
         except (OSError, asyncio.TimeoutError, ConnectionError) as e:
             last = e
         else:
