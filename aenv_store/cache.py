@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 import threading
 import time
 from collections import Counter
@@ -40,8 +39,9 @@ import lmdb
 import xxhash
 
 from . import cache_evict, cache_files
+from .cache_env import EnvRegistry, boot_id, open_env, wipe
 from .cache_files import unlink_all, write_file
-from .cache_index import COUNTERS, ENTRIES, ENTRY, FORMAT, USED, Entry, IndexDbs
+from .cache_index import COUNTERS, ENTRIES, ENTRY, USED, Entry, IndexDbs
 from .cache_lock import DigestLocks, FileLock
 from .config import CacheConfig
 from .errors import ConfigError, StoreError
@@ -51,11 +51,6 @@ log = logging.getLogger(__name__)
 
 TOUCH_BATCH = 512       # queued LRU touches that trigger a flush
 TOUCH_INTERVAL = 1.0    # seconds: queued touches/counters are flushed at least this often (on activity)
-# LMDB map size is virtual address space, not disk; a constant keeps every process that
-# opens the directory in agreement (a per-capacity value would force MDB_MAP_RESIZED dances).
-MAP_SIZE = 32 << 30
-MAX_READERS = 1024
-MAX_DBS = 5
 OPEN_COUNT = b"open_count"
 
 
@@ -100,26 +95,6 @@ def validate_config(config: CacheConfig) -> None:
         raise ConfigError(f"cache.min_free_disk must be >= 0, got {config.min_free_disk}")
 
 
-def _boot_id() -> bytes:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_bytes().strip()
-    except OSError:
-        return b"unknown"
-
-
-class _SharedEnv:
-    """One LMDB environment per directory per process, shared by its NodeCache instances:
-    LMDB forbids opening an environment twice in one process (closing either copy
-    would drop the other's fcntl locks on lock.mdb)."""
-
-    __slots__ = ("env", "dbs", "refs")
-
-    def __init__(self, env: lmdb.Environment, dbs: IndexDbs) -> None:
-        self.env = env
-        self.dbs = dbs
-        self.refs = 0
-
-
 class NodeCache:
     """Bounded, LRU-evicting, pin-aware chunk cache shared by the processes of one node.
 
@@ -127,9 +102,8 @@ class NodeCache:
     directory; pins and queued LRU touches belong to the instance.
     Blocking calls: use ``loop.run_in_executor`` from asyncio code."""
 
-    # path -> environment open in this process (see _SharedEnv); taken after gate.lock
-    _envs: ClassVar[dict[str, _SharedEnv]] = {}
-    _envs_lock: ClassVar[threading.Lock] = threading.Lock()
+    # the environments open in this process (cache_env.py); acquired after gate.lock
+    _registry: ClassVar[EnvRegistry] = EnvRegistry()
     # bumped in a forked child: LMDB handles must not be used after fork(), so
     # instances inherited from the parent refuse to work instead of corrupting it
     _fork_generation: ClassVar[int] = 0
@@ -137,8 +111,7 @@ class NodeCache:
     @classmethod
     def _forked(cls) -> None:
         cls._fork_generation += 1
-        cls._envs = {}
-        cls._envs_lock = threading.Lock()
+        cls._registry = EnvRegistry()
 
     def __init__(self, path: Path, config: CacheConfig) -> None:
         validate_config(config)
@@ -174,7 +147,7 @@ class NodeCache:
             try:
                 # no other user in any process (instances of this process hold the lock too)
                 first = self._users.exclusive(blocking=False)
-                self._shared = self._acquire_env(first)
+                self._shared = NodeCache._registry.acquire(self.path, wipe_if_bad=first)
                 try:
                     if first:
                         self._first_open()
@@ -183,7 +156,7 @@ class NodeCache:
                         self._db.add_u64(txn, OPEN_COUNT, 1)
                     self._users.shared()  # EX -> SH while the gate keeps others out
                 except BaseException:
-                    self._release_env()
+                    NodeCache._registry.release(self.path, self._shared)
                     raise
             except BaseException:
                 self._users.close()
@@ -201,58 +174,9 @@ class NodeCache:
     def _db(self) -> IndexDbs:
         return self._shared.dbs
 
-    def _acquire_env(self, first: bool) -> _SharedEnv:
-        with NodeCache._envs_lock:
-            shared = NodeCache._envs.get(str(self.path))
-            if shared is None:
-                shared = NodeCache._envs[str(self.path)] = _SharedEnv(*self._open_env(wipe_if_bad=first))
-            shared.refs += 1
-            return shared
-
-    def _release_env(self) -> None:
-        with NodeCache._envs_lock:
-            self._shared.refs -= 1
-            if self._shared.refs == 0:
-                del NodeCache._envs[str(self.path)]
-                self._shared.env.sync(True)
-                self._shared.env.close()
-
-    def _open_env(self, wipe_if_bad: bool) -> tuple[lmdb.Environment, IndexDbs]:
-        try:
-            env = lmdb.open(str(self.path / "index"), map_size=MAP_SIZE, max_dbs=MAX_DBS, max_readers=MAX_READERS,
-                            sync=False, metasync=False, readahead=False)
-            try:
-                env.reader_check()  # free reader slots of dead processes
-                dbs = IndexDbs(env)
-                with env.begin(write=True) as txn:
-                    fmt = dbs.get_meta(txn, b"format")
-                    if fmt is None:
-                        dbs.set_meta(txn, b"format", FORMAT)
-                    elif fmt != FORMAT:
-                        raise StoreError(f"node cache index has format {fmt!r}, expected {FORMAT!r}")
-            except BaseException:
-                env.close()
-                raise
-            return env, dbs
-        except (lmdb.Error, StoreError) as e:
-            if "already open in this process" in str(e):
-                # py-lmdb remembers environments across fork(): the parent opened this one
-                raise StoreError(f"node cache {self.path} was opened before fork(); a forked child cannot "
-                                 "reopen it (use the 'spawn' start method, or open it only in the child)") from None
-            if not wipe_if_bad:
-                raise StoreError(f"node cache index at {self.path / 'index'} is unusable: {e}") from None
-            log.warning("node cache %s: index unusable (%s); starting empty", self.path, e)
-            self._wipe()
-            return self._open_env(wipe_if_bad=False)
-
-    def _wipe(self) -> None:
-        for name in ("index", "data", "tmp"):
-            shutil.rmtree(self.path / name, ignore_errors=True)
-            (self.path / name).mkdir(exist_ok=True)
-
     def _first_open(self) -> None:
         """No other process has the directory open: reconcile after a crash, drop stale pins."""
-        boot = _boot_id()
+        boot = boot_id()
         with self._env.begin() as txn:
             clean = self._db.get_meta(txn, b"clean") == b"1"
             last_boot = self._db.get_meta(txn, b"boot_id")
@@ -261,8 +185,8 @@ class NodeCache:
             # files are not fsynced (speed), so neither can be trusted now; refilling is cheap.
             log.warning("node cache %s: host restarted without a clean close; starting empty", self.path)
             self._env.close()  # first user: nobody else shares this environment
-            self._wipe()
-            self._shared.env, self._shared.dbs = self._open_env(wipe_if_bad=False)
+            wipe(self.path)
+            self._shared.env, self._shared.dbs = open_env(self.path, wipe_if_bad=False)
         elif not clean:
             self._reconcile()
         for name in os.listdir(self._tmp):  # leftovers of dead processes (nobody else is here)
@@ -310,7 +234,7 @@ class NodeCache:
                 if self._users.exclusive(blocking=False) and self._db.get_u64(txn, OPEN_COUNT) == 0:
                     self._db.set_meta(txn, b"clean", b"1")
         finally:
-            self._release_env()
+            NodeCache._registry.release(self.path, self._shared)
             self._users.close()
             self._digest_locks.close()
             gate.close()
