@@ -1,6 +1,8 @@
 """Sandbox TTLs: on expiry a running sandbox is paused, or killed when it was
 created with ``auto_pause=False``. Deadlines live in the sandbox records
-(create, resume and set_timeout move them), so they survive restarts."""
+(create, resume and set_timeout move them), so they survive restarts. Layers
+above (the API's logs and per-sandbox state) hear of each expiry through
+``Snapshotter.expiry_listeners``: ``listener(sandbox_id, "paused" | "killed")``."""
 from __future__ import annotations
 
 import asyncio
@@ -49,5 +51,10 @@ class TtlWatcher:
                         await self.snap.mgr.kill(rec.id)
                         self.expired.append((rec.id, "killed"))
                     log.info("sandbox %s expired: %s", rec.id, self.expired[-1][1])
+                    for listener in list(self.snap.expiry_listeners):
+                        try:
+                            listener(rec.id, self.expired[-1][1])
+                        except Exception as e:  # a listener must not stop the watcher
+                            log.warning("TTL listener failed for %s: %s", rec.id, e)
                 except (VmError, OSError) as e:
                     log.warning("TTL action on %s failed: %s", rec.id, e)

@@ -32,7 +32,7 @@ import re
 import secrets
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +40,7 @@ from aenv_vm.qemu.errors import VmError
 from aenv_vm.template import TemplateError
 
 from .errors import ApiError, bad_request, not_found, not_supported
+from .extras import ApiExtras, Extra
 from .metrics import Metrics
 from .sandbox_logs import LogEntry, SandboxLogs
 from .schemas import NewSandbox, iso
@@ -68,49 +69,6 @@ def envd_version() -> str:
 def random_envd_token(_sandbox_id: str) -> str:
     """Tokens of a Lifecycle given no deployment secret (library use, unit tests)."""
     return secrets.token_urlsafe(24)
-
-
-@dataclass(frozen=True)
-class Extra:
-    alias: str | None = None
-    auto_resume: bool = False
-    disk_mb: int = 0
-
-
-class ApiExtras:
-    """Per-sandbox API fields the sandbox layer does not keep (alias, autoResume, disk size)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._items: dict[str, Extra] = {}
-        try:
-            raw = json.loads(path.read_text())
-            self._items = {k: Extra(**v) for k, v in raw.items()}
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, TypeError) as e:
-            log.warning("ignoring unreadable %s: %s", path, e)
-
-    def get(self, sid: str) -> Extra:
-        return self._items.get(sid) or Extra()
-
-    def put(self, sid: str, extra: Extra) -> None:
-        self._items[sid] = extra
-        self._save()
-
-    def drop(self, sids: list[str]) -> None:
-        if any(s in self._items for s in sids):
-            for s in sids:
-                self._items.pop(s, None)
-            self._save()
-
-    def keep_only(self, sids: set[str]) -> None:
-        self.drop([s for s in self._items if s not in sids])
-
-    def _save(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({k: asdict(v) for k, v in self._items.items()}, sort_keys=True))
-        os.replace(tmp, self.path)
 
 
 @dataclass(frozen=True)
@@ -248,6 +206,18 @@ class Lifecycle:
     async def start(self) -> None:
         self.extras.keep_only({r.id for r in self._records()})
         self.logs.keep_only({r.id for r in self._records()})
+        snap = getattr(self.manager, "lifecycle", None)
+        if snap is not None and hasattr(snap, "expiry_listeners"):
+            snap.expiry_listeners.append(self._expired)
+
+    def _expired(self, sid: str, action: str) -> None:
+        """A TTL expiry paused or killed ``sid`` below the API (aenv_vm/ttl.py)."""
+        self._forget_ports(sid)
+        if action == "killed":
+            self.extras.drop([sid])
+            self.logs.remove(sid)
+        else:
+            self.logs.event(sid, "sandbox paused: its timeout expired")
 
     async def shutdown(self) -> None:
         """Pause every running sandbox (``[server] on_shutdown = "pause"`` and the node can),

@@ -34,7 +34,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from aenv_store.catalog import CatalogRecord
 from aenv_store.errors import NotFound, StoreError
@@ -134,6 +134,8 @@ class Snapshotter(NamedSnapshots):
         self._tokens: dict[str, str | None] = {}
         self._ttl: asyncio.Task | None = None
         self._ttl_watcher: "TtlWatcher | None" = None
+        # called after a TTL expiry paused or killed a sandbox: (sandbox id, "paused" | "killed")
+        self.expiry_listeners: list[Callable[[str, str], None]] = []
         self._buffers: list[bytearray] = []     # at most one, see _give_back
         self.last_pause: PauseTiming | None = None
         self.last_resume: ResumeTiming | None = None

@@ -124,3 +124,28 @@ def test_sandbox_logs(server: Server) -> None:
         assert status == 404 and err["code"] == 404
     gone = aenv(server, "sandbox", "logs", sid, ok=False)
     assert gone.returncode == 1 and "404" in gone.stderr.decode() and b"Traceback" not in gone.stderr
+
+
+def test_timeout_expiry_reaches_the_logs(server: Server) -> None:
+    """A TTL expiry (below the API) is logged for a paused sandbox, and a killed one
+    leaves no logs or API state behind."""
+    import time
+
+    paused = aenv(server, "sandbox", "create", "--timeout", "2", "--auto-pause").stdout.decode().strip()
+    killed = aenv(server, "sandbox", "create", "--timeout", "2").stdout.decode().strip()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = json.loads(aenv(server, "sandbox", "info", paused, "-o", "json").stdout)["state"]
+            gone = server.request("GET", f"/sandboxes/{killed}")[0] == 404
+            if state == "paused" and gone:
+                break
+            time.sleep(0.5)
+        assert state == "paused" and gone
+        messages = [e["message"] for e in json.loads(aenv(server, "sandbox", "logs", paused, "-o", "json").stdout)]
+        assert messages == ["sandbox created", "sandbox paused: its timeout expired"]
+        assert server.request("GET", f"/v2/sandboxes/{killed}/logs")[0] == 404
+        assert not (server.data_dir / "sandbox-logs" / f"{killed}.jsonl").exists()
+        assert killed not in (server.data_dir / "api-sandboxes.json").read_text()
+    finally:
+        aenv(server, "sandbox", "kill", paused, ok=False)

@@ -1,0 +1,55 @@
+"""Per-sandbox fields of the API that the sandbox layer does not keep (alias,
+autoResume, disk size), in one small JSON file beside the node's records:
+``<data-dir>/api-sandboxes.json``, rewritten whole (tmp + rename) on change."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Extra:
+    alias: str | None = None
+    auto_resume: bool = False
+    disk_mb: int = 0
+
+
+class ApiExtras:
+    """Per-sandbox API fields the sandbox layer does not keep (alias, autoResume, disk size)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._items: dict[str, Extra] = {}
+        try:
+            raw = json.loads(path.read_text())
+            self._items = {k: Extra(**v) for k, v in raw.items()}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("ignoring unreadable %s: %s", path, e)
+
+    def get(self, sid: str) -> Extra:
+        return self._items.get(sid) or Extra()
+
+    def put(self, sid: str, extra: Extra) -> None:
+        self._items[sid] = extra
+        self._save()
+
+    def drop(self, sids: list[str]) -> None:
+        if any(s in self._items for s in sids):
+            for s in sids:
+                self._items.pop(s, None)
+            self._save()
+
+    def keep_only(self, sids: set[str]) -> None:
+        self.drop([s for s in self._items if s not in sids])
+
+    def _save(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({k: asdict(v) for k, v in self._items.items()}, sort_keys=True))
+        os.replace(tmp, self.path)
