@@ -71,6 +71,8 @@ def register_admin(repo_sub: Any) -> None:
     p.add_argument("--rebuild-index", action="store_true",
                    help="first rebuild the index from the pack trailers (exclusive lock), then verify")
     p.add_argument("--threads", type=_threads, default=0, help="read/hash threads (default: CPUs)")
+    p.add_argument("--wait", type=parse_duration, default=0.0, metavar="DURATION",
+                   help="wait this long for a running gc's exclusive lock to go (default: fail at once)")
     p.set_defaults(handler=cmd_verify)
 
     p = repo_sub.add_parser(
@@ -114,12 +116,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     repo, _settings = _open(args)
     try:
         if args.rebuild_index:
-            with acquire(repo.backend, LockKind.EXCLUSIVE, purpose="aenv repo verify --rebuild-index"):
+            with acquire(repo.backend, LockKind.EXCLUSIVE, purpose="aenv repo verify --rebuild-index",
+                         wait=args.wait):
                 iid, entries = repo.rebuild_index()
             if args.output == "text":
                 print(f"rebuilt the index from pack trailers: {entries} entries"
                       + (f" in index/{iid.hex()}" if iid is not None else ""))
-        with acquire(repo.backend, LockKind.SHARED, purpose="aenv repo verify", wait=0.0):
+        with acquire(repo.backend, LockKind.SHARED, purpose="aenv repo verify", wait=args.wait):
             report = verify(repo, read_data=args.read_data, subset=args.read_data_subset, threads=args.threads,
                             progress=_progress if args.output == "text" else _no_bar)
     finally:

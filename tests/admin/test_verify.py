@@ -222,3 +222,20 @@ def test_any_flipped_pack_byte_is_detected(filled, data) -> None:  # type: ignor
         victim.write_bytes(original)
         os.utime(victim)
     assert id_from_key(victim.name) is not None
+
+
+def test_verify_waits_for_or_refuses_a_running_gc(filled, aenv) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from aenv_store.locks import lock_exclusive
+
+    with filled.store() as store:
+        gc_lock = lock_exclusive(store.backend, purpose="a running gc")
+        try:
+            r = aenv(filled.data_dir, "repo", "verify")
+            assert r.rc == 1 and "aenv: error:" in r.err and "a running gc" in r.err
+            threading.Timer(0.3, gc_lock.release).start()
+            r = aenv(filled.data_dir, "repo", "verify", "--wait", "10s")
+            assert r.rc == 0 and "no errors found" in r.out, r.err
+        finally:
+            gc_lock.release()
