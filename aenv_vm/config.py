@@ -49,7 +49,7 @@ class VmConfig:
         from .ksm import KsmSettings
         if not self.ksm:
             return None
-        return KsmSettings(True, self.ksm_fixed_layout, self.ksm_pages_to_scan, self.ksm_sleep_ms)
+        return KsmSettings(self.ksm_fixed_layout, self.ksm_pages_to_scan, self.ksm_sleep_ms)
 
     def __post_init__(self) -> None:
         if self.memory_mib < 64:

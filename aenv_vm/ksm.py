@@ -22,10 +22,12 @@ sets the scan rate when asked to (``[vm] ksm``), and reports the rest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 KSM_SYSFS = Path("/sys/kernel/mm/ksm")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -36,9 +38,9 @@ ADDR_NO_RANDOMIZE = 0x0040000
 
 @dataclass(frozen=True)
 class KsmSettings:
-    """How a node uses KSM. ``pages_to_scan`` per ``sleep_ms`` is ksmd's rate:
-    200 / 20 ms scans ~40 MiB/s (a few % of one core with 10 clones here)."""
-    merge_process_memory: bool = True   # PR_SET_MEMORY_MERGE on each QEMU
+    """How a node uses KSM (each QEMU gets PR_SET_MEMORY_MERGE). ``pages_to_scan``
+    per ``sleep_ms`` is ksmd's rate: 200 / 20 ms scans ~40 MiB/s (a few % of one
+    core with 10 clones here)."""
     fixed_layout: bool = True           # ADDR_NO_RANDOMIZE on each QEMU
     pages_to_scan: int = 200
     sleep_ms: int = 20
@@ -90,6 +92,25 @@ def enable(settings: KsmSettings) -> str | None:
     except OSError as e:
         return f"cannot configure KSM ({e.strerror or e}): run as root or set [vm] ksm = false"
     return None
+
+
+def unmerge_all() -> None:
+    """Stop ksmd and split every merged page (returns when done): QEMU's defaults again."""
+    (KSM_SYSFS / "run").write_text("2")
+
+
+_KNOBS = ("pages_to_scan", "sleep_millisecs", "run")
+
+
+@contextlib.contextmanager
+def knobs_restored() -> Iterator[None]:
+    """For tests and benchmarks that change the host-wide knobs: put them back after."""
+    before = {k: (KSM_SYSFS / k).read_text().strip() for k in _KNOBS} if available() else {}
+    try:
+        yield
+    finally:
+        for k, v in before.items():   # run last: the rate is in place when ksmd restarts
+            (KSM_SYSFS / k).write_text(v)
 
 
 def process_merge_supported() -> bool:

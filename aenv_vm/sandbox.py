@@ -185,7 +185,7 @@ class SandboxManager:
     def process_flags(self) -> dict[str, bool]:
         """VmSpec fields every sandbox QEMU of this node gets (KSM, address layout)."""
         k = self.ksm
-        return {"merge_memory": bool(k and k.merge_process_memory), "fixed_layout": bool(k and k.fixed_layout)}
+        return {"merge_memory": k is not None, "fixed_layout": k is not None and k.fixed_layout}
 
     async def __aenter__(self) -> "SandboxManager":
         await self.start()

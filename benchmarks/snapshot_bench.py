@@ -52,7 +52,7 @@ from aenv_vm.sandbox import Sandbox, SandboxManager  # noqa: E402
 from aenv_vm.snapshot import migration_stream  # noqa: E402
 from aenv_vm.snapshot.memory_image import Delta, consolidate  # noqa: E402
 from aenv_vm.template import build_template  # noqa: E402
-from vm_bench import cpu_ms, first_command, pss_kib, pss_kib_without_tcg, pss_split_kib  # noqa: E402
+from vm_bench import cpu_ms, first_command, pss_kib, pss_kib_without_tcg, pss_split_kib, settle  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -181,14 +181,20 @@ async def resumes(mgr: SandboxManager, n: int, standby: bool) -> list[dict]:
             sbx = await mgr.resume(sbx.id)
             call = time.perf_counter() - t0
             cmd = await asyncio.to_thread(first_command, sbx)
-            t = mgr.lifecycle.last_resume
-            assert t is not None
-            out.append({"running": t.running, "first_command_total": call + cmd, "qemu_start": t.qemu_start,
-                        "inject": t.inject, "state_load": t.state_load, "first_answer": t.first_answer,
-                        "init": t.init, "first_command": cmd, "fetch": t.fetch, "load": os.getloadavg()[0]})
+            out.append(_resume_row(mgr, call, cmd))
     finally:
         await mgr.kill(sbx.id)
     return out
+
+
+def _resume_row(mgr: SandboxManager, call: float, cmd: float) -> dict:
+    """One resume's numbers: the manager's ResumeTiming, the call and the first command."""
+    assert mgr.lifecycle is not None
+    t = mgr.lifecycle.last_resume
+    assert t is not None
+    return {"running": t.running, "first_command_total": call + cmd, "fetch": t.fetch, "qemu_start": t.qemu_start,
+            "inject": t.inject, "state_load": t.state_load, "first_answer": t.first_answer, "init": t.init,
+            "first_command": cmd, "load": os.getloadavg()[0]}
 
 
 async def cold_resumes(store: Store, guest_img: GuestImage, work: Path, n: int) -> list[dict]:
@@ -217,12 +223,7 @@ async def cold_resumes(store: Store, guest_img: GuestImage, work: Path, n: int) 
                 sbx = await mgr.resume(sid)
                 call = time.perf_counter() - t0
                 cmd = await asyncio.to_thread(first_command, sbx)
-                t = mgr.lifecycle.last_resume
-                assert t is not None
-                out.append({"running": t.running, "first_command_total": call + cmd, "fetch": t.fetch,
-                            "qemu_start": t.qemu_start, "inject": t.inject, "state_load": t.state_load,
-                            "first_answer": t.first_answer, "init": t.init, "first_command": cmd,
-                            "load": os.getloadavg()[0]})
+                out.append(_resume_row(mgr, call, cmd))
                 await mgr.pause(sid)
                 await settled(mgr, sid)
                 if i == n - 1:
@@ -236,20 +237,17 @@ async def _pss_both_ways(mgr: SandboxManager, pids: list[int]) -> dict[str, dict
     """Summed PSS (and without TCG's code) of ``pids`` twice: with ksmd stopped and
     everything unmerged (QEMU's defaults), then — if the node uses KSM — after ksmd
     at the node's rate finished 3 full scans. ksmd is left running as the node has it."""
-    out = {}
-    ksm.KSM_SYSFS.joinpath("run").write_text("2")
-    await asyncio.sleep(2)
-    out["plain"] = {"pss": sum(map(pss_kib, pids)), "no_tcg": sum(map(pss_kib_without_tcg, pids)),
-                    "split": pss_split_kib(pids[0])}
+    def sums() -> dict:
+        return {"pss": sum(map(pss_kib, pids)), "no_tcg": sum(map(pss_kib_without_tcg, pids)),
+                "split": pss_split_kib(pids[0])}
+
+    ksm.unmerge_all()
+    await settle(None)
+    out = {"plain": sums()}
     if mgr.ksm is not None:
         ksm.enable(mgr.ksm)
-        t0, cpu0 = time.perf_counter(), ksm.ksmd_cpu_seconds() or 0.0
-        await ksm.wait_full_scans(3, timeout=600)
-        await asyncio.sleep(2)
-        wall = time.perf_counter() - t0
-        out["ksm"] = {"pss": sum(map(pss_kib, pids)), "no_tcg": sum(map(pss_kib_without_tcg, pids)),
-                      "split": pss_split_kib(pids[0]), "settle_s": wall,
-                      "ksmd_cpu_pct": 100 * ((ksm.ksmd_cpu_seconds() or 0.0) - cpu0) / wall}
+        ksmd = await settle(mgr.ksm)      # merged at the node's rate; ksmd's time and CPU
+        out["ksm"] = {**sums(), **ksmd}
     return out
 
 
@@ -283,14 +281,8 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
 
 async def main_async(args: argparse.Namespace) -> dict:
     """Runs the parts; the host's KSM knobs are put back as they were afterwards."""
-    knobs = {k: (ksm.KSM_SYSFS / k).read_text().strip() for k in ("run", "pages_to_scan", "sleep_millisecs")} \
-        if ksm.available() else {}
-    try:
+    with ksm.knobs_restored():
         return await _run(args)
-    finally:
-        for k in ("pages_to_scan", "sleep_millisecs", "run"):
-            if k in knobs:
-                (ksm.KSM_SYSFS / k).write_text(knobs[k])
 
 
 async def _run(args: argparse.Namespace) -> dict:

@@ -225,7 +225,7 @@ async def memory(mgr: SandboxManager, idle: int) -> dict:
     nothing either; with it, the node's settings start ksmd."""
     settings = mgr.ksm
     if settings is None:
-        ksm.KSM_SYSFS.joinpath("run").write_text("2")   # unmerge all, stop
+        ksm.unmerge_all()
     else:
         ksm.enable(settings)
     one = await used_sandbox(mgr)
@@ -245,6 +245,12 @@ async def memory(mgr: SandboxManager, idle: int) -> dict:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    """Runs the bench; the host's KSM knobs (the nodes here set them) are put back after."""
+    with ksm.knobs_restored():
+        return await _run(args)
+
+
+async def _run(args: argparse.Namespace) -> dict:
     guest = ensure_guest()
     with tempfile.TemporaryDirectory(prefix="aenv-vm-bench-") as tmp:
         work = Path(tmp)
@@ -262,14 +268,9 @@ async def main_async(args: argparse.Namespace) -> dict:
                                    ksm=node_ksm) as pooled:
                 rows = await creates(plain, pooled, args.creates)
             mem = {}
-            knobs = {k: (ksm.KSM_SYSFS / k).read_text().strip() for k in ("run", "pages_to_scan", "sleep_millisecs")}
-            try:
-                for label, settings in (("plain", None), ("ksm", VmConfig().ksm_settings())):
-                    async with SandboxManager(store, guest, work / f"m-{label}", tcg_tb_mib=tb, ksm=settings) as mgr:
-                        mem[label] = await memory(mgr, args.idle)
-            finally:
-                for k in ("pages_to_scan", "sleep_millisecs", "run"):
-                    (ksm.KSM_SYSFS / k).write_text(knobs[k])
+            for label, settings in (("plain", None), ("ksm", VmConfig().ksm_settings())):
+                async with SandboxManager(store, guest, work / f"m-{label}", tcg_tb_mib=tb, ksm=settings) as mgr:
+                    mem[label] = await memory(mgr, args.idle)
     return {"machine": machine_info(), "template_build_s": template_s, "cold": cold, **rows, "idle": args.idle, "memory_mib": args.memory_mib, "tcg_tb_mib": tb,
             "create_ksm": node_ksm is not None, "mem": mem}
 

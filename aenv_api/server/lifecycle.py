@@ -206,8 +206,8 @@ class Lifecycle:
     async def start(self) -> None:
         self.extras.keep_only({r.id for r in self._records()})
         self.logs.keep_only({r.id for r in self._records()})
-        snap = getattr(self.manager, "lifecycle", None)
-        if snap is not None and hasattr(snap, "expiry_listeners"):
+        snap = getattr(self.manager, "lifecycle", None)   # the Snapshotter (TTL); absent in bare managers
+        if snap is not None:
             snap.expiry_listeners.append(self._expired)
 
     def _expired(self, sid: str, action: str) -> None:
@@ -468,10 +468,9 @@ class Lifecycle:
     # --- logs ----------------------------------------------------------------
 
     def _capture_console(self, sid: str) -> None:
-        sbx = self.manager.sandboxes.get(sid) if hasattr(self.manager, "sandboxes") else None
-        console = getattr(getattr(getattr(sbx, "vm", None), "spec", None), "serial_log", None)
-        if console is not None:
-            self.logs.capture_console(sid, console)
+        sbx = self.manager.sandboxes.get(sid)
+        if sbx is not None:
+            self.logs.capture_console(sid, sbx.vm.spec.serial_log)
 
     def sandbox_logs(self, sid: str, *, since_ms: int | None, limit: int, forward: bool = True,
                      min_level: str | None = None, search: str | None = None) -> list[LogEntry]:

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from aenv_store.durable import fsync_dir
+
 from ..qemu.errors import VmError
 from ..qemu.launcher import QemuProcess
 from .migration_stream import StreamError, config_section, device_state_stream
@@ -39,11 +41,7 @@ def durable_write(path: Path, data: bytes | bytearray | memoryview, sync: bool =
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if sync:
-        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(path.parent)
 
 
 def template_config(template_state: Path) -> bytes:

@@ -160,11 +160,15 @@ def server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         srv.stop()
 
 
-@pytest.fixture
-def sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
-    """The E2B SDK configured by environment variables only, as a user would."""
+def use_sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    """Point the E2B SDK at ``server`` through environment variables only, as a user would."""
     for name in [n for n in os.environ if n.startswith("E2B_")]:
         monkeypatch.delenv(name)
     for name, value in server.sdk_env().items():
         monkeypatch.setenv(name, value)
     return server
+
+
+@pytest.fixture
+def sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    return use_sdk_env(server, monkeypatch)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from .conftest import Server
+from .conftest import Server, use_sdk_env
 
 pytestmark = pytest.mark.qemu
 
@@ -15,14 +15,10 @@ pytestmark = pytest.mark.qemu
 @pytest.fixture(scope="module")
 def pair(server: Server):  # type: ignore[no-untyped-def]
     """Two sandboxes shared by the module's tests (creating VMs is the expensive part)."""
-    import os
-
     from e2b import Sandbox
 
-    env = server.sdk_env()
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:   # module scope: no function-scoped monkeypatch
+        use_sdk_env(server, mp)
         a = Sandbox.create(metadata={"suite": "api", "who": "a b&c=d/é"}, envs={"AENV_GREETING": "hi there"},
                            timeout=600)
         b = Sandbox.create(metadata={"suite": "api", "who": "b"}, timeout=600)
@@ -32,12 +28,6 @@ def pair(server: Server):  # type: ignore[no-untyped-def]
                 s.kill()
             except Exception:
                 pass
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_create_commands_and_files(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from .conftest import Server, _require, start_server
+from .conftest import Server, _require, start_server, use_sdk_env
 
 pytestmark = pytest.mark.qemu
 
@@ -127,11 +127,7 @@ def outside() -> Iterator[tuple[str, int, Path]]:
 
 @pytest.fixture
 def sdk(tap_server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
-    for name in [n for n in os.environ if n.startswith("E2B_")]:
-        monkeypatch.delenv(name)
-    for name, value in tap_server.sdk_env().items():
-        monkeypatch.setenv(name, value)
-    return tap_server
+    return use_sdk_env(tap_server, monkeypatch)
 
 
 def serve_hostname(sbx, port: int = HTTP_PORT) -> None:  # type: ignore[no-untyped-def]

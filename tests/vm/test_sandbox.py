@@ -194,8 +194,6 @@ def test_ksm_whole_qemu(guest: GuestImage, built: Built, tmp_path: Path) -> None
         if os.environ.get("CI"):
             pytest.fail("KSM with PR_SET_MEMORY_MERGE is required in CI (Linux >= 6.4)")
         pytest.skip("no KSM / PR_SET_MEMORY_MERGE in this kernel")
-    knobs = ("run", "pages_to_scan", "sleep_millisecs")
-    before = {k: (ksm.KSM_SYSFS / k).read_text().strip() for k in knobs}
 
     async def run() -> None:
         settings = ksm.KsmSettings(pages_to_scan=4000, sleep_ms=10)   # fast, for the test only
@@ -222,8 +220,5 @@ def test_ksm_whole_qemu(guest: GuestImage, built: Built, tmp_path: Path) -> None
                 await mgr.kill(s.id)
             await plain.kill(c.id)
 
-    try:
+    with ksm.knobs_restored():
         asyncio.run(run())
-    finally:
-        for k in ("pages_to_scan", "sleep_millisecs", "run"):
-            (ksm.KSM_SYSFS / k).write_text(before[k])
