@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .guest import find_guest, guest_cache_root
 from .qemu.accel import kvm_usable, probe_accel
-from .qemu.errors import VmError
+from .errors import VmError
 from .qemu.launcher import MIN_QEMU_VERSION, find_qemu, qemu_version
 
 GIB = 1 << 30

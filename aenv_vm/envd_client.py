@@ -1,28 +1,53 @@
-"""A minimal host-side client of the guest's envd (what the sandbox layer needs
-itself: ``/init``, running a command and moving a file the way the SDK does,
-to warm pooled clones). The wire format is E2B's
-(see reference/e2b-wire.md): Connect over HTTP/1.1 with the JSON codec; a
-server-streaming response is a sequence of ``[flags u8][length u32 BE][JSON]``
-frames ending with a frame whose flags have bit 0x02 set.
+"""The host's one client of a guest's envd (async; every host-side caller uses it).
 
-Synchronous on purpose (http.client): callers run it in a worker thread."""
+What the node itself asks of envd: ``/health`` (with the version envd
+reports), ``/init`` (identity, clock, env vars, access token), moving a file
+and running a command the way the E2B SDK does (to warm pooled clones and to
+build templates). The wire format is E2B's (reference/e2b-wire.md): Connect
+over HTTP/1.1 with the JSON codec; a server-streaming response is a sequence
+of ``[flags u8][length u32 BE][JSON]`` frames ending with a frame whose flags
+have bit 0x02 set.
+
+Each request is one HTTP/1.1 exchange on a fresh connection with
+``Connection: close``, read to EOF and parsed by the pure functions below
+(``parse_response``: Content-Length, chunked or close-delimited bodies). No
+connection pool on purpose: a restored clone's first requests are paid in
+code translation (TCG) far more than in connection set-up, and a fork of 16
+children must not queue behind a shared pool's limit. Under user-mode
+networking QEMU accepts a connection itself while nothing listens in the
+guest, and closes it: "connected" is not "answered", only an HTTP status
+counts (``NoAnswer`` otherwise).
+"""
 from __future__ import annotations
 
+import asyncio
 import base64
-import http.client
+import contextlib
 import json
 import secrets
 import struct
+import time
 import urllib.parse
 from dataclasses import dataclass
+from typing import Awaitable, Callable, TypeVar
 
-from .qemu.errors import VmError
+from envd import ENVD_PORT, VERSION_HEADER
+
+from .errors import VmError, VmTimeout
 
 END_STREAM = 0x02
+RETRY_PAUSE = 0.02          # seconds between attempts while a guest is not answering yet
+MAX_HEAD = 64 << 10
+
+T = TypeVar("T")
 
 
 class EnvdError(VmError):
     """envd answered with an error, or not in its protocol."""
+
+
+class NoAnswer(ConnectionError):
+    """The peer closed the connection without an HTTP answer (nothing listens yet)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +56,15 @@ class CommandResult:
     stdout: bytes
     stderr: bytes
 
+
+@dataclass(frozen=True)
+class HttpAnswer:
+    status: int
+    headers: dict[str, str]     # names lower-cased; a repeated header keeps its last value
+    body: bytes
+
+
+# ---------------------------------------------------------------- pure codecs
 
 def encode_envelope(message: dict, flags: int = 0) -> bytes:
     payload = json.dumps(message, separators=(",", ":")).encode()
@@ -57,76 +91,236 @@ def decode_envelopes(data: bytes) -> list[tuple[int, dict]]:
     return out
 
 
-def _request(port: int, method: str, path: str, body: bytes, headers: dict[str, str],
-             timeout: float, host: str = "127.0.0.1") -> tuple[int, bytes]:
-    """``host``: 127.0.0.1 with user-mode networking, the sandbox's namespace address with tap."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request(method, path, body=body, headers=headers)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    except (OSError, http.client.HTTPException) as e:
-        raise EnvdError(f"envd at {host}:{port}: {method} {path}: {e}") from None
-    finally:
-        conn.close()
+def decode_chunked(data: bytes) -> bytes:
+    """The body of a complete ``Transfer-Encoding: chunked`` message (trailers ignored)."""
+    out = bytearray()
+    pos = 0
+    while True:
+        eol = data.find(b"\r\n", pos)
+        if eol < 0:
+            raise EnvdError("truncated chunked body (no chunk size line)")
+        size_text = data[pos:eol].split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise EnvdError(f"bad chunk size {size_text[:20]!r}") from None
+        pos = eol + 2
+        if size == 0:
+            return bytes(out)
+        if len(data) < pos + size + 2:
+            raise EnvdError("truncated chunked body")
+        out += data[pos:pos + size]
+        pos += size + 2
 
 
-def _auth(user: str | None, access_token: str | None) -> dict[str, str]:
-    """Headers as the SDK sends them: no Authorization means envd's default user."""
-    headers = {}
-    if user is not None:
-        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
-    if access_token:
-        headers["X-Access-Token"] = access_token
-    return headers
+def parse_response(data: bytes) -> HttpAnswer:
+    """One complete HTTP/1.x response read to EOF. ``NoAnswer`` if it has no status line."""
+    head, sep, rest = data.partition(b"\r\n\r\n")
+    if not sep or len(head) > MAX_HEAD:
+        raise NoAnswer(f"no HTTP response: {data[:80]!r}")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        raise NoAnswer(f"no HTTP response: {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if colon:
+            headers[name.strip().lower()] = value.strip()
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        body = decode_chunked(rest)
+    elif "content-length" in headers:
+        try:
+            length = int(headers["content-length"])
+        except ValueError:
+            raise EnvdError(f"bad Content-Length {headers['content-length'][:20]!r}") from None
+        if len(rest) < length:
+            raise EnvdError(f"truncated body: {len(rest)} of {length} bytes")
+        body = rest[:length]
+    else:
+        body = rest
+    return HttpAnswer(int(parts[1]), headers, body)
 
 
-def init(port: int, body: dict, timeout: float = 10.0, access_token: str | None = None,
-         host: str = "127.0.0.1") -> None:
-    """POST /init. ``body`` may carry aenv's ``hostname`` and ``entropy`` (docs/envd.md)."""
-    headers = {"Content-Type": "application/json", **_auth(None, access_token)}
-    status, data = _request(port, "POST", "/init", json.dumps(body).encode(), headers, timeout, host)
-    if not 200 <= status < 300:
-        raise EnvdError(f"envd /init answered HTTP {status}: {data[:200]!r}")
+def format_request(method: str, host: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    length = f"Content-Length: {len(body)}\r\n" if body or method not in ("GET", "HEAD") else ""
+    return (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{head}{length}\r\n").encode() + body
 
 
-def write_file(port: int, path: str, data: bytes, *, user: str | None = None, timeout: float = 30.0,
-               access_token: str | None = None, host: str = "127.0.0.1") -> None:
-    """Upload ``data`` to ``path`` as the SDK's ``files.write`` does for bytes (multipart/form-data)."""
-    boundary = secrets.token_hex(16)
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path}\"\r\n"
-            f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
-    headers = {"Content-Type": f"multipart/form-data; boundary={boundary}", **_auth(None, access_token)}
-    status, answer = _request(port, "POST", f"/files?{query}", body, headers, timeout, host)
-    if status != 200:
-        raise EnvdError(f"envd file upload to {path} answered HTTP {status}: {answer[:200]!r}")
+# ---------------------------------------------------------------- transport
+
+async def http_request(host: str, port: int, method: str, path: str, *, body: bytes = b"",
+                       headers: dict[str, str] | None = None, timeout: float = 2.0) -> HttpAnswer:
+    """One HTTP exchange with a guest port. Raises OSError / asyncio.TimeoutError /
+    NoAnswer (nothing answered) or EnvdError (an answer that is not valid HTTP)."""
+    async def go() -> HttpAnswer:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(format_request(method, host, path, headers or {}, body))
+            await writer.drain()
+            data = await reader.read()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        return parse_response(data)
+    return await asyncio.wait_for(go(), timeout)
 
 
-def read_file(port: int, path: str, *, user: str | None = None, timeout: float = 30.0,
-              access_token: str | None = None, host: str = "127.0.0.1") -> bytes:
-    """``GET /files`` as the SDK's ``files.read`` does."""
-    query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
-    status, data = _request(port, "GET", f"/files?{query}", b"", _auth(None, access_token), timeout, host)
-    if status != 200:
-        raise EnvdError(f"envd file download of {path} answered HTTP {status}: {data[:200]!r}")
-    return data
+async def until_answered(attempt: Callable[[float], Awaitable[T]], *, timeout: float, what: str,
+                         alive: Callable[[], bool] | None = None) -> T:
+    """Call ``attempt(seconds left)`` until it returns without a connection-level error
+    (the guest is not listening yet); VmTimeout after ``timeout``, VmError at once when
+    ``alive()`` says the VM is gone. Errors ``attempt`` raises itself pass through."""
+    start = time.monotonic()
+    last: object = None
+    while True:
+        left = timeout - (time.monotonic() - start)
+        try:
+            return await attempt(max(left, 0.1))
+        except (OSError, asyncio.TimeoutError, NoAnswer) as e:
+            last = e
+        if alive is not None and not alive():
+            raise VmError(f"VM exited before {what} answered (last: {last})")
+        if time.monotonic() - start > timeout:
+            raise VmTimeout(f"{what} did not answer within {timeout} s (last: {last})")
+        await asyncio.sleep(RETRY_PAUSE)
 
 
-def run_command(port: int, cmd: str, *, user: str | None = "root", timeout: float = 30.0,
-                access_token: str | None = None, host: str = "127.0.0.1") -> CommandResult:
-    """``bash -l -c cmd`` in the guest, the way the E2B SDK's ``commands.run`` does it
-    (same request, same headers); ``user=None`` is the SDK's default: envd's default user."""
-    body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}}, "stdin": False})
-    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
-               "Keepalive-Ping-Interval": "50", "Connect-Timeout-Ms": str(int(timeout * 1000)),
-               **_auth(user, access_token)}
-    status, data = _request(port, "POST", "/process.Process/Start", body, headers, timeout, host)
-    if status != 200:
-        raise EnvdError(f"envd process start answered HTTP {status}: {data[:200]!r}")
+async def wait_http_ok(host: str, port: int, path: str = "/", *, timeout: float = 60.0,
+                       alive: Callable[[], bool] | None = None) -> float:
+    """Poll GET ``path`` until it answers 2xx; returns the seconds waited."""
+    start = time.monotonic()
+
+    async def attempt(left: float) -> None:
+        answer = await http_request(host, port, "GET", path, timeout=min(2.0, left))
+        if not 200 <= answer.status < 300:
+            raise NoAnswer(f"HTTP {answer.status}")
+    await until_answered(attempt, timeout=timeout, what=f"GET {path} on {host}:{port}", alive=alive)
+    return time.monotonic() - start
+
+
+# ---------------------------------------------------------------- envd
+
+class EnvdClient:
+    """envd of one sandbox at ``host:port`` (127.0.0.1 and a forwarded port in user-mode
+    networking, the namespace address and ENVD_PORT in tap mode)."""
+
+    def __init__(self, host: str, port: int = ENVD_PORT, access_token: str | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.access_token = access_token
+
+    def with_token(self, access_token: str | None) -> "EnvdClient":
+        return EnvdClient(self.host, self.port, access_token)
+
+    def __repr__(self) -> str:
+        return f"EnvdClient({self.host}:{self.port})"
+
+    def _headers(self, user: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """Headers as the SDK sends them: no Authorization means envd's default user."""
+        headers = dict(extra or {})
+        if user is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+        if self.access_token:
+            headers["X-Access-Token"] = self.access_token
+        return headers
+
+    async def _call(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+                    timeout: float = 30.0) -> HttpAnswer:
+        try:
+            return await http_request(self.host, self.port, method, path, body=body, headers=headers,
+                                      timeout=timeout)
+        except (OSError, asyncio.TimeoutError, NoAnswer) as e:
+            raise EnvdError(f"envd at {self.host}:{self.port}: {method} {path}: {e or type(e).__name__}") from None
+
+    # -- health and /init ---------------------------------------------------------
+
+    async def health(self, timeout: float = 2.0) -> str | None:
+        """GET /health (no token needed); the envd version it reports (None: an envd
+        that does not say). Raises the transport's errors while envd is not up."""
+        answer = await http_request(self.host, self.port, "GET", "/health", timeout=timeout)
+        if not 200 <= answer.status < 300:
+            raise NoAnswer(f"/health answered HTTP {answer.status}")
+        return answer.headers.get(VERSION_HEADER.lower())
+
+    async def wait_healthy(self, timeout: float = 60.0, alive: Callable[[], bool] | None = None) -> str | None:
+        """Poll /health until envd answers; the version it reports."""
+        return await until_answered(lambda left: self.health(min(2.0, left)), timeout=timeout, alive=alive,
+                                    what=f"envd /health on {self.host}:{self.port}")
+
+    async def init(self, body: dict, timeout: float = 10.0) -> None:
+        """POST /init once. ``body`` may carry aenv's ``hostname`` and ``entropy`` (docs/envd.md)."""
+        answer = await self._call("POST", "/init", json.dumps(body).encode(),
+                                  self._headers(extra={"Content-Type": "application/json"}), timeout)
+        self._check_init(answer)
+
+    async def init_when_ready(self, body: dict, timeout: float = 60.0,
+                              alive: Callable[[], bool] | None = None) -> float:
+        """POST /init until envd answers (a freshly restored clone's first and only
+        request: a separate /health would cost one more round of code translation);
+        returns the seconds it took. Retrying is safe: /init is idempotent, and envd
+        accepts a body whose ``accessToken`` equals the token in force, so a retry
+        after a lost answer still authenticates. A non-2xx answer fails at once."""
+        start = time.monotonic()
+        raw = json.dumps(body).encode()
+        headers = self._headers(extra={"Content-Type": "application/json"})
+
+        async def attempt(left: float) -> None:
+            # one long attempt: under load the first answer can take seconds, and a
+            # retry after a client-side timeout would make the guest do it twice
+            self._check_init(await http_request(self.host, self.port, "POST", "/init", body=raw,
+                                                headers=headers, timeout=left))
+        await until_answered(attempt, timeout=timeout, alive=alive, what=f"envd /init on {self.host}:{self.port}")
+        return time.monotonic() - start
+
+    @staticmethod
+    def _check_init(answer: HttpAnswer) -> None:
+        if not 200 <= answer.status < 300:
+            raise EnvdError(f"envd /init answered HTTP {answer.status}: {answer.body[:200]!r}")
+
+    # -- files and commands -------------------------------------------------------
+
+    async def write_file(self, path: str, data: bytes, *, user: str | None = None, timeout: float = 30.0) -> None:
+        """Upload ``data`` to ``path`` as the SDK's ``files.write`` does for bytes (multipart/form-data)."""
+        boundary = secrets.token_hex(16)
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path}\"\r\n"
+                f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + \
+            f"\r\n--{boundary}--\r\n".encode()
+        query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
+        headers = self._headers(extra={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        answer = await self._call("POST", f"/files?{query}", body, headers, timeout)
+        if answer.status != 200:
+            raise EnvdError(f"envd file upload to {path} answered HTTP {answer.status}: {answer.body[:200]!r}")
+
+    async def read_file(self, path: str, *, user: str | None = None, timeout: float = 30.0) -> bytes:
+        """``GET /files`` as the SDK's ``files.read`` does."""
+        query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
+        answer = await self._call("GET", f"/files?{query}", b"", self._headers(), timeout)
+        if answer.status != 200:
+            raise EnvdError(f"envd file download of {path} answered HTTP {answer.status}: {answer.body[:200]!r}")
+        return answer.body
+
+    async def run(self, cmd: str, *, user: str | None = "root", timeout: float = 30.0) -> CommandResult:
+        """``bash -l -c cmd`` in the guest, the way the E2B SDK's ``commands.run`` does it
+        (same request, same headers); ``user=None`` is the SDK's default: envd's default user."""
+        body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}},
+                                "stdin": False})
+        headers = self._headers(user, {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+                                       "Keepalive-Ping-Interval": "50",
+                                       "Connect-Timeout-Ms": str(int(timeout * 1000))})
+        answer = await self._call("POST", "/process.Process/Start", body, headers, timeout)
+        if answer.status != 200:
+            raise EnvdError(f"envd process start answered HTTP {answer.status}: {answer.body[:200]!r}")
+        return command_result(answer.body)
+
+
+def command_result(stream: bytes) -> CommandResult:
+    """Stdout, stderr and exit code from a complete ``process.Process/Start`` stream."""
     out, err = bytearray(), bytearray()
     exit_code: int | None = None
-    for flags, msg in decode_envelopes(data):
+    for flags, msg in decode_envelopes(stream):
         if flags & END_STREAM:
             if msg.get("error"):
                 raise EnvdError(f"envd process start failed: {msg['error']}")

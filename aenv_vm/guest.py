@@ -8,19 +8,15 @@ described in docs/guest.md.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import secrets
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from .qemu.errors import VmError, VmTimeout
+from .errors import VmError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO_ROOT / "fixtures" / "build_guest.py"
@@ -95,59 +91,3 @@ def kernel_cmdline(hostname: str = "aenv", seed: bytes | None = None, extra: str
     if extra:
         parts.append(extra)
     return " ".join(parts)
-
-
-async def http_request(method: str, port: int, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None,
-                       timeout: float = 2.0, host: str = "127.0.0.1") -> tuple[int, bytes]:
-    """One HTTP/1.0 request to a VM's port: ``(status, body)``. Raises OSError/TimeoutError,
-    or ConnectionError when the peer closed without an HTTP answer (under user-mode
-    networking QEMU accepts the connection itself while nothing in the guest listens)."""
-    async def go() -> tuple[int, bytes]:
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-            length = f"Content-Length: {len(body)}\r\n" if body or method != "GET" else ""
-            writer.write(f"{method} {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n{head}{length}"
-                         f"\r\n".encode() + body)
-            await writer.drain()
-            data = await reader.read()
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-        top, _, rest = data.partition(b"\r\n\r\n")
-        try:
-            return int(top.split(b" ", 2)[1]), rest
-        except (IndexError, ValueError):
-            raise ConnectionError(f"no HTTP response from port {port}: {top[:80]!r}") from None
-    return await asyncio.wait_for(go(), timeout)
-
-
-async def http_get(port: int, path: str = "/health", timeout: float = 2.0,
-                   host: str = "127.0.0.1") -> tuple[int, bytes]:
-    """One HTTP/1.0 GET to the VM's forwarded port: ``(status, body)``."""
-    return await http_request("GET", port, path, timeout=timeout, host=host)
-
-
-async def wait_http_ok(port: int, path: str = "/health", timeout: float = 60.0,
-                       alive: Callable[[], bool] | None = None, host: str = "127.0.0.1") -> float:
-    """Poll until GET ``path`` answers 2xx; returns the seconds waited.
-
-    With user-mode networking QEMU accepts the TCP connection itself and closes
-    it while nothing listens in the guest, so "connected" is not "ready":
-    only an HTTP status counts. ``alive()`` returning False aborts early."""
-    start = time.monotonic()
-    last: object = None
-    while True:
-        try:
-            status, _ = await http_get(port, path, timeout=min(2.0, timeout), host=host)
-            if 200 <= status < 300:
-                return time.monotonic() - start
-            last = f"HTTP {status}"
-        except (OSError, asyncio.TimeoutError, ConnectionError) as e:
-            last = e
-        if alive is not None and not alive():
-            raise VmError(f"VM exited before GET {path} on port {port} answered (last: {last})")
-        if time.monotonic() - start > timeout:
-            raise VmTimeout(f"GET {path} on port {port} did not answer 2xx within {timeout} s (last: {last})")
-        await asyncio.sleep(0.02)

@@ -46,12 +46,12 @@ from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StoreP
 from aenv_store.store import Store  # noqa: E402
 from aenv_vm import ksm  # noqa: E402
 from aenv_vm.config import VmConfig  # noqa: E402
-from aenv_vm.envd_client import run_command  # noqa: E402
 from aenv_vm.guest import GuestImage, ensure_guest  # noqa: E402
-from aenv_vm.sandbox import Sandbox, SandboxManager  # noqa: E402
-from aenv_vm.snapshot import migration_stream  # noqa: E402
-from aenv_vm.snapshot.memory_image import Delta, consolidate  # noqa: E402
-from aenv_vm.template import build_template  # noqa: E402
+from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
+from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
+from aenv_vm.qemu import migration_stream  # noqa: E402
+from aenv_vm.memory.memory_image import Delta, consolidate  # noqa: E402
+from aenv_vm.templates.build import build_template  # noqa: E402
 from vm_bench import cpu_ms, first_command, pss_kib, pss_kib_without_tcg, pss_split_kib, settle  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -67,14 +67,11 @@ def settings_for(data: Path, cache: Path | None = None) -> StoreSettings:
 
 async def settled(mgr: SandboxManager, sid: str) -> None:
     """Wait for the background commit of the last pause."""
-    assert mgr.lifecycle is not None
-    task = mgr.lifecycle._commits.get(sid)
-    if task is not None:
-        await task
+    await mgr.wait_committed(sid)
 
 
 async def guest(sbx: Sandbox, cmd: str) -> None:
-    r = await asyncio.to_thread(run_command, sbx.envd_port, cmd, user="root", timeout=300.0)
+    r = await sbx.envd.run(cmd, user="root", timeout=300.0)
     if r.exit_code != 0:
         raise BenchError(f"guest command {cmd!r} exited {r.exit_code}: {r.stderr[-300:]!r}")
 
@@ -95,7 +92,6 @@ def _self_cpu() -> float:
 
 async def pauses(mgr: SandboxManager, mib: int, reps: int) -> list[dict]:
     sbx = await mgr.create("base")
-    assert mgr.lifecycle is not None
     out = []
     try:
         await mgr.pause(sbx.id)
@@ -105,7 +101,7 @@ async def pauses(mgr: SandboxManager, mib: int, reps: int) -> list[dict]:
             t0, c0 = time.perf_counter(), _self_cpu()
             await mgr.pause(sbx.id)
             call, cpu = time.perf_counter() - t0, _self_cpu() - c0
-            t = mgr.lifecycle.last_pause
+            t = mgr.last_pause
             assert t is not None
             out.append({"total": t.total, "call": call, "stop": t.stop, "device_state": t.device_state,
                         "pages": t.pages, "write": t.write, "delta_mib": t.dirty_pages * 4096 / 2**20, "cpu": cpu,
@@ -169,8 +165,7 @@ def copy_route(tpl_mem: Path, tmp: Path, reps: int) -> list[float]:
 
 async def resumes(mgr: SandboxManager, n: int, standby: bool) -> list[dict]:
     sbx = await mgr.create("base")
-    assert mgr.lifecycle is not None
-    mgr.lifecycle.standby_limit = 4 if standby else 0
+    mgr.standby_limit = 4 if standby else 0
     out = []
     try:
         await guest(sbx, "true")
@@ -189,8 +184,7 @@ async def resumes(mgr: SandboxManager, n: int, standby: bool) -> list[dict]:
 
 def _resume_row(mgr: SandboxManager, call: float, cmd: float) -> dict:
     """One resume's numbers: the manager's ResumeTiming, the call and the first command."""
-    assert mgr.lifecycle is not None
-    t = mgr.lifecycle.last_resume
+    t = mgr.last_resume
     assert t is not None
     return {"running": t.running, "first_command_total": call + cmd, "fetch": t.fetch, "qemu_start": t.qemu_start,
             "inject": t.inject, "state_load": t.state_load, "first_answer": t.first_answer, "init": t.init,
@@ -218,7 +212,6 @@ async def cold_resumes(store: Store, guest_img: GuestImage, work: Path, n: int) 
         cache = work / f"cold-cache-{i}"
         with Store.open(settings_for(work / "data", cache)) as cold_store:
             async with SandboxManager(cold_store, guest_img, node) as mgr:
-                assert mgr.lifecycle is not None
                 t0 = time.perf_counter()
                 sbx = await mgr.resume(sid)
                 call = time.perf_counter() - t0
@@ -271,11 +264,10 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
     kids_mem = await _pss_both_ways(mgr, [k.vm.pid for k in ok])
     for k in ok + [parent]:
         await mgr.kill(k.id)
-    assert mgr.lifecycle is not None
     return {"count": count, "answering": answering, "children_cpu_ms_at_answering": cpu_before,
-            "snapshot_s": mgr.lifecycle.last_fork_snapshot,
+            "snapshot_s": mgr.last_fork_snapshot,
             "manager_cpu_ms": manager_cpu * 1000, "per_child_s": per_child,
-            "snapshot_parts_s": mgr.lifecycle.last_fork_timing,
+            "snapshot_parts_s": mgr.last_fork_timing,
             "all_first_command": all_commands, "mem_one": one_mem, "mem_children": kids_mem}
 
 

@@ -45,10 +45,13 @@ from aenv_vm.blockimage.image import BlockImage  # noqa: E402
 from aenv_vm.config import VmConfig  # noqa: E402
 from aenv_vm.ksm import KsmSettings  # noqa: E402
 from aenv_vm.blockimage.nbd_server import NbdServer  # noqa: E402
-from aenv_vm.guest import GuestImage, ensure_guest, kernel_cmdline, wait_http_ok  # noqa: E402
+from aenv_vm.envd_client import wait_http_ok  # noqa: E402
+from aenv_vm.guest import GuestImage, ensure_guest, kernel_cmdline  # noqa: E402
 from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port  # noqa: E402
-from aenv_vm.sandbox import Sandbox, SandboxManager  # noqa: E402
-from aenv_vm.template import Template, base_layer, build_template  # noqa: E402
+from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
+from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
+from aenv_vm.templates.build import base_layer, build_template  # noqa: E402
+from aenv_vm.templates.template import Template  # noqa: E402
 
 
 def pss_kib(pid: int) -> int:
@@ -140,7 +143,7 @@ async def cold_boots(store: Store, guest: GuestImage, tpl: Template, work: Path,
             t0 = time.perf_counter()
             vm = await QemuProcess.start(spec)
             try:
-                await wait_http_ok(spec.host_port or 0, "/health", timeout=300, alive=vm.alive)
+                await wait_http_ok("127.0.0.1", spec.host_port or 0, "/health", timeout=300, alive=vm.alive)
                 out.append(time.perf_counter() - t0)
             finally:
                 await vm.stop()

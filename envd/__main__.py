@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from . import ENVD_PORT
 from .server import EnvdServer
 from .state import EnvdState
 
@@ -15,7 +16,7 @@ from .state import EnvdState
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="envd", description="E2B-compatible in-sandbox daemon")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=49983)
+    p.add_argument("--port", type=int, default=ENVD_PORT)
     p.add_argument("--user", default="user", help="default user for commands and files (falls back to the user envd runs as if missing)")
     p.add_argument("--access-token", default=None, help="require this X-Access-Token from the start")
     p.add_argument("--sync-clock", action="store_true", help="let /init set the system clock (guest only)")

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from . import connect, files, identity
+from . import ENVD_VERSION, VERSION_HEADER, connect, files, identity
 from .connect import Code, ConnectError
 from .fs_service import FilesystemService
 from .http11 import LAST_CHUNK, MAX_HEAD_BYTES, BodyReader, HttpError, RequestHead, encode_chunk, format_head, parse_request_head
@@ -362,7 +362,7 @@ class EnvdServer:
     async def _http(self, head: RequestHead, body: BodyReader, auth_user: str | None) -> Response:
         path = head.path
         if path == "/health":
-            return Response(204)
+            return Response(204, ((VERSION_HEADER, ENVD_VERSION),))
         if path == "/metrics":
             return json_response(200, self.metrics.sample())
         if path == "/envs":

@@ -21,10 +21,11 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from envd import ENVD_PORT
+
 from .common import CliError, common_options, print_json, print_table
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-ENVD_PORT = 49983
 
 
 def client_options() -> argparse.ArgumentParser:

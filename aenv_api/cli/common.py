@@ -7,9 +7,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, Iterable, Protocol, TextIO
 
 from ..config import AenvConfig, load_config, resolve_data_dir
+
+
+class Subcommands(Protocol):
+    """What a command module's ``register`` gets: ``parser.add_subparsers()``'s result
+    (argparse names its class only privately)."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 class CliError(Exception):

@@ -6,10 +6,10 @@ import sys
 
 from aenv_vm.doctor import Status, run_checks
 
-from .common import common_options, config_from_args, print_json, print_table
+from .common import Subcommands, common_options, config_from_args, print_json, print_table
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subcommands) -> None:
     p = subparsers.add_parser("doctor", parents=[common_options()],
                               help="check QEMU, the guest image, the accelerator, /dev/kvm, disk space and tap networking")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from .apiclient import ApiClient, client_options, emit
-from .common import CliError
+from .common import CliError, Subcommands
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subcommands) -> None:
     p = subparsers.add_parser("files", help="copy files into and out of sandboxes (through an aenv server)")
     sub = p.add_subparsers(dest="files_command", metavar="COMMAND", required=True)
     put = sub.add_parser("put", parents=[client_options()], help="upload a local file (- = stdin)")

@@ -14,7 +14,7 @@ from typing import Any
 
 from aenv_store.errors import NotFound
 
-from .common import CliError, common_options, config_from_args, human_bytes, print_json, print_table
+from .common import CliError, Subcommands, common_options, config_from_args, human_bytes, print_json, print_table
 
 _SIZE = re.compile(r"^(\d+)([KMGT]i?B?|B)?$", re.IGNORECASE)
 
@@ -193,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subcommands) -> None:
     common = common_options()
     p = subparsers.add_parser("image", help="layered block images (import, export, ls, inspect, serve)")
     sub = p.add_subparsers(dest="image_command", metavar="SUBCOMMAND")

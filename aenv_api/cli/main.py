@@ -9,6 +9,7 @@ import sys
 from typing import Callable, Sequence
 
 from aenv_store.errors import StoreError
+from aenv_vm.errors import VmError
 
 from .common import CliError
 
@@ -16,7 +17,7 @@ from .common import CliError
 COMMANDS = ["repo", "cache", "image", "p2p", "doctor", "template", "sandbox", "snapshot", "files", "server"]
 
 
-def _version() -> str:
+def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version  # ~35 ms cold: only for --version
     try:
         return version("aenv")
@@ -33,7 +34,7 @@ class _VersionAction(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:
-        print(f"aenv {_version()}")
+        print(f"aenv {package_version()}")
         parser.exit()
 
 
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(handler(args) or 0)
-    except (CliError, StoreError) as e:
+    except (CliError, StoreError, VmError) as e:
         print(f"aenv: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1) if isinstance(e, CliError) else 1
     except KeyboardInterrupt:

@@ -10,7 +10,7 @@ import sys
 import urllib.parse
 
 from .apiclient import ApiClient, client_options, emit
-from .common import CliError
+from .common import CliError, Subcommands
 
 COLUMNS = ["sandboxID", "alias", "templateID", "state", "startedAt", "endAt", "cpuCount", "memoryMB", "metadata"]
 
@@ -29,7 +29,7 @@ def _sid(value: str) -> str:
     return urllib.parse.quote(value, safe="")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subcommands) -> None:
     p = subparsers.add_parser("sandbox", help="create, list, run in, pause, snapshot, fork and kill sandboxes "
                                               "(through an aenv server's API)")
     sub = p.add_subparsers(dest="sandbox_command", metavar="COMMAND", required=True)

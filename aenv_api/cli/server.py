@@ -23,15 +23,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from .common import CliError, common_options, config_from_args
+from .common import CliError, Subcommands, common_options, config_from_args
+
+if TYPE_CHECKING:   # the server's parts are imported when it starts (the CLI starts fast)
+    from aenv_api.server.lifecycle import Lifecycle
+    from aenv_api.server.metrics import Metrics
+    from aenv_store.store import Store
+    from aenv_vm.sandboxes.manager import SandboxManager
 
 # Sandbox run dirs hold Unix sockets: <root>/sandboxes/sbx-<16 hex>/qmp.sock must fit 107 bytes.
 _MAX_RUN_ROOT = 64
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subcommands) -> None:
     p = subparsers.add_parser("server", parents=[common_options()],
                               help="run the E2B-compatible API server and sandbox proxy of this node")
     p.add_argument("--host", default=None, help="listen address (default: [server] host, 127.0.0.1)")
@@ -78,8 +84,10 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 async def _prepare_template(store: Any, guest: Any, cfg: Any, server_cfg: Any) -> Any:
+    from aenv_vm.errors import NotFound
     from aenv_vm.qemu.accel import probe_accel
-    from aenv_vm.template import TemplateError, build_template, find_template
+    from aenv_vm.templates.build import build_template
+    from aenv_vm.templates.template import TemplateError, find_template
 
     why = "first start: "
     try:
@@ -87,7 +95,7 @@ async def _prepare_template(store: Any, guest: Any, cfg: Any, server_cfg: Any) -
         if tpl.guest_key == guest.key:
             return tpl
         why = f"it was built from guest {tpl.guest_key}, this node now runs guest {guest.key}: "
-    except TemplateError:
+    except (NotFound, TemplateError):
         pass
     if not server_cfg.build_template:
         raise CliError(f"template {server_cfg.default_template!r} is missing or stale ({why.rstrip(': ')}) and "
@@ -129,11 +137,12 @@ def _run_root(data_dir: Path) -> Path:
     return link
 
 
-def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> Callable[[], Awaitable[None]]:
+def _gauges(metrics: Metrics, lifecycle: Lifecycle, manager: SandboxManager, store: Store
+            ) -> Callable[[], Awaitable[None]]:
+    counts: dict[str, int] = {}
+
     def sandboxes() -> list:
-        counts = lifecycle.counts()
-        counts["pooled"] = sum(len(p) for p in getattr(manager, "_pools", {}).values())
-        return [((("state", k),), float(v)) for k, v in sorted(counts.items())]
+        return [((("state", k),), float(v)) for k, v in sorted({**counts, "pooled": manager.pool.count()}.items())]
 
     def cache() -> list:
         if store.cache is None:
@@ -145,15 +154,24 @@ def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> Callable[
 
     repo_value: list = []
 
-    async def refresh_store_bytes() -> None:
-        # Listing every pack is not free (a LIST on S3): done off the event loop, every 30 s.
+    async def refresh() -> None:
+        # Sandbox counts every 2 s (the service is asynchronous, a scrape is not); listing
+        # every pack is not free (a LIST on S3): done off the event loop, every 30 s.
+        n = 0
         while True:
             try:
-                st = await asyncio.to_thread(store.repository.stats)
-                repo_value[:] = [((("kind", "packs"),), float(st.pack_bytes)), ((("kind", "raw"),), float(st.raw_bytes))]
+                counts.update(await lifecycle.counts())
             except Exception as e:  # a metric must never take the server down
-                say(f"store size for /metrics unavailable: {e}")
-            await asyncio.sleep(30)
+                say(f"sandbox counts for /metrics unavailable: {e}")
+            if n % 15 == 0:
+                try:
+                    st = await asyncio.to_thread(store.repository.stats)
+                    repo_value[:] = [((("kind", "packs"),), float(st.pack_bytes)),
+                                     ((("kind", "raw"),), float(st.raw_bytes))]
+                except Exception as e:  # a metric must never take the server down
+                    say(f"store size for /metrics unavailable: {e}")
+            n += 1
+            await asyncio.sleep(2)
 
     def store_bytes() -> list:
         return list(repo_value)
@@ -172,20 +190,22 @@ def _gauges(metrics: Any, lifecycle: Any, manager: Any, store: Any) -> Callable[
 
     metrics.gauge("aenv_ksm", ksm_stats, "kernel samepage merging on this host ([vm] ksm): bytes saved, full scans, "
                                           "whether ksmd runs")
-    return refresh_store_bytes
+    return refresh
 
 
 async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
     from aenv_api.server.app import ApiServer
+    from aenv_vm.errors import VmError
+    from aenv_vm.guest import ensure_guest
+    from aenv_vm.net.netns import NetError
+    from aenv_vm.sandboxes.service import NodeSandboxService
+
+    from .main import package_version
+
     from aenv_api.server.lifecycle import Lifecycle
     from aenv_api.server.metrics import Metrics
     from aenv_store.store import Store
-    from aenv_vm.guest import ensure_guest
-    from aenv_vm.net.netns import NetError
-    from aenv_vm.qemu.errors import VmError
-    from aenv_vm.sandbox import SandboxManager
-
-    from .main import _version
+    from aenv_vm.sandboxes.manager import SandboxManager
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -204,16 +224,16 @@ async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
         vm = cfg.section("vm")
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                  tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
-                                 ksm=vm.ksm_settings(), network=vm.network)
+                                 ksm=vm.ksm_settings(), network=vm.network, max_sandboxes=server_cfg.max_sandboxes)
         try:
             await manager.start()
         except NetError as e:   # [vm] network = "tap" on a host that cannot do it
             raise CliError(str(e), 1) from None
         metrics = Metrics()
-        lifecycle = Lifecycle(manager, server_cfg, metrics, cfg.data_dir, creds.envd_token)
+        lifecycle = Lifecycle(NodeSandboxService(manager), server_cfg, metrics, cfg.data_dir, creds.envd_token)
         await lifecycle.start()
         background.append(asyncio.ensure_future(_gauges(metrics, lifecycle, manager, store)()))
-        server = ApiServer(lifecycle, creds, server_cfg, metrics, _version())
+        server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version())
         try:
             port = await server.start(server_cfg.host, server_cfg.port)
         except OSError as e:

@@ -7,9 +7,10 @@ import argparse
 import urllib.parse
 
 from .apiclient import ApiClient, client_options, emit
+from .common import Subcommands
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subcommands) -> None:
     p = subparsers.add_parser("snapshot", help="list and remove sandbox snapshots (through an aenv server's API)")
     sub = p.add_subparsers(dest="snapshot_command", metavar="COMMAND", required=True)
     ls = sub.add_parser("ls", parents=[client_options()], help="list snapshots")

@@ -9,10 +9,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import CliError, common_options, config_from_args, print_json, print_table
+from .common import CliError, Subcommands, common_options, config_from_args, print_json, print_table
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subcommands) -> None:
     p = subparsers.add_parser("template", help="build, list and remove sandbox templates")
     sub = p.add_subparsers(dest="template_command", metavar="COMMAND", required=True)
     b = sub.add_parser("build", parents=[common_options()],
@@ -46,10 +46,10 @@ def _row(tpl, aliases: list[str]) -> dict:  # type: ignore[no-untyped-def]
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    from aenv_vm.errors import VmError
     from aenv_vm.guest import ensure_guest
     from aenv_vm.qemu.accel import probe_accel
-    from aenv_vm.qemu.errors import VmError
-    from aenv_vm.template import build_template
+    from aenv_vm.templates.build import build_template
 
     cfg = config_from_args(args)
     vm = cfg.section("vm")
@@ -81,7 +81,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from aenv_vm.template import list_templates
+    from aenv_vm.templates.template import list_templates
 
     with _open_store(args) as store:
         rows = [_row(t, aliases) for t, aliases in list_templates(store)]
@@ -93,12 +93,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from aenv_vm.template import TemplateError, remove_template
+    from aenv_vm.errors import VmError
+    from aenv_vm.templates.template import remove_template
 
     with _open_store(args) as store:
         try:
             tpl = remove_template(store, args.template)
-        except TemplateError as e:
+        except VmError as e:
             raise CliError(str(e), 1) from None
     print(f"removed {tpl.id} (its data is freed by `aenv repo gc`)")
     return 0

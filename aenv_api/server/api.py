@@ -54,7 +54,7 @@ class ControlPlane:
         return json_response(rec.sandbox(self.domain), 201)
 
     async def get_info(self, request: web.Request, call: Call) -> web.Response:
-        return json_response(self.lc.get(call.path["sandboxID"]).detail(self.domain))
+        return json_response((await self.lc.get(call.path["sandboxID"])).detail(self.domain))
 
     async def kill(self, request: web.Request, call: Call) -> web.Response:
         await self.lc.kill(call.path["sandboxID"])
@@ -65,24 +65,24 @@ class ControlPlane:
         return no_content()
 
     async def refresh(self, request: web.Request, call: Call) -> web.Response:
-        rec = self.lc.get(call.path["sandboxID"])
+        rec = await self.lc.get(call.path["sandboxID"])
         duration = call.body.get("duration")
         if rec.state == "running":  # a paused sandbox has no clock running
             await self.lc.connect(rec.sandbox_id, self.config.default_timeout if duration is None else duration)
         return no_content()
 
     async def list_v1(self, request: web.Request, call: Call) -> web.Response:
-        page, _ = self.lc.list(states=("running",), metadata=call.query["metadata"], limit=10**9)
+        page, _ = await self.lc.list(states=("running",), metadata=call.query["metadata"], limit=10**9)
         return json_response([r.listed() for r in page])
 
     async def list_v2(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
-        page, token = self.lc.list(states=q["state"], metadata=q["metadata"], template=q["template"],
+        page, token = await self.lc.list(states=q["state"], metadata=q["metadata"], template=q["template"],
                                    started_after=q["started_after"], order=q["order"], limit=q["limit"],
                                    next_token=q["next_token"])
         headers = {"X-Next-Token": token} if token else {}
         if not q["state"] or "running" in q["state"]:
-            headers["X-Total-Running"] = str(self.lc.counts()["running"])
+            headers["X-Total-Running"] = str((await self.lc.counts())["running"])
         return json_response([r.listed() for r in page], headers=headers)
 
     async def connect(self, request: web.Request, call: Call) -> web.Response:
@@ -116,19 +116,19 @@ class ControlPlane:
 
     async def sandbox_metrics(self, request: web.Request, call: Call) -> web.Response:
         start, end = call.query["start"], call.query["end"]
-        return json_response(self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
+        return json_response(await self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
 
     async def logs_v1(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
         limit = 1000 if q["limit"] is None else q["limit"]
-        entries = self.lc.sandbox_logs(call.path["sandboxID"], since_ms=q["start"], limit=limit)
+        entries = await self.lc.sandbox_logs(call.path["sandboxID"], since_ms=q["start"], limit=limit)
         return json_response({"logs": [{"timestamp": S.iso(e.timestamp_ms / 1000), "line": e.message}
                                        for e in entries],
                               "logEntries": [_log_entry(e) for e in entries]})
 
     async def logs_v2(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
-        entries = self.lc.sandbox_logs(call.path["sandboxID"], since_ms=q["cursor"],
+        entries = await self.lc.sandbox_logs(call.path["sandboxID"], since_ms=q["cursor"],
                                        limit=1000 if q["limit"] is None else q["limit"],
                                        forward=q["direction"] != "backward", min_level=q["level"], search=q["search"])
         return json_response({"logs": [_log_entry(e) for e in entries]})

@@ -24,12 +24,3 @@ class ApiError(Exception):
 
 def bad_request(message: str) -> ApiError:
     return ApiError(400, message)
-
-
-def not_found(message: str) -> ApiError:
-    return ApiError(404, message)
-
-
-def not_supported(feature: str) -> ApiError:
-    """What a capability the sandbox layer does not have yet answers."""
-    return ApiError(501, f"{feature} is not supported by this node yet", retry=False)

@@ -32,9 +32,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from envd import ENVD_PORT
+
 from .auth import check_token
 from .errors import ApiError
-from .lifecycle import ENVD_PORT, Lifecycle
+from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .upstream import MAX_HEAD, ChunkedBody, ResponseHead, UpstreamConn, UpstreamError, Upstreams, parse_response_head
 

@@ -6,9 +6,9 @@ Two sources, merged in one append-only JSON-lines file per sandbox
 * lifecycle events the API layer records (created, paused, resumed, snapshot,
   forked, timeout, ...) with structured fields;
 * the guest's serial console (kernel messages, ``aenv-init``, envd's stderr),
-  read from QEMU's console file whenever the logs are asked for and before the
-  QEMU goes away (pause, kill). A console line carries the time aenv read it,
-  which is at most one request late: QEMU's console file has no timestamps.
+  read through the sandbox service whenever the logs are asked for and before
+  the VM goes away (pause). A console line carries the time aenv read it,
+  which is at most one request late: QEMU's console has no timestamps.
 
 The log lives as long as the sandbox's record (paused sandboxes keep theirs;
 a kill deletes it). A sandbox's console contributes at most
@@ -67,30 +67,21 @@ class SandboxLogs:
         self._append(sid, [LogEntry(int(time.time() * 1000), level, message,
                                     {k: str(v) for k, v in fields.items() if v is not None})])
 
-    def capture_console(self, sid: str, console: Path) -> None:
-        """Append the console lines written since the last capture of this file. The
-        read position is kept beside the log, per console file (a resumed sandbox's
-        new QEMU writes a new file)."""
-        pos_file = self.root / f"{sid}.console"
+    def console_position(self, sid: str) -> tuple[str | None, int]:
+        """Where the next console read of ``sid`` starts: (console name, byte offset)."""
         try:
-            name, _, offset = pos_file.read_text().rpartition(" ")
-            pos = int(offset) if name == str(console) else 0
+            source, _, offset = (self.root / f"{sid}.console").read_text().rpartition(" ")
+            return source or None, int(offset)
         except (OSError, ValueError):
-            pos = 0
-        try:
-            with open(console, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < pos:          # the file was replaced: start over
-                    pos = 0
-                skipped = max(0, size - pos - MAX_CONSOLE_BYTES)
-                f.seek(pos + skipped)
-                data = f.read(MAX_CONSOLE_BYTES)
-        except OSError:
-            return
-        end = data.rfind(b"\n") + 1      # a partial last line waits for its newline
-        if end == 0 and len(data) < MAX_CONSOLE_BYTES:
-            return
-        end = end or len(data)
+            return None, 0
+
+    def add_console(self, sid: str, source: str, start: int, data: bytes, skipped: int = 0) -> None:
+        """Append the complete console lines of ``data`` (console ``source`` from byte
+        ``start``) and remember where the next read starts: a partial last line waits for
+        its newline, unless it alone fills a whole read."""
+        end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) >= MAX_CONSOLE_BYTES:   # one line longer than a read: cut it
+            end = len(data)
         now = int(time.time() * 1000)
         entries = []
         if skipped:
@@ -101,8 +92,9 @@ class SandboxLogs:
             if line.strip():
                 entries.append(LogEntry(now, "info", line, {"source": "console"}))
         self._append(sid, entries)
+        pos_file = self.root / f"{sid}.console"
         tmp = pos_file.with_suffix(".console.tmp")
-        tmp.write_text(f"{console} {pos + skipped + end}")
+        tmp.write_text(f"{source} {start + end}")
         os.replace(tmp, pos_file)
 
     def entries(self, sid: str) -> Iterator[LogEntry]:

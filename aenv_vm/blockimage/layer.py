@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from aenv_store.errors import CorruptData, NotFound, StoreError
+from aenv_store.errors import CorruptData, NotFound
 from aenv_store.ids import Digest
 from aenv_store.manifest import Extent, Manifest
+
+from ..errors import VmError
 
 if TYPE_CHECKING:
     from aenv_store.catalog import CatalogRecord
@@ -24,7 +26,7 @@ MAX_LAYERS = 255
 LAYER_ALIGN = 4096
 
 
-class ImageError(StoreError):
+class ImageError(VmError):
     """A block image is unusable (bad stack, too many layers, read-only, ...)."""
 
 

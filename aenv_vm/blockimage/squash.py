@@ -14,8 +14,8 @@ from __future__ import annotations
 from aenv_store.ids import Digest
 from aenv_store.manifest import Extent, Manifest
 
-from ..blockimage.extent_map import ExtentMap
-from ..blockimage.layer import DISK_LAYER, coalesce, load_stack
+from .extent_map import ExtentMap
+from .layer import DISK_LAYER, coalesce, load_stack
 
 MAX_DISK_CHAIN = 32
 

@@ -56,6 +56,20 @@ def runs_of(states: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(s), int(e - s), int(states[s])) for s, e in zip(starts, ends)]
 
 
+def upper_base(directory: Path) -> Digest | None:
+    """The committed layer the upper layer in ``directory`` says it sits on (its map's
+    header; None: on no layer). FileNotFoundError when there is no upper layer there."""
+    with open(Path(directory) / "upper.map", "rb") as f:
+        raw = f.read(_MAP_HEAD.size)
+    try:
+        magic, version, _flags, _bs, _size, _nruns, base = _MAP_HEAD.unpack_from(raw)
+    except struct.error:
+        raise CorruptData(f"{directory}/upper.map: truncated upper map") from None
+    if magic != MAP_MAGIC or version != MAP_VERSION:
+        raise CorruptData(f"{directory}/upper.map: not an upper map v{MAP_VERSION}")
+    return None if base == bytes(DIGEST_SIZE) else Digest(base)
+
+
 class UpperLayer:
     """Not thread-safe for writers: BlockImage serialises writes; reads may run concurrently."""
 

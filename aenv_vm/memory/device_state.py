@@ -19,9 +19,9 @@ from pathlib import Path
 
 from aenv_store.durable import fsync_dir
 
-from ..qemu.errors import VmError
+from ..errors import VmError
 from ..qemu.launcher import QemuProcess
-from .migration_stream import StreamError, config_section, device_state_stream
+from ..qemu.migration_stream import StreamError, config_section, device_state_stream
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,9 @@ from aenv_store.ids import Digest
 from aenv_store.manifest import Extent, Manifest
 from aenv_store.store import Store
 
-from ..qemu.errors import VmError
+from ..errors import VmError
 from .pagemap import PAGE, runs
-from .vmstate import durable_write
+from .device_state import durable_write
 
 MEMORY_DELTA = "application/vnd.aenv.memory-delta"
 MAGIC = b"AENVMDL1"

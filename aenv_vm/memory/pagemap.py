@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from ..qemu.errors import VmError
+from ..errors import VmError
 
 PAGE = 4096
 _PRESENT = np.uint64(1 << 63)

@@ -44,13 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..qemu.errors import VmError
+from ..errors import VmError
 
 GUEST_IP = "10.0.2.15"
 TAP_ADDR = "10.0.2.2"
 SLIRP_DNS = "10.0.2.3"          # the resolver user-mode networking gives guests
 TAP_MAC = "52:55:0a:00:02:02"   # QEMU slirp's gateway MAC (what template guests have cached)
-ENVD_PORT = 49983
 NETNS_DIR = Path("/run/netns")
 MAX_INDEX = 16384           # 10.201.0.0/16 in /30s
 LOCK_PATH = "/run/aenv-netns.lock"

@@ -65,7 +65,7 @@ def device_state(state: Path) -> Path:
     """``state`` without its ``slirp`` section (a VM on a tap device has no place for
     it), as a file next to it; ``state`` itself when it has none (e.g. saved from a
     tap VM). The copy is written once (tmp + rename) and reused."""
-    from ..snapshot.migration_stream import StreamError, drop_section
+    from ..qemu.migration_stream import StreamError, drop_section
     tap = state.with_name(state.name + TAP_STATE_SUFFIX)
     if tap.is_file():
         return tap

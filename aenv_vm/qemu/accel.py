@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import VmError
+from ..errors import VmError
 from .launcher import Accel, QemuProcess, VmSpec, find_qemu
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,8 @@
-"""Errors of the QEMU driver. The API layer maps ``VmError`` subclasses to HTTP
-errors and the CLI prints their message."""
+"""Errors of the QEMU driver (all ``aenv_vm.errors.VmError``: internal failures,
+answered as server errors)."""
 from __future__ import annotations
 
-
-class VmError(Exception):
-    """Base of the errors raised by aenv_vm.qemu."""
+from ..errors import VmError
 
 
 class QemuNotFound(VmError):
@@ -35,7 +33,3 @@ class QmpProtocolError(VmError):
 
 class QmpConnectionError(VmError):
     """The QMP connection could not be made or was lost."""
-
-
-class VmTimeout(VmError):
-    """A VM did not reach the awaited state in time."""

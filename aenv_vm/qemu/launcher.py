@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Union
 
-from .errors import QemuExited, QemuNotFound, VmError, VmTimeout
+from ..errors import VmError, VmTimeout
+from .errors import QemuExited, QemuNotFound
 from .qmp import QmpClient
 
 QEMU_BINARY = "qemu-system-x86_64"

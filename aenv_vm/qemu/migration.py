@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import QemuExited, QmpConnectionError, VmError, VmTimeout
+from ..errors import VmError, VmTimeout
+from .errors import QemuExited, QmpConnectionError
 from .launcher import QemuProcess
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
 
-from .errors import QmpConnectionError, QmpError, QmpProtocolError, VmTimeout
+from ..errors import VmTimeout
+from .errors import QmpConnectionError, QmpError, QmpProtocolError
 
 # QEMU's largest replies (query-qmp-schema) are a few hundred KiB; anything far
 # beyond that without a newline means the peer is not speaking QMP.

@@ -1,191 +1,121 @@
-"""Sandboxes restored from templates, and the warm pool.
+"""SandboxManager: the facade of one node's sandbox lifecycle.
 
-``SandboxManager.create(template)`` never cold-boots: it maps the template's
-memory file ``share=off`` (copy-on-write, shared page cache), gives the
-sandbox its own writable upper disk layer over the template's disk layer
-(served by one NBD server per manager), starts QEMU with ``-incoming defer``,
-loads the device state, waits for envd and calls envd ``/init`` (env vars,
-access token, clock). Any failure tears the half-made sandbox down.
+The states and the module that moves a sandbox between them::
 
-Every restored clone first gets its own identity through envd ``/init``
-(hostname = sandbox id, host entropy credited to the kernel RNG and reseeded,
-clock), without starting a process. Under TCG the first requests to a freshly
-restored VM are slow: the software CPU translates the guest's code afresh in
-each QEMU process. So a pool per template keeps ``pool_size`` sandboxes
-restored and warmed -- each ran the SDK's own command path (``bash -l -c`` as
-the default user and as root) and a file write and read, at low CPU priority
--- and ``create`` takes one (then only ``/init`` remains) and refills in the
-background. pool_size 0 disables the pool.
+    (template) --create--> running --pause--> paused --resume--> running
+                    |   restore.py    pause.py         resume.py
+                    +-- pool.py (warm clones)
+    running --snapshot--> (a new template)   snapshots.py
+    running --fork------> N running children fork.py (+ a hidden snapshot)
+    running/paused --kill--> gone; running --TTL--> paused or gone (ttl.py)
+    (server restart) running -> paused | lost   recovery.py
 
-Networking (aenv_vm/net/networks.py): user-mode with host port forwards, or
-tap mode where each sandbox's QEMU runs in its own network namespace (made
-before QEMU starts, removed with it). ``Sandbox.endpoint(port)`` says where
-the host reaches a guest port in either mode.
+The manager holds the per-node state those modules share and that only it
+changes: the table of running sandboxes (the others get it read-only), the
+sandbox records (records.py, LMDB), one lock per sandbox (operations on one
+sandbox never interleave) and the capacity count. It sequences each
+operation; the work is in the modules, each given the ``NodeRuntime``
+(runtime.py) instead of a back-pointer to the manager.
+
+Methods return node-side handles (``Sandbox``: its QEMU, disk image, where
+it is reached), for the node's own tools, tests and benchmarks; the API sees
+this node through ``NodeSandboxService`` (service.py) instead.
 """
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import dataclasses
-import datetime
 import logging
-import os
-import secrets
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from types import MappingProxyType
+from typing import Mapping
 
 from aenv_store.store import Store
 
-from .blockimage.image import BlockImage
-from .blockimage.nbd_server import NbdServer
-from .envd_client import init as envd_init, read_file, run_command, write_file
-from .guest import GuestImage, wait_http_ok
-from .ksm import KsmSettings, enable as ksm_enable
-from .net.netns import SandboxNet
-from .net.networks import NodeNetworks
-from .qemu.errors import VmError
-from .qemu.launcher import ENVD_PORT, GUEST_IP, NbdDisk, QemuProcess, VmSpec, free_port
-from .qemu.migration import load_device_state
-from .template import Template, TemplateError, find_template, materialize
-
-if TYPE_CHECKING:
-    from .records import SandboxRecord
-    from .snapshot.snapshotter import SnapshotInfo, Snapshotter
+from ..blockimage.nbd_server import NbdServer
+from ..errors import BadRequest, CapacityError, Conflict, NotFound
+from ..guest import GuestImage
+from ..ksm import KsmSettings, enable as ksm_enable
+from ..net.networks import NodeNetworks
+from ..service import ExpiryListener, SnapshotInfo, TokenMinter
+from ..templates.local import LocalTemplates
+from ..templates.template import Template, find_template
+from .capture import Capturer
+from .fork import MAX_FORK, Child, Forks
+from .pause import PausedSandboxes, PauseTiming
+from .pool import REFILL_DELAY, WarmPool
+from .records import RecordStore, SandboxRecord, SandboxState
+from .recovery import recover
+from .restore import restore_from_template, teardown_sandbox
+from .resume import ResumeTiming, resume
+from .runtime import NodeRuntime
+from .sandbox import CreateTiming, Sandbox
+from .snapshots import NamedSnapshots
+from .ttl import TtlWatcher
 
 log = logging.getLogger(__name__)
 
-
-class SandboxError(VmError):
-    """A sandbox could not be created or found."""
-
-
-@dataclass(frozen=True)
-class CreateTiming:
-    qemu_start: float       # QEMU process start until QMP answers (-incoming defer)
-    state_load: float       # device state loaded, VM running
-    first_answer: float     # envd /health answered
-    identity: float         # envd /init with hostname, entropy, clock
-    init: float             # envd /init (env vars, token, clock)
-    total: float
-    from_pool: bool
-    warm: float = 0.0       # pool only, before hand-out: the SDK's command path and a file write/read
-
-
-@dataclass
-class Sandbox:
-    id: str
-    template: Template
-    vm: QemuProcess
-    image: BlockImage
-    dir: Path
-    created: float = field(default_factory=time.time)
-    timing: CreateTiming | None = None
-    net: SandboxNet | None = None       # tap mode: the sandbox's network namespace
-    _forwards: dict[int, int] = field(default_factory=dict, repr=False)   # user mode: guest port -> host port
-
-    @property
-    def envd_host(self) -> str:
-        return "127.0.0.1" if self.net is None else self.net.ns_ip
-
-    @property
-    def envd_port(self) -> int:
-        if self.net is not None:
-            return ENVD_PORT
-        assert self.vm.spec.host_port is not None
-        return self.vm.spec.host_port
-
-    @property
-    def envd_url(self) -> str:
-        return f"http://{self.envd_host}:{self.envd_port}"
-
-    async def endpoint(self, port: int) -> tuple[str, int]:
-        """``(host, port)`` where the host reaches guest TCP ``port``: in tap mode the
-        namespace address (every port is DNATed to the guest); in user mode 127.0.0.1
-        and a host port forwarded by QEMU (envd's at start, others added on first use
-        with QMP ``hostfwd_add``; they go with this QEMU)."""
-        if self.net is not None:
-            return self.net.endpoint(port)
-        if port == ENVD_PORT:
-            return "127.0.0.1", self.envd_port
-        host_port = self._forwards.get(port)
-        if host_port is None:
-            if self.vm.qmp is None:
-                raise SandboxError(f"sandbox {self.id} has no QMP connection to forward port {port}")
-            host_port = free_port()
-            reply = await self.vm.qmp.execute("human-monitor-command", {
-                "command-line": f"hostfwd_add net0 tcp:127.0.0.1:{host_port}-{GUEST_IP}:{port}"})
-            if isinstance(reply, str) and reply.strip():
-                raise SandboxError(f"forwarding port {port} of sandbox {self.id} failed: {reply.strip()}")
-            self._forwards[port] = host_port
-        return "127.0.0.1", host_port
-
-    @property
-    def serial_log(self) -> Path:
-        return self.vm.spec.serial_log
-
-
-# Nice value of pooled (not yet handed out) sandboxes' QEMU processes.
-POOL_NICE = 10
-# After a create the refill waits this long before restoring the next clone, so
-# that its QEMU start, state load and warm-up (and this process's share: fork,
-# QMP, NBD) do not compete with the new sandbox's first requests. Measured here
-# (load ~10): the first command after a pooled create took ~80 ms p50 without a
-# concurrent refill, 130-650 ms with one.
-POOL_REFILL_DELAY = 1.0
-
-
-def _renice(pgid: int, nice: int) -> None:
-    """Set the nice value of every thread of QEMU's process group (threads created
-    later inherit it from their creator). Raising priority back needs root."""
-    try:
-        os.setpriority(os.PRIO_PGRP, pgid, nice)
-    except OSError as e:
-        log.debug("renice of QEMU group %d to %d failed: %s", pgid, nice, e)
+HELD_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)   # what counts against max_sandboxes
 
 
 class SandboxManager:
-    """Creates, tracks and kills this node's sandboxes. Use within one event loop."""
+    """Creates, tracks, pauses, resumes, forks and kills this node's sandboxes.
+    Use within one event loop."""
 
     def __init__(self, store: Store, guest: GuestImage, run_root: Path, *, pool_size: int = 0,
-                 ready_timeout: float = 60.0, tcg_tb_mib: int | None = None,
-                 default_timeout: float = 300.0, ksm: KsmSettings | None = None, network: str = "user") -> None:
-        self.store = store
-        self.guest = guest
-        self.run_root = run_root
-        self.pool_size = pool_size
-        self.ready_timeout = ready_timeout
-        self.tcg_tb_mib = tcg_tb_mib
+                 ready_timeout: float = 60.0, tcg_tb_mib: int | None = None, default_timeout: float = 300.0,
+                 ksm: KsmSettings | None = None, network: str = "user", standby: int = 4,
+                 max_sandboxes: int | None = None) -> None:
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
-        self.networks = NodeNetworks(network, run_root)   # "user" or "tap" (root)
-        self.sandboxes: dict[str, Sandbox] = {}
-        self._pools: dict[str, list[Sandbox]] = {}
-        self._refills: dict[str, asyncio.Task] = {}
-        self._local_lock = asyncio.Lock()
-        self.nbd = NbdServer(run_root / "nbd.sock")
-        self._started = False
+        self.rt = NodeRuntime(store=store, guest=guest, run_root=run_root, nbd=NbdServer(run_root / "nbd.sock"),
+                              networks=NodeNetworks(network, run_root),   # "user" or "tap" (root)
+                              templates=LocalTemplates(store, guest.key, run_root / "templates"),
+                              ready_timeout=ready_timeout, tcg_tb_mib=tcg_tb_mib, merge_memory=ksm is not None,
+                              fixed_layout=ksm is not None and ksm.fixed_layout)
         self.default_timeout = default_timeout
-        self.lifecycle: "Snapshotter | None" = None   # pause/resume/snapshot/fork, records, TTL (start())
+        self.max_sandboxes = max_sandboxes
+        self._running: dict[str, Sandbox] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._creating = 0
+        self._records: RecordStore | None = None
+        self._started = False
+        capturer = Capturer(self.rt.templates)
+        self.pool = WarmPool(self.rt, pool_size)
+        self.snapshots = NamedSnapshots(self.rt, capturer)
+        self._capturer = capturer
+        self._paused: PausedSandboxes | None = None
+        self._forks: Forks | None = None
+        self._ttl: TtlWatcher | None = None
+        self._ttl_task: asyncio.Task[None] | None = None
+        self._standby = standby
+        # called after a TTL expiry paused or killed a sandbox: (sandbox id, "paused" | "killed")
+        self.expiry_listeners: list[ExpiryListener] = []
+        self.last_pause: PauseTiming | None = None
+        self.last_resume: ResumeTiming | None = None
+        self.last_fork_snapshot: float | None = None      # seconds the fork's snapshot took (until restorable)
 
-    async def start(self) -> None:
-        self.run_root.mkdir(parents=True, exist_ok=True)
-        (self.run_root / "sandboxes").mkdir(exist_ok=True)
-        await self.networks.start()
-        await self.nbd.start()
+    # ------------------------------------------------------------ start / stop
+    async def start(self) -> list[SandboxRecord]:
+        """Start the node's NBD server and networks, open the records and recover what a
+        previous run left (recovery.py); returns the records recovery changed."""
+        run_root = self.rt.run_root
+        run_root.mkdir(parents=True, exist_ok=True)
+        self.rt.sandboxes_root.mkdir(exist_ok=True)
+        await self.rt.networks.start()
+        await self.rt.nbd.start()
         if self.ksm is not None and (why := await asyncio.to_thread(ksm_enable, self.ksm)) is not None:
             log.warning("KSM not enabled: %s", why)
+        records = self._records = RecordStore(run_root / "records")
+        view = MappingProxyType(self._running)
+        self._paused = PausedSandboxes(self.rt, records, self._capturer, view, self._standby)
+        self._forks = Forks(self.rt, self.snapshots, records, view)
         self._started = True
-        from .snapshot.snapshotter import Snapshotter
-        self.lifecycle = Snapshotter(self, self.default_timeout)
-        await self.lifecycle.start()
-
-    def process_flags(self) -> dict[str, bool]:
-        """VmSpec fields every sandbox QEMU of this node gets (KSM, address layout)."""
-        k = self.ksm
-        return {"merge_memory": k is not None, "fixed_layout": k is not None and k.fixed_layout}
+        changed = await recover(self.rt, records, self._paused)
+        self._ttl = TtlWatcher(records, lambda sid: sid in self._running, self._expire)
+        self._ttl_task = asyncio.get_running_loop().create_task(self._ttl.run())
+        return changed
 
     async def __aenter__(self) -> "SandboxManager":
         await self.start()
@@ -194,287 +124,330 @@ class SandboxManager:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _template(self, ref: str) -> Template:
-        tpl = find_template(self.store, ref)
-        if tpl.guest_key != self.guest.key:
-            raise TemplateError(f"template {tpl.id} was built from guest {tpl.guest_key}, this node runs guest "
-                                f"{self.guest.key}: rebuild the template")
-        return tpl
+    async def close(self) -> None:
+        """Kill every sandbox (pooled too), stop the NBD server, remove local run state.
+        Paused sandboxes are kept (their records and files live outside ``sandboxes/``)."""
+        if self._ttl is not None and self._ttl_task is not None:
+            self._ttl.stop()          # lets a pause or kill in progress finish
+            with contextlib.suppress(Exception):
+                await self._ttl_task
+            self._ttl_task = None
+        if self._forks is not None:
+            await self._forks.close()
+        if self._paused is not None:
+            await self._paused.close()
+        await self.pool.close()
+        if self._started:
+            for sid in list(self._running):
+                await self.kill(sid)
+            await self.rt.nbd.close()
+            self._started = False
+        shutil.rmtree(self.rt.sandboxes_root, ignore_errors=True)
+        await self.rt.networks.close()
+        if self._records is not None:
+            self._records.close()
+            self._records = None
 
-    async def _restore(self, tpl: Template, background: bool = False, egress: bool = True,
-                       init: Callable[[str], dict] | None = None) -> Sandbox:
-        """A running, envd-ready sandbox restored from ``tpl`` (not yet /init-ed).
+    # ------------------------------------------------------------ parts
+    @property
+    def records_store(self) -> RecordStore:
+        if self._records is None:
+            raise Conflict("SandboxManager.start() was not called")
+        return self._records
 
-        ``background`` (pool refills): QEMU runs at a low CPU priority until it is
-        handed out, so refilling never slows the sandboxes users already have.
-        ``egress``: outbound connections allowed (tap mode).
-        ``init`` (fork children): sandbox id → more /init fields (the new access token), sent
-        with the identity as the clone's first and only request (no /health first:
-        snapshot/first_init.py); ``timing.identity`` then covers it all."""
-        if not self._started:
-            raise SandboxError("SandboxManager.start() was not called")
-        async with self._local_lock:  # one writer of the local template files
-            mem, state = await asyncio.to_thread(materialize, self.store, tpl, self.run_root / "templates")
-        sid = "sbx-" + secrets.token_hex(8)
-        sdir = self.run_root / "sandboxes" / sid
-        sdir.mkdir(parents=True)
-        image: BlockImage | None = None
-        vm: QemuProcess | None = None
+    @property
+    def paused(self) -> PausedSandboxes:
+        if self._paused is None:
+            raise Conflict("SandboxManager.start() was not called")
+        return self._paused
+
+    @property
+    def forks(self) -> Forks:
+        if self._forks is None:
+            raise Conflict("SandboxManager.start() was not called")
+        return self._forks
+
+    @property
+    def run_root(self) -> Path:
+        return self.rt.run_root
+
+    @property
+    def sandboxes(self) -> Mapping[str, Sandbox]:
+        """The running sandboxes (read only)."""
+        return MappingProxyType(self._running)
+
+    @property
+    def standby_limit(self) -> int:
+        return self.paused.standby_limit
+
+    @standby_limit.setter
+    def standby_limit(self, n: int) -> None:
+        self.paused.standby_limit = n
+
+    @property
+    def last_fork_timing(self) -> dict[str, float] | None:
+        return self.forks.last_timing
+
+    def lock(self, sid: str) -> asyncio.Lock:
+        return self._locks.setdefault(sid, asyncio.Lock())
+
+    def template(self, ref: str) -> Template:
+        """A template (id, alias, snapshot id or name) this node can restore from."""
+        return self.rt.templates.resolve(ref)
+
+    def record(self, sid: str) -> SandboxRecord:
+        """The sandbox's record: state (running/paused/lost), metadata, started/end times."""
+        rec = self.records_store.get(sid)
+        if rec is None:
+            raise NotFound(f"unknown sandbox {sid!r}")
+        return rec
+
+    def records(self) -> list[SandboxRecord]:
+        return self.records_store.all()
+
+    def get(self, sid: str) -> Sandbox:
+        """A running sandbox."""
         try:
-            # off the event loop: 20-50 ms here, 16 at once in a fork
-            image = await asyncio.to_thread(BlockImage.open, self.store, tpl.disk, sid, upper_dir=sdir / "upper")
-            self.nbd.add_export(image)
-            netfields = await self.networks.attach(sid, egress)
-            state = await self.networks.device_state(state)
-            spec = VmSpec(name=sid, kernel=self.guest.kernel, initrd=self.guest.initrd,
-                          kernel_cmdline=tpl.kernel_cmdline, run_dir=sdir, memory_mib=tpl.memory_mib,
-                          vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
-                          mem_path=mem, mem_share=False, disk=NbdDisk(self.nbd.socket_path, sid),
-                          incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib,
-                          **netfields, **self.process_flags())  # type: ignore[arg-type]
-            t0 = time.monotonic()
-            vm = await QemuProcess.start(spec)
-            if background:
-                _renice(vm.pid, POOL_NICE)
-            t1 = time.monotonic()
-            await load_device_state(vm, state)
-            t2 = time.monotonic()
-            sbx = Sandbox(sid, tpl, vm, image, sdir, net=self.networks.get(sid))
-            if init is not None:
-                from .snapshot.first_init import init_when_ready
-                t3 = time.monotonic()
-                await init_when_ready(sbx.envd_host, sbx.envd_port, {**self._identity(sid), **init(sid)},
-                                      self._life.template_token(tpl), self.ready_timeout, vm.alive)
-                t4 = time.monotonic()
-            else:
-                await wait_http_ok(sbx.envd_port, "/health", timeout=self.ready_timeout, alive=vm.alive,
-                                   host=sbx.envd_host)
-                t3 = time.monotonic()
-                # a snapshot's envd still holds its sandbox's access token
-                await self._set_identity(sid, sbx.envd_port, self._life.template_token(tpl), host=sbx.envd_host)
-                t4 = time.monotonic()
-            sbx.timing = CreateTiming(t1 - t0, t2 - t1, t3 - t2, t4 - t3, 0.0, t4 - t0, False)
-            return sbx
-        except BaseException:
-            await self._teardown(sid, vm, image, sdir)
-            raise
+            return self._running[sid]
+        except KeyError:
+            raise NotFound(f"unknown sandbox {sid!r}") from None
 
-    async def _set_identity(self, sid: str, port: int, access_token: str | None = None,
-                            host: str = "127.0.0.1") -> None:
-        """Give a restored clone its own hostname, fresh kernel randomness and the host's clock.
+    def _running_one(self, sid: str) -> Sandbox:
+        sbx = self._running.get(sid)
+        if sbx is None:
+            rec = self.records_store.get(sid)
+            if rec is None:
+                raise NotFound(f"unknown sandbox {sid!r}")
+            raise Conflict(f"sandbox {sid} is not running (state: {rec.state.value})")
+        return sbx
 
-        Every clone of a template wakes up with the template's hostname, RNG state
-        and clock; one envd /init sets all three (docs/envd.md), no process start."""
-        await asyncio.to_thread(envd_init, port, self._identity(sid), access_token=access_token, host=host)
+    def _check_capacity(self, more: int) -> None:
+        if self.max_sandboxes is None:
+            return
+        held = sum(1 for r in self.records_store.all() if r.state in HELD_STATES)
+        if held + self._creating + more > self.max_sandboxes:
+            raise CapacityError(f"this node holds its maximum of {self.max_sandboxes} sandboxes"
+                                if more == 1 else
+                                f"{more} forks would exceed this node's {self.max_sandboxes} sandboxes")
 
-    @staticmethod
-    def _identity(sid: str) -> dict:
-        """/init fields of a clone's identity: hostname, fresh entropy, the host's clock."""
-        return {"hostname": sid, "entropy": base64.b64encode(secrets.token_bytes(64)).decode(),
-                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    async def wait_committed(self, sid: str) -> None:
+        """Wait for the background commit of ``sid``'s last pause (tests, benchmarks)."""
+        await self.paused.committed(sid)
 
-    async def _warm(self, sbx: Sandbox, access_token: str | None = None) -> None:
-        """Run what a user's first calls run, so that this QEMU has translated it before
-        hand-out: a file write and read and the SDK's command request (``bash -l -c`` as
-        envd's default user, then as root, which also removes the file). Templates built
-        under TCG have the guest's ASLR off, so the user's commands reuse these
-        translations instead of paying them (docs/guest.md)."""
-        port, host, path = sbx.envd_port, sbx.envd_host, f"/tmp/.aenv-warm-{sbx.id}"
-
-        def work() -> None:
-            write_file(port, path, b"warm", access_token=access_token, host=host)
-            if read_file(port, path, access_token=access_token, host=host) != b"warm":
-                raise SandboxError(f"warming {sbx.id}: file read back differs")
-            for user, cmd in ((None, "true"), ("root", f"rm -f {path}")):
-                result = run_command(port, cmd, user=user, timeout=60.0, access_token=access_token, host=host)
-                if result.exit_code != 0:
-                    raise SandboxError(f"warming {sbx.id}: {cmd!r} as {user or 'default user'} exited "
-                                       f"{result.exit_code}")
-        await asyncio.to_thread(work)
-
+    # ------------------------------------------------------------ create / kill
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
-                     access_token: str | Callable[[str], str] | None = None, timeout: float | None = None,
+                     access_token: str | TokenMinter | None = None, timeout: float | None = None,
                      metadata: dict[str, str] | None = None, auto_pause: bool = True,
                      allow_internet_access: bool | None = None) -> Sandbox:
-        """A new sandbox from ``template`` (id or alias), envd initialised.
+        """A new sandbox from ``template`` (id, alias or snapshot), envd initialised.
+        ``access_token``: envd's token, or a function of the new sandbox's id giving it.
         ``allow_internet_access``: False = the guest may not open outbound connections
         (None, not set: it may)."""
+        if not self._started:
+            raise Conflict("SandboxManager.start() was not called")
+        if timeout is not None and timeout < 0:
+            raise BadRequest(f"timeout must be >= 0, got {timeout}")
+        self._check_capacity(1)
+        self._creating += 1
+        try:
+            return await self._create(template, env_vars, access_token, timeout, metadata, auto_pause,
+                                      allow_internet_access)
+        finally:
+            self._creating -= 1
+
+    async def _create(self, template: str, env_vars: dict[str, str] | None, access_token: str | TokenMinter | None,
+                      timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
+                      allow_internet_access: bool | None) -> Sandbox:
         egress = allow_internet_access is not False
         t0 = time.monotonic()
-        tpl = self._template(template)
-        # Pooled clones have egress on; user mode cannot turn it off in a running QEMU.
-        pool = self._pools.get(tpl.id, []) if egress or self.networks.tap else []
-        sbx = None
-        while pool and sbx is None:
-            candidate = pool.pop(0)
-            if candidate.vm.alive():
-                sbx = candidate
-            else:
-                await self._teardown(candidate.id, candidate.vm, candidate.image, candidate.dir)
+        tpl = self.template(template)
+        sbx = await self.pool.take(tpl, egress)
         from_pool = sbx is not None
-        if sbx is not None:
-            _renice(sbx.vm.pid, 0)
         if sbx is None:
-            sbx = await self._restore(tpl, egress=egress)
-        self._schedule_refill(tpl, POOL_REFILL_DELAY)
-        if callable(access_token):  # derived from the sandbox id (the API's HMAC), known only now
-            access_token = access_token(sbx.id)
+            sbx = await restore_from_template(self.rt, tpl, egress=egress)
+        self.pool.schedule_refill(tpl, REFILL_DELAY)
+        token = access_token(sbx.id) if callable(access_token) else access_token
         try:
             ti = time.monotonic()
-            await self.networks.set_egress(sbx.id, egress)   # pooled: made with egress on
+            await self.rt.networks.set_egress(sbx.id, egress)   # pooled: made with egress on
             # The clock was set with the identity at restore and has run since: /init is
             # needed only for env vars and tokens (an empty one would cost a round trip).
             body: dict = {}
             if env_vars:
                 body["envVars"] = env_vars
-            old = self._life.template_token(tpl)
-            if access_token or old:  # a snapshot's token is replaced (or cleared), never inherited
-                body["accessToken"] = access_token or ""
+            old = self.rt.templates.envd_token(tpl)
+            if token or old:  # a snapshot's token is replaced (or cleared), never inherited
+                body["accessToken"] = token or ""
             if body:
-                await asyncio.to_thread(envd_init, sbx.envd_port, body, host=sbx.envd_host,
-                                        **({"access_token": old} if old else {}))
+                await sbx.envd.with_token(old).init(body)
         except BaseException:
-            await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
+            await teardown_sandbox(self.rt, sbx)
             raise
         done = time.monotonic()
-        base = sbx.timing or CreateTiming(0, 0, 0, 0, 0, 0, False)
-        if from_pool:  # restore work happened before this create asked
-            base = CreateTiming(0, 0, 0, 0, 0, 0, True)
+        base = sbx.timing if not from_pool and sbx.timing is not None else CreateTiming(0, 0, 0, 0, 0, 0, False)
         sbx.timing = CreateTiming(base.qemu_start, base.state_load, base.first_answer, base.identity,
                                   done - ti, done - t0, from_pool)
         sbx.created = time.time()
-        self.sandboxes[sbx.id] = sbx
-        self._life.on_created(sbx, timeout=timeout, metadata=metadata, auto_pause=auto_pause,
-                              env_vars=env_vars, access_token=access_token,
-                              allow_internet_access=allow_internet_access)
+        self._running[sbx.id] = sbx
+        self._put_new(sbx, timeout=timeout, metadata=metadata, auto_pause=auto_pause, env_vars=env_vars,
+                      access_token=token, allow_internet_access=allow_internet_access)
         return sbx
 
-    def _schedule_refill(self, tpl: Template, delay: float = 0.0) -> None:
-        if self.pool_size <= 0:
-            return
-        task = self._refills.get(tpl.id)
-        if task is None or task.done():
-            self._refills[tpl.id] = asyncio.get_running_loop().create_task(self._refill(tpl, delay))
-
-    async def _refill(self, tpl: Template, delay: float = 0.0) -> None:
-        if delay > 0:
-            await asyncio.sleep(delay)
-        pool = self._pools.setdefault(tpl.id, [])
-        while len(pool) < self.pool_size:
-            try:
-                sbx = await self._restore(tpl, background=True)  # at low priority
-            except (VmError, OSError) as e:
-                log.warning("pool refill for %s failed: %s", tpl.id, e)
-                return
-            t0 = time.monotonic()
-            try:
-                await self._warm(sbx, self._life.template_token(tpl))
-            except BaseException as e:
-                await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
-                if not isinstance(e, (VmError, OSError)):
-                    raise
-                log.warning("pool refill for %s: warming failed: %s", tpl.id, e)
-                return
-            # Warm: wait at normal priority (idle costs little), ready to serve at once.
-            _renice(sbx.vm.pid, 0)
-            assert sbx.timing is not None
-            sbx.timing = dataclasses.replace(sbx.timing, warm=time.monotonic() - t0)
-            pool.append(sbx)
+    def _put_new(self, sbx: Sandbox, *, timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
+                 env_vars: dict[str, str] | None, access_token: str | None,
+                 allow_internet_access: bool | None) -> None:
+        now = time.time()
+        t = self.default_timeout if timeout is None else timeout
+        self.records_store.put(SandboxRecord(
+            id=sbx.id, template=sbx.template.id, state=SandboxState.RUNNING, started_at=now, end_at=now + t,
+            auto_pause=auto_pause, metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
+            access_token=access_token, allow_internet_access=allow_internet_access,
+            memory_mib=sbx.template.memory_mib, vcpus=sbx.template.vcpus, envd_port=sbx.envd_port, timeout=t))
 
     async def fill_pool(self, template: str) -> None:
         """Fill the pool of ``template`` now (e.g. at server start) and wait for it."""
-        tpl = self._template(template)
-        self._schedule_refill(tpl)
-        with contextlib.suppress(Exception):
-            await self._refills[tpl.id]
+        await self.pool.fill(self.template(template))
 
     def pooled(self, template: str) -> list[Sandbox]:
         """Sandboxes waiting in ``template``'s pool (not handed out)."""
-        return list(self._pools.get(self._template(template).id, []))
+        return self.pool.pooled(self.template(template).id)
 
-    def get(self, sandbox_id: str) -> Sandbox:
-        try:
-            return self.sandboxes[sandbox_id]
-        except KeyError:
-            raise SandboxError(f"unknown sandbox {sandbox_id!r}") from None
-
-    async def kill(self, sandbox_id: str) -> None:
-        async with self._life.lock(sandbox_id):
-            sbx = self.sandboxes.pop(sandbox_id, None)
+    async def kill(self, sid: str) -> None:
+        """Kill a running sandbox, or delete a paused or lost one."""
+        async with self.lock(sid):
+            sbx = self._running.pop(sid, None)
+            rec = self.records_store.get(sid)
             if sbx is None:
-                if await self._life.forget(sandbox_id):  # paused or lost
-                    return
-                raise SandboxError(f"unknown sandbox {sandbox_id!r}")
-            await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
-            self._life.on_killed(sandbox_id)
+                if rec is None:
+                    raise NotFound(f"unknown sandbox {sid!r}")
+                await self.paused.forget(sid)
+            else:
+                await teardown_sandbox(self.rt, sbx)
+                self.paused.drop_files(sid)
+            self.records_store.delete(sid)
+            if rec is not None:
+                self.forks.drop_unused(rec.template)
+        self._locks.pop(sid, None)
 
-    async def _teardown(self, sid: str, vm: QemuProcess | None, image: BlockImage | None, sdir: Path) -> None:
-        if vm is not None:
-            await vm.stop(timeout=2.0)
-        await self.networks.release(sid)
-        self.nbd.remove_export(sid)
-        if image is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(image.close)
-        shutil.rmtree(sdir, ignore_errors=True)
+    # ------------------------------------------------------------ timeouts
+    async def set_timeout(self, sid: str, seconds: float) -> SandboxRecord:
+        if seconds < 0:
+            raise BadRequest(f"timeout must be >= 0, got {seconds}")
+        rec = self.record(sid).replace(end_at=time.time() + seconds, timeout=seconds)
+        self.records_store.put(rec)
+        return rec
 
-    async def close(self) -> None:
-        """Kill every sandbox (pooled too), stop the NBD server, remove local run state.
-        Paused sandboxes are kept (their records and files live outside ``sandboxes/``)."""
-        if self.lifecycle is not None:
-            await self.lifecycle.close()
-        for task in self._refills.values():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        self._refills.clear()
-        for pool in self._pools.values():
-            for sbx in pool:
-                await self._teardown(sbx.id, sbx.vm, sbx.image, sbx.dir)
-        self._pools.clear()
-        for sid in list(self.sandboxes):
-            await self.kill(sid)
-        if self._started:
-            await self.nbd.close()
-            self._started = False
-        shutil.rmtree(self.run_root / "sandboxes", ignore_errors=True)
-        await self.networks.close()
-        if self.lifecycle is not None:
-            self.lifecycle.close_records()
-            self.lifecycle = None
+    async def _expire(self, rec: SandboxRecord) -> str:
+        """A TTL expiry: pause (or kill, for ``auto_pause=False``), then tell the listeners."""
+        if rec.auto_pause:
+            await self.pause(rec.id)
+            action = "paused"
+        else:
+            await self.kill(rec.id)
+            action = "killed"
+        for listener in list(self.expiry_listeners):
+            try:
+                listener(rec.id, action)
+            except Exception as e:  # noqa: BLE001 - a listener must not stop the watcher
+                log.warning("TTL listener failed for %s: %s", rec.id, e)
+        return action
 
-    # --- pause / resume / snapshot / fork / TTL (aenv_vm/snapshot/snapshotter.py) ---
-    @property
-    def _life(self) -> "Snapshotter":
-        if self.lifecycle is None:
-            raise SandboxError("SandboxManager.start() was not called")
-        return self.lifecycle
+    # ------------------------------------------------------------ pause / resume
+    async def pause(self, sid: str) -> SandboxRecord:
+        async with self.lock(sid):
+            rec = self.record(sid)
+            if rec.state == SandboxState.PAUSED:
+                return rec
+            sbx = self._running_one(sid)
+            await self.forks.wait_committed(sbx)
+            paused = await self.paused.pause(sbx, rec)
+            self.last_pause = paused.timing
+            self._running.pop(sid, None)
+            # The record says paused: finish even if the caller is cancelled now, or the
+            # QEMU and the disk image would belong to nobody.
+            await asyncio.shield(self.paused.finish(sbx, paused))
+            return paused.record
 
-    async def pause(self, sandbox_id: str) -> "SandboxRecord":
-        return await self._life.pause(sandbox_id)
+    async def resume(self, sid: str, timeout: float | None = None) -> Sandbox:
+        if timeout is not None and timeout < 0:
+            raise BadRequest(f"timeout must be >= 0, got {timeout}")
+        async with self.lock(sid):
+            rec = self.record(sid)
+            if rec.state == SandboxState.RUNNING and sid in self._running:
+                return self._running[sid]
+            sbx, timing = await resume(self.rt, self.paused, rec)
+            self._running[sid] = sbx
+            rec = self.records_store.get(sid) or rec     # the resume may have committed a pending pause
+            t = rec.timeout if timeout is None else timeout
+            self.records_store.put(rec.replace(state=SandboxState.RUNNING, envd_port=sbx.envd_port,
+                                               end_at=time.time() + t, timeout=t, note=""))
+            self.last_resume = timing
+            return sbx
 
-    async def resume(self, sandbox_id: str, timeout: float | None = None) -> Sandbox:
-        return await self._life.resume(sandbox_id, timeout)
+    # ------------------------------------------------------------ snapshots / fork
+    async def snapshot(self, sid: str, name: str | None = None) -> tuple[str, list[str]]:
+        """A named snapshot of a running sandbox, usable as a template. The VM is
+        stopped only for the capture and the disk seal."""
+        if name is not None:
+            self.snapshots.check_name_free(name)
+        async with self.lock(sid):
+            sbx = self._running_one(sid)
+            await self.forks.wait_committed(sbx)
+            local = await self.snapshots.take_local(sbx, self.records_store.get(sid), hidden=False)
+        try:
+            await asyncio.to_thread(self.snapshots.commit, local, name)
+        except BaseException:
+            shutil.rmtree(local.dir, ignore_errors=True)
+            raise
+        return local.tid, ([name] if name else [])
 
-    async def snapshot(self, sandbox_id: str, name: str | None = None) -> tuple[str, list[str]]:
-        return await self._life.snapshot(sandbox_id, name)
+    async def fork(self, sid: str, count: int, timeout: float | None = None,
+                   access_token: TokenMinter | None = None) -> list[Sandbox | Exception]:
+        """``count`` children of a running sandbox, started concurrently from one snapshot
+        (fork.py). A secured parent's children get ``access_token(child id)`` (default:
+        random). One result per child: the child, or why it failed."""
+        if not 1 <= count <= MAX_FORK:
+            raise BadRequest(f"fork count must be 1..{MAX_FORK}, got {count}")
+        if timeout is not None and timeout < 0:
+            raise BadRequest(f"timeout must be >= 0, got {timeout}")
+        parent = self.record(sid)
+        self._check_capacity(count)
+        self._creating += count
+        try:
+            t0 = time.monotonic()
+            async with self.lock(sid):
+                sbx = self._running_one(sid)
+                await self.forks.wait_committed(sbx)
+                local = await self.snapshots.take_local(sbx, parent, hidden=True)
+            self.last_fork_snapshot = time.monotonic() - t0
+            children = await self.forks.restore_children(local, parent, count, access_token)
+        finally:
+            self._creating -= count
+        out: list[Sandbox | Exception] = []
+        for child in children:
+            if not isinstance(child, Child):
+                out.append(child)
+                continue
+            k = child.sandbox
+            self._running[k.id] = k
+            self._put_new(k, timeout=parent.timeout if timeout is None else timeout,
+                          metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
+                          env_vars=parent.env_vars, access_token=child.access_token,
+                          allow_internet_access=parent.allow_internet_access)
+            out.append(k)
+        return out
 
-    async def fork(self, sandbox_id: str, count: int, timeout: float | None = None,
-                   access_token: Callable[[str], str] | None = None) -> list[Sandbox | Exception]:
-        return await self._life.fork(sandbox_id, count, timeout, access_token)
-
-    async def set_timeout(self, sandbox_id: str, seconds: float) -> "SandboxRecord":
-        return self._life.set_timeout(sandbox_id, seconds)
-
-    async def list_snapshots(self) -> list["SnapshotInfo"]:
-        return await asyncio.to_thread(self._life.list_snapshots)
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        return await asyncio.to_thread(self.snapshots.list)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        await asyncio.to_thread(self._life.delete_snapshot, snapshot_id)
+        def work() -> None:
+            tid = find_template(self.rt.store, snapshot_id).id
+            users = sorted(r.id for r in self.records_store.all() if r.template == tid)
+            self.snapshots.delete(tid, users)
+        await asyncio.to_thread(work)
 
-    def record(self, sandbox_id: str) -> "SandboxRecord":
-        """The sandbox's record: state (running/paused/lost), metadata, started/end times."""
-        return self._life.record(sandbox_id)
-
-    def records(self) -> list["SandboxRecord"]:
-        return self._life.records.all()
+    # ------------------------------------------------------------ observers
+    def on_expiry(self, listener: ExpiryListener) -> None:
+        """Call ``listener(sandbox id, "paused" | "killed")`` after each TTL expiry."""
+        self.expiry_listeners.append(listener)

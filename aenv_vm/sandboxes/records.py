@@ -9,7 +9,6 @@ per sandbox lifetime; durability matters more than speed here).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import time
 from dataclasses import dataclass, field
@@ -17,13 +16,8 @@ from pathlib import Path
 
 import lmdb
 
-from .qemu.errors import VmError
-
-
-class SandboxState(str, enum.Enum):
-    RUNNING = "running"
-    PAUSED = "paused"
-    LOST = "lost"       # found dead at start with no snapshot to resume from
+from ..errors import VmError
+from ..service import SandboxState
 
 
 class RecordError(VmError):

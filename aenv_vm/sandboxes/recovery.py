@@ -21,28 +21,26 @@ import asyncio
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from aenv_store.errors import NotFound, StoreError
+from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreError
 
-from ..records import SandboxRecord, SandboxState
-from .memory_image import SPARE
-
-if TYPE_CHECKING:
-    from .snapshotter import Snapshotter
+from ..memory.memory_image import SPARE
+from ..net import netns
+from .pause import PausedSandboxes
+from .records import RecordStore, SandboxRecord, SandboxState
+from .runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
 
 
-async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
-    mgr = snap.mgr
+async def recover(rt: NodeRuntime, records: RecordStore, paused: PausedSandboxes) -> list[SandboxRecord]:
+    """Bring the records of a node that just started in line with what survived (no
+    sandbox runs yet); returns the records it changed."""
     changed: list[SandboxRecord] = []
-    records = snap.records.all()
-    known = {r.id for r in records}
-    for rec in records:
-        sdir = mgr.run_root / "sandboxes" / rec.id
-        if rec.id in mgr.sandboxes:
-            continue
+    all_records = records.all()
+    known = {r.id for r in all_records}
+    for rec in all_records:
         if rec.state == SandboxState.RUNNING:
             if rec.snapshot is not None and rec.snapshot.committed:
                 new = rec.replace(state=SandboxState.PAUSED, envd_port=None,
@@ -50,45 +48,44 @@ async def recover(snap: "Snapshotter") -> list[SandboxRecord]:
             else:
                 new = rec.replace(state=SandboxState.LOST, envd_port=None,
                                   note="found dead at start with no committed pause to resume from")
-            shutil.rmtree(sdir, ignore_errors=True)
-            snap.records.put(new)
+            shutil.rmtree(rt.sandbox_dir(rec.id), ignore_errors=True)
+            records.put(new)
             changed.append(new)
             log.warning("sandbox %s: %s", rec.id, new.note)
         elif rec.state == SandboxState.PAUSED and rec.snapshot is not None and not rec.snapshot.committed:
             ref = rec.snapshot
             try:
-                await snap.commit_pending(rec)
-                changed.append(snap.records.get(rec.id) or rec)
+                await paused.commit_pending(rec)
+                changed.append(records.get(rec.id) or rec)
             except Exception as e:  # noqa: BLE001 - keep the record, say why
                 new = rec.replace(note=f"pause {ref.seq} could not be committed at start: {e}")
-                snap.records.put(new)
+                records.put(new)
                 changed.append(new)
                 log.error("sandbox %s: %s", rec.id, new.note)
     # Tap-mode namespaces of this node: no sandbox runs yet, so every one is an orphan.
-    from ..net import netns
-    for name in netns.list_namespaces(netns.node_tag(mgr.run_root)):
+    for name in netns.list_namespaces(netns.node_tag(rt.run_root)):
         try:
             await asyncio.to_thread(netns.destroy, name)  # pyroute2 runs its own event loop
             log.warning("removed orphaned network namespace %s", name)
         except netns.NetError as e:
             log.error("%s", e)
-    for root in (mgr.run_root / "sandboxes", snap.paused_root):
+    for root in (rt.sandboxes_root, rt.paused_root):
         if root.is_dir():
             for d in root.iterdir():
                 if d.is_dir() and d.name not in known:
                     shutil.rmtree(d, ignore_errors=True)
-    templates = mgr.run_root / "templates"
+    templates = rt.templates.root
     for d in sorted(templates.iterdir()) if templates.is_dir() else []:
         try:
-            await asyncio.to_thread(mgr.store.get_record, d.name)
-        except NotFound:
+            await asyncio.to_thread(rt.store.get_record, d.name)
+        except StoreNotFound:
             shutil.rmtree(d, ignore_errors=True)
             log.warning("removed local files of template %s: not in the store", d.name)
         except StoreError as e:  # the store cannot tell now: keep them
             log.warning("template %s: %s", d.name, e)
-    for rec in snap.records.all():
+    for rec in records.all():
         keep = ({Path(rec.snapshot.local).name} if rec.snapshot else set()) | {SPARE}
-        pdir = snap.paused_root / rec.id
+        pdir = rt.paused_dir(rec.id)
         if pdir.is_dir() and rec.snapshot is not None and rec.snapshot.committed:
             for d in pdir.iterdir():
                 if d.name not in keep:

@@ -1,27 +1,31 @@
-"""Sandbox TTLs: on expiry a running sandbox is paused, or killed when it was
-created with ``auto_pause=False``. Deadlines live in the sandbox records
-(create, resume and set_timeout move them), so they survive restarts. Layers
-above (the API's logs and per-sandbox state) hear of each expiry through
-``Snapshotter.expiry_listeners``: ``listener(sandbox_id, "paused" | "killed")``."""
+"""Sandbox TTLs: a watcher that finds running sandboxes past their deadline.
+
+Deadlines live in the sandbox records (create, resume and set_timeout move
+them), so they survive restarts. The watcher only finds expiries and reports
+each one through its ``expire`` callback, which does what the sandbox asked
+for (pause it, or kill it when it was created with ``auto_pause=False``) and
+answers which it did; the manager then tells its expiry listeners (the API's
+logs and per-sandbox state).
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
-from .qemu.errors import VmError
-from .records import SandboxState
-
-if TYPE_CHECKING:
-    from .snapshot.snapshotter import Snapshotter
+from ..errors import VmError
+from .records import RecordStore, SandboxRecord, SandboxState
 
 log = logging.getLogger(__name__)
 
 
 class TtlWatcher:
-    def __init__(self, snap: "Snapshotter", interval: float = 0.25) -> None:
-        self.snap = snap
+    def __init__(self, records: RecordStore, is_running: Callable[[str], bool],
+                 expire: Callable[[SandboxRecord], Awaitable[str]], interval: float = 0.25) -> None:
+        self.records = records
+        self.is_running = is_running
+        self.expire = expire
         self.interval = interval
         self.expired: list[tuple[str, str]] = []   # (sandbox id, "paused" | "killed"), for tests and logs
         self._stop = asyncio.Event()
@@ -38,23 +42,15 @@ class TtlWatcher:
             except asyncio.TimeoutError:
                 pass
             now = time.time()
-            for rec in self.snap.records.all():
+            for rec in self.records.all():
                 if self._stop.is_set():
                     return
-                if rec.state != SandboxState.RUNNING or rec.end_at > now or rec.id not in self.snap.mgr.sandboxes:
+                if rec.state != SandboxState.RUNNING or rec.end_at > now or not self.is_running(rec.id):
                     continue
                 try:
-                    if rec.auto_pause:
-                        await self.snap.pause(rec.id)
-                        self.expired.append((rec.id, "paused"))
-                    else:
-                        await self.snap.mgr.kill(rec.id)
-                        self.expired.append((rec.id, "killed"))
-                    log.info("sandbox %s expired: %s", rec.id, self.expired[-1][1])
-                    for listener in list(self.snap.expiry_listeners):
-                        try:
-                            listener(rec.id, self.expired[-1][1])
-                        except Exception as e:  # a listener must not stop the watcher
-                            log.warning("TTL listener failed for %s: %s", rec.id, e)
+                    action = await self.expire(rec)
                 except (VmError, OSError) as e:
                     log.warning("TTL action on %s failed: %s", rec.id, e)
+                    continue
+                self.expired.append((rec.id, action))
+                log.info("sandbox %s expired: %s", rec.id, action)

@@ -14,10 +14,12 @@ from multidict import MultiDict
 
 from aenv_api.server.auth import Credentials, check_token
 from aenv_api.server.errors import ApiError
-from aenv_api.server.lifecycle import decode_token, encode_token, page, parse_metadata_filter
+from aenv_api.server.lifecycle import api_error
 from aenv_api.server.metrics import Metrics
 from aenv_api.server.proxy import parse_host
 from aenv_api.server.schemas import LIST_V2, NewSandbox, new_sandbox_schema
+from aenv_api.server.views import decode_token, encode_token, page, parse_metadata_filter
+from aenv_vm.errors import BadRequest, CapacityError, Conflict, NotFound, SnapshotError, Unsupported, VmError
 
 NEW = new_sandbox_schema(86400)
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
@@ -241,3 +243,43 @@ def test_response_head_parse_never_crashes(junk: bytes) -> None:
         assert h.framing in ("length", "chunked", "close", "none") and 100 <= h.status <= 999
     except ValueError:
         pass
+
+
+# -- sandbox-layer errors map to HTTP status by class, never by message ----------------
+
+@pytest.mark.parametrize("cls,status", [(NotFound, 404), (Conflict, 409), (BadRequest, 400), (Unsupported, 501),
+                                        (CapacityError, 429), (SnapshotError, 500), (VmError, 500)])
+def test_vm_errors_map_to_status_by_class(cls: type, status: int) -> None:
+    for text in ("unknown sandbox 'x'", "is not running", "already exists", "anything"):
+        e = api_error(cls(text), "op")
+        assert e.status == status and e.body()["code"] == status and text in e.message
+        assert e.retry is (False if status in (429, 501) else None)   # the SDK must not retry those
+
+
+def test_console_is_read_in_complete_lines_across_calls(tmp_path: Path) -> None:
+    from aenv_api.server.sandbox_logs import MAX_CONSOLE_BYTES, SandboxLogs
+    from aenv_vm.sandboxes.service import read_console
+
+    console = tmp_path / "serial.log"
+    logs = SandboxLogs(tmp_path / "logs")
+
+    def capture() -> None:
+        source, offset = logs.console_position("sbx-1")
+        read = read_console(console, "qemu-1", offset if source == "qemu-1" else 0, MAX_CONSOLE_BYTES)
+        logs.add_console("sbx-1", read.source, read.start, read.data, read.skipped)
+
+    def lines() -> list[str]:
+        return [e.message for e in logs.query("sbx-1") if e.fields.get("source") == "console"]
+
+    console.write_bytes(b"one\ntwo\npart")
+    capture()
+    assert lines() == ["one", "two"]                     # the partial line waits for its newline
+    with open(console, "ab") as f:
+        f.write(b"ial\nthree\n")
+    capture()
+    capture()                                            # nothing new: nothing added
+    assert lines() == ["one", "two", "partial", "three"]
+    console.write_bytes(b"x" * (MAX_CONSOLE_BYTES + 100) + b"\nlast\n")   # a flood (and a new file)
+    capture()
+    warned = [e.message for e in logs.query("sbx-1") if e.level == "warn"]
+    assert lines()[-1] == "last" and warned and "skipped" in warned[0]

@@ -277,7 +277,7 @@ def test_restart_removes_orphans_and_keeps_egress(tmp_path_factory: pytest.TempP
 
 
 def test_egress_choice_of_a_create() -> None:
-    from aenv_api.server.lifecycle import egress_choice
+    from aenv_api.server.views import egress_choice
     from aenv_api.server.schemas import NewSandbox
 
     assert egress_choice(NewSandbox("base")) is None                                  # not set: allowed

@@ -13,6 +13,8 @@ from e2b.connection_config import ConnectionConfig
 from e2b.exceptions import AuthenticationException
 from packaging.version import Version
 
+from envd import ENVD_VERSION, VERSION_HEADER
+
 from .conftest import TEST_USER, Envd, start_envd, stop_envd
 
 
@@ -93,6 +95,9 @@ def test_token_enforced_after_init(fresh_envd: Envd, workdir) -> None:  # type: 
 
 def test_metrics_and_health_shapes(fresh_envd: Envd) -> None:
     assert _http(fresh_envd.url + "/health")[0] == 204
+    # /health names the envd version (templates record it at build: aenv_vm/templates/build.py)
+    with urllib.request.urlopen(fresh_envd.url + "/health", timeout=10) as r:
+        assert r.headers[VERSION_HEADER] == ENVD_VERSION
     status, body = _http(fresh_envd.url + "/metrics")
     m = json.loads(body)
     assert status == 200

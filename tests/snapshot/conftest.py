@@ -19,7 +19,8 @@ from ..vm.procs import qemu_children
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.store import Store
 from aenv_vm.guest import GuestImage, ensure_guest
-from aenv_vm.template import Template, build_template
+from aenv_vm.templates.build import build_template
+from aenv_vm.templates.template import Template
 
 
 def _require(condition: bool, why: str) -> None:

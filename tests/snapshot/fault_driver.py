@@ -16,8 +16,8 @@ from pathlib import Path
 
 from aenv_store.store import Store
 from aenv_vm.guest import ensure_guest
-from aenv_vm.records import SandboxState
-from aenv_vm.sandbox import SandboxManager
+from aenv_vm.sandboxes.records import SandboxState
+from aenv_vm.sandboxes.manager import SandboxManager
 
 from .conftest import store_settings
 from .test_pause_resume import read_counter, start_worker

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from aenv_store.store import Store
 from aenv_vm.blockimage.image import BlockImage
-from aenv_vm.snapshot.disk_squash import squash
+from aenv_vm.blockimage.squash import squash
 
 from .conftest import store_settings
 
@@ -56,14 +56,14 @@ def test_pauses_squash_a_long_disk_chain(env, tmp_path: Path, monkeypatch) -> No
 
     from aenv_store.ids import Digest
     from aenv_vm.blockimage.layer import load_stack
-    from aenv_vm.sandbox import SandboxManager
-    from aenv_vm.snapshot import snapshotter
+    from aenv_vm.sandboxes import pause
+    from aenv_vm.sandboxes.manager import SandboxManager
 
     from .test_pause_resume import ash
 
     if os.geteuid() != 0:
         pytest.skip("needs root")
-    monkeypatch.setattr(snapshotter, "MAX_DISK_CHAIN", 3)
+    monkeypatch.setattr(pause, "MAX_DISK_CHAIN", 3)
 
     async def run() -> None:
         async with SandboxManager(env.store, env.guest, tmp_path / "node") as mgr:
@@ -72,10 +72,7 @@ def test_pauses_squash_a_long_disk_chain(env, tmp_path: Path, monkeypatch) -> No
             for i in range(4):
                 await ash(sbx.envd_port, f"echo round-{i} > /home/user/r{i} && sync")
                 rec = await mgr.pause(sbx.id)
-                assert mgr.lifecycle is not None
-                task = mgr.lifecycle._commits.get(sbx.id)
-                if task is not None:
-                    await task
+                await mgr.wait_committed(sbx.id)
                 rec = mgr.record(sbx.id)
                 assert rec.snapshot is not None and rec.snapshot.disk_top is not None
                 depths.append(len(load_stack(env.store, Digest(bytes.fromhex(rec.snapshot.disk_top)))))

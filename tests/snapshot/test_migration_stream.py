@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from aenv_vm.snapshot import migration_stream as ms
+from aenv_vm.qemu import migration_stream as ms
 
 PAGE = ms.PAGE_SIZE
 

@@ -19,20 +19,20 @@ import pytest
 
 from aenv_vm.blockimage.image import BlockImage
 from aenv_vm.blockimage.nbd_server import NbdServer
-from aenv_vm.envd_client import decode_envelopes, encode_envelope
-from aenv_vm.guest import http_get
+from aenv_vm.envd_client import decode_envelopes, encode_envelope, http_request
 from aenv_vm.net import netns, networks
 from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, build_command
 from aenv_vm.qemu.migration import load_device_state
-from aenv_vm.sandbox import Sandbox
-from aenv_vm.template import materialize
+from aenv_vm.sandboxes.sandbox import Sandbox
+from aenv_vm.templates.local import materialize
+from envd import ENVD_PORT
 
 from .conftest import Env, qemu_children
 
 pytestmark = pytest.mark.qemu
 
 
-def run(host: str, cmd: str, port: int = netns.ENVD_PORT) -> tuple[int, str]:
+def run(host: str, cmd: str, port: int = ENVD_PORT) -> tuple[int, str]:
     body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}}})
     conn = http.client.HTTPConnection(host, port, timeout=60)
     try:
@@ -51,11 +51,11 @@ def run(host: str, cmd: str, port: int = netns.ENVD_PORT) -> tuple[int, str]:
     return code, out.decode().strip()
 
 
-async def wait_health(host: str, timeout: float = 60.0, port: int = netns.ENVD_PORT) -> None:
+async def wait_health(host: str, timeout: float = 60.0, port: int = ENVD_PORT) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            status, _ = await http_get(port, "/health", timeout=2.0, host=host)
+            status = (await http_request(host, port, "GET", "/health", timeout=2.0)).status
             if 200 <= status < 300:
                 return
         except (OSError, asyncio.TimeoutError, ConnectionError):
@@ -123,7 +123,8 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    status, body = await http_get(8080, "/hostname", timeout=2.0, host=nets[0].ns_ip)
+                    answer = await http_request(nets[0].ns_ip, 8080, "GET", "/hostname", timeout=2.0)
+                    status, body = answer.status, answer.body
                     if status == 200:
                         break
                 except (OSError, asyncio.TimeoutError, ConnectionError):
@@ -258,7 +259,7 @@ def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
                 answers.append((await asyncio.to_thread(run, "127.0.0.1", probe, spec.host_port or 0))[1])
                 if egress:
                     sbx = Sandbox(sid, tpl, vm, image, tmp_path / sid)
-                    assert await sbx.endpoint(netns.ENVD_PORT) == ("127.0.0.1", spec.host_port)
+                    assert await sbx.endpoint(ENVD_PORT) == ("127.0.0.1", spec.host_port)
                     await asyncio.to_thread(run, "127.0.0.1", "cd /etc && nohup python3 -m http.server 8080 "
                                             ">/dev/null 2>&1 &", spec.host_port or 0)
                     host, fwd = await sbx.endpoint(8080)
@@ -266,7 +267,7 @@ def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
                     deadline = time.monotonic() + 60
                     while True:
                         try:
-                            if (await http_get(fwd, "/hostname", timeout=2.0))[0] == 200:
+                            if (await http_request("127.0.0.1", fwd, "GET", "/hostname", timeout=2.0)).status == 200:
                                 break
                         except (OSError, asyncio.TimeoutError, ConnectionError):
                             pass

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from aenv_vm.snapshot.pagemap import PAGE, PagemapError, RamMapping, read_and_hash
+from aenv_vm.memory.pagemap import PAGE, PagemapError, RamMapping, read_and_hash
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to read another process's memory")
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from aenv_vm.envd_client import run_command
-from aenv_vm.records import SandboxState
-from aenv_vm.sandbox import SandboxManager
-from aenv_vm.snapshot import memory_image as mi
-from aenv_vm.snapshot.snapshotter import SnapshotError
+from aenv_vm.envd_client import EnvdClient
+from aenv_vm.errors import Conflict
+from aenv_vm.memory import memory_image as mi
+from aenv_vm.sandboxes.manager import SandboxManager
+from aenv_vm.sandboxes.records import SandboxState
 
 from .conftest import Env, qemu_children
 
@@ -34,14 +34,10 @@ while True:
 """
 
 
-def sh(port: int, cmd: str, token: str | None = None) -> str:
-    r = run_command(port, cmd, user="root", timeout=60.0, **({"access_token": token} if token else {}))
+async def ash(port: int, cmd: str, token: str | None = None) -> str:
+    r = await EnvdClient("127.0.0.1", port, token).run(cmd, user="root", timeout=60.0)
     assert r.exit_code == 0, r
     return r.stdout.decode().strip()
-
-
-async def ash(port: int, cmd: str, token: str | None = None) -> str:
-    return await asyncio.to_thread(sh, port, cmd, token)
 
 
 async def start_worker(port: int, token: str | None = None) -> tuple[int, str, int]:
@@ -76,16 +72,16 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
             await ash(port, "echo on-disk > /home/user/file && sync")
             rec = await mgr.pause(sbx.id)
             assert rec.state == SandboxState.PAUSED and rec.snapshot is not None
-            assert mgr.lifecycle is not None and mgr.lifecycle.last_pause is not None
-            print(f"\n[snapshot] pause {mgr.lifecycle.last_pause}")
+            assert mgr.last_pause is not None
+            print(f"\n[snapshot] pause {mgr.last_pause}")
             assert sbx.id not in mgr.sandboxes and not sbx.vm.alive()   # memory released
             assert mgr.record(sbx.id).metadata == {"owner": "test"}
-            with pytest.raises(SnapshotError, match="not running"):
+            with pytest.raises(Conflict, match="not running"):
                 await mgr.snapshot(sbx.id)
             assert (Path(rec.snapshot.local) / "memory.delta").is_file()
 
             again = await mgr.resume(sbx.id)
-            print(f"[snapshot] resume {mgr.lifecycle.last_resume}")
+            print(f"[snapshot] resume {mgr.last_resume}")
             assert again.id == sbx.id and mgr.record(sbx.id).state == SandboxState.RUNNING
             port = again.envd_port
             c1, d1, p1 = await read_counter(port)
@@ -97,10 +93,9 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
             assert await ash(port, "echo $K") == "v"              # envd state survived
 
             # incremental: 8 MiB written in the guest adds <= 2 x 8 MiB (+ state) to the store
-            task = mgr.lifecycle._commits.get(sbx.id)
-            assert task is None  # resume waited for the first commit
+            assert mgr.paused.committing(sbx.id) is None  # resume waited for the first commit
             await mgr.pause(sbx.id)
-            await mgr.lifecycle._commits[sbx.id]
+            await mgr.wait_committed(sbx.id)
             await mgr.resume(sbx.id)
             port = mgr.get(sbx.id).envd_port
             before = repo_bytes(env)
@@ -108,11 +103,11 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
             previous = Path(mgr.record(sbx.id).snapshot.local)              # type: ignore[union-attr]
             rec = await mgr.pause(sbx.id)
             # this pause wrote only what changed since the previous one (a version-2 file over it) ...
-            t = mgr.lifecycle.last_pause
+            t = mgr.last_pause
             assert t is not None and 0 < t.written_pages < t.dirty_pages, t
             delta = Path(rec.snapshot.local) / "memory.delta"              # type: ignore[union-attr]
             assert mi.parent_seq(delta) == int(previous.name) and previous.is_dir()
-            await mgr.lifecycle._commits[sbx.id]
+            await mgr.wait_committed(sbx.id)
             # ... and its commit made it self-contained, then removed the previous one
             assert mi.parent_seq(delta) is None and not previous.exists()
             assert (previous.parent / "spare").is_file()          # its file, for the next pause to overwrite

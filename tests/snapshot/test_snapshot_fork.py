@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv_vm.sandbox import SandboxManager
-from aenv_vm.snapshot.snapshotter import SnapshotError
+from aenv_vm.errors import BadRequest, Conflict
+from aenv_vm.sandboxes.manager import SandboxManager
 
 from .conftest import Env, qemu_children
 from .test_pause_resume import ash, read_counter, start_worker
@@ -28,7 +28,7 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
             assert names == ["snap-a"] and snap_id.startswith("tpl-")
             assert [(s.snapshot_id, s.names, s.sandbox_id) for s in await mgr.list_snapshots()] == \
                 [(snap_id, ("snap-a",), parent.id)]
-            with pytest.raises(SnapshotError, match="already exists"):
+            with pytest.raises(Conflict, match="already exists"):
                 await mgr.snapshot(parent.id, "snap-a")
             # the parent keeps running after the snapshot
             c1, _, _ = await read_counter(parent.envd_port, T)
@@ -68,15 +68,15 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
             k0 = kids[0]
             rec0 = await mgr.pause(k0.id)                                # type: ignore[union-attr]
             assert rec0.snapshot is not None
-            assert rec0.snapshot.base == mgr._template(rec0.template).memory.hex()
+            assert rec0.snapshot.base == mgr.template(rec0.template).memory.hex()
             k0 = await mgr.resume(k0.id)                                 # type: ignore[union-attr]
             assert await ash(k0.envd_port, "cat /home/user/fork-0", tokens[0]) == "0"
             assert (await read_counter(k0.envd_port, tokens[0]))[1:] == (digest, pid)
-            with pytest.raises(SnapshotError, match="1..16"):
+            with pytest.raises(BadRequest, match="1..16"):
                 await mgr.fork(parent.id, 17)
 
             fork_tpl = mgr.record(kids[0].id).template                  # type: ignore[union-attr]
-            with pytest.raises(SnapshotError, match="in use by 1 sandbox"):
+            with pytest.raises(Conflict, match="in use by 1 sandbox"):
                 await mgr.delete_snapshot(snap_id)                        # `child` was created from it
             await mgr.kill(child.id)
             await mgr.delete_snapshot(snap_id)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from aenv_vm.records import SandboxState
-from aenv_vm.sandbox import SandboxManager, SandboxError
+from aenv_vm.sandboxes.records import SandboxState
+from aenv_vm.errors import NotFound
+from aenv_vm.sandboxes.manager import SandboxManager
 
 from .conftest import Env, qemu_children
 from .test_pause_resume import ash, read_counter, start_worker
@@ -38,7 +39,7 @@ def test_ttl_pause_and_delete_then_restart(env: Env, tmp_path: Path) -> None:
             await wait_for(lambda: gone.id not in mgr.sandboxes and keep.id not in mgr.sandboxes
                            and not gone.vm.alive() and not keep.vm.alive())
             assert mgr.record(keep.id).state == SandboxState.PAUSED             # auto-paused
-            with pytest.raises(SandboxError, match="unknown sandbox"):
+            with pytest.raises(NotFound, match="unknown sandbox"):
                 mgr.record(gone.id)                                               # deleted
             assert not gone.vm.alive() and not keep.vm.alive()
             return keep.id, digest, pid

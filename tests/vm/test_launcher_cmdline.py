@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from aenv_vm.qemu.errors import QemuNotFound, VmError
+from aenv_vm.errors import VmError
+
+from aenv_vm.qemu.errors import QemuNotFound
 from aenv_vm.qemu.launcher import NbdDisk, QcowDisk, RawDisk, VmSpec, build_command, find_qemu, free_port
 
 

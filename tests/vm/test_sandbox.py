@@ -15,11 +15,11 @@ import pytest
 from aenv_store.catalog import CatalogRecord
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.store import Store
+from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage
-from aenv_vm.qemu.errors import VmError
-from aenv_vm.sandbox import SandboxManager
-from aenv_vm.template import (DEVICE_STATE, TEMPLATE_KIND, Template, TemplateError, build_template, find_template,
-                              list_templates)
+from aenv_vm.sandboxes.manager import SandboxManager
+from aenv_vm.templates.build import build_template
+from aenv_vm.templates.template import DEVICE_STATE, TEMPLATE_KIND, Template, find_template, list_templates
 
 pytestmark = pytest.mark.qemu
 
@@ -52,7 +52,7 @@ def test_template_is_addressable_by_id_and_alias(built: Built) -> None:
     assert find_template(built.store, "base") == built.template
     assert find_template(built.store, built.template.id) == built.template
     assert [(t.id, aliases) for t, aliases in list_templates(built.store)] == [(built.template.id, ["base"])]
-    with pytest.raises(TemplateError, match="unknown template"):
+    with pytest.raises(NotFound, match="unknown template"):
         find_template(built.store, "no-such-template")
 
 
@@ -115,7 +115,7 @@ def test_failed_creates_leave_nothing_behind(guest: GuestImage, built: Built, tm
 
     async def run() -> None:
         async with SandboxManager(built.store, guest, tmp_path / "node") as mgr:
-            with pytest.raises(TemplateError, match="unknown template"):
+            with pytest.raises(NotFound, match="unknown template"):
                 await mgr.create("nope")
             with pytest.raises(VmError, match="exited while loading"):
                 await mgr.create("tpl-corrupt0")

@@ -20,16 +20,14 @@ def _check_disk_size(guest: GuestImage, data: Path, template: str, mib: int) -> 
     """A sandbox of the template sees a root filesystem grown to the template's disk size."""
     from aenv_api.config import load_config
     from aenv_store.store import Store
-    from aenv_vm.envd_client import run_command
-    from aenv_vm.sandbox import SandboxManager
+    from aenv_vm.sandboxes.manager import SandboxManager
 
     async def run() -> None:
         with Store.open(load_config(data_dir=data).store_settings()) as store:
             async with SandboxManager(store, guest, data / "node") as mgr:
                 sbx = await mgr.create(template)
                 try:
-                    res = await asyncio.to_thread(run_command, sbx.envd_port, "df -BM --output=size / | tail -1",
-                                                  user="root", timeout=60.0)
+                    res = await sbx.envd.run("df -BM --output=size / | tail -1", user="root", timeout=60.0)
                     size = int(res.stdout.decode().strip().rstrip("M"))
                     # ext4 keeps a few % for its own metadata; the 1 GiB image would show ~990
                     assert mib * 0.95 < size <= mib, size

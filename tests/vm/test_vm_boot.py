@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv_vm.guest import GuestImage, http_get, kernel_cmdline, wait_http_ok
+from aenv_vm.envd_client import http_request, wait_http_ok
+from aenv_vm.guest import GuestImage, kernel_cmdline
 from aenv_vm.qemu.errors import QemuExited
 from aenv_vm.qemu.launcher import QemuProcess, VmSpec, create_overlay, free_port
 from aenv_vm.qemu.migration import load_device_state, save_device_state, status
@@ -63,7 +64,7 @@ def template(guest: GuestImage, tmp_path_factory: pytest.TempPathFactory) -> Tem
         start = time.monotonic()
         vm = await QemuProcess.start(spec)
         try:
-            await wait_http_ok(spec.host_port, "/health", timeout=120, alive=vm.alive)
+            await wait_http_ok("127.0.0.1", spec.host_port, "/health", timeout=120, alive=vm.alive)
             boot = time.monotonic() - start
             before = await status(vm)
             snap = await save_device_state(vm, d / "device-state")
@@ -115,10 +116,10 @@ def test_clones_restore_and_answer_without_touching_the_template(guest: GuestIma
                 t1 = time.monotonic()
                 await load_device_state(vm, template.state)
                 t2 = time.monotonic()
-                await wait_http_ok(spec.host_port, "/health", timeout=30, alive=vm.alive)
+                await wait_http_ok("127.0.0.1", spec.host_port, "/health", timeout=30, alive=vm.alive)
                 timings.append((t1 - t0, t2 - t1, time.monotonic() - t2))
             for vm in clones:  # both still serve after the other started
-                code, _ = await http_get(vm.spec.host_port, "/health", timeout=10)
+                code = (await http_request("127.0.0.1", vm.spec.host_port, "GET", "/health", timeout=10)).status
                 assert 200 <= code < 300
                 assert await status(vm) == "running"
         finally:

@@ -13,7 +13,8 @@ from aenv_store.store import Store
 from aenv_vm.blockimage.image import BlockImage
 from aenv_vm.blockimage.importer import import_raw
 from aenv_vm.blockimage.nbd_server import NbdServer
-from aenv_vm.guest import GuestImage, kernel_cmdline, wait_http_ok
+from aenv_vm.envd_client import wait_http_ok
+from aenv_vm.guest import GuestImage, kernel_cmdline
 from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port
 from aenv_vm.qemu.migration import status
 
@@ -41,7 +42,7 @@ def test_boot_from_store_layer_over_nbd(guest: GuestImage, data_dir: Path, tmp_p
                 start = time.monotonic()
                 vm = await QemuProcess.start(spec)
                 try:
-                    await wait_http_ok(spec.host_port, "/health", timeout=180, alive=vm.alive)
+                    await wait_http_ok("127.0.0.1", spec.host_port, "/health", timeout=180, alive=vm.alive)
                     return time.monotonic() - start, await status(vm)
                 finally:
                     await vm.stop()

@@ -1,0 +1,44 @@
+"""The errors of the VM layer, one hierarchy for every module in it.
+
+``VmError`` is the base of everything aenv_vm raises on purpose. Its direct
+subclasses below say *how* an operation failed, which is what a caller acts
+on; the API layer maps them to HTTP status by class (aenv_api/server/
+lifecycle.py), the CLI prints the message. Errors of one part of the VM layer
+that are internal failures (QEMU exited, envd answered nonsense, a memory
+image is corrupt...) derive from ``VmError`` directly in their own module and
+are answered as server errors.
+"""
+from __future__ import annotations
+
+
+class VmError(Exception):
+    """Base of the errors raised by aenv_vm."""
+
+
+class NotFound(VmError):
+    """No such sandbox, template or snapshot."""
+
+
+class Conflict(VmError):
+    """The thing exists but is in the wrong state for the operation (not running,
+    already exists, still in use)."""
+
+
+class BadRequest(VmError):
+    """An argument is out of range or malformed (fork count, negative timeout...)."""
+
+
+class Unsupported(VmError):
+    """This node cannot do the operation at all (a mode or feature it lacks)."""
+
+
+class CapacityError(VmError):
+    """The node is full: no more sandboxes fit now (try another node or later)."""
+
+
+class VmTimeout(VmError):
+    """A VM did not reach the awaited state in time."""
+
+
+class SnapshotError(VmError):
+    """A pause, resume, snapshot or fork failed on the node's side (a server error)."""

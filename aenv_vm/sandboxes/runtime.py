@@ -1,0 +1,67 @@
+"""What every part of the sandbox lifecycle works with on one node.
+
+``NodeRuntime`` is handed to restore, pause, resume, fork, the pool and
+recovery instead of a back-pointer to the manager: the store, the NBD server
+that exports every sandbox's disk, the networks, the guest image, the run
+directory and the local template files, plus the few settings a restored VM
+needs. It holds no per-sandbox state.
+
+Run directory layout (``run_root``)::
+
+    sandboxes/<id>/   a running (or standby) sandbox: upper disk layer, QMP socket, console
+    paused/<id>/<n>/  pause n of a sandbox: memory.delta + device-state (docs/snapshots.md)
+    templates/<id>/   local template files (templates/local.py)
+    records/          the sandbox records (records.py)
+    nbd.sock          the NBD server
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from aenv_store.store import Store
+
+from ..blockimage.nbd_server import NbdServer
+from ..guest import GuestImage
+from ..net.networks import NodeNetworks
+from ..qemu.launcher import NbdDisk, VmSpec
+from ..templates.local import LocalTemplates
+from ..templates.template import Template
+
+
+@dataclass(frozen=True)
+class NodeRuntime:
+    store: Store
+    guest: GuestImage
+    run_root: Path
+    nbd: NbdServer
+    networks: NodeNetworks
+    templates: LocalTemplates
+    ready_timeout: float = 60.0         # seconds a restored sandbox's envd may take to answer
+    tcg_tb_mib: int | None = None       # TCG translation cache of every sandbox QEMU (None: QEMU's)
+    merge_memory: bool = False          # KSM over the whole QEMU process (aenv_vm/ksm.py)
+    fixed_layout: bool = False          # QEMU without ASLR, so identical clones merge further
+
+    @property
+    def sandboxes_root(self) -> Path:
+        return self.run_root / "sandboxes"
+
+    @property
+    def paused_root(self) -> Path:
+        return self.run_root / "paused"
+
+    def sandbox_dir(self, sid: str) -> Path:
+        return self.sandboxes_root / sid
+
+    def paused_dir(self, sid: str) -> Path:
+        return self.paused_root / sid
+
+    def clone_spec(self, sid: str, tpl: Template, memory: Path, network: dict[str, object]) -> VmSpec:
+        """The QEMU of a clone of ``tpl``: its memory file mapped copy-on-write, its disk
+        the sandbox's NBD export, waiting for its device state (``-incoming defer``)."""
+        return VmSpec(name=sid, kernel=self.guest.kernel, initrd=self.guest.initrd,
+                      kernel_cmdline=tpl.kernel_cmdline, run_dir=self.sandbox_dir(sid), memory_mib=tpl.memory_mib,
+                      vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
+                      mem_path=memory, mem_share=False, disk=NbdDisk(self.nbd.socket_path, sid),
+                      incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib, merge_memory=self.merge_memory,
+                      fixed_layout=self.fixed_layout, **network)  # type: ignore[arg-type]

@@ -1,0 +1,130 @@
+"""The typed seam between the API and whatever runs sandboxes.
+
+``SandboxService`` is everything the E2B-compatible API asks of the sandbox
+layer, in records that carry no VM internals (no run directories, QEMU pids or
+specs), so that one node (``aenv_vm.sandboxes.service.NodeSandboxService``)
+and a cluster gateway spreading sandboxes over many nodes can stand behind the
+same API. Errors are ``aenv_vm.errors`` classes: ``NotFound``, ``Conflict``,
+``BadRequest``, ``Unsupported``, ``CapacityError``; anything else is a
+server-side failure.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Union
+
+from .errors import VmError
+
+# Mints the envd access token of a sandbox from its id, which is known only once
+# the node has picked the VM (the API derives it with the deployment's HMAC).
+TokenMinter = Callable[[str], str]
+ExpiryListener = Callable[[str, str], None]   # (sandbox id, "paused" | "killed")
+
+
+class SandboxState(str, enum.Enum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    LOST = "lost"       # found dead at start with no snapshot to resume from
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    template: str                                   # template id, alias, or snapshot id/name
+    env_vars: dict[str, str] = field(default_factory=dict)
+    access_token: TokenMinter | None = None         # None: envd is not secured
+    timeout: float | None = None                    # seconds to live (None: the node's default)
+    metadata: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = True                         # on expiry: pause (True) or kill
+    allow_internet_access: bool | None = None       # None: not set (allowed)
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    sandbox_id: str
+    template_id: str
+    state: SandboxState
+    started_at: float               # unix time
+    end_at: float                   # TTL deadline (unix time)
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    auto_pause: bool
+    timeout: float
+    metadata: dict[str, str]
+    access_token: str | None
+    allow_internet_access: bool | None
+    envd_version: str | None        # what the template's guest envd reported at build (None: unknown)
+    note: str = ""                  # why a sandbox is lost, or what recovery did
+    from_pool: bool | None = None   # create answers only: handed out from the warm pool
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    snapshot_id: str
+    names: tuple[str, ...]
+    sandbox_id: str
+    created: float
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Host-side resource use of a running sandbox."""
+    rss_bytes: int
+    cpu_seconds: float              # since its VM process started
+    disk_bytes: int                 # held by its writable disk layer on the host
+
+
+@dataclass(frozen=True)
+class ConsoleRead:
+    """A piece of a sandbox's serial console: ``data`` starts at byte ``start`` of the
+    console named ``source`` (a resumed sandbox's new VM has a new one)."""
+    source: str
+    start: int
+    data: bytes
+    skipped: int = 0                # bytes passed over because the console grew faster than the limit
+
+
+ForkResult = Union[SandboxInfo, VmError]
+
+
+class SandboxService(Protocol):
+    """Sandbox operations as the API needs them (one node or many)."""
+
+    async def create(self, req: CreateRequest) -> SandboxInfo: ...
+
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def list(self) -> list[SandboxInfo]: ...
+
+    async def kill(self, sandbox_id: str) -> None: ...
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def resume(self, sandbox_id: str, timeout: float | None = None) -> SandboxInfo: ...
+
+    async def set_timeout(self, sandbox_id: str, seconds: float) -> SandboxInfo: ...
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotInfo: ...
+
+    async def list_snapshots(self) -> list[SnapshotInfo]: ...
+
+    async def delete_snapshot(self, snapshot_id: str) -> None: ...
+
+    async def fork(self, sandbox_id: str, count: int, timeout: float | None = None,
+                   access_token: TokenMinter | None = None) -> list[ForkResult]: ...
+
+    async def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        """``(host, port)`` where this process reaches guest TCP ``port`` of a running sandbox."""
+        ...
+
+    async def usage(self, sandbox_id: str) -> Usage: ...
+
+    async def console(self, sandbox_id: str, source: str | None, offset: int, limit: int) -> ConsoleRead:
+        """Console output of a running sandbox from ``offset`` of ``source`` (None or another
+        source than the current one: from the start of the current one)."""
+        ...
+
+    def on_expiry(self, listener: ExpiryListener) -> None:
+        """Call ``listener`` after a sandbox's TTL paused or killed it."""
+        ...

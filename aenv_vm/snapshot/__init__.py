@@ -1,1 +1,0 @@
-"""Pause, resume, named snapshots and fork of microVM sandboxes (docs/snapshots.md)."""

@@ -1,0 +1,120 @@
+"""Building a template: a booted guest frozen once.
+
+``build_template`` cold-boots the guest with its root disk on an NBD export of
+the guest's base layer, waits until envd answers /health (and records the
+version it reports), saves the device state (``x-ignore-shared``), stops QEMU
+and commits the disk layer (the upper layer written during boot, on top of
+the base layer), the memory image and the device-state stream as one template
+record (template.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.ids import Digest
+from aenv_store.store import Store
+
+from ..blockimage.image import BlockImage
+from ..blockimage.importer import import_raw
+from ..blockimage.layer import image_top
+from ..blockimage.nbd_server import NbdServer
+from ..envd_client import EnvdClient
+from ..errors import BadRequest, VmError
+from ..guest import GuestImage, kernel_cmdline
+from ..qemu.launcher import Accel, NbdDisk, QemuProcess, VmSpec, free_port
+from ..qemu.migration import save_device_state
+from .template import (DEVICE_STATE, MAX_DISK_MIB, MEMORY_IMAGE, Template, find_template, put_alias, stage_file,
+                       template_record)
+
+
+def base_layer(store: Store, guest: GuestImage) -> Digest:
+    """The guest's root disk as a store layer (imported once per guest build)."""
+    name = f"guest-{guest.key}"
+    try:
+        return image_top(store.get_record(name))
+    except StoreNotFound:
+        return import_raw(store, guest.rootfs, name, meta={"guest_key": guest.key}, exclusive=False).layer_id
+
+
+async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, alias: str | None = None,
+                         memory_mib: int = 256, vcpus: int = 1, accel: Accel = "tcg",
+                         disk_mib: int | None = None, boot_timeout: float = 180.0) -> Template:
+    """Cold-boot the guest once and commit it as a template (see the module doc).
+    ``disk_mib``: root disk size (None: the guest image's); a larger disk is grown
+    inside the booted guest (online ``resize2fs``) before the snapshot, so every
+    sandbox of the template starts with the space, in its memory and on its disk."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    layer = await asyncio.to_thread(base_layer, store, guest)
+    image_mib = store.load_manifest(layer).size >> 20
+    if disk_mib is not None and disk_mib < image_mib:
+        raise BadRequest(f"disk_mib {disk_mib} is smaller than the guest image ({image_mib} MiB)")
+    if disk_mib is not None and disk_mib > MAX_DISK_MIB:
+        raise BadRequest(f"disk_mib {disk_mib} is larger than {MAX_DISK_MIB} MiB")
+    disk_mib = image_mib if disk_mib is None else disk_mib
+    image = BlockImage.open(store, layer, "template-build", upper_dir=work_dir / "upper", size=disk_mib << 20)
+    server = NbdServer(work_dir / "nbd.sock")
+    server.add_export(image)
+    # Under TCG, guest ASLR makes every new process map bash and its libraries at
+    # new addresses, and TCG (QEMU 7.2 keys translations by virtual address) then
+    # translates them afresh: 0.5-1 s per command. Without it the translations
+    # made by a pooled clone's warm-up serve the user's commands. The sandbox VM is
+    # the isolation boundary (its user may be root inside), so ASLR within the
+    # guest buys little. KVM translates nothing: ASLR stays on there.
+    cmdline = kernel_cmdline(extra="norandmaps" if accel == "tcg" else "")
+    spec = VmSpec(name="template-build", kernel=guest.kernel, initrd=guest.initrd, kernel_cmdline=cmdline,
+                  run_dir=work_dir / "run", memory_mib=memory_mib, vcpus=vcpus, accel=accel,
+                  mem_path=work_dir / "memory", disk=NbdDisk(server.socket_path, "template-build"),
+                  host_port=free_port())
+    assert spec.host_port is not None
+    envd = EnvdClient("127.0.0.1", spec.host_port)
+    try:
+        await server.start()
+        vm = await QemuProcess.start(spec)
+        try:
+            envd_version = await envd.wait_healthy(timeout=boot_timeout, alive=vm.alive)
+            # Run the command path once per user before freezing: bash, its libraries and
+            # profiles are then in the template's guest page cache, which clones share
+            # instead of each reading them over NBD into private (copy-on-write) pages.
+            if disk_mib > image_mib:
+                grown = await envd.run("resize2fs /dev/vda", user="root", timeout=120.0)
+                if grown.exit_code != 0:
+                    raise VmError(f"growing the root filesystem to {disk_mib} MiB failed: "
+                                  f"{grown.stderr.decode(errors='replace').strip()}")
+            for user in ("root", "user"):
+                result = await envd.run("true", user=user, timeout=60.0)
+                if result.exit_code != 0:
+                    raise VmError(f"warm-up command as {user} exited {result.exit_code}")
+            await save_device_state(vm, work_dir / "device-state")
+        except VmError as e:
+            raise VmError(f"template boot failed: {e}\n{vm.log_tail()}") from None
+        finally:
+            await vm.stop()
+        await server.close()
+        tid = f"tpl-{secrets.token_hex(6)}"
+
+        def commit() -> None:
+            disk = image.commit(meta={"template": tid})
+            with store.workspace() as ws:
+                mem = stage_file(ws, work_dir / "memory", MEMORY_IMAGE, {"template": tid})
+                state = stage_file(ws, work_dir / "device-state", DEVICE_STATE, {"template": tid})
+                meta = {"memory_mib": str(memory_mib), "vcpus": str(vcpus), "accel": accel, "disk_mib": str(disk_mib),
+                        "guest_key": guest.key, "kernel_release": guest.kernel_release,
+                        "kernel_cmdline": cmdline}
+                if envd_version:
+                    meta["envd_version"] = envd_version
+                ws.commit(template_record(tid, disk.layer_id, mem, state, meta, time.time()))
+            if alias:
+                put_alias(store, alias, tid, time.time(), exclusive=False)
+        await asyncio.to_thread(commit)
+    finally:
+        await server.close()
+        image.close()
+        for name in ("memory", "device-state", "upper", "run"):
+            p = work_dir / name
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return find_template(store, tid)

@@ -1,0 +1,109 @@
+"""A node's local side of templates: the memory image and device state of each
+template its sandboxes use, written once into ``<run_root>/templates/<id>/``
+(``materialize``); every sandbox restored from a template maps that same memory
+file ``share=off``, so they share its pages in the host page cache.
+
+``LocalTemplates`` is what the sandbox layer asks: resolve a reference to a
+template this node can run (its guest build must be the node's), the local
+files (one writer at a time), the configuration section of its device state (a
+capture needs it), and the envd access token a snapshot's guest still holds.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreError
+from aenv_store.store import Store
+
+from ..memory.device_state import template_config
+from .template import DEVICE_STATE, MEMORY_IMAGE, Template, TemplateError, find_template
+
+
+def materialize(store: Store, tpl: Template, root: Path) -> tuple[Path, Path]:
+    """The template's memory file and device-state file on local disk (written once)."""
+    d = root / tpl.id
+    mem, state = d / "memory", d / "device-state"
+    if mem.is_file() and state.is_file():
+        return mem, state
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        for mid, path, media in ((tpl.memory, mem, MEMORY_IMAGE), (tpl.device_state, state, DEVICE_STATE)):
+            reader = store.open_blob(mid)
+            if reader.manifest.media_type != media:
+                raise TemplateError(f"template {tpl.id}: {path.name} has media type {reader.manifest.media_type}")
+            tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+            with open(tmp, "wb") as f:
+                f.truncate(reader.size)
+                for e in reader.extents():
+                    if e.chunk is not None:
+                        os.pwrite(f.fileno(), reader.read(e.offset, e.length), e.offset)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except StoreError as e:
+        raise TemplateError(f"template {tpl.id} cannot be read from the store: {e}") from None
+    if mem.stat().st_size != tpl.memory_mib << 20:
+        raise TemplateError(f"template {tpl.id}: memory image is {mem.stat().st_size} bytes, "
+                            f"expected {tpl.memory_mib} MiB")
+    return mem, state
+
+
+class LocalTemplates:
+    """The templates of one node's sandboxes. Use within one event loop."""
+
+    def __init__(self, store: Store, guest_key: str, root: Path) -> None:
+        self.store = store
+        self.guest_key = guest_key
+        self.root = root
+        self._lock = asyncio.Lock()            # one writer of the local template files
+        self._configs: dict[str, bytes] = {}
+        self._tokens: dict[str, str | None] = {}
+
+    def resolve(self, ref: str) -> Template:
+        """A template (id, alias, snapshot id or name) this node can restore from.
+        ``errors.NotFound`` if unknown; TemplateError if built from another guest."""
+        tpl = find_template(self.store, ref)
+        if tpl.guest_key != self.guest_key:
+            raise TemplateError(f"template {tpl.id} was built from guest {tpl.guest_key}, this node runs guest "
+                                f"{self.guest_key}: rebuild the template")
+        return tpl
+
+    def dir(self, tid: str) -> Path:
+        return self.root / tid
+
+    async def files(self, tpl: Template) -> tuple[Path, Path]:
+        """(memory file, device-state file) of ``tpl`` on this node."""
+        async with self._lock:
+            return await asyncio.to_thread(materialize, self.store, tpl, self.root)
+
+    async def state_config(self, tpl: Template) -> bytes:
+        """The configuration section of the template's device-state stream (what a
+        capture of one of its sandboxes puts in front of the devices' state)."""
+        cfg = self._configs.get(tpl.id)
+        if cfg is None:
+            _, state = await self.files(tpl)
+            cfg = self._configs[tpl.id] = template_config(state)
+        return cfg
+
+    def envd_token(self, tpl: Template) -> str | None:
+        """The envd access token a snapshot's guest still holds (None for built templates)."""
+        if tpl.id not in self._tokens:
+            try:
+                self._tokens[tpl.id] = self.store.get_record(tpl.id).meta_dict().get("envd_token")
+            except (StoreNotFound, StoreError):
+                return None
+        return self._tokens[tpl.id]
+
+    def note_token(self, tid: str, token: str | None) -> None:
+        """What the guest of a snapshot not yet in the store holds (a fork's children)."""
+        self._tokens[tid] = token
+
+    def forget(self, tid: str) -> None:
+        """Drop what this node keeps of ``tid`` (its files and cached facts)."""
+        shutil.rmtree(self.root / tid, ignore_errors=True)
+        self._configs.pop(tid, None)
+        self._tokens.pop(tid, None)
