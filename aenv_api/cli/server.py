@@ -28,10 +28,15 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from .common import CliError, Subcommands, common_options, config_from_args
 
 if TYPE_CHECKING:   # the server's parts are imported when it starts (the CLI starts fast)
+    from aenv_api.config import AenvConfig
+    from aenv_api.server.auth import Credentials
     from aenv_api.server.lifecycle import Lifecycle
     from aenv_api.server.metrics import Metrics
+    from aenv_api.server.settings import ServerConfig
     from aenv_store.store import Store
+    from aenv_vm.guest import GuestImage
     from aenv_vm.sandboxes.manager import SandboxManager
+    from aenv_vm.templates.template import Template
 
 # Sandbox run dirs hold Unix sockets: <root>/sandboxes/sbx-<16 hex>/qmp.sock must fit 107 bytes.
 _MAX_RUN_ROOT = 64
@@ -83,7 +88,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(cfg, server_cfg, creds))
 
 
-async def _prepare_template(store: Any, guest: Any, cfg: Any, server_cfg: Any) -> Any:
+async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, server_cfg: ServerConfig) -> Template:
     from aenv_vm.errors import NotFound
     from aenv_vm.qemu.accel import probe_accel
     from aenv_vm.templates.build import build_template
@@ -193,7 +198,7 @@ def _gauges(metrics: Metrics, lifecycle: Lifecycle, manager: SandboxManager, sto
     return refresh
 
 
-async def _serve(cfg: Any, server_cfg: Any, creds: Any) -> int:
+async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) -> int:
     from aenv_api.server.app import ApiServer
     from aenv_vm.errors import VmError
     from aenv_vm.guest import ensure_guest

@@ -72,12 +72,12 @@ class ControlPlane:
         return no_content()
 
     async def list_v1(self, request: web.Request, call: Call) -> web.Response:
-        page, _ = await self.lc.list(states=("running",), metadata=call.query["metadata"], limit=10**9)
+        page, _ = await self.lc.list_page(states=("running",), metadata=call.query["metadata"], limit=10**9)
         return json_response([r.listed() for r in page])
 
     async def list_v2(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
-        page, token = await self.lc.list(states=q["state"], metadata=q["metadata"], template=q["template"],
+        page, token = await self.lc.list_page(states=q["state"], metadata=q["metadata"], template=q["template"],
                                    started_after=q["started_after"], order=q["order"], limit=q["limit"],
                                    next_token=q["next_token"])
         headers = {"X-Next-Token": token} if token else {}

@@ -77,7 +77,7 @@ class Lifecycle:
         self._closing = False
 
     async def start(self) -> None:
-        ids = {i.sandbox_id for i in await self.service.list()}
+        ids = {i.sandbox_id for i in await self.service.list_sandboxes()}
         self.extras.keep_only(ids)
         self.logs.keep_only(ids)
         self.service.on_expiry(self._expired)
@@ -136,7 +136,7 @@ class Lifecycle:
         return self._view(info)
 
     async def list_views(self) -> list[SandboxView]:
-        return [self._view(i) for i in await self.service.list() if i.state in VISIBLE_STATES]
+        return [self._view(i) for i in await self.service.list_sandboxes() if i.state in VISIBLE_STATES]
 
     # --- create / kill -------------------------------------------------------
 
@@ -201,7 +201,7 @@ class Lifecycle:
 
     # --- list ----------------------------------------------------------------
 
-    async def list(self, *, states: tuple[str, ...] | None, metadata: str | None, template: str | None = None,
+    async def list_page(self, *, states: tuple[str, ...] | None, metadata: str | None, template: str | None = None,
                    started_after: float | None = None, order: str | None = None, limit: int | None = None,
                    next_token: str | None = None) -> tuple[list[SandboxView], str | None]:
         wanted = parse_metadata_filter(metadata) if metadata else {}

@@ -67,7 +67,9 @@ class Forks:
             token = ((access_token or (lambda _sid: secrets.token_urlsafe(24)))(sid)
                      if parent.access_token else None)
             tokens[sid] = token
-            body = {**identity(sid), **({"accessToken": token} if parent.access_token else {})}
+            body = identity(sid)
+            if token is not None:
+                body["accessToken"] = token
             plans.append(RestorePlan(sid, local.provisional, mem, state, local.layer,
                                      Greeting(body, local.token, probe_health=False), egress=egress))
         tasks = [asyncio.ensure_future(restore(self.rt, p)) for p in plans]
@@ -78,12 +80,12 @@ class Forks:
             results = await asyncio.gather(*tasks, return_exceptions=True)
         except BaseException:
             # nobody else knows these children yet: stop them (and anything still starting)
-            for t in tasks:
-                t.cancel()
+            for task in tasks:
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for t in tasks:
-                if t.done() and not t.cancelled() and t.exception() is None:
-                    await teardown_sandbox(self.rt, t.result()[0])
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    await teardown_sandbox(self.rt, task.result()[0])
             self._discard(local)
             raise
         out: list[Child | Exception] = []

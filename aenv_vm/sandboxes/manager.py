@@ -438,7 +438,7 @@ class SandboxManager:
         return out
 
     async def list_snapshots(self) -> list[SnapshotInfo]:
-        return await asyncio.to_thread(self.snapshots.list)
+        return await asyncio.to_thread(self.snapshots.listed)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         def work() -> None:

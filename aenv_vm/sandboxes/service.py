@@ -77,7 +77,7 @@ class NodeSandboxService:
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return self._info(self.manager.record(sandbox_id))
 
-    async def list(self) -> list[SandboxInfo]:
+    async def list_sandboxes(self) -> list[SandboxInfo]:
         return [self._info(r) for r in self.manager.records()]
 
     async def kill(self, sandbox_id: str) -> None:

@@ -115,7 +115,8 @@ class NamedSnapshots:
         if name:
             put_alias(store, name, local.tid, time.time(), exclusive=True)
 
-    def list(self) -> list[SnapshotInfo]:
+    def listed(self) -> list[SnapshotInfo]:
+        """The named snapshots in the store (not forks' hidden ones), oldest first."""
         out = []
         for tpl, aliases in list_templates(self.rt.store):
             meta = self.rt.store.get_record(tpl.id).meta_dict()
