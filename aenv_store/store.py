@@ -12,15 +12,15 @@ from typing import Any
 
 import zstandard
 
-from .backends.base import Backend
-from .backends.factory import open_backend_for, repository_path
-from .catalog import ALIAS, CatalogRecord
 from .config import StoreSettings
 from .errors import ConfigError, NotFound, RepositoryError, StoreError
-from .ids import Digest
-from .index import IndexEntry
-from .manifest import Extent, Manifest, check_chunk_size
-from .repository import Repository, coalesce
+from .formats.catalog import ALIAS, CatalogRecord
+from .formats.ids import Digest
+from .formats.index import IndexEntry
+from .formats.manifest import Extent, Manifest, check_chunk_size
+from .repository.backends.base import Backend
+from .repository.backends.factory import open_backend_for, repository_path
+from .repository.repository import Repository, coalesce
 from .workspace import Workspace, clean_stale_workspaces
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ READ_THREADS = 4  # chunk fetches of one large read overlap I/O, zstd and BLAKE3
 
 def _open_cache(settings: StoreSettings) -> Any:
     try:
-        from .cache import NodeCache
+        from .cache.node_cache import NodeCache
     except ImportError:  # the node cache module is optional for the core to work
         return None
     path = Path(settings.cache.path).expanduser() if settings.cache.path else settings.paths.cache

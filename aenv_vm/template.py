@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aenv_store.catalog import ALIAS, CatalogRecord
 from aenv_store.errors import NotFound, StoreError
-from aenv_store.ids import Digest
+from aenv_store.formats.catalog import ALIAS, CatalogRecord
+from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 
 from .blockimage.image import BlockImage

@@ -40,7 +40,7 @@ from _common import (MiB, BenchError, Stopwatch, drop_caches, format_table, mach
                      markdown_table, parse_size, throughput_mb_s, tool_version)
 
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings  # noqa: E402
-from aenv_store.ids import Digest  # noqa: E402
+from aenv_store.formats.ids import Digest  # noqa: E402
 from aenv_store.store import Store  # noqa: E402
 from aenv_vm.blockimage.nbd_client import NbdClient  # noqa: E402
 

@@ -32,11 +32,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aenv_store.backends.oss import OssBackend  # noqa: E402
-from aenv_store.catalog import CatalogRecord  # noqa: E402
 from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StorePaths, StoreSettings  # noqa: E402
-from aenv_store.ids import Digest  # noqa: E402
+from aenv_store.formats.catalog import CatalogRecord  # noqa: E402
+from aenv_store.formats.ids import Digest  # noqa: E402
 from aenv_store.p2p.node import P2PNode  # noqa: E402
+from aenv_store.repository.backends.oss import OssBackend  # noqa: E402
 from aenv_store.store import Store  # noqa: E402
 
 MiB = 1 << 20

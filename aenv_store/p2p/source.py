@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
-from ..ids import Digest
+from ..formats.ids import Digest
 from .node import P2PNode
 from .peers import NodeBusy
 

@@ -8,7 +8,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 
 class ChunkMemory:

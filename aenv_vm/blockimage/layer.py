@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from aenv_store.errors import CorruptData, NotFound, StoreError
-from aenv_store.ids import Digest
-from aenv_store.manifest import Extent, Manifest
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Extent, Manifest
 
 if TYPE_CHECKING:
-    from aenv_store.catalog import CatalogRecord
+    from aenv_store.formats.catalog import CatalogRecord
 
 DISK_LAYER = "application/vnd.aenv.disk-layer"
 IMAGE_KIND = "image"
@@ -74,7 +74,7 @@ def coalesce(extents: list[Extent]) -> list[Extent]:
 
 def image_record(name: str, top: Digest, meta: dict[str, str] | None = None,
                  created: float = 0.0) -> "CatalogRecord":
-    from aenv_store.catalog import CatalogRecord
+    from aenv_store.formats.catalog import CatalogRecord
 
     return CatalogRecord(name=name, kind=IMAGE_KIND, manifests=((DISK_ROLE, top),),
                          meta=tuple(sorted((meta or {}).items())), created=created)

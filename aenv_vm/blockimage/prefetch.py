@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from aenv_store.errors import CorruptData
-from aenv_store.ids import DIGEST_SIZE, Digest
+from aenv_store.formats.ids import DIGEST_SIZE, Digest
 
 from .extent_map import ExtentMap
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from aenv_store.catalog import ALIAS, CatalogRecord
 from aenv_store.errors import NotFound, StoreError
-from aenv_store.ids import Digest
+from aenv_store.formats.catalog import ALIAS, CatalogRecord
+from aenv_store.formats.ids import Digest
 
 from ..blockimage.layer import DISK_ROLE
 from ..qemu.errors import VmError

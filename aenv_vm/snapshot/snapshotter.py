@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from aenv_store.catalog import CatalogRecord
 from aenv_store.errors import NotFound, StoreError
-from aenv_store.ids import Digest
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
 
 from ..blockimage.image import BlockImage
 from ..envd_client import _request as envd_request

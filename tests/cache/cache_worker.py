@@ -22,9 +22,9 @@ from pathlib import Path
 
 import blake3
 
-from aenv_store.cache import NodeCache
+from aenv_store.cache.node_cache import NodeCache
 from aenv_store.config import CacheConfig
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 
 def chunk(seed: int, size: int) -> bytes:

@@ -15,9 +15,9 @@ from typing import Iterator
 import blake3
 import pytest
 
-from aenv_store.cache import NodeCache
+from aenv_store.cache.node_cache import NodeCache
 from aenv_store.config import CacheConfig
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 WORKER = Path(__file__).with_name("cache_worker.py")
 S = 65536

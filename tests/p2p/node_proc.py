@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from aenv_store.catalog import CatalogRecord
 from aenv_store.config import P2PConfig, RepositoryConfig, StorePaths, StoreSettings
-from aenv_store.ids import Digest
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 
 

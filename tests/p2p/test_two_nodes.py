@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from aenv_store.catalog import CatalogRecord
 from aenv_store.config import P2PConfig, RepositoryConfig, StorePaths, StoreSettings
-from aenv_store.ids import Digest
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
 from aenv_store.p2p.node import P2PNode
 from aenv_store.p2p.source import StoreChunkProvider
 from aenv_store.store import Store

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 from aenv_vm.records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from aenv_vm.snapshot import memory_image as mi
 from aenv_vm.snapshot.pagemap import PAGE, PagemapError, parse_maps, private_mask, runs

@@ -35,8 +35,8 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from ..config import MiB, RepositoryConfig
-from ..errors import AlreadyExists, BackendError, ConfigError, NotFound
+from ...config import MiB, RepositoryConfig
+from ...errors import AlreadyExists, BackendError, ConfigError, NotFound
 from .base import Backend, ObjectInfo
 from .retry import PermanentError, RetryPolicy
 

@@ -2,7 +2,7 @@
 
 Layout of a cache directory (details and the crash-safety argument in docs/cache.md)::
 
-    index/            LMDB environment (aenv_store.cache_index): digest -> size, checksum,
+    index/            LMDB environment (aenv_store.cache.index): digest -> size, checksum,
                       last access; LRU order; pin counts; totals and counters
     data/ab/<hex>     one file per chunk, exactly its bytes (mmap-able, see path_of)
     tmp/              chunk files being written
@@ -38,14 +38,14 @@ from typing import Callable, ClassVar, Iterable, Sequence
 import lmdb
 import xxhash
 
-from . import cache_evict, cache_files
-from .cache_env import EnvRegistry, boot_id, open_env, wipe
-from .cache_files import unlink_all, write_file
-from .cache_index import COUNTERS, ENTRIES, ENTRY, USED, Entry, IndexDbs
-from .cache_lock import DigestLocks, FileLock
-from .config import CacheConfig
-from .errors import ConfigError, StoreError
-from .ids import Digest
+from ..config import CacheConfig
+from ..errors import ConfigError, StoreError
+from ..formats.ids import Digest
+from . import evict as cache_evict, files as cache_files
+from .env import EnvRegistry, boot_id, open_env, wipe
+from .files import unlink_all, write_file
+from .index import COUNTERS, ENTRIES, ENTRY, USED, Entry, IndexDbs
+from .lock import DigestLocks, FileLock
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class NodeCache:
     directory; pins and queued LRU touches belong to the instance.
     Blocking calls: use ``loop.run_in_executor`` from asyncio code."""
 
-    # the environments open in this process (cache_env.py); acquired after gate.lock
+    # the environments open in this process (cache/env.py); acquired after gate.lock
     _registry: ClassVar[EnvRegistry] = EnvRegistry()
     # bumped in a forked child: LMDB handles must not be used after fork(), so
     # instances inherited from the parent refuse to work instead of corrupting it

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import RepositoryConfig, StoreSettings
-from ..errors import ConfigError
+from ...config import RepositoryConfig, StoreSettings
+from ...errors import ConfigError
 from .base import Backend
 from .retry import RetryBackend, RetryPolicy
 
