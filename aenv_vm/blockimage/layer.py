@@ -32,12 +32,6 @@ class ManifestSource(Protocol):
     def load_manifest(self, mid: Digest) -> Manifest: ...
 
 
-class ChunkSource(Protocol):
-    """Where chunk bytes come from (the Store: node cache -> peers -> repository)."""
-
-    def read_chunk(self, cid: Digest) -> bytes: ...
-
-
 def load_stack(store: ManifestSource, top: Digest) -> list[Manifest]:
     """The layer manifests from ``top`` down its parents, returned bottom first."""
     chain: list[Manifest] = []

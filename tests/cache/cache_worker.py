@@ -5,6 +5,12 @@
         get_or_fetch on one digest; the fetch appends a line to LOGFILE and
         sleeps SLEEP seconds (default 0.5) so that the others pile up. Prints
         "ok" if every thread got the data.
+    cache_worker.py fetch_many DIR CAPACITY SEED N LOGFILE THREADS SLEEP ORDER
+        print "ready", wait for a line on stdin, then THREADS threads call
+        get_or_fetch_many on chunk(SEED..SEED+N-1, 4096), in order (ORDER
+        "forward"), reversed ("reverse") or shuffled per thread ("shuffle");
+        the fetch appends the digests it fetches to LOGFILE (one hex line each)
+        and sleeps SLEEP seconds. Prints "ok" if every thread got the data.
     cache_worker.py churn DIR CAPACITY SEED
         print "ready", then put/get/pin/unpin random chunks forever (until killed).
     cache_worker.py dirty DIR CAPACITY N
@@ -56,6 +62,42 @@ def fetch_mode(cache: NodeCache, seed: int, logfile: str, threads: int, sleep: f
     return 0 if ok else 1
 
 
+def fetch_many_mode(cache: NodeCache, seed: int, n: int, logfile: str, threads: int, sleep: float,
+                    order: str) -> int:
+    items = [chunk(seed + i, 4096) for i in range(n)]
+    by_digest = {Digest.of(b): b for b in items}
+
+    def fetch(missing: list[Digest]) -> list[bytes]:
+        fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, "".join(f"{d.hex()}\n" for d in missing).encode())  # one append: atomic
+        finally:
+            os.close(fd)
+        time.sleep(sleep)
+        return [by_digest[d] for d in missing]
+
+    def body(i: int) -> None:
+        digests = list(by_digest)
+        if order == "reverse":
+            digests.reverse()
+        elif order == "shuffle":
+            random.Random(i).shuffle(digests)
+        got = cache.get_or_fetch_many(digests, fetch)
+        results.append(all(g == by_digest[d] for d, g in zip(digests, got)))
+
+    results: list[bool] = []
+    print("ready", flush=True)
+    sys.stdin.readline()
+    workers = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    ok = len(results) == threads and all(results)
+    print("ok" if ok else "bad", flush=True)
+    return 0 if ok else 1
+
+
 def churn_mode(cache: NodeCache, seed: int) -> int:
     rng = random.Random(seed)
     pinned: list[Digest] = []
@@ -91,6 +133,8 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         os._exit(0)  # no close(): the directory stays marked as in use by a user that vanished
     try:
+        if mode == "fetch_many":
+            return fetch_many_mode(cache, int(argv[3]), int(argv[4]), argv[5], int(argv[6]), float(argv[7]), argv[8])
         if mode == "fetch":
             return fetch_mode(cache, int(argv[3]), argv[4], int(argv[5]), float(argv[6]) if argv[6:] else 0.5)
         return churn_mode(cache, int(argv[3]))
