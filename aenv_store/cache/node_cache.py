@@ -138,6 +138,9 @@ class NodeCache:
         self._flights: dict[bytes, _Flight] = {}
         self._my_pins: Counter[bytes] = Counter()
         self._tmp_seq = itertools.count()
+        # digests this instance looked up in the index (diagnostics: a read consults it
+        # once per chunk; updated without a lock, so approximate under concurrency)
+        self.lookups = 0
         self._closed = True
         self._generation = NodeCache._fork_generation
         self._open()
@@ -268,6 +271,7 @@ class NodeCache:
         """(LMDB snapshot id, (size, checksum) of each digest's entry or None), in one read
         transaction. Every read consults the index here, once per chunk."""
         self._check_open()
+        self.lookups += len(digests)
         with self._env.begin(db=self._db.entries) as txn:
             raws = [txn.get(d) for d in digests]
             snapshot = txn.id()

@@ -7,15 +7,13 @@ import os
 import random
 from pathlib import Path
 
-import pytest
-
 from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 from aenv_vm.blockimage.extent_map import ExtentMap
 from aenv_vm.blockimage.image import BlockImage
 from aenv_vm.blockimage.importer import import_raw
 
-from ..store.test_read_chain import count_index_lookups, count_repository_reads
+from ..store.test_read_chain import count_repository_reads
 from .conftest import store_settings
 
 MiB = 1 << 20
@@ -31,17 +29,23 @@ def _image(tmp_path: Path, size: int = 2 * MiB) -> tuple[Path, Digest, bytes]:
     return repo, top, data
 
 
-def test_cold_image_read_consults_the_node_cache_once_per_chunk(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cold_image_read_consults_the_node_cache_once_per_chunk(tmp_path: Path) -> None:
     repo, top, data = _image(tmp_path)
     with Store.open(store_settings(tmp_path / "node", repo=repo)) as node:
-        looked = count_index_lookups(node, monkeypatch)
+        cache = node.cache
+        assert cache is not None
+        fetched = count_repository_reads(node)
         with BlockImage.open(node, top, "cold") as img:
+            before = cache.lookups
             off, n = CHUNK + 100, 5 * CHUNK
             assert img.read(off, n) == data[off:off + n]
             touched = img.extent_map.chunks_in(off, n)
-            assert len(touched) == 6
-            assert sorted(looked) == sorted(bytes(c) for c in touched)
+            assert len(touched) == 6 and len(fetched) == 6
+            assert cache.lookups - before == 6
+            img.memory.clear()
+            before = cache.lookups
+            assert img.read(off, n) == data[off:off + n]             # node-cache hits: one lookup each
+            assert cache.lookups - before == 6 and len(fetched) == 6
 
 
 def test_tampered_or_truncated_cache_file_is_never_mapped(tmp_path: Path) -> None:
