@@ -16,15 +16,20 @@
     cache_worker.py dirty DIR CAPACITY N
         put chunks chunk(0..N-1, 4096), pin the first, then exit without closing
         (what a crash after those operations leaves behind).
+
+Helpers for worker processes (also tests/store/read_worker.py): append_lines,
+run_threads_and_report; and for the tests that drive them: release_and_collect.
 """
 from __future__ import annotations
 
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import blake3
 
@@ -36,6 +41,47 @@ from aenv_store.formats.ids import Digest
 def chunk(seed: int, size: int) -> bytes:
     """Deterministic content: any process can recompute and check it."""
     return blake3.blake3(seed.to_bytes(8, "little")).digest(length=size)
+
+
+def append_lines(logfile: str, lines: list[str]) -> None:
+    """Append lines to a log shared by processes, in one write (O_APPEND: not interleaved)."""
+    fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, "".join(f"{line}\n" for line in lines).encode())
+    finally:
+        os.close(fd)
+
+
+def run_threads_and_report(threads: int, body: Callable[[int], bool]) -> int:
+    """print "ready", wait for a line on stdin, run body(0..threads-1) on threads, print
+    "ok" if all returned True; the exit status."""
+    results: list[bool] = []
+    print("ready", flush=True)
+    sys.stdin.readline()
+    workers = [threading.Thread(target=lambda i=i: results.append(body(i))) for i in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    ok = len(results) == threads and all(results)
+    print("ok" if ok else "bad", flush=True)
+    return 0 if ok else 1
+
+
+def release_and_collect(procs: list[subprocess.Popen[str]], timeout: float = 60) -> list[str]:
+    """Send "go" to workers that all said ready (so they start together); their output.
+    Workers still running afterwards (a failed test) are killed."""
+    try:
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def fetch_mode(cache: NodeCache, seed: int, logfile: str, threads: int, sleep: float) -> int:
@@ -68,34 +114,20 @@ def fetch_many_mode(cache: NodeCache, seed: int, n: int, logfile: str, threads: 
     by_digest = {Digest.of(b): b for b in items}
 
     def fetch(missing: list[Digest]) -> list[bytes]:
-        fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, "".join(f"{d.hex()}\n" for d in missing).encode())  # one append: atomic
-        finally:
-            os.close(fd)
+        append_lines(logfile, [d.hex() for d in missing])
         time.sleep(sleep)
         return [by_digest[d] for d in missing]
 
-    def body(i: int) -> None:
+    def body(i: int) -> bool:
         digests = list(by_digest)
         if order == "reverse":
             digests.reverse()
         elif order == "shuffle":
             random.Random(i).shuffle(digests)
         got = cache.get_or_fetch_many(digests, fetch)
-        results.append(all(g == by_digest[d] for d, g in zip(digests, got)))
+        return all(g == by_digest[d] for d, g in zip(digests, got))
 
-    results: list[bool] = []
-    print("ready", flush=True)
-    sys.stdin.readline()
-    workers = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join()
-    ok = len(results) == threads and all(results)
-    print("ok" if ok else "bad", flush=True)
-    return 0 if ok else 1
+    return run_threads_and_report(threads, body)
 
 
 def churn_mode(cache: NodeCache, seed: int) -> int:

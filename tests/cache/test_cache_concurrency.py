@@ -20,6 +20,8 @@ from aenv_store.cache.node_cache import NodeCache
 from aenv_store.config import CacheConfig
 from aenv_store.formats.ids import Digest
 
+from .cache_worker import release_and_collect
+
 WORKER = Path(__file__).with_name("cache_worker.py")
 S = 65536
 
@@ -203,17 +205,7 @@ def test_single_flight_across_processes(tmp_path: Path) -> None:
     log = tmp_path / "fetches.log"
     log.touch()
     procs = [start_worker("fetch", tmp_path / "cache", 64 * S, 7, log, 4) for _ in range(3)]
-    try:
-        for p in procs:  # all are ready: release them together
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = release_and_collect(procs)
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert all(o.strip() == "ok" for o in outs)
     assert len(log.read_text().split()) == 1  # 3 processes x 4 threads, one fetch
@@ -230,17 +222,7 @@ def test_batched_single_flight_across_processes(tmp_path: Path) -> None:
     log.touch()
     procs = [start_worker("fetch_many", tmp_path / "cache", 64 * S, 1000, 32, log, 3, 0.3, order)
              for order in ("forward", "reverse")]
-    try:
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = release_and_collect(procs)
     assert [p.returncode for p in procs] == [0, 0]
     assert all(o.strip() == "ok" for o in outs)
     fetched = log.read_text().split()

@@ -10,10 +10,8 @@ cache), for tests/store/test_read_chain.py.
 """
 from __future__ import annotations
 
-import os
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,15 +19,12 @@ from aenv_store.formats.ids import Digest
 from aenv_store.formats.index import IndexEntry
 from aenv_store.store import Store
 
+from tests.cache.cache_worker import append_lines, run_threads_and_report
 from tests.store.conftest import make_settings
 
 
 def log_reads(logfile: str, cids: list[bytes], sleep: float) -> None:
-    fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, "".join(f"{bytes(c).hex()}\n" for c in cids).encode())  # one append: atomic
-    finally:
-        os.close(fd)
+    append_lines(logfile, [bytes(c).hex() for c in cids])
     time.sleep(sleep)
 
 
@@ -51,27 +46,14 @@ def main(argv: list[str]) -> int:
         repository.read_chunk = counting_read_chunk  # type: ignore[method-assign]
         repository.read_run = counting_read_run  # type: ignore[method-assign]
         cids = [e.chunk for e in store.load_manifest(mid).extents if e.chunk is not None]
-        results: list[bool] = []
 
-        def body(i: int) -> None:
+        def body(i: int) -> bool:
             order = cids[:]
             random.Random(i).shuffle(order)
-            ok = True
-            for lo in range(0, len(order), 8):
-                part = order[lo:lo + 8]
-                ok &= all(Digest.of(d) == c for c, d in zip(part, store.read_chunks(part)))
-            results.append(ok)
+            return all(Digest.of(d) == c for lo in range(0, len(order), 8)
+                       for c, d in zip(order[lo:lo + 8], store.read_chunks(order[lo:lo + 8])))
 
-        print("ready", flush=True)
-        sys.stdin.readline()
-        workers = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
-    ok = len(results) == threads and all(results)
-    print("ok" if ok else "bad", flush=True)
-    return 0 if ok else 1
+        return run_threads_and_report(threads, body)
 
 
 if __name__ == "__main__":

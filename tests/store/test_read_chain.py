@@ -16,6 +16,7 @@ from aenv_store.formats.ids import Digest
 from aenv_store.formats.index import IndexEntry
 from aenv_store.store import Store
 
+from ..cache.cache_worker import release_and_collect
 from .test_repository import write_blob
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -101,19 +102,9 @@ def test_batched_reads_single_flight_across_processes(settings_factory, blob, tm
     procs = [subprocess.Popen([sys.executable, "-m", "tests.store.read_worker", str(node), str(tmp_path / "repo"),
                                mid.hex(), str(log), "2", "0.2"], cwd=REPO_ROOT, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2)]
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    outs = release_and_collect(procs, timeout=120)
     assert [o.strip() for o in outs] == ["ok", "ok"]
     assert sorted(log.read_text().split()) == sorted(c.hex() for c in cids)   # each chunk once, both processes
 
