@@ -124,9 +124,10 @@ class ChunkChain:
             want = [c for c in cids if c not in got]
             if not want:
                 break
+            asked = set(want)
             for cid, data in source.fetch_many(want).items():
-                if cid in got or blake3.blake3(data).digest() != cid:
-                    log.warning("chunk source %s returned chunk %s with other content; ignored",
+                if cid not in asked or blake3.blake3(data).digest() != cid:
+                    log.warning("chunk source %s returned chunk %s unasked or with other content; ignored",
                                 type(source).__name__, bytes(cid).hex()[:16])
                     continue
                 got[cid] = data
