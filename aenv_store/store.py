@@ -8,32 +8,26 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Iterable, Sequence
 
-import zstandard
-
-from .backends.base import Backend
-from .backends.factory import open_backend_for, repository_path
-from .catalog import ALIAS, CatalogRecord
+from .cache.node_cache import ChunkData, NodeCache
+from .chunks import ChunkChain, ChunkSource
 from .config import StoreSettings
 from .errors import ConfigError, NotFound, RepositoryError, StoreError
-from .ids import Digest
-from .index import IndexEntry
-from .manifest import Extent, Manifest, check_chunk_size
-from .repository import Repository, coalesce
+from .formats.catalog import ALIAS, CatalogRecord
+from .formats.ids import Digest
+from .formats.manifest import Extent, Manifest, check_chunk_size
+from .repository.backends.base import Backend
+from .repository.backends.factory import open_backend_for, repository_path
+from .repository.repository import Repository
 from .workspace import Workspace, clean_stale_workspaces
 
 log = logging.getLogger(__name__)
 
 MAX_ALIAS_DEPTH = 32
-READ_THREADS = 4  # chunk fetches of one large read overlap I/O, zstd and BLAKE3 (both drop the GIL)
 
 
-def _open_cache(settings: StoreSettings) -> Any:
-    try:
-        from .cache import NodeCache
-    except ImportError:  # the node cache module is optional for the core to work
-        return None
+def _open_cache(settings: StoreSettings) -> NodeCache:
     path = Path(settings.cache.path).expanduser() if settings.cache.path else settings.paths.cache
     return NodeCache(path, settings.cache)
 
@@ -48,26 +42,25 @@ def describe_location(settings: StoreSettings) -> str:
 class Store:
     """Repository + node cache + workspace root of one node. Thread-safe reads."""
 
-    def __init__(self, settings: StoreSettings, backend: Backend, repository: Repository, cache: Any) -> None:
+    def __init__(self, settings: StoreSettings, backend: Backend, repository: Repository,
+                 cache: NodeCache | None) -> None:
         self.settings = settings
         self.backend = backend
         self.repository = repository
         self.cache = cache
+        # every chunk read: node cache -> chunk sources (P2P, added by aenv_store.assembly) -> repository
+        self.chunks = ChunkChain(repository, cache)
         # New artifacts use the repository's chunk size (fixed at `aenv repo init`).
         self.chunk_size = repository.config.chunk_size
-        self._local = threading.local()
-        self._pool: ThreadPoolExecutor | None = None
         self._cpool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.closed = False
-        # Optional chunk source between node cache and repository (P2P peers,
-        # aenv_store.p2p.source); it returns verified bytes or None.
-        self.peer_source: Any = None
 
     @classmethod
     def open(cls, settings: StoreSettings, create: bool = False) -> "Store":
         """Open the configured repository (``create``: initialise it if missing).
-        RepositoryError if it is missing, corrupt or of an unknown version."""
+        RepositoryError if it is missing, corrupt or of an unknown version. No P2P:
+        aenv_store.assembly.open_node_store adds it when ``[p2p] enabled``."""
         try:
             check_chunk_size(settings.store.chunk_size)
         except ValueError as e:
@@ -93,12 +86,7 @@ class Store:
         except BaseException:
             backend.close()
             raise
-        store = cls(settings, backend, repo, cache)
-        if settings.p2p.enabled:
-            from .p2p.source import attach
-
-            store.peer_source = attach(store)
-        return store
+        return cls(settings, backend, repo, cache)
 
     @classmethod
     def init(cls, settings: StoreSettings) -> "Store":
@@ -118,11 +106,9 @@ class Store:
         if self.closed:
             return
         self.closed = True
-        for pool in (self._pool, self._cpool):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        if self.peer_source is not None:
-            self.peer_source.close()
+        if self._cpool is not None:
+            self._cpool.shutdown(wait=True)
+        self.chunks.close()
         if self.cache is not None:
             self.cache.close()
         self.repository.close()
@@ -151,87 +137,56 @@ class Store:
 
     # -- reading ---------------------------------------------------------------------
 
-    def _dctx(self) -> zstandard.ZstdDecompressor:
-        d = getattr(self._local, "dctx", None)
-        if d is None:
-            d = self._local.dctx = zstandard.ZstdDecompressor()
-        return d
+    def add_chunk_source(self, source: ChunkSource) -> None:
+        """Consult ``source`` between the node cache and the repository; closed with the store."""
+        self.chunks.add_source(source)
+
+    @property
+    def chunk_sources(self) -> tuple[ChunkSource, ...]:
+        return self.chunks.sources
 
     def fetch_chunk(self, cid: Digest) -> bytes:
         """A chunk straight from the repository (range read of exactly its bytes),
-        decompressed and verified against its id; no cache."""
-        return self.repository.read_chunk(cid, self._dctx())
-
-    def _fetch_missing(self, cid: Digest) -> bytes:
-        """A chunk the node cache lacks: peers first (if any; verified), then the repository."""
-        if self.peer_source is not None:
-            data = self.peer_source.fetch(cid)
-            if data is not None:
-                return data  # type: ignore[no-any-return]
-        return self.fetch_chunk(cid)
+        decompressed and verified against its id; no cache, no peers."""
+        return self.chunks.fetch_from_repository(cid)
 
     def read_chunk(self, cid: Digest) -> bytes:
         """Plaintext of one chunk: node cache -> P2P peers -> repository; verified (CorruptData)."""
-        if self.cache is None:
-            return self._fetch_missing(cid)
-        return self.cache.get_or_fetch(cid, lambda: self._fetch_missing(cid))
+        return self.chunks.read(cid)
 
     def read_chunk_uncached(self, cid: Digest) -> bytes:
         """Like read_chunk, but a miss is not added to the node cache (bulk exports
         and scans that should not evict a node's working set)."""
-        if self.cache is not None:
-            data = self.cache.get(cid)
-            if data is not None:
-                return data  # type: ignore[no-any-return]
-        return self._fetch_missing(cid)
+        return self.chunks.read_many([cid], cache=False)[0]
 
-    def read_chunks(self, cids: list[Digest], cache: bool = True) -> list[bytes]:
+    def read_chunks(self, cids: Sequence[Digest], cache: bool = True) -> list[bytes]:
         """Several chunks (in the order asked). Misses are fetched together: one
         batched peer request, then chunks lying close in one pack with a single
         range read each (runs in parallel), all verified; cached unless
         ``cache=False`` (see read_chunk_uncached)."""
-        if len(cids) <= 1:
-            return [self.read_chunk(c) if cache else self.read_chunk_uncached(c) for c in cids]
-        got: dict[bytes, bytes] = {}
-        missing = []
-        for c in dict.fromkeys(bytes(c) for c in cids):
-            data = self.cache.get(Digest(c)) if self.cache is not None else None
-            if data is None:
-                missing.append(c)
-            else:
-                got[c] = data
-        if self.peer_source is not None and len(missing) > 1:
-            # one batched peer request instead of a round trip per chunk
-            fetched = self.peer_source.fetch_many([Digest(c) for c in missing])
-            for cid, data in fetched.items():
-                got[bytes(cid)] = data
-            if cache and self.cache is not None and fetched:
-                self.cache.put_many(list(fetched.items()))
-            missing = [c for c in missing if c not in got]
-        if len(missing) > 1:
-            entries = [e for e in map(self.repository.lookup, missing) if e is not None]
-            runs = coalesce(entries)
-            for run, datas in zip(runs, self._read_pool().map(lambda r: self._fetch_run(r, cache), runs)):
-                for e, data in zip(run, datas):
-                    got[bytes(e.chunk)] = data
-        # the rest: cache hits, and anything the index did not know (read_chunk refreshes it)
-        return [got[bytes(c)] if bytes(c) in got else
-                (self.read_chunk(c) if cache else self.read_chunk_uncached(c)) for c in cids]
+        return self.chunks.read_many(cids, cache)
 
-    def _fetch_run(self, run: list[IndexEntry], cache: bool) -> list[bytes]:
-        try:
-            datas = self.repository.read_run(run, self._dctx())
-        except NotFound:  # pack gone (gc repack): chunk by chunk, which re-resolves them
-            datas = [self.repository.read_chunk(e.chunk, self._dctx()) for e in run]
-        if cache and self.cache is not None:
-            self.cache.put_many([(e.chunk, data) for e, data in zip(run, datas)])
-        return datas
+    def map_chunks(self, cids: Sequence[Digest]) -> list[ChunkData]:
+        """Like read_chunks, but chunks come back as verified read-only mappings of their
+        node-cache files where there are such (plain bytes otherwise): block images keep
+        no private copy of what the page cache holds for every reader on the node."""
+        return self.chunks.map_many(cids)
 
-    def _read_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="aenv-store-read")
-            return self._pool
+    def pin_chunks(self, cids: Iterable[Digest]) -> None:
+        """Keep these chunks in the node cache (counted; also before they are cached)
+        until unpin_chunks or close."""
+        if self.cache is not None:
+            self.cache.pin(cids)
+
+    def unpin_chunks(self, cids: Iterable[Digest]) -> None:
+        if self.cache is not None:
+            self.cache.unpin(cids)
+
+    def keep_chunks(self, chunks: Sequence[tuple[Digest, bytes]]) -> None:
+        """Add chunks whose plaintext the caller has (and whose ids it computed from it)
+        to the node cache, best effort; without a node cache nothing happens."""
+        if self.cache is not None:
+            self.cache.put_many(chunks)
 
     def load_manifest(self, mid: Digest) -> Manifest:
         return self.repository.get_manifest(mid)
@@ -336,11 +291,11 @@ class BlobReader:
         return self.manifest.extents
 
     def pin(self) -> None:
-        if self.store.cache is not None and not self._pinned:
-            self.store.cache.pin(set(self.manifest.chunks))
+        if not self._pinned:
+            self.store.pin_chunks(set(self.manifest.chunks))
             self._pinned = True
 
     def unpin(self) -> None:
-        if self.store.cache is not None and self._pinned:
-            self.store.cache.unpin(set(self.manifest.chunks))
+        if self._pinned:
+            self.store.unpin_chunks(set(self.manifest.chunks))
             self._pinned = False

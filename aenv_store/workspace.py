@@ -27,16 +27,16 @@ from typing import Callable, Iterable, Sequence
 import blake3
 import zstandard
 
-from . import pack as packfmt
-from .catalog import CatalogRecord
-from .chunker import add_range, merge_zero_runs, pieces, zero_digest
 from .config import StoreConfig
 from .durable import write_all
 from .errors import AlreadyExists, NotFound, StoreError
-from .ids import Digest
-from .index import IndexEntry
-from .manifest import BLOB, Extent, Manifest, check_chunk_size
-from .repository import Repository, pack_key
+from .formats import pack as packfmt
+from .formats.catalog import CatalogRecord
+from .formats.chunker import add_range, merge_zero_runs, pieces, zero_digest
+from .formats.ids import Digest
+from .formats.index import IndexEntry
+from .formats.manifest import BLOB, Extent, Manifest, check_chunk_size
+from .repository.repository import Repository, pack_key
 
 log = logging.getLogger(__name__)
 

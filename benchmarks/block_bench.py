@@ -9,7 +9,8 @@ both servers:
 
 cold (aenv: fresh node cache on a fresh data dir sharing the repository,
 page cache dropped; qemu-nbd: page cache dropped) and warm (second pass), and
-finally the commit time of an upper layer with 64 MiB written. Each server
+finally the commit time of an upper layer with 64 MiB written; at queue depth
+1 also the p50 latency of one read (cold: a fresh server). Each server
 runs in its own process. Prints a table; ``--markdown`` writes it for
 docs/benchmarks.md, ``--json`` the raw numbers.
 
@@ -40,7 +41,7 @@ from _common import (MiB, BenchError, Stopwatch, drop_caches, format_table, mach
                      markdown_table, parse_size, throughput_mb_s, tool_version)
 
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings  # noqa: E402
-from aenv_store.ids import Digest  # noqa: E402
+from aenv_store.formats.ids import Digest  # noqa: E402
 from aenv_store.store import Store  # noqa: E402
 from aenv_vm.blockimage.nbd_client import NbdClient  # noqa: E402
 
@@ -106,36 +107,44 @@ class Server:
 
 
 # ------------------------------------------------------------------ workloads
-async def _run_queue(sock: Path, offsets: list[int], bs: int, qd: int) -> float:
+async def _run_queue(sock: Path, offsets: list[int], bs: int, qd: int) -> tuple[float, list[float]]:
+    """(seconds for all reads, latency of each read in seconds)."""
     c = await NbdClient.connect(str(sock), EXPORT)
     try:
         it = iter(offsets)
+        lat: list[float] = []
 
         async def worker() -> None:
             for off in it:
+                t = time.perf_counter()
                 data = await c.read(off, bs)
+                lat.append(time.perf_counter() - t)
                 if len(data) != bs:
                     raise BenchError("short read")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(qd)))
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, lat
     finally:
         await c.close()
 
 
+def _p50_ms(lat: list[float]) -> float:
+    return sorted(lat)[len(lat) // 2] * 1000 if lat else 0.0
+
+
 def seq_read(sock: Path, size: int, qd: int) -> dict[str, float]:
     bs = MiB
-    secs = asyncio.run(_run_queue(sock, list(range(0, size - bs + 1, bs)), bs, qd))
-    return {"MB/s": throughput_mb_s(size, secs), "seconds": secs}
+    secs, lat = asyncio.run(_run_queue(sock, list(range(0, size - bs + 1, bs)), bs, qd))
+    return {"MB/s": throughput_mb_s(size, secs), "seconds": secs, "p50 ms": _p50_ms(lat)}
 
 
 def rand_read(sock: Path, size: int, qd: int, ops: int, seed: int = 7) -> dict[str, float]:
     bs = 4096
     rnd = random.Random(seed)
     offs = [rnd.randrange(0, size // bs) * bs for _ in range(ops)]
-    secs = asyncio.run(_run_queue(sock, offs, bs, qd))
-    return {"IOPS": ops / secs, "MB/s": throughput_mb_s(ops * bs, secs), "seconds": secs}
+    secs, lat = asyncio.run(_run_queue(sock, offs, bs, qd))
+    return {"IOPS": ops / secs, "MB/s": throughput_mb_s(ops * bs, secs), "seconds": secs, "p50 ms": _p50_ms(lat)}
 
 
 def qemu_img_bench(sock: Path, size: int, bs: int, qd: int) -> dict[str, float]:
@@ -300,6 +309,13 @@ def render(results: dict[str, Any], markdown: bool) -> str:
         rows.append(["median of paired ratios, warm"] + [f"{pr[c]:.2f}x" for c in cols])
     fmt = markdown_table if markdown else format_table
     out = fmt(rows, ["server"] + cols)
+    # per-read latency at queue depth 1: a cold 1 MiB read fetches 16 chunks, a cold
+    # random 4 KiB read one chunk (or finds it fetched by an earlier read)
+    lrows = [[name] + [f"{res[c]['p50 ms']:.3f} ms" for c in cols if c.endswith("QD1")]
+             for name, res in table.items() if all("p50 ms" in res[c] for c in cols)]
+    if lrows:
+        out += "\n\np50 latency of one read, queue depth 1:\n\n"
+        out += fmt(lrows, ["server"] + [c for c in cols if c.endswith("QD1")])
     qi = results.get("qemu_img_bench")
     if qi:
         qcols = list(qi["aenv warm"])

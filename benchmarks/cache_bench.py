@@ -28,9 +28,9 @@ import blake3
 from _common import BenchError, MB, machine_info, parse_size, percentile, print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from aenv_store.cache import NodeCache  # noqa: E402
+from aenv_store.cache.node_cache import NodeCache  # noqa: E402
 from aenv_store.config import CacheConfig  # noqa: E402
-from aenv_store.ids import Digest  # noqa: E402
+from aenv_store.formats.ids import Digest  # noqa: E402
 
 
 def make_chunks(n: int, size: int) -> list[tuple[Digest, bytes]]:

@@ -32,11 +32,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aenv_store.backends.oss import OssBackend  # noqa: E402
-from aenv_store.catalog import CatalogRecord  # noqa: E402
+from aenv_store.assembly import open_node_store, peer_source  # noqa: E402
 from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StorePaths, StoreSettings  # noqa: E402
-from aenv_store.ids import Digest  # noqa: E402
+from aenv_store.formats.catalog import CatalogRecord  # noqa: E402
+from aenv_store.formats.ids import Digest  # noqa: E402
 from aenv_store.p2p.node import P2PNode  # noqa: E402
+from aenv_store.repository.backends.oss import OssBackend  # noqa: E402
 from aenv_store.store import Store  # noqa: E402
 
 MiB = 1 << 20
@@ -111,7 +112,7 @@ def serve(data_dir: str, repo_json: str, size: int) -> None:
     them (as the node that ran the sandbox would have), print ticket + ids, serve."""
     repo = RepositoryConfig(**json.loads(repo_json))
     data = random.Random(5).randbytes(size)
-    store = Store.open(settings(Path(data_dir), repo, P2PConfig(enabled=True)), create=True)
+    store = open_node_store(settings(Path(data_dir), repo, P2PConfig(enabled=True)), create=True)
     with store.workspace() as ws:
         w = ws.blob_writer(size=size)
         for off in range(0, size, 8 * MiB):
@@ -121,9 +122,10 @@ def serve(data_dir: str, repo_json: str, size: int) -> None:
     blob = store.open_blob(mid)
     for off in range(0, size, 8 * MiB):
         blob.read(off, 8 * MiB)
-    assert store.peer_source is not None
+    peers = peer_source(store)
+    assert peers is not None
     chunks = [e.chunk.hex() for e in blob.manifest.extents if e.chunk is not None]
-    print(json.dumps({"ticket": store.peer_source.node.ticket, "mid": mid.hex(), "chunks": chunks}), flush=True)
+    print(json.dumps({"ticket": peers.ticket, "mid": mid.hex(), "chunks": chunks}), flush=True)
     sys.stdin.readline()
     store.close()
 
@@ -158,11 +160,12 @@ def bench_p2p(repo: RepositoryConfig, tmp: Path, blob_mib: int) -> dict[str, Any
         out["B reads from repository (S3 range reads)"] = {"MB/s": rate(n, secs), "s3 range GETs": s3.get("get_range", 0)}
 
         p2p = P2PConfig(enabled=True, peers=(info["ticket"],))
-        with Store.open(settings(tmp / "b-p2p", repo, p2p)) as b:
+        with open_node_store(settings(tmp / "b-p2p", repo, p2p)) as b:
             secs, n = read_blob(b, mid)
             s3 = b.backend.stats()
-            assert b.peer_source is not None
-            totals = b.peer_source.status()["totals"]
+            peers = peer_source(b)
+            assert peers is not None
+            totals = peers.status()["totals"]
         out["B reads from A over P2P (Store, 4 MiB reads)"] = {
             "MB/s": rate(n, secs), "s3 range GETs": s3.get("get_range", 0), "p2p bytes in": totals["bytes_in"]}
 

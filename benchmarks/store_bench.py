@@ -220,7 +220,7 @@ class Aenv:
         if self.mode == "cli":
             self._cli(self.data_dir, "image", "import", str(image), f"bench-{label}")
             return
-        from aenv_store.catalog import CatalogRecord
+        from aenv_store.formats.catalog import CatalogRecord
         size = image.stat().st_size
         store = self._open()
         try:
@@ -260,7 +260,7 @@ class Aenv:
             self._cli(self.data_dir, "repo", "verify", "--read-data")
             return "aenv repo verify --read-data"
         # `aenv repo` is not registered yet: the same checker, called in-process
-        from aenv_store.verify import format_report, verify
+        from aenv_store.admin.verify import format_report, verify
         store = self._open()
         try:
             report = verify(store.repository, read_data=True)
@@ -268,7 +268,7 @@ class Aenv:
             store.close()
         if not report.ok:
             raise BenchError(f"{self.name}: verify found problems: " + " | ".join(format_report(report, True)))
-        return "aenv_store.verify.verify(read_data=True) in-process (no `aenv repo verify` CLI yet)"
+        return "aenv_store.admin.verify.verify(read_data=True) in-process (no `aenv repo verify` CLI yet)"
 
     def repo_bytes(self) -> int:
         return dir_bytes(self.data_dir / "repo")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -66,6 +67,7 @@ def _resolve(mod: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+@functools.cache
 def imports_of(mod: str) -> list[tuple[str, int]]:
     """Every module ``mod`` imports (absolute names, project modules where they resolve
     to one, submodules for ``from pkg import sub``), with the line of the import."""
@@ -94,6 +96,7 @@ def _project_target(name: str) -> str | None:
     return None
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     g: dict[str, set[str]] = {m: set() for m in MODULES}
     for mod in MODULES:
@@ -248,3 +251,23 @@ def test_no_private_attribute_access_across_modules() -> None:
                 continue     # a name of this module's own classes, or reviewed above
             bad.append(f"{mod}:{node.lineno} {ast.unparse(node)}")
     assert not bad, "private attributes of objects other modules own:\n" + "\n".join(bad)
+
+
+# Arrows that were cycles once and must not come back (issue 12): the store's facade
+# and P2P know nothing of each other (assembly.py composes them), and a block image
+# does not know its prefetcher (which attaches to it as an observer).
+FORBIDDEN_ARROWS = [
+    ("aenv_store.store", "aenv_store.p2p"),
+    ("aenv_store.p2p", "aenv_store.store"),
+    ("aenv_store.p2p", "aenv_store.assembly"),
+    ("aenv_vm.blockimage.image", "aenv_vm.blockimage.prefetch"),
+]
+
+
+@pytest.mark.parametrize("source,target", FORBIDDEN_ARROWS)
+def test_former_cycles_stay_cut(source: str, target: str) -> None:
+    g = graph()
+    bad = [(m, d) for m, deps in g.items() if m == source or m.startswith(source + ".")
+           for d in deps if d == target or d.startswith(target + ".")]
+    assert not bad, f"{source} must not import {target}: {bad}"
+    assert "aenv_store.p2p.source" in g["aenv_store.assembly"]     # the assembly is where they meet

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aenv_store.cache import CacheStats, NodeCache, validate_config
+from aenv_store.cache.node_cache import CacheStats, NodeCache, validate_config
 
 from .common import CliError, common_options, config_from_args, human_bytes, print_json, print_table
 

@@ -39,9 +39,9 @@ def _meta(items: list[str] | None) -> dict[str, str]:
 
 
 def _open_store(args: argparse.Namespace, create: bool = False):  # type: ignore[no-untyped-def]
-    from aenv_store.store import Store
+    from aenv_store.assembly import open_node_store
 
-    return Store.open(config_from_args(args).store_settings(), create=create)
+    return open_node_store(config_from_args(args).store_settings(), create=create)
 
 
 def _resolve_image(store: Any, name: str) -> Any:

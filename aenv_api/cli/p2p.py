@@ -112,7 +112,7 @@ def cmd_ticket(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from aenv_store.store import Store
+    from aenv_store.assembly import open_node_store, peer_source
 
     cfg = config_from_args(args)
     settings = cfg.store_settings()
@@ -120,10 +120,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with Store.open(settings) as store:
-        if store.peer_source is None:
+    with open_node_store(settings) as store:
+        peers = peer_source(store)
+        if peers is None:
             raise CliError("the P2P endpoint did not start (see the log)", exit_code=1)
-        print(store.peer_source.node.ticket, flush=True)
+        print(peers.ticket, flush=True)
         deadline = time.monotonic() + args.seconds if args.seconds > 0 else None
         while not stop.wait(0.2):
             if deadline is not None and time.monotonic() >= deadline:

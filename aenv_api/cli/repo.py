@@ -11,11 +11,11 @@ import re
 import sys
 from typing import Any
 
-from aenv_store.backends.factory import open_backend_for
 from aenv_store.errors import NotFound
-from aenv_store.ids import Digest
-from aenv_store.manifest import Manifest, check_chunk_size
-from aenv_store.repository import Repository
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Manifest, check_chunk_size
+from aenv_store.repository.backends.factory import open_backend_for
+from aenv_store.repository.repository import Repository
 from aenv_store.store import Store, describe_location
 
 from .common import CliError, common_options, config_from_args, human_bytes, print_json, print_table
@@ -69,7 +69,7 @@ def register(sub: Any) -> None:
     try:
         from .repo_admin import register_admin
     except ModuleNotFoundError as e:
-        if e.name not in ("aenv_api.cli.repo_admin", "aenv_store.gc", "aenv_store.verify"):
+        if e.name not in ("aenv_api.cli.repo_admin", "aenv_store.admin.gc", "aenv_store.admin.verify"):
             raise
     else:
         register_admin(repo_sub)

@@ -1,7 +1,7 @@
 """`aenv repo verify | gc | unlock`: repository administration commands.
 
 Registered into the `aenv repo` group by aenv_api.cli.repo (``register_admin``);
-thin shells over aenv_store.verify, aenv_store.gc and aenv_store.locks."""
+thin shells over aenv_store.admin.verify, aenv_store.admin.gc and aenv_store.repository.locks."""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +10,12 @@ import sys
 from contextlib import AbstractContextManager
 from typing import Any
 
-from aenv_store.backends.factory import open_backend_for
-from aenv_store.gc import DEFAULT_GRACE, DEFAULT_REPACK_THRESHOLD, format_report as format_gc, gc
-from aenv_store.locks import LockKind, acquire, list_locks
-from aenv_store.repository import Repository
+from aenv_store.admin.gc import DEFAULT_GRACE, DEFAULT_REPACK_THRESHOLD, format_report as format_gc, gc
+from aenv_store.admin.verify import Subset, format_report as format_verify, verify
+from aenv_store.repository.backends.factory import open_backend_for
+from aenv_store.repository.locks import LockKind, acquire, list_locks
+from aenv_store.repository.repository import Repository
 from aenv_store.store import describe_location
-from aenv_store.verify import Subset, format_report as format_verify, verify
 
 from .common import CliError, Progress, common_options, config_from_args, print_json
 
@@ -136,7 +136,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _no_bar(label: str, total: int, unit: str) -> AbstractContextManager[Any]:
-    from aenv_store.verify import no_progress
+    from aenv_store.admin.progress import no_progress
 
     return no_progress(label, total, unit)
 

@@ -209,14 +209,14 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
 
     from aenv_api.server.lifecycle import Lifecycle
     from aenv_api.server.metrics import Metrics
-    from aenv_store.store import Store
+    from aenv_store.assembly import open_node_store
     from aenv_vm.sandboxes.manager import SandboxManager
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    store = await asyncio.to_thread(Store.open, cfg.store_settings(), True)
+    store = await asyncio.to_thread(open_node_store, cfg.store_settings(), True)
     manager = server = lifecycle = None
     background: list[asyncio.Future] = []
     run_root = _run_root(cfg.data_dir)

@@ -33,9 +33,9 @@ def register(subparsers: Subcommands) -> None:
 
 
 def _open_store(args: argparse.Namespace, create: bool = False):  # type: ignore[no-untyped-def]
-    from aenv_store.store import Store
+    from aenv_store.assembly import open_node_store
 
-    return Store.open(config_from_args(args).store_settings(), create=create)
+    return open_node_store(config_from_args(args).store_settings(), create=create)
 
 
 def _row(tpl, aliases: list[str]) -> dict:  # type: ignore[no-untyped-def]

@@ -24,7 +24,7 @@ import iroh
 
 from ..config import P2PConfig
 from ..errors import ConfigError
-from ..ids import Digest
+from ..formats.ids import Digest
 from . import _iroh_fast, peers as peerfile
 from .peers import Peer, PeerTable
 from .protocol import (ALPN, MAX_IDS, BadData, Frame, GetResponseParser, Op, ProtocolError, Status,

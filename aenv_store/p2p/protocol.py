@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import blake3
 
 from ..errors import CorruptData
-from ..ids import DIGEST_SIZE, Digest
+from ..formats.ids import DIGEST_SIZE, Digest
 
 ALPN = b"aenv/chunks/1"
 MAGIC = b"AEP1"

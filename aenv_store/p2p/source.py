@@ -1,26 +1,27 @@
-"""Where P2P meets the Store.
+"""Where P2P meets the read chain.
 
-``PeerChunkSource`` is what ``Store.read_chunk`` consults between the node
-cache and the repository: ask peers (300 ms lookup timeout by default), get
-bytes already verified against their id, or ``None`` so the Store reads the
-repository. ``StoreChunkProvider`` decides what this node serves: only
-committed, verified chunks (its node cache holds verified plaintext; chunks in
-the repository index are read and verified on demand, never via other peers,
-so two nodes can never ask each other in a loop)."""
+``PeerChunkSource`` is the chunk source (aenv_store.chunks.ChunkSource) the
+chain consults between the node cache and the repository: ask peers (300 ms
+lookup timeout by default), get bytes already verified against their id, or
+nothing so the chain reads the repository. ``CommittedChunkProvider`` decides
+what this node serves: only committed, verified chunks (its node cache holds
+verified plaintext; chunks in the repository index are read and verified on
+demand, never via other peers, so two nodes can never ask each other in a
+loop). It gets the narrow parts it needs, not the Store: aenv_store.assembly
+composes them."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Callable, Protocol
 
+from ..config import P2PConfig
 from ..errors import StoreError
-from ..ids import Digest
+from ..formats.ids import Digest
 from .node import P2PNode
 from .peers import NodeBusy
-
-if TYPE_CHECKING:
-    from ..store import Store
 
 log = logging.getLogger(__name__)
 
@@ -29,56 +30,80 @@ log = logging.getLogger(__name__)
 INDEX_REFRESH_INTERVAL = 5.0
 
 
-class StoreChunkProvider:
-    def __init__(self, store: "Store") -> None:
-        self.store = store
+class ServedCache(Protocol):
+    """The node cache as the provider uses it (aenv_store.cache.node_cache.NodeCache)."""
+
+    def contains(self, digest: Digest) -> bool: ...
+
+    def get(self, digest: Digest) -> bytes | None: ...
+
+    def put(self, digest: Digest, data: bytes) -> bool: ...
+
+
+class CommittedIndex(Protocol):
+    """The repository's index as the provider uses it (aenv_store.repository.repository.Repository)."""
+
+    def has_chunk(self, chunk: bytes) -> bool: ...
+
+    def refresh_index(self) -> int: ...
+
+
+class CommittedChunkProvider:
+    """What this node serves: chunks in its node cache or in the repository's index.
+
+    ``fetch`` reads one committed chunk from the repository, verified (no cache, no
+    peers); what it reads is added to ``cache``."""
+
+    def __init__(self, cache: ServedCache | None, index: CommittedIndex, fetch: Callable[[Digest], bytes]) -> None:
+        self.cache = cache
+        self.index = index
+        self.fetch = fetch
         self._refreshed = 0.0
         self._lock = threading.Lock()
 
     def _committed(self, cid: Digest) -> bool:
-        repo = self.store.repository
-        if repo.has_chunk(cid):
+        if self.index.has_chunk(cid):
             return True
         with self._lock:
             if time.monotonic() - self._refreshed < INDEX_REFRESH_INTERVAL:
                 return False
             self._refreshed = time.monotonic()
         try:
-            return bool(repo.refresh_index()) and repo.has_chunk(cid)
+            return bool(self.index.refresh_index()) and self.index.has_chunk(cid)
         except StoreError as e:
             log.info("p2p: index refresh failed: %s", e)
             return False
 
     def has(self, cid: Digest) -> bool:
-        cache = self.store.cache
-        return (cache is not None and cache.contains(cid)) or self._committed(cid)
+        return (self.cache is not None and self.cache.contains(cid)) or self._committed(cid)
 
     def get(self, cid: Digest) -> bytes | None:
-        cache = self.store.cache
-        if cache is not None:
-            data = cache.get(cid)
+        if self.cache is not None:
+            data = self.cache.get(cid)
             if data is not None:
-                return bytes(data)
+                return data
         if not self._committed(cid):
             return None
         try:
-            data = self.store.fetch_chunk(cid)  # range read + BLAKE3 check, no peers
+            data = self.fetch(cid)  # range read + BLAKE3 check, no peers
         except StoreError as e:
             log.warning("p2p: cannot serve chunk %s: %s", cid.hex()[:16], e)
             return None
-        if cache is not None:
-            cache.put(cid, data)
+        if self.cache is not None:
+            self.cache.put(cid, data)
         return data
 
 
 class PeerChunkSource:
-    """The Store's view of the P2P node."""
+    """The read chain's view of the P2P node (a ChunkSource)."""
 
     def __init__(self, node: P2PNode) -> None:
         self.node = node
 
-    def fetch(self, cid: Digest) -> bytes | None:
-        return self.node.fetch(cid)
+    @property
+    def ticket(self) -> str:
+        """How peers reach this node (iroh endpoint ticket)."""
+        return self.node.ticket
 
     def fetch_many(self, cids: list[Digest]) -> dict[Digest, bytes]:
         return self.node.fetch_many(cids)
@@ -90,13 +115,12 @@ class PeerChunkSource:
         self.node.close()
 
 
-def attach(store: "Store") -> PeerChunkSource | None:
+def start_peer_source(data_dir: Path, config: P2PConfig, provider: CommittedChunkProvider) -> PeerChunkSource | None:
     """Start this node's P2P endpoint if ``[p2p] enabled``; None if off or it cannot start
     (P2P is an optimisation: a node without it still reads everything from the repository)."""
-    cfg = store.settings.p2p
-    if not cfg.enabled:
+    if not config.enabled:
         return None
-    node = P2PNode(store.settings.paths.data_dir, cfg, StoreChunkProvider(store))
+    node = P2PNode(data_dir, config, provider)
     try:
         node.start()
     except NodeBusy as e:

@@ -3,12 +3,10 @@ the store): mappings of node-cache files and private bytes, both LRU."""
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 
 class ChunkMemory:
@@ -75,16 +73,3 @@ class ChunkMemory:
             self._d.clear()
             self.used = 0
             self.maps = 0
-
-
-def map_file(path: Path) -> mmap.mmap | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        if os.fstat(fd).st_size == 0:
-            return None
-        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)

@@ -16,7 +16,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 ZERO = -1   # ``src`` of a zero segment
 

@@ -3,9 +3,11 @@ layer, exported over NBD (implements nbd_server.BlockExport).
 
 Reads consult the upper layer's block map, then the flattened extent map of
 the committed stack (extent_map.py). Chunk bytes come from a small in-memory
-LRU, else from the store (node cache -> peers -> repository, single-flight per
-chunk in the NodeCache). Chunks of the image are pinned in the node cache
-while it is open.
+LRU, else from the store's read chain (``Store.map_chunks``: node cache -> peers
+-> repository, single flight per chunk; node-cache files come back as mappings
+checked against the cache index). Chunks of the image are pinned in the node
+cache while it is open. Observers (``ImageObserver``: read-ahead, access traces,
+prefetch.py) see every read and every chunk taken from the store.
 
 Writes are 4 KiB-granular: partial blocks are read-modify-written from below.
 ``commit`` turns the upper layer into a new committed layer (only written
@@ -19,21 +21,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
-from aenv_store.ids import Digest
-from aenv_store.manifest import Extent, Manifest
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Extent, Manifest
 
-from .chunk_memory import ChunkMemory, map_file
+from .chunk_memory import ChunkMemory
 from .extent_map import ExtentMap
-from .layer import DISK_LAYER, MAX_LAYERS, ChunkSource, ImageError, coalesce, image_record, load_stack
+from .layer import DISK_LAYER, MAX_LAYERS, ImageError, coalesce, image_record, load_stack
 from .nbd_protocol import ExportInfo
 from .upper import ABSENT, BLOCK, DATA, ZERO, UpperLayer
 
 if TYPE_CHECKING:
     from aenv_store.store import Store
-
-    from .prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,21 @@ log = logging.getLogger(__name__)
 # up to this size (a page-cache pread); larger ones go to the thread pool.
 NOWAIT_UPPER_BYTES = 256 * 1024
 COMMIT_BATCH = 64   # chunks staged per stage_many call at commit (4 MiB at 64 KiB chunks)
+
+
+class ImageObserver(Protocol):
+    """Watches an image's reads (BlockImage.add_observer); called on the reading thread,
+    so it must be quick (hand work to a thread of its own)."""
+
+    def on_read(self, extent_map: ExtentMap, offset: int, length: int) -> None:
+        """A read of [offset, offset+length) is about to be served (``extent_map``: the
+        committed stack it reads through)."""
+
+    def on_chunk(self, cid: Digest) -> None:
+        """Chunk ``cid`` was taken from the store (it was not in the image's chunk memory)."""
+
+    def close(self) -> None:
+        """The image is closing."""
 
 
 @dataclass(frozen=True)
@@ -70,12 +85,10 @@ class BlockImage:
             raise ImageError(f"image has {len(layers)} layers (max {MAX_LAYERS})")
         self.name = name
         self.store = store
-        self.source: ChunkSource = store
         self.size = size
         self.chunk_size = chunk_size or (layers[-1].chunk_size if layers else store.chunk_size)
         self.memory = ChunkMemory(memory_bytes)
-        self.prefetcher: "Prefetcher | None" = None
-        self.on_chunk_read: list[Callable[[Digest], None]] = []   # trace recording
+        self._observers: tuple[ImageObserver, ...] = ()
         self._wlock = threading.RLock()
         self._retired: list[UpperLayer] = []
         self._seeders: list[threading.Thread] = []
@@ -127,9 +140,13 @@ class BlockImage:
 
     def _pin(self, chunks: set[Digest]) -> None:
         new = chunks - self._pinned
-        if new and self.store.cache is not None:
-            self.store.cache.pin(new)
+        if new:
+            self.store.pin_chunks(new)
             self._pinned |= new
+
+    def add_observer(self, observer: ImageObserver) -> None:
+        """Tell ``observer`` about every read and chunk fetch from now on; it is closed with the image."""
+        self._observers = self._observers + (observer,)
 
     # --- reads -----------------------------------------------------------
     def read_nowait(self, offset: int, length: int) -> bytes | None:
@@ -145,8 +162,8 @@ class BlockImage:
         end = min(offset + length, self.size)
         if end <= offset:
             return b""
-        if self.prefetcher is not None:
-            self.prefetcher.on_read(view.map, offset, end - offset)
+        for observer in self._observers:
+            observer.on_read(view.map, offset, end - offset)
         up = view.upper
         if up is not None and up.any_written:
             b0, b1 = offset // BLOCK, (end + BLOCK - 1) // BLOCK
@@ -192,57 +209,18 @@ class BlockImage:
         """Chunk bytes via the chunk memory, else the store (may block on I/O)."""
         data = self.memory.get(cid)
         if data is None:
-            data = self._from_node_cache(cid)
-            if data is None:
-                data = self._fetched(cid, self.source.read_chunk(cid))
+            data = self.fetch_chunks([cid])[0]
         return data
 
     def fetch_chunks(self, cids: list[Digest]) -> list[bytes | mmap.mmap]:
-        """Several distinct chunks: node-cache hits mapped directly, the rest
-        fetched concurrently by the store."""
-        out: dict[Digest, bytes | mmap.mmap] = {}
-        todo = []
-        for cid in cids:
-            hit = self._from_node_cache(cid)
-            if hit is not None:
-                out[cid] = hit
-            else:
-                todo.append(cid)
-        if len(todo) > 1 and hasattr(self.source, "read_chunks"):
-            datas = self.source.read_chunks(todo)  # type: ignore[attr-defined]
-            for cid, data in zip(todo, datas):
-                out[cid] = self._fetched(cid, data)
-        else:
-            for cid in todo:
-                out[cid] = self._fetched(cid, self.source.read_chunk(cid))
-        return [out[c] for c in cids]
-
-    def _from_node_cache(self, cid: Digest) -> mmap.mmap | None:
-        cache = self.store.cache
-        if cache is None or cid not in self._pinned:
-            # only pinned entries: an unpinned file could be evicted between path_of and open
-            return None
-        path = cache.path_of(cid)
-        mm = map_file(path) if path is not None else None
-        if mm is not None:
-            self.memory.put(cid, mm)
-            for cb in self.on_chunk_read:
-                cb(cid)
-        return mm
-
-    def _fetched(self, cid: Digest, data: bytes) -> bytes | mmap.mmap:
-        for cb in self.on_chunk_read:
-            cb(cid)
-        # The store put it into the node cache: map that file, keep no private copy.
-        cache = self.store.cache
-        if cache is not None and cid in self._pinned:
-            path = cache.path_of(cid)
-            mm = map_file(path) if path is not None else None
-            if mm is not None:
-                self.memory.put(cid, mm)
-                return mm
-        self.memory.put(cid, data)
-        return data
+        """Several distinct chunks from the store, fetched together (one batch through
+        its read chain): node-cache files mapped, no private copy of those."""
+        datas = self.store.map_chunks(cids)
+        for cid, data in zip(cids, datas):
+            self.memory.put(cid, data)
+            for observer in self._observers:
+                observer.on_chunk(cid)
+        return datas
 
     # --- writes ----------------------------------------------------------
     def _upper(self) -> UpperLayer:
@@ -388,7 +366,7 @@ class BlockImage:
             self._pin({cid for cid, _ in fresh})
             for cid, data in fresh:
                 self.memory.put(cid, data)
-            if fresh and self.store.cache is not None:
+            if fresh:
                 t = threading.Thread(target=self._seed_cache, args=(fresh,), name="blockimage-seed", daemon=True)
                 self._seeders.append(t)
                 t.start()
@@ -401,12 +379,11 @@ class BlockImage:
             return CommitInfo(layer, mid, len(layer.extents), data_bytes, zero_bytes, time.perf_counter() - t0)
 
     def _seed_cache(self, chunks: list[tuple[Digest, bytes]]) -> None:
-        cache = self.store.cache
         for cid, data in chunks:
             if self.closed:
                 return
             try:
-                cache.put(cid, data)
+                self.store.keep_chunks([(cid, data)])
             except Exception as e:  # noqa: BLE001 - best effort: reads fall back to the repository
                 log.debug("seeding node cache with %s failed: %s", cid.short(), e)
                 return
@@ -422,16 +399,16 @@ class BlockImage:
             return
         self.closed = True
         self.wait_seeded()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
+        for observer in self._observers:
+            observer.close()
         up = self._view.upper
         if up is not None:
             up.flush()
             up.close()
         for old in self._retired:
             old.close()
-        if self._pinned and self.store.cache is not None:
-            self.store.cache.unpin(self._pinned)
+        if self._pinned:
+            self.store.unpin_chunks(self._pinned)
             self._pinned = set()
         self.memory.clear()
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from aenv_store.ids import Digest
-from aenv_store.manifest import Extent, Manifest
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Extent, Manifest
 
 from .image import BlockImage, flatten_to
 from .layer import DISK_LAYER, LAYER_ALIGN, ImageError, coalesce, image_record

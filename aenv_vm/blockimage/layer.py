@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from aenv_store.errors import CorruptData, NotFound
-from aenv_store.ids import Digest
-from aenv_store.manifest import Extent, Manifest
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Extent, Manifest
 
 from ..errors import VmError
 
 if TYPE_CHECKING:
-    from aenv_store.catalog import CatalogRecord
+    from aenv_store.formats.catalog import CatalogRecord
 
 DISK_LAYER = "application/vnd.aenv.disk-layer"
 IMAGE_KIND = "image"
@@ -32,12 +32,6 @@ class ImageError(VmError):
 
 class ManifestSource(Protocol):
     def load_manifest(self, mid: Digest) -> Manifest: ...
-
-
-class ChunkSource(Protocol):
-    """Where chunk bytes come from (the Store: node cache -> peers -> repository)."""
-
-    def read_chunk(self, cid: Digest) -> bytes: ...
 
 
 def load_stack(store: ManifestSource, top: Digest) -> list[Manifest]:
@@ -76,7 +70,7 @@ def coalesce(extents: list[Extent]) -> list[Extent]:
 
 def image_record(name: str, top: Digest, meta: dict[str, str] | None = None,
                  created: float = 0.0) -> "CatalogRecord":
-    from aenv_store.catalog import CatalogRecord
+    from aenv_store.formats.catalog import CatalogRecord
 
     return CatalogRecord(name=name, kind=IMAGE_KIND, manifests=((DISK_ROLE, top),),
                          meta=tuple(sorted((meta or {}).items())), created=created)

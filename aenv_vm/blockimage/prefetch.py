@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from aenv_store.errors import CorruptData
-from aenv_store.ids import DIGEST_SIZE, Digest
+from aenv_store.formats.ids import DIGEST_SIZE, Digest
 
 from .extent_map import ExtentMap
 
@@ -51,9 +51,10 @@ class Prefetcher:
         self._ahead_until = 0
         self.fetched = 0
         self._closed = False
-        image.prefetcher = self
+        image.add_observer(self)
 
-    def on_read(self, m: ExtentMap, offset: int, length: int) -> None:
+    def on_read(self, extent_map: ExtentMap, offset: int, length: int) -> None:
+        m = extent_map
         with self._lock:
             self._streak = self._streak + 1 if offset == self._next else 0
             self._next = offset + length
@@ -72,6 +73,9 @@ class Prefetcher:
                     if c not in self._queued and c not in self.image.memory]
             self._queued.update(todo)
         self._submit_all(todo)
+
+    def on_chunk(self, cid: Digest) -> None:
+        pass
 
     def replay(self, chunks: Iterable[Digest]) -> int:
         """Fetch ``chunks`` (a recorded trace) in order in the background; returns how many were queued."""
@@ -127,7 +131,7 @@ class Prefetcher:
 
 
 class TraceRecorder:
-    """Records first-access order of an image's chunks (hooked into BlockImage.fetch_chunk)."""
+    """Records first-access order of an image's chunks (an observer of the image)."""
 
     def __init__(self, image: "BlockImage", path: Path, limit: int = MAX_TRACE) -> None:
         self.path = Path(path)
@@ -135,7 +139,16 @@ class TraceRecorder:
         self._seen: set[Digest] = set()
         self.order: list[Digest] = []
         self._lock = threading.Lock()
-        image.on_chunk_read.append(self.record)
+        image.add_observer(self)
+
+    def on_read(self, extent_map: ExtentMap, offset: int, length: int) -> None:
+        pass
+
+    def on_chunk(self, cid: Digest) -> None:
+        self.record(cid)
+
+    def close(self) -> None:
+        pass
 
     def record(self, cid: Digest) -> None:
         with self._lock:

@@ -11,8 +11,8 @@ manifests a reopen must load and keeps commits below the 255-layer limit.
 """
 from __future__ import annotations
 
-from aenv_store.ids import Digest
-from aenv_store.manifest import Extent, Manifest
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Extent, Manifest
 
 from .extent_map import ExtentMap
 from .layer import DISK_LAYER, coalesce, load_stack

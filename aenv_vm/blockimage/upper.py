@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from aenv_store.errors import CorruptData
-from aenv_store.ids import DIGEST_SIZE, Digest
+from aenv_store.formats.ids import DIGEST_SIZE, Digest
 
 BLOCK = 4096
 ABSENT, DATA, ZERO = 0, 1, 2

@@ -59,8 +59,8 @@ import numpy as np
 import xxhash
 
 from aenv_store.errors import StoreError
-from aenv_store.ids import Digest
-from aenv_store.manifest import Extent, Manifest
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Extent, Manifest
 from aenv_store.store import Store
 
 from ..errors import VmError

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from aenv_store.catalog import CatalogRecord
+from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.errors import StoreError
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 from ..blockimage.image import BlockImage
 from ..blockimage.squash import MAX_DISK_CHAIN, squash

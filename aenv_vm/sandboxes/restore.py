@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 from ..blockimage.image import BlockImage
 from ..errors import Conflict

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 
 from ..errors import Conflict, SnapshotError

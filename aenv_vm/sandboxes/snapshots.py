@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv_store.errors import StoreError
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 from ..errors import BadRequest, Conflict, NotFound, VmError
 from ..memory.memory_image import consolidate

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from aenv_store.errors import NotFound as StoreNotFound
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 
 from ..blockimage.image import BlockImage

@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 
 from aenv_api.config import load_config
-from aenv_store.catalog import CatalogRecord
+from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.store import Store
 
 HERE = Path(__file__).resolve().parent

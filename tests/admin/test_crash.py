@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from aenv_store.repository import Repository
-from aenv_store.backends.posix_fs import PosixFsBackend
-from aenv_store.verify import verify
+from aenv_store.admin.verify import verify
+from aenv_store.repository.backends.posix_fs import PosixFsBackend
+from aenv_store.repository.repository import Repository
 
 ROUNDS = 32
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from aenv_store import pack as packfmt
-from aenv_store.backends.base import Backend, ObjectInfo
-from aenv_store.catalog import CatalogRecord
+from aenv_store.admin.gc import GcError, gc
+from aenv_store.admin.verify import verify
 from aenv_store.errors import LockError
-from aenv_store.gc import GcError, gc
-from aenv_store.locks import lock_shared
-from aenv_store.repository import INDEX, PACKS, Repository, pack_key
-from aenv_store.verify import verify
+from aenv_store.formats import pack as packfmt
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.repository.backends.base import Backend, ObjectInfo
+from aenv_store.repository.locks import lock_shared
+from aenv_store.repository.repository import INDEX, PACKS, Repository, pack_key
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -144,7 +144,7 @@ def test_gc_waits_for_or_refuses_shared_lock(churned, aenv) -> None:  # type: ig
 
 
 def test_gc_refuses_a_damaged_repository(churned, aenv) -> None:  # type: ignore[no-untyped-def]
-    from aenv_store.index import decode_index
+    from aenv_store.formats.index import decode_index
 
     with churned.store() as store:
         live = {bytes(c) for n in churned.live for _, m in store.get_record(n).manifests
@@ -164,7 +164,7 @@ def test_gc_refuses_a_damaged_repository(churned, aenv) -> None:  # type: ignore
 
 
 def test_unindexed_pack_of_a_crashed_commit(repo) -> None:  # type: ignore[no-untyped-def]
-    from aenv_store.ids import Digest
+    from aenv_store.formats.ids import Digest
 
     with repo.store() as store:
         repo.commit(store, 1)
@@ -234,7 +234,7 @@ class CrashingBackend(Backend):
 
 
 def test_gc_crash_at_every_step_leaves_a_valid_repository(churned, tmp_path: Path, wl) -> None:  # type: ignore[no-untyped-def]
-    from aenv_store.backends.posix_fs import PosixFsBackend
+    from aenv_store.repository.backends.posix_fs import PosixFsBackend
 
     # Make one pack mostly garbage so the sweep also repacks.
     with churned.store() as store:

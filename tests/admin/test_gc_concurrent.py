@@ -11,11 +11,11 @@ import signal
 import time
 from pathlib import Path
 
-from aenv_store.backends.posix_fs import PosixFsBackend
+from aenv_store.admin.gc import gc
+from aenv_store.admin.verify import verify
 from aenv_store.errors import LockError, NotFound
-from aenv_store.gc import gc
-from aenv_store.repository import Repository
-from aenv_store.verify import verify
+from aenv_store.repository.backends.posix_fs import PosixFsBackend
+from aenv_store.repository.repository import Repository
 
 ROUNDS = 3
 ROUND_SECONDS = 6.0

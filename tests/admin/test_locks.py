@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aenv_store.backends.posix_fs import PosixFsBackend
 from aenv_store.errors import CorruptData, LockError
-from aenv_store.locks import (
+from aenv_store.repository.backends.posix_fs import PosixFsBackend
+from aenv_store.repository.locks import (
     LOCK_PREFIX,
     LockInfo,
     LockKind,
@@ -91,8 +91,8 @@ def test_wait_retries_until_conflict_goes_away(backend: PosixFsBackend) -> None:
 def _spawn_holder(repo: Path, kind: str) -> subprocess.Popen[str]:
     code = textwrap.dedent(f"""
         import sys, time
-        from aenv_store.backends.posix_fs import PosixFsBackend
-        from aenv_store.locks import acquire, LockKind
+        from aenv_store.repository.backends.posix_fs import PosixFsBackend
+        from aenv_store.repository.locks import acquire, LockKind
         lock = acquire(PosixFsBackend({str(repo)!r}), LockKind({kind!r}), purpose="child", settle=0)
         print(lock.key, flush=True)
         time.sleep(60)
@@ -258,7 +258,7 @@ def test_lock_info_rejects_garbage(raw: bytes) -> None:
 
 def test_writer_lock_hook_waits_for_gc(backend: PosixFsBackend) -> None:
     """``shared_lock`` is what Repository.writer_lock() uses: it waits out a running gc."""
-    from aenv_store.locks import shared_lock
+    from aenv_store.repository.locks import shared_lock
 
     gc = lock_exclusive(backend, purpose="gc", settle=0)
     threading.Timer(0.3, gc.release).start()

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aenv_store import pack as packfmt
-from aenv_store.repository import INDEX, PACKS, id_from_key
-from aenv_store.verify import Subset, verify
+from aenv_store.admin.verify import Subset, verify
+from aenv_store.formats import pack as packfmt
+from aenv_store.repository.repository import INDEX, PACKS, id_from_key
 
 
 def _keys(root: Path, prefix: str) -> list[Path]:
@@ -118,7 +118,7 @@ def test_truncated_index_file_then_rebuild(filled, aenv) -> None:  # type: ignor
     index_files = _keys(filled.path, INDEX)
     victim = index_files[5]
     data = victim.read_bytes()
-    from aenv_store.index import decode_index
+    from aenv_store.formats.index import decode_index
 
     lost = {bytes(e.chunk) for e in decode_index(data).entries()}
     # chunks that only this index file knows
@@ -227,7 +227,7 @@ def test_any_flipped_pack_byte_is_detected(filled, data) -> None:  # type: ignor
 def test_verify_waits_for_or_refuses_a_running_gc(filled, aenv) -> None:  # type: ignore[no-untyped-def]
     import threading
 
-    from aenv_store.locks import lock_exclusive
+    from aenv_store.repository.locks import lock_exclusive
 
     with filled.store() as store:
         gc_lock = lock_exclusive(store.backend, purpose="a running gc")

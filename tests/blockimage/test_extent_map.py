@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 from aenv_vm.blockimage.extent_map import ExtentMap, LayerExtent
 
 SIZE = 256

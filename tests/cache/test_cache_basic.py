@@ -13,10 +13,10 @@ import blake3
 import lmdb
 import pytest
 
-from aenv_store.cache import NodeCache
+from aenv_store.cache.node_cache import NodeCache
 from aenv_store.config import CacheConfig
 from aenv_store.errors import ConfigError, StoreError
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 S = 65536
 

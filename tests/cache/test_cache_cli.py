@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from aenv_api.cli.main import main
-from aenv_store.cache import NodeCache
+from aenv_store.cache.node_cache import NodeCache
 from aenv_store.config import CacheConfig
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 
 def fill(data_dir: Path, n: int) -> list[Digest]:

@@ -1,5 +1,6 @@
-"""Single-flight across threads and processes, failing fetches, and crash safety
-(SIGKILL of processes in the middle of puts/evictions, repeated)."""
+"""Single-flight across threads and processes (single and batched reads), failing
+fetches, and crash safety (SIGKILL of processes in the middle of puts/evictions,
+repeated)."""
 from __future__ import annotations
 
 import os
@@ -15,9 +16,11 @@ from typing import Iterator
 import blake3
 import pytest
 
-from aenv_store.cache import NodeCache
+from aenv_store.cache.node_cache import NodeCache
 from aenv_store.config import CacheConfig
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
+
+from .cache_worker import release_and_collect
 
 WORKER = Path(__file__).with_name("cache_worker.py")
 S = 65536
@@ -111,6 +114,81 @@ def test_many_digests_each_fetched_once(cache: NodeCache) -> None:
     assert counts == {d: 1 for d, _ in items}
 
 
+def test_batched_reads_single_flight_threads_any_order(cache: NodeCache) -> None:
+    """Overlapping batches in opposite and shuffled orders, mixed with single reads:
+    nobody deadlocks and every chunk is fetched exactly once."""
+    items = [(Digest.of(b), b) for b in (chunk(300 + i, 4096) for i in range(48))]
+    by_digest = dict(items)
+    counts: dict[Digest, int] = {}
+    lock = threading.Lock()
+
+    def fetch(missing: list[Digest]) -> list[bytes]:
+        with lock:
+            for d in missing:
+                counts[d] = counts.get(d, 0) + 1
+        time.sleep(0.02)
+        return [by_digest[d] for d in missing]
+
+    def worker(i: int) -> bool:
+        order = [d for d, _ in items]
+        if i % 3 == 1:
+            order.reverse()
+        elif i % 3 == 2:
+            random.Random(i).shuffle(order)
+        if i == 5:  # one thread asks chunk by chunk
+            return all(cache.get_or_fetch(d, lambda d=d: fetch([d])[0]) == by_digest[d] for d in order)
+        for lo in range(0, len(order), 16):
+            part = order[lo:lo + 16] + order[lo:lo + 2]  # duplicates in a batch are fine
+            assert cache.get_or_fetch_many(part, fetch) == [by_digest[d] for d in part]
+        return True
+
+    assert run_threads(8, worker) == [True] * 8
+    assert counts == {d: 1 for d, _ in items}
+    st = cache.stats()
+    assert (st.fetches, st.entries) == (len(items), len(items))
+
+
+def test_batched_fetch_failure_reaches_the_waiters_and_caches_nothing(cache: NodeCache) -> None:
+    items = [(Digest.of(b), b) for b in (chunk(400 + i, 4096) for i in range(6))]
+    calls = []
+
+    def failing(missing: list[Digest]) -> list[bytes]:
+        calls.append(list(missing))
+        time.sleep(0.2)
+        raise RuntimeError("repository unreachable")
+
+    results = run_threads(4, lambda i: cache.get_or_fetch_many([d for d, _ in items], failing))
+    assert len(calls) == 1 and sorted(calls[0]) == sorted(d for d, _ in items)
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert cache.stats().entries == 0
+    assert cache.get_or_fetch_many([d for d, _ in items], lambda m: [dict(items)[d] for d in m]) == [b for _, b in items]
+
+
+def test_mapped_reads_check_the_file_and_refetch_a_bad_one(cache: NodeCache) -> None:
+    import mmap
+
+    (d1, b1), (d2, b2), (d3, b3) = items = [(Digest.of(b), b) for b in (chunk(500 + i, S) for i in range(3))]
+    cache.put_many(items)
+    p1, p2 = cache.path_of(d1), cache.path_of(d2)
+    assert p1 is not None and p2 is not None
+    with open(p1, "r+b") as f:  # same size, one byte flipped
+        f.seek(S - 1)
+        f.write(bytes([b1[-1] ^ 1]))
+    os.truncate(p2, S // 2)
+    fetched: list[Digest] = []
+
+    def fetch(missing: list[Digest]) -> list[bytes]:
+        fetched.extend(missing)
+        return [dict(items)[d] for d in missing]
+
+    got = cache.get_or_fetch_many([d1, d2, d3], fetch, mapped=True)
+    assert [bytes(g) for g in got] == [b1, b2, b3]
+    assert sorted(fetched) == sorted([d1, d2])            # the two bad files, refetched
+    assert all(isinstance(g, mmap.mmap) for g in got)     # the refetched ones are mapped too
+    assert cache.stats().corrupt == 2
+    assert cache.verify(read_data=True) == []
+
+
 def start_worker(*args: object) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, str(WORKER), *map(str, args)], text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -127,17 +205,7 @@ def test_single_flight_across_processes(tmp_path: Path) -> None:
     log = tmp_path / "fetches.log"
     log.touch()
     procs = [start_worker("fetch", tmp_path / "cache", 64 * S, 7, log, 4) for _ in range(3)]
-    try:
-        for p in procs:  # all are ready: release them together
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = release_and_collect(procs)
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert all(o.strip() == "ok" for o in outs)
     assert len(log.read_text().split()) == 1  # 3 processes x 4 threads, one fetch
@@ -145,6 +213,22 @@ def test_single_flight_across_processes(tmp_path: Path) -> None:
         st = c.stats()
         assert (st.fetches, st.entries) == (1, 1)
         assert c.get(Digest.of(chunk(7, S))) == chunk(7, S)
+
+
+def test_batched_single_flight_across_processes(tmp_path: Path) -> None:
+    """Two processes (three threads each) read the same 32 cold chunks in batches, in
+    opposite orders: each chunk is fetched once in all, and nobody deadlocks."""
+    log = tmp_path / "fetches.log"
+    log.touch()
+    procs = [start_worker("fetch_many", tmp_path / "cache", 64 * S, 1000, 32, log, 3, 0.3, order)
+             for order in ("forward", "reverse")]
+    outs = release_and_collect(procs)
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all(o.strip() == "ok" for o in outs)
+    fetched = log.read_text().split()
+    assert len(fetched) == 32 and len(set(fetched)) == 32
+    with NodeCache(tmp_path / "cache", CacheConfig(capacity=64 * S, min_free_disk=0)) as c:
+        assert (c.stats().fetches, c.stats().entries) == (32, 32)
 
 
 def check_contents(c: NodeCache, capacity: int) -> int:

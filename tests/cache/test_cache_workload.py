@@ -13,9 +13,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from aenv_store.cache import NodeCache
+from aenv_store.cache.node_cache import NodeCache
 from aenv_store.config import CacheConfig
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 
 MAX_CHUNK = 65536
 CAPACITY = 4 * MAX_CHUNK

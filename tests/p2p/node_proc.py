@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from aenv_store.catalog import CatalogRecord
+from aenv_store.assembly import open_node_store, peer_source
 from aenv_store.config import P2PConfig, RepositoryConfig, StorePaths, StoreSettings
-from aenv_store.ids import Digest
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 
 
@@ -28,21 +29,23 @@ def emit(obj: dict[str, object]) -> None:
 
 
 def counters(store: Store) -> dict[str, object]:
-    src = store.peer_source
+    src = peer_source(store)
     return {"s3": store.backend.stats(), "p2p": src.status()["totals"] if src else {},
             "peers": src.status()["peers"] if src else []}
 
 
 def writer(data_dir: Path, repo: RepositoryConfig, size: int, seed: int) -> None:
     data = random.Random(seed).randbytes(size)
-    store = Store.open(StoreSettings(StorePaths(data_dir), repository=repo, p2p=P2PConfig(enabled=True)), create=True)
+    store = open_node_store(StoreSettings(StorePaths(data_dir), repository=repo, p2p=P2PConfig(enabled=True)),
+                            create=True)
     with store.workspace() as ws:
         w = ws.blob_writer(size=size)
         w.write(0, data)
         mid = w.close()
         ws.commit(CatalogRecord(name="snap", kind="snapshot", manifests=(("disk", mid),), created=time.time()))
-    assert store.peer_source is not None
-    emit({"ticket": store.peer_source.node.ticket, "mid": mid.hex(), "sha256": hashlib.sha256(data).hexdigest()})
+    peers = peer_source(store)
+    assert peers is not None
+    emit({"ticket": peers.ticket, "mid": mid.hex(), "sha256": hashlib.sha256(data).hexdigest()})
     while True:
         time.sleep(3600)
 
@@ -50,7 +53,7 @@ def writer(data_dir: Path, repo: RepositoryConfig, size: int, seed: int) -> None
 def reader(data_dir: Path, repo: RepositoryConfig, ticket: str, mid: str, first: int, lookup_ms: int) -> None:
     settings = StoreSettings(StorePaths(data_dir), repository=repo,
                              p2p=P2PConfig(enabled=True, peers=(ticket,), lookup_timeout_ms=lookup_ms))
-    with Store.open(settings) as store:
+    with open_node_store(settings) as store:
         blob = store.open_blob(Digest.from_hex(mid))
         h = hashlib.sha256()
         t = time.perf_counter()

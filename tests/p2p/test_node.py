@@ -14,7 +14,7 @@ import pytest
 
 from aenv_store.config import P2PConfig
 from aenv_store.errors import ConfigError
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 from aenv_store.p2p import peers as peerfile
 from aenv_store.p2p.node import P2PNode, offline_ticket, parse_ticket
 

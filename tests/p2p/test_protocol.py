@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aenv_store.ids import Digest
+from aenv_store.formats.ids import Digest
 from aenv_store.p2p.protocol import (MAX_IDS, BadData, GetResponseParser, Op, ProtocolError, Request, Status,
                                      decode_have, decode_request, encode_frame, encode_have, encode_request)
 

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from aenv_store.catalog import CatalogRecord
+from aenv_store.assembly import open_node_store, peer_source
 from aenv_store.config import P2PConfig, RepositoryConfig, StorePaths, StoreSettings
-from aenv_store.ids import Digest
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
 from aenv_store.p2p.node import P2PNode
-from aenv_store.p2p.source import StoreChunkProvider
+from aenv_store.p2p.source import CommittedChunkProvider
 from aenv_store.store import Store
 
 NODE = str(Path(__file__).with_name("node_proc.py"))
@@ -72,7 +73,7 @@ def test_reader_gets_chunks_from_writer_then_falls_back_when_it_dies(oss_repo: R
                 p.wait(10)
 
 
-class _Corrupting(StoreChunkProvider):
+class _Corrupting(CommittedChunkProvider):
     """A peer serving a committed chunk with one byte flipped."""
 
     def get(self, cid: Digest) -> bytes | None:
@@ -89,14 +90,16 @@ def test_corrupt_peer_is_dropped_and_the_read_succeeds_from_the_repository(
             w.write(0, data)
             mid = w.close()
             ws.commit(CatalogRecord(name="snap", kind="snapshot", manifests=(("disk", mid),)))
-        with P2PNode(tmp_path / "evil", P2PConfig(enabled=True), _Corrupting(a), write_status=False).start() as evil:
+        with P2PNode(tmp_path / "evil", P2PConfig(enabled=True), _Corrupting(a.cache, a.repository, a.fetch_chunk), write_status=False).start() as evil:
             # a generous lookup timeout: this test is about bad data, not about a loaded
             # CI box missing 300 ms (tests/p2p/test_node.py covers the timeout path)
             settings = StoreSettings(StorePaths(tmp_path / "b"), repository=oss_repo,
                                      p2p=P2PConfig(enabled=True, peers=(evil.ticket,), lookup_timeout_ms=3000))
-            with caplog.at_level(logging.WARNING, logger="aenv_store.p2p"), Store.open(settings) as b:
+            with caplog.at_level(logging.WARNING, logger="aenv_store.p2p"), open_node_store(settings) as b:
                 got = b.open_blob(mid).read(0, len(data))
-                status = b.peer_source.status()
+                peers = peer_source(b)
+                assert peers is not None
+                status = peers.status()
                 s3 = b.backend.stats()
     assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
     (peer,) = status["peers"]

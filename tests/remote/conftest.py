@@ -8,9 +8,9 @@ from typing import Iterator
 
 import pytest
 
-from aenv_store.backends.base import Backend
-from aenv_store.backends.factory import open_backend
 from aenv_store.config import RepositoryConfig
+from aenv_store.repository.backends.base import Backend
+from aenv_store.repository.backends.factory import open_backend
 
 from .motoserver import MotoServer
 

@@ -1,4 +1,4 @@
-"""The Backend contract (aenv_store/backends/base.py), checked on every backend:
+"""The Backend contract (aenv_store/repository/backends/base.py), checked on every backend:
 posix_fs on a temp dir and oss on a real moto S3 server process."""
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aenv_store.backends.base import Backend
-from aenv_store.backends.factory import open_backend
 from aenv_store.config import RepositoryConfig
 from aenv_store.errors import AlreadyExists, BackendError, NotFound
+from aenv_store.repository.backends.base import Backend
+from aenv_store.repository.backends.factory import open_backend
 
 
 def test_put_get_overwrite(backend: Backend) -> None:
@@ -152,9 +152,9 @@ def test_concurrent_create_threads_one_winner(backend: Backend) -> None:
 _RACER = """
 import dataclasses, json, sys, time
 from pathlib import Path
-from aenv_store.backends.factory import open_backend
 from aenv_store.config import RepositoryConfig
 from aenv_store.errors import AlreadyExists
+from aenv_store.repository.backends.factory import open_backend
 cfg = RepositoryConfig(**json.loads(sys.argv[1]))
 b = open_backend(cfg, Path(sys.argv[2]))
 b.exists("warm-up")  # connect before the start line

@@ -11,13 +11,13 @@ import boto3
 import botocore.exceptions
 import pytest
 
-from aenv_store.backends.base import Backend
-from aenv_store.backends.factory import open_backend, validate
-from aenv_store.backends.oss import OssBackend
-from aenv_store.backends.posix_fs import PosixFsBackend
-from aenv_store.backends.retry import PermanentError, RetryBackend, RetryPolicy
 from aenv_store.config import MiB, RepositoryConfig
 from aenv_store.errors import AlreadyExists, BackendError, ConfigError, NotFound
+from aenv_store.repository.backends.base import Backend
+from aenv_store.repository.backends.factory import open_backend, validate
+from aenv_store.repository.backends.oss import OssBackend
+from aenv_store.repository.backends.posix_fs import PosixFsBackend
+from aenv_store.repository.backends.retry import PermanentError, RetryBackend, RetryPolicy
 
 
 def test_missing_region_names_the_key(tmp_path: Path) -> None:
@@ -93,7 +93,7 @@ def test_claim_protocol_alone_gives_one_winner(oss_config: RepositoryConfig) -> 
 
 
 def test_stale_claim_of_a_dead_creator_is_ignored(oss_config: RepositoryConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    import aenv_store.backends.oss as oss
+    import aenv_store.repository.backends.oss as oss
 
     b = OssBackend(oss_config)
     try:

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from aenv_store.backends.base import Backend
-from aenv_store.backends.factory import open_backend
-from aenv_store.catalog import CatalogRecord
+from aenv_store.admin.gc import gc
+from aenv_store.admin.verify import verify
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.errors import AlreadyExists, BackendError
-from aenv_store.gc import gc
-from aenv_store.ids import Digest
-from aenv_store.repository import Repository
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
+from aenv_store.repository.backends.base import Backend
+from aenv_store.repository.backends.factory import open_backend
+from aenv_store.repository.repository import Repository
 from aenv_store.store import Store, describe_location
-from aenv_store.verify import verify
 from aenv_store.workspace import Workspace
 
 

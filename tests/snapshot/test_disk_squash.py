@@ -54,7 +54,7 @@ def test_pauses_squash_a_long_disk_chain(env, tmp_path: Path, monkeypatch) -> No
 
     import pytest
 
-    from aenv_store.ids import Digest
+    from aenv_store.formats.ids import Digest
     from aenv_vm.blockimage.layer import load_stack
     from aenv_vm.sandboxes import pause
     from aenv_vm.sandboxes.manager import SandboxManager

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from aenv_store.ids import Digest
-from aenv_vm.sandboxes.records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
+from aenv_store.formats.ids import Digest
 from aenv_vm.memory import memory_image as mi
 from aenv_vm.memory.pagemap import PAGE, PagemapError, parse_maps, private_mask, runs
+from aenv_vm.sandboxes.records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 
 BASE = Digest(bytes(range(32)))
 

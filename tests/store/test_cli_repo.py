@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from aenv_api.cli.main import main
-from aenv_store.catalog import CatalogRecord
 from aenv_store.config import StorePaths, StoreSettings
+from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.store import Store
 
 

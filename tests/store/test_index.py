@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aenv_store.errors import CorruptData
-from aenv_store.ids import Digest
-from aenv_store.index import IndexEntry, MergedIndex, decode_index, encode_index
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.index import IndexEntry, MergedIndex, decode_index, encode_index
 
 digest_st = st.binary(min_size=32, max_size=32).map(Digest)
 entry_st = st.builds(
@@ -96,7 +96,7 @@ def test_summary_counts_distinct_chunks() -> None:
 
 
 def test_overlay_folds_into_table_when_large(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aenv_store.index as index_mod
+    import aenv_store.formats.index as index_mod
     monkeypatch.setattr(index_mod, "OVERLAY_MAX", 50)
     p = Digest(b"\x04" * 32)
     es = [IndexEntry(Digest(os.urandom(32)), p, 16, 5, 9) for _ in range(120)]

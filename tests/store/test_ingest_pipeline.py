@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import random
 
-from aenv_store.ids import Digest
-from aenv_store.manifest import BLOB
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import BLOB
 from aenv_store.store import Store
 
 CS = 4096

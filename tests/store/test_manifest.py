@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aenv_store.catalog import CatalogRecord
 from aenv_store.errors import CorruptData
-from aenv_store.ids import Digest
-from aenv_store.manifest import Extent, Manifest
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Extent, Manifest
 
 digest_st = st.binary(min_size=32, max_size=32).map(Digest)
 text_st = st.text(min_size=1, max_size=20).filter(lambda s: len(s.encode()) <= 255)

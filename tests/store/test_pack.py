@@ -10,9 +10,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aenv_store import pack as packfmt
 from aenv_store.errors import CorruptData
-from aenv_store.ids import Digest
+from aenv_store.formats import pack as packfmt
+from aenv_store.formats.ids import Digest
 
 chunks_st = st.lists(
     st.one_of(st.binary(min_size=1, max_size=3000),

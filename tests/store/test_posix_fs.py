@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv_store.backends.posix_fs import PosixFsBackend
 from aenv_store.errors import AlreadyExists, BackendError, NotFound
+from aenv_store.repository.backends.posix_fs import PosixFsBackend
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a//b", "../x", "a/../b", ".hidden", "a/.tmp-x", "sp ace", "a/"])

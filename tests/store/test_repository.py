@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from aenv_store.catalog import CatalogRecord
 from aenv_store.errors import AlreadyExists, CorruptData, NotFound, RepositoryError
-from aenv_store.ids import Digest
-from aenv_store.repository import pack_key
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
+from aenv_store.repository.repository import pack_key
 from aenv_store.store import Store
 
 from .conftest import make_settings
@@ -87,8 +87,8 @@ def test_concurrent_exclusive_creates_one_winner(settings_factory, tmp_path: Pat
         from pathlib import Path
         from tests.store.conftest import make_settings
         from aenv_store.store import Store
-        from aenv_store.catalog import CatalogRecord
-        from aenv_store.ids import Digest
+        from aenv_store.formats.catalog import CatalogRecord
+        from aenv_store.formats.ids import Digest
         from aenv_store.errors import AlreadyExists
         with Store.open(make_settings(Path(sys.argv[1]), Path(sys.argv[2]))) as s:
             try:
@@ -217,8 +217,8 @@ def test_pack_key_layout(settings_factory, tmp_path: Path) -> None:
 
 
 def test_commit_writes_in_order_packs_index_manifests_record(tmp_path: Path) -> None:
-    from aenv_store.backends.posix_fs import PosixFsBackend
-    from aenv_store.repository import Repository
+    from aenv_store.repository.backends.posix_fs import PosixFsBackend
+    from aenv_store.repository.repository import Repository
 
     class Recording(PosixFsBackend):
         """The real posix_fs backend, noting the order of durable writes."""
@@ -259,8 +259,8 @@ def test_commit_writes_in_order_packs_index_manifests_record(tmp_path: Path) -> 
 
 
 def test_coalesce_groups_nearby_entries_per_pack() -> None:
-    from aenv_store.index import IndexEntry
-    from aenv_store.repository import coalesce
+    from aenv_store.formats.index import IndexEntry
+    from aenv_store.repository.repository import coalesce
 
     p1, p2 = Digest(b"\1" * 32), Digest(b"\2" * 32)
 
@@ -296,9 +296,9 @@ def test_reader_survives_a_repack_behind_its_back(settings_factory, tmp_path: Pa
     are rewritten into a new pack (+ index) and the old pack and index deleted."""
     import zstandard
 
-    from aenv_store import pack as packfmt
-    from aenv_store.index import IndexEntry, encode_index
-    from aenv_store.repository import index_key
+    from aenv_store.formats import pack as packfmt
+    from aenv_store.formats.index import IndexEntry, encode_index
+    from aenv_store.repository.repository import index_key
 
     data = os.urandom(30_000)
     with Store.open(settings_factory(), create=True) as store:

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aenv_store.catalog import CatalogRecord
 from aenv_store.errors import NotFound
-from aenv_store.ids import Digest
-from aenv_store.manifest import Manifest
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Manifest
 from aenv_store.store import Store
 
 from .conftest import make_settings
@@ -201,7 +201,7 @@ def test_parent_of_chunk_in_repository_dedups_across_commits(settings_factory) -
 
 
 def test_manifest_validates_staged_chunks(settings_factory) -> None:
-    from aenv_store.manifest import Extent
+    from aenv_store.formats.manifest import Extent
     with Store.open(settings_factory(), create=True) as store:
         with store.workspace() as ws:
             cid = ws.put_chunk(b"q" * 100)

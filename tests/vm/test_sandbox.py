@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv_store.catalog import CatalogRecord
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
+from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.store import Store
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage

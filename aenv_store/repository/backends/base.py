@@ -69,7 +69,7 @@ class Backend(abc.ABC):
         """Remove ``key``; deleting a missing key is not an error."""
 
     def exists(self, key: str) -> bool:
-        from ..errors import NotFound
+        from ...errors import NotFound
 
         try:
             self.stat(key)

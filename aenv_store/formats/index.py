@@ -14,7 +14,7 @@ from typing import Iterable
 import blake3
 import numpy as np
 
-from .errors import CorruptData
+from ..errors import CorruptData
 from .ids import DIGEST_SIZE, Digest
 
 MAGIC = b"AENVINDX"

@@ -64,6 +64,15 @@ class DigestLocks:
         fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW,
                     self._FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, self._offset(digest), 1, 0))
 
+    def try_lock(self, digest: bytes) -> bool:
+        """Take this digest's lock if no other open file holds it; False (at once) if one does."""
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK,
+                        self._FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, self._offset(digest), 1, 0))
+        except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held elsewhere
+            return False
+        return True
+
     def unlock(self, digest: bytes) -> None:
         fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK,
                     self._FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, self._offset(digest), 1, 0))

@@ -35,8 +35,8 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from ..config import MiB, RepositoryConfig
-from ..errors import AlreadyExists, BackendError, ConfigError, NotFound
+from ...config import MiB, RepositoryConfig
+from ...errors import AlreadyExists, BackendError, ConfigError, NotFound
 from .base import Backend, ObjectInfo
 from .retry import PermanentError, RetryPolicy
 
@@ -62,7 +62,7 @@ _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
 _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*\Z")
 
 
-def _check_config(cfg: RepositoryConfig) -> None:
+def check_config(cfg: RepositoryConfig) -> None:
     if not cfg.region:
         raise ConfigError('repository.region is required for backend "oss" (S3-compatible '
                           'storage needs an explicit region, e.g. region = "us-east-1")')
@@ -123,7 +123,7 @@ class OssBackend(Backend):
 
     def __init__(self, cfg: RepositoryConfig, part_size: int = PART_SIZE,
                  multipart_threshold: int = MULTIPART_THRESHOLD) -> None:
-        _check_config(cfg)
+        check_config(cfg)
         self.cfg = cfg
         self.bucket = cfg.bucket
         self.prefix = cfg.prefix.strip("/")

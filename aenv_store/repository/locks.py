@@ -32,8 +32,8 @@ import uuid
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from ..errors import BackendError, CorruptData, LockError, NotFound
 from .backends.base import Backend, ObjectInfo
-from .errors import BackendError, CorruptData, LockError, NotFound
 
 log = logging.getLogger(__name__)
 

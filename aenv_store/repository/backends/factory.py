@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import RepositoryConfig, StoreSettings
-from ..errors import ConfigError
+from ...config import RepositoryConfig, StoreSettings
+from ...errors import ConfigError
 from .base import Backend
 from .retry import RetryBackend, RetryPolicy
 
@@ -24,9 +24,9 @@ def validate(cfg: RepositoryConfig) -> None:
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"repository.backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
     if cfg.backend == "oss":
-        from .oss import _check_config
+        from .oss import check_config
 
-        _check_config(cfg)
+        check_config(cfg)
 
 
 def open_backend(cfg: RepositoryConfig, data_dir: Path, retry: RetryPolicy | None = None) -> Backend:

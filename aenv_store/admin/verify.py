@@ -30,42 +30,24 @@ import re
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Iterable
 
 import blake3
 import zstandard
 
-from . import pack as packfmt
-from .backends.base import ObjectInfo
-from .catalog import ALIAS, CatalogRecord
-from .errors import BackendError, CorruptData, NotFound
-from .ids import Digest
-from .index import decode_index
-from .manifest import Manifest
-from .repository import CATALOG, INDEX, MANIFESTS, PACKS, Repository, id_from_key, manifest_key
+from ..errors import BackendError, CorruptData, NotFound
+from ..formats import pack as packfmt
+from ..formats.catalog import ALIAS, CatalogRecord
+from ..formats.ids import Digest
+from ..formats.index import decode_index
+from ..formats.manifest import Manifest
+from ..repository.backends.base import ObjectInfo
+from ..repository.repository import CATALOG, INDEX, MANIFESTS, PACKS, Repository, id_from_key, manifest_key
+from .progress import ProgressFactory, human_bytes, no_progress
 
 ERROR = "error"
 WARNING = "warning"
-
-
-class Advancer(Protocol):
-    def advance(self, n: int = 1) -> None: ...
-
-
-# (label, total, unit) -> a context manager yielding something with advance(n):
-# the CLI passes aenv_api.cli.common.Progress; the library default shows nothing.
-ProgressFactory = Callable[[str, int, str], AbstractContextManager[Any]]
-
-
-class _Quiet:
-    def advance(self, n: int = 1) -> None:
-        pass
-
-
-def no_progress(label: str, total: int, unit: str) -> AbstractContextManager[Any]:
-    return nullcontext(_Quiet())
 
 
 @dataclass(frozen=True)
@@ -536,11 +518,11 @@ def format_report(report: VerifyReport, read_data: bool) -> Iterable[str]:
     yield (f"checked {report.records} catalog records, {report.manifests} manifests, "
            f"{report.chunks_referenced} referenced chunks")
     yield (f"index: {report.index_files} files, {report.index_entries} entries; "
-           f"packs: {report.packs} ({_human(report.pack_bytes)})")
+           f"packs: {report.packs} ({human_bytes(report.pack_bytes)})")
     if read_data:
         rate = report.bytes_read / report.seconds / 1e6 if report.seconds > 0 else 0.0
         yield (f"read data: {report.packs_read}/{report.packs} packs ({from_pct(report.packs_read, report.packs)}), "
-               f"{_human(report.bytes_read)}, {report.chunks_read} chunks re-hashed, {rate:.0f} MB/s")
+               f"{human_bytes(report.bytes_read)}, {report.chunks_read} chunks re-hashed, {rate:.0f} MB/s")
     if report.unreferenced_packs or report.unindexed_packs or report.unreachable_manifests:
         yield (f"garbage (gc removes it): {report.unreferenced_packs} packs without referenced chunks "
                f"({report.unindexed_packs} not indexed), {report.unreachable_manifests} unreachable manifests")
@@ -554,14 +536,6 @@ def format_report(report: VerifyReport, read_data: bool) -> Iterable[str]:
         affected = report.affected_snapshots
         yield (f"{errors} errors, {warnings} warnings; affected snapshots ({len(affected)}): "
                f"{', '.join(affected) if affected else 'none named'}")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 __all__ = ["Checker", "Problem", "Subset", "VerifyReport", "verify", "format_report"]

@@ -15,8 +15,8 @@ from typing import Callable, Iterable
 import blake3
 import zstandard
 
-from .durable import write_all
-from .errors import CorruptData
+from ..durable import write_all
+from ..errors import CorruptData
 from .ids import DIGEST_SIZE, Digest
 
 MAGIC = b"AENVPACK"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, TypeVar
 
-from ..errors import AlreadyExists, BackendError, NotFound
+from ...errors import AlreadyExists, BackendError, NotFound
 from .base import Backend, ObjectInfo
 
 log = logging.getLogger(__name__)

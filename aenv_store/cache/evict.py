@@ -8,9 +8,9 @@ from pathlib import Path
 
 import lmdb
 
-from .cache_files import ChunkFiles, unlink_all
-from .cache_index import ENTRY, USED, IndexDbs
-from .config import CacheConfig
+from ..config import CacheConfig
+from .files import ChunkFiles, unlink_all
+from .index import ENTRY, USED, IndexDbs
 
 
 def disk_free(path: Path) -> int:

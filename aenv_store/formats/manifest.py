@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .errors import CorruptData
+from ..errors import CorruptData
 from .ids import DIGEST_SIZE, Digest
 
 MAGIC = b"AENVMANI"

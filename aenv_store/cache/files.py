@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 import lmdb
 import xxhash
 
-from .cache_index import ENTRIES, USED, IndexDbs
+from .index import ENTRIES, USED, IndexDbs
 
 
 @dataclass(frozen=True)

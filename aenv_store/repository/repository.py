@@ -10,20 +10,21 @@ import logging
 import threading
 import time
 import uuid
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import blake3
 import zstandard
 
-from . import pack as packfmt
+from ..errors import AlreadyExists, CorruptData, NotFound, RepositoryError
+from ..formats import pack as packfmt
+from ..formats.catalog import CatalogRecord, check_name
+from ..formats.ids import Digest
+from ..formats.index import IndexEntry, IndexFile, MergedIndex, decode_index, encode_index
+from ..formats.manifest import Manifest, check_chunk_size
 from .backends.base import Backend, ObjectInfo
-from .catalog import CatalogRecord, check_name
-from .errors import AlreadyExists, CorruptData, NotFound, RepositoryError
-from .ids import Digest
-from .index import IndexEntry, IndexFile, MergedIndex, decode_index, encode_index
-from .manifest import Manifest, check_chunk_size
+from .locks import shared_lock
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ PACKS = "packs/"
 INDEX = "index/"
 MANIFESTS = "manifests/"
 CATALOG = "catalog/"
-LOCKS = "locks/"  # owned by aenv_store.locks
+LOCKS = "locks/"  # owned by aenv_store.repository.locks
 
 
 def pack_key(pid: bytes) -> str:
@@ -147,18 +148,8 @@ class Repository:
         self.backend.close()
 
     def writer_lock(self) -> AbstractContextManager[object]:
-        """Shared repository lock held by a workspace from staging to commit.
-
-        Hook for aenv_store.locks (verify/gc engineer): when that module provides
-        ``shared_lock(backend, owner)`` it is used; until then, no lock."""
-        try:
-            from . import locks  # type: ignore[attr-defined]
-        except ImportError:
-            return nullcontext()
-        factory = getattr(locks, "shared_lock", None)
-        if factory is None:
-            return nullcontext()
-        return factory(self.backend, f"workspace-{uuid.uuid4().hex[:8]}")
+        """Shared repository lock held by a workspace from staging to commit (locks.py)."""
+        return shared_lock(self.backend, f"workspace-{uuid.uuid4().hex[:8]}")
 
     # -- index -------------------------------------------------------------------
 

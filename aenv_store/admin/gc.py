@@ -1,7 +1,7 @@
 """`aenv repo gc`: mark from catalog roots, sweep what nothing reaches.
 
 Under the repository's exclusive lock (so no writer is between staging and
-commit; see aenv_store.locks and docs/admin.md):
+commit; see aenv_store.repository.locks and docs/admin.md):
 
 1. mark: catalog records -> manifests -> parent manifests -> chunks. Any record,
    manifest or index file that cannot be read aborts gc: with part of the graph
@@ -36,16 +36,16 @@ from typing import Any
 import blake3
 import zstandard
 
-from . import pack as packfmt
-from .backends.base import ObjectInfo
-from .catalog import CatalogRecord
-from .errors import CorruptData, NotFound, StoreError
-from .ids import Digest
-from .index import IndexEntry, decode_index, encode_index
-from .locks import LockKind, RepositoryLock, acquire
-from .manifest import Manifest
-from .repository import CATALOG, INDEX, MANIFESTS, PACKS, Repository, id_from_key, index_key, manifest_key, pack_key
-from .verify import ProgressFactory, no_progress
+from ..errors import CorruptData, NotFound, StoreError
+from ..formats import pack as packfmt
+from ..formats.catalog import CatalogRecord
+from ..formats.ids import Digest
+from ..formats.index import IndexEntry, decode_index, encode_index
+from ..formats.manifest import Manifest
+from ..repository.backends.base import ObjectInfo
+from ..repository.locks import LockKind, RepositoryLock, acquire
+from ..repository.repository import CATALOG, INDEX, MANIFESTS, PACKS, Repository, id_from_key, index_key, manifest_key, pack_key
+from .progress import Advancer, ProgressFactory, human_bytes, no_progress
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class Collector:
             self.young_roots = live_manifests - before
         return len(records), live_manifests, live_chunks
 
-    def _walk(self, roots: list[bytes], live_manifests: set[bytes], live_chunks: set[bytes], bar: Any,
+    def _walk(self, roots: list[bytes], live_manifests: set[bytes], live_chunks: set[bytes], bar: Advancer,
               strict: bool) -> None:
         todo = list(roots)
         while todo:
@@ -394,19 +394,18 @@ def gc(repo: Repository, grace: float = DEFAULT_GRACE, dry_run: bool = False,
 
 
 def format_report(r: GcReport) -> list[str]:
-    from .verify import _human
 
     verb = "would free" if r.dry_run else "freed"
     lines = [
         f"live: {r.records} catalog records, {r.live_manifests} manifests, {r.live_chunks} chunks",
-        f"packs: {r.packs_before} ({_human(r.pack_bytes_before)}) before; deleted {r.packs_deleted} "
-        f"({_human(r.packs_deleted_bytes)}), repacked {r.packs_repacked} ({_human(r.packs_repacked_bytes)}) "
-        f"into {r.packs_written} ({_human(r.packs_written_bytes)}, {r.chunks_copied} chunks copied)",
+        f"packs: {r.packs_before} ({human_bytes(r.pack_bytes_before)}) before; deleted {r.packs_deleted} "
+        f"({human_bytes(r.packs_deleted_bytes)}), repacked {r.packs_repacked} ({human_bytes(r.packs_repacked_bytes)}) "
+        f"into {r.packs_written} ({human_bytes(r.packs_written_bytes)}, {r.chunks_copied} chunks copied)",
         f"index files: {r.index_files_deleted} replaced, {r.index_files_written} written; "
-        f"manifests deleted: {r.manifests_deleted} ({_human(r.manifests_deleted_bytes)})",
+        f"manifests deleted: {r.manifests_deleted} ({human_bytes(r.manifests_deleted_bytes)})",
     ]
     if r.kept_young_packs or r.kept_young_manifests:
         lines.append(f"kept inside the grace period: {r.kept_young_packs} packs, {r.kept_young_manifests} manifests")
-    lines.append(f"{verb} {_human(r.freed_bytes)} in {r.seconds:.1f}s" + (" (dry run: nothing changed)"
+    lines.append(f"{verb} {human_bytes(r.freed_bytes)} in {r.seconds:.1f}s" + (" (dry run: nothing changed)"
                                                                          if r.dry_run else ""))
     return lines

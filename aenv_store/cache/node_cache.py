@@ -2,7 +2,7 @@
 
 Layout of a cache directory (details and the crash-safety argument in docs/cache.md)::
 
-    index/            LMDB environment (aenv_store.cache_index): digest -> size, checksum,
+    index/            LMDB environment (aenv_store.cache.index): digest -> size, checksum,
                       last access; LRU order; pin counts; totals and counters
     data/ab/<hex>     one file per chunk, exactly its bytes (mmap-able, see path_of)
     tmp/              chunk files being written
@@ -27,25 +27,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import os
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar, Iterable, Sequence
+from typing import Callable, ClassVar, Iterable, Literal, Sequence, overload
 
 import lmdb
 import xxhash
 
-from . import cache_evict, cache_files
-from .cache_env import EnvRegistry, boot_id, open_env, wipe
-from .cache_files import unlink_all, write_file
-from .cache_index import COUNTERS, ENTRIES, ENTRY, USED, Entry, IndexDbs
-from .cache_lock import DigestLocks, FileLock
-from .config import CacheConfig
-from .errors import ConfigError, StoreError
-from .ids import Digest
+from ..config import CacheConfig
+from ..errors import ConfigError, StoreError
+from ..formats.ids import Digest
+from . import evict as cache_evict, files as cache_files
+from .env import EnvRegistry, boot_id, open_env, wipe
+from .files import unlink_all, write_file
+from .index import COUNTERS, ENTRIES, ENTRY, USED, Entry, IndexDbs
+from .lock import DigestLocks, FileLock
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,16 @@ class CacheStats:
     path: str = ""
 
 
+# A chunk as a reader gets it: bytes, or a read-only mapping of its cache file.
+ChunkData = bytes | mmap.mmap
+# Verified plaintexts of the digests asked, in that order (what get_or_fetch_many calls on misses).
+FetchMany = Callable[[list[Digest]], Sequence[bytes]]
+
+
+def _as_bytes(data: ChunkData) -> bytes:
+    return data if type(data) is bytes else data[:]
+
+
 class _Flight:
     """One in-process fetch that other threads wait on."""
 
@@ -81,7 +92,7 @@ class _Flight:
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.data: bytes | None = None
+        self.data: ChunkData | None = None
         self.error: BaseException | None = None
 
 
@@ -102,7 +113,7 @@ class NodeCache:
     directory; pins and queued LRU touches belong to the instance.
     Blocking calls: use ``loop.run_in_executor`` from asyncio code."""
 
-    # the environments open in this process (cache_env.py); acquired after gate.lock
+    # the environments open in this process (cache/env.py); acquired after gate.lock
     _registry: ClassVar[EnvRegistry] = EnvRegistry()
     # bumped in a forked child: LMDB handles must not be used after fork(), so
     # instances inherited from the parent refuse to work instead of corrupting it
@@ -127,6 +138,9 @@ class NodeCache:
         self._flights: dict[bytes, _Flight] = {}
         self._my_pins: Counter[bytes] = Counter()
         self._tmp_seq = itertools.count()
+        # digests this instance looked up in the index (diagnostics: a read consults it
+        # once per chunk; updated without a lock, so approximate under concurrency)
+        self.lookups = 0
         self._closed = True
         self._generation = NodeCache._fork_generation
         self._open()
@@ -253,29 +267,52 @@ class NodeCache:
         if self._generation != NodeCache._fork_generation:
             raise StoreError(f"node cache {self.path} was opened before fork(); open a new NodeCache in this process")
 
-    def _read(self, digest: bytes) -> bytes | None:
-        """The cached bytes, checked against the index; None (and the entry dropped) otherwise."""
+    def _lookup(self, digests: Sequence[bytes]) -> tuple[int, list[tuple[int, int] | None]]:
+        """(LMDB snapshot id, (size, checksum) of each digest's entry or None), in one read
+        transaction. Every read consults the index here, once per chunk."""
         self._check_open()
+        self.lookups += len(digests)
         with self._env.begin(db=self._db.entries) as txn:
-            raw = txn.get(digest)
-        if raw is None:
-            return None
-        size, checksum, _ = ENTRY.unpack(raw)
+            raws = [txn.get(d) for d in digests]
+            snapshot = txn.id()
+        return snapshot, [None if raw is None else ENTRY.unpack(raw)[:2] for raw in raws]
+
+    def _changed_since(self, snapshot: int) -> bool:
+        """Whether any process committed an index change after that snapshot (a fetch that
+        landed in between would be one)."""
+        return int(self._env.info()["last_txnid"]) != snapshot
+
+    def _load(self, digest: bytes, size: int, checksum: int, mapped: bool) -> ChunkData | None:
+        """The file of an index entry, checked against it (size and xxh3, for a mapping too);
+        None, and the entry dropped, if it is gone or does not match."""
         path = self._file(digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:  # evicted by another process between our two steps, or a crash
             self._drop(digest, size, checksum, corrupt=False)
             return None
+        data: ChunkData | None = None
         try:
-            data = os.read(fd, size + 1)
+            if not mapped or not size:
+                data = os.read(fd, size + 1)
+            elif os.fstat(fd).st_size == size:
+                # the cache replaces files by rename and never rewrites one, so a checked
+                # mapping stays valid (even after the file is evicted)
+                data = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        if len(data) != size or xxhash.xxh3_64_intdigest(data) != checksum:
+        if data is None or len(data) != size or xxhash.xxh3_64_intdigest(data) != checksum:
             log.warning("node cache %s: chunk %s does not match its index entry; dropped", self.path, digest.hex())
+            if isinstance(data, mmap.mmap):
+                data.close()
             self._drop(digest, size, checksum, corrupt=True)
             return None
         return data
+
+    def _read(self, digest: bytes, mapped: bool = False) -> ChunkData | None:
+        """The cached chunk, checked against the index; None (and the entry dropped) otherwise."""
+        _, (entry,) = self._lookup([digest])
+        return None if entry is None else self._load(digest, *entry, mapped)
 
     def _drop(self, digest: bytes, size: int, checksum: int, corrupt: bool) -> None:
         path = self._file(digest)
@@ -299,18 +336,27 @@ class NodeCache:
         if due:
             self._flush()
 
-    def _count(self, counter: str) -> None:
+    def _count(self, counter: str, n: int = 1) -> None:
         with self._lock:
-            self._deltas[counter] += 1
+            self._deltas[counter] += n
 
     def get(self, digest: Digest) -> bytes | None:
         """The cached bytes of ``digest`` or None. A hit refreshes its LRU position."""
-        data = self._read(digest)
-        if data is None:
-            self._count("misses")
-        else:
-            self._note_access(digest, "hits")
-        return data
+        return self.get_many([digest])[0]
+
+    def get_many(self, digests: Sequence[Digest]) -> list[bytes | None]:
+        """``get`` for several digests, consulting the index once (one read transaction)."""
+        _, entries = self._lookup(digests)
+        out: list[bytes | None] = []
+        for digest, entry in zip(digests, entries):
+            data = None if entry is None else self._load(digest, *entry, False)
+            if data is None:
+                self._count("misses")
+                out.append(None)
+            else:
+                self._note_access(digest, "hits")
+                out.append(_as_bytes(data))
+        return out
 
     def contains(self, digest: Digest) -> bool:
         self._check_open()
@@ -319,9 +365,10 @@ class NodeCache:
         return present and os.path.exists(self._file(digest))
 
     def path_of(self, digest: Digest) -> Path | None:
-        """The file holding exactly the chunk's bytes, or None. Pin the digest first if the
-        file must outlive the call (an unpinned entry may be evicted at any time; an open
-        file descriptor or mapping stays valid even then)."""
+        """The file holding exactly the chunk's bytes, or None; not checked against the index
+        (readers use get/get_or_fetch_many, which are). Pin the digest first if the file must
+        outlive the call (an unpinned entry may be evicted at any time; an open file
+        descriptor or mapping stays valid even then)."""
         if not self.contains(digest):
             return None
         self._note_access(digest)
@@ -336,45 +383,138 @@ class NodeCache:
         Threads waiting in this process get the fetch's exception if it raises; nothing is
         cached then. Waiters in other processes cannot receive that exception: they
         find nothing cached when the lock frees and run their own fetch."""
-        data = self.get(digest)
-        if data is not None:
-            return data
+        return self.get_or_fetch_many([digest], lambda _missing: [fetch()])[0]
+
+    @overload
+    def get_or_fetch_many(self, digests: Sequence[Digest], fetch: FetchMany,
+                          mapped: Literal[False] = False) -> list[bytes]: ...
+
+    @overload
+    def get_or_fetch_many(self, digests: Sequence[Digest], fetch: FetchMany,
+                          mapped: Literal[True]) -> list[ChunkData]: ...
+
+    def get_or_fetch_many(self, digests: Sequence[Digest], fetch: FetchMany,
+                          mapped: bool = False) -> list[bytes] | list[ChunkData]:
+        """The chunks of ``digests``, in the order asked (duplicates allowed).
+
+        Cached ones are read (``mapped``: mapped read-only, no copy) and checked against the
+        index: a torn or tampered file is dropped and fetched again. The index is consulted
+        once per chunk. The others are fetched with ``fetch(missing)`` (verified bytes, in
+        the order of ``missing``), stored and returned; each missing digest is fetched once
+        however many threads and processes ask for it at the same time (get_or_fetch
+        describes how errors reach the waiters).
+
+        Single flight, deadlock-free for any mix of batches: the first thread of this
+        instance to miss a digest leads its fetch, the others wait for it. A leader takes
+        the per-digest cross-process locks of its batch without blocking, in digest order;
+        it fetches the ones it got in one call, stores them, releases them, and only then
+        waits, one digest at a time, for the ones another process holds (then they are
+        usually cached; if not, it fetches them itself). A thread waits for other threads'
+        fetches only after finishing its own."""
+        want = list(dict.fromkeys(Digest(d) if type(d) is not Digest else d for d in digests))
+        snapshot, entries = self._lookup(want)
+        got: dict[bytes, ChunkData] = {}
+        missing: list[Digest] = []
+        for digest, entry in zip(want, entries):
+            data = None if entry is None else self._load(digest, *entry, mapped)
+            if data is None:
+                missing.append(digest)
+            else:
+                got[digest] = data
+                self._note_access(digest, "hits")
+        if missing:
+            self._count("misses", len(missing))
+            got.update(self._fill(sorted(missing), snapshot, fetch, mapped))
+        return [got[d] for d in digests]
+
+    def _fill(self, missing: list[Digest], snapshot: int, fetch: FetchMany, mapped: bool) -> dict[bytes, ChunkData]:
+        lead: dict[Digest, _Flight] = {}
+        follow: dict[Digest, _Flight] = {}
         with self._lock:
-            flight = self._flights.get(digest)
-            leader = flight is None
-            if flight is None:
-                flight = self._flights[digest] = _Flight()
-        if not leader:
+            for digest in missing:
+                flight = self._flights.get(digest)
+                if flight is None:
+                    lead[digest] = self._flights[digest] = _Flight()
+                else:
+                    follow[digest] = flight
+        try:
+            self._lead(lead, snapshot, fetch, mapped)
+        except BaseException as e:
+            for flight in lead.values():
+                if flight.error is None and flight.data is None:
+                    flight.error = e
+            raise
+        finally:
+            with self._lock:
+                for digest in lead:
+                    del self._flights[digest]
+            for flight in lead.values():
+                flight.done.set()
+        out: dict[bytes, ChunkData] = {d: f.data for d, f in lead.items() if f.data is not None}
+        for digest, flight in follow.items():
             flight.done.wait()
             if flight.error is not None:
                 raise flight.error
             assert flight.data is not None
-            return flight.data
-        try:
-            flight.data = self._fetch_across_processes(digest, fetch)
-            return flight.data
-        except BaseException as e:
-            flight.error = e
-            raise
-        finally:
-            with self._lock:
-                del self._flights[digest]
-            flight.done.set()
+            out[digest] = flight.data if mapped or type(flight.data) is bytes else flight.data[:]
+        return out
 
-    def _fetch_across_processes(self, digest: Digest, fetch: Callable[[], bytes]) -> bytes:
-        self._digest_locks.lock(digest)
+    def _lead(self, flights: dict[Digest, _Flight], snapshot: int, fetch: FetchMany, mapped: bool) -> None:
+        """Fetch the digests this thread leads (sorted), across processes (see get_or_fetch_many)."""
+        mine: list[Digest] = []
+        held: list[Digest] = []   # another process is fetching these
         try:
-            data = self._read(digest)  # another process may have filled it while we waited
-            if data is not None:
-                self._note_access(digest)
-                return data
-            self._count("fetches")
-            fetched = fetch()
-            data = fetched if type(fetched) is bytes else bytes(fetched)
-            self.put(digest, data)
-            return data
+            for digest in flights:
+                (mine if self._digest_locks.try_lock(digest) else held).append(digest)
+            if mine and self._changed_since(snapshot):
+                # something was stored after our lookup: one of ours may have landed meanwhile
+                _, entries = self._lookup(mine)
+                for digest, entry in zip(list(mine), entries):
+                    data = None if entry is None else self._load(digest, *entry, mapped)
+                    if data is not None:
+                        self._note_access(digest)
+                        flights[digest].data = data
+                        mine.remove(digest)
+                        self._digest_locks.unlock(digest)
+            if mine:
+                self._fetch_and_store(mine, flights, fetch, mapped)
         finally:
-            self._digest_locks.unlock(digest)
+            for digest in mine:
+                self._digest_locks.unlock(digest)
+        for digest in held:
+            self._digest_locks.lock(digest)  # blocks until that process is done with it
+            try:
+                data = self._read(digest, mapped)
+                if data is not None:
+                    self._note_access(digest)
+                    flights[digest].data = data
+                else:  # its fetch failed or was not stored (no room): ours then
+                    self._fetch_and_store([digest], flights, fetch, mapped)
+            finally:
+                self._digest_locks.unlock(digest)
+
+    def _fetch_and_store(self, digests: list[Digest], flights: dict[Digest, _Flight], fetch: FetchMany,
+                         mapped: bool) -> None:
+        self._count("fetches", len(digests))
+        fetched = fetch(digests)
+        if len(fetched) != len(digests):
+            raise StoreError(f"chunk fetch returned {len(fetched)} chunks for {len(digests)} asked")
+        datas = [d if type(d) is bytes else bytes(d) for d in fetched]
+        stored = self._insert(list(zip(digests, datas)), known_missing=True)
+        for digest, data, ok in zip(digests, datas, stored):
+            flights[digest].data = (self._map_stored(digest, len(data)) or data) if mapped and ok else data
+
+    def _map_stored(self, digest: bytes, size: int) -> mmap.mmap | None:
+        """A mapping of the file this instance has just stored for ``digest`` (its bytes were
+        verified and written by us: only the size is checked); None if it is gone already."""
+        try:
+            fd = os.open(self._file(digest), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size and os.fstat(fd).st_size == size else None
+        finally:
+            os.close(fd)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -388,6 +528,12 @@ class NodeCache:
     def put_many(self, items: Sequence[tuple[Digest, bytes]]) -> list[bool]:
         """``put`` for several chunks with one LMDB write transaction (a cold bulk read
         inserts a whole read batch at once; a transaction per chunk cost ~20% of it)."""
+        return self._insert(items, known_missing=False)
+
+    def _insert(self, items: Sequence[tuple[Digest, bytes]], known_missing: bool) -> list[bool]:
+        """put_many; ``known_missing``: the caller just found these digests missing under
+        their fetch locks, so do not look them up before writing their files (the write
+        transaction still checks)."""
         self._check_open()
         stored = [False] * len(items)
         todo: list[tuple[int, Digest, str, int, int]] = []  # index, digest, tmp file, size, checksum
@@ -397,7 +543,7 @@ class NodeCache:
                 size = len(data)
                 if size > self.config.capacity:
                     continue
-                if self.contains(digest):
+                if not known_missing and self.contains(digest):
                     self._note_access(digest)
                     stored[i] = True
                     continue

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .. import durable
-from ..errors import AlreadyExists, BackendError, NotFound
+from ... import durable
+from ...errors import AlreadyExists, BackendError, NotFound
 from .base import Backend, ObjectInfo
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")

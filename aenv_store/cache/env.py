@@ -17,8 +17,8 @@ from pathlib import Path
 
 import lmdb
 
-from .cache_index import FORMAT, IndexDbs
-from .errors import StoreError
+from ..errors import StoreError
+from .index import FORMAT, IndexDbs
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .errors import CorruptData
+from ..errors import CorruptData
 from .ids import Digest
 
 VERSION = 1
