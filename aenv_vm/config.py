@@ -44,6 +44,9 @@ class VmConfig:
     # per sandbox with a tap device, reachable at its veth address, egress per sandbox
     # (allow_internet_access). tap needs root, nftables and iproute2 (`aenv doctor`).
     network: str = "user"
+    # MiB of a sandbox's disk fetched ahead of its sequential reads (aenv_vm/blockimage/
+    # prefetch.py; 0: off). Matters where chunks are not local yet (a cold node cache).
+    readahead_mib: int = 4
 
     def ksm_settings(self) -> "KsmSettings | None":
         from .ksm import KsmSettings
@@ -62,6 +65,8 @@ class VmConfig:
             raise ConfigError(f"vm.network must be user or tap, got {self.network!r}")
         if self.accel not in ("auto", "tcg", "kvm"):
             raise ConfigError(f"vm.accel must be auto, tcg or kvm, got {self.accel!r}")
+        if not 0 <= self.readahead_mib <= 1024:
+            raise ConfigError(f"vm.readahead_mib must be in 0..1024, got {self.readahead_mib}")
         if self.pool_size < 0 or self.ready_timeout <= 0 or self.tcg_tb_mib < 0:
             raise ConfigError("vm.pool_size and vm.tcg_tb_mib must be >= 0 and vm.ready_timeout > 0")
         if not 1 <= self.ksm_pages_to_scan <= 100_000 or not 1 <= self.ksm_sleep_ms <= 60_000:

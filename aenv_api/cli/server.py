@@ -229,7 +229,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
         vm = cfg.section("vm")
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                  tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
-                                 ksm=vm.ksm_settings(), network=vm.network, max_sandboxes=server_cfg.max_sandboxes)
+                                 ksm=vm.ksm_settings(), network=vm.network, max_sandboxes=server_cfg.max_sandboxes,
+                                 readahead=vm.readahead_mib << 20)
         try:
             await manager.start()
         except NetError as e:   # [vm] network = "tap" on a host that cannot do it

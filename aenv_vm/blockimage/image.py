@@ -6,7 +6,7 @@ the committed stack (extent_map.py). Chunk bytes come from a small in-memory
 LRU, else from the store's read chain (``Store.map_chunks``: node cache -> peers
 -> repository, single flight per chunk; node-cache files come back as mappings
 checked against the cache index). Chunks of the image are pinned in the node
-cache while it is open. Observers (``ImageObserver``: read-ahead, access traces,
+cache while it is open. Observers (``ImageObserver``: the read-ahead of
 prefetch.py) see every read and every chunk taken from the store.
 
 Writes are 4 KiB-granular: partial blocks are read-modify-written from below.
@@ -147,6 +147,10 @@ class BlockImage:
     def add_observer(self, observer: ImageObserver) -> None:
         """Tell ``observer`` about every read and chunk fetch from now on; it is closed with the image."""
         self._observers = self._observers + (observer,)
+
+    @property
+    def observers(self) -> tuple[ImageObserver, ...]:
+        return self._observers
 
     # --- reads -----------------------------------------------------------
     def read_nowait(self, offset: int, length: int) -> bytes | None:

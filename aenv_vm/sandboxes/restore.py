@@ -38,6 +38,7 @@ from pathlib import Path
 from aenv_store.formats.ids import Digest
 
 from ..blockimage.image import BlockImage
+from ..blockimage.prefetch import Prefetcher
 from ..errors import Conflict
 from ..memory.memory_image import Delta
 from ..memory.pagemap import ram_mapping, write_pages
@@ -132,6 +133,8 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
             # off the event loop: 20-50 ms here, 16 at once in a fork
             image = await asyncio.to_thread(BlockImage.open, rt.store, plan.disk_top, sid, upper_dir=sdir / "upper",
                                             fresh_upper=plan.fresh_upper)
+            if rt.readahead > 0:   # sequential guest reads of a cold disk find the next chunks fetched
+                Prefetcher(image, window=rt.readahead)
             rt.nbd.add_export(image)
             network = await rt.networks.attach(sid, plan.egress)
             spec = rt.clone_spec(sid, tpl, plan.memory, network)

@@ -41,6 +41,7 @@ class NodeRuntime:
     tcg_tb_mib: int | None = None       # TCG translation cache of every sandbox QEMU (None: QEMU's)
     merge_memory: bool = False          # KSM over the whole QEMU process (aenv_vm/ksm.py)
     fixed_layout: bool = False          # QEMU without ASLR, so identical clones merge further
+    readahead: int = 4 << 20            # bytes read ahead of a sandbox's sequential disk reads (0: off)
 
     @property
     def sandboxes_root(self) -> Path:

@@ -15,6 +15,7 @@ import pytest
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.store import Store
+from aenv_vm.blockimage.prefetch import Prefetcher
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage
 from aenv_vm.sandboxes.manager import SandboxManager
@@ -64,6 +65,8 @@ def test_three_sandboxes_from_one_template(guest: GuestImage, built: Built, tmp_
             sbxs = [await mgr.create("base", env_vars={"AENV_TEST": "yes"}) for _ in range(3)]
             for s in sbxs:
                 assert s.timing is not None
+                # every sandbox disk reads ahead of sequential guest reads ([vm] readahead_mib)
+                assert [type(o) for o in s.image.observers] == [Prefetcher]
                 print(f"\n[vm] create (no pool): QEMU start {s.timing.qemu_start * 1000:.0f} ms, state load "
                       f"{s.timing.state_load * 1000:.0f} ms, first answer {s.timing.first_answer * 1000:.0f} ms, "
                       f"identity {s.timing.identity * 1000:.0f} ms, /init {s.timing.init * 1000:.0f} ms, total {s.timing.total * 1000:.0f} ms")
