@@ -21,6 +21,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     ("memory_mib", 32, "memory_mib must be >= 64"), ("vcpus", 0, "vcpus must be >= 1"),
     ("accel", "hvf", "accel must be auto, tcg or kvm"), ("pool_size", -1, "pool_size"),
     ("nope", 1, "unknown config key vm.nope"), ("vcpus", "two", "expected int"),
+    ("readahead_mib", -1, "readahead_mib must be in 0..1024"), ("readahead_mib", 4096, "readahead_mib"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, key: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
