@@ -1,8 +1,11 @@
 """The node cache's chunk files (``data/<2 hex>/<64 hex>``, exactly the chunk's
-bytes) and the two passes that compare them with the LMDB index: reconcile
-(after a crash, by the first user) and verify (read-only, for admins and tests)."""
+bytes): reading one back checked against its index entry, and the two passes
+that compare them with the LMDB index: reconcile (after a crash, by the first
+user) and verify (read-only, for admins and tests)."""
 from __future__ import annotations
 
+import enum
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -11,6 +14,51 @@ import lmdb
 import xxhash
 
 from .index import ENTRIES, USED, IndexDbs
+
+# A chunk as a reader gets it: bytes, or a read-only mapping of its cache file.
+ChunkData = bytes | mmap.mmap
+
+
+class Found(enum.Enum):
+    OK = "ok"
+    GONE = "gone"           # no file (evicted by another process between two steps, or a crash)
+    CORRUPT = "corrupt"     # a file whose size or xxh3 is not the index entry's
+
+
+def read_checked(path: str, size: int, checksum: int, mapped: bool) -> tuple[Found, ChunkData | None]:
+    """A chunk file checked against its index entry (size and xxh3, a mapping too)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return Found.GONE, None
+    data: ChunkData | None = None
+    try:
+        if not mapped or not size:
+            data = os.read(fd, size + 1)
+        elif os.fstat(fd).st_size == size:
+            # the cache replaces files by rename and never rewrites one, so a checked
+            # mapping stays valid (even after the file is evicted)
+            data = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    if data is None or len(data) != size or xxhash.xxh3_64_intdigest(data) != checksum:
+        if isinstance(data, mmap.mmap):
+            data.close()
+        return Found.CORRUPT, None
+    return Found.OK, data
+
+
+def map_exact(path: str, size: int) -> mmap.mmap | None:
+    """A read-only mapping of a file this process has just written and verified (only its
+    size is checked); None if it is gone already or has another size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size and os.fstat(fd).st_size == size else None
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

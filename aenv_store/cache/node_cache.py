@@ -4,7 +4,7 @@ Layout of a cache directory (details and the crash-safety argument in docs/cache
 
     index/            LMDB environment (aenv_store.cache.index): digest -> size, checksum,
                       last access; LRU order; pin counts; totals and counters
-    data/ab/<hex>     one file per chunk, exactly its bytes (mmap-able, see path_of)
+    data/ab/<hex>     one file per chunk, exactly its bytes (files.py; mapped by readers)
     tmp/              chunk files being written
     inflight.lock     byte-range lock per chunk being fetched (one fetch per node)
     users.lock        every open NodeCache holds a shared flock (first/last user detection)
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import os
 import threading
 import time
@@ -44,7 +43,8 @@ from ..errors import ConfigError, StoreError
 from ..formats.ids import Digest
 from . import evict as cache_evict, files as cache_files
 from .env import EnvRegistry, boot_id, open_env, wipe
-from .files import unlink_all, write_file
+from .files import ChunkData, Found, map_exact, read_checked, unlink_all, write_file
+from .flights import Flight, Flights
 from .index import COUNTERS, ENTRIES, ENTRY, USED, Entry, IndexDbs
 from .lock import DigestLocks, FileLock
 
@@ -74,26 +74,12 @@ class CacheStats:
     disk_free: int = 0
     path: str = ""
 
-
-# A chunk as a reader gets it: bytes, or a read-only mapping of its cache file.
-ChunkData = bytes | mmap.mmap
 # Verified plaintexts of the digests asked, in that order (what get_or_fetch_many calls on misses).
 FetchMany = Callable[[list[Digest]], Sequence[bytes]]
 
 
 def _as_bytes(data: ChunkData) -> bytes:
     return data if type(data) is bytes else data[:]
-
-
-class _Flight:
-    """One in-process fetch that other threads wait on."""
-
-    __slots__ = ("done", "data", "error")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.data: ChunkData | None = None
-        self.error: BaseException | None = None
 
 
 def validate_config(config: CacheConfig) -> None:
@@ -135,7 +121,7 @@ class NodeCache:
         self._pending: dict[bytes, int] = {}
         self._deltas: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._last_flush = time.monotonic()
-        self._flights: dict[bytes, _Flight] = {}
+        self._flights: Flights[Digest] = Flights()
         self._my_pins: Counter[bytes] = Counter()
         self._tmp_seq = itertools.count()
         # digests this instance looked up in the index (diagnostics: a read consults it
@@ -285,28 +271,11 @@ class NodeCache:
     def _load(self, digest: bytes, size: int, checksum: int, mapped: bool) -> ChunkData | None:
         """The file of an index entry, checked against it (size and xxh3, for a mapping too);
         None, and the entry dropped, if it is gone or does not match."""
-        path = self._file(digest)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:  # evicted by another process between our two steps, or a crash
-            self._drop(digest, size, checksum, corrupt=False)
-            return None
-        data: ChunkData | None = None
-        try:
-            if not mapped or not size:
-                data = os.read(fd, size + 1)
-            elif os.fstat(fd).st_size == size:
-                # the cache replaces files by rename and never rewrites one, so a checked
-                # mapping stays valid (even after the file is evicted)
-                data = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        if data is None or len(data) != size or xxhash.xxh3_64_intdigest(data) != checksum:
+        found, data = read_checked(self._file(digest), size, checksum, mapped)
+        if found is Found.CORRUPT:
             log.warning("node cache %s: chunk %s does not match its index entry; dropped", self.path, digest.hex())
-            if isinstance(data, mmap.mmap):
-                data.close()
-            self._drop(digest, size, checksum, corrupt=True)
-            return None
+        if found is not Found.OK:
+            self._drop(digest, size, checksum, corrupt=found is Found.CORRUPT)
         return data
 
     def _read(self, digest: bytes, mapped: bool = False) -> ChunkData | None:
@@ -413,7 +382,7 @@ class NodeCache:
         fetches only after finishing its own."""
         want = list(dict.fromkeys(Digest(d) if type(d) is not Digest else d for d in digests))
         snapshot, entries = self._lookup(want)
-        got: dict[bytes, ChunkData] = {}
+        got: dict[Digest, ChunkData] = {}
         missing: list[Digest] = []
         for digest, entry in zip(want, entries):
             data = None if entry is None else self._load(digest, *entry, mapped)
@@ -427,39 +396,10 @@ class NodeCache:
             got.update(self._fill(sorted(missing), snapshot, fetch, mapped))
         return [got[d] for d in digests]
 
-    def _fill(self, missing: list[Digest], snapshot: int, fetch: FetchMany, mapped: bool) -> dict[bytes, ChunkData]:
-        lead: dict[Digest, _Flight] = {}
-        follow: dict[Digest, _Flight] = {}
-        with self._lock:
-            for digest in missing:
-                flight = self._flights.get(digest)
-                if flight is None:
-                    lead[digest] = self._flights[digest] = _Flight()
-                else:
-                    follow[digest] = flight
-        try:
-            self._lead(lead, snapshot, fetch, mapped)
-        except BaseException as e:
-            for flight in lead.values():
-                if flight.error is None and flight.data is None:
-                    flight.error = e
-            raise
-        finally:
-            with self._lock:
-                for digest in lead:
-                    del self._flights[digest]
-            for flight in lead.values():
-                flight.done.set()
-        out: dict[bytes, ChunkData] = {d: f.data for d, f in lead.items() if f.data is not None}
-        for digest, flight in follow.items():
-            flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            assert flight.data is not None
-            out[digest] = flight.data if mapped or type(flight.data) is bytes else flight.data[:]
-        return out
+    def _fill(self, missing: list[Digest], snapshot: int, fetch: FetchMany, mapped: bool) -> dict[Digest, ChunkData]:
+        return self._flights.run(missing, lambda leading: self._lead(leading, snapshot, fetch, mapped), mapped)
 
-    def _lead(self, flights: dict[Digest, _Flight], snapshot: int, fetch: FetchMany, mapped: bool) -> None:
+    def _lead(self, flights: dict[Digest, Flight], snapshot: int, fetch: FetchMany, mapped: bool) -> None:
         """Fetch the digests this thread leads (sorted), across processes (see get_or_fetch_many)."""
         mine: list[Digest] = []
         held: list[Digest] = []   # another process is fetching these
@@ -493,7 +433,7 @@ class NodeCache:
             finally:
                 self._digest_locks.unlock(digest)
 
-    def _fetch_and_store(self, digests: list[Digest], flights: dict[Digest, _Flight], fetch: FetchMany,
+    def _fetch_and_store(self, digests: list[Digest], flights: dict[Digest, Flight], fetch: FetchMany,
                          mapped: bool) -> None:
         self._count("fetches", len(digests))
         fetched = fetch(digests)
@@ -502,19 +442,7 @@ class NodeCache:
         datas = [d if type(d) is bytes else bytes(d) for d in fetched]
         stored = self._insert(list(zip(digests, datas)), known_missing=True)
         for digest, data, ok in zip(digests, datas, stored):
-            flights[digest].data = (self._map_stored(digest, len(data)) or data) if mapped and ok else data
-
-    def _map_stored(self, digest: bytes, size: int) -> mmap.mmap | None:
-        """A mapping of the file this instance has just stored for ``digest`` (its bytes were
-        verified and written by us: only the size is checked); None if it is gone already."""
-        try:
-            fd = os.open(self._file(digest), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size and os.fstat(fd).st_size == size else None
-        finally:
-            os.close(fd)
+            flights[digest].data = (map_exact(self._file(digest), len(data)) or data) if mapped and ok else data
 
     # -- writes ----------------------------------------------------------------------------
 
