@@ -39,7 +39,6 @@ from aenv_store.formats.ids import Digest
 
 from ..blockimage.image import BlockImage
 from ..blockimage.prefetch import Prefetcher
-from ..errors import Conflict
 from ..memory.memory_image import Delta
 from ..memory.pagemap import ram_mapping, write_pages
 from ..qemu.launcher import QemuProcess
@@ -193,9 +192,3 @@ async def teardown(rt: NodeRuntime, sid: str, vm: QemuProcess | None, image: Blo
 
 async def teardown_sandbox(rt: NodeRuntime, sbx: Sandbox) -> None:
     await teardown(rt, sbx.id, sbx.vm, sbx.image)
-
-
-def check_running(sbx: Sandbox | None, sid: str, state: str) -> Sandbox:
-    if sbx is None:
-        raise Conflict(f"sandbox {sid} is not running (state: {state})")
-    return sbx
