@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Union
 
+from envd import ENVD_PORT
+
 from ..errors import VmError, VmTimeout
 from .errors import QemuExited, QemuNotFound
 from .qmp import QmpClient
 
 QEMU_BINARY = "qemu-system-x86_64"
 GUEST_IP = "10.0.2.15"
-ENVD_PORT = 49983
 MIN_QEMU_VERSION = (7, 2, 0)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_MEMORY_MERGE = 67        # Linux >= 6.4: every anonymous mapping KSM-mergeable

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from aenv_vm.guest import BUILD_SCRIPT, GuestImage, ensure_guest, find_guest, guest_cache_root
+from envd import ENVD_PORT
 
 FIXTURES = BUILD_SCRIPT.parent
 
@@ -59,7 +60,9 @@ def test_rootfs_has_init_envd_and_user(guest: GuestImage) -> None:
     def debugfs(cmd: str) -> str:
         return subprocess.run(["debugfs", "-R", cmd, str(guest.rootfs)], capture_output=True, text=True).stdout
     assert "user:x:1000:1000" in debugfs("cat /etc/passwd")
-    assert "#!/usr/bin/python3" in debugfs("cat /sbin/aenv-init")
+    init = debugfs("cat /sbin/aenv-init")
+    assert "#!/usr/bin/python3" in init
+    assert f'ENVD_PORT = int("{ENVD_PORT}")' in init and "@ENVD_PORT@" not in init   # envd's port, filled in
     assert "nameserver 10.0.2.3" in debugfs("cat /etc/resolv.conf")
     assert "user" in debugfs("ls /home")
     if guest.has_envd:
