@@ -271,15 +271,17 @@ class SandboxManager:
             ti = time.monotonic()
             await self.rt.networks.set_egress(sbx.id, egress)   # pooled: made with egress on
             # The clock was set with the identity at restore and has run since: /init is
-            # needed only for env vars and tokens (an empty one would cost a round trip).
+            # needed for env vars and to re-key envd from the clone's own secret to the
+            # sandbox's token (or none: an unsecured sandbox); skipped only when there is
+            # nothing to change.
             body: dict = {}
             if env_vars:
                 body["envVars"] = env_vars
-            old = self.rt.templates.envd_token(tpl)
-            if token or old:  # a snapshot's token is replaced (or cleared), never inherited
+            if token or sbx.guest_token:  # a clone's secret is replaced (or cleared), never inherited
                 body["accessToken"] = token or ""
             if body:
-                await sbx.envd.with_token(old).init(body)
+                await sbx.envd.with_token(sbx.guest_token).init(body)
+                sbx.guest_token = token or None
         except BaseException:
             await teardown_sandbox(self.rt, sbx)
             raise

@@ -93,7 +93,7 @@ class WarmPool:
                 return
             t0 = time.monotonic()
             try:
-                await self._warm(sbx, self.rt.templates.envd_token(tpl))
+                await self._warm(sbx, sbx.guest_token)
             except BaseException as e:
                 await teardown_sandbox(self.rt, sbx)
                 if not isinstance(e, (VmError, OSError)):

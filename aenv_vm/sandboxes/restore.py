@@ -10,10 +10,12 @@ every fork child come through ``restore``; they differ only in the
   state loads;
 * the disk: a new upper layer over the template's layer (create, fork), or a
   fresh upper layer over the pause's sealed layer (resume);
-* the first words with envd (``Greeting``): a snapshot's envd still holds its
-  sandbox's access token and identity, so a clone is first sent ``/init``
-  with its own hostname, entropy and clock (and, for a fork child, its new
-  token). Create and resume wait for ``/health`` first; a fork child posts
+* the first words with envd (``Greeting``): a saved guest's envd still holds
+  the access token it had (a built template's: a secret only the template
+  record knows) and its identity, so a clone is first sent ``/init`` with its
+  own hostname, entropy and clock and a new token (a clone of a template: a
+  secret of its own until it is handed out and re-keyed to its sandbox's
+  token; a fork child: its final token). Create and resume wait for ``/health`` first; a fork child posts
   ``/init`` straight away (its envd listens from its first instruction, and a
   separate ``/health`` costs 16 rounds of code translation under TCG).
 
@@ -149,7 +151,9 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
         t3 = time.monotonic()
         await load_device_state(vm, await rt.networks.device_state(plan.device_state))
         t4 = time.monotonic()
-        sbx = Sandbox(sid, tpl, vm, image, sdir, net=rt.networks.get(sid))
+        body = plan.greeting.body
+        sbx = Sandbox(sid, tpl, vm, image, sdir, net=rt.networks.get(sid),
+                      guest_token=(body["accessToken"] or None) if "accessToken" in body else plan.greeting.token)
         envd = sbx.envd.with_token(plan.greeting.token)
         if plan.greeting.probe_health:
             await envd.wait_healthy(timeout=rt.ready_timeout, alive=vm.alive)
@@ -171,7 +175,10 @@ async def restore_from_template(rt: NodeRuntime, tpl: Template, *, egress: bool 
     (a create that found no pooled clone, and every pool refill)."""
     memory, state = await rt.templates.files(tpl)
     sid = new_sandbox_id()
-    plan = RestorePlan(sid, tpl, memory, state, tpl.disk, Greeting(identity(sid), rt.templates.envd_token(tpl)),
+    # a secret of this clone's own from its first request on: until it is handed out
+    # (and re-keyed to the sandbox's token) nobody else can talk to its envd
+    body = {**identity(sid), "accessToken": secrets.token_urlsafe(24)}
+    plan = RestorePlan(sid, tpl, memory, state, tpl.disk, Greeting(body, rt.templates.envd_token(tpl)),
                        egress=egress, background=background)
     sbx, t = await restore(rt, plan)
     sbx.timing = CreateTiming(t.qemu_start, t.state_load, t.first_answer, t.init, 0.0, t.total, False)

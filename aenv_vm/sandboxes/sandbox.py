@@ -43,6 +43,7 @@ class Sandbox:
     created: float = field(default_factory=time.time)
     timing: CreateTiming | None = None
     net: SandboxNet | None = None       # tap mode: the sandbox's network namespace
+    guest_token: str | None = None      # the access token its envd demands now (None: none)
     forwards: dict[int, int] = field(default_factory=dict, repr=False)   # user mode: guest port -> host port
 
     @property

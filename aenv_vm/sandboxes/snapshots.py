@@ -86,11 +86,14 @@ class NamedSnapshots:
             meta.update({"snapshot_of": sbx.id, "parent_template": tpl.id})
             if hidden:
                 meta["hidden"] = HIDDEN_FORK
-            token = rec.access_token if rec is not None else None
+            # what the frozen envd demands (the memory image holds it anyway; restores need
+            # it to re-key envd): the sandbox's token, not the parent template's secret
+            token = sbx.guest_token
+            meta.pop("envd_token", None)
+            if token:
+                meta["envd_token"] = token
             if rec is not None:
                 meta["metadata"] = json.dumps(rec.metadata, sort_keys=True)
-                if rec.access_token:  # the memory image holds it anyway; restores need it to re-key envd
-                    meta["envd_token"] = rec.access_token
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             raise

@@ -2,7 +2,9 @@
 
 ``build_template`` cold-boots the guest with its root disk on an NBD export of
 the guest's base layer, waits until envd answers /health (and records the
-version it reports), saves the device state (``x-ignore-shared``), stops QEMU
+version it reports), gives envd a secret only the template record knows (so a
+clone answers nobody before the node re-keys it), saves the device state
+(``x-ignore-shared``), stops QEMU
 and commits the disk layer (the upper layer written during boot, on top of
 the base layer), the memory image and the device-state stream as one template
 record (template.py).
@@ -77,6 +79,12 @@ async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, ali
         vm = await QemuProcess.start(spec)
         try:
             envd_version = await envd.wait_healthy(timeout=boot_timeout, alive=vm.alive)
+            # The frozen guest's envd demands this secret: a clone restored from the
+            # template answers nobody until the node, which alone knows it (the template
+            # record), re-keys it (restore.py).
+            secret = secrets.token_urlsafe(32)
+            await envd.init({"accessToken": secret})
+            envd = envd.with_token(secret)
             # Run the command path once per user before freezing: bash, its libraries and
             # profiles are then in the template's guest page cache, which clones share
             # instead of each reading them over NBD into private (copy-on-write) pages.
@@ -107,6 +115,7 @@ async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, ali
                         "kernel_cmdline": cmdline}
                 if envd_version:
                     meta["envd_version"] = envd_version
+                meta["envd_token"] = secret
                 ws.commit(template_record(tid, disk.layer_id, mem, state, meta, time.time()))
             if alias:
                 put_alias(store, alias, tid, time.time(), exclusive=False)

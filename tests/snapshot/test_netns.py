@@ -32,14 +32,21 @@ from .conftest import Env, qemu_children
 pytestmark = pytest.mark.qemu
 
 
+# Clones restored straight from the template (no manager to re-key them) still
+# demand the template's envd secret; set by the fixtures below.
+TOKEN: dict[str, str] = {}
+
+
 def run(host: str, cmd: str, port: int = ENVD_PORT) -> tuple[int, str]:
     body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}}})
     conn = http.client.HTTPConnection(host, port, timeout=60)
     try:
         conn.request("POST", "/process.Process/Start", body=body, headers={
             "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
-            "Authorization": "Basic " + base64.b64encode(b"root:").decode()})
-        data = conn.getresponse().read()
+            "Authorization": "Basic " + base64.b64encode(b"root:").decode(), **TOKEN})
+        resp = conn.getresponse()
+        data = resp.read()
+        assert resp.status == 200, (resp.status, data[:200])
     finally:
         conn.close()
     out, code = b"", -1
@@ -82,6 +89,14 @@ def _listener(host: str) -> tuple[socket.socket, int, list[str]]:
     return listener, listener.getsockname()[1], accepted
 
 
+@pytest.fixture
+def template_secret(env: Env):  # type: ignore[no-untyped-def]
+    TOKEN["X-Access-Token"] = env.store.get_record(env.template.id).meta_dict()["envd_token"]
+    yield
+    TOKEN.clear()
+
+
+@pytest.mark.usefixtures("template_secret")
 def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
     tag = netns.node_tag(tmp_path)
     tpl = env.template
@@ -224,6 +239,7 @@ def test_node_networks_modes(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.usefixtures("template_secret")
 def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
     """User mode: egress off (QEMU's restrict=on) stops the guest reaching the host
     (10.0.2.2 is the host's loopback there) while envd's forward still works; another

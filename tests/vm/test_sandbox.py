@@ -16,6 +16,7 @@ from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StoreP
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.store import Store
 from aenv_vm.blockimage.prefetch import Prefetcher
+from aenv_vm.envd_client import EnvdError
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage
 from aenv_vm.sandboxes.manager import SandboxManager
@@ -158,6 +159,16 @@ def test_warm_pool_hands_out_ready_sandboxes(guest: GuestImage, built: Built, tm
             assert os.getpriority(os.PRIO_PROCESS, waiting.vm.pid) == 0
             assert waiting.timing is not None and waiting.timing.warm > 0
             assert waiting.serial_log.exists()
+            # until it is handed out, the clone's envd answers nobody without its own secret:
+            # not without a token, not with the template's secret
+            secret = built.store.get_record(built.template.id).meta_dict()["envd_token"]
+            assert waiting.guest_token and waiting.guest_token != secret
+            for token in (None, secret):
+                with pytest.raises(EnvdError, match="401"):
+                    await waiting.envd.with_token(token).run("true", user="root")
+            with pytest.raises(EnvdError, match="401"):
+                await waiting.envd.write_file("/home/user/.profile", b"evil")
+            assert (await waiting.envd.with_token(waiting.guest_token).run("true")).exit_code == 0
             s = await mgr.create("base")
             assert s.id == waiting.id
             assert s.timing is not None and s.timing.from_pool
