@@ -25,7 +25,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from .api import ControlPlane, json_response
-from .auth import Credentials
+from .auth import Credentials, presented_api_key
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
@@ -75,8 +75,9 @@ class ApiServer:
 
     def _wrap(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
-            if route.auth and not self.creds.check_api_key(request.headers.get("X-API-Key")):
-                raise ApiError(401, "Invalid API key: send the server's key in the X-API-Key header")
+            if route.auth and not self.creds.check_api_key(presented_api_key(
+                    request.headers.getall("X-API-Key", []), request.headers.getall("Authorization", []))):
+                raise ApiError(401, "Invalid API key: send the server's key, once, in the X-API-Key header")
             body: dict[str, Any] = {}
             if route.body is not None:
                 raw = await request.read()

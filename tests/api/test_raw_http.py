@@ -94,3 +94,25 @@ def test_reject_status_is_always_a_4xx_with_a_message(junk: bytes) -> None:
     assert reject_status(LineTooLong(junk, MAX_LINE), 400)[0] == 414
     assert reject_status(LineTooLong(junk, MAX_FIELD), 400)[0] == 431
     assert reject_status(RuntimeError("x"), 500) == (500, "internal error")
+
+
+def test_ambiguous_credentials_are_401(server: Server) -> None:
+    """Two API keys, or an API key with another Authorization, are refused; envd access
+    tokens and traffic tokens never open the control plane."""
+    key = server.api_key.encode()
+    cases = {
+        "two X-API-Key (the right one first)": b"X-API-Key: " + key + b"\r\nX-API-Key: e2b_" + b"0" * 40 + b"\r\n",
+        "two X-API-Key (both right)": b"X-API-Key: " + key + b"\r\nX-API-Key: " + key + b"\r\n",
+        "API key and another bearer": b"X-API-Key: " + key + b"\r\nAuthorization: Bearer someone-else\r\n",
+        "API key and basic auth": b"X-API-Key: " + key + b"\r\nAuthorization: Basic cm9vdDo=\r\n",
+        "an envd token instead": b"X-Access-Token: " + key + b"\r\n",
+        "a traffic token instead": b"e2b-traffic-access-token: " + key + b"\r\n",
+        "a bearer alone": b"Authorization: Bearer " + key + b"\r\n",
+    }
+    for name, headers in cases.items():
+        status, hdrs, body = exchange(server, b"GET /v2/sandboxes HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                      + headers + b"\r\n")
+        assert _assert_json_error(status, hdrs, body, 401)["code"] == 401, name
+    ok = exchange(server, b"GET /v2/sandboxes HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-API-Key: " + key
+                  + b"\r\nAuthorization: Bearer " + key + b"\r\n\r\n")
+    assert ok[0] == 200                     # the same key twice, in both places: one credential

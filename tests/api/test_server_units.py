@@ -283,3 +283,13 @@ def test_console_is_read_in_complete_lines_across_calls(tmp_path: Path) -> None:
     capture()
     warned = [e.message for e in logs.query("sbx-1") if e.level == "warn"]
     assert lines()[-1] == "last" and warned and "skipped" in warned[0]
+
+
+def test_presented_api_key_refuses_two_credentials() -> None:
+    from aenv_api.server.auth import presented_api_key
+
+    assert presented_api_key(["k"], []) == "k"
+    assert presented_api_key(["k"], ["Bearer k"]) == "k" and presented_api_key(["k"], ["bearer  k "]) == "k"
+    for keys, auth in (([], []), (["k", "k"], []), (["k", "j"], []), (["k"], ["Bearer j"]), (["k"], ["Basic k"]),
+                       (["k"], ["Bearer k", "Bearer k"]), ([], ["Bearer k"])):
+        assert presented_api_key(keys, auth) is None, (keys, auth)
