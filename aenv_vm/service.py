@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Union
 
 from .errors import VmError
+from .net.policy import NetworkPolicy
 
 # Mints the envd access token of a sandbox from its id, which is known only once
 # the node has picked the VM (the API derives it with the deployment's HMAC).
@@ -36,7 +37,8 @@ class CreateRequest:
     timeout: float | None = None                    # seconds to live (None: the node's default)
     metadata: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = True                         # on expiry: pause (True) or kill
-    allow_internet_access: bool | None = None       # None: not set (allowed)
+    allow_internet_access: bool | None = None       # None: not set (allowed); False: deny 0.0.0.0/0
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)   # egress rules (net/policy.py)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class SandboxInfo:
     access_token: str | None
     allow_internet_access: bool | None
     envd_version: str | None        # what the template's guest envd reported at build (None: unknown)
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)   # the egress rules in force
     note: str = ""                  # why a sandbox is lost, or what recovery did
     from_pool: bool | None = None   # create answers only: handed out from the warm pool
 
@@ -104,6 +107,11 @@ class SandboxService(Protocol):
     async def resume(self, sandbox_id: str, timeout: float | None = None) -> SandboxInfo: ...
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> SandboxInfo: ...
+
+    async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        """Replace the egress rules of a running sandbox at once (kept across pause,
+        resume, fork and snapshot)."""
+        ...
 
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotInfo: ...
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 from ..qemu.launcher import free_port
 from . import netns
 from .netns import NetError, SandboxNet
+from .policy import NetworkPolicy
 
 if TYPE_CHECKING:
     from ..qemu.launcher import VmSpec
@@ -111,9 +112,15 @@ class NodeNetworks:
             log.warning("tap networking: no IPv4 nameserver a namespace can reach in /etc/resolv.conf; "
                         "guests will have no DNS")
 
-    async def attach(self, sid: str, egress: bool = True) -> dict[str, object]:
+    def can_apply(self, policy: NetworkPolicy) -> bool:
+        """Whether a running sandbox of this node can be switched to ``policy`` (a pooled
+        clone, made with the default one, handed out under it)."""
+        return self.tap or policy.internet
+
+    async def attach(self, sid: str, policy: NetworkPolicy = NetworkPolicy()) -> dict[str, object]:
         """The ``VmSpec`` fields that network sandbox ``sid``: a free host port (user), or
-        a new namespace (tap) with ``egress`` on or off."""
+        a new namespace (tap) with ``policy`` in force."""
+        egress = policy.internet
         if not self.tap:
             return {"host_port": free_port(), "netns": None, "net_restrict": not egress}
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
@@ -134,7 +141,9 @@ class NodeNetworks:
     def get(self, sid: str) -> SandboxNet | None:
         return self._nets.get(sid)
 
-    async def set_egress(self, sid: str, egress: bool) -> None:
+    async def apply(self, sid: str, policy: NetworkPolicy) -> None:
+        """Put ``policy`` in force for the running sandbox ``sid``."""
+        egress = policy.internet
         net = self._nets.get(sid)
         if net is not None and net.egress != egress:
             self._nets[sid] = await asyncio.to_thread(netns.set_egress, net, egress)

@@ -59,7 +59,7 @@ class Forks:
         tid = local.tid
         self.rt.templates.note_token(tid, local.token)     # what the children's envd holds until their /init
         mem, state = local.dir / "memory", local.dir / "device-state"
-        egress = parent.allow_internet_access is not False
+        policy = parent.policy
         plans = []
         tokens: dict[str, str | None] = {}
         for _ in range(count):
@@ -71,7 +71,7 @@ class Forks:
             if token is not None:
                 body["accessToken"] = token
             plans.append(RestorePlan(sid, local.provisional, mem, state, local.layer,
-                                     Greeting(body, local.token, probe_health=False), egress=egress))
+                                     Greeting(body, local.token, probe_health=False), policy=policy))
         tasks = [asyncio.ensure_future(restore(self.rt, p)) for p in plans]
         answered: list[float] = []      # when each child's /init answered (or it failed)
         for task in tasks:

@@ -38,6 +38,7 @@ from ..blockimage.nbd_server import NbdServer
 from ..errors import BadRequest, CapacityError, Conflict, NotFound
 from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
+from ..net.policy import NetworkPolicy, with_internet
 from ..net.networks import NodeNetworks
 from ..service import ExpiryListener, SnapshotInfo, TokenMinter
 from ..templates.local import LocalTemplates
@@ -238,11 +239,11 @@ class SandboxManager:
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
                      access_token: str | TokenMinter | None = None, timeout: float | None = None,
                      metadata: dict[str, str] | None = None, auto_pause: bool = True,
-                     allow_internet_access: bool | None = None) -> Sandbox:
+                     allow_internet_access: bool | None = None, network: NetworkPolicy | None = None) -> Sandbox:
         """A new sandbox from ``template`` (id, alias or snapshot), envd initialised.
         ``access_token``: envd's token, or a function of the new sandbox's id giving it.
         ``allow_internet_access``: False = the guest may not open outbound connections
-        (None, not set: it may)."""
+        (None, not set: it may); ``network``: finer egress rules (net/policy.py)."""
         if not self._started:
             raise Conflict("SandboxManager.start() was not called")
         if timeout is not None and timeout < 0:
@@ -250,26 +251,28 @@ class SandboxManager:
         self._check_capacity(1)
         self._creating += 1
         try:
+            policy = network or NetworkPolicy()
+            if allow_internet_access is False:
+                policy = with_internet(policy, False)
             return await self._create(template, env_vars, access_token, timeout, metadata, auto_pause,
-                                      allow_internet_access)
+                                      allow_internet_access, policy)
         finally:
             self._creating -= 1
 
     async def _create(self, template: str, env_vars: dict[str, str] | None, access_token: str | TokenMinter | None,
                       timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
-                      allow_internet_access: bool | None) -> Sandbox:
-        egress = allow_internet_access is not False
+                      allow_internet_access: bool | None, policy: NetworkPolicy) -> Sandbox:
         t0 = time.monotonic()
         tpl = self.template(template)
-        sbx = await self.pool.take(tpl, egress)
+        sbx = await self.pool.take(tpl, policy)
         from_pool = sbx is not None
         if sbx is None:
-            sbx = await restore_from_template(self.rt, tpl, egress=egress)
+            sbx = await restore_from_template(self.rt, tpl, policy=policy)
         self.pool.schedule_refill(tpl, REFILL_DELAY)
         token = access_token(sbx.id) if callable(access_token) else access_token
         try:
             ti = time.monotonic()
-            await self.rt.networks.set_egress(sbx.id, egress)   # pooled: made with egress on
+            await self.rt.networks.apply(sbx.id, policy)   # pooled: made with the default policy
             # The clock was set with the identity at restore and has run since: /init is
             # needed for env vars and to re-key envd from the clone's own secret to the
             # sandbox's token (or none: an unsecured sandbox); skipped only when there is
@@ -292,18 +295,18 @@ class SandboxManager:
         sbx.created = time.time()
         self._running[sbx.id] = sbx
         self._put_new(sbx, timeout=timeout, metadata=metadata, auto_pause=auto_pause, env_vars=env_vars,
-                      access_token=token, allow_internet_access=allow_internet_access)
+                      access_token=token, allow_internet_access=allow_internet_access, policy=policy)
         return sbx
 
     def _put_new(self, sbx: Sandbox, *, timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
                  env_vars: dict[str, str] | None, access_token: str | None,
-                 allow_internet_access: bool | None) -> None:
+                 allow_internet_access: bool | None, policy: NetworkPolicy) -> None:
         now = time.time()
         t = self.default_timeout if timeout is None else timeout
         self.records_store.put(SandboxRecord(
             id=sbx.id, template=sbx.template.id, state=SandboxState.RUNNING, started_at=now, end_at=now + t,
             auto_pause=auto_pause, metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
-            access_token=access_token, allow_internet_access=allow_internet_access,
+            access_token=access_token, allow_internet_access=allow_internet_access, network=policy.to_json(),
             memory_mib=sbx.template.memory_mib, vcpus=sbx.template.vcpus, envd_port=sbx.envd_port, timeout=t))
 
     async def fill_pool(self, template: str) -> None:
@@ -330,6 +333,22 @@ class SandboxManager:
             if rec is not None:
                 self.forks.drop_unused(rec.template)
         self._locks.pop(sid, None)
+
+    # ------------------------------------------------------------ network
+    async def update_network(self, sid: str, policy: NetworkPolicy,
+                             allow_internet_access: bool | None = None) -> SandboxRecord:
+        """Replace a running sandbox's egress rules at once; its record keeps them (pause,
+        resume, fork, snapshot). ``allow_internet_access`` False also denies 0.0.0.0/0."""
+        if allow_internet_access is False:
+            policy = with_internet(policy, False)
+        async with self.lock(sid):
+            self._running_one(sid)
+            await self.rt.networks.apply(sid, policy)
+            rec = self.record(sid).replace(network=policy.to_json(), allow_internet_access=(
+                allow_internet_access if allow_internet_access is not None else
+                (False if not policy.internet else None)))
+            self.records_store.put(rec)
+            return rec
 
     # ------------------------------------------------------------ timeouts
     async def set_timeout(self, sid: str, seconds: float) -> SandboxRecord:
@@ -435,7 +454,7 @@ class SandboxManager:
             self._put_new(k, timeout=parent.timeout if timeout is None else timeout,
                           metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
                           env_vars=parent.env_vars, access_token=child.access_token,
-                          allow_internet_access=parent.allow_internet_access)
+                          allow_internet_access=parent.allow_internet_access, policy=parent.policy)
             out.append(k)
         return out
 

@@ -7,9 +7,10 @@ command path (``bash -l -c`` as the default user and as root) and a file write
 and read, at low CPU priority -- and a create takes one (then only ``/init``
 remains) and refills in the background. Size 0 disables the pool.
 
-Pooled clones are restored with egress on: a create that denies egress takes
-one only in tap mode, where egress is a filter of the sandbox's namespace that
-can be changed on a running VM (user mode fixes it when QEMU starts).
+Pooled clones are restored with the default egress policy (public internet
+allowed, no rules): a create with other rules takes one only where the node can
+change a running VM's policy (a filter of the sandbox's namespace); without a
+namespace, user mode fixes egress when QEMU starts.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import logging
 import time
 
 from ..errors import VmError
+from ..net.policy import NetworkPolicy
 from ..templates.template import Template
 from .restore import renice, restore_from_template, teardown_sandbox
 from .runtime import NodeRuntime
@@ -51,10 +53,10 @@ class WarmPool:
     def pooled(self, tid: str) -> list[Sandbox]:
         return list(self._pools.get(tid, []))
 
-    async def take(self, tpl: Template, egress: bool) -> Sandbox | None:
+    async def take(self, tpl: Template, policy: NetworkPolicy) -> Sandbox | None:
         """A warm sandbox of ``tpl`` (given back at normal CPU priority), or None. The caller
         schedules the refill once its create has its sandbox (``schedule_refill``)."""
-        pool = self._pools.get(tpl.id, []) if egress or self.rt.networks.tap else []
+        pool = self._pools.get(tpl.id, []) if self.rt.networks.can_apply(policy) else []
         sbx = None
         while pool and sbx is None:
             candidate = pool.pop(0)

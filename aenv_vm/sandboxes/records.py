@@ -17,6 +17,7 @@ from pathlib import Path
 import lmdb
 
 from ..errors import VmError
+from ..net.policy import NetworkPolicy
 from ..service import SandboxState
 
 
@@ -53,6 +54,9 @@ class SandboxRecord:
     # Egress of the sandbox (tap: its namespace's filter; user: restrict=on), kept across
     # pause/resume. None = not set at create (allowed, and shown as null, as E2B does).
     allow_internet_access: bool | None = None
+    # The egress rules in force (net/policy.py NetworkPolicy.to_json), kept across
+    # pause/resume, inherited by fork children; {} = none (everything public allowed).
+    network: dict = field(default_factory=dict)
     memory_mib: int = 0
     vcpus: int = 0
     envd_port: int | None = None
@@ -71,6 +75,10 @@ class SandboxRecord:
         if d.get("snapshot") is not None:
             d["snapshot"] = SnapshotRef(**d["snapshot"])
         return cls(**d)
+
+    @property
+    def policy(self) -> NetworkPolicy:
+        return NetworkPolicy.from_json(self.network)
 
     def replace(self, **changes: object) -> "SandboxRecord":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

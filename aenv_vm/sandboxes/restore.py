@@ -42,6 +42,7 @@ from aenv_store.formats.ids import Digest
 from ..blockimage.image import BlockImage
 from ..blockimage.prefetch import Prefetcher
 from ..memory.memory_image import Delta
+from ..net.policy import NetworkPolicy
 from ..memory.pagemap import ram_mapping, write_pages
 from ..qemu.launcher import QemuProcess
 from ..qemu.migration import load_device_state
@@ -96,7 +97,7 @@ class RestorePlan:
     greeting: Greeting
     fresh_upper: bool = False       # a new, empty upper layer even if one is on disk (resume)
     delta: Delta | None = None      # pages written over the memory before the state loads (resume)
-    egress: bool = True             # outbound connections allowed
+    policy: NetworkPolicy = NetworkPolicy()   # what the guest may open connections to
     background: bool = False        # pool refills: QEMU at a low CPU priority until handed out
 
 
@@ -137,7 +138,7 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
             if rt.readahead > 0:   # sequential guest reads of a cold disk find the next chunks fetched
                 Prefetcher(image, window=rt.readahead)
             rt.nbd.add_export(image)
-            network = await rt.networks.attach(sid, plan.egress)
+            network = await rt.networks.attach(sid, plan.policy)
             spec = rt.clone_spec(sid, tpl, plan.memory, network)
             t1 = time.monotonic()
             vm = await QemuProcess.start(spec)
@@ -169,7 +170,7 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
     return sbx, RestoreTiming(t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t4)
 
 
-async def restore_from_template(rt: NodeRuntime, tpl: Template, *, egress: bool = True,
+async def restore_from_template(rt: NodeRuntime, tpl: Template, *, policy: NetworkPolicy = NetworkPolicy(),
                                 background: bool = False) -> Sandbox:
     """A new sandbox restored from template (or snapshot) ``tpl``, with its own identity
     (a create that found no pooled clone, and every pool refill)."""
@@ -179,7 +180,7 @@ async def restore_from_template(rt: NodeRuntime, tpl: Template, *, egress: bool 
     # (and re-keyed to the sandbox's token) nobody else can talk to its envd
     body = {**identity(sid), "accessToken": secrets.token_urlsafe(24)}
     plan = RestorePlan(sid, tpl, memory, state, tpl.disk, Greeting(body, rt.templates.envd_token(tpl)),
-                       egress=egress, background=background)
+                       policy=policy, background=background)
     sbx, t = await restore(rt, plan)
     sbx.timing = CreateTiming(t.qemu_start, t.state_load, t.first_answer, t.init, 0.0, t.total, False)
     return sbx

@@ -72,7 +72,7 @@ async def resume(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord) -
         shutil.rmtree(rt.sandbox_dir(sid), ignore_errors=True)
     plan = RestorePlan(sid, tpl, mem, d / "device-state", digest_of(snap.disk_top),
                        Greeting({"timestamp": clock()}, rec.access_token), fresh_upper=True, delta=delta,
-                       egress=rec.allow_internet_access is not False)
+                       policy=rec.policy)
     sbx, t = await restore(rt, plan, standby)
     sbx.created = rec.started_at
     done = time.monotonic()

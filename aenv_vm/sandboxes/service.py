@@ -13,6 +13,7 @@ from pathlib import Path
 from aenv_store.errors import StoreError
 
 from ..errors import NotFound, VmError
+from ..net.policy import NetworkPolicy
 from ..service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, SandboxInfo, SnapshotInfo, TokenMinter,
                        Usage)
 from ..templates.template import Template
@@ -57,6 +58,7 @@ class NodeSandboxService:
                            end_at=rec.end_at, vcpus=rec.vcpus, memory_mib=rec.memory_mib, disk_mib=disk_mib,
                            auto_pause=rec.auto_pause, timeout=rec.timeout, metadata=dict(rec.metadata),
                            access_token=rec.access_token, allow_internet_access=rec.allow_internet_access,
+                           network=rec.policy,
                            envd_version=envd_version, note=rec.note, from_pool=from_pool)
 
     def _running(self, sid: str) -> Sandbox:
@@ -71,7 +73,7 @@ class NodeSandboxService:
     async def create(self, req: CreateRequest) -> SandboxInfo:
         sbx = await self.manager.create(req.template, env_vars=req.env_vars or None, access_token=req.access_token,
                                         timeout=req.timeout, metadata=req.metadata, auto_pause=req.auto_pause,
-                                        allow_internet_access=req.allow_internet_access)
+                                        allow_internet_access=req.allow_internet_access, network=req.network)
         return self._info(self.manager.record(sbx.id), sbx.timing.from_pool if sbx.timing else None)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -92,6 +94,9 @@ class NodeSandboxService:
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> SandboxInfo:
         return self._info(await self.manager.set_timeout(sandbox_id, seconds))
+
+    async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        return self._info(await self.manager.update_network(sandbox_id, policy))
 
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotInfo:
         tid, names = await self.manager.snapshot(sandbox_id, name)

@@ -21,6 +21,7 @@ from aenv_vm.blockimage.image import BlockImage
 from aenv_vm.blockimage.nbd_server import NbdServer
 from aenv_vm.envd_client import decode_envelopes, encode_envelope, http_request
 from aenv_vm.net import netns, networks
+from aenv_vm.net.policy import NetworkPolicy, with_internet
 from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, build_command
 from aenv_vm.qemu.migration import load_device_state
 from aenv_vm.sandboxes.sandbox import Sandbox
@@ -31,6 +32,8 @@ from .conftest import Env, qemu_children
 
 pytestmark = pytest.mark.qemu
 
+
+DENY_ALL = with_internet(NetworkPolicy(), False)
 
 # Clones restored straight from the template (no manager to re-key them) still
 # demand the template's envd secret; set by the fixtures below.
@@ -223,15 +226,15 @@ def test_node_networks_modes(tmp_path: Path) -> None:
 
     async def main() -> None:
         user = networks.NodeNetworks("user", tmp_path)
-        fields = await user.attach("sbx-0000000000000001", egress=False)
+        fields = await user.attach("sbx-0000000000000001", DENY_ALL)
         assert fields["netns"] is None and fields["net_restrict"] is True and isinstance(fields["host_port"], int)
         if os.geteuid() != 0:
             return
         tap = networks.NodeNetworks("tap", tmp_path)
-        fields = await tap.attach("sbx-0000000000000002", egress=False)
+        fields = await tap.attach("sbx-0000000000000002", DENY_ALL)
         net = tap.get("sbx-0000000000000002")
         assert net is not None and fields == {"host_port": None, "netns": net.name} and not net.egress
-        await tap.set_egress("sbx-0000000000000002", True)
+        await tap.apply("sbx-0000000000000002", NetworkPolicy())
         assert tap.get("sbx-0000000000000002").egress  # type: ignore[union-attr]
         await tap.release("sbx-0000000000000002")
         await tap.release("sbx-0000000000000002")   # idempotent
@@ -261,7 +264,7 @@ def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
                 image = BlockImage.open(env.store, tpl.disk, sid, upper_dir=tmp_path / sid / "upper")
                 images.append(image)
                 server.add_export(image)
-                fields = await user.attach(sid, egress)
+                fields = await user.attach(sid, NetworkPolicy() if egress else DENY_ALL)
                 spec = VmSpec(name=sid, kernel=env.guest.kernel, initrd=env.guest.initrd,
                               kernel_cmdline=tpl.kernel_cmdline, run_dir=tmp_path / sid, memory_mib=tpl.memory_mib,
                               vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
