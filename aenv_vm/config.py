@@ -44,6 +44,11 @@ class VmConfig:
     # per sandbox with a tap device, reachable at its veth address, egress per sandbox
     # (allow_internet_access). tap needs root, nftables and iproute2 (`aenv doctor`).
     network: str = "user"
+    # Sandbox network isolation (docs/security.md): "auto" = one network namespace per
+    # sandbox wherever the host allows it (root, nftables, iproute2), else user mode with
+    # QEMU's restrict=on (no egress); "required" = refuse to start without namespaces;
+    # "off" = user mode unfiltered (guests reach the host's 127.0.0.1: development only).
+    isolation: str = "auto"
     # MiB of a sandbox's disk fetched ahead of its sequential reads (aenv_vm/blockimage/
     # prefetch.py; 0: off). Matters where chunks are not local yet (a cold node cache).
     readahead_mib: int = 4
@@ -61,6 +66,8 @@ class VmConfig:
             raise ConfigError(f"vm.vcpus must be >= 1, got {self.vcpus}")
         if self.disk_mib < 0:
             raise ConfigError(f"vm.disk_mib must be >= 0, got {self.disk_mib}")
+        if self.isolation not in ("auto", "required", "off"):
+            raise ConfigError(f"vm.isolation must be auto, required or off, got {self.isolation!r}")
         if self.network not in ("user", "tap"):
             raise ConfigError(f"vm.network must be user or tap, got {self.network!r}")
         if self.accel not in ("auto", "tcg", "kvm"):

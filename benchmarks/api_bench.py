@@ -52,8 +52,9 @@ def start_server(data_dir: Path, pool_size: int) -> tuple[subprocess.Popen, dict
     return proc, values
 
 
-def envd_port(sandbox_id: str) -> int:
-    """The host port QEMU forwards to the sandbox's envd (from its command line)."""
+def envd_address(sandbox_id: str) -> str:
+    """``host:port`` where QEMU forwards the sandbox's envd (from its command line: the
+    sandbox namespace's address when the node isolates sandboxes, else 127.0.0.1)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -62,9 +63,9 @@ def envd_port(sandbox_id: str) -> int:
         except OSError:
             continue
         if b"-name" in argv and argv[argv.index(b"-name") + 1].decode() == sandbox_id:
-            m = re.search(rb"hostfwd=tcp:127\.0\.0\.1:(\d+)-", b" ".join(argv))
+            m = re.search(rb"hostfwd=tcp:([0-9.]+):(\d+)-", b" ".join(argv))
             if m:
-                return int(m.group(1))
+                return f"{m.group(1).decode()}:{int(m.group(2))}"
     raise BenchError(f"no QEMU process found for {sandbox_id} on this host")
 
 
@@ -98,7 +99,7 @@ def bench_proxy(calls: int, server_pid: int | None) -> dict:
 
     sbx = Sandbox.create(timeout=3600)
     try:
-        direct = Sandbox.connect(sbx.sandbox_id, sandbox_url=f"http://127.0.0.1:{envd_port(sbx.sandbox_id)}")
+        direct = Sandbox.connect(sbx.sandbox_id, sandbox_url=f"http://{envd_address(sbx.sandbox_id)}")
         for c in (sbx, direct):
             for _ in range(5):
                 c.commands.run("true")

@@ -230,7 +230,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                  tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
                                  ksm=vm.ksm_settings(), network=vm.network, max_sandboxes=server_cfg.max_sandboxes,
-                                 readahead=vm.readahead_mib << 20)
+                                 readahead=vm.readahead_mib << 20, isolation=vm.isolation)
         try:
             await manager.start()
         except NetError as e:   # [vm] network = "tap" on a host that cannot do it
@@ -250,6 +250,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
         url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
         say(f"listening on {url} (template {server_cfg.default_template!r} = {tpl.id}, pool {vm.pool_size}, "
             f"API key {creds.api_key_source}, data dir {cfg.data_dir})")
+        say(f"network: {manager.rt.networks.describe()}")
         print(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}",
               flush=True)
         await stop.wait()

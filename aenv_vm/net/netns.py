@@ -1,27 +1,27 @@
-"""Tap networking for clones: one network namespace per sandbox.
+"""One network namespace per sandbox: the unit that isolates its network.
 
 Every clone of a snapshot wakes up with the same guest address (10.0.2.15/24,
 gateway 10.0.2.2) and the same MAC, so each sandbox gets its own namespace in
 which that is the only guest::
 
-    host  ── veth <host_if> 10.201.a.b+1/30 ══ eth0 10.201.a.b+2/30 ── [netns aenv-<tag>-<id>]
-                                                    tap0 10.0.2.2/24 ── QEMU ── guest 10.0.2.15
+    node ── veth <host_if> 10.201.a.b+1/30 ══ eth0 10.201.a.b+2/30 ── [netns aenv-<tag>-<id>]
+          tap mode:   tap0 10.0.2.2/24 ── QEMU ── guest 10.0.2.15
+          user mode:  QEMU's user-mode network (its sockets live here) ── guest 10.0.2.15
 
-Inside the namespace nftables DNATs every TCP connection that arrives on eth0
-to the guest (any guest port, not only envd's), and masquerades what leaves
-through eth0; the host reaches guest port P at ``<ns_ip>:P``
-(``SandboxNet.endpoint``). tap0 carries the MAC of user-mode networking's
-gateway (52:55:0a:00:02:02), so the neighbour entry a guest restored from a
-template made in user mode already holds for 10.0.2.2 stays right. Egress (``allow_internet_access``)
-is a filter in the namespace's forward chain: off drops every new connection
-from tap0 out of eth0 (replies to the host's connections still pass). Internet
-access beyond the host additionally needs the host's own forwarding and
-masquerade for 10.201.0.0/16 (``enable_host_egress``).
+The node reaches the guest at ``<ns_ip>``: in tap mode nftables DNATs every TCP
+connection that arrives on eth0 to the guest (any port); in user mode QEMU's
+host forwards listen on ``<ns_ip>`` (``SandboxNet.endpoint``). tap0 carries the
+MAC of user-mode networking's gateway (52:55:0a:00:02:02), so the neighbour
+entry a guest restored from a template made in user mode already holds for
+10.0.2.2 stays right. What the guest may reach is the namespace's nftables
+table (rules.py, from the sandbox's policy): replaced atomically by ``apply``.
+Internet access beyond the node needs the node's own forwarding and masquerade
+for 10.201.0.0/16 (``enable_host_egress``).
 
 QEMU joins the namespace itself: ``VmSpec.netns`` makes the launcher
-``setns`` between fork and exec (aenv_vm/qemu/launcher.py), with a tap netdev
-on ``tap0``. Links, addresses and routes are made with pyroute2; nftables rules with the
-``nft`` tool inside the namespace. ``destroy`` removes the namespace (which
+``setns`` between fork and exec (aenv_vm/qemu/launcher.py). Links, addresses
+and routes are made with pyroute2; nftables rules with the ``nft`` tool inside
+the namespace. ``destroy`` removes the namespace (which
 takes the veth pair and the tap with it); ``remove_orphans`` removes every
 namespace of this node's tag that no live sandbox owns (after a restart).
 
@@ -31,11 +31,9 @@ call these functions in a worker thread (``asyncio.to_thread``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import hashlib
-import ipaddress
 import os
 import shutil
 import socket
@@ -66,16 +64,11 @@ class SandboxNet:
     host_if: str
     host_ip: str
     ns_ip: str
-    egress: bool
-    dns: str | None = None  # the guest's resolver 10.0.2.3 is DNATed here (the host's nameserver)
+    tap: bool = True        # a tap device for QEMU (tap mode), or QEMU's user-mode network inside
 
     @property
     def envd_host(self) -> str:
         return self.ns_ip
-
-    def endpoint(self, port: int) -> tuple[str, int]:
-        """Where the host connects to reach guest TCP ``port`` (DNAT in the namespace)."""
-        return self.ns_ip, port
 
 
 def node_tag(run_root: Path) -> str:
@@ -97,51 +90,6 @@ def _nsenter(name: str, argv: list[str], stdin: str | None = None) -> None:
                           capture_output=True, timeout=30)
     if done.returncode != 0:
         raise NetError(f"{' '.join(argv)} in netns {name} failed: {done.stderr.strip()}")
-
-
-def host_nameserver(resolv_conf: Path = Path("/etc/resolv.conf")) -> str | None:
-    """The host's first IPv4 nameserver a namespace can reach (not a loopback one, like
-    systemd-resolved's 127.0.0.53), or None."""
-    try:
-        lines = resolv_conf.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] == "nameserver":
-            try:
-                addr = ipaddress.ip_address(parts[1])
-            except ValueError:
-                continue
-            if addr.version == 4 and not addr.is_loopback and not addr.is_unspecified:
-                return str(addr)
-    return None
-
-
-def _ruleset(egress: bool, dns: str | None = None) -> str:
-    # Guests restored from templates made in user mode ask QEMU slirp's resolver 10.0.2.3:
-    # here that is the host's nameserver (subject to the egress filter like any traffic).
-    resolver = "" if dns is None else "".join(
-        f'        iifname "tap0" ip daddr {SLIRP_DNS} {proto} dport 53 dnat to {dns}\n' for proto in ("udp", "tcp"))
-    forward = "" if egress else (
-        '        iifname "tap0" oifname "eth0" ct state established,related accept\n'
-        '        iifname "tap0" oifname "eth0" drop\n')
-    return (
-        "table ip aenv {\n"
-        "    chain dnat_in {\n"
-        "        type nat hook prerouting priority -100; policy accept;\n"
-        f'        iifname "eth0" meta l4proto tcp dnat to {GUEST_IP}\n'
-        f"{resolver}"
-        "    }\n"
-        "    chain snat_out {\n"
-        "        type nat hook postrouting priority 100; policy accept;\n"
-        '        oifname "eth0" masquerade\n'
-        "    }\n"
-        "    chain egress {\n"
-        "        type filter hook forward priority 0; policy accept;\n"
-        f"{forward}"
-        "    }\n"
-        "}\n")
 
 
 def _quiet_children() -> None:
@@ -172,14 +120,14 @@ def used_indexes() -> set[int]:
     return out
 
 
-def create(tag: str, sid: str, index: int | None = None, egress: bool = True,
-           dns: str | None = None) -> SandboxNet:
-    """The namespace, veth pair, tap device and rules of one sandbox. ``index`` picks
-    its /30 in 10.201.0.0/16; None takes the lowest one free on this host (under a
-    host-wide lock, so concurrent nodes never pick the same). The lock is held only
-    until the /30 is claimed (its host address added); the namespace side is set up
-    after, so concurrent creates (a fork's children) overlap there. ``dns``: where the
-    guest's DNS queries to 10.0.2.3 go (None: nowhere)."""
+def create(tag: str, sid: str, ruleset: Callable[[SandboxNet], str], index: int | None = None,
+           tap: bool = True) -> SandboxNet:
+    """The namespace, veth pair, tap device (``tap``) and nftables table of one sandbox
+    (``ruleset(net)``: rules.py). ``index`` picks its /30 in 10.201.0.0/16; None takes
+    the lowest one free on this host (under a host-wide lock, so concurrent nodes never
+    pick the same). The lock is held only until the /30 is claimed (its host address
+    added); the namespace side is set up after, so concurrent creates (a fork's
+    children) overlap there."""
     from pyroute2 import IPRoute, NetNS
     from pyroute2 import netns as pnetns
     _require_tools()
@@ -193,15 +141,15 @@ def create(tag: str, sid: str, index: int | None = None, egress: bool = True,
                 raise NetError("no free sandbox network left in 10.201.0.0/16")
         elif index in used_indexes():
             raise NetError(f"sandbox network {addresses(index)[0]}/30 is already in use on this host")
-        return _create(tag, sid, index, egress, IPRoute, NetNS, pnetns,
-                       claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN), dns=dns)
+        return _create(tag, sid, index, tap, ruleset, IPRoute, NetNS, pnetns,
+                       claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN))
 
 
-def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-untyped-def]
-            IPRoute, NetNS, pnetns, claimed: Callable[[], None], dns: str | None = None) -> SandboxNet:  # noqa: N803
+def _create(tag: str, sid: str, index: int, tap: bool, ruleset: Callable[[SandboxNet], str],  # type: ignore[no-untyped-def]
+            IPRoute, NetNS, pnetns, claimed: Callable[[], None]) -> SandboxNet:  # noqa: N803
     host_ip, ns_ip = addresses(index)
     net = SandboxNet(name=f"aenv-{tag}-{sid[-12:]}", index=index, host_if=f"ae{tag}{index:x}"[:15],
-                     host_ip=host_ip, ns_ip=ns_ip, egress=egress, dns=dns)
+                     host_ip=host_ip, ns_ip=ns_ip, tap=tap)
     try:
         pnetns.create(net.name)
         with IPRoute() as ipr:
@@ -217,17 +165,18 @@ def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-unt
             ns.addr("add", index=eth, address=ns_ip, prefixlen=30)
             ns.link("set", index=eth, state="up")
             ns.route("add", dst="0.0.0.0/0", gateway=host_ip)
-            ns.link("add", ifname="tap0", kind="tuntap", mode="tap")
-            tap = ns.link_lookup(ifname="tap0")[0]
-            ns.link("set", index=tap, address=TAP_MAC)
-            ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=24)
-            # 10.0.2.3 answers the guest's ARP on tap0, so its DNS queries are sent (then DNATed)
-            ns.addr("add", index=tap, address=SLIRP_DNS, prefixlen=32)
-            ns.link("set", index=tap, state="up")
+            if tap:
+                ns.link("add", ifname="tap0", kind="tuntap", mode="tap")
+                tap_if = ns.link_lookup(ifname="tap0")[0]
+                ns.link("set", index=tap_if, address=TAP_MAC)
+                ns.addr("add", index=tap_if, address=TAP_ADDR, prefixlen=24)
+                # 10.0.2.3 answers the guest's ARP on tap0, so its DNS queries are sent (then redirected)
+                ns.addr("add", index=tap_if, address=SLIRP_DNS, prefixlen=32)
+                ns.link("set", index=tap_if, state="up")
         finally:
             ns.close()
         # one process for both (each nsenter costs ~7 ms here)
-        _nsenter(net.name, ["sh", "-c", "sysctl -q -w net.ipv4.ip_forward=1 && exec nft -f -"], _ruleset(egress, dns))
+        _nsenter(net.name, ["sh", "-c", f"sysctl -q -w net.ipv4.ip_forward={int(tap)} && exec nft -f -"], ruleset(net))
     except BaseException as e:
         destroy(net)
         if isinstance(e, NetError):
@@ -238,10 +187,9 @@ def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-unt
     return net
 
 
-def set_egress(net: SandboxNet, egress: bool) -> SandboxNet:
-    """Turn the sandbox's outbound connections on or off (the guest keeps running)."""
-    _nsenter(net.name, ["nft", "-f", "-"], "flush ruleset\n" + _ruleset(egress, net.dns))
-    return dataclasses.replace(net, egress=egress)
+def apply(net: SandboxNet, ruleset: str) -> None:
+    """Replace the namespace's nftables table in one transaction (the guest keeps running)."""
+    _nsenter(net.name, ["nft", "-f", "-"], ruleset)
 
 
 def destroy(net: SandboxNet | str) -> None:

@@ -1,13 +1,19 @@
-"""How one node's sandboxes are networked: ``[vm] network = "user" | "tap"``.
+"""How one node's sandboxes are networked: ``[vm] network = "user" | "tap"``
+and ``[vm] isolation = "auto" | "required" | "off"`` (docs/security.md).
 
-* ``user`` (default, works anywhere, no root): QEMU's user-mode network with a
-  host port forwarded to envd (``hostfwd``); other guest ports are forwarded on
-  demand with QMP ``hostfwd_add`` (``Sandbox.endpoint``). Egress off is QEMU's
-  ``restrict=on``, fixed when QEMU starts (so such a create skips the pool).
-* ``tap`` (needs root, nftables, iproute2): every sandbox's QEMU runs in its own
-  network namespace (netns.py) with the same guest IP/MAC; the host reaches any
-  guest TCP port at the namespace's veth address; egress is on or off per
-  sandbox (``allow_internet_access``).
+* ``user`` (default): QEMU's user-mode network. Isolated (root, nftables,
+  iproute2: the default wherever the host allows it), each sandbox's QEMU runs
+  in a network namespace of its own (netns.py) whose nftables table (rules.py)
+  filters every connection the guest's user-mode network opens; the node
+  reaches envd and other guest ports through host forwards on the namespace's
+  address. Not isolated: host forwards on 127.0.0.1 and QEMU's ``restrict=on``
+  (no egress), or, with isolation "off", the old unfiltered user network.
+* ``tap`` (needs root): the guest is on a tap device in its namespace; the node
+  reaches any guest TCP port at the namespace's veth address (DNAT).
+
+Either way the guest's DNS and (with hostname rules) its web traffic go
+through the node's egress services (egress.py, dns.py) listening inside the
+namespace; a policy change is one nftables transaction (``apply``).
 
 ``NodeNetworks`` is the manager's view: it makes a sandbox's network before its
 QEMU starts (``attach`` → the ``VmSpec`` fields to use), remembers it by
@@ -19,14 +25,20 @@ VMs a copy without it (made once per file, next to it).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from envd import ENVD_PORT
+
+from ..errors import Unsupported
 from ..qemu.launcher import free_port
-from . import netns
+from . import dns, netns, rules
+from .egress import EgressService, egress_ports
 from .netns import NetError, SandboxNet
 from .policy import NetworkPolicy
 
@@ -58,7 +70,8 @@ def probe_tap(run_root: Path) -> None:
     problems = tap_problems()
     if problems:
         raise NetError("tap networking cannot work here: " + "; ".join(problems))
-    net = netns.create(netns.node_tag(run_root), f"probe-{os.getpid():x}")
+    net = netns.create(netns.node_tag(run_root), f"probe-{os.getpid():x}",
+                       lambda n: rules.ruleset("tap", NetworkPolicy(), egress_ports()))
     netns.destroy(net)
 
 
@@ -83,75 +96,162 @@ def device_state(state: Path) -> Path:
     return tap
 
 
-class NodeNetworks:
-    """The networks of one SandboxManager's sandboxes. Use within one event loop."""
+Isolation = Literal["auto", "required", "off"]
+ISOLATIONS: tuple[str, ...] = ("auto", "required", "off")
 
-    def __init__(self, mode: str, run_root: Path) -> None:
+
+def isolation_problems() -> list[str]:
+    """Why sandbox namespaces cannot be made on this host (empty: they can)."""
+    out = []
+    if os.geteuid() != 0:
+        out.append("needs root (network namespaces, veth pairs, nftables)")
+    for tool in ("nft", "ip", "nsenter"):
+        if shutil.which(tool) is None:
+            out.append(f"{tool} not found (nftables, iproute2, util-linux: bash scripts/install.sh)")
+    return out
+
+
+def node_addresses() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 address of this node's namespace (no sandbox may connect to one)."""
+    from pyroute2 import IPRoute
+    out = []
+    with IPRoute() as ipr:
+        for msg in ipr.get_addr(family=socket.AF_INET):
+            addr = msg.get_attr("IFA_ADDRESS")
+            if addr:
+                out.append(ipaddress.IPv4Network(f"{addr}/32"))
+    return out
+
+
+class NodeNetworks:
+    """The networks of one SandboxManager's sandboxes. Use within one event loop.
+
+    ``isolated``: every sandbox has a namespace of its own (always in tap mode; in
+    user mode when the host allows it and ``[vm] isolation`` is not "off"). Without
+    one, a user-mode guest's gateway is the host's loopback, so it gets QEMU's
+    ``restrict=on`` (no egress at all) unless isolation is "off" (the guest then
+    reaches every TCP port on the host's 127.0.0.1: development hosts only)."""
+
+    def __init__(self, mode: str, run_root: Path, isolation: str = "auto") -> None:
         if mode not in MODES:
             raise NetError(f"network mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if isolation not in ISOLATIONS:
+            raise NetError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
         self.mode: NetworkMode = mode  # type: ignore[assignment]
+        self.isolation: Isolation = isolation  # type: ignore[assignment]
         self.tag = netns.node_tag(run_root)
         self._nets: dict[str, SandboxNet] = {}
-        self.dns: str | None = None     # tap: the host nameserver guests' 10.0.2.3 is sent to
+        self._policies: dict[str, NetworkPolicy] = {}
+        self.isolated = False
+        self.why_not: list[str] = []        # what keeps a user-mode node from isolating its sandboxes
+        self.egress: EgressService | None = None
+        self._never: list[ipaddress.IPv4Network] = []
 
     @property
     def tap(self) -> bool:
         return self.mode == "tap"
 
+    def describe(self) -> str:
+        """What this node's networking isolates (the server's start line, ``aenv doctor``)."""
+        if self.isolated:
+            return (f"{self.mode} networking, one namespace per sandbox: guests reach no host address, node "
+                    f"service or other sandbox; egress by policy (DNS and hostname rules through the node)")
+        if self.isolation == "off":
+            return ("user networking WITHOUT isolation ([vm] isolation = \"off\"): guests reach every TCP port on "
+                    "the host's 127.0.0.1 -- development hosts only")
+        return ("user networking without namespaces (" + "; ".join(self.why_not) +
+                "): guests are restricted (restrict=on): no egress at all")
+
     async def start(self) -> None:
-        """Tap mode: fail early and clearly if the host cannot do it; turn on the host's
-        forwarding and masquerade for sandbox egress (internet beyond the host)."""
-        if not self.tap:
-            return
-        problems = tap_problems()
-        if problems:
+        """Decide the isolation (fail early and clearly where the configured one cannot be
+        had), turn on the node's forwarding and masquerade for sandbox egress and start
+        the egress services."""
+        problems = isolation_problems() + (
+            [] if not self.tap or Path("/dev/net/tun").exists() else ["/dev/net/tun missing (tun module)"])
+        if self.tap and problems:
             raise NetError("[vm] network = \"tap\" cannot work here: " + "; ".join(problems))
+        if problems and self.isolation == "required":
+            raise NetError("[vm] isolation = \"required\" cannot be met here: " + "; ".join(problems))
+        self.isolated = self.tap or (self.isolation != "off" and not problems)
+        self.why_not = problems if not self.isolated else []
+        if not self.isolated:
+            return
         await asyncio.to_thread(netns.enable_host_egress)
-        self.dns = netns.host_nameserver()
-        if self.dns is None:
-            log.warning("tap networking: no IPv4 nameserver a namespace can reach in /etc/resolv.conf; "
-                        "guests will have no DNS")
+        self._never = await asyncio.to_thread(node_addresses)
+        upstream = dns.nameservers()
+        if not upstream:
+            log.warning("no IPv4 nameserver in /etc/resolv.conf: sandboxes will have no DNS")
+        self.egress = EgressService(upstream, self._never)
 
     def can_apply(self, policy: NetworkPolicy) -> bool:
         """Whether a running sandbox of this node can be switched to ``policy`` (a pooled
         clone, made with the default one, handed out under it)."""
-        return self.tap or policy.internet
+        return self.isolated or policy == NetworkPolicy()
+
+    def _ruleset(self, net: SandboxNet, policy: NetworkPolicy) -> str:
+        return rules.ruleset("tap" if net.tap else "user", policy, egress_ports(), self._never)
 
     async def attach(self, sid: str, policy: NetworkPolicy = NetworkPolicy()) -> dict[str, object]:
-        """The ``VmSpec`` fields that network sandbox ``sid``: a free host port (user), or
-        a new namespace (tap) with ``policy`` in force."""
-        egress = policy.internet
-        if not self.tap:
-            return {"host_port": free_port(), "netns": None, "net_restrict": not egress}
+        """The ``VmSpec`` fields that network sandbox ``sid`` under ``policy``: a namespace
+        of its own (isolated), else a host port on 127.0.0.1 (user mode)."""
+        if not self.isolated:
+            restrict = self.isolation != "off" or not policy.internet
+            return {"host_port": free_port(), "netns": None, "net_restrict": restrict}
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
-        net = await asyncio.to_thread(netns.create, self.tag, sid, None, egress, self.dns)  # pyroute2: own loop
+        net = await asyncio.to_thread(netns.create, self.tag, sid,  # pyroute2: its own loop
+                                      lambda n: self._ruleset(n, policy), None, self.tap)
+        try:
+            assert self.egress is not None
+            await self.egress.attach(sid, net.name, "0.0.0.0" if self.tap else "127.0.0.1", policy)
+        except BaseException:
+            await asyncio.to_thread(netns.destroy, net)
+            raise
         self._nets[sid] = net
-        return {"host_port": None, "netns": net.name}
+        self._policies[sid] = policy
+        return self._fields(net)
+
+    @staticmethod
+    def _fields(net: SandboxNet) -> dict[str, object]:
+        if net.tap:
+            return {"host_port": None, "netns": net.name, "tap": True}
+        return {"host_port": ENVD_PORT, "hostfwd_host": net.ns_ip, "netns": net.name, "tap": False}
 
     async def attach_again(self, spec: "VmSpec") -> dict[str, object]:
         """The network fields of another QEMU for the same sandbox (a paused sandbox's
-        standby): a new host port (user), or the namespace it already has (tap)."""
-        if not self.tap:
+        standby): the namespace it already has, or a new host port (not isolated)."""
+        if not self.isolated:
             return {"host_port": free_port(), "netns": None}
         net = self._nets.get(spec.name)
         if net is None or spec.netns != net.name:
             raise NetError(f"sandbox {spec.name} has no network namespace any more")
-        return {"host_port": None, "netns": net.name}
+        return self._fields(net)
 
     def get(self, sid: str) -> SandboxNet | None:
         return self._nets.get(sid)
 
     async def apply(self, sid: str, policy: NetworkPolicy) -> None:
-        """Put ``policy`` in force for the running sandbox ``sid``."""
-        egress = policy.internet
+        """Put ``policy`` in force for the running sandbox ``sid`` at once (one nft
+        transaction, then the egress proxy's view)."""
         net = self._nets.get(sid)
-        if net is not None and net.egress != egress:
-            self._nets[sid] = await asyncio.to_thread(netns.set_egress, net, egress)
+        if net is None:
+            if policy != NetworkPolicy() and not self.isolated:
+                raise Unsupported(f"egress rules need sandbox namespaces, which this node lacks: "
+                                  f"{'; '.join(self.why_not) or 'isolation is off'}")
+            return
+        if self._policies.get(sid) == policy:
+            return
+        await asyncio.to_thread(netns.apply, net, self._ruleset(net, policy))
+        self._policies[sid] = policy
+        if self.egress is not None:
+            self.egress.update(sid, policy)
 
     async def release(self, sid: str) -> None:
-        """Remove ``sid``'s namespace (its veth and tap go with it). Idempotent; never raises
-        (a leftover is removed at the next start by ``remove_orphans``)."""
+        """Remove ``sid``'s namespace (its veth and tap go with it) and its egress listeners.
+        Idempotent; never raises (a leftover is removed at the next start)."""
         net = self._nets.pop(sid, None)
+        self._policies.pop(sid, None)
+        if self.egress is not None:
+            await self.egress.detach(sid)
         if net is None:
             return
         try:
@@ -165,3 +265,5 @@ class NodeNetworks:
     async def close(self) -> None:
         for sid in list(self._nets):
             await self.release(sid)
+        if self.egress is not None:
+            await self.egress.close()

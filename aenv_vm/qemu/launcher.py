@@ -140,8 +140,10 @@ class VmSpec:
     mem_path: Path | None = None    # RAM as memory-backend-file; None = anonymous RAM
     mem_share: bool = True          # share=on (template/source) or share=off (copy-on-write clone)
     disk: Disk | None = None
-    host_port: int | None = None    # user-mode net with hostfwd 127.0.0.1:host_port -> guest envd
-    netns: str | None = None        # tap net instead: run in this network namespace (/run/netns), tap0 there
+    host_port: int | None = None    # user-mode net with hostfwd <hostfwd_host>:host_port -> guest envd
+    hostfwd_host: str = "127.0.0.1" # where user-mode host forwards listen (the namespace's address when isolated)
+    netns: str | None = None        # run in this network namespace (/run/netns)
+    tap: bool = False               # tap net (tap0 in ``netns``) instead of user-mode networking
     net_restrict: bool = False      # user net: the guest reaches neither the host nor beyond (forwards still work)
     guest_port: int = ENVD_PORT
     mac: str = "52:54:00:12:34:56"
@@ -197,12 +199,14 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
     if spec.disk is not None:
         argv += ["-blockdev", json.dumps(spec.disk.blockdev(), separators=(",", ":")),
                  "-device", "virtio-blk-device,drive=disk0"]
-    if spec.netns is not None:
+    if spec.tap:
+        if spec.netns is None:
+            raise VmError("a tap network needs the sandbox's network namespace (VmSpec.netns)")
         argv += ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
                  "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]
     elif spec.host_port is not None:
         argv += ["-netdev", f"user,id=net0,{'restrict=on,' if spec.net_restrict else ''}"
-                            f"hostfwd=tcp:127.0.0.1:{spec.host_port}-{GUEST_IP}:{spec.guest_port}",
+                            f"hostfwd=tcp:{spec.hostfwd_host}:{spec.host_port}-{GUEST_IP}:{spec.guest_port}",
                  "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]
     if spec.incoming_defer:
         argv += ["-incoming", "defer"]

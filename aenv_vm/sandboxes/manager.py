@@ -68,10 +68,10 @@ class SandboxManager:
     def __init__(self, store: Store, guest: GuestImage, run_root: Path, *, pool_size: int = 0,
                  ready_timeout: float = 60.0, tcg_tb_mib: int | None = None, default_timeout: float = 300.0,
                  ksm: KsmSettings | None = None, network: str = "user", standby: int = 4,
-                 max_sandboxes: int | None = None, readahead: int = 4 << 20) -> None:
+                 max_sandboxes: int | None = None, readahead: int = 4 << 20, isolation: str = "auto") -> None:
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self.rt = NodeRuntime(store=store, guest=guest, run_root=run_root, nbd=NbdServer(run_root / "nbd.sock"),
-                              networks=NodeNetworks(network, run_root),   # "user" or "tap" (root)
+                              networks=NodeNetworks(network, run_root, isolation),   # "user" or "tap" (root)
                               templates=LocalTemplates(store, guest.key, run_root / "templates"),
                               ready_timeout=ready_timeout, tcg_tb_mib=tcg_tb_mib, merge_memory=ksm is not None,
                               fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead)

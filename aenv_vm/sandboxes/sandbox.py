@@ -42,7 +42,7 @@ class Sandbox:
     dir: Path
     created: float = field(default_factory=time.time)
     timing: CreateTiming | None = None
-    net: SandboxNet | None = None       # tap mode: the sandbox's network namespace
+    net: SandboxNet | None = None       # the sandbox's network namespace (isolated networking)
     guest_token: str | None = None      # the access token its envd demands now (None: none)
     forwards: dict[int, int] = field(default_factory=dict, repr=False)   # user mode: guest port -> host port
 
@@ -52,7 +52,7 @@ class Sandbox:
 
     @property
     def envd_port(self) -> int:
-        if self.net is not None:
+        if self.net is not None and self.net.tap:
             return ENVD_PORT
         assert self.vm.spec.host_port is not None
         return self.vm.spec.host_port
@@ -67,24 +67,25 @@ class Sandbox:
 
     async def endpoint(self, port: int) -> tuple[str, int]:
         """``(host, port)`` where the host reaches guest TCP ``port``: in tap mode the
-        namespace address (every port is DNATed to the guest); in user mode 127.0.0.1
-        and a host port forwarded by QEMU (envd's at start, others added on first use
-        with QMP ``hostfwd_add``; they go with this QEMU)."""
-        if self.net is not None:
-            return self.net.endpoint(port)
+        namespace address (every port is DNATed to the guest); in user mode a host port
+        forwarded by QEMU (envd's at start, others added on first use with QMP
+        ``hostfwd_add``; they go with this QEMU), on the namespace's address when the
+        sandbox has one (the same port number there), else on 127.0.0.1."""
+        if self.net is not None and self.net.tap:
+            return self.net.ns_ip, port
         if port == ENVD_PORT:
-            return "127.0.0.1", self.envd_port
+            return self.envd_host, self.envd_port
         host_port = self.forwards.get(port)
         if host_port is None:
             if self.vm.qmp is None:
                 raise Conflict(f"sandbox {self.id} has no QMP connection to forward port {port}")
-            host_port = free_port()
+            host, host_port = (self.net.ns_ip, port) if self.net is not None else ("127.0.0.1", free_port())
             reply = await self.vm.qmp.execute("human-monitor-command", {
-                "command-line": f"hostfwd_add net0 tcp:127.0.0.1:{host_port}-{GUEST_IP}:{port}"})
+                "command-line": f"hostfwd_add net0 tcp:{host}:{host_port}-{GUEST_IP}:{port}"})
             if isinstance(reply, str) and reply.strip():
                 raise Conflict(f"forwarding port {port} of sandbox {self.id} failed: {reply.strip()}")
             self.forwards[port] = host_port
-        return "127.0.0.1", host_port
+        return self.envd_host, host_port
 
     @property
     def serial_log(self) -> Path:

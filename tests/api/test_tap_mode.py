@@ -48,14 +48,15 @@ def host_resolves(name: str) -> bool:
 
 
 def free_outside_net() -> tuple[str, str]:
-    """A /30 in 10.203.0.0/16 with no address on the host: (host address, namespace address)."""
+    """A /30 of the documentation range 198.51.100.0/24 (an "internet" host: sandboxes
+    never reach private ranges) with no address on the host: (host side, namespace side)."""
     used = subprocess.run(["ip", "-br", "-4", "addr"], capture_output=True, text=True, check=True).stdout
-    for i in range(os.getpid() % 16384, os.getpid() % 16384 + 16384):
-        base = (i % 16384) * 4
-        host_ip = f"10.203.{base >> 8}.{(base & 255) + 1}"
+    for i in range(os.getpid() % 64, os.getpid() % 64 + 64):
+        base = (i % 64) * 4
+        host_ip = f"198.51.100.{base + 1}"
         if f" {host_ip}/" not in used:
-            return host_ip, f"10.203.{base >> 8}.{(base & 255) + 2}"
-    raise AssertionError("no free /30 in 10.203.0.0/16")
+            return host_ip, f"198.51.100.{base + 2}"
+    raise AssertionError("no free /30 in 198.51.100.0/24")
 
 
 def node_prefix(data_dir: Path) -> str:

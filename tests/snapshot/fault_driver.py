@@ -33,7 +33,7 @@ async def main(data: Path, run_root: Path, mode: str, args: list[str]) -> int:
         async with SandboxManager(store, ensure_guest(quiet=True), run_root) as mgr:
             if mode == "setup":
                 sbx = await mgr.create("base", timeout=3600)
-                _, digest, pid = await start_worker(sbx.envd_port)
+                _, digest, pid = await start_worker(sbx)
                 await mgr.pause(sbx.id)
                 say("SID", sbx.id, digest, pid)
                 return 0
@@ -47,7 +47,7 @@ async def main(data: Path, run_root: Path, mode: str, args: list[str]) -> int:
                 return 3
             say("phase resume")
             sbx = await mgr.resume(sid)
-            count, d, p = await read_counter(sbx.envd_port)
+            count, d, p = await read_counter(sbx)
             if (d, p) != (digest, pid):
                 say("MISMATCH", d, p)
                 return 4

@@ -70,7 +70,7 @@ def test_pauses_squash_a_long_disk_chain(env, tmp_path: Path, monkeypatch) -> No
             sbx = await mgr.create("base")
             depths = []
             for i in range(4):
-                await ash(sbx.envd_port, f"echo round-{i} > /home/user/r{i} && sync")
+                await ash(sbx, f"echo round-{i} > /home/user/r{i} && sync")
                 rec = await mgr.pause(sbx.id)
                 await mgr.wait_committed(sbx.id)
                 rec = mgr.record(sbx.id)
@@ -78,7 +78,7 @@ def test_pauses_squash_a_long_disk_chain(env, tmp_path: Path, monkeypatch) -> No
                 depths.append(len(load_stack(env.store, Digest(bytes.fromhex(rec.snapshot.disk_top)))))
                 sbx = await mgr.resume(sbx.id)
                 for j in range(i + 1):
-                    assert await ash(sbx.envd_port, f"cat /home/user/r{j}") == f"round-{j}"
+                    assert await ash(sbx, f"cat /home/user/r{j}") == f"round-{j}"
             assert max(depths) <= 3 and 1 in depths, depths
             await mgr.kill(sbx.id)
     asyncio.run(run())

@@ -20,7 +20,9 @@ import pytest
 from aenv_vm.blockimage.image import BlockImage
 from aenv_vm.blockimage.nbd_server import NbdServer
 from aenv_vm.envd_client import decode_envelopes, encode_envelope, http_request
-from aenv_vm.net import netns, networks
+from aenv_vm.errors import Unsupported, VmError
+from aenv_vm.net import netns, networks, rules
+from aenv_vm.net.egress import PORTS
 from aenv_vm.net.policy import NetworkPolicy, with_internet
 from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, build_command
 from aenv_vm.qemu.migration import load_device_state
@@ -34,6 +36,10 @@ pytestmark = pytest.mark.qemu
 
 
 DENY_ALL = with_internet(NetworkPolicy(), False)
+
+
+def OPEN_RULES(net: netns.SandboxNet) -> str:  # noqa: N802 - a constant-like ruleset maker
+    return rules.ruleset("tap" if net.tap else "user", NetworkPolicy(), PORTS)
 
 # Clones restored straight from the template (no manager to re-key them) still
 # demand the template's envd secret; set by the fixtures below.
@@ -117,7 +123,8 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
         try:
             for i in range(2):
                 sid = f"sbx-nettest{i:04d}"
-                net = await asyncio.to_thread(netns.create, tag, sid, None, i == 0)
+                policy = NetworkPolicy() if i == 0 else DENY_ALL
+                net = await asyncio.to_thread(netns.create, tag, sid, lambda n, p=policy: rules.ruleset("tap", p, PORTS))
                 nets.append(net)
                 image = BlockImage.open(env.store, tpl.disk, sid, upper_dir=tmp_path / sid / "upper")
                 images.append(image)
@@ -126,7 +133,7 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
                               kernel_cmdline=tpl.kernel_cmdline, run_dir=tmp_path / sid, memory_mib=tpl.memory_mib,
                               vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
                               mem_path=mem, mem_share=False, disk=NbdDisk(server.socket_path, sid),
-                              incoming_defer=True, netns=net.name)
+                              incoming_defer=True, netns=net.name, tap=True)
                 vm = await QemuProcess.start(spec)   # joins the namespace itself (setns before exec)
                 vms.append(vm)
                 await load_device_state(vm, tap_state)
@@ -149,16 +156,17 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
                     pass
                 assert time.monotonic() < deadline, "guest port 8080 not reachable through the namespace"
                 await asyncio.sleep(0.2)
-            assert nets[0].endpoint(8080) == (nets[0].ns_ip, 8080)
-            # egress: on for sandbox 0, off for sandbox 1, then switched
+            # the node's own address on the sandbox's link is never reachable from the guest,
+            # egress allowed (sandbox 0) or not (sandbox 1), nor the guest side of the
+            # namespace (10.0.2.2) beyond the node's DNS and proxy listeners
             probe = f"timeout 3 bash -c 'echo > /dev/tcp/{{ip}}/{port}' && echo ok || echo blocked"
-            assert (await asyncio.to_thread(run, nets[0].envd_host, probe.format(ip=nets[0].host_ip)))[1] == "ok"
+            for net in nets:
+                for ip in (net.host_ip, "10.0.2.2"):
+                    assert (await asyncio.to_thread(run, net.envd_host, probe.format(ip=ip)))[1] == "blocked", ip
+            assert not accepted
+            # a policy change is one nft transaction on the running guest
+            await asyncio.to_thread(netns.apply, nets[1], rules.ruleset("tap", NetworkPolicy(), PORTS))
             assert (await asyncio.to_thread(run, nets[1].envd_host, probe.format(ip=nets[1].host_ip)))[1] == "blocked"
-            assert nets[0].ns_ip in accepted and nets[1].ns_ip not in accepted
-            nets[1] = await asyncio.to_thread(netns.set_egress, nets[1], True)
-            assert (await asyncio.to_thread(run, nets[1].envd_host, probe.format(ip=nets[1].host_ip)))[1] == "ok"
-            nets[0] = await asyncio.to_thread(netns.set_egress, nets[0], False)
-            assert (await asyncio.to_thread(run, nets[0].envd_host, probe.format(ip=nets[0].host_ip)))[1] == "blocked"
         finally:
             for vm in vms:
                 await vm.stop()
@@ -184,11 +192,11 @@ def test_remove_orphans(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root")
     tag = netns.node_tag(tmp_path)
-    a = netns.create(tag, "sbx-orphan000001")
-    b = netns.create(tag, "sbx-orphan000002")
-    assert a.index != b.index and a.host_ip != b.host_ip
+    a = netns.create(tag, "sbx-orphan000001", OPEN_RULES)
+    b = netns.create(tag, "sbx-orphan000002", OPEN_RULES, tap=False)
+    assert a.index != b.index and a.host_ip != b.host_ip and a.tap and not b.tap
     with pytest.raises(netns.NetError, match="already in use"):
-        netns.create(tag, "sbx-orphan000003", a.index)
+        netns.create(tag, "sbx-orphan000003", OPEN_RULES, a.index)
     try:
         assert netns.remove_orphans(tag, keep={b.name}) == [a.name]
         assert netns.list_namespaces(tag) == [b.name]
@@ -204,9 +212,15 @@ def test_command_line_per_network_mode(tmp_path: Path) -> None:
     assert "user,id=net0,hostfwd=tcp:127.0.0.1:4000-10.0.2.15:49983" in user and "restrict" not in user
     closed = " ".join(build_command(VmSpec(**base, host_port=4000, net_restrict=True)))  # type: ignore[arg-type]
     assert "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:4000-10.0.2.15:49983" in closed
-    tap = " ".join(build_command(VmSpec(**base, netns="aenv-ab-123", host_port=None)))  # type: ignore[arg-type]
+    tap = " ".join(build_command(VmSpec(**base, netns="aenv-ab-123", tap=True)))  # type: ignore[arg-type]
     assert "-netdev tap,id=net0,ifname=tap0,script=no,downscript=no" in tap and "hostfwd" not in tap
     assert "virtio-net-device,netdev=net0,mac=52:54:00:12:34:56" in tap
+    # isolated user mode: QEMU in the sandbox's namespace, host forwards on its address
+    inside = " ".join(build_command(VmSpec(**base, netns="aenv-ab-123", host_port=49983,  # type: ignore[arg-type]
+                                           hostfwd_host="10.201.0.2")))
+    assert "user,id=net0,hostfwd=tcp:10.201.0.2:49983-10.0.2.15:49983" in inside and "tap" not in inside
+    with pytest.raises(VmError, match="namespace"):
+        build_command(VmSpec(**base, tap=True))  # type: ignore[arg-type]
 
 
 def test_device_state_for_tap_is_made_once(env: Env, tmp_path: Path) -> None:
@@ -223,48 +237,70 @@ def test_device_state_for_tap_is_made_once(env: Env, tmp_path: Path) -> None:
 def test_node_networks_modes(tmp_path: Path) -> None:
     with pytest.raises(netns.NetError, match="user, tap"):
         networks.NodeNetworks("bridge", tmp_path)
+    with pytest.raises(netns.NetError, match="auto, required, off"):
+        networks.NodeNetworks("user", tmp_path, "maybe")
 
     async def main() -> None:
-        user = networks.NodeNetworks("user", tmp_path)
-        fields = await user.attach("sbx-0000000000000001", DENY_ALL)
+        plain = networks.NodeNetworks("user", tmp_path, "off")    # not isolated: 127.0.0.1 forwards
+        await plain.start()
+        assert not plain.isolated and "WITHOUT isolation" in plain.describe()
+        fields = await plain.attach("sbx-0000000000000001", DENY_ALL)
         assert fields["netns"] is None and fields["net_restrict"] is True and isinstance(fields["host_port"], int)
+        assert (await plain.attach("sbx-0000000000000001"))["net_restrict"] is False   # "off": unfiltered
+        assert plain.can_apply(NetworkPolicy()) and not plain.can_apply(DENY_ALL)
+        with pytest.raises(Unsupported, match="namespaces"):
+            await plain.apply("sbx-0000000000000001", DENY_ALL)
         if os.geteuid() != 0:
             return
-        tap = networks.NodeNetworks("tap", tmp_path)
-        fields = await tap.attach("sbx-0000000000000002", DENY_ALL)
-        net = tap.get("sbx-0000000000000002")
-        assert net is not None and fields == {"host_port": None, "netns": net.name} and not net.egress
-        await tap.apply("sbx-0000000000000002", NetworkPolicy())
-        assert tap.get("sbx-0000000000000002").egress  # type: ignore[union-attr]
-        await tap.release("sbx-0000000000000002")
-        await tap.release("sbx-0000000000000002")   # idempotent
-        assert netns.list_namespaces(tap.tag) == []
+        for mode in ("user", "tap"):
+            node = networks.NodeNetworks(mode, tmp_path)
+            await node.start()
+            assert node.isolated and "one namespace per sandbox" in node.describe()
+            sid = f"sbx-000000000000000{2 if mode == 'user' else 3}"
+            fields = await node.attach(sid, DENY_ALL)
+            net = node.get(sid)
+            assert net is not None and net.tap == (mode == "tap") and fields["netns"] == net.name
+            if mode == "user":
+                assert fields == {"host_port": ENVD_PORT, "hostfwd_host": net.ns_ip, "netns": net.name, "tap": False}
+            assert node.can_apply(DENY_ALL)
+            await node.apply(sid, NetworkPolicy())
+            await node.release(sid)
+            await node.release(sid)   # idempotent
+            assert netns.list_namespaces(node.tag) == []
+            await node.close()
     asyncio.run(main())
 
 
 @pytest.mark.usefixtures("template_secret")
-def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
-    """User mode: egress off (QEMU's restrict=on) stops the guest reaching the host
-    (10.0.2.2 is the host's loopback there) while envd's forward still works; another
-    guest port is reached through the forward ``Sandbox.endpoint`` adds (hostfwd_add)."""
+def test_user_mode_gateway_is_not_the_hosts_loopback(env: Env, tmp_path: Path) -> None:
+    """User mode: QEMU maps the guest's gateway 10.0.2.2 to the loopback of the namespace
+    QEMU runs in. Isolated (a namespace per sandbox) that loopback is the sandbox's own,
+    where only the node's DNS and proxy listeners are reachable; not isolated, QEMU's
+    restrict=on cuts the guest off; only ``isolation = "off"`` reaches the host's
+    127.0.0.1 (the development-only hazard it documents). envd's forward works in all
+    three; another guest port is reached through the forward ``Sandbox.endpoint`` adds."""
     tpl = env.template
     mem, state = materialize(env.store, tpl, tmp_path / "templates")
     listener, port, accepted = _listener("127.0.0.1")
 
     async def main() -> list[str]:
-        user = networks.NodeNetworks("user", tmp_path)
         server = NbdServer(tmp_path / "nbd.sock")
         await server.start()
         vms: list[QemuProcess] = []
         images: list[BlockImage] = []
+        nodes: list[networks.NodeNetworks] = []
         answers: list[str] = []
         try:
-            for i, egress in enumerate((True, False)):
+            for i, isolation in enumerate(("off", "no-namespace", "auto")):
+                node = networks.NodeNetworks("user", tmp_path, "off" if isolation == "off" else "auto")
+                if isolation != "no-namespace":    # without start() a node has no namespaces
+                    await node.start()
+                nodes.append(node)
                 sid = f"sbx-usertest{i:04d}"
                 image = BlockImage.open(env.store, tpl.disk, sid, upper_dir=tmp_path / sid / "upper")
                 images.append(image)
                 server.add_export(image)
-                fields = await user.attach(sid, NetworkPolicy() if egress else DENY_ALL)
+                fields = await node.attach(sid, NetworkPolicy())
                 spec = VmSpec(name=sid, kernel=env.guest.kernel, initrd=env.guest.initrd,
                               kernel_cmdline=tpl.kernel_cmdline, run_dir=tmp_path / sid, memory_mib=tpl.memory_mib,
                               vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
@@ -273,37 +309,38 @@ def test_user_mode_egress_off_is_restrict(env: Env, tmp_path: Path) -> None:
                 vm = await QemuProcess.start(spec)
                 vms.append(vm)
                 await load_device_state(vm, state)
-                await wait_health("127.0.0.1", port=spec.host_port or 0)
+                sbx = Sandbox(sid, tpl, vm, image, tmp_path / sid, net=node.get(sid))
+                await wait_health(sbx.envd_host, port=sbx.envd_port)
                 probe = f"timeout 3 bash -c 'echo > /dev/tcp/10.0.2.2/{port}' && echo ok || echo blocked"
-                answers.append((await asyncio.to_thread(run, "127.0.0.1", probe, spec.host_port or 0))[1])
-                if egress:
-                    sbx = Sandbox(sid, tpl, vm, image, tmp_path / sid)
-                    assert await sbx.endpoint(ENVD_PORT) == ("127.0.0.1", spec.host_port)
-                    await asyncio.to_thread(run, "127.0.0.1", "cd /etc && nohup python3 -m http.server 8080 "
-                                            ">/dev/null 2>&1 &", spec.host_port or 0)
-                    host, fwd = await sbx.endpoint(8080)
-                    assert host == "127.0.0.1" and fwd != spec.host_port and await sbx.endpoint(8080) == (host, fwd)
-                    deadline = time.monotonic() + 60
-                    while True:
-                        try:
-                            if (await http_request("127.0.0.1", fwd, "GET", "/hostname", timeout=2.0)).status == 200:
-                                break
-                        except (OSError, asyncio.TimeoutError, ConnectionError):
-                            pass
-                        assert time.monotonic() < deadline, "guest port 8080 not reachable through hostfwd"
-                        await asyncio.sleep(0.2)
+                answers.append((await asyncio.to_thread(run, sbx.envd_host, probe, sbx.envd_port))[1])
+                assert await sbx.endpoint(ENVD_PORT) == (sbx.envd_host, sbx.envd_port)
+                await asyncio.to_thread(run, sbx.envd_host, "cd /etc && nohup python3 -m http.server 8080 "
+                                        ">/dev/null 2>&1 &", sbx.envd_port)
+                host, fwd = await sbx.endpoint(8080)
+                assert host == sbx.envd_host and await sbx.endpoint(8080) == (host, fwd)
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        if (await http_request(host, fwd, "GET", "/hostname", timeout=2.0)).status == 200:
+                            break
+                    except (OSError, asyncio.TimeoutError, ConnectionError):
+                        pass
+                    assert time.monotonic() < deadline, "guest port 8080 not reachable through hostfwd"
+                    await asyncio.sleep(0.2)
         finally:
             for vm in vms:
                 await vm.stop()
             await server.close()
             for image in images:
                 image.close()
+            for node in nodes:
+                await node.close()
         return answers
     try:
         answers = asyncio.run(main())
     finally:
         listener.close()
-    assert answers == ["ok", "blocked"], answers
+    assert answers == ["ok", "blocked", "blocked"], answers
     assert len(accepted) == 1
     assert not qemu_children()
     shutil.rmtree(tmp_path / "templates", ignore_errors=True)
@@ -341,7 +378,7 @@ def test_destroy_aborts_host_connections(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    net = netns.create(netns.node_tag(tmp_path), "sbx-sockets000001")
+    net = netns.create(netns.node_tag(tmp_path), "sbx-sockets000001", OPEN_RULES)
     server = None
     try:
         # the guest's address answered by the namespace itself (no VM needed for this)
@@ -351,7 +388,7 @@ def test_destroy_aborts_host_connections(tmp_path: Path) -> None:
                                    "print('ready',flush=True)\nc,_=s.accept()\ntime.sleep(60)"],
                                   stdout=subprocess.PIPE, text=True)
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        conn = socket.create_connection(net.endpoint(8123), timeout=5)   # DNAT to the "guest"
+        conn = socket.create_connection((net.ns_ip, 8123), timeout=5)   # DNAT to the "guest"
         conn.settimeout(5)
         netns.destroy(net)
         try:
@@ -368,17 +405,3 @@ def test_destroy_aborts_host_connections(tmp_path: Path) -> None:
             server.wait()
         netns.destroy(net)
     assert netns.list_namespaces(netns.node_tag(tmp_path)) == []
-
-
-def test_host_nameserver_and_rules(tmp_path: Path) -> None:
-    conf = tmp_path / "resolv.conf"
-    conf.write_text("# comment\nnameserver 127.0.0.53\nnameserver ::1\nnameserver fd00::1\nnameserver bogus\n"
-                    "search example\nnameserver 192.0.2.53\nnameserver 198.51.100.1\n")
-    assert netns.host_nameserver(conf) == "192.0.2.53"
-    conf.write_text("nameserver 127.0.0.53\n")
-    assert netns.host_nameserver(conf) is None
-    assert netns.host_nameserver(tmp_path / "missing") is None
-    rules = netns._ruleset(False, "192.0.2.53")
-    assert 'iifname "tap0" ip daddr 10.0.2.3 udp dport 53 dnat to 192.0.2.53' in rules
-    assert 'iifname "eth0" meta l4proto tcp dnat to 10.0.2.15' in rules and 'oifname "eth0" drop' in rules
-    assert "dport 53" not in netns._ruleset(True) and "drop" not in netns._ruleset(True)

@@ -12,6 +12,7 @@ from aenv_vm.errors import Conflict
 from aenv_vm.memory import memory_image as mi
 from aenv_vm.sandboxes.manager import SandboxManager
 from aenv_vm.sandboxes.records import SandboxState
+from aenv_vm.sandboxes.sandbox import Sandbox
 
 from .conftest import Env, qemu_children
 
@@ -34,13 +35,13 @@ while True:
 """
 
 
-async def ash(port: int, cmd: str, token: str | None = None) -> str:
-    r = await EnvdClient("127.0.0.1", port, token).run(cmd, user="root", timeout=60.0)
+async def ash(box: Sandbox, cmd: str, token: str | None = None) -> str:
+    r = await EnvdClient(box.envd_host, box.envd_port, token).run(cmd, user="root", timeout=60.0)
     assert r.exit_code == 0, r
     return r.stdout.decode().strip()
 
 
-async def start_worker(port: int, token: str | None = None) -> tuple[int, str, int]:
+async def start_worker(port: Sandbox, token: str | None = None) -> tuple[int, str, int]:
     await ash(port, "cat > /root/worker.py <<'EOF'\n" + WORKER + "\nEOF\n"
                     "nohup python3 /root/worker.py >/dev/null 2>&1 &", token)
     for _ in range(100):
@@ -54,7 +55,7 @@ async def start_worker(port: int, token: str | None = None) -> tuple[int, str, i
     raise AssertionError("worker did not start")
 
 
-async def read_counter(port: int, token: str | None = None) -> tuple[int, str, int]:
+async def read_counter(port: Sandbox, token: str | None = None) -> tuple[int, str, int]:
     count, digest, pid = (await ash(port, "cat /home/user/counter", token)).split()
     return int(count), digest, int(pid)
 
@@ -67,7 +68,7 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
     async def run() -> None:
         async with SandboxManager(env.store, env.guest, tmp_path / "node") as mgr:
             sbx = await mgr.create("base", env_vars={"K": "v"}, metadata={"owner": "test"})
-            port = sbx.envd_port
+            port = sbx
             count0, digest, pid = await start_worker(port)
             await ash(port, "echo on-disk > /home/user/file && sync")
             rec = await mgr.pause(sbx.id)
@@ -83,7 +84,7 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
             again = await mgr.resume(sbx.id)
             print(f"[snapshot] resume {mgr.last_resume}")
             assert again.id == sbx.id and mgr.record(sbx.id).state == SandboxState.RUNNING
-            port = again.envd_port
+            port = again
             c1, d1, p1 = await read_counter(port)
             await asyncio.sleep(0.8)
             c2, d2, p2 = await read_counter(port)
@@ -97,7 +98,7 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
             await mgr.pause(sbx.id)
             await mgr.wait_committed(sbx.id)
             await mgr.resume(sbx.id)
-            port = mgr.get(sbx.id).envd_port
+            port = mgr.get(sbx.id)
             before = repo_bytes(env)
             await ash(port, "head -c 8M /dev/urandom > /home/user/big")
             previous = Path(mgr.record(sbx.id).snapshot.local)              # type: ignore[union-attr]
@@ -115,7 +116,7 @@ def test_pause_resume_keeps_process_memory_and_disk(env: Env, tmp_path: Path) ->
             print(f"[snapshot] second pause after writing 8 MiB added {added / 2**20:.1f} MiB to the store")
             assert added <= 2 * (8 << 20) + (2 << 20)
             await mgr.resume(sbx.id)
-            c3, d3, p3 = await read_counter(mgr.get(sbx.id).envd_port)
+            c3, d3, p3 = await read_counter(mgr.get(sbx.id))
             assert p3 == pid and d3 == digest and c3 > c2
             await mgr.kill(sbx.id)
             assert not (tmp_path / "node" / "paused" / sbx.id).exists()

@@ -21,8 +21,8 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
         async with SandboxManager(env.store, env.guest, tmp_path / "node") as mgr:
             parent = await mgr.create("base", metadata={"role": "parent"}, access_token="tok-parent")
             T = "tok-parent"
-            _, digest, pid = await start_worker(parent.envd_port, T)
-            await ash(parent.envd_port, "echo before > /home/user/shared", T)
+            _, digest, pid = await start_worker(parent, T)
+            await ash(parent, "echo before > /home/user/shared", T)
 
             snap_id, names = await mgr.snapshot(parent.id, "snap-a")
             assert names == ["snap-a"] and snap_id.startswith("tpl-")
@@ -31,18 +31,18 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
             with pytest.raises(Conflict, match="already exists"):
                 await mgr.snapshot(parent.id, "snap-a")
             # the parent keeps running after the snapshot
-            c1, _, _ = await read_counter(parent.envd_port, T)
+            c1, _, _ = await read_counter(parent, T)
             await asyncio.sleep(0.5)
-            assert (await read_counter(parent.envd_port, T))[0] > c1
+            assert (await read_counter(parent, T))[0] > c1
 
             # a sandbox created from the snapshot inherits its envd state, token included
             child = await mgr.create("snap-a", access_token=T)
-            cc, cd, cp = await read_counter(child.envd_port, T)
+            cc, cd, cp = await read_counter(child, T)
             await asyncio.sleep(0.5)
-            assert (cd, cp) == (digest, pid) and (await read_counter(child.envd_port, T))[0] > cc
-            assert await ash(child.envd_port, "cat /home/user/shared", T) == "before"
-            await ash(child.envd_port, "echo child > /home/user/only-child", T)
-            assert await ash(parent.envd_port, "cat /home/user/only-child 2>/dev/null || echo absent", T) == "absent"
+            assert (cd, cp) == (digest, pid) and (await read_counter(child, T))[0] > cc
+            assert await ash(child, "cat /home/user/shared", T) == "before"
+            await ash(child, "echo child > /home/user/only-child", T)
+            assert await ash(parent, "cat /home/user/only-child 2>/dev/null || echo absent", T) == "absent"
 
             kids = await mgr.fork(parent.id, 2)
             assert all(not isinstance(k, Exception) for k in kids), kids
@@ -50,7 +50,7 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
             tokens = [mgr.record(k.id).access_token for k in kids]      # type: ignore[union-attr]
             assert len(set(tokens)) == 2 and T not in tokens and None not in tokens
             for i, k in enumerate(kids):
-                port = k.envd_port                                        # type: ignore[union-attr]
+                port = k                                        # type: ignore[union-attr]
                 _, kd, kp = await read_counter(port, tokens[i])
                 assert (kd, kp) == (digest, pid)                          # continues from the fork point
                 assert await ash(port, "hostname", tokens[i]) == k.id     # type: ignore[union-attr]
@@ -58,11 +58,11 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
                 assert mgr.record(k.id).metadata["forked_from"] == parent.id  # type: ignore[union-attr]
             for i, k in enumerate(kids):
                 other = kids[1 - i]
-                assert await ash(other.envd_port,                         # type: ignore[union-attr]
+                assert await ash(other,                         # type: ignore[union-attr]
                                  f"cat /home/user/fork-{i} 2>/dev/null || echo absent", tokens[1 - i]) == "absent"
-                assert await ash(parent.envd_port, f"cat /home/user/fork-{i} 2>/dev/null || echo absent",
+                assert await ash(parent, f"cat /home/user/fork-{i} 2>/dev/null || echo absent",
                                  T) == "absent"
-            assert (await read_counter(parent.envd_port, T))[1:] == (digest, pid)  # parent resumed with its id
+            assert (await read_counter(parent, T))[1:] == (digest, pid)  # parent resumed with its id
             # the fork's snapshot is committed in the background: a child's pause waits for it
             # and takes its delta over the committed memory image; the child resumes from it
             k0 = kids[0]
@@ -70,8 +70,8 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
             assert rec0.snapshot is not None
             assert rec0.snapshot.base == mgr.template(rec0.template).memory.hex()
             k0 = await mgr.resume(k0.id)                                 # type: ignore[union-attr]
-            assert await ash(k0.envd_port, "cat /home/user/fork-0", tokens[0]) == "0"
-            assert (await read_counter(k0.envd_port, tokens[0]))[1:] == (digest, pid)
+            assert await ash(k0, "cat /home/user/fork-0", tokens[0]) == "0"
+            assert (await read_counter(k0, tokens[0]))[1:] == (digest, pid)
             with pytest.raises(BadRequest, match="1..16"):
                 await mgr.fork(parent.id, 17)
 

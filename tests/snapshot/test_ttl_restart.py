@@ -32,8 +32,8 @@ def test_ttl_pause_and_delete_then_restart(env: Env, tmp_path: Path) -> None:
         async with SandboxManager(env.store, env.guest, node) as mgr:
             keep = await mgr.create("base", timeout=600, metadata={"k": "v"})
             gone = await mgr.create("base", timeout=1.0, auto_pause=False)
-            _, digest, pid = await start_worker(keep.envd_port)
-            await ash(keep.envd_port, "echo persisted > /home/user/p")
+            _, digest, pid = await start_worker(keep)
+            await ash(keep, "echo persisted > /home/user/p")
             rec = await mgr.set_timeout(keep.id, 1.0)
             assert rec.end_at - time.time() < 1.5 and rec.started_at <= time.time()
             await wait_for(lambda: gone.id not in mgr.sandboxes and keep.id not in mgr.sandboxes
@@ -60,9 +60,9 @@ def test_ttl_pause_and_delete_then_restart(env: Env, tmp_path: Path) -> None:
             assert rec.state == SandboxState.PAUSED and rec.metadata == {"k": "v"}
             assert rec.snapshot is not None and rec.snapshot.committed
             sbx = await mgr.resume(sid, timeout=600)
-            _, d, p = await read_counter(sbx.envd_port)
+            _, d, p = await read_counter(sbx)
             assert (d, p) == (digest, pid)
-            assert await ash(sbx.envd_port, "cat /home/user/p") == "persisted"
+            assert await ash(sbx, "cat /home/user/p") == "persisted"
             assert mgr.record(sid).end_at > time.time() + 500
             await mgr.kill(sid)
             assert mgr.records() == []

@@ -1,0 +1,214 @@
+"""The node's egress services for its sandboxes: per sandbox, an egress proxy
+and a DNS forwarder (dns.py) listening inside the sandbox's namespace.
+
+The namespace's nftables table (rules.py) redirects there what the node must
+decide itself: all DNS, and -- when the sandbox has hostname rules -- TCP 80
+and 443 to destinations no CIDR allows explicitly. For each such connection
+the proxy reads the first bytes (sniff.py: TLS SNI or HTTP Host), then:
+
+* a name the policy allows: the connection goes to an address the *node*
+  resolves for that name (the one the guest dialled when it is among them),
+  so a guest naming an allowed host cannot reach another address with it;
+  an address in a special range (RFC 1918, loopback, ...) is refused unless
+  a CIDR allows it explicitly (no DNS rebinding into the node's neighbours);
+* anything else: the original destination (the namespace's connection
+  tracking knows it) decided by address, as the table would have.
+
+Upstream connections leave from the node's own namespace. Nothing here ever
+connects to the node's own addresses or a sandbox network (``never``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from . import dns as dnsfwd
+from . import nsock
+from .policy import SPECIAL_RANGES, NetworkPolicy
+from .rules import SANDBOX_NETS, Ports
+from .sniff import MAX_SNIFF, NEED_MORE, Name, sniff
+
+log = logging.getLogger(__name__)
+
+PORTS = Ports(dns=10053, proxy=10080)   # inside each namespace (its own port space)
+
+
+def egress_ports() -> Ports:
+    """Where the proxy and the DNS forwarder listen in every sandbox namespace."""
+    return PORTS
+SNIFF_TIMEOUT = 5.0         # seconds a redirected connection has to say where it goes
+CONNECT_TIMEOUT = 10.0
+RELAY_CHUNK = 64 << 10
+
+
+@dataclass
+class _Sandbox:
+    policy: NetworkPolicy
+    forwarder: dnsfwd.Forwarder
+    servers: list[asyncio.AbstractServer] = field(default_factory=list)
+    udp: dnsfwd.UdpServer | None = None
+    conns: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    host: str | None        # where to connect (None: refuse)
+    port: int
+    why: str
+
+
+def dns_servers_for(policy: NetworkPolicy, upstream: Sequence[str]) -> Sequence[str]:
+    """Where a sandbox's DNS queries go: its ``dns_servers`` when set (``[]``: none);
+    else the node's upstream while it may reach the internet or has hostname rules;
+    else nowhere (internet denied and nothing named: DNS is refused, as E2B's firewall
+    would drop it)."""
+    if policy.dns_servers is not None:
+        return policy.dns_servers
+    return upstream if policy.internet or policy.allow_hosts else ()
+
+
+class EgressService:
+    """Proxy and DNS listeners of this node's sandbox namespaces. Use within one event loop."""
+
+    def __init__(self, upstream_dns: Sequence[str], never: Sequence[ipaddress.IPv4Network] = ()) -> None:
+        self.upstream_dns = list(upstream_dns)
+        self.never = (SANDBOX_NETS, *never)
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self.refused = 0        # connections refused (all sandboxes), for tests and metrics
+
+    async def attach(self, sid: str, namespace: str, bind: str, policy: NetworkPolicy) -> Ports:
+        """Listen in ``namespace`` on ``bind`` (127.0.0.1 in user mode, 0.0.0.0 in tap mode)."""
+        await self.detach(sid)
+        box = _Sandbox(policy, dnsfwd.Forwarder(lambda: self._dns_servers(sid)))
+        loop = asyncio.get_running_loop()
+        try:
+            tcp_proxy = await asyncio.to_thread(nsock.listener, namespace, socket.SOCK_STREAM, (bind, PORTS.proxy))
+            box.servers.append(await asyncio.start_server(
+                lambda r, w: self._track(box, self._proxy(sid, r, w)), sock=tcp_proxy))
+            tcp_dns = await asyncio.to_thread(nsock.listener, namespace, socket.SOCK_STREAM, (bind, PORTS.dns))
+            box.servers.append(await asyncio.start_server(
+                lambda r, w: self._track(box, dnsfwd.serve_tcp(box.forwarder, r, w)), sock=tcp_dns))
+            udp_dns = await asyncio.to_thread(nsock.listener, namespace, socket.SOCK_DGRAM, (bind, PORTS.dns))
+            _, box.udp = await loop.create_datagram_endpoint(lambda: dnsfwd.UdpServer(box.forwarder), sock=udp_dns)
+        except BaseException:
+            await self._close(box)
+            raise
+        self._sandboxes[sid] = box
+        return PORTS
+
+    def update(self, sid: str, policy: NetworkPolicy) -> None:
+        box = self._sandboxes.get(sid)
+        if box is not None:
+            box.policy = policy
+
+    async def detach(self, sid: str) -> None:
+        box = self._sandboxes.pop(sid, None)
+        if box is not None:
+            await self._close(box)
+
+    async def close(self) -> None:
+        for sid in list(self._sandboxes):
+            await self.detach(sid)
+
+    @staticmethod
+    async def _close(box: _Sandbox) -> None:
+        for server in box.servers:
+            server.close()
+        if box.udp is not None:
+            box.udp.close()
+        for task in list(box.conns):
+            task.cancel()
+        for server in box.servers:
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+
+    def _track(self, box: _Sandbox, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        box.conns.add(task)
+        task.add_done_callback(box.conns.discard)
+
+    def _dns_servers(self, sid: str) -> Sequence[str]:
+        box = self._sandboxes.get(sid)
+        return () if box is None else dns_servers_for(box.policy, self.upstream_dns)
+
+    # ------------------------------------------------------------ the proxy
+    def _blocked(self, addr: ipaddress.IPv4Address, policy: NetworkPolicy, named: bool) -> bool:
+        if any(addr in n for n in self.never):
+            return True
+        if named:   # the name is allowed: only the special ranges still need an explicit CIDR
+            return any(addr in n for n in SPECIAL_RANGES) and not any(addr in n for n in policy.allow_nets)
+        return policy.decide_ip(addr) == "deny"
+
+    async def decide(self, policy: NetworkPolicy, original: tuple[str, int] | None, name: str | None) -> Verdict:
+        """Where a redirected connection may go (see the module doc)."""
+        if original is None:
+            return Verdict(None, 0, "not a redirected connection")
+        dst_ip, port = original
+        if name is not None and policy.hostname_allowed(name):
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(name, port, family=socket.AF_INET,
+                                                                     type=socket.SOCK_STREAM)
+            except (OSError, UnicodeError) as e:
+                return Verdict(None, port, f"{name} does not resolve: {e}")
+            addrs = list(dict.fromkeys(str(i[4][0]) for i in infos))
+            allowed = [a for a in addrs if not self._blocked(ipaddress.IPv4Address(a), policy, named=True)]
+            if not allowed:
+                return Verdict(None, port, f"{name} resolves only to addresses a sandbox may not reach")
+            return Verdict(dst_ip if dst_ip in allowed else allowed[0], port, f"name {name} allowed")
+        if self._blocked(ipaddress.IPv4Address(dst_ip), policy, named=False):
+            return Verdict(None, port, f"{dst_ip} denied" + (f" (name {name} not allowed)" if name else ""))
+        return Verdict(dst_ip, port, f"{dst_ip} allowed")
+
+    async def _proxy(self, sid: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            original = nsock.original_destination(writer.get_extra_info("socket"))
+            head = b""
+            name = None
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with asyncio.timeout(SNIFF_TIMEOUT):
+                    while len(head) < MAX_SNIFF:
+                        said = sniff(head)
+                        if said is not NEED_MORE:
+                            name = said.host if isinstance(said, Name) else None
+                            break
+                        more = await reader.read(4096)
+                        if not more:
+                            break
+                        head += more
+            box = self._sandboxes.get(sid)
+            if box is None:
+                return
+            verdict = await self.decide(box.policy, original, name)
+            if verdict.host is None:
+                self.refused += 1
+                log.info("egress of %s refused: %s", sid, verdict.why)
+                return
+            up_reader, upstream = await asyncio.wait_for(asyncio.open_connection(verdict.host, verdict.port),
+                                                         CONNECT_TIMEOUT)
+            upstream.write(head)
+            await asyncio.gather(_pump(reader, upstream), _pump(up_reader, writer))
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+            log.debug("egress of %s: %s", sid, e)
+        finally:
+            for w in (writer, upstream):
+                if w is not None:
+                    w.close()
+
+
+async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    try:
+        while data := await src.read(RELAY_CHUNK):
+            dst.write(data)
+            await dst.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            if dst.can_write_eof():
+                dst.write_eof()
