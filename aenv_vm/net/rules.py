@@ -83,8 +83,10 @@ def ruleset(mode: Mode, policy: NetworkPolicy, ports: Ports, never: Iterable[ipa
             "        type filter hook output priority 0; policy accept;\n"
             "        ct state established,related accept\n"
             # only what the nat chain redirected reaches the node's listeners: a guest
-            # dialling 10.0.2.2 (this namespace's loopback) directly reaches nothing
-            '        oifname "lo" ct status dnat accept\n'
+            # dialling 10.0.2.2 (this namespace's loopback) directly reaches nothing.
+            # (Not "oifname lo": the output hook still sees the route chosen before the
+            # redirect, eth0.)
+            f"        ip daddr 127.0.0.1 th dport {{ {ports.dns}, {ports.proxy} }} ct status dnat accept\n"
             '        oifname "lo" drop\n'
             f"{decide}"
             "    }\n")
@@ -109,7 +111,8 @@ def ruleset(mode: Mode, policy: NetworkPolicy, ports: Ports, never: Iterable[ipa
             "        type filter hook input priority 0; policy accept;\n"
             '        iifname != "tap0" accept\n'
             "        ct state established,related accept\n"
-            "        ct status dnat accept\n"     # redirected to the node's listeners; nothing else here
+            # what nat_pre redirected to the node's listeners; nothing else here
+            f"        th dport {{ {ports.dns}, {ports.proxy} }} ct status dnat accept\n"
             "        drop\n"
             "    }\n")
     return (f"table inet {TABLE}\n"

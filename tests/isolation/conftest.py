@@ -42,7 +42,7 @@ def ip(*args: str) -> None:
 
 
 @dataclass
-class TestNet:
+class SealedNet:
     node: str
     inet: str
     lan: str
@@ -57,7 +57,7 @@ class TestNet:
         return path.read_text().split("\n")[:-1] if path.exists() else []
 
 
-def _start_host(net: TestNet, ns: str, argv: list[str], log: Path) -> None:
+def _start_host(net: SealedNet, ns: str, argv: list[str], log: Path) -> None:
     proc = subprocess.Popen([*net.exec_argv(ns), *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=open(log, "a"),
                             text=True, env={k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))})
     net.procs.append(proc)
@@ -67,10 +67,10 @@ def _start_host(net: TestNet, ns: str, argv: list[str], log: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def testnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestNet]:
+def testnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SealedNet]:
     _require(os.geteuid() == 0 and shutil.which("ip") is not None, "the attack suite needs root and iproute2")
     _require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
-    net = TestNet(f"aenvtest-node-{TAG}", f"aenvtest-inet-{TAG}", f"aenvtest-lan-{TAG}",
+    net = SealedNet(f"aenvtest-node-{TAG}", f"aenvtest-inet-{TAG}", f"aenvtest-lan-{TAG}",
                   tmp_path_factory.mktemp("testnet"), [])
     resolv = Path("/etc/netns") / net.node
     try:
@@ -128,7 +128,7 @@ class NodeServer:
                 raise AssertionError("aenv server did not stop in time:\n" + self.log.read_text()[-3000:])
 
 
-def start_node(net: TestNet, data_dir: Path, mode: str, log: Path) -> NodeServer:
+def start_node(net: SealedNet, data_dir: Path, mode: str, log: Path) -> NodeServer:
     """``aenv server`` inside the node namespace, listening on all its addresses (the
     harder target), pool of one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}

@@ -52,21 +52,36 @@ def probe(sbx: Sandbox, targets: list[tuple[str, int]]) -> dict[str, str]:
 
 
 def namespaces() -> dict[str, str]:
-    """This node's sandbox namespaces and their address on the link to the node."""
-    out = {}
-    for name in sorted(os.listdir("/run/netns")):
-        if name.startswith("aenv-"):
-            for line in sh(["ip", "-n", name, "-4", "-br", "addr", "show", "eth0"]).splitlines():
-                parts = line.split()
-                if len(parts) >= 3:
-                    out[name] = parts[2].split("/")[0]
+    """The sandbox namespaces of the node (found through its QEMU processes: the node
+    made them in its own mount namespace, so /run/netns here does not list them), as
+    ``/proc/PID/ns/net`` -> the namespace's address on its link to the node."""
+    out: dict[str, str] = {}
+    seen: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            inode = os.stat(f"/proc/{entry}/ns/net").st_ino
+        except OSError:
+            continue
+        if not argv or b"qemu-system" not in argv[0] or inode in seen:
+            continue
+        seen.add(inode)
+        ns = f"/proc/{entry}/ns/net"
+        done = subprocess.run(["nsenter", f"--net={ns}", "ip", "-4", "-br", "addr", "show", "eth0"],
+                              capture_output=True, text=True)
+        for line in done.stdout.splitlines():
+            parts = line.split()
+            if len(parts) >= 3:
+                out[ns] = parts[2].split("/")[0]
     return out
 
 
 def listening(netns: str | None = None) -> set[int]:
-    prefix = ["ip", "netns", "exec", netns] if netns else []
+    prefix = ["nsenter", f"--net={netns}"] if netns else []
     ports = set()
-    for line in sh([*prefix, "ss", "-ltnH"]).splitlines():
+    for line in subprocess.run([*prefix, "ss", "-ltnH"], capture_output=True, text=True).stdout.splitlines():
         local = line.split()[3]
         ports.add(int(local.rsplit(":", 1)[1]))
     return ports

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, TestNet, start_node
+from .conftest import REPO, SealedNet, start_node
 from .hosts import INET_IP, OTHER_INET_IP
 
 pytestmark = [pytest.mark.qemu, pytest.mark.slow]
 
 
-def run_scenario(net: TestNet, env: dict[str, str], what: str) -> dict:
+def run_scenario(net: SealedNet, env: dict[str, str], what: str) -> dict:
     done = subprocess.run([*net.exec_argv(net.node), sys.executable, "-m", "tests.isolation.scenario", what],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -34,7 +34,7 @@ def node_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["user", "tap"])
-def test_guests_reach_nothing_they_were_not_given(testnet: TestNet, node_data: Path, mode: str,
+def test_guests_reach_nothing_they_were_not_given(testnet: SealedNet, node_data: Path, mode: str,
                                                   tmp_path: Path) -> None:
     lan_before = len(testnet.accepted("lan"))
     server = start_node(testnet, node_data, mode, tmp_path / "server.log")
