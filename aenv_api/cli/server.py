@@ -236,7 +236,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
         except NetError as e:   # [vm] network = "tap" on a host that cannot do it
             raise CliError(str(e), 1) from None
         metrics = Metrics()
-        lifecycle = Lifecycle(NodeSandboxService(manager), server_cfg, metrics, cfg.data_dir, creds.envd_token)
+        lifecycle = Lifecycle(NodeSandboxService(manager), server_cfg, metrics, cfg.data_dir, creds.envd_token,
+                              creds.traffic_token)
         await lifecycle.start()
         background.append(asyncio.ensure_future(_gauges(metrics, lifecycle, manager, store)()))
         server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version())

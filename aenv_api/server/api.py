@@ -64,6 +64,10 @@ class ControlPlane:
         await self.lc.set_timeout(call.path["sandboxID"], call.body["timeout"])
         return no_content()
 
+    async def update_network(self, request: web.Request, call: Call) -> web.Response:
+        await self.lc.update_network(call.path["sandboxID"], call.body)
+        return no_content()
+
     async def refresh(self, request: web.Request, call: Call) -> web.Response:
         rec = await self.lc.get(call.path["sandboxID"])
         duration = call.body.get("duration")
@@ -173,6 +177,10 @@ class ControlPlane:
             Route("DELETE", "/sandboxes/{sandboxID}", self.kill, "kill a sandbox", (nc("killed"), gone), tags=sbx),
             Route("POST", "/sandboxes/{sandboxID}/timeout", self.set_timeout, "set the time to live from now",
                   (nc("timeout set"), gone), body=S.timeout_schema(mt), body_required=True, tags=sbx),
+            Route("PUT", "/sandboxes/{sandboxID}/network", self.update_network,
+                  "replace the egress rules of a running sandbox (an omitted field is cleared)",
+                  (nc("updated"), gone, Reply(409, "the sandbox is paused", "Error")), body=S.NETWORK_UPDATE,
+                  body_required=True, tags=sbx),
             Route("POST", "/sandboxes/{sandboxID}/refreshes", self.refresh, "extend the time to live",
                   (nc("refreshed"), gone), body=S.REFRESH, tags=sbx),
             Route("POST", "/sandboxes/{sandboxID}/connect", self.connect, "connect (resumes a paused sandbox)",

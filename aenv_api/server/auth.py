@@ -14,6 +14,13 @@
   them. The sandbox records keep the token as well (the proxy's check, and
   the re-keying of envd after a restore); ``check_token`` compares in constant
   time.
+- A sandbox created with ``allowPublicTraffic: false`` has a
+  ``trafficAccessToken``: ``base64url(HMAC-SHA256(K, sandbox id))`` with its own
+  key ``K = HMAC-SHA256(secret, "aenv traffic access token v1")``, so it never
+  equals the envd token and one never gives away the other. Derived, not
+  stored: it survives restarts and pause/resume with the secret, fork children
+  and sandboxes created from a snapshot get the token of their own id, and
+  the guest never learns it (the proxy drops the header).
 """
 from __future__ import annotations
 
@@ -72,6 +79,14 @@ def envd_token(secret: bytes, sandbox_id: str) -> str:
     return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
 
+_TRAFFIC_LABEL = b"aenv traffic access token v1"
+
+
+def traffic_token(secret: bytes, sandbox_id: str) -> str:
+    """The traffic access token of ``sandbox_id``: the envd derivation under a key of its own."""
+    return envd_token(hmac.new(secret, _TRAFFIC_LABEL, hashlib.sha256).digest(), sandbox_id)
+
+
 @dataclass(frozen=True)
 class Credentials:
     api_key: str = field(repr=False)
@@ -102,6 +117,9 @@ class Credentials:
 
     def envd_token(self, sandbox_id: str) -> str:
         return envd_token(self.envd_secret, sandbox_id)
+
+    def traffic_token(self, sandbox_id: str) -> str:
+        return traffic_token(self.envd_secret, sandbox_id)
 
     def check_api_key(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())

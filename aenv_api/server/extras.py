@@ -1,6 +1,9 @@
 """Per-sandbox fields of the API that the sandbox layer does not keep (alias,
-autoResume, disk size), in one small JSON file beside the node's records:
-``<data-dir>/api-sandboxes.json``, rewritten whole (tmp + rename) on change."""
+autoResume, disk size, and what the proxy applies to traffic into the sandbox:
+``allowPublicTraffic``, ``maskRequestHost``, ``httpsPorts``), in one small JSON
+file beside the node's records: ``<data-dir>/api-sandboxes.json``, rewritten
+whole (tmp + rename) on change. Fork children get their parent's. No secret
+is kept here: a traffic access token is derived from the sandbox id (auth.py)."""
 from __future__ import annotations
 
 import json
@@ -17,17 +20,24 @@ class Extra:
     alias: str | None = None
     auto_resume: bool = False
     disk_mb: int = 0
+    public_traffic: bool = True             # False: every guest port but envd's demands the traffic token
+    mask_request_host: str | None = None    # the Host header of requests into the sandbox ("${PORT}" in it)
+    https_ports: tuple[int, ...] = ()       # guest ports the proxy reaches over TLS
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "Extra":
+        return cls(**{**raw, "https_ports": tuple(raw.get("https_ports") or ())})
 
 
 class ApiExtras:
-    """Per-sandbox API fields the sandbox layer does not keep (alias, autoResume, disk size)."""
+    """Per-sandbox API fields the sandbox layer does not keep."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._items: dict[str, Extra] = {}
         try:
             raw = json.loads(path.read_text())
-            self._items = {k: Extra(**v) for k, v in raw.items()}
+            self._items = {k: Extra.from_json(v) for k, v in raw.items()}
         except FileNotFoundError:
             pass
         except (OSError, ValueError, TypeError) as e:
@@ -35,6 +45,10 @@ class ApiExtras:
 
     def get(self, sid: str) -> Extra:
         return self._items.get(sid) or Extra()
+
+    def find(self, sid: str) -> Extra | None:
+        """The sandbox's fields, None for a sandbox this API did not create."""
+        return self._items.get(sid)
 
     def put(self, sid: str, extra: Extra) -> None:
         self._items[sid] = extra

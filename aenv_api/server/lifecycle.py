@@ -14,9 +14,16 @@ deployment's HMAC, auth.py) and handed to the service as that function at
 create and fork (the id is known only once the node has picked a pooled or
 restored VM; envd gets the token in the same ``/init``). The service's record
 keeps it: that is where the proxy checks it.
+
+Network (network.py): the egress rules go to the service (its records keep
+them); what the proxy applies (``allowPublicTraffic``, ``maskRequestHost``,
+``httpsPorts``) is kept in the extras and handed to the proxy as
+``ProxyRules``; the traffic access token is derived from the id
+(``traffic_token``), never stored.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -26,13 +33,15 @@ from typing import Any
 from aenv_vm.errors import BadRequest, CapacityError, Conflict, NotFound, Unsupported, VmError
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
 
+from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError
 from .extras import ApiExtras, Extra
 from .metrics import Metrics
+from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_view, update_policy
 from .sandbox_logs import MAX_CONSOLE_BYTES, LogEntry, SandboxLogs
 from .schemas import NewSandbox, iso
 from .settings import ServerConfig
-from .views import FALLBACK_ENVD_VERSION, SandboxView, egress_choice, page, parse_metadata_filter
+from .views import FALLBACK_ENVD_VERSION, SandboxView, page, parse_metadata_filter
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +72,13 @@ class Lifecycle:
     """Sandbox operations as the API sees them. Use from the server's event loop."""
 
     def __init__(self, service: SandboxService, config: ServerConfig, metrics: Metrics, data_dir: Path,
-                 envd_token: TokenMinter = random_envd_token) -> None:
+                 envd_token: TokenMinter = random_envd_token, traffic_token: TokenMinter | None = None) -> None:
+        """``traffic_token`` (default: a key of this Lifecycle's own) mints the traffic access
+        token of a sandbox from its id; it must give the same token for the same id across
+        restarts, as ``Credentials.traffic_token`` does."""
         self.service = service
         self.envd_token = envd_token
+        self.traffic_token = traffic_token or functools.partial(derive_traffic_token, secrets.token_bytes(32))
         self.config = config
         self.metrics = metrics
         self.extras = ApiExtras(data_dir / "api-sandboxes.json")
@@ -74,6 +87,7 @@ class Lifecycle:
         # and the (host, port) reaching each guest port, until it pauses or goes.
         self._ports: dict[tuple[str, int], tuple[str, int]] = {}
         self._tokens: dict[str, str | None] = {}
+        self._rules: dict[str, ProxyRules] = {}
         self._closing = False
 
     async def start(self) -> None:
@@ -121,7 +135,9 @@ class Lifecycle:
             disk_size_mb=info.disk_mib or extra.disk_mb, state=info.state.value, access_token=info.access_token,
             auto_pause=info.auto_pause, auto_resume=extra.auto_resume, metadata=dict(info.metadata),
             allow_internet_access=info.allow_internet_access,
-            envd_version=info.envd_version or FALLBACK_ENVD_VERSION)
+            envd_version=info.envd_version or FALLBACK_ENVD_VERSION,
+            traffic_token=None if extra.public_traffic else self.traffic_token(info.sandbox_id),
+            network=network_view(info.network, extra))
 
     async def _info(self, sid: str) -> SandboxInfo:
         try:
@@ -147,6 +163,7 @@ class Lifecycle:
         if self._closing:
             raise ApiError(503, "the node is shutting down", retry=False)
         timeout = self.config.default_timeout if req.timeout is None else req.timeout
+        net = create_network(req.network, req.allow_internet_access)
         # v2 creates are always secured (E2B: "all system communication with the sandbox is always secured").
         token = self.envd_token if (v2 or req.secure) else None
         t0 = time.monotonic()
@@ -154,7 +171,7 @@ class Lifecycle:
             info = await self.service.create(CreateRequest(
                 template=self._template_ref(req.template_id), env_vars=dict(req.env_vars or {}), access_token=token,
                 timeout=timeout, metadata=dict(req.metadata or {}), auto_pause=bool(req.auto_pause),
-                allow_internet_access=egress_choice(req)))
+                allow_internet_access=egress_choice(req.allow_internet_access, net.policy), network=net.policy))
         except VmError as e:
             self.metrics.inc("aenv_sandbox_create_failures_total", help="sandbox creates that failed")
             if isinstance(e, NotFound):
@@ -166,9 +183,11 @@ class Lifecycle:
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "create"),),
                              help="latency of sandbox lifecycle operations")
         alias = None if req.template_id.startswith("tpl-") else req.template_id
-        self.extras.put(info.sandbox_id, Extra(alias, bool(req.auto_resume), info.disk_mib))
+        self.extras.put(info.sandbox_id, Extra(alias, bool(req.auto_resume), info.disk_mib, net.public_traffic,
+                                               net.mask_request_host, net.https_ports))
         self.logs.event(info.sandbox_id, "sandbox created", template=req.template_id, timeout=timeout,
-                        pooled=info.from_pool, secure=token is not None)
+                        pooled=info.from_pool, secure=token is not None,
+                        public_traffic=None if net.public_traffic else False)
         return self._view(info)
 
     async def kill(self, sid: str) -> None:
@@ -187,6 +206,37 @@ class Lifecycle:
         for key in [k for k in self._ports if k[0] == sid]:
             del self._ports[key]
         self._tokens.pop(sid, None)
+        self._rules.pop(sid, None)
+
+    # --- network -------------------------------------------------------------
+
+    async def update_network(self, sid: str, body: dict[str, Any]) -> None:
+        """Replace the egress rules of a running sandbox (E2B's ``PUT .../network``). A paused
+        sandbox is 409, as E2B answers: the update is for a running sandbox, and resuming
+        one behind its owner's back would restart its TTL and its costs."""
+        policy = update_policy(body)
+        if (await self.get(sid)).state == SandboxState.PAUSED.value:
+            raise ApiError(409, f"sandbox {sid} is paused: resume it (connect) before updating its network")
+        try:
+            await self.service.update_network(sid, policy)
+        except VmError as e:
+            raise api_error(e, f"network update of {sid}") from None
+        self.logs.event(sid, "network updated", allow_out=",".join(policy.allow_out) or None,
+                        deny_out=",".join(policy.deny_out) or None,
+                        dns_servers=None if policy.dns_servers is None else ",".join(policy.dns_servers))
+
+    def proxy_rules(self, sid: str) -> ProxyRules:
+        """What the proxy applies to traffic into ``sid`` (public for a sandbox this API does not
+        know: the target lookup then answers for it). Hot path: from memory once known."""
+        rules = self._rules.get(sid)
+        if rules is None:
+            extra = self.extras.find(sid)
+            if extra is None:
+                return PUBLIC
+            rules = self._rules[sid] = ProxyRules(
+                None if extra.public_traffic else self.traffic_token(sid), extra.mask_request_host,
+                frozenset(extra.https_ports))
+        return rules
 
     # --- timeouts ------------------------------------------------------------
 

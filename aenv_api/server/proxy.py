@@ -17,8 +17,13 @@ The proxy's cost is CPU in this process, mostly per send and per wake-up
 send, and envd's answers go back in as few sends as envd made pieces.
 
 Security: for a ``secure`` sandbox the envd port requires its
-``X-Access-Token`` (checked here, and by envd itself); the API key is never
-forwarded into the sandbox, nor are the routing headers.
+``X-Access-Token`` (checked here, and by envd itself); a sandbox created with
+``allowPublicTraffic: false`` demands its traffic access token in
+``e2b-traffic-access-token`` on every other port (checked before anything
+else, so a request without it never resumes a paused sandbox), answered 403
+as E2B's proxy does. The API key, the traffic token and the routing headers
+are never forwarded into the sandbox. ``maskRequestHost`` sets the Host
+header the guest sees; ``httpsPorts`` are reached over TLS (upstream.py).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from .auth import check_token
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .network import TRAFFIC_TOKEN_HEADER
 from .upstream import MAX_HEAD, ChunkedBody, ResponseHead, UpstreamConn, UpstreamError, Upstreams, parse_response_head
 
 log = logging.getLogger(__name__)
@@ -48,7 +54,7 @@ SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
 _DROP_REQUEST = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "X-API-Key", SANDBOX_ID_HEADER,
-    SANDBOX_PORT_HEADER))
+    SANDBOX_PORT_HEADER, TRAFFIC_TOKEN_HEADER))
 _DROP_RESPONSE = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Trailer", "Transfer-Encoding", "Upgrade",
     "Content-Length", "Date", "Server"))
@@ -108,10 +114,11 @@ class _PassThrough(_RelayResponse):
         self._send_headers_immediately = immediate
 
 
-def _upstream_head(request: web.Request, host: str, port: int, framing: str, length: int | None) -> bytes:
-    """Request line and headers for the sandbox: hop-by-hop headers, routing headers and
-    the API key dropped; the body's framing as the proxy sends it."""
-    lines = [f"{request.method} {request.rel_url.raw_path_qs} HTTP/1.1", f"Host: {host}:{port}"]
+def _upstream_head(request: web.Request, host: str, framing: str, length: int | None) -> bytes:
+    """Request line and headers for the sandbox (``host``: its Host header): hop-by-hop
+    headers, routing headers and credentials for the proxy dropped; the body's framing as
+    the proxy sends it."""
+    lines = [f"{request.method} {request.rel_url.raw_path_qs} HTTP/1.1", f"Host: {host}"]
     for k, v in request.headers.items():
         if k.lower() not in _DROP_REQUEST:
             lines.append(f"{k}: {v}")
@@ -120,6 +127,18 @@ def _upstream_head(request: web.Request, host: str, port: int, framing: str, len
     elif length is not None:
         lines.append(f"Content-Length: {length}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+
+
+def _check_traffic_token(expected: str, request: web.Request, sid: str) -> None:
+    """E2B's proxy answer when a sandbox created with ``allowPublicTraffic: false`` is asked
+    without its token (403, its message, the sandbox id)."""
+    given = request.headers.get(TRAFFIC_TOKEN_HEADER)
+    if given is None:
+        raise ApiError(403, f"Sandbox is secured with traffic access token. Token header "
+                            f"'{TRAFFIC_TOKEN_HEADER}' is missing", sandboxId=sid)
+    if not check_token(expected, given):
+        raise ApiError(403, f"Sandbox is secured with traffic access token. Token header "
+                            f"'{TRAFFIC_TOKEN_HEADER}' is invalid", sandboxId=sid)
 
 
 class SandboxProxy:
@@ -145,12 +164,19 @@ class SandboxProxy:
     async def handle(self, request: web.Request, sid: str, port: int, rid: str = "") -> web.StreamResponse:
         """Forward ``request`` to ``sid``'s guest ``port``; the answer carries ``X-Request-Id: rid``."""
         t0 = time.monotonic()
+        rules = self.lifecycle.proxy_rules(sid)
+        if rules.traffic_token and port != ENVD_PORT:
+            _check_traffic_token(rules.traffic_token, request, sid)
         token, (host, host_port) = await self.lifecycle.target(sid, port)  # host: 127.0.0.1 or a tap netns
         if token and port == ENVD_PORT and not check_token(token, request.headers.get("X-Access-Token")):
             raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
+        tls = port in rules.https_ports
+        host_header = rules.host_header(port) or f"{host}:{host_port}"
         if request.headers.get("Upgrade", "").lower() == "websocket":
             headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
-            return await self._websocket(request, sid, port, f"{host}:{host_port}", headers, rid)
+            if rules.mask_request_host is not None:
+                headers.append(("Host", host_header))
+            return await self._websocket(request, sid, port, f"{host}:{host_port}", headers, rid, tls)
         body: bytes | None = None
         streamed = False
         chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
@@ -174,16 +200,16 @@ class SandboxProxy:
                 streamed = True
         if streamed:
             framing = "length" if request.content_length is not None and not chunked else "chunked"
-            head = _upstream_head(request, host, host_port, framing, request.content_length)
+            head = _upstream_head(request, host_header, framing, request.content_length)
         else:
-            head = _upstream_head(request, host, host_port, "length" if body is not None else "none",
+            head = _upstream_head(request, host_header, "length" if body is not None else "none",
                                   len(body) if body is not None else None)
         conn: UpstreamConn | None = None
         sender: asyncio.Future[None] | None = None
         try:
             for attempt in (0, 1):
                 try:
-                    conn, reused = await self.upstreams.acquire(host, host_port)
+                    conn, reused = await self.upstreams.acquire(host, host_port, tls)
                 except (OSError, asyncio.TimeoutError) as e:
                     raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open "
                                         f"({e.__class__.__name__})", sandboxId=sid, port=port) from None
@@ -342,14 +368,14 @@ class SandboxProxy:
         return resp
 
     async def _websocket(self, request: web.Request, sid: str, port: int, upstream: str,
-                         headers: list[tuple[str, str]], rid: str) -> web.StreamResponse:
+                         headers: list[tuple[str, str]], rid: str, tls: bool) -> web.StreamResponse:
         skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol"}
         fwd = [(k, v) for k, v in headers if k.lower() not in skip]
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
-        url = f"ws://{upstream}{request.rel_url.raw_path_qs}"
+        url = f"{'wss' if tls else 'ws'}://{upstream}{request.rel_url.raw_path_qs}"
         try:
             up = await self._client().ws_connect(url, headers=fwd, protocols=protocols, autoping=False,
-                                                 max_msg_size=0)
+                                                 max_msg_size=0, ssl=False)  # ssl=False: TLS, unverified
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open ({e})",
                            sandboxId=sid, port=port) from None

@@ -94,7 +94,7 @@ def openapi(routes: list[Route], version: str, server_url: str | None = None) ->
         if params:
             op["parameters"] = params
         if r.body is not None:
-            components[r.body.name] = r.body.json_schema()
+            components.update(r.body.components())
             op["requestBody"] = {"required": r.body_required,
                                  "content": {"application/json": {"schema": {
                                      "$ref": f"#/components/schemas/{r.body.name}"}}}}

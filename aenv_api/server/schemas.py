@@ -9,9 +9,11 @@ server accepts.
 Unknown body fields are ignored, not rejected: the E2B SDKs add optional
 fields from release to release (``autoPauseMemory``, ``iam``,
 ``volumeMounts`` …) and E2B's own server ignores what it does not know; a
-strict server would break every newer SDK. Known fields are strictly typed
-(no string-for-int coercion in bodies; queries are strings by nature and are
-parsed).
+strict server would break every newer SDK. The exception is a ``closed``
+schema (the ``network`` objects): every field there is a security control, and
+one ignored would leave a sandbox less confined than its creator asked, so an
+unknown field is a 400. Known fields are strictly typed (no string-for-int
+coercion in bodies; queries are strings by nature and are parsed).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import datetime
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from aenv_vm.net.policy import MAX_DNS_SERVERS, MAX_RULES
 
 from .errors import bad_request
 
@@ -32,6 +36,8 @@ MAX_KEY_LEN = 256
 MAX_VALUE_LEN = 8192
 MAX_ID_LEN = 256
 INT32_MAX = 2**31 - 1
+MAX_HTTPS_PORTS = 64        # network.httpsPorts entries
+MAX_HOST_MASK = 255         # network.maskRequestHost characters
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,9 @@ class Field:
     nullable: bool = False
     description: str = ""
     ref: str = ""                     # response fields: component name of an object/array item
+    items: "Field | None" = None      # arrays: every element is checked against this field
+    max_items: int | None = None      # arrays: at most this many elements
+    schema: "Schema | None" = None    # objects: validated against this schema (a component of its own)
 
     @property
     def key(self) -> str:
@@ -58,19 +67,29 @@ class Schema:
     name: str
     fields: tuple[Field, ...]
     description: str = ""
+    closed: bool = False              # unknown fields are a 400 (else ignored)
+    at: str = ""                      # prefix of the field names in error messages ("network.")
 
-    def parse_body(self, raw: Any) -> dict[str, Any]:
-        """Validated attribute values of a JSON body (absent optional fields are None)."""
+    def parse_body(self, raw: Any, at: str | None = None) -> dict[str, Any]:
+        """Validated attribute values of a JSON body (absent optional fields are None).
+        ``at``: where this object sits, for the error messages (default ``self.at``)."""
+        at = self.at if at is None else at
         if not isinstance(raw, dict):
-            raise bad_request(f"request body must be a JSON object ({self.name})")
+            raise bad_request(f"{at.rstrip('.')} must be a JSON object" if at else
+                              f"request body must be a JSON object ({self.name})")
+        if self.closed:
+            known = {f.name for f in self.fields}
+            unknown = sorted(str(k) for k in raw if k not in known)
+            if unknown:
+                raise bad_request(f"{at}{unknown[0][:64]} is not a known field (known: {', '.join(sorted(known))})")
         out: dict[str, Any] = {}
         for f in self.fields:
             if f.name not in raw or (raw[f.name] is None and f.nullable):
                 if f.required:
-                    raise bad_request(f"missing required field {f.name!r}")
+                    raise bad_request(f"missing required field {at + f.name!r}")
                 out[f.key] = None
                 continue
-            out[f.key] = _check_value(f, raw[f.name])
+            out[f.key] = _check_value(f, raw[f.name], at + f.name)
         return out
 
     def parse_query(self, query: Any) -> dict[str, Any]:
@@ -94,17 +113,33 @@ class Schema:
         required = [f.name for f in self.fields if f.required]
         if required:
             schema["required"] = required
+        if self.closed:
+            schema["additionalProperties"] = False
         if self.description:
             schema["description"] = self.description
         return schema
 
+    def components(self) -> dict[str, dict[str, Any]]:
+        """This schema's OpenAPI component and those of the object schemas it nests."""
+        out = {self.name: self.json_schema()}
+        for f in self.fields:
+            if f.schema is not None:
+                out.update(f.schema.components())
+        return out
+
 
 def field_schema(f: Field) -> dict[str, Any]:
     s: dict[str, Any]
-    if f.ref:
-        s = {"$ref": f"#/components/schemas/{f.ref}"}
+    if f.ref or f.schema is not None:
+        s = {"$ref": f"#/components/schemas/{f.schema.name if f.schema is not None else f.ref}"}
         if f.kind == "array":
             s = {"type": "array", "items": s}
+        if f.nullable or f.description:   # siblings of a $ref are ignored in OpenAPI 3.0
+            s = {"allOf": [s]}
+    elif f.kind == "array" and f.items is not None:
+        s = {"type": "array", "items": field_schema(f.items)}
+        if f.max_items is not None:
+            s["maxItems"] = f.max_items
     elif f.kind == "strmap":
         s = {"type": "object", "additionalProperties": {"type": "string", "maxLength": MAX_VALUE_LEN},
              "maxProperties": MAX_MAP_ENTRIES}
@@ -134,61 +169,68 @@ def field_schema(f: Field) -> dict[str, Any]:
     return s
 
 
-def _range(f: Field, value: int) -> int:
+def _range(f: Field, value: int, name: str) -> int:
     if (f.minimum is not None and value < f.minimum) or (f.maximum is not None and value > f.maximum):
         lo = "" if f.minimum is None else f"{f.minimum}"
         hi = "" if f.maximum is None else f"{f.maximum}"
-        raise bad_request(f"{f.name} must be in [{lo}, {hi}], got {value}")
+        raise bad_request(f"{name} must be in [{lo}, {hi}], got {value}")
     return value
 
 
-def _check_value(f: Field, v: Any) -> Any:
+def _check_value(f: Field, v: Any, name: str) -> Any:
+    """``v`` checked against ``f``; ``name`` is the field's full name for the messages."""
     kind = f.kind
     if kind == "string":
         if not isinstance(v, str):
-            raise bad_request(f"{f.name} must be a string")
+            raise bad_request(f"{name} must be a string")
         if f.max_length is not None and len(v) > f.max_length:
-            raise bad_request(f"{f.name} is longer than {f.max_length} characters")
+            raise bad_request(f"{name} is longer than {f.max_length} characters")
         if f.enum and v not in f.enum:
-            raise bad_request(f"{f.name} must be one of {', '.join(f.enum)}")
+            raise bad_request(f"{name} must be one of {', '.join(f.enum)}")
         return v
     if kind == "integer":
         # JSON 5.0 is an integer in JSON Schema's sense; 5.5, true and "5" are not.
         if isinstance(v, float) and math.isfinite(v) and v.is_integer():
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise bad_request(f"{f.name} must be an integer")
-        return _range(f, v)
+            raise bad_request(f"{name} must be an integer")
+        return _range(f, v, name)
     if kind == "boolean":
         if not isinstance(v, bool):
-            raise bad_request(f"{f.name} must be a boolean")
+            raise bad_request(f"{name} must be a boolean")
         return v
     if kind == "flag":
         if isinstance(v, bool):
             return v
         if isinstance(v, dict) and isinstance(v.get("enabled"), bool):
             return v["enabled"]
-        raise bad_request(f"{f.name} must be a boolean or {{\"enabled\": <boolean>}}")
+        raise bad_request(f"{name} must be a boolean or {{\"enabled\": <boolean>}}")
     if kind == "strmap":
         if not isinstance(v, dict):
-            raise bad_request(f"{f.name} must be an object of strings")
+            raise bad_request(f"{name} must be an object of strings")
         if len(v) > MAX_MAP_ENTRIES:
-            raise bad_request(f"{f.name} has more than {MAX_MAP_ENTRIES} entries")
+            raise bad_request(f"{name} has more than {MAX_MAP_ENTRIES} entries")
         for k, val in v.items():
             if not isinstance(val, str):
-                raise bad_request(f"{f.name}.{k} must be a string")
+                raise bad_request(f"{name}.{k} must be a string")
             if len(k) > MAX_KEY_LEN or len(val) > MAX_VALUE_LEN:
-                raise bad_request(f"{f.name}: keys are limited to {MAX_KEY_LEN} and values to {MAX_VALUE_LEN} characters")
+                raise bad_request(f"{name}: keys are limited to {MAX_KEY_LEN} and values to {MAX_VALUE_LEN} characters")
             if "\x00" in k or "\x00" in val:
-                raise bad_request(f"{f.name} must not contain NUL characters")
+                raise bad_request(f"{name} must not contain NUL characters")
         return dict(v)
     if kind == "object":
+        if f.schema is not None:
+            return f.schema.parse_body(v, at=name + ".")
         if not isinstance(v, dict):
-            raise bad_request(f"{f.name} must be an object")
+            raise bad_request(f"{name} must be an object")
         return v
     if kind == "array":
         if not isinstance(v, list):
-            raise bad_request(f"{f.name} must be an array")
+            raise bad_request(f"{name} must be an array")
+        if f.max_items is not None and len(v) > f.max_items:
+            raise bad_request(f"{name} has {len(v)} entries (at most {f.max_items})")
+        if f.items is not None:
+            return [_check_value(f.items, x, f"{name}[{i}]") for i, x in enumerate(v)]
         return v
     raise AssertionError(f"body field kind {kind}")  # pragma: no cover - declaration error
 
@@ -196,13 +238,13 @@ def _check_value(f: Field, v: Any) -> Any:
 def _parse_query_value(f: Field, values: list[str]) -> Any:
     raw = values[0]
     if f.kind == "string":
-        return _check_value(f, raw)
+        return _check_value(f, raw, f.name)
     if f.kind == "integer":
         try:
             value = int(raw.strip(), 10)
         except ValueError:
             raise bad_request(f"query parameter {f.name} must be an integer, got {raw[:40]!r}") from None
-        return _range(f, value)
+        return _range(f, value, f.name)
     if f.kind == "date-time":
         try:
             when = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00"))
@@ -230,6 +272,39 @@ def timeout_field(max_timeout: int, required: bool = False, description: str = "
                  description=description or "seconds from now after which the sandbox expires")
 
 
+def _strings(name: str, attr: str, max_items: int, description: str) -> Field:
+    return Field(name, "array", attr=attr, items=Field("entry", "string", max_length=256), max_items=max_items,
+                 description=description)
+
+
+# E2B's network objects (aenv_api/server/network.py gives them their meaning).
+_EGRESS = (
+    _strings("allowOut", "allow_out", MAX_RULES, "IPv4 CIDRs, IPs and hostnames (example.com, *.example.com) the "
+             "sandbox may reach; allowed entries win over denied ones"),
+    _strings("denyOut", "deny_out", MAX_RULES, "IPv4 CIDRs and IPs the sandbox may not reach (0.0.0.0/0: the "
+             "internet)"),
+    _strings("dnsServers", "dns_servers", MAX_DNS_SERVERS, "IPv4 resolvers the node's DNS forwarder asks for this "
+             "sandbox"),
+    Field("egressProxy", "object", attr="egress_proxy", nullable=True,
+          description="a SOCKS5 egress proxy: not supported by this server (400); null or absent: none"),
+    Field("rules", "object", nullable=True,
+          description="per-domain header transforms: not supported by this server (400 unless empty)"),
+)
+NETWORK_CONFIG = Schema("SandboxNetworkConfig", _EGRESS + (
+    Field("allowPublicTraffic", "boolean", attr="allow_public_traffic", nullable=True,
+          description="false: every guest port but envd's demands the e2b-traffic-access-token header"),
+    Field("maskRequestHost", "string", attr="mask_request_host", max_length=MAX_HOST_MASK,
+          description="the Host header requests into the sandbox carry (${PORT}: the guest port)"),
+    Field("httpsPorts", "array", attr="https_ports", items=Field("port", "integer", minimum=1, maximum=65535),
+          max_items=MAX_HTTPS_PORTS, description="guest ports the proxy reaches over TLS (certificate not verified)"),
+), closed=True)
+NETWORK_UPDATE = Schema("SandboxNetworkUpdateConfig", _EGRESS + (
+    Field("allow_internet_access", "boolean", attr="allow_internet_access",
+          description="false: the same as denyOut 0.0.0.0/0"),
+), description="the egress rules of a running sandbox, replaced whole: an omitted field is cleared",
+    closed=True, at="network.")
+
+
 def new_sandbox_schema(max_timeout: int) -> Schema:
     return Schema("NewSandbox", (
         Field("templateID", "string", attr="template_id", required=True, max_length=MAX_ID_LEN,
@@ -240,7 +315,7 @@ def new_sandbox_schema(max_timeout: int) -> Schema:
         Field("autoResume", "flag", attr="auto_resume", description="resume a paused sandbox on proxied traffic"),
         Field("secure", "boolean", description="require envdAccessToken on sandbox traffic (always on for v2)"),
         Field("allow_internet_access", "boolean", attr="allow_internet_access"),
-        Field("network", "object"),
+        Field("network", "object", schema=NETWORK_CONFIG, nullable=True),
         Field("metadata", "strmap"),
         Field("envVars", "strmap", attr="env_vars"),
         Field("mcp", "object", nullable=True),
@@ -339,7 +414,8 @@ _DETAIL = (
 LISTED_SANDBOX = Schema("ListedSandbox", _SANDBOX_CORE + _DETAIL)
 SANDBOX_DETAIL = Schema("SandboxDetail", _SANDBOX_CORE + _DETAIL + (
     Field("envdAccessToken", "string"), Field("domain", "string", nullable=True),
-    Field("lifecycle", "object")))
+    Field("lifecycle", "object"), Field("allowInternetAccess", "boolean", nullable=True),
+    Field("network", "object", schema=NETWORK_CONFIG)))
 SNAPSHOT_INFO = Schema("SnapshotInfo", (Field("snapshotID", "string", required=True),
                                         Field("names", "array", required=True)))
 FORK_RESULT = Schema("SandboxForkResult", (Field("sandbox", "object", ref="Sandbox"),
@@ -360,7 +436,7 @@ LOGS = Schema("SandboxLogs", (Field("logs", "array", required=True, ref="Sandbox
                               Field("logEntries", "array", required=True, ref="SandboxLogEntry")))
 LOGS_V2_RESPONSE = Schema("SandboxLogsV2Response", (Field("logs", "array", required=True, ref="SandboxLogEntry"),))
 
-RESPONSE_SCHEMAS = (ERROR, SANDBOX, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, LOG_LINE,
+RESPONSE_SCHEMAS = (ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, LOG_LINE,
                     LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)
 
 

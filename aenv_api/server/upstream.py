@@ -11,12 +11,16 @@ send.
 
 Sans-IO parts (``parse_response_head``, ``ChunkedBody``) are pure and fuzzed;
 ``UpstreamConn`` is an asyncio protocol that only buffers bytes; ``Upstreams``
-keeps idle keep-alive connections per ``(host, port)`` — the address comes
-from ``Lifecycle.target`` (``Sandbox.endpoint``), nowhere else.
+keeps idle keep-alive connections per ``(host, port, tls)`` — the address
+comes from ``Lifecycle.target`` (``Sandbox.endpoint``), nowhere else. A guest
+port listed in a sandbox's ``network.httpsPorts`` is reached over TLS without
+verifying its certificate (as E2B documents: self-signed ones work); the
+client side of the proxy stays what it was.
 """
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -140,10 +144,22 @@ class ChunkedBody:
         return pos, b"".join(out)
 
 
+Target = tuple[str, int, bool]   # (host, port, over TLS)
+
+
+def unverified_tls() -> ssl.SSLContext:
+    """TLS to a guest's own server: encrypted, its certificate not checked (the guest is
+    reached by an address only the node knows; E2B does the same for httpsPorts)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 class UpstreamConn(asyncio.Protocol):
     """One connection to a sandbox port: bytes in a buffer, read with ``read``."""
 
-    def __init__(self, key: tuple[str, int]) -> None:
+    def __init__(self, key: Target) -> None:
         self.key = key
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
@@ -226,12 +242,14 @@ class Upstreams:
 
     def __init__(self, connect_timeout: float = 10.0) -> None:
         self.connect_timeout = connect_timeout
-        self._idle: dict[tuple[str, int], list[UpstreamConn]] = {}
+        self._idle: dict[Target, list[UpstreamConn]] = {}
         self._releases = 0
+        self._tls: ssl.SSLContext | None = None
 
-    async def acquire(self, host: str, port: int) -> tuple[UpstreamConn, bool]:
-        """A connection and whether it was reused (a reused one may turn out closed)."""
-        key = (host, port)
+    async def acquire(self, host: str, port: int, tls: bool = False) -> tuple[UpstreamConn, bool]:
+        """A connection (over TLS when ``tls``) and whether it was reused (a reused one may
+        turn out closed)."""
+        key = (host, port, tls)
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
@@ -243,7 +261,10 @@ class Upstreams:
                 return conn, True
             conn.close()
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(loop.create_connection(lambda: UpstreamConn(key), host, port),
+        if tls and self._tls is None:
+            self._tls = unverified_tls()
+        _, conn = await asyncio.wait_for(loop.create_connection(lambda: UpstreamConn(key), host, port,
+                                                                ssl=self._tls if tls else None),
                                          self.connect_timeout)
         return conn, False
 

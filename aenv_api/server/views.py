@@ -1,7 +1,7 @@
 """What E2B's API shows of a sandbox (``SandboxView``), built from the sandbox
 service's ``SandboxInfo`` plus the API's own per-sandbox fields (extras.py),
-and the small pure helpers of the sandbox routes: the egress choice of a
-create, the SDK's metadata filter, and keyset pagination tokens."""
+and the small pure helpers of the sandbox routes: the SDK's metadata filter
+and keyset pagination tokens."""
 from __future__ import annotations
 
 import base64
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import bad_request
-from .schemas import NewSandbox, iso
+from .schemas import iso
 
 CLIENT_ID = "aenv"
 # envdVersion of a sandbox whose template recorded none: the oldest version whose
@@ -39,6 +39,8 @@ class SandboxView:
     metadata: dict[str, str]
     allow_internet_access: bool | None = None   # None: not set at create (allowed)
     envd_version: str = FALLBACK_ENVD_VERSION
+    traffic_token: str | None = None            # allowPublicTraffic false: the token its other ports demand
+    network: dict[str, Any] | None = None       # E2B's SandboxNetworkConfig as get_info shows it (network.py)
 
     @property
     def secure(self) -> bool:
@@ -52,6 +54,8 @@ class SandboxView:
             out["alias"] = self.alias
         if self.access_token:
             out["envdAccessToken"] = self.access_token
+        if self.traffic_token:
+            out["trafficAccessToken"] = self.traffic_token
         out["domain"] = domain or None
         return out
 
@@ -75,18 +79,9 @@ class SandboxView:
         out["domain"] = domain or None
         out["lifecycle"] = {"autoResume": self.auto_resume, "onTimeout": "pause" if self.auto_pause else "kill"}
         out["allowInternetAccess"] = self.allow_internet_access
+        if self.network is not None:
+            out["network"] = self.network
         return out
-
-
-def egress_choice(req: NewSandbox) -> bool | None:
-    """``allow_internet_access`` of a create: the field itself, or False when ``network.denyOut``
-    denies everything (E2B: the two are the same); None when neither says. Finer allow/deny
-    lists are not enforced by this node: with deny-all, ``allowOut`` entries stay closed too
-    (closed rather than open when the node cannot do what was asked)."""
-    if req.allow_internet_access is not None:
-        return req.allow_internet_access
-    deny = (req.network or {}).get("denyOut") or []
-    return False if isinstance(deny, list) and "0.0.0.0/0" in deny else None
 
 
 def parse_metadata_filter(raw: str) -> dict[str, str]:

@@ -65,6 +65,14 @@ class Server:
         mac = hmac.new(secret, sandbox_id.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
+    def traffic_token(self, sandbox_id: str) -> str:
+        """The traffic access token docs/api.md specifies, computed independently: the envd
+        derivation under the key HMAC-SHA256(secret, "aenv traffic access token v1")."""
+        secret = (self.data_dir / "envd-secret").read_text().strip().encode()
+        key = hmac.new(secret, b"aenv traffic access token v1", hashlib.sha256).digest()
+        mac = hmac.new(key, sandbox_id.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
     def log(self) -> str:
         return self.stderr_path.read_text(errors="replace")
 

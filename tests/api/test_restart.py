@@ -22,7 +22,10 @@ def test_shutdown_pauses_and_restart_restores(node_data_dir: Path, tmp_path_fact
     try:
         for k, v in first.sdk_env().items():
             monkeypatch.setenv(k, v)
-        s = Sandbox.create(metadata={"suite": "restart"}, timeout=600)
+        s = Sandbox.create(metadata={"suite": "restart"}, timeout=600,
+                           network={"allow_out": ["example.com"], "deny_out": ["203.0.113.0/24"],
+                                    "allow_public_traffic": False, "mask_request_host": "${PORT}-kept.test"})
+        network = s.get_info().network
         s.files.write("/home/user/state.txt", "before restart")
         pid = s.commands.run("sleep 1000", background=True).pid
     finally:
@@ -41,6 +44,13 @@ def test_shutdown_pauses_and_restart_restores(node_data_dir: Path, tmp_path_fact
         assert back.files.read("/home/user/state.txt") == "before restart"
         assert str(pid) in back.commands.run("ps -eo pid,args").stdout
         assert back._envd_access_token == s._envd_access_token
+        # the network settings came back: rules from the node's records, the rest from the API's
+        assert back.get_info().network == network and back.traffic_access_token == s.traffic_access_token
+        port = {"E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "8080"}
+        assert second.request("GET", "/", headers=port, key=None)[0] == 403       # no traffic token
+        status, _, body = second.request("GET", "/", headers={**port, "e2b-traffic-access-token":
+                                                               s.traffic_access_token}, key=None)
+        assert status == 502 and "port 8080" in body["message"]                  # let through: nothing listens
         hdr = {"E2b-Sandbox-Id": s.sandbox_id}  # the token clients held before the restart still opens it
         status, _, body = second.request("GET", "/files?path=/home/user/state.txt", key=None,
                                          headers={**hdr, "X-Access-Token": s._envd_access_token})

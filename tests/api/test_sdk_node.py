@@ -1,6 +1,7 @@
 """The e2b npm SDK (pinned in tests/api/node/package-lock.json, installed by
-scripts/install.sh) runs the core flow against `aenv server`: create, run,
-write/read a file, pause, resume (connect), kill."""
+scripts/install.sh) runs the core flow against `aenv server`: create (network
+rules, a traffic token), run, write/read a file, updateNetwork, pause, resume
+(connect), kill."""
 from __future__ import annotations
 
 import json
@@ -28,5 +29,7 @@ def test_node_sdk_core_flow(server: Server) -> None:
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["resumed"] is True and result["killed"] is True and result["sandboxId"].startswith("sbx-")
+    assert result["networkUpdated"] is True
+    assert result["trafficAccessToken"] == server.traffic_token(result["sandboxId"])
     status, _, body = server.request("GET", f"/sandboxes/{result['sandboxId']}")
     assert status == 404 and body["code"] == 404

@@ -277,20 +277,6 @@ def test_restart_removes_orphans_and_keeps_egress(tmp_path_factory: pytest.TempP
     assert not {n for n in netns_names() if n.startswith(tag_prefix)}
 
 
-def test_egress_choice_of_a_create() -> None:
-    from aenv_api.server.views import egress_choice
-    from aenv_api.server.schemas import NewSandbox
-
-    assert egress_choice(NewSandbox("base")) is None                                  # not set: allowed
-    assert egress_choice(NewSandbox("base", allow_internet_access=True)) is True
-    assert egress_choice(NewSandbox("base", allow_internet_access=False)) is False
-    assert egress_choice(NewSandbox("base", network={"denyOut": ["0.0.0.0/0"]})) is False
-    assert egress_choice(NewSandbox("base", network={"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"]})) is False
-    assert egress_choice(NewSandbox("base", network={"denyOut": ["8.8.8.8"]})) is None
-    # the explicit field wins over the network block
-    assert egress_choice(NewSandbox("base", allow_internet_access=True, network={"denyOut": ["0.0.0.0/0"]})) is True
-
-
 def test_network_config_key(tmp_path: Path) -> None:
     from aenv_api.config import load_config
     from aenv_store.errors import ConfigError

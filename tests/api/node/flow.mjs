@@ -1,5 +1,6 @@
 // The core flow with the e2b npm SDK, configured only by E2B_API_KEY / E2B_API_URL /
-// E2B_SANDBOX_URL: create, run, write/read a file, pause, resume (connect), kill.
+// E2B_SANDBOX_URL: create (with network rules and a traffic token), run, write/read a
+// file, getInfo and updateNetwork, pause, resume (connect), kill.
 // Prints one JSON line of results; any failed step throws (non-zero exit).
 import { Sandbox } from 'e2b'
 
@@ -8,9 +9,22 @@ function check(cond, what) {
 }
 
 const out = {}
-const sbx = await Sandbox.create({ metadata: { suite: 'node' }, envs: { AENV_NODE: 'from-js' }, timeoutMs: 600_000 })
+const sbx = await Sandbox.create({
+  metadata: { suite: 'node' }, envs: { AENV_NODE: 'from-js' }, timeoutMs: 600_000,
+  network: { allowOut: ['Example.com', '198.51.100.7/32'], denyOut: ['203.0.113.0/24'], allowPublicTraffic: false },
+})
 out.sandboxId = sbx.sandboxId
+out.trafficAccessToken = sbx.trafficAccessToken
 try {
+  const net = (await sbx.getInfo()).network
+  check(JSON.stringify(net.allowOut) === '["198.51.100.7","example.com"]', `allowOut ${JSON.stringify(net)}`)
+  check(JSON.stringify(net.denyOut) === '["203.0.113.0/24"]' && net.allowPublicTraffic === false,
+    `network ${JSON.stringify(net)}`)
+  await sbx.updateNetwork({ allowOut: ['pypi.org'], allowInternetAccess: false })
+  const after = (await Sandbox.getInfo(sbx.sandboxId)).network
+  check(JSON.stringify(after.allowOut) === '["pypi.org"]' && JSON.stringify(after.denyOut) === '["0.0.0.0/0"]',
+    `after updateNetwork ${JSON.stringify(after)}`)
+  out.networkUpdated = true
   const r = await sbx.commands.run('echo $AENV_NODE; hostname')
   const lines = r.stdout.trim().split('\n')
   check(lines[0] === 'from-js', `env var, got ${JSON.stringify(r.stdout)}`)
