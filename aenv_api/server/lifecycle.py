@@ -30,9 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from envd import ENVD_PORT
+
 from aenv_vm.errors import BadRequest, CapacityError, Conflict, NotFound, Unsupported, VmError
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
 
+from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError
 from .extras import ApiExtras, Extra
@@ -396,23 +399,27 @@ class Lifecycle:
                  "cpuUsedPct": round(cpu_pct, 2), "memUsed": use.rss_bytes, "memTotal": view.memory_mb << 20,
                  "memCache": 0, "diskUsed": use.disk_bytes, "diskTotal": view.disk_size_mb << 20}]
 
-    async def target(self, sid: str, port: int) -> tuple[str | None, tuple[str, int]]:
-        """The envd access token of ``sid`` (None: not secured) and the ``(host, port)``
-        that reaches its guest ``port`` (127.0.0.1 and a forwarded port in user mode, the
-        namespace address in tap mode), resuming a paused sandbox created with
-        autoResume. ApiError 502 in E2B's shapes otherwise.
+    async def target(self, sid: str, port: int, access_token: str | None) -> tuple[str, int]:
+        """The ``(host, port)`` that reaches ``sid``'s guest ``port`` (the namespace's
+        address and the forward in user mode, its veth address in tap mode), resuming a
+        paused sandbox created with autoResume. ``access_token``: the X-Access-Token the
+        request presented; for envd's port of a secured sandbox a wrong or missing one is
+        401 *before* anything is resumed (a stranger cannot wake a sandbox). ApiError
+        502 in E2B's shapes otherwise.
 
         Hot path of every proxied request: a running sandbox whose token and endpoint
         are known is answered from memory (forgotten when it pauses or goes)."""
         where = self._ports.get((sid, port))
         if where is not None and sid in self._tokens:
-            return self._tokens[sid], where
+            self._check_envd_token(self._tokens[sid], port, access_token)
+            return where
         if sid not in self._tokens:
             try:
                 info = await self.service.get(sid)
             except NotFound:
                 raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid) from None
             view = self._view(info)
+            self._check_envd_token(view.access_token, port, access_token)
             if view.state == SandboxState.PAUSED.value:
                 if not view.auto_resume:
                     raise ApiError(502, f"The sandbox {sid} was not found: it is paused and autoResume is off "
@@ -421,6 +428,7 @@ class Lifecycle:
             if view.state != SandboxState.RUNNING.value:
                 raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid)
             self._tokens[sid] = view.access_token
+        self._check_envd_token(self._tokens[sid], port, access_token)
         try:
             where = await self.service.endpoint(sid, port)
         except NotFound:
@@ -430,7 +438,12 @@ class Lifecycle:
             raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open: {e}",
                            sandboxId=sid) from None
         self._ports[(sid, port)] = where
-        return self._tokens[sid], where
+        return where
+
+    @staticmethod
+    def _check_envd_token(expected: str | None, port: int, given: str | None) -> None:
+        if expected and port == ENVD_PORT and not check_token(expected, given):
+            raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
 
     async def counts(self) -> dict[str, int]:
         out = {s.value: 0 for s in VISIBLE_STATES}

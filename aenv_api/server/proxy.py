@@ -167,9 +167,7 @@ class SandboxProxy:
         rules = self.lifecycle.proxy_rules(sid)
         if rules.traffic_token and port != ENVD_PORT:
             _check_traffic_token(rules.traffic_token, request, sid)
-        token, (host, host_port) = await self.lifecycle.target(sid, port)  # host: 127.0.0.1 or a tap netns
-        if token and port == ENVD_PORT and not check_token(token, request.headers.get("X-Access-Token")):
-            raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
+        host, host_port = await self.lifecycle.target(sid, port, request.headers.get("X-Access-Token"))
         tls = port in rules.https_ports
         host_header = rules.host_header(port) or f"{host}:{host_port}"
         if request.headers.get("Upgrade", "").lower() == "websocket":

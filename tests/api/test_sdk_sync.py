@@ -308,6 +308,12 @@ def test_auto_resume_on_traffic(sdk_env: Server) -> None:
         s.files.write("/home/user/ar.txt", "kept")
         s.pause()
         assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+        # a stranger's request to envd (no token, or a wrong one) is refused and wakes nothing
+        for token in (None, "not-the-token"):
+            headers = {"E2b-Sandbox-Id": s.sandbox_id, **({"X-Access-Token": token} if token else {})}
+            status, _, body = sdk_env.request("GET", "/health", headers=headers, key=None)
+            assert status == 401 and "X-Access-Token" in body["message"], (status, body)
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
         assert s.files.read("/home/user/ar.txt") == "kept"  # the proxied request resumed it
         assert Sandbox.get_info(s.sandbox_id).state == SandboxState.RUNNING
     finally:
