@@ -62,13 +62,28 @@ class Verdict:
     why: str
 
 
-def dns_servers_for(policy: NetworkPolicy, upstream: Sequence[str]) -> Sequence[str]:
-    """Where a sandbox's DNS queries go: its ``dns_servers`` when set (``[]``: none);
-    else the node's upstream while it may reach the internet or has hostname rules;
-    else nowhere (internet denied and nothing named: DNS is refused, as E2B's firewall
-    would drop it)."""
+def blocked(addr: ipaddress.IPv4Address, policy: NetworkPolicy, never: Sequence[ipaddress.IPv4Network],
+            named: bool) -> bool:
+    """Whether a connection the node makes for a sandbox may not go to ``addr``: never
+    to ``never`` (the node, the sandbox networks); for a destination the policy allows
+    by name (``named``), only the special ranges still need an explicit CIDR; else as
+    the policy decides addresses."""
+    if any(addr in n for n in never):
+        return True
+    if named:
+        return any(addr in n for n in SPECIAL_RANGES) and not any(addr in n for n in policy.allow_nets)
+    return policy.decide_ip(addr) == "deny"
+
+
+def dns_servers_for(policy: NetworkPolicy, upstream: Sequence[str],
+                    never: Sequence[ipaddress.IPv4Network] = (SANDBOX_NETS,)) -> Sequence[str]:
+    """Where a sandbox's DNS queries go: its ``dns_servers`` when set (``[]``: none), each
+    treated as a destination allowed by name (they are asked from the node: never the
+    node itself, no private resolver unless ``allow_out`` names its range); else the
+    node's upstream while it may reach the internet or has hostname rules; else nowhere
+    (internet denied and nothing named: DNS is refused, as E2B's firewall would drop it)."""
     if policy.dns_servers is not None:
-        return policy.dns_servers
+        return [s for s in policy.dns_servers if not blocked(ipaddress.IPv4Address(s), policy, never, named=True)]
     return upstream if policy.internet or policy.allow_hosts else ()
 
 
@@ -134,16 +149,9 @@ class EgressService:
 
     def _dns_servers(self, sid: str) -> Sequence[str]:
         box = self._sandboxes.get(sid)
-        return () if box is None else dns_servers_for(box.policy, self.upstream_dns)
+        return () if box is None else dns_servers_for(box.policy, self.upstream_dns, self.never)
 
     # ------------------------------------------------------------ the proxy
-    def _blocked(self, addr: ipaddress.IPv4Address, policy: NetworkPolicy, named: bool) -> bool:
-        if any(addr in n for n in self.never):
-            return True
-        if named:   # the name is allowed: only the special ranges still need an explicit CIDR
-            return any(addr in n for n in SPECIAL_RANGES) and not any(addr in n for n in policy.allow_nets)
-        return policy.decide_ip(addr) == "deny"
-
     async def decide(self, policy: NetworkPolicy, original: tuple[str, int] | None, name: str | None) -> Verdict:
         """Where a redirected connection may go (see the module doc)."""
         if original is None:
@@ -156,11 +164,11 @@ class EgressService:
             except (OSError, UnicodeError) as e:
                 return Verdict(None, port, f"{name} does not resolve: {e}")
             addrs = list(dict.fromkeys(str(i[4][0]) for i in infos))
-            allowed = [a for a in addrs if not self._blocked(ipaddress.IPv4Address(a), policy, named=True)]
+            allowed = [a for a in addrs if not blocked(ipaddress.IPv4Address(a), policy, self.never, named=True)]
             if not allowed:
                 return Verdict(None, port, f"{name} resolves only to addresses a sandbox may not reach")
             return Verdict(dst_ip if dst_ip in allowed else allowed[0], port, f"name {name} allowed")
-        if self._blocked(ipaddress.IPv4Address(dst_ip), policy, named=False):
+        if blocked(ipaddress.IPv4Address(dst_ip), policy, self.never, named=False):
             return Verdict(None, port, f"{dst_ip} denied" + (f" (name {name} not allowed)" if name else ""))
         return Verdict(dst_ip, port, f"{dst_ip} allowed")
 

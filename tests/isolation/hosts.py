@@ -4,8 +4,9 @@
                                                  the Host it got), a TLS-ish peer on 443
                                                  (answers once it got a ClientHello), TCP
                                                  8080, and DNS on 53 (UDP and TCP) with
-                                                 the names of NAMES
-    python -m tests.isolation.hosts lan LOG      a "private" host: TCP 7777 on every address
+                                                 the names of NAMES, a UDP echo on 9053
+    python -m tests.isolation.hosts lan LOG      a "private" host: TCP 7777 and HTTP 80 on
+                                                 every address
 
 Every accepted connection is logged to LOG as ``<port> <peer address>`` (the test
 asserts on who reached what), and ``ready`` is printed once everything listens.
@@ -20,6 +21,7 @@ import sys
 INET_IP = "203.0.113.10"       # documentation ranges only (RFC 5737)
 OTHER_INET_IP = "198.51.100.10"
 LAN_PORT = 7777
+UDP_ECHO_PORT = 9053
 NAMES = {
     "inet.test": INET_IP,
     "allowed.test": INET_IP,
@@ -28,9 +30,11 @@ NAMES = {
     "far.test": OTHER_INET_IP,
     "rebind.test": "10.99.0.10",    # a public name resolving into a private range
 }
+# a name only the resolver on OTHER_INET_IP knows (who asked which resolver)
+OTHER_NAMES = {**NAMES, "only-other.test": OTHER_INET_IP}
 
 
-def dns_answer(query: bytes) -> bytes | None:
+def dns_answer(query: bytes, names: dict[str, str] = NAMES) -> bytes | None:
     if len(query) < 12:
         return None
     qid, _flags, qd = struct.unpack_from(">HHH", query)
@@ -41,7 +45,7 @@ def dns_answer(query: bytes) -> bytes | None:
         pos += 1 + n
     question = query[12:pos + 5]
     qtype = struct.unpack_from(">H", query, pos + 1)[0] if pos + 3 <= len(query) else 0
-    ip = NAMES.get(".".join(labels).lower())
+    ip = names.get(".".join(labels).lower())
     if ip is None or qtype != 1:
         rcode = 3 if ip is None else 0
         return struct.pack(">HHHHHH", qid, 0x8400 | rcode, 1, 0, 0, 0) + question
@@ -80,20 +84,33 @@ def main(role: str, log_path: str) -> None:
             writer.close()
         return handle
 
-    async def dns_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        (n,) = struct.unpack(">H", await reader.readexactly(2))
-        answer = dns_answer(await reader.readexactly(n))
-        if answer:
-            writer.write(struct.pack(">H", len(answer)) + answer)
-            await writer.drain()
-        writer.close()
+    def dns_tcp(names: dict[str, str]):  # type: ignore[no-untyped-def]
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            (n,) = struct.unpack(">H", await reader.readexactly(2))
+            answer = dns_answer(await reader.readexactly(n), names)
+            if answer:
+                writer.write(struct.pack(">H", len(answer)) + answer)
+                await writer.drain()
+            writer.close()
+        return handle
 
-    class DnsUdp(asyncio.DatagramProtocol):
+    class Echo(asyncio.DatagramProtocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             self.transport = transport
 
         def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-            answer = dns_answer(data)
+            log.write(f"{UDP_ECHO_PORT}/udp {addr[0]}\n")
+            self.transport.sendto(b"echo " + data, addr)  # type: ignore[attr-defined]
+
+    class DnsUdp(asyncio.DatagramProtocol):
+        def __init__(self, names: dict[str, str]) -> None:
+            self.names = names
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+            answer = dns_answer(data, self.names)
             if answer:
                 self.transport.sendto(answer, addr)  # type: ignore[attr-defined]
 
@@ -103,10 +120,14 @@ def main(role: str, log_path: str) -> None:
             servers.append(await asyncio.start_server(http, "0.0.0.0", 80))
             servers.append(await asyncio.start_server(tls, "0.0.0.0", 443))
             servers.append(await asyncio.start_server(plain(8080, b"inet-8080\n"), "0.0.0.0", 8080))
-            servers.append(await asyncio.start_server(dns_tcp, "0.0.0.0", 53))
-            await asyncio.get_running_loop().create_datagram_endpoint(DnsUdp, local_addr=("0.0.0.0", 53))
+            for ip, names in ((INET_IP, NAMES), (OTHER_INET_IP, OTHER_NAMES)):
+                servers.append(await asyncio.start_server(dns_tcp(names), ip, 53))
+                await asyncio.get_running_loop().create_datagram_endpoint(lambda n=names: DnsUdp(n),
+                                                                          local_addr=(ip, 53))
+            await asyncio.get_running_loop().create_datagram_endpoint(Echo, local_addr=("0.0.0.0", UDP_ECHO_PORT))
         else:
             servers.append(await asyncio.start_server(plain(LAN_PORT, b"lan\n"), "0.0.0.0", LAN_PORT))
+            servers.append(await asyncio.start_server(http, "0.0.0.0", 80))
         print("ready", flush=True)
         await asyncio.Event().wait()
 

@@ -17,26 +17,74 @@ from typing import Any
 
 from e2b import Sandbox
 
-from .hosts import INET_IP, LAN_PORT, OTHER_INET_IP
+from .hosts import INET_IP, LAN_PORT, OTHER_INET_IP, UDP_ECHO_PORT
 
 LAN_ADDRS = ["10.99.0.10", "192.168.77.10", "172.16.77.10", "169.254.77.10", "100.64.77.10"]
 # ports a guest tries on every address that names the node, beside what listens there;
 # 53 is left out: DNS on any address is the node's forwarder, offered to every guest
 EXTRA_PORTS = {22, 80, 443, 8000, 9999, 49983, 10053, 10080}
 
+# The guest's side: every check at once (asyncio), a JSON line of results.
+#   ["tcp", host, port]     -> "ok" | "blocked"   (a TCP connection opens)
+#   ["udp", host, port]     -> "ok" | "blocked"   (the UDP echo answers)
+#   ["dns", name]           -> its address | "none"
+#   ["http", name]          -> the body of http://name/ | "failed"
+#   ["tls", name, ip]       -> what a peer at ip:443 answers a ClientHello naming name | "blocked"
 PROBE = r'''
-import asyncio, json, sys
-targets = json.loads(sys.argv[1])
-async def one(host, port):
+import asyncio, json, socket, ssl, sys, urllib.request
+checks = json.loads(sys.argv[1])
+async def tcp(host, port):
+    r, w = await asyncio.wait_for(asyncio.open_connection(host, port), 3.0)
+    w.close()
+    return "ok"
+async def udp(host, port):
+    loop = asyncio.get_running_loop()
+    got = loop.create_future()
+    class P(asyncio.DatagramProtocol):
+        def datagram_received(self, data, addr):
+            got.done() or got.set_result(data)
+    t, _ = await loop.create_datagram_endpoint(P, remote_addr=(host, port))
     try:
-        r, w = await asyncio.wait_for(asyncio.open_connection(host, port), 3.0)
-        w.close()
-        return "ok"
-    except Exception:
+        for _ in range(3):
+            t.sendto(b"ping")
+            try:
+                return "ok" if (await asyncio.wait_for(asyncio.shield(got), 1.0)).startswith(b"echo") else "bad"
+            except asyncio.TimeoutError:
+                pass
         return "blocked"
+    finally:
+        t.close()
+async def dns(name):
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(name, 80, family=socket.AF_INET), 8)
+        return infos[0][4][0]
+    except Exception:
+        return "none"
+def _http(name):
+    return urllib.request.urlopen(f"http://{name}/", timeout=6).read().decode().strip()
+async def http(name):
+    return await asyncio.to_thread(_http, name)
+async def tls(name, ip):
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname=name)
+    try:
+        obj.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    r, w = await asyncio.wait_for(asyncio.open_connection(ip, 443), 3.0)
+    w.write(outgoing.read())
+    answer = await asyncio.wait_for(r.read(100), 6.0)
+    w.close()
+    return answer.decode(errors="replace").strip() or "blocked"
+async def one(check):
+    kind, *args = check
+    try:
+        return await {"tcp": tcp, "udp": udp, "dns": dns, "http": http, "tls": tls}[kind](*args)
+    except Exception:
+        return "failed" if kind == "http" else "blocked"
 async def main():
-    got = await asyncio.gather(*(one(h, p) for h, p in targets))
-    print(json.dumps({f"{h}:{p}": g for (h, p), g in zip(targets, got)}))
+    got = await asyncio.gather(*(one(c) for c in checks))
+    print(json.dumps({" ".join(map(str, c)): g for c, g in zip(checks, got)}))
 asyncio.run(main())
 '''
 
@@ -45,10 +93,16 @@ def sh(cmd: list[str]) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
 
-def probe(sbx: Sandbox, targets: list[tuple[str, int]]) -> dict[str, str]:
+def check(sbx: Sandbox, checks: list[list[Any]]) -> dict[str, str]:
     sbx.files.write("/tmp/probe.py", PROBE)
-    out = sbx.commands.run(f"python3 /tmp/probe.py '{json.dumps(targets)}'", timeout=120, user="root")
+    out = sbx.commands.run(f"python3 /tmp/probe.py '{json.dumps(checks)}'", timeout=120, user="root")
     return json.loads(out.stdout)
+
+
+def probe(sbx: Sandbox, targets: list[tuple[str, int]]) -> dict[str, str]:
+    """TCP connections to ``targets``: ``"host:port"`` -> ok | blocked."""
+    got = check(sbx, [["tcp", h, p] for h, p in targets])
+    return {f"{h}:{p}": got[f"tcp {h} {p}"] for h, p in targets}
 
 
 def namespaces() -> dict[str, str]:
@@ -115,19 +169,66 @@ def attack() -> dict[str, Any]:
     for name, sbx in boxes.items():
         results["probes"][name] = probe(sbx, sorted(targets))
         inet = probe(sbx, [(INET_IP, 8080), (OTHER_INET_IP, 8080)])
-        page = sbx.commands.run("timeout 10 python3 -c \"import urllib.request; print(urllib.request.urlopen("
-                                "'http://inet.test/', timeout=8).read().decode().strip())\" 2>&1 || echo failed",
-                                timeout=60)
-        dns = sbx.commands.run("timeout 10 getent hosts inet.test || echo none", timeout=60)
-        results[name] = {"inet": inet, "page": page.stdout.strip().splitlines()[-1],
-                         "dns": dns.stdout.strip()}
+        got = check(sbx, [["http", "inet.test"], ["dns", "inet.test"], ["udp", INET_IP, UDP_ECHO_PORT]])
+        results[name] = {"inet": inet, "page": got["http inet.test"], "dns": got["dns inet.test"],
+                         "udp": got[f"udp {INET_IP} {UDP_ECHO_PORT}"]}
     for sbx in boxes.values():
         sbx.kill()
     return results
 
 
+WEB = [["http", "allowed.test"], ["http", "www.allowed.test"], ["http", "other.test"], ["http", "rebind.test"],
+       ["tls", "allowed.test", INET_IP], ["tls", "other.test", INET_IP], ["tls", "rebind.test", "10.99.0.10"],
+       ["tcp", INET_IP, 8080], ["dns", "other.test"]]
+SPLIT = [["tcp", INET_IP, 8080], ["tcp", OTHER_INET_IP, 8080], ["udp", INET_IP, UDP_ECHO_PORT],
+         ["udp", OTHER_INET_IP, UDP_ECHO_PORT], ["http", "inet.test"], ["http", "far.test"],
+         ["dns", "only-other.test"]]
+
+
+def rules() -> dict[str, Any]:
+    """E2B's network controls, enforced (issue 13, acceptance 2)."""
+    out: dict[str, Any] = {}
+    # hostnames: only allowed.test (and its subdomains) on the way out, everything else denied
+    web = Sandbox.create(timeout=600, network={"allow_out": ["allowed.test", "*.allowed.test", "rebind.test"],
+                                               "deny_out": ["0.0.0.0/0"]})
+    try:
+        out["web"] = check(web, WEB)
+        out["web_info"] = dict(Sandbox.get_info(web.sandbox_id).network or {})
+    finally:
+        web.kill()
+    # CIDRs, changed on the running sandbox, then kept across pause -> resume and in a fork
+    split = Sandbox.create(timeout=600, network={"deny_out": ["198.51.100.0/24"]})
+    children: list[Any] = []
+    try:
+        out["split_created"] = check(split, SPLIT)
+        marker = split.commands.run("sleep 100000", background=True).pid
+        split.update_network({"deny_out": ["203.0.113.0/24"]})
+        out["split_updated"] = check(split, SPLIT)
+        out["split_same_boot"] = str(marker) in split.commands.run("ps -eo pid").stdout.split()
+        split.pause()
+        back = Sandbox.connect(split.sandbox_id)
+        out["split_resumed"] = check(back, SPLIT)
+        children = back.fork(count=1)
+        out["split_child"] = check(children[0], SPLIT)
+        out["split_child_info"] = dict(Sandbox.get_info(children[0].sandbox_id).network or {})
+    finally:
+        for sbx in [split, *children]:
+            try:
+                sbx.kill()
+            except Exception:
+                pass
+    # DNS servers: a sandbox's own (the test resolver's other address), or none at all
+    for name, servers in (("dns_own", [OTHER_INET_IP]), ("dns_none", [])):
+        sbx = Sandbox.create(timeout=600, network={"dns_servers": servers})
+        try:
+            out[name] = check(sbx, [["dns", "inet.test"], ["dns", "only-other.test"], ["tcp", INET_IP, 8080]])
+        finally:
+            sbx.kill()
+    return out
+
+
 def main(what: str) -> None:
-    print(json.dumps(attack() if what == "attack" else {}), flush=True)
+    print(json.dumps(attack() if what == "attack" else rules()), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO, SealedNet, start_node
-from .hosts import INET_IP, OTHER_INET_IP
+from .hosts import INET_IP, OTHER_INET_IP, UDP_ECHO_PORT
 
 pytestmark = [pytest.mark.qemu, pytest.mark.slow]
 
@@ -50,9 +50,55 @@ def test_guests_reach_nothing_they_were_not_given(testnet: SealedNet, node_data:
     assert len(testnet.accepted("lan")) == lan_before        # no private host saw a connection
     for name in ("a", "b"):                                  # egress allowed: the internet works
         assert got[name]["inet"] == {f"{INET_IP}:8080": "ok", f"{OTHER_INET_IP}:8080": "ok"}, got[name]
-        assert got[name]["page"] == "inet inet.test" and INET_IP in got[name]["dns"], got[name]
+        assert got[name]["page"] == "inet inet.test" and got[name]["dns"] == INET_IP, got[name]
+        assert got[name]["udp"] == "ok", got[name]           # UDP egress too (both modes)
     closed = got["closed"]                                   # allow_internet_access=False
     assert closed["inet"] == {f"{INET_IP}:8080": "blocked", f"{OTHER_INET_IP}:8080": "blocked"}, closed
-    assert closed["page"] == "failed" and closed["dns"] == "none", closed
+    assert closed["page"] == "failed" and closed["dns"] == "none" and closed["udp"] == "blocked", closed
     log = (tmp_path / "server.log").read_text()
     assert "one namespace per sandbox" in log, log[-2000:]
+
+
+INET_UP = {f"tcp {INET_IP} 8080": "ok", f"udp {INET_IP} {UDP_ECHO_PORT}": "ok", "http inet.test": "inet inet.test"}
+OTHER_UP = {f"tcp {OTHER_INET_IP} 8080": "ok", f"udp {OTHER_INET_IP} {UDP_ECHO_PORT}": "ok",
+            "http far.test": "inet far.test"}
+
+
+def _down(up: dict[str, str]) -> dict[str, str]:
+    return {k: "failed" if k.startswith("http") else "blocked" for k in up}
+
+
+@pytest.mark.parametrize("mode", ["user", "tap"])
+def test_network_controls_are_enforced(testnet: SealedNet, node_data: Path, mode: str, tmp_path: Path) -> None:
+    """Acceptance 2, the guest's side: E2B's network options through the real SDK, tried
+    from inside the sandboxes against the test's hosts."""
+    lan_before = len(testnet.accepted("lan"))
+    server = start_node(testnet, node_data, mode, tmp_path / "server.log")
+    try:
+        got = run_scenario(testnet, server.env, "rules")
+    finally:
+        server.stop()
+    web = got["web"]       # allow_out: allowed.test, *.allowed.test, rebind.test; deny_out: 0.0.0.0/0
+    assert web["http allowed.test"] == "inet allowed.test" and web["http www.allowed.test"] == "inet www.allowed.test"
+    assert web[f"tls allowed.test {INET_IP}"] == "tls-peer-ok", web             # SNI allowed
+    assert web["dns other.test"] == INET_IP, web          # the name resolves, to the very same address...
+    assert web["http other.test"] == "failed" and web[f"tls other.test {INET_IP}"] == "blocked", web   # ...denied
+    assert web[f"tcp {INET_IP} 8080"] == "blocked", web   # the allowed name's address is not allowed itself
+    # a name allowed but resolving into a private range (DNS rebinding) reaches nothing there
+    assert web["http rebind.test"] == "failed" and web["tls rebind.test 10.99.0.10"] == "blocked", web
+    assert len(testnet.accepted("lan")) == lan_before
+    assert {"allowed.test", "*.allowed.test", "rebind.test"} <= set(got["web_info"]["allow_out"]), got["web_info"]
+
+    # deny_out 198.51.100.0/24 at create: the other /24 works; then updated live, without a restart
+    assert got["split_created"] == {**INET_UP, **_down(OTHER_UP), "dns only-other.test": "none"}, got
+    swapped = {**_down(INET_UP), **OTHER_UP, "dns only-other.test": "none"}
+    assert got["split_updated"] == swapped and got["split_same_boot"] is True, got
+    assert got["split_resumed"] == swapped, got           # pause -> resume keeps the update
+    assert got["split_child"] == swapped, got             # and so does a fork child
+    assert got["split_child_info"]["deny_out"] == ["203.0.113.0/24"], got["split_child_info"]
+
+    # dns_servers: the sandbox's own resolver answers (a name only it knows), or no DNS at all
+    assert got["dns_own"] == {"dns inet.test": INET_IP, "dns only-other.test": OTHER_INET_IP,
+                              f"tcp {INET_IP} 8080": "ok"}, got["dns_own"]
+    assert got["dns_none"] == {"dns inet.test": "none", "dns only-other.test": "none",
+                               f"tcp {INET_IP} 8080": "ok"}, got["dns_none"]

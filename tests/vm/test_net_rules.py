@@ -3,6 +3,7 @@ accepts every variant), what the proxy reads off a connection's first bytes
 (real TLS ClientHellos from Python's ssl, fuzzed bytes), and DNS messages."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import ssl
@@ -158,4 +159,10 @@ def test_dns_servers_follow_the_policy() -> None:
     assert list(dns_servers_for(closed, up)) == []                                  # refused
     assert list(dns_servers_for(parse_policy(["api.example.com"], ["0.0.0.0/0"]), up)) == up   # a name is allowed
     assert list(dns_servers_for(parse_policy([], ["0.0.0.0/0"], ["198.51.100.53"]), up)) == ["198.51.100.53"]
+    # a sandbox's own resolvers are asked from the node: no private one unless allowed explicitly
+    private = ["10.0.0.2", "169.254.169.253", "198.51.100.53"]
+    assert list(dns_servers_for(parse_policy(None, None, private), up)) == ["198.51.100.53"]
+    assert list(dns_servers_for(parse_policy(["10.0.0.0/24"], None, private), up)) == ["10.0.0.2", "198.51.100.53"]
+    never = [ipaddress.IPv4Network("198.51.100.53/32")]                              # the node's own address
+    assert list(dns_servers_for(parse_policy(None, None, private), up, never)) == []
     assert list(dns_servers_for(parse_policy([], [], []), up)) == []                # dns_servers: [] = none
