@@ -73,6 +73,22 @@ def check_tap_network(data_dir: Path, configured: str = "user") -> Check:
     return Check(name, Status.WARN, text + " (user mode in use works)")
 
 
+def check_network_isolation(mode: str = "user", isolation: str = "auto") -> Check:
+    """Which network isolation a node configured so gets here (``[vm] network`` and
+    ``[vm] isolation``): OK with namespaces per sandbox; WARN without (restricted or
+    off); FAIL when the configuration cannot be met."""
+    from .net.netns import NetError
+    from .net.networks import decide_isolation, describe, isolation_problems
+    name = "network isolation"
+    problems = isolation_problems()
+    try:
+        isolated = decide_isolation(mode, isolation, problems)
+    except NetError as e:
+        return Check(name, Status.FAIL, str(e))
+    text = describe(mode, isolation, isolated, problems)
+    return Check(name, Status.OK if isolated else Status.WARN, text)
+
+
 def check_ksm() -> Check:
     """Whether `[vm] ksm` can work here, and what ksmd has saved so far."""
     from . import ksm
@@ -90,7 +106,7 @@ def check_ksm() -> Check:
 
 
 def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None = None,
-               network: str = "user") -> list[Check]:
+               network: str = "user", isolation: str = "auto") -> list[Check]:
     checks: list[Check] = []
     qemu = None
     try:
@@ -135,6 +151,7 @@ def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None =
                             f"{choice.reason}{' (cached probe)' if choice.cached else ''}"))
 
     checks.append(check_tap_network(data_dir, network))
+    checks.append(check_network_isolation(network, isolation))
     checks.append(check_ksm())
     checks.append(check_disk("disk (data dir)", data_dir))
     checks.append(check_disk("disk (guest cache)", cache))

@@ -111,6 +111,29 @@ def isolation_problems() -> list[str]:
     return out
 
 
+def decide_isolation(mode: str, isolation: str, problems: list[str]) -> bool:
+    """Whether a node of network ``mode`` and ``[vm] isolation`` gives every sandbox a
+    namespace, on a host with ``problems`` (isolation_problems()). NetError where the
+    configuration cannot be met (tap, or "required", on a host that lacks something)."""
+    if mode == "tap" and problems:
+        raise NetError("[vm] network = \"tap\" cannot work here: " + "; ".join(problems))
+    if problems and isolation == "required":
+        raise NetError("[vm] isolation = \"required\" cannot be met here: " + "; ".join(problems))
+    return mode == "tap" or (isolation != "off" and not problems)
+
+
+def describe(mode: str, isolation: str, isolated: bool, why_not: list[str]) -> str:
+    """What a node's networking isolates (the server's start line, ``aenv doctor``)."""
+    if isolated:
+        return (f"{mode} networking, one namespace per sandbox: guests reach no host address, node "
+                f"service or other sandbox; egress by policy (DNS and hostname rules through the node)")
+    if isolation == "off":
+        return ("user networking WITHOUT isolation ([vm] isolation = \"off\"): guests reach every TCP port on "
+                "the host's 127.0.0.1 -- development hosts only")
+    return ("user networking without namespaces (" + "; ".join(why_not) +
+            "): guests are restricted (restrict=on): no egress at all")
+
+
 def node_addresses() -> list[ipaddress.IPv4Network]:
     """Every IPv4 address of this node's namespace (no sandbox may connect to one)."""
     from pyroute2 import IPRoute
@@ -152,15 +175,7 @@ class NodeNetworks:
         return self.mode == "tap"
 
     def describe(self) -> str:
-        """What this node's networking isolates (the server's start line, ``aenv doctor``)."""
-        if self.isolated:
-            return (f"{self.mode} networking, one namespace per sandbox: guests reach no host address, node "
-                    f"service or other sandbox; egress by policy (DNS and hostname rules through the node)")
-        if self.isolation == "off":
-            return ("user networking WITHOUT isolation ([vm] isolation = \"off\"): guests reach every TCP port on "
-                    "the host's 127.0.0.1 -- development hosts only")
-        return ("user networking without namespaces (" + "; ".join(self.why_not) +
-                "): guests are restricted (restrict=on): no egress at all")
+        return describe(self.mode, self.isolation, self.isolated, self.why_not)
 
     async def start(self) -> None:
         """Decide the isolation (fail early and clearly where the configured one cannot be
@@ -168,11 +183,7 @@ class NodeNetworks:
         the egress services."""
         problems = isolation_problems() + (
             [] if not self.tap or Path("/dev/net/tun").exists() else ["/dev/net/tun missing (tun module)"])
-        if self.tap and problems:
-            raise NetError("[vm] network = \"tap\" cannot work here: " + "; ".join(problems))
-        if problems and self.isolation == "required":
-            raise NetError("[vm] isolation = \"required\" cannot be met here: " + "; ".join(problems))
-        self.isolated = self.tap or (self.isolation != "off" and not problems)
+        self.isolated = decide_isolation(self.mode, self.isolation, problems)
         self.why_not = problems if not self.isolated else []
         if not self.isolated:
             return

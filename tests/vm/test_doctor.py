@@ -48,3 +48,24 @@ def test_doctor_probes_the_accelerator(guest, capsys: pytest.CaptureFixture[str]
     assert code == 0
     assert checks["guest"]["status"] == "ok" and guest.kernel_release in checks["guest"]["detail"]
     assert checks["accelerator"]["detail"].startswith(("TCG", "KVM"))
+
+
+def test_doctor_reports_network_isolation(capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv_vm.net import networks
+    _, checks = run_doctor(capsys, "--no-probe")
+    row = checks["network isolation"]
+    if not networks.isolation_problems():     # root with nft and iproute2, as in CI
+        assert row["status"] == "ok" and "one namespace per sandbox" in row["detail"], row
+    monkeypatch.setenv("AENV_VM__ISOLATION", "off")
+    _, checks = run_doctor(capsys, "--no-probe")
+    assert checks["network isolation"]["status"] == "warn" and "WITHOUT isolation" in checks["network isolation"]["detail"]
+    # a host that cannot make namespaces: auto is restricted (warn), required fails
+    monkeypatch.setattr(networks, "isolation_problems", lambda: ["needs root (network namespaces)"])
+    monkeypatch.setenv("AENV_VM__ISOLATION", "auto")
+    _, checks = run_doctor(capsys, "--no-probe")
+    row = checks["network isolation"]
+    assert row["status"] == "warn" and "restrict=on" in row["detail"] and "needs root" in row["detail"], row
+    monkeypatch.setenv("AENV_VM__ISOLATION", "required")
+    code, checks = run_doctor(capsys, "--no-probe")
+    assert code == 1 and checks["network isolation"]["status"] == "fail", checks["network isolation"]
