@@ -404,7 +404,8 @@ class Lifecycle:
         address and the forward in user mode, its veth address in tap mode), resuming a
         paused sandbox created with autoResume. ``access_token``: the X-Access-Token the
         request presented; for envd's port of a secured sandbox a wrong or missing one is
-        401 *before* anything is resumed (a stranger cannot wake a sandbox). ApiError
+        401 *before* anything is resumed (a stranger cannot wake a sandbox); a paused
+        sandbox without autoResume is 502 to anyone, as E2B's proxy answers. ApiError
         502 in E2B's shapes otherwise.
 
         Hot path of every proxied request: a running sandbox whose token and endpoint
@@ -419,11 +420,11 @@ class Lifecycle:
             except NotFound:
                 raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid) from None
             view = self._view(info)
-            self._check_envd_token(view.access_token, port, access_token)
             if view.state == SandboxState.PAUSED.value:
-                if not view.auto_resume:
+                if not view.auto_resume:    # E2B's proxy answer, whoever asks
                     raise ApiError(502, f"The sandbox {sid} was not found: it is paused and autoResume is off "
                                         f"(connect to resume it)", sandboxId=sid)
+                self._check_envd_token(view.access_token, port, access_token)
                 view = await self.resume(sid)
             if view.state != SandboxState.RUNNING.value:
                 raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid)
