@@ -173,13 +173,14 @@ def used_indexes() -> set[int]:
 
 
 def create(tag: str, sid: str, index: int | None = None, egress: bool = True,
-           dns: str | None = None) -> SandboxNet:
+           dns: str | None = None, owner: int | None = None) -> SandboxNet:
     """The namespace, veth pair, tap device and rules of one sandbox. ``index`` picks
     its /30 in 10.201.0.0/16; None takes the lowest one free on this host (under a
     host-wide lock, so concurrent nodes never pick the same). The lock is held only
     until the /30 is claimed (its host address added); the namespace side is set up
     after, so concurrent creates (a fork's children) overlap there. ``dns``: where the
-    guest's DNS queries to 10.0.2.3 go (None: nowhere)."""
+    guest's DNS queries to 10.0.2.3 go (None: nowhere). ``owner``: the uid (and gid)
+    that may open ``tap0`` without CAP_NET_ADMIN, a confined QEMU's (aenv_vm/confine)."""
     from pyroute2 import IPRoute, NetNS
     from pyroute2 import netns as pnetns
     _require_tools()
@@ -194,11 +195,12 @@ def create(tag: str, sid: str, index: int | None = None, egress: bool = True,
         elif index in used_indexes():
             raise NetError(f"sandbox network {addresses(index)[0]}/30 is already in use on this host")
         return _create(tag, sid, index, egress, IPRoute, NetNS, pnetns,
-                       claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN), dns=dns)
+                       claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN), dns=dns, owner=owner)
 
 
 def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-untyped-def]
-            IPRoute, NetNS, pnetns, claimed: Callable[[], None], dns: str | None = None) -> SandboxNet:  # noqa: N803
+            IPRoute, NetNS, pnetns, claimed: Callable[[], None], dns: str | None = None,  # noqa: N803
+            owner: int | None = None) -> SandboxNet:
     host_ip, ns_ip = addresses(index)
     net = SandboxNet(name=f"aenv-{tag}-{sid[-12:]}", index=index, host_if=f"ae{tag}{index:x}"[:15],
                      host_ip=host_ip, ns_ip=ns_ip, egress=egress, dns=dns)
@@ -217,7 +219,8 @@ def _create(tag: str, sid: str, index: int, egress: bool,  # type: ignore[no-unt
             ns.addr("add", index=eth, address=ns_ip, prefixlen=30)
             ns.link("set", index=eth, state="up")
             ns.route("add", dst="0.0.0.0/0", gateway=host_ip)
-            ns.link("add", ifname="tap0", kind="tuntap", mode="tap")
+            ns.link("add", ifname="tap0", kind="tuntap", mode="tap",
+                    **({} if owner is None else {"uid": owner, "gid": owner}))
             tap = ns.link_lookup(ifname="tap0")[0]
             ns.link("set", index=tap, address=TAP_MAC)
             ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=24)

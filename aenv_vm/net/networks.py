@@ -111,13 +111,14 @@ class NodeNetworks:
             log.warning("tap networking: no IPv4 nameserver a namespace can reach in /etc/resolv.conf; "
                         "guests will have no DNS")
 
-    async def attach(self, sid: str, egress: bool = True) -> dict[str, object]:
+    async def attach(self, sid: str, egress: bool = True, owner: int | None = None) -> dict[str, object]:
         """The ``VmSpec`` fields that network sandbox ``sid``: a free host port (user), or
-        a new namespace (tap) with ``egress`` on or off."""
+        a new namespace (tap) with ``egress`` on or off whose tap device uid ``owner``
+        (the sandbox's confined QEMU) may open."""
         if not self.tap:
             return {"host_port": free_port(), "netns": None, "net_restrict": not egress}
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
-        net = await asyncio.to_thread(netns.create, self.tag, sid, None, egress, self.dns)  # pyroute2: own loop
+        net = await asyncio.to_thread(netns.create, self.tag, sid, None, egress, self.dns, owner)  # pyroute2: own loop
         self._nets[sid] = net
         return {"host_port": None, "netns": net.name}
 
