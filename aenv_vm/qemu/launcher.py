@@ -189,8 +189,10 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
              "-qmp", f"unix:{_opt(spec.qmp_socket)},server=on,wait=off",
              "-object", "rng-random,id=rng0,filename=/dev/urandom", "-device", "virtio-rng-device,rng=rng0"]
     if spec.disk is not None:
+        # werror=report: a write the host refuses (the node's free-disk floor: ENOSPC) is an
+        # I/O error in the guest, instead of QEMU's default of stopping the VM for good
         argv += ["-blockdev", json.dumps(spec.disk.blockdev(), separators=(",", ":")),
-                 "-device", "virtio-blk-device,drive=disk0"]
+                 "-device", "virtio-blk-device,drive=disk0,werror=report"]
     if spec.netns is not None:
         argv += ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
                  "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]

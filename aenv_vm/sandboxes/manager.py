@@ -69,10 +69,11 @@ class SandboxManager:
                  ready_timeout: float = 60.0, tcg_tb_mib: int | None = None, default_timeout: float = 300.0,
                  ksm: KsmSettings | None = None, network: str = "user", standby: int = 4,
                  max_sandboxes: int | None = None, readahead: int = 4 << 20,
-                 confine: Confinement | str = "auto") -> None:
+                 confine: Confinement | str = "auto", min_free_disk: int | None = None) -> None:
         """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
         "required", "off") for a policy of the manager's own, or a shared ``Confinement``
-        (started and closed by its owner)."""
+        (started and closed by its owner). ``min_free_disk``: the free space guests' disk
+        writes leave on the run root's filesystem (None: the node cache's floor)."""
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self._own_confinement = not isinstance(confine, Confinement)
         confinement = confine if isinstance(confine, Confinement) else Confinement(confine)
@@ -81,7 +82,9 @@ class SandboxManager:
                               templates=LocalTemplates(store, guest.key, run_root / "templates"),
                               confinement=confinement,
                               ready_timeout=ready_timeout, tcg_tb_mib=tcg_tb_mib, merge_memory=ksm is not None,
-                              fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead)
+                              fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead,
+                              min_free_disk=min_free_disk if min_free_disk is not None else
+                              store.cache.config.min_free_disk if store.cache is not None else 0)
         self.default_timeout = default_timeout
         self.max_sandboxes = max_sandboxes
         self._running: dict[str, Sandbox] = {}

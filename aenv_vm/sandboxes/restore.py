@@ -132,7 +132,7 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
                 d.mkdir(parents=True)
             # off the event loop: 20-50 ms here, 16 at once in a fork
             image = await asyncio.to_thread(BlockImage.open, rt.store, plan.disk_top, sid, upper_dir=sdir / "upper",
-                                            fresh_upper=plan.fresh_upper)
+                                            fresh_upper=plan.fresh_upper, min_free_disk=rt.min_free_disk)
             if rt.readahead > 0:   # sequential guest reads of a cold disk find the next chunks fetched
                 Prefetcher(image, window=rt.readahead)
             rt.nbd.add_export(image)

@@ -48,6 +48,7 @@ class NodeRuntime:
     merge_memory: bool = False          # KSM over the whole QEMU process (aenv_vm/ksm.py)
     fixed_layout: bool = False          # QEMU without ASLR, so identical clones merge further
     readahead: int = 4 << 20            # bytes read ahead of a sandbox's sequential disk reads (0: off)
+    min_free_disk: int = 0              # a guest's disk writes fail rather than leave less free here
 
     @property
     def sandboxes_root(self) -> Path:
