@@ -238,6 +238,15 @@ class VmCgroup:
         """What the QEMU's child process writes "0" to, to join (before exec)."""
         return tuple(d / "cgroup.procs" for d in self.dirs)
 
+    def attach(self, pid: int) -> None:
+        """Move process ``pid`` (all its threads) into the groups. ConfinementError if it
+        cannot be moved (e.g. it is gone)."""
+        for f in self.procs_files:
+            try:
+                _write(f, str(pid))
+            except OSError as e:
+                raise ConfinementError(f"moving pid {pid} into {f.parent}: {e.strerror or e}") from None
+
     def remove(self, wait: float = 0.5) -> bool:
         """rmdir every group (the QEMU is gone; its last tasks may take a moment to
         leave). False if one is still busy (the next ``sweep`` removes it)."""

@@ -232,6 +232,7 @@ def free_port() -> int:
 
 NETNS_DIR = Path("/run/netns")
 RESOLV_CONF = Path("/etc/resolv.conf")
+LD_SO_CACHE = Path("/etc/ld.so.cache")
 
 
 def jail_view(spec: VmSpec, binary: Path) -> FileView:
@@ -239,7 +240,8 @@ def jail_view(spec: VmSpec, binary: Path) -> FileView:
     (read-write: QMP socket, console, NBD socket), its memory file (read-only when
     mapped copy-on-write, read-write when it is the VM's own ``share=on`` file),
     kernel and initrd when it boots, its disk's socket or file, the device nodes it
-    opens, ``/etc/resolv.conf`` for user-mode DNS, the read-only RAM shim."""
+    opens, ``/etc/resolv.conf`` for user-mode DNS, ``/etc/ld.so.cache``, the
+    read-only RAM shim."""
     jail = spec.jail
     assert jail is not None
     read: list[Path] = []
@@ -265,6 +267,8 @@ def jail_view(spec: VmSpec, binary: Path) -> FileView:
         execute.append(binary.resolve())
     devices = list(BASE_DEVICES) + (["kvm"] if spec.accel == "kvm" else []) + (
         ["net/tun"] if spec.netns is not None else [])
+    if LD_SO_CACHE.is_file():   # without it the loader searches every library dir for QEMU's ~100 libraries
+        read.append(LD_SO_CACHE)
     resolv = RESOLV_CONF if spec.netns is None and RESOLV_CONF.exists() else None
     return file_view(read=read, write=write, write_dirs=[spec.run_dir], execute=execute, devices=devices,
                      owner=-1 if jail.uid is None else jail.uid, resolv_conf=resolv)
@@ -368,9 +372,14 @@ class QemuProcess:
                 if cgroup is not None:
                     cgroup.remove(wait=0)
                 raise VmError(f"network namespace {spec.netns} of {spec.name} cannot be opened: {e}") from None
+        # Joining a cgroup costs a RCU grace period (~13 ms here, cgroup v1's threadgroup
+        # lock): a QEMU that waits for its state (-incoming defer) runs no guest code before
+        # start() returns, so it is moved in from here while it initialises; one that boots
+        # joins before exec.
+        late_cgroup = cgroup is not None and spec.incoming_defer
         plan = child_plan(
             view, parent_pid=os.getpid(), root=jail.root_dir if jail is not None else Path("/"),
-            cgroup_procs=cgroup.procs_files if cgroup is not None else (), netns_fd=netns_fd,
+            cgroup_procs=cgroup.procs_files if cgroup is not None and not late_cgroup else (), netns_fd=netns_fd,
             uid=jail.uid if jail is not None else None, gid=jail.gid if jail is not None else None,
             cap_last=jail.cap_last if jail is not None else -1,
             file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
@@ -389,10 +398,17 @@ class QemuProcess:
                 os.close(netns_fd)
         vm = cls(spec, proc, argv)
         vm.cgroup = cgroup
+        joined = asyncio.ensure_future(asyncio.to_thread(cgroup.attach, proc.pid)) \
+            if cgroup is not None and late_cgroup else None
         try:
             vm.qmp = await QmpClient.connect(spec.qmp_socket, timeout=qmp_timeout,
                                              alive=lambda: proc.poll() is None)
+            if joined is not None:
+                await joined
         except BaseException as e:
+            if joined is not None:
+                with contextlib.suppress(BaseException):
+                    await joined
             await vm.kill()
             if isinstance(e, VmError):
                 why = f"exited with code {proc.returncode}" if proc.returncode not in (None, -9) else str(e)

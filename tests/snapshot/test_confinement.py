@@ -96,7 +96,8 @@ def check_confined(s: Seen) -> None:
         assert visible == (path in own), f"{what}: {path} {'visible' if visible else 'missing'}"
     for mp in s.mountpoints:
         assert mp != "/root" and not mp.startswith("/root/"), what
-        assert mp in own or mp in ("/", "/usr", "/etc/resolv.conf") or mp.startswith("/run/aenv/lib/"), \
+        assert mp in own or mp in ("/", "/usr", "/etc/resolv.conf", "/etc/ld.so.cache") or \
+            mp.startswith("/run/aenv/lib/"), \
             f"{what}: unexpected mount {mp}"
     # the cgroup bounds CPU (vCPUs), memory (guest + TCG code buffer + VMM) and tasks
     vcpus, mib = s.spec.vcpus, s.spec.memory_mib
