@@ -26,6 +26,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .errors import ConfinementError
 
@@ -315,9 +316,11 @@ class CgroupTree:
             raise ConfinementError(f"cgroup {name}: {e.strerror or e}") from None
         return VmCgroup(name, tuple(dirs))
 
-    def sweep(self) -> int:
-        """Remove VM groups nobody uses any more (their QEMU died with a crashed node);
-        groups in use are busy and stay. Returns how many went."""
+    def sweep(self, leased: Callable[[int], bool] = lambda uid: False) -> int:
+        """Remove VM groups nobody uses any more (their QEMU died with a crashed node).
+        Groups with a task are busy and stay; so do empty ones whose uid is ``leased``
+        (another node made the group and is about to move its QEMU in). Returns how
+        many went."""
         n = 0
         for h in self.layout.hierarchies:
             try:
@@ -325,22 +328,32 @@ class CgroupTree:
             except OSError:
                 continue
             for d in entries:
-                if d.name.startswith(VM_PREFIX) and d.is_dir():
-                    try:
-                        d.rmdir()
-                        n += 1
-                    except OSError:
-                        pass
+                uid = vm_group_uid(d.name)
+                if uid is None or leased(uid) or not d.is_dir():
+                    continue
+                try:
+                    d.rmdir()
+                    n += 1
+                except OSError:
+                    pass
         return n
 
-    def close(self) -> None:
+    def close(self, leased: Callable[[int], bool] = lambda uid: False) -> None:
         """Remove the parents if no group is left in them (other nodes' may be)."""
-        self.sweep()
+        self.sweep(leased)
         for h in self.layout.hierarchies:
             try:
                 h.parent.rmdir()
             except OSError:
                 pass
+
+
+def vm_group_uid(name: str) -> int | None:
+    """The uid in a VM group's name (``vm-<uid>-<hex>``); None for any other name."""
+    parts = name.split("-")
+    if len(parts) != 3 or parts[0] + "-" != VM_PREFIX or not parts[1].isdigit():
+        return None
+    return int(parts[1])
 
 
 def _enable(d: Path, controllers: tuple[str, ...]) -> None:

@@ -151,7 +151,7 @@ class Confinement:
         self.support = probe_host(self.qemu or find_qemu(), self.state_dir)
         if isinstance(self.support.cgroup, Layout):
             self._cgroups = CgroupTree(self.support.cgroup)
-            self._cgroups.sweep()   # groups a crashed node left
+            self._cgroups.sweep(self._leases.leased)   # groups a crashed node left
         if self.level is Level.REQUIRED:
             off = [f"{p.name}: {p.detail}" for p in self.parts() if not p.on]
             if off:
@@ -235,7 +235,7 @@ class Confinement:
             self.release(holder)
         self._leases.close()
         if self._cgroups is not None:
-            self._cgroups.close()
+            self._cgroups.close(self._leases.leased)
 
 
 @contextlib.asynccontextmanager

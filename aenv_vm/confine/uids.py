@@ -61,6 +61,22 @@ class UidLeases:
             return uid
         raise ConfinementError(f"all {self.count} uids from {self.first} are leased on this host")
 
+    def leased(self, uid: int) -> bool:
+        """Whether ``uid`` is leased now, by this holder or any other on the host."""
+        if uid in self._held:
+            return True
+        try:
+            fd = os.open(self.dir / str(uid), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)    # drops a lock taken just for the look
+
     def release(self, uid: int) -> None:
         fd = self._held.pop(uid, None)
         if fd is not None:

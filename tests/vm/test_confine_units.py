@@ -221,3 +221,26 @@ def test_the_shim_opens_only_the_named_file_read_only(tmp_path: Path) -> None:
                          text=True, check=True).stdout.split("\n")
     assert out[0].startswith("refused") and out[1] == "other ok"
     assert ram.read_bytes() == b"a" * 4096 and other.read_bytes()[:1] == b"w"
+
+
+def test_sweep_removes_only_groups_nobody_holds(tmp_path: Path) -> None:
+    from aenv_vm.confine.cgroups import CgroupTree, vm_group_uid
+    assert vm_group_uid("vm-1900000001-abcdef") == 1_900_000_001
+    assert vm_group_uid("aenv-node") is None and vm_group_uid("vm-x-1") is None
+    h = Hierarchy(Version.V1, ("pids",), tmp_path, tmp_path / "node")
+    tree = CgroupTree(Layout((h,)))
+    h.parent.mkdir(parents=True)
+    for name in ("vm-2000000000-aaaaaa", "vm-2000000001-bbbbbb", "unrelated"):
+        (h.parent / name).mkdir()
+    (h.parent / "vm-2000000002-cccccc").mkdir()
+    (h.parent / "vm-2000000002-cccccc" / "busy").mkdir()   # a group with something in it: rmdir fails
+    leases = UidLeases(tmp_path / "uids", 2_000_000_000, 2)
+    assert leases.acquire() in (2_000_000_000, 2_000_000_001)
+    held = leases.held()[0]
+    other = UidLeases(tmp_path / "uids", 2_000_000_000, 2)
+    assert other.leased(held) and not other.leased(2_000_000_000 + 2_000_000_001 - held)
+    assert tree.sweep(other.leased) == 1                      # the free, empty one
+    left = sorted(p.name for p in h.parent.iterdir())
+    assert f"vm-{held}-{'aaaaaa' if held == 2_000_000_000 else 'bbbbbb'}" in left and "unrelated" in left
+    assert "vm-2000000002-cccccc" in left
+    leases.close()
