@@ -321,20 +321,17 @@ def report(res: dict, markdown: bool) -> None:
     table([[k, f"{v['p50']:.1f}", f"{v['p90']:.1f}", int(v["n"])] for k, v in s.items()],
           ["device-state load of a clone (ms)", "p50", "p90", "n"])
     rows = []
-    c = res["create"]
-    for what, key, field in (("create (no pool) → first commands.run", "nopool", "total"),
-                             ("  of which QEMU start", "nopool", "qemu_start"),
-                             ("  of which state load", "nopool", "state_load"),
-                             ("create from the warm pool → first commands.run", "pool", "total")):
-        a, b = (ms([r[field] for r in c[m][key]]) for m in MODES)
-        rows.append([what, f"{a['p50']:.0f} / {a['p90']:.0f}", f"{b['p50']:.0f} / {b['p90']:.0f}", int(a["n"])])
-    pr = res["pause_resume"]
-    for what, key, field in (("pause, 16 MiB dirtied", "pause16", "total"),
-                             ("resume (a) → running, standby QEMU", "standby", "running"),
-                             ("resume (b) → first commands.run, standby QEMU", "standby", "first_command"),
-                             ("resume (a) → running, fresh QEMU", "fresh", "running"),
-                             ("resume (b) → first commands.run, fresh QEMU", "fresh", "first_command")):
-        a, b = (ms([r[field] for r in pr[m][key]]) for m in MODES)
+    for part, what, key, field in (
+            ("create", "create (no pool) → first commands.run", "nopool", "total"),
+            ("create", "  of which QEMU start", "nopool", "qemu_start"),
+            ("create", "  of which state load", "nopool", "state_load"),
+            ("create", "create from the warm pool → first commands.run", "pool", "total"),
+            ("pause_resume", "pause, 16 MiB dirtied", "pause16", "total"),
+            ("pause_resume", "resume (a) → running, standby QEMU", "standby", "running"),
+            ("pause_resume", "resume (b) → first commands.run, standby QEMU", "standby", "first_command"),
+            ("pause_resume", "resume (a) → running, fresh QEMU", "fresh", "running"),
+            ("pause_resume", "resume (b) → first commands.run, fresh QEMU", "fresh", "first_command")):
+        a, b = (ms([r[field] for r in res[part][m][key]]) for m in MODES)
         rows.append([what, f"{a['p50']:.0f} / {a['p90']:.0f}", f"{b['p50']:.0f} / {b['p90']:.0f}", int(a["n"])])
     f = res["fork"]
     for what, field in (("fork 16 → all answering", "answering"), ("fork 16 → every child's first command",

@@ -255,9 +255,9 @@ def _ancestors(p: Path) -> list[Path]:
 def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_ROOT, cgroup_procs: Iterable[Path] = (),
                netns_fd: int = -1, uid: int | None = None, gid: int | None = None, cap_last: int = -1,
                file_size: int = -1, merge_memory: bool = False, fixed_layout: bool = False,
-               no_new_privs: bool = True) -> ChildPlan:
+               no_new_privs: bool = True, core_dumps: bool = False) -> ChildPlan:
     """The ``ChildPlan`` of a QEMU: with ``view`` a mount namespace rooted at a tmpfs on
-    ``root`` holding exactly that view."""
+    ``root`` holding exactly that view. ``core_dumps``: leave RLIMIT_CORE as it is."""
     dirs: list[bytes] = []
     files: list[bytes] = []
     binds: list[tuple[bytes, bytes, int]] = []
@@ -283,7 +283,7 @@ def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_R
         parent_pid=parent_pid, cgroup_procs=tuple(os.fsencode(p) for p in cgroup_procs), netns_fd=netns_fd,
         root=r if view is not None else None, dirs=tuple(dirs), files=tuple(files), binds=tuple(binds),
         devices=tuple(devs), links=tuple((r + b"/" + os.fsencode(n), os.fsencode(t)) for n, t in view.links)
-        if view is not None else (), core_zero=True, file_size=file_size, cap_last=cap_last,
+        if view is not None else (), core_zero=not core_dumps, file_size=file_size, cap_last=cap_last,
         uid=-1 if uid is None else uid, gid=-1 if gid is None else gid, merge_memory=merge_memory,
         fixed_layout=fixed_layout, no_new_privs=no_new_privs)
 

@@ -39,17 +39,21 @@ typedef int (*openat_fn)(int, const char *, int, ...);
 typedef int (*open2_fn)(const char *, int);
 typedef int (*openat2_fn)(int, const char *, int);
 
+/* the optional third argument of open(2): only there with O_CREAT or O_TMPFILE */
+#define MODE_ARG(flags, mode)                                                  \
+    mode_t mode = 0;                                                           \
+    if (NEEDS_MODE(flags)) {                                                   \
+        va_list ap;                                                            \
+        va_start(ap, flags);                                                   \
+        mode = va_arg(ap, mode_t);                                             \
+        va_end(ap);                                                            \
+    }
+
 #define DEFINE_OPEN(name)                                                      \
     int name(const char *path, int flags, ...)                                 \
     {                                                                          \
         static open_fn real;                                                   \
-        mode_t mode = 0;                                                       \
-        if (NEEDS_MODE(flags)) {                                               \
-            va_list ap;                                                        \
-            va_start(ap, flags);                                               \
-            mode = va_arg(ap, mode_t);                                         \
-            va_end(ap);                                                        \
-        }                                                                      \
+        MODE_ARG(flags, mode)                                                  \
         if (!real)                                                             \
             real = (open_fn)dlsym(RTLD_NEXT, #name);                           \
         return real(path, fix_flags(path, flags), mode);                       \
@@ -59,13 +63,7 @@ typedef int (*openat2_fn)(int, const char *, int);
     int name(int dirfd, const char *path, int flags, ...)                      \
     {                                                                          \
         static openat_fn real;                                                 \
-        mode_t mode = 0;                                                       \
-        if (NEEDS_MODE(flags)) {                                               \
-            va_list ap;                                                        \
-            va_start(ap, flags);                                               \
-            mode = va_arg(ap, mode_t);                                         \
-            va_end(ap);                                                        \
-        }                                                                      \
+        MODE_ARG(flags, mode)                                                  \
         if (!real)                                                             \
             real = (openat_fn)dlsym(RTLD_NEXT, #name);                         \
         return real(dirfd, path, fix_flags(path, flags), mode);                \

@@ -383,7 +383,8 @@ class QemuProcess:
             uid=jail.uid if jail is not None else None, gid=jail.gid if jail is not None else None,
             cap_last=jail.cap_last if jail is not None else -1,
             file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
-            merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None)
+            merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
+            core_dumps=jail is None)
         try:
             with open(spec.stderr_log, "wb") as err:
                 try:

@@ -253,33 +253,27 @@ class QmpClient:
 
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
                       timeout: float | None = 30.0) -> Any:
-        if self._closed is not None:
-            raise QmpConnectionError(f"QMP {command}: connection is closed ({self._closed})")
-        msg_id, data = self._codec.encode(command, arguments)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[msg_id] = (command, fut)
-        try:
-            self._writer.write(data)
-            await self._writer.drain()
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise VmTimeout(f"QMP {command}: no reply within {timeout} s") from None
-        except (ConnectionError, OSError) as e:
-            raise QmpConnectionError(f"QMP {command}: {e}") from None
-        finally:
-            self._pending.pop(msg_id, None)
+        return await self._call(command, arguments, timeout, None)
 
     async def execute_with_fd(self, command: str, arguments: dict[str, Any] | None, fd: int,
                               timeout: float | None = 30.0) -> Any:
         """``execute`` with ``fd`` passed along (SCM_RIGHTS); QEMU gets its own copy
         (the caller still owns ``fd``)."""
+        return await self._call(command, arguments, timeout, fd)
+
+    async def _call(self, command: str, arguments: dict[str, Any] | None, timeout: float | None,
+                    fd: int | None) -> Any:
         if self._closed is not None:
             raise QmpConnectionError(f"QMP {command}: connection is closed ({self._closed})")
         msg_id, data = self._codec.encode(command, arguments)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = (command, fut)
         try:
-            await self._send_with_fd(data, fd, timeout)
+            if fd is None:
+                self._writer.write(data)
+                await self._writer.drain()
+            else:
+                await self._send_with_fd(data, fd, timeout)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise VmTimeout(f"QMP {command}: no reply within {timeout} s") from None
