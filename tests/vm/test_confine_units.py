@@ -244,3 +244,20 @@ def test_sweep_removes_only_groups_nobody_holds(tmp_path: Path) -> None:
     assert f"vm-{held}-{'aaaaaa' if held == 2_000_000_000 else 'bbbbbb'}" in left and "unrelated" in left
     assert "vm-2000000002-cccccc" in left
     leases.close()
+
+
+@pytest.mark.qemu
+def test_required_refuses_to_start_without_every_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv_vm.confine import policy
+    monkeypatch.setattr(policy, "host_layout", lambda: "no cgroup filesystem is mounted")
+    c = Confinement("required")
+    with pytest.raises(ConfinementError, match="cannot be met on this host: .*cgroup: no cgroup filesystem"):
+        c.start()
+    assert not next(p for p in c.parts() if p.name == "cgroup").on
+    c.close()
+    auto = Confinement("auto")      # auto runs without it and says so
+    auto.start()
+    assert "off: cgroup (no cgroup filesystem is mounted)" in auto.summary()
+    j = auto.jail("sbx-x")
+    assert j is not None and j.cgroups is None
+    auto.close()
