@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from aenv_store.errors import ConfigError
 
 if TYPE_CHECKING:
+    from .confine.policy import Confinement
     from .ksm import KsmSettings
 
 
@@ -26,9 +27,11 @@ class VmConfig:
     pool_size: int = 1
     # Seconds a restored sandbox may take to answer envd /health.
     ready_timeout: float = 60.0
-    # TCG translation cache in MiB (0 = QEMU's default). Smaller caps the translated code
-    # per VM but flushes and retranslates: here a clone's code is ~28 MiB after a command,
-    # so 32 changes nothing and 16 saves 12 MiB per clone but costs ~0.5 s CPU per command.
+    # TCG translation cache in MiB (0 = QEMU's default, 1 GiB, or 128 MiB for a confined
+    # QEMU, whose memory bound includes it). Smaller caps the translated code per VM but
+    # flushes and retranslates: here a clone's code is ~28 MiB after a command (~75 MiB
+    # after importing every stdlib module), so 32 changes nothing for commands and 16 saves
+    # 12 MiB per clone but costs ~0.5 s CPU per command.
     tcg_tb_mib: int = 0
     # Kernel samepage merging of every sandbox QEMU's anonymous memory (aenv_vm/ksm.py):
     # under TCG 10 idle clones drop from ~51 % to ~40 % of 10 × one clone's PSS. Turns
@@ -52,12 +55,34 @@ class VmConfig:
     # MiB of a sandbox's disk fetched ahead of its sequential reads (aenv_vm/blockimage/
     # prefetch.py; 0: off). Matters where chunks are not local yet (a cold node cache).
     readahead_mib: int = 4
+    # QEMU confinement (aenv_vm/confine, docs/security.md): "auto" = every part this host
+    # allows (uid per sandbox, no capabilities, no_new_privs, seccomp, own mount namespace,
+    # cgroup), the rest off and named at start and in `aenv doctor`; "required" = refuse
+    # to start QEMU unless every part applies; "off" = QEMU runs as the node does.
+    confine: str = "auto"
+    # The uids sandboxes' QEMUs run as, one per sandbox: confine_uid_base and the next
+    # confine_uid_count - 1 (leased host-wide under /run/aenv/uids; no passwd entries).
+    confine_uid_base: int = 1_900_000_000
+    confine_uid_count: int = 65_536
+    # A confined QEMU's cgroup: memory = guest RAM + TCG code buffer + confine_vmm_mib
+    # (QEMU's heap, device and I/O buffers: measured ~20-50 MiB here); tasks =
+    # confine_pids + vCPUs (QEMU may not fork; its block I/O pool alone starts 64 threads);
+    # CPU = vCPUs + confine_cpu_extra CPUs of time per 100 ms.
+    confine_vmm_mib: int = 64
+    confine_pids: int = 256
+    confine_cpu_extra: float = 0.0
 
     def ksm_settings(self) -> "KsmSettings | None":
         from .ksm import KsmSettings
         if not self.ksm:
             return None
         return KsmSettings(self.ksm_fixed_layout, self.ksm_pages_to_scan, self.ksm_sleep_ms)
+
+    def confinement(self) -> "Confinement":
+        """The node's confinement policy (not started: ``Confinement.start`` probes)."""
+        from .confine.policy import Confinement
+        return Confinement(self.confine, uid_base=self.confine_uid_base, uid_count=self.confine_uid_count,
+                           vmm_mib=self.confine_vmm_mib, pids=self.confine_pids, cpu_extra=self.confine_cpu_extra)
 
     def __post_init__(self) -> None:
         if self.memory_mib < 64:
@@ -78,3 +103,11 @@ class VmConfig:
             raise ConfigError("vm.pool_size and vm.tcg_tb_mib must be >= 0 and vm.ready_timeout > 0")
         if not 1 <= self.ksm_pages_to_scan <= 100_000 or not 1 <= self.ksm_sleep_ms <= 60_000:
             raise ConfigError("vm.ksm_pages_to_scan must be in 1..100000 and vm.ksm_sleep_ms in 1..60000")
+        if self.confine not in ("auto", "required", "off"):
+            raise ConfigError(f"vm.confine must be auto, required or off, got {self.confine!r}")
+        if self.confine_uid_base < 1000 or self.confine_uid_count < 1 or \
+                self.confine_uid_base + self.confine_uid_count > 2**31 - 1:
+            raise ConfigError("vm.confine_uid_base must be >= 1000 and the range below 2^31-1")
+        if self.confine_vmm_mib < 16 or self.confine_pids < 32 or not 0 <= self.confine_cpu_extra <= 64:
+            raise ConfigError("vm.confine_vmm_mib must be >= 16, vm.confine_pids >= 32 and "
+                              "vm.confine_cpu_extra in 0..64")

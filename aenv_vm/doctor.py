@@ -1,6 +1,7 @@
 """Host checks for running microVMs (`aenv doctor`): QEMU, the guest image, the
-accelerator that will be used and why, /dev/kvm, disk space, and whether tap
-networking (``[vm] network = "tap"``) can work here."""
+accelerator that will be used and why, /dev/kvm, disk space, whether tap
+networking (``[vm] network = "tap"``) can work here, and which parts of QEMU
+confinement (``[vm] confine``) apply."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +10,15 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .guest import find_guest, guest_cache_root
 from .qemu.accel import kvm_usable, probe_accel
 from .errors import VmError
 from .qemu.launcher import MIN_QEMU_VERSION, find_qemu, qemu_version
+
+if TYPE_CHECKING:
+    from .confine.policy import Confinement
 
 GIB = 1 << 30
 DISK_FAIL_BYTES = 1 * GIB
@@ -89,6 +94,28 @@ def check_network_isolation(mode: str = "user", isolation: str = "auto") -> Chec
     return Check(name, Status.OK if isolated else Status.WARN, text)
 
 
+def check_confinement(level: str = "auto", confinement: "Confinement | None" = None) -> list[Check]:
+    """One row per part of QEMU confinement (aenv_vm/confine): OK when it applies here;
+    when it does not, FAIL if ``[vm] confine = "required"``, else WARN saying why."""
+    from .confine.errors import ConfinementError
+    from .confine.policy import Confinement
+    c = confinement if confinement is not None else Confinement(level)
+    try:
+        c.start()
+    except ConfinementError:
+        pass    # "required" not met: the rows below say which part
+    except VmError as e:
+        return [Check("confine", Status.FAIL, str(e))]
+    out = []
+    for part in c.parts():
+        if part.on:
+            out.append(Check(f"confine: {part.name}", Status.OK, part.detail))
+        else:
+            status = Status.FAIL if c.level.value == "required" else Status.WARN
+            out.append(Check(f"confine: {part.name}", status, f"off: {part.detail}"))
+    return out
+
+
 def check_ksm() -> Check:
     """Whether `[vm] ksm` can work here, and what ksmd has saved so far."""
     from . import ksm
@@ -106,7 +133,11 @@ def check_ksm() -> Check:
 
 
 def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None = None,
-               network: str = "user", isolation: str = "auto") -> list[Check]:
+               network: str = "user", isolation: str = "auto",
+               confinement: "Confinement | None" = None) -> list[Check]:
+    """``confinement``: the node's policy (``VmConfig.confinement()``; None: ``auto``)."""
+    from .confine.policy import Confinement
+    confinement = confinement if confinement is not None else Confinement()
     checks: list[Check] = []
     qemu = None
     try:
@@ -146,12 +177,15 @@ def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None =
     elif not probe:
         checks.append(Check("accelerator", Status.WARN, "probe skipped (--no-probe)"))
     else:
-        choice = asyncio.run(probe_accel(guest.kernel, guest.initrd, qemu=qemu, cache_file=cache / "accel.json"))
+        choice = asyncio.run(probe_accel(guest.kernel, guest.initrd, qemu=qemu, cache_file=cache / "accel.json",
+                                         confinement=confinement if confinement.enabled else None))
         checks.append(Check("accelerator", Status.OK,
                             f"{choice.reason}{' (cached probe)' if choice.cached else ''}"))
 
     checks.append(check_tap_network(data_dir, network))
     checks.append(check_network_isolation(network, isolation))
+    checks += check_confinement(confinement.level.value, confinement)
+    confinement.close()
     checks.append(check_ksm())
     checks.append(check_disk("disk (data dir)", data_dir))
     checks.append(check_disk("disk (guest cache)", cache))

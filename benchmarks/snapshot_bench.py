@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import resource
-import shlex
 import shutil
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from aenv_vm.guest import GuestImage, ensure_guest  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
 from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
 from aenv_vm.qemu import migration_stream  # noqa: E402
+from aenv_vm.qemu.migration import migrate_to_file  # noqa: E402
 from aenv_vm.memory.memory_image import Delta, consolidate  # noqa: E402
 from aenv_vm.templates.build import build_template  # noqa: E402
 from vm_bench import cpu_ms, first_command, pss_kib, pss_kib_without_tcg, pss_split_kib, settle  # noqa: E402
@@ -129,9 +129,7 @@ async def strip_route(mgr: SandboxManager, mib: int, reps: int, tmp: Path) -> li
             t0 = time.perf_counter()
             await vm.qmp.execute("stop")
             t1 = time.perf_counter()
-            await vm.qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
-            while (await vm.qmp.execute("query-migrate")).get("status") not in ("completed", "failed"):
-                await asyncio.sleep(0.002)
+            await migrate_to_file(vm, path)
             t2 = time.perf_counter()
             data = path.read_bytes()
             split = migration_stream.split(data)

@@ -37,7 +37,7 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("aenv_api.server.rejects", "_kwargs"): _AIOHTTP_HANDLER,
     ("aenv_store.p2p._iroh_fast", "_reserve"):
         "replaces the iroh bindings' byte-at-a-time copy into their own receive buffer (docs/remote.md)",
-    ("aenv_vm.qemu.launcher", "_exit"):
+    ("aenv_vm.confine.jail", "_exit"):
         "os._exit is the documented way out of a forked child that must not run the parent's clean-up",
 }
 

@@ -11,7 +11,8 @@ from .common import Subcommands, common_options, config_from_args, print_json, p
 
 def register(subparsers: Subcommands) -> None:
     p = subparsers.add_parser("doctor", parents=[common_options()],
-                              help="check QEMU, the guest image, the accelerator, /dev/kvm, disk space, tap networking and network isolation")
+                              help="check QEMU, the guest image, the accelerator, /dev/kvm, disk space, tap networking, "
+                                   "network isolation and QEMU confinement")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.add_argument("--no-probe", action="store_true", help="do not boot a probe VM to test KVM")
     p.set_defaults(handler=run)
@@ -20,7 +21,8 @@ def register(subparsers: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     vm = cfg.section("vm")
-    checks = run_checks(cfg.data_dir, probe=not args.no_probe, network=vm.network, isolation=vm.isolation)
+    checks = run_checks(cfg.data_dir, probe=not args.no_probe, network=vm.network, isolation=vm.isolation,
+                        confinement=vm.confinement())
     if args.json:
         print_json([{"check": c.name, "status": c.status.value, "detail": c.detail} for c in checks], out=sys.stdout)
     else:

@@ -34,11 +34,12 @@ if TYPE_CHECKING:   # the server's parts are imported when it starts (the CLI st
     from aenv_api.server.metrics import Metrics
     from aenv_api.server.settings import ServerConfig
     from aenv_store.store import Store
+    from aenv_vm.confine.policy import Confinement
     from aenv_vm.guest import GuestImage
     from aenv_vm.sandboxes.manager import SandboxManager
     from aenv_vm.templates.template import Template
 
-# Sandbox run dirs hold Unix sockets: <root>/sandboxes/sbx-<16 hex>/qmp.sock must fit 107 bytes.
+# QEMU run dirs hold Unix sockets: <root>/vm/sbx-<16 hex>/qmp.sock (and nbd.sock) must fit 107 bytes.
 _MAX_RUN_ROOT = 64
 
 
@@ -88,7 +89,8 @@ def cmd_server(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(cfg, server_cfg, creds))
 
 
-async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, server_cfg: ServerConfig) -> Template:
+async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, server_cfg: ServerConfig,
+                            confinement: Confinement) -> Template:
     from aenv_vm.errors import NotFound
     from aenv_vm.qemu.accel import probe_accel
     from aenv_vm.templates.build import build_template
@@ -108,7 +110,8 @@ async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, se
                        1) from None
     vm = cfg.section("vm")
     if vm.accel == "auto":
-        choice = await probe_accel(guest.kernel, guest.initrd, cache_file=guest.kernel.parent.parent / "accel.json")
+        choice = await probe_accel(guest.kernel, guest.initrd, cache_file=guest.kernel.parent.parent / "accel.json",
+                                   confinement=confinement)
         accel, reason = choice.accel, choice.reason
     else:
         accel, reason = vm.accel, f"{vm.accel} (forced by [vm] accel)"
@@ -119,7 +122,7 @@ async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, se
     with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
         tpl = await build_template(store, guest, Path(work), alias=server_cfg.default_template,
                                    memory_mib=vm.memory_mib, vcpus=vm.vcpus, accel=accel,  # type: ignore[arg-type]
-                                   disk_mib=vm.disk_mib or None)
+                                   disk_mib=vm.disk_mib or None, confinement=confinement)
     say(f"template {server_cfg.default_template!r} = {tpl.id} built in {time.monotonic() - t0:.1f} s")
     return tpl
 
@@ -220,17 +223,22 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
     manager = server = lifecycle = None
     background: list[asyncio.Future] = []
     run_root = _run_root(cfg.data_dir)
+    vm = cfg.section("vm")
+    confinement = vm.confinement()
     try:
         try:
+            # every QEMU of this node is confined by it: the accelerator probe, the
+            # template build, sandboxes (docs/security.md)
+            await asyncio.to_thread(confinement.start)
+            say(f"QEMU confinement: {confinement.summary()}")
             guest = await asyncio.to_thread(ensure_guest)
-            tpl = await _prepare_template(store, guest, cfg, server_cfg)
+            tpl = await _prepare_template(store, guest, cfg, server_cfg, confinement)
         except VmError as e:
             raise CliError(str(e), 1) from None
-        vm = cfg.section("vm")
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                  tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
                                  ksm=vm.ksm_settings(), network=vm.network, max_sandboxes=server_cfg.max_sandboxes,
-                                 readahead=vm.readahead_mib << 20, isolation=vm.isolation)
+                                 readahead=vm.readahead_mib << 20, isolation=vm.isolation, confine=confinement)
         try:
             await manager.start()
         except NetError as e:   # [vm] network = "tap" on a host that cannot do it
@@ -269,5 +277,6 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
             await server.close()
         if manager is not None:
             await manager.close()  # kills pooled and remaining sandboxes: no QEMU outlives the server
+        confinement.close()
         await asyncio.to_thread(store.close)
         say("stopped")

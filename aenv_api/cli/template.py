@@ -58,11 +58,13 @@ def cmd_build(args: argparse.Namespace) -> int:
     disk_mib = vm.disk_mib if args.disk_mib is None else args.disk_mib
     if memory_mib < 64 or vcpus < 1 or disk_mib < 0:
         raise CliError("--memory-mib must be >= 64, --vcpus >= 1 and --disk-mib >= 0")
+    confinement = vm.confinement()   # the build VM and the probe are confined as [vm] confine says
     try:
         guest = ensure_guest()
         if vm.accel == "auto":
             choice = asyncio.run(probe_accel(guest.kernel, guest.initrd,
-                                             cache_file=guest.kernel.parent.parent / "accel.json"))
+                                             cache_file=guest.kernel.parent.parent / "accel.json",
+                                             confinement=confinement))
             accel, reason = choice.accel, choice.reason
         else:
             accel, reason = vm.accel, f"{vm.accel} (forced by [vm] accel)"
@@ -72,9 +74,11 @@ def cmd_build(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
                 tpl = asyncio.run(build_template(store, guest, Path(work), alias=args.alias,
                                                  memory_mib=memory_mib, vcpus=vcpus, accel=accel,
-                                                 disk_mib=disk_mib or None))
+                                                 disk_mib=disk_mib or None, confinement=confinement))
     except VmError as e:
         raise CliError(str(e), 1) from None
+    finally:
+        confinement.close()
     row = _row(tpl, [args.alias])
     print_json(row, out=sys.stdout) if args.json else print(tpl.id)
     return 0

@@ -441,6 +441,8 @@ RESPONSE_SCHEMAS = (ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETA
 
 
 def iso(ts: float) -> str:
-    """RFC 3339 UTC timestamp as E2B writes them."""
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    """RFC 3339 UTC timestamp as E2B writes them, always with microseconds (isoformat
+    drops them on a whole second, and "...:03Z" sorts after "...:03.026000Z")."""
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(
+        timespec="microseconds").replace("+00:00", "Z")
 

@@ -80,7 +80,9 @@ class CommitInfo:
 class BlockImage:
     def __init__(self, name: str, store: "Store", layers: Sequence[Manifest], size: int,
                  upper_dir: Path | None = None, memory_bytes: int = 64 << 20,
-                 chunk_size: int | None = None, fresh_upper: bool = False) -> None:
+                 chunk_size: int | None = None, fresh_upper: bool = False, min_free_disk: int = 0) -> None:
+        """``min_free_disk``: writes that would leave the upper layer's filesystem with less
+        free fail with ENOSPC (the guest sees an I/O error; the node keeps its floor)."""
         if len(layers) > MAX_LAYERS:
             raise ImageError(f"image has {len(layers)} layers (max {MAX_LAYERS})")
         self.name = name
@@ -97,7 +99,8 @@ class BlockImage:
         upper = None
         if upper_dir is not None:
             top = layers[-1].id if layers else None
-            upper = UpperLayer(upper_dir, size, top, create=fresh_upper or not (upper_dir / "upper.map").exists())
+            upper = UpperLayer(upper_dir, size, top, create=fresh_upper or not (upper_dir / "upper.map").exists(),
+                               min_free=min_free_disk)
         self._view = _View(tuple(layers), flat, upper)
         self._pin(flat.chunks())
         self._info = ExportInfo(name=name, size=size, read_only=upper is None,
@@ -375,7 +378,7 @@ class BlockImage:
                 self._seeders.append(t)
                 t.start()
             new_map = view.map.with_layer(layer.extents, len(view.layers))
-            new_upper = UpperLayer(up.dir, self.size, mid, create=True)
+            new_upper = UpperLayer(up.dir, self.size, mid, create=True, min_free=up.min_free)
             new_upper.flush()
             self._retired.append(up)   # readers holding the old view keep a valid fd
             self._view = _View(view.layers + (layer,), new_map, new_upper)

@@ -6,6 +6,11 @@ export operations. Reads whose data is already in memory are answered on the
 event loop (``read_nowait``); everything that may block (chunk fetches, file
 I/O, fsync) runs on a thread pool so one slow export never stalls the others.
 A protocol error closes that client only.
+
+Besides the node-wide socket, an export may have a socket of its own
+(``listen``) that offers that one export and nothing else: a confined QEMU
+gets only its own disk's socket in its jail, owned by its uid, and cannot even
+name the other sandboxes' exports.
 """
 from __future__ import annotations
 
@@ -92,9 +97,14 @@ def _errno_of(exc: BaseException) -> int:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, server: "NbdServer") -> None:
+    def __init__(self, server: "NbdServer", only: str | None = None) -> None:
         self._server = server
-        self._proto = NbdServerConnection(ExportDirectory(server._lookup_info, server.export_names))
+        if only is None:
+            directory = ExportDirectory(server._lookup_info, server.export_names)
+        else:   # an export's own socket: the handshake finds that export alone
+            directory = ExportDirectory(lambda name: server._lookup_info(name) if name == only else None,
+                                        lambda: [only] if only in server._exports else [])
+        self._proto = NbdServerConnection(directory)
         self._transport: asyncio.Transport | None = None
         self._export: BlockExport | None = None
         self._inflight = 0
@@ -258,6 +268,7 @@ class NbdServer:
         self._exports: dict[str, BlockExport] = {}
         self._connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._own: dict[str, tuple[asyncio.AbstractServer, Path]] = {}   # export -> its own socket
 
     # exports may be added/removed while serving (from the loop's thread)
     def add_export(self, export: BlockExport) -> None:
@@ -267,7 +278,34 @@ class NbdServer:
         self._exports[name] = export
 
     def remove_export(self, name: str) -> BlockExport | None:
+        own = self._own.pop(name, None)
+        if own is not None:
+            server, path = own
+            server.close()
+            path.unlink(missing_ok=True)
         return self._exports.pop(name, None)
+
+    async def listen(self, name: str, path: Path, owner: int | None = None) -> Path:
+        """A socket of ``name``'s own at ``path`` (mode 0600, owned by uid ``owner`` if
+        given) offering only that export; it goes with ``remove_export``."""
+        if name not in self._exports:
+            raise ValueError(f"export {name!r} is not served")
+        old = self._own.pop(name, None)
+        if old is not None:
+            old[0].close()
+        path.unlink(missing_ok=True)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(lambda: _Connection(self, only=name), path=str(path))
+        os.chmod(path, 0o600)
+        if owner is not None:
+            os.chown(path, owner, owner)
+        self._own[name] = (server, path)
+        return path
+
+    def socket_of(self, name: str) -> Path:
+        """Where a client reaches export ``name``: its own socket, else the node-wide one."""
+        own = self._own.get(name)
+        return own[1] if own is not None else self.socket_path
 
     def export_names(self) -> list[str]:
         return sorted(self._exports)
@@ -284,6 +322,10 @@ class NbdServer:
         os.chmod(self.socket_path, 0o600)
 
     async def close(self) -> None:
+        for name in list(self._own):
+            server, path = self._own.pop(name)
+            server.close()
+            path.unlink(missing_ok=True)
         if self._server is not None:
             self._server.close()
             for conn in list(self._connections):

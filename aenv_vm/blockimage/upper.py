@@ -11,11 +11,17 @@ The block map is persisted as run-length records in ``upper.map`` (layout:
 docs/block-image.md "Upper layer"), written tmp -> fsync -> rename -> fsync
 dir after the data file is fsynced: after a crash the map never names blocks
 whose data did not reach the disk (NBD flush/FUA semantics).
+
+The data file never grows past the image size (writes outside it are refused
+before they get here), and with ``min_free`` a write that would allocate new
+blocks while the filesystem has less than that free fails with ENOSPC: a guest
+filling its disk cannot take the node below its free-disk floor.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import struct
 import threading
@@ -73,10 +79,12 @@ def upper_base(directory: Path) -> Digest | None:
 class UpperLayer:
     """Not thread-safe for writers: BlockImage serialises writes; reads may run concurrently."""
 
-    def __init__(self, directory: Path, size: int, base: Digest | None, create: bool = True) -> None:
+    def __init__(self, directory: Path, size: int, base: Digest | None, create: bool = True,
+                 min_free: int = 0) -> None:
         self.dir = Path(directory)
         self.size = size
         self.base = base
+        self.min_free = min_free        # bytes the filesystem keeps free (0: no floor)
         self.nblocks = (size + BLOCK - 1) // BLOCK
         self.data_path = self.dir / "upper.data"
         self.map_path = self.dir / "upper.map"
@@ -150,11 +158,22 @@ class UpperLayer:
     # --- block I/O (block-aligned) -------------------------------------
     def write_blocks(self, offset: int, data: bytes | memoryview) -> None:
         assert offset % BLOCK == 0 and len(data) % BLOCK == 0
+        if self.min_free:
+            self._check_floor(offset, len(data))
         os.pwrite(self.fd, data, offset)
         self.any_written = True
         b0 = offset // BLOCK
         self.states[b0:b0 + len(data) // BLOCK] = DATA
         self._dirty = True
+
+    def _check_floor(self, offset: int, length: int) -> None:
+        b0 = offset // BLOCK
+        new = int(np.count_nonzero(self.states[b0:b0 + length // BLOCK] != DATA)) * BLOCK
+        if new:
+            st = os.fstatvfs(self.fd)
+            if st.f_bavail * st.f_frsize - new < self.min_free:
+                raise OSError(errno.ENOSPC, f"{self.data_path}: the node keeps {self.min_free >> 20} MiB of its "
+                                            "disk free")
 
     def zero_blocks(self, offset: int, length: int) -> None:
         assert offset % BLOCK == 0 and length % BLOCK == 0

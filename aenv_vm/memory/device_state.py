@@ -21,6 +21,7 @@ from aenv_store.durable import fsync_dir
 
 from ..errors import VmError
 from ..qemu.launcher import QemuProcess
+from ..qemu.migration import passed_fd
 from ..qemu.migration_stream import StreamError, config_section, device_state_stream
 
 
@@ -61,7 +62,9 @@ async def save_devices(vm: QemuProcess, path: Path, config: bytes, sync: bool = 
     t0 = time.monotonic()
     raw_path = path.with_name(path.name + ".raw")
     try:
-        await vm.qmp.execute("xen-save-devices-state", {"filename": str(raw_path), "live": False})
+        # written through an fd of ours: a confined QEMU cannot open the path itself
+        async with passed_fd(vm, raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as name:
+            await vm.qmp.execute("xen-save-devices-state", {"filename": name, "live": False})
         raw = raw_path.read_bytes()
     finally:
         raw_path.unlink(missing_ok=True)

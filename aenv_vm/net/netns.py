@@ -121,13 +121,14 @@ def used_indexes() -> set[int]:
 
 
 def create(tag: str, sid: str, ruleset: Callable[[SandboxNet], str], index: int | None = None,
-           tap: bool = True) -> SandboxNet:
+           tap: bool = True, owner: int | None = None) -> SandboxNet:
     """The namespace, veth pair, tap device (``tap``) and nftables table of one sandbox
     (``ruleset(net)``: rules.py). ``index`` picks its /30 in 10.201.0.0/16; None takes
     the lowest one free on this host (under a host-wide lock, so concurrent nodes never
     pick the same). The lock is held only until the /30 is claimed (its host address
     added); the namespace side is set up after, so concurrent creates (a fork's
-    children) overlap there."""
+    children) overlap there. ``owner``: the uid (and gid) that may open ``tap0``
+    without CAP_NET_ADMIN, a confined QEMU's (aenv_vm/confine)."""
     from pyroute2 import IPRoute, NetNS
     from pyroute2 import netns as pnetns
     _require_tools()
@@ -142,11 +143,11 @@ def create(tag: str, sid: str, ruleset: Callable[[SandboxNet], str], index: int 
         elif index in used_indexes():
             raise NetError(f"sandbox network {addresses(index)[0]}/30 is already in use on this host")
         return _create(tag, sid, index, tap, ruleset, IPRoute, NetNS, pnetns,
-                       claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN))
+                       claimed=lambda: fcntl.flock(lock, fcntl.LOCK_UN), owner=owner)
 
 
 def _create(tag: str, sid: str, index: int, tap: bool, ruleset: Callable[[SandboxNet], str],  # type: ignore[no-untyped-def]
-            IPRoute, NetNS, pnetns, claimed: Callable[[], None]) -> SandboxNet:  # noqa: N803
+            IPRoute, NetNS, pnetns, claimed: Callable[[], None], owner: int | None = None) -> SandboxNet:  # noqa: N803
     host_ip, ns_ip = addresses(index)
     net = SandboxNet(name=f"aenv-{tag}-{sid[-12:]}", index=index, host_if=f"ae{tag}{index:x}"[:15],
                      host_ip=host_ip, ns_ip=ns_ip, tap=tap)
@@ -166,7 +167,8 @@ def _create(tag: str, sid: str, index: int, tap: bool, ruleset: Callable[[Sandbo
             ns.link("set", index=eth, state="up")
             ns.route("add", dst="0.0.0.0/0", gateway=host_ip)
             if tap:
-                ns.link("add", ifname="tap0", kind="tuntap", mode="tap")
+                ns.link("add", ifname="tap0", kind="tuntap", mode="tap",
+                        **({} if owner is None else {"uid": owner, "gid": owner}))
                 tap_if = ns.link_lookup(ifname="tap0")[0]
                 ns.link("set", index=tap_if, address=TAP_MAC)
                 ns.addr("add", index=tap_if, address=TAP_ADDR, prefixlen=24)

@@ -202,15 +202,17 @@ class NodeNetworks:
     def _ruleset(self, net: SandboxNet, policy: NetworkPolicy) -> str:
         return rules.ruleset("tap" if net.tap else "user", policy, egress_ports(), self._never)
 
-    async def attach(self, sid: str, policy: NetworkPolicy = NetworkPolicy()) -> dict[str, object]:
+    async def attach(self, sid: str, policy: NetworkPolicy = NetworkPolicy(),
+                     owner: int | None = None) -> dict[str, object]:
         """The ``VmSpec`` fields that network sandbox ``sid`` under ``policy``: a namespace
-        of its own (isolated), else a host port on 127.0.0.1 (user mode)."""
+        of its own (isolated), else a host port on 127.0.0.1 (user mode). ``owner``: the
+        uid of the sandbox's confined QEMU, which may then open its tap device."""
         if not self.isolated:
             restrict = self.isolation != "off" or not policy.internet
             return {"host_port": free_port(), "netns": None, "net_restrict": restrict}
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
         net = await asyncio.to_thread(netns.create, self.tag, sid,  # pyroute2: its own loop
-                                      lambda n: self._ruleset(n, policy), None, self.tap)
+                                      lambda n: self._ruleset(n, policy), None, self.tap, owner)
         try:
             assert self.egress is not None
             await self.egress.attach(sid, net.name, "0.0.0.0" if self.tap else "127.0.0.1", policy)

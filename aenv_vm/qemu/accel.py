@@ -20,8 +20,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..confine.policy import Confinement, jail_for
 from ..errors import VmError
-from .launcher import Accel, QemuProcess, VmSpec, find_qemu
+from ..confine.jail import Jail
+from .launcher import Accel, QemuProcess, VmSpec, find_qemu, open_vm_file
 
 log = logging.getLogger(__name__)
 PROBE_MARKER = "AENV_PROBE_OK"
@@ -60,10 +62,16 @@ def _cache_key(qemu: Path, kernel: Path, initrd: Path) -> str:
     return h.hexdigest()[:16]
 
 
-async def _boot_probe(qemu: Path, kernel: Path, initrd: Path, timeout: float) -> tuple[bool, str, float]:
+async def _boot_probe(qemu: Path, kernel: Path, initrd: Path, timeout: float,
+                      confinement: Confinement | None) -> tuple[bool, str, float]:
+    async with jail_for(confinement, f"accel-probe-{os.getpid()}") as jail:
+        return await _boot(qemu, kernel, initrd, timeout, jail)
+
+
+async def _boot(qemu: Path, kernel: Path, initrd: Path, timeout: float, jail: Jail | None) -> tuple[bool, str, float]:
     with tempfile.TemporaryDirectory(prefix="aenv-probe-") as tmp:
         spec = VmSpec(name="aenv-accel-probe", kernel=kernel, initrd=initrd, kernel_cmdline=PROBE_CMDLINE,
-                      run_dir=Path(tmp), memory_mib=128, accel="kvm")
+                      run_dir=Path(tmp), memory_mib=128, accel="kvm", jail=jail)
         start = time.monotonic()
         try:
             vm = await QemuProcess.start(spec, qemu=qemu, qmp_timeout=timeout)
@@ -72,7 +80,7 @@ async def _boot_probe(qemu: Path, kernel: Path, initrd: Path, timeout: float) ->
             return False, f"QEMU failed under KVM: {lines[0]}", time.monotonic() - start
         try:
             while time.monotonic() - start < timeout:
-                if PROBE_MARKER in spec.serial_log.read_text(errors="replace"):
+                if PROBE_MARKER in _console(spec.serial_log):
                     return True, "probe VM booted under KVM", time.monotonic() - start
                 if not vm.alive():
                     return False, f"probe VM exited (code {vm.returncode}) without booting", time.monotonic() - start
@@ -82,9 +90,19 @@ async def _boot_probe(qemu: Path, kernel: Path, initrd: Path, timeout: float) ->
             await vm.kill()
 
 
+def _console(path: Path) -> str:
+    try:
+        with open(open_vm_file(path), "rb") as f:
+            return f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return ""
+
+
 async def probe_accel(kernel: Path, initrd: Path, *, qemu: Path | None = None, timeout: float = 5.0,
-                      cache_file: Path | None = None, force: bool = False) -> AccelChoice:
-    """KVM if a probe VM boots under it within ``timeout`` seconds, else TCG (logged)."""
+                      cache_file: Path | None = None, force: bool = False,
+                      confinement: Confinement | None = None) -> AccelChoice:
+    """KVM if a probe VM boots under it within ``timeout`` seconds, else TCG (logged).
+    The probe VM is confined by ``confinement`` (None: an ``auto`` policy of its own)."""
     qemu = qemu or find_qemu()
     ok, why = kvm_usable()
     if not ok:
@@ -101,7 +119,7 @@ async def probe_accel(kernel: Path, initrd: Path, *, qemu: Path | None = None, t
                 return choice
         except (OSError, ValueError, KeyError):
             pass
-    booted, detail, seconds = await _boot_probe(qemu, kernel, initrd, timeout)
+    booted, detail, seconds = await _boot_probe(qemu, kernel, initrd, timeout, confinement)
     choice = AccelChoice("kvm" if booted else "tcg", f"{'KVM' if booted else 'TCG'}: {detail}", round(seconds, 2))
     log.info("accelerator: %s", choice.reason)
     if cache_file is not None:

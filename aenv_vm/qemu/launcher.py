@@ -11,18 +11,24 @@ aenv_vm/net) joins that network namespace in the same place, before exec,
 and gets a tap netdev instead of user-mode networking. Linux delivers the death signal when the
 *thread* that forked exits, so start VMs from a long-lived thread (the event
 loop's), not from a short-lived worker thread.
+
+A VM with ``jail`` set (aenv_vm/confine) is confined: its own uid, no
+capabilities, no_new_privs, QEMU's seccomp filter, its own mount namespace
+holding only the files ``jail_view`` lists, and a cgroup made here for this
+process and removed when it is gone. The child-side order is in
+aenv_vm/confine/jail.py (``enter``). Files such a QEMU could have replaced
+(its console log) are read with ``open_vm_file`` (no symlinks followed).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
-import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -31,16 +37,17 @@ from typing import Literal, Union
 
 from envd import ENVD_PORT
 
+from ..confine.cgroups import VmCgroup
+from ..confine.errors import ConfinementError
+from ..confine.jail import BASE_DEVICES, SECCOMP, FileView, Jail, child_plan, enter, file_view
+from ..confine.romem import ENV as READONLY_RAM_ENV
+from ..confine.romem import ReadonlyRam
 from ..errors import VmError, VmTimeout
+from .binary import MIN_QEMU_VERSION, QEMU_BINARY, find_qemu, qemu_version
 from .errors import QemuExited, QemuNotFound
 from .qmp import QmpClient
 
-QEMU_BINARY = "qemu-system-x86_64"
 GUEST_IP = "10.0.2.15"
-MIN_QEMU_VERSION = (7, 2, 0)
-_PR_SET_PDEATHSIG = 1
-_PR_SET_MEMORY_MERGE = 67        # Linux >= 6.4: every anonymous mapping KSM-mergeable
-_ADDR_NO_RANDOMIZE = 0x0040000   # personality flag: no ASLR after exec
 _UNIX_PATH_MAX = 107
 
 Accel = Literal["tcg", "kvm"]
@@ -49,26 +56,6 @@ Accel = Literal["tcg", "kvm"]
 # never goes tickless and takes 250 timer interrupts a second while idle,
 # which under TCG cost ~50 ms of host CPU per second per idle VM (~12 with it).
 TCG_CPU = "qemu64,+arat"
-
-
-def find_qemu(binary: str | None = None) -> Path:
-    """The QEMU system binary: ``binary``, $AENV_QEMU_BINARY, or qemu-system-x86_64 on PATH."""
-    name = binary or os.environ.get("AENV_QEMU_BINARY") or QEMU_BINARY
-    found = shutil.which(name)
-    if not found:
-        raise QemuNotFound(f"{name} not found: install Debian's qemu-system-x86 (bash scripts/install.sh)")
-    return Path(found)
-
-
-def qemu_version(binary: Path) -> tuple[int, int, int]:
-    try:
-        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise QemuNotFound(f"{binary} --version failed: {e}") from None
-    m = re.search(r"version (\d+)\.(\d+)\.(\d+)", out)
-    if not m:
-        raise QemuNotFound(f"cannot read the version of {binary}: {out.strip()[:200]!r}")
-    return (int(m[1]), int(m[2]), int(m[3]))
 
 
 # ---------------------------------------------------------------- disks
@@ -154,6 +141,7 @@ class VmSpec:
     # KSM for the whole process and a fixed address layout (aenv_vm/ksm.py says why).
     merge_memory: bool = False
     fixed_layout: bool = False
+    jail: Jail | None = None        # confined (aenv_vm/confine); None: runs as the node does
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -178,15 +166,21 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
         raise VmError(f"QMP socket path too long for a Unix socket ({len(str(spec.qmp_socket))} > "
                       f"{_UNIX_PATH_MAX}): {spec.qmp_socket}")
     machine = "microvm"
+    tb = tcg_buffer_mib(spec)
     argv = [str(qemu), "-name", spec.name, "-nodefaults", "-no-user-config", "-display", "none",
-            "-no-reboot", "-accel", spec.accel if spec.accel != "tcg" or spec.tcg_tb_mib is None
-            else f"tcg,tb-size={spec.tcg_tb_mib}",
+            "-no-reboot", "-accel", spec.accel if spec.accel != "tcg" or tb is None else f"tcg,tb-size={tb}",
             # -cpu max/host break TCG here; KVM hosts get the host CPU.
             "-cpu", "host" if spec.accel == "kvm" else TCG_CPU,
             "-smp", str(spec.vcpus), "-m", f"{spec.memory_mib}M"]
+    if spec.jail is not None and spec.jail.seccomp:
+        argv += ["-sandbox", SECCOMP]
     if spec.mem_path is not None:
+        # QEMU >= 8.2 maps a file it opened read-only as writable RAM (copy-on-write)
+        rom_off = (spec.jail is not None and spec.jail.readonly_ram is ReadonlyRam.ROM_OFF
+                   and not spec.mem_share)
         argv += ["-object", f"memory-backend-file,id=mem0,size={spec.memory_mib}M,"
-                            f"mem-path={_opt(spec.mem_path)},share={'on' if spec.mem_share else 'off'}"]
+                            f"mem-path={_opt(spec.mem_path)},share={'on' if spec.mem_share else 'off'}"
+                            + (",readonly=on,rom=off" if rom_off else "")]
         machine += ",memory-backend=mem0"
     argv += ["-machine", machine]
     if not spec.incoming_defer:
@@ -197,8 +191,10 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
              "-qmp", f"unix:{_opt(spec.qmp_socket)},server=on,wait=off",
              "-object", "rng-random,id=rng0,filename=/dev/urandom", "-device", "virtio-rng-device,rng=rng0"]
     if spec.disk is not None:
+        # werror=report: a write the host refuses (the node's free-disk floor: ENOSPC) is an
+        # I/O error in the guest, instead of QEMU's default of stopping the VM for good
         argv += ["-blockdev", json.dumps(spec.disk.blockdev(), separators=(",", ":")),
-                 "-device", "virtio-blk-device,drive=disk0"]
+                 "-device", "virtio-blk-device,drive=disk0,werror=report"]
     if spec.tap:
         if spec.netns is None:
             raise VmError("a tap network needs the sandbox's network namespace (VmSpec.netns)")
@@ -211,6 +207,17 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
     if spec.incoming_defer:
         argv += ["-incoming", "defer"]
     return argv + list(spec.extra_args)
+
+
+def tcg_buffer_mib(spec: VmSpec) -> int | None:
+    """TCG's translated-code buffer in MiB (None: QEMU's default, 1 GiB; KVM: none). A
+    confined QEMU gets the jail's when none is configured: its cgroup's memory bound
+    includes the buffer, which must therefore be bounded itself."""
+    if spec.accel != "tcg":
+        return None
+    if spec.tcg_tb_mib is not None:
+        return spec.tcg_tb_mib
+    return spec.jail.tcg_tb_mib if spec.jail is not None else None
 
 
 def _opt(path: Path) -> str:
@@ -227,39 +234,96 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------- process
 
-# Resolved once in the parent: dlopen() in a child forked from a threaded process
-# could deadlock on a loader lock another thread held at fork time.
-_libc = ctypes.CDLL(None, use_errno=True)
-_prctl = _libc.prctl
-_personality = _libc.personality
-_setns = _libc.setns
-_CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/run/netns")
+RESOLV_CONF = Path("/etc/resolv.conf")
+LD_SO_CACHE = Path("/etc/ld.so.cache")
 
 
-def _child_setup(parent_pid: int, merge_memory: bool = False, fixed_layout: bool = False,
-                 netns_fd: int = -1) -> None:
-    """Runs in the child between fork and exec: no imports, no dlopen, no locks.
-    The merge flag and the personality are kept across exec; a kernel without them
-    returns an error that is ignored (the VM runs, without that saving)."""
-    os.setpgid(0, 0)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-    if merge_memory:
-        _prctl(_PR_SET_MEMORY_MERGE, 1, 0, 0, 0)
-    if fixed_layout:
-        current = _personality(0xFFFFFFFF)
-        if current != -1:
-            _personality(current | _ADDR_NO_RANDOMIZE)
-    # preexec runs before close_fds: the namespace's fd is still open here
-    if netns_fd >= 0 and _setns(netns_fd, _CLONE_NEWNET) != 0:
-        os._exit(2)
+def jail_view(spec: VmSpec, binary: Path) -> FileView:
+    """The files a confined QEMU of ``spec`` sees (its mount namespace): its run dir
+    (read-write: QMP socket, console, NBD socket), its memory file (read-only when
+    mapped copy-on-write, read-write when it is the VM's own ``share=on`` file),
+    kernel and initrd when it boots, its disk's socket or file, the device nodes it
+    opens, ``/etc/resolv.conf`` for user-mode DNS, ``/etc/ld.so.cache``, the
+    read-only RAM shim."""
+    jail = spec.jail
+    assert jail is not None
+    read: list[Path] = []
+    write: list[Path] = []
+    execute: list[Path] = []
+    if spec.mem_path is not None:
+        (write if spec.mem_share else read).append(spec.mem_path)
+    if not spec.incoming_defer:
+        read += [spec.kernel, spec.initrd]
+    disk = spec.disk
+    if isinstance(disk, NbdDisk):
+        if not disk.socket.is_relative_to(spec.run_dir):
+            write.append(disk.socket)
+    elif isinstance(disk, RawDisk):
+        (read if disk.read_only else write).append(disk.path)
+    elif isinstance(disk, QcowDisk):
+        raise ConfinementError(f"{spec.name}: a confined VM's disk must be NBD or raw "
+                               "(a qcow2 overlay's backing chain is not bound into the jail)")
+    if _preload(spec):
+        assert jail.shim is not None
+        execute.append(jail.shim)
+    if not binary.resolve().is_relative_to("/usr"):
+        execute.append(binary.resolve())
+    devices = list(BASE_DEVICES) + (["kvm"] if spec.accel == "kvm" else []) + (
+        ["net/tun"] if spec.tap else [])
+    if LD_SO_CACHE.is_file():   # without it the loader searches every library dir for QEMU's ~100 libraries
+        read.append(LD_SO_CACHE)
+    resolv = RESOLV_CONF if spec.netns is None and RESOLV_CONF.exists() else None
+    return file_view(read=read, write=write, write_dirs=[spec.run_dir], execute=execute, devices=devices,
+                     owner=-1 if jail.uid is None else jail.uid, resolv_conf=resolv)
+
+
+def _preload(spec: VmSpec) -> bool:
+    return (spec.jail is not None and spec.jail.readonly_ram is ReadonlyRam.PRELOAD and spec.jail.shim is not None
+            and spec.mem_path is not None and not spec.mem_share)
+
+
+def _give_to_jail(spec: VmSpec) -> None:
+    """Hand the files a confined QEMU writes to its uid: the run dir (and whatever an
+    earlier QEMU of the sandbox left in it), its own share=on memory file (made here
+    at its size), the socket of its disk. Nothing else on the host becomes its."""
+    jail = spec.jail
+    assert jail is not None
+    uid = jail.uid
+    if uid is None:
+        return
+    gid = uid if jail.gid is None else jail.gid
+    os.chown(spec.run_dir, uid, gid)
+    os.chmod(spec.run_dir, 0o700)
+    for entry in spec.run_dir.iterdir():
+        os.chown(entry, uid, gid, follow_symlinks=False)
+    if spec.mem_path is not None and spec.mem_share:
+        fd = os.open(spec.mem_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size < spec.memory_mib << 20:
+                os.ftruncate(fd, spec.memory_mib << 20)
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    if isinstance(spec.disk, NbdDisk) and spec.disk.socket.exists():
+        os.chown(spec.disk.socket, uid, gid, follow_symlinks=False)
+
+
+def open_vm_file(path: Path) -> int:
+    """A file a QEMU wrote (its console log), opened for reading without following a
+    symlink: a confined QEMU owns its run dir and could point the name anywhere.
+    OSError if it is not a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
 
 
 def _tail(path: Path, lines: int = 20) -> str:
     try:
-        with open(path, "rb") as f:
+        with open(open_vm_file(path), "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
             return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -275,6 +339,7 @@ class QemuProcess:
         self.argv = argv
         self.qmp: QmpClient | None = None
         self.started_at = time.monotonic()
+        self.cgroup: VmCgroup | None = None     # its own cgroup (confined), removed with it
         self._pidfd = os.pidfd_open(proc.pid)
         self._exited: asyncio.Future[None] | None = None
 
@@ -290,29 +355,65 @@ class QemuProcess:
         argv = build_command(spec, binary)
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         spec.qmp_socket.unlink(missing_ok=True)
-        parent = os.getpid()
+        jail = spec.jail
+        env: dict[str, str] | None = None
+        view: FileView | None = None
+        cgroup: VmCgroup | None = None
+        if jail is not None:
+            _give_to_jail(spec)
+            view = jail_view(spec, binary) if jail.mount_ns else None
+            if _preload(spec):
+                assert jail.shim is not None and spec.mem_path is not None
+                env = {**os.environ, "LD_PRELOAD": str(jail.shim), READONLY_RAM_ENV: str(spec.mem_path)}
+            if jail.cgroups is not None:
+                cgroup = jail.cgroups.create(jail.uid if jail.uid is not None else os.getuid(),
+                                             jail.limits(spec.memory_mib, spec.vcpus, tcg_buffer_mib(spec) or 0))
         netns_fd = -1
         if spec.netns is not None:
             try:
                 netns_fd = os.open(NETNS_DIR / spec.netns, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
+                if cgroup is not None:
+                    cgroup.remove(wait=0)
                 raise VmError(f"network namespace {spec.netns} of {spec.name} cannot be opened: {e}") from None
+        # Joining a cgroup costs a RCU grace period (~13 ms here, cgroup v1's threadgroup
+        # lock): a QEMU that waits for its state (-incoming defer) runs no guest code before
+        # start() returns, so it is moved in from here while it initialises; one that boots
+        # joins before exec.
+        late_cgroup = cgroup is not None and spec.incoming_defer
+        plan = child_plan(
+            view, parent_pid=os.getpid(), root=jail.root_dir if jail is not None else Path("/"),
+            cgroup_procs=cgroup.procs_files if cgroup is not None and not late_cgroup else (), netns_fd=netns_fd,
+            uid=jail.uid if jail is not None else None, gid=jail.gid if jail is not None else None,
+            cap_last=jail.cap_last if jail is not None else -1,
+            file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
+            merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
+            core_dumps=jail is None)
         try:
             with open(spec.stderr_log, "wb") as err:
                 try:
-                    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                            close_fds=True, preexec_fn=lambda: _child_setup(
-                                                parent, spec.merge_memory, spec.fixed_layout, netns_fd))
+                    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
+                                            close_fds=True, preexec_fn=lambda: enter(plan))
                 except OSError as e:
+                    if cgroup is not None:
+                        cgroup.remove(wait=0)
                     raise QemuNotFound(f"cannot start {binary}: {e}") from None
         finally:
             if netns_fd >= 0:
                 os.close(netns_fd)
         vm = cls(spec, proc, argv)
+        vm.cgroup = cgroup
+        joined = asyncio.ensure_future(asyncio.to_thread(cgroup.attach, proc.pid)) \
+            if cgroup is not None and late_cgroup else None
         try:
             vm.qmp = await QmpClient.connect(spec.qmp_socket, timeout=qmp_timeout,
                                              alive=lambda: proc.poll() is None)
+            if joined is not None:
+                await joined
         except BaseException as e:
+            if joined is not None:
+                with contextlib.suppress(BaseException):
+                    await joined
             await vm.kill()
             if isinstance(e, VmError):
                 why = f"exited with code {proc.returncode}" if proc.returncode not in (None, -9) else str(e)
@@ -385,4 +486,7 @@ class QemuProcess:
             with contextlib.suppress(OSError):
                 os.close(self._pidfd)
         self._pidfd = -1
+        if self.cgroup is not None:
+            cgroup, self.cgroup = self.cgroup, None
+            await asyncio.to_thread(cgroup.remove)
         self.spec.qmp_socket.unlink(missing_ok=True)

@@ -10,6 +10,13 @@ events are ``{"event": NAME, "data": {...}, "timestamp": {...}}``.
 ``QmpCodec`` turns bytes into ``QmpMessage`` records and commands into bytes
 with no I/O, so every corner of the framing is testable with plain byte
 strings; ``QmpClient`` only moves bytes between a Unix socket and the codec.
+
+``QmpClient.execute_with_fd`` sends a command together with a file descriptor
+(``SCM_RIGHTS`` on the same socket, as libvirt does): QEMU keeps the fd for the
+command that names it (``getfd`` → ``fd:NAME`` migration URIs, ``add-fd`` →
+``/dev/fdset/N`` paths). A confined QEMU may neither spawn a process
+(``exec:`` URIs) nor open files outside its jail, so files it reads or writes
+on the host's behalf reach it this way.
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -244,14 +253,27 @@ class QmpClient:
 
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
                       timeout: float | None = 30.0) -> Any:
+        return await self._call(command, arguments, timeout, None)
+
+    async def execute_with_fd(self, command: str, arguments: dict[str, Any] | None, fd: int,
+                              timeout: float | None = 30.0) -> Any:
+        """``execute`` with ``fd`` passed along (SCM_RIGHTS); QEMU gets its own copy
+        (the caller still owns ``fd``)."""
+        return await self._call(command, arguments, timeout, fd)
+
+    async def _call(self, command: str, arguments: dict[str, Any] | None, timeout: float | None,
+                    fd: int | None) -> Any:
         if self._closed is not None:
             raise QmpConnectionError(f"QMP {command}: connection is closed ({self._closed})")
         msg_id, data = self._codec.encode(command, arguments)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = (command, fut)
         try:
-            self._writer.write(data)
-            await self._writer.drain()
+            if fd is None:
+                self._writer.write(data)
+                await self._writer.drain()
+            else:
+                await self._send_with_fd(data, fd, timeout)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise VmTimeout(f"QMP {command}: no reply within {timeout} s") from None
@@ -259,6 +281,31 @@ class QmpClient:
             raise QmpConnectionError(f"QMP {command}: {e}") from None
         finally:
             self._pending.pop(msg_id, None)
+
+    async def _send_with_fd(self, data: bytes, fd: int, timeout: float | None) -> None:
+        # The stream writer cannot carry ancillary data: the bytes go out through a
+        # duplicate of its socket, once the writer's own buffer is empty (commands
+        # never interleave: everything runs on the event loop's thread).
+        transport = self._writer.transport
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while transport.get_write_buffer_size() > 0:
+            await self._writer.drain()
+            await asyncio.sleep(0)
+        raw = transport.get_extra_info("socket")
+        if raw is None:
+            raise QmpConnectionError("QMP transport has no socket to pass a file descriptor on")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(raw.fileno())) as sock:
+            sent = 0
+            while sent == 0:
+                try:
+                    sent = socket.send_fds(sock, [data], [fd])
+                except BlockingIOError:   # QEMU is not reading: its socket buffer is full
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise VmTimeout("QMP: QEMU does not read its socket") from None
+                    await asyncio.sleep(0.001)
+        if sent < len(data):   # the fd went with the first bytes; the rest is plain data
+            self._writer.write(data[sent:])
+            await self._writer.drain()
 
     def events(self) -> list[Event]:
         """Events received and not yet consumed by wait_event (oldest first)."""

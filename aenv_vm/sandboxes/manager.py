@@ -35,6 +35,7 @@ from typing import Mapping
 from aenv_store.store import Store
 
 from ..blockimage.nbd_server import NbdServer
+from ..confine.policy import Confinement
 from ..errors import BadRequest, CapacityError, Conflict, NotFound
 from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
@@ -68,13 +69,23 @@ class SandboxManager:
     def __init__(self, store: Store, guest: GuestImage, run_root: Path, *, pool_size: int = 0,
                  ready_timeout: float = 60.0, tcg_tb_mib: int | None = None, default_timeout: float = 300.0,
                  ksm: KsmSettings | None = None, network: str = "user", standby: int = 4,
-                 max_sandboxes: int | None = None, readahead: int = 4 << 20, isolation: str = "auto") -> None:
+                 max_sandboxes: int | None = None, readahead: int = 4 << 20, isolation: str = "auto",
+                 confine: Confinement | str = "auto", min_free_disk: int | None = None) -> None:
+        """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
+        "required", "off") for a policy of the manager's own, or a shared ``Confinement``
+        (started and closed by its owner). ``min_free_disk``: the free space guests' disk
+        writes leave on the run root's filesystem (None: the node cache's floor)."""
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
+        self._own_confinement = not isinstance(confine, Confinement)
+        confinement = confine if isinstance(confine, Confinement) else Confinement(confine)
         self.rt = NodeRuntime(store=store, guest=guest, run_root=run_root, nbd=NbdServer(run_root / "nbd.sock"),
                               networks=NodeNetworks(network, run_root, isolation),   # "user" or "tap" (root)
                               templates=LocalTemplates(store, guest.key, run_root / "templates"),
+                              confinement=confinement,
                               ready_timeout=ready_timeout, tcg_tb_mib=tcg_tb_mib, merge_memory=ksm is not None,
-                              fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead)
+                              fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead,
+                              min_free_disk=min_free_disk if min_free_disk is not None else
+                              store.cache.config.min_free_disk if store.cache is not None else 0)
         self.default_timeout = default_timeout
         self.max_sandboxes = max_sandboxes
         self._running: dict[str, Sandbox] = {}
@@ -104,6 +115,7 @@ class SandboxManager:
         run_root = self.rt.run_root
         run_root.mkdir(parents=True, exist_ok=True)
         self.rt.sandboxes_root.mkdir(exist_ok=True)
+        await asyncio.to_thread(self.rt.confinement.start)   # ConfinementError: "required" cannot be met
         await self.rt.networks.start()
         await self.rt.nbd.start()
         if self.ksm is not None and (why := await asyncio.to_thread(ksm_enable, self.ksm)) is not None:
@@ -144,7 +156,10 @@ class SandboxManager:
             await self.rt.nbd.close()
             self._started = False
         shutil.rmtree(self.rt.sandboxes_root, ignore_errors=True)
+        shutil.rmtree(self.rt.vm_root, ignore_errors=True)
         await self.rt.networks.close()
+        if self._own_confinement:
+            self.rt.confinement.close()
         if self._records is not None:
             self._records.close()
             self._records = None
@@ -171,6 +186,10 @@ class SandboxManager:
     @property
     def run_root(self) -> Path:
         return self.rt.run_root
+
+    @property
+    def confinement(self) -> Confinement:
+        return self.rt.confinement
 
     @property
     def sandboxes(self) -> Mapping[str, Sandbox]:

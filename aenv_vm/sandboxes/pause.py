@@ -138,8 +138,8 @@ class PausedSandboxes:
         """Kill the paused VM, hold its disk, start the commit and maybe a standby QEMU."""
         sid = sbx.id
         await sbx.vm.kill()
-        if self.standby_limit <= 0:   # tap mode: no QEMU left in the namespace (a standby would keep it)
-            await self.rt.networks.release(sid)
+        if self.standby_limit <= 0:   # no QEMU left: namespace and uid go (a standby would keep them)
+            await self.rt.release_host(sid)
         loop = asyncio.get_running_loop()
         self._held[sid] = (sbx.image, sbx.dir)
         self._commits[sid] = loop.create_task(self._commit(sid, sbx.image, paused.snap, paused.previous))
@@ -192,8 +192,8 @@ class PausedSandboxes:
         """Give up what a paused sandbox holds on this node: standby QEMU, export, image,
         and (unless ``keep_dir``: a pause whose commit failed keeps its upper layer) run dir."""
         await self._drop_standby(sid)
-        if sid not in self.running:   # tap mode: no QEMU of it runs in its namespace now
-            await self.rt.networks.release(sid)
+        if sid not in self.running:   # no QEMU of it runs now: its namespace (tap) and uid go
+            await self.rt.release_host(sid)
         held = self._held.pop(sid, None)
         self.rt.nbd.remove_export(sid)
         if held is not None:

@@ -69,6 +69,7 @@ async def recover(rt: NodeRuntime, records: RecordStore, paused: PausedSandboxes
             log.warning("removed orphaned network namespace %s", name)
         except netns.NetError as e:
             log.error("%s", e)
+    shutil.rmtree(rt.vm_root, ignore_errors=True)   # QEMUs' run dirs: none survived
     for root in (rt.sandboxes_root, rt.paused_root):
         if root.is_dir():
             for d in root.iterdir():

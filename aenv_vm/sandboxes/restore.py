@@ -130,16 +130,20 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
     try:
         t1 = time.monotonic()
         if vm is None:
-            shutil.rmtree(sdir, ignore_errors=True)
-            sdir.mkdir(parents=True)
+            for d in (sdir, rt.vm_dir(sid)):
+                shutil.rmtree(d, ignore_errors=True)
+                d.mkdir(parents=True)
             # off the event loop: 20-50 ms here, 16 at once in a fork
             image = await asyncio.to_thread(BlockImage.open, rt.store, plan.disk_top, sid, upper_dir=sdir / "upper",
-                                            fresh_upper=plan.fresh_upper)
+                                            fresh_upper=plan.fresh_upper, min_free_disk=rt.min_free_disk)
             if rt.readahead > 0:   # sequential guest reads of a cold disk find the next chunks fetched
                 Prefetcher(image, window=rt.readahead)
             rt.nbd.add_export(image)
-            network = await rt.networks.attach(sid, plan.policy)
-            spec = rt.clone_spec(sid, tpl, plan.memory, network)
+            jail = rt.confinement.jail(sid)
+            uid = jail.uid if jail is not None else None
+            await rt.nbd.listen(sid, rt.vm_dir(sid) / "nbd.sock", owner=uid)
+            network = await rt.networks.attach(sid, plan.policy, owner=uid)
+            spec = rt.clone_spec(sid, tpl, plan.memory, network, jail)
             t1 = time.monotonic()
             vm = await QemuProcess.start(spec)
             if plan.background:
@@ -190,7 +194,7 @@ async def teardown(rt: NodeRuntime, sid: str, vm: QemuProcess | None, image: Blo
     """Stop a sandbox's QEMU and give up everything it held on this node."""
     if vm is not None:
         await vm.stop(timeout=2.0)
-    await rt.networks.release(sid)
+    await rt.release_host(sid)
     rt.nbd.remove_export(sid)
     if image is not None:
         with contextlib.suppress(Exception):

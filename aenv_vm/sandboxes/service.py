@@ -14,6 +14,7 @@ from aenv_store.errors import StoreError
 
 from ..errors import NotFound, VmError
 from ..net.policy import NetworkPolicy
+from ..qemu.launcher import open_vm_file
 from ..service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, SandboxInfo, SnapshotInfo, TokenMinter,
                        Usage)
 from ..templates.template import Template
@@ -162,7 +163,7 @@ def read_console(path: Path, source: str, offset: int, limit: int) -> ConsoleRea
     """Up to ``limit`` bytes of a console file from ``offset``; when more than ``limit``
     was written since, the oldest part is skipped (and counted)."""
     try:
-        with open(path, "rb") as f:
+        with open(open_vm_file(path), "rb") as f:   # a confined QEMU owns the file's directory
             size = os.fstat(f.fileno()).st_size
             if size < offset:          # the file was replaced: start over
                 offset = 0

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv_store.errors import StoreError
+from aenv_store.formats.catalog import check_name
 from aenv_store.formats.ids import Digest
 
 from ..errors import BadRequest, Conflict, NotFound, VmError
 from ..memory.memory_image import consolidate
 from ..service import SnapshotInfo
-from ..templates.template import (DEVICE_STATE, MEMORY_IMAGE, Template, find_template, list_templates, put_alias,
-                                  remove_template, stage_file, template_record)
+from ..templates.template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, Template, find_template, list_templates,
+                                  put_alias, remove_template, stage_file, template_record)
 from .capture import Capturer
 from .records import SandboxRecord
 from .runtime import NodeRuntime
@@ -52,6 +53,11 @@ class NamedSnapshots:
         self.capturer = capturer
 
     def check_name_free(self, name: str) -> None:
+        """BadRequest if ``name`` cannot be a snapshot's name, Conflict if it is taken."""
+        try:
+            check_name(ALIAS_PREFIX + name)
+        except ValueError as e:
+            raise BadRequest(f"snapshot name: {e}") from None
         try:
             find_template(self.rt.store, name)
         except NotFound:

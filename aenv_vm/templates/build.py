@@ -25,9 +25,11 @@ from ..blockimage.image import BlockImage
 from ..blockimage.importer import import_raw
 from ..blockimage.layer import image_top
 from ..blockimage.nbd_server import NbdServer
+from ..confine.policy import Confinement, jail_for
 from ..envd_client import EnvdClient
 from ..errors import BadRequest, VmError
 from ..guest import GuestImage, kernel_cmdline
+from ..confine.jail import Jail
 from ..qemu.launcher import Accel, NbdDisk, QemuProcess, VmSpec, free_port
 from ..qemu.migration import save_device_state
 from .template import (DEVICE_STATE, MAX_DISK_MIB, MEMORY_IMAGE, Template, find_template, put_alias, stage_file,
@@ -45,11 +47,19 @@ def base_layer(store: Store, guest: GuestImage) -> Digest:
 
 async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, alias: str | None = None,
                          memory_mib: int = 256, vcpus: int = 1, accel: Accel = "tcg",
-                         disk_mib: int | None = None, boot_timeout: float = 180.0) -> Template:
+                         disk_mib: int | None = None, boot_timeout: float = 180.0,
+                         confinement: Confinement | None = None) -> Template:
     """Cold-boot the guest once and commit it as a template (see the module doc).
     ``disk_mib``: root disk size (None: the guest image's); a larger disk is grown
     inside the booted guest (online ``resize2fs``) before the snapshot, so every
-    sandbox of the template starts with the space, in its memory and on its disk."""
+    sandbox of the template starts with the space, in its memory and on its disk.
+    The build VM is confined by ``confinement`` (None: an ``auto`` policy of its own)."""
+    async with jail_for(confinement, f"template-build-{secrets.token_hex(4)}") as jail:
+        return await _build(store, guest, work_dir, alias, memory_mib, vcpus, accel, disk_mib, boot_timeout, jail)
+
+
+async def _build(store: Store, guest: GuestImage, work_dir: Path, alias: str | None, memory_mib: int, vcpus: int,
+                 accel: Accel, disk_mib: int | None, boot_timeout: float, jail: Jail | None) -> Template:
     work_dir.mkdir(parents=True, exist_ok=True)
     layer = await asyncio.to_thread(base_layer, store, guest)
     image_mib = store.load_manifest(layer).size >> 20
@@ -68,14 +78,17 @@ async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, ali
     # the isolation boundary (its user may be root inside), so ASLR within the
     # guest buys little. KVM translates nothing: ASLR stays on there.
     cmdline = kernel_cmdline(extra="norandmaps" if accel == "tcg" else "")
+    run_dir = work_dir / "run"
     spec = VmSpec(name="template-build", kernel=guest.kernel, initrd=guest.initrd, kernel_cmdline=cmdline,
-                  run_dir=work_dir / "run", memory_mib=memory_mib, vcpus=vcpus, accel=accel,
-                  mem_path=work_dir / "memory", disk=NbdDisk(server.socket_path, "template-build"),
-                  host_port=free_port())
+                  run_dir=run_dir, memory_mib=memory_mib, vcpus=vcpus, accel=accel,
+                  mem_path=work_dir / "memory", disk=NbdDisk(run_dir / "nbd.sock", "template-build"),
+                  host_port=free_port(), jail=jail)
     assert spec.host_port is not None
     envd = EnvdClient("127.0.0.1", spec.host_port)
     try:
         await server.start()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        await server.listen("template-build", run_dir / "nbd.sock", owner=jail.uid if jail is not None else None)
         vm = await QemuProcess.start(spec)
         try:
             envd_version = await envd.wait_healthy(timeout=boot_timeout, alive=vm.alive)

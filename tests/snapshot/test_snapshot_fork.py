@@ -30,6 +30,8 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
                 [(snap_id, ("snap-a",), parent.id)]
             with pytest.raises(Conflict, match="already exists"):
                 await mgr.snapshot(parent.id, "snap-a")
+            with pytest.raises(BadRequest, match="snapshot name"):   # refused before the VM is touched
+                await mgr.snapshot(parent.id, "no spaces or \U000a9ff2")
             # the parent keeps running after the snapshot
             c1, _, _ = await read_counter(parent, T)
             await asyncio.sleep(0.5)

@@ -69,3 +69,25 @@ def test_doctor_reports_network_isolation(capsys: pytest.CaptureFixture[str],
     monkeypatch.setenv("AENV_VM__ISOLATION", "required")
     code, checks = run_doctor(capsys, "--no-probe")
     assert code == 1 and checks["network isolation"]["status"] == "fail", checks["network isolation"]
+
+
+def test_doctor_reports_each_part_of_qemu_confinement(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from aenv_vm.confine import policy
+    parts = {f"confine: {p}" for p in policy.PARTS}
+    _, checks = run_doctor(capsys, "--no-probe")
+    assert parts <= set(checks)
+    if os.geteuid() == 0:    # this machine allows every part
+        assert all(checks[p]["status"] == "ok" for p in parts), {p: checks[p] for p in parts}
+    # a host without usable cgroups: auto warns and says why, required fails
+    monkeypatch.setattr(policy, "host_layout", lambda: "no cgroup filesystem is mounted")
+    _, checks = run_doctor(capsys, "--no-probe")
+    assert checks["confine: cgroup"]["status"] == "warn" and "no cgroup filesystem" in checks["confine: cgroup"]["detail"]
+    monkeypatch.setenv("AENV_VM__CONFINE", "required")
+    code, checks = run_doctor(capsys, "--no-probe")
+    assert code == 1 and checks["confine: cgroup"]["status"] == "fail"
+    monkeypatch.setenv("AENV_VM__CONFINE", "off")
+    _, checks = run_doctor(capsys, "--no-probe")
+    assert all(checks[p]["status"] == "warn" and "confine = \"off\"" in checks[p]["detail"] for p in parts)

@@ -66,7 +66,7 @@ def test_kvm_uses_host_cpu(tmp_path: Path) -> None:
 def test_disks_become_blockdev_json(tmp_path: Path, disk, expected: dict) -> None:
     argv = build_command(spec(tmp_path, disk=disk), "qemu")
     assert [json.loads(b) for b in opt(argv, "-blockdev")] == [expected]
-    assert "virtio-blk-device,drive=disk0" in opt(argv, "-device")
+    assert "virtio-blk-device,drive=disk0,werror=report" in opt(argv, "-device")
 
 
 def test_commas_in_paths_are_escaped(tmp_path: Path) -> None:
@@ -100,3 +100,21 @@ def test_tcg_translation_cache_size(tmp_path: Path) -> None:
     assert opt(build_command(spec(tmp_path, tcg_tb_mib=64), "qemu"), "-accel") == ["tcg,tb-size=64"]
     # KVM has no translation cache: the knob is ignored there.
     assert opt(build_command(spec(tmp_path, accel="kvm", tcg_tb_mib=64), "qemu"), "-accel") == ["kvm"]
+
+
+def test_a_confined_qemu_gets_the_seccomp_filter_and_a_bounded_code_buffer(tmp_path: Path) -> None:
+    from aenv_vm.confine.jail import SECCOMP, Jail
+    from aenv_vm.confine.romem import ReadonlyRam
+    jail = Jail(uid=1_900_000_000, gid=1_900_000_000, tcg_tb_mib=128)
+    argv = build_command(spec(tmp_path, jail=jail, mem_path=tmp_path / "mem", mem_share=False), "qemu")
+    assert opt(argv, "-sandbox") == [SECCOMP] and "spawn=deny" in SECCOMP and "elevateprivileges=deny" in SECCOMP
+    assert opt(argv, "-accel") == ["tcg,tb-size=128"]          # the cgroup's memory bound includes it
+    assert opt(build_command(spec(tmp_path, jail=jail, tcg_tb_mib=64), "qemu"), "-accel") == ["tcg,tb-size=64"]
+    assert opt(build_command(spec(tmp_path, jail=jail, accel="kvm"), "qemu"), "-accel") == ["kvm"]
+    assert "-sandbox" not in build_command(spec(tmp_path), "qemu")
+    # QEMU >= 8.2 maps a file opened read-only as copy-on-write RAM; a share=on file stays writable
+    rom = Jail(uid=1_900_000_000, readonly_ram=ReadonlyRam.ROM_OFF)
+    objs = opt(build_command(spec(tmp_path, jail=rom, mem_path=tmp_path / "mem", mem_share=False), "qemu"), "-object")
+    assert any(o.endswith("share=off,readonly=on,rom=off") for o in objs)
+    objs = opt(build_command(spec(tmp_path, jail=rom, mem_path=tmp_path / "mem"), "qemu"), "-object")
+    assert not any("readonly" in o for o in objs)

@@ -93,3 +93,58 @@ def test_oversized_message_without_newline_raises() -> None:
 def test_event_with_odd_timestamp_still_parses() -> None:
     ev = parse_message({"event": "STOP", "timestamp": {"seconds": "x"}})
     assert ev == Event("STOP", {}, 0.0)
+
+
+def test_execute_with_fd_passes_the_descriptor_with_the_command(tmp_path) -> None:
+    """A fake QMP server receives the command bytes and the fd in one recvmsg (SCM_RIGHTS),
+    as QEMU's getfd expects; the client's socket stays non-blocking for asyncio."""
+    import asyncio
+    import os
+    import socket
+
+    from aenv_vm.qemu.qmp import QmpClient
+
+    path = tmp_path / "qmp.sock"
+    target = tmp_path / "file"
+    target.write_bytes(b"payload")
+
+    async def run() -> tuple[bytes, bytes, bool]:
+        loop = asyncio.get_running_loop()
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(str(path))
+        srv.listen(1)
+        srv.setblocking(False)
+        got: dict = {}
+
+        async def serve() -> None:
+            conn, _ = await loop.sock_accept(srv)
+            conn.setblocking(True)
+            conn.sendall(b'{"QMP": {"version": {"qemu": {"major": 7, "minor": 2, "micro": 0}}, "capabilities": []}}\r\n')
+            assert b"qmp_capabilities" in await asyncio.to_thread(conn.recv, 4096)
+            conn.sendall(b'{"return": {}, "id": 1}\r\n')
+            msg, fds, _flags, _addr = await asyncio.to_thread(socket.recv_fds, conn, 4096, 4)
+            got["msg"] = msg
+            got["data"] = os.pread(fds[0], 100, 0)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(b'{"return": {}, "id": 2}\r\n')
+            await asyncio.sleep(0.2)
+            conn.close()
+
+        task = asyncio.ensure_future(serve())
+        client = await QmpClient.connect(path, timeout=5)
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            await client.execute_with_fd("getfd", {"fdname": "x"}, fd, timeout=5)
+        finally:
+            os.close(fd)
+        blocking = os.get_blocking(client._writer.transport.get_extra_info("socket").fileno())
+        await client.close()
+        await task
+        srv.close()
+        return got["msg"], got["data"], blocking
+
+    msg, data, blocking = asyncio.run(run())
+    assert b'"execute":"getfd"' in msg and b'"fdname":"x"' in msg
+    assert data == b"payload"
+    assert not blocking

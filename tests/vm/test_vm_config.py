@@ -22,6 +22,8 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     ("accel", "hvf", "accel must be auto, tcg or kvm"), ("pool_size", -1, "pool_size"),
     ("nope", 1, "unknown config key vm.nope"), ("vcpus", "two", "expected int"),
     ("readahead_mib", -1, "readahead_mib must be in 0..1024"), ("readahead_mib", 4096, "readahead_mib"),
+    ("confine", "yes", "confine must be auto, required or off"), ("confine_uid_base", 0, "confine_uid_base"),
+    ("confine_uid_count", 2**31, "confine_uid_base"), ("confine_pids", 1, "confine_pids"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, key: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
