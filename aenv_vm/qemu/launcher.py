@@ -273,7 +273,10 @@ def jail_view(spec: VmSpec, binary: Path) -> FileView:
         ["net/tun"] if spec.tap else [])
     if LD_SO_CACHE.is_file():   # without it the loader searches every library dir for QEMU's ~100 libraries
         read.append(LD_SO_CACHE)
-    resolv = RESOLV_CONF if spec.netns is None and RESOLV_CONF.exists() else None
+    # user mode: slirp sends the guest's DNS to the nameserver resolv.conf names (none
+    # there: no DNS at all); in a sandbox namespace the rules redirect it, whatever it
+    # names, to the node's forwarder
+    resolv = RESOLV_CONF if not spec.tap and RESOLV_CONF.exists() else None
     return file_view(read=read, write=write, write_dirs=[spec.run_dir], execute=execute, devices=devices,
                      owner=-1 if jail.uid is None else jail.uid, resolv_conf=resolv)
 
