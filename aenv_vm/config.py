@@ -42,11 +42,12 @@ class VmConfig:
     ksm_fixed_layout: bool = True
     ksm_pages_to_scan: int = 200
     ksm_sleep_ms: int = 20
-    # How sandboxes are networked (aenv_vm/net/networks.py): "user" = QEMU user-mode
-    # networking with host port forwards (works anywhere); "tap" = one network namespace
-    # per sandbox with a tap device, reachable at its veth address, egress per sandbox
-    # (allow_internet_access). tap needs root, nftables and iproute2 (`aenv doctor`).
-    network: str = "user"
+    # How sandboxes are networked (aenv_vm/net/networks.py): "tap" = the guest on a tap
+    # device in its own network namespace (TCP, UDP, ICMP; needs root, nftables, iproute2
+    # and /dev/net/tun: `aenv doctor`); "user" = QEMU user-mode networking (TCP and DNS;
+    # in a namespace of its own where the host allows it, see isolation); "auto" = tap
+    # where the host allows it and isolation is not "off", else user.
+    network: str = "auto"
     # Sandbox network isolation (docs/security.md): "auto" = one network namespace per
     # sandbox wherever the host allows it (root, nftables, iproute2), else user mode with
     # QEMU's restrict=on (no egress); "required" = refuse to start without namespaces;
@@ -93,8 +94,8 @@ class VmConfig:
             raise ConfigError(f"vm.disk_mib must be >= 0, got {self.disk_mib}")
         if self.isolation not in ("auto", "required", "off"):
             raise ConfigError(f"vm.isolation must be auto, required or off, got {self.isolation!r}")
-        if self.network not in ("user", "tap"):
-            raise ConfigError(f"vm.network must be user or tap, got {self.network!r}")
+        if self.network not in ("auto", "user", "tap"):
+            raise ConfigError(f"vm.network must be auto, user or tap, got {self.network!r}")
         if self.accel not in ("auto", "tcg", "kvm"):
             raise ConfigError(f"vm.accel must be auto, tcg or kvm, got {self.accel!r}")
         if not 0 <= self.readahead_mib <= 1024:

@@ -57,11 +57,12 @@ def check_disk(name: str, path: Path) -> Check:
     return Check(name, Status.OK, text)
 
 
-def check_tap_network(data_dir: Path, configured: str = "user") -> Check:
+def check_tap_network(data_dir: Path, configured: str = "auto", isolation: str = "auto") -> Check:
     """Can tap mode work: root, nft/ip/nsenter, /dev/net/tun, and a real namespace made
-    and removed. FAIL only when the config asks for tap; otherwise a WARN says why not."""
+    and removed. FAIL only when the config asks for tap; otherwise a WARN says why not
+    (and, for "auto", which mode the node then runs in)."""
     from .net.netns import NetError
-    from .net.networks import probe_tap, tap_problems
+    from .net.networks import decide_mode, probe_tap, tap_problems
     name = f"network (configured: {configured})"
     problems = tap_problems()
     if not problems:
@@ -69,23 +70,25 @@ def check_tap_network(data_dir: Path, configured: str = "user") -> Check:
             probe_tap(data_dir / "doctor-probe")   # its own tag: never one of a running node
         except (NetError, OSError) as e:
             problems = [f"a test namespace could not be made: {e}"]
+    mode = decide_mode(configured, isolation, problems)
     if not problems:
         return Check(name, Status.OK, "tap mode works here (namespace, veth, tap and nft rules made and removed)"
-                     + ("" if configured == "tap" else "; user mode in use"))
+                     + f"; {mode} mode in use")
     text = "tap mode cannot work: " + "; ".join(problems)
     if configured == "tap":
         return Check(name, Status.FAIL, text)
     return Check(name, Status.WARN, text + " (user mode in use works)")
 
 
-def check_network_isolation(mode: str = "user", isolation: str = "auto") -> Check:
+def check_network_isolation(mode: str = "auto", isolation: str = "auto") -> Check:
     """Which network isolation a node configured so gets here (``[vm] network`` and
     ``[vm] isolation``): OK with namespaces per sandbox; WARN without (restricted or
     off); FAIL when the configuration cannot be met."""
     from .net.netns import NetError
-    from .net.networks import decide_isolation, describe, isolation_problems
+    from .net.networks import decide_isolation, decide_mode, describe, isolation_problems, tap_problems
     name = "network isolation"
     problems = isolation_problems()
+    mode = decide_mode(mode, isolation, tap_problems())
     try:
         isolated = decide_isolation(mode, isolation, problems)
     except NetError as e:
@@ -133,7 +136,7 @@ def check_ksm() -> Check:
 
 
 def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None = None,
-               network: str = "user", isolation: str = "auto",
+               network: str = "auto", isolation: str = "auto",
                confinement: "Confinement | None" = None) -> list[Check]:
     """``confinement``: the node's policy (``VmConfig.confinement()``; None: ``auto``)."""
     from .confine.policy import Confinement
@@ -182,7 +185,7 @@ def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None =
         checks.append(Check("accelerator", Status.OK,
                             f"{choice.reason}{' (cached probe)' if choice.cached else ''}"))
 
-    checks.append(check_tap_network(data_dir, network))
+    checks.append(check_tap_network(data_dir, network, isolation))
     checks.append(check_network_isolation(network, isolation))
     checks += check_confinement(confinement.level.value, confinement)
     confinement.close()

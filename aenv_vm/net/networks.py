@@ -1,7 +1,10 @@
-"""How one node's sandboxes are networked: ``[vm] network = "user" | "tap"``
-and ``[vm] isolation = "auto" | "required" | "off"`` (docs/security.md).
+"""How one node's sandboxes are networked: ``[vm] network = "auto" | "user" |
+"tap"`` and ``[vm] isolation = "auto" | "required" | "off"`` (docs/security.md).
 
-* ``user`` (default): QEMU's user-mode network. Isolated (root, nftables,
+* ``auto`` (default): tap wherever the host allows it (root, nftables,
+  iproute2, /dev/net/tun) and isolation is not "off", else user (``decide_mode``).
+
+* ``user``: QEMU's user-mode network. Isolated (root, nftables,
   iproute2: the default wherever the host allows it), each sandbox's QEMU runs
   in a network namespace of its own (netns.py) whose nftables table (rules.py)
   filters every connection the guest's user-mode network opens; the node
@@ -48,18 +51,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NetworkMode = Literal["user", "tap"]
-MODES: tuple[str, ...] = ("user", "tap")
+MODES: tuple[str, ...] = ("auto", "user", "tap")    # as configured; "auto" is decided at start
 TAP_STATE_SUFFIX = ".tap"
 
 
 def tap_problems() -> list[str]:
-    """Why tap mode cannot work on this host (empty: it can). Cheap: no namespace is made."""
-    out = []
-    if os.geteuid() != 0:
-        out.append("needs root (network namespaces, veth and tap devices)")
-    for tool in ("nft", "ip", "nsenter"):
-        if shutil.which(tool) is None:
-            out.append(f"{tool} not found (nftables, iproute2, util-linux: bash scripts/install.sh)")
+    """Why tap mode cannot work on this host (empty: it can). Cheap: no namespace is made.
+    Everything namespaces need (isolation_problems()), and the tun device."""
+    out = isolation_problems()
     if not Path("/dev/net/tun").exists():
         out.append("/dev/net/tun missing (tun module)")
     return out
@@ -111,6 +110,15 @@ def isolation_problems() -> list[str]:
     return out
 
 
+def decide_mode(configured: str, isolation: str, tap_problems: list[str]) -> NetworkMode:
+    """The mode a node configured ``configured`` runs in: "auto" is tap where the host
+    has no ``tap_problems`` (tap_problems()) and isolation is not "off" (tap is always
+    isolated), else user."""
+    if configured == "auto":
+        return "tap" if isolation != "off" and not tap_problems else "user"
+    return "tap" if configured == "tap" else "user"
+
+
 def decide_isolation(mode: str, isolation: str, problems: list[str]) -> bool:
     """Whether a node of network ``mode`` and ``[vm] isolation`` gives every sandbox a
     namespace, on a host with ``problems`` (isolation_problems()). NetError where the
@@ -160,7 +168,8 @@ class NodeNetworks:
             raise NetError(f"network mode must be one of {', '.join(MODES)}, got {mode!r}")
         if isolation not in ISOLATIONS:
             raise NetError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
-        self.mode: NetworkMode = mode  # type: ignore[assignment]
+        self.configured = mode
+        self.mode: NetworkMode = "tap" if mode == "tap" else "user"   # "auto": decided in start()
         self.isolation: Isolation = isolation  # type: ignore[assignment]
         self.tag = netns.node_tag(run_root)
         self._nets: dict[str, SandboxNet] = {}
@@ -181,8 +190,8 @@ class NodeNetworks:
         """Decide the isolation (fail early and clearly where the configured one cannot be
         had), turn on the node's forwarding and masquerade for sandbox egress and start
         the egress services."""
-        problems = isolation_problems() + (
-            [] if not self.tap or Path("/dev/net/tun").exists() else ["/dev/net/tun missing (tun module)"])
+        self.mode = decide_mode(self.configured, self.isolation, tap_problems())
+        problems = tap_problems() if self.tap else isolation_problems()
         self.isolated = decide_isolation(self.mode, self.isolation, problems)
         self.why_not = problems if not self.isolated else []
         if not self.isolated:

@@ -91,3 +91,29 @@ def test_doctor_reports_each_part_of_qemu_confinement(capsys: pytest.CaptureFixt
     monkeypatch.setenv("AENV_VM__CONFINE", "off")
     _, checks = run_doctor(capsys, "--no-probe")
     assert all(checks[p]["status"] == "warn" and "confine = \"off\"" in checks[p]["detail"] for p in parts)
+
+
+def test_network_auto_prefers_tap_where_the_host_allows_it() -> None:
+    from aenv_vm.net.networks import decide_mode
+    assert decide_mode("auto", "auto", []) == "tap"
+    assert decide_mode("auto", "required", []) == "tap"
+    assert decide_mode("auto", "auto", ["/dev/net/tun missing (tun module)"]) == "user"
+    assert decide_mode("auto", "off", []) == "user"          # tap is always isolated: off means user
+    assert decide_mode("user", "auto", []) == "user"
+    assert decide_mode("tap", "auto", ["needs root"]) == "tap"   # then refused by decide_isolation
+
+
+def test_doctor_names_the_mode_auto_runs_in(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from aenv_vm.net import networks
+    monkeypatch.delenv("AENV_VM__NETWORK", raising=False)
+    _, checks = run_doctor(capsys, "--no-probe")
+    row = checks["network (configured: auto)"]
+    if not networks.tap_problems():     # root with nft, iproute2 and /dev/net/tun, as in CI
+        assert row["status"] == "ok" and row["detail"].endswith("tap mode in use"), row
+        assert "tap networking, one namespace per sandbox" in checks["network isolation"]["detail"]
+    monkeypatch.setattr(networks, "isolation_problems", lambda: ["needs root (network namespaces)"])
+    _, checks = run_doctor(capsys, "--no-probe")
+    assert checks["network (configured: auto)"]["status"] == "warn"
+    assert "user mode in use" in checks["network (configured: auto)"]["detail"]
+    assert "restrict=on" in checks["network isolation"]["detail"]
