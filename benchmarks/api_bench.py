@@ -30,14 +30,18 @@ import time
 import urllib.request
 from pathlib import Path
 
+from envd import ENVD_PORT
+
 from _common import BenchError, machine_info, markdown_table, percentile, print_table
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def start_server(data_dir: Path, pool_size: int) -> tuple[subprocess.Popen, dict[str, str]]:
+def start_server(data_dir: Path, pool_size: int, network: str | None = None) -> tuple[subprocess.Popen, dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env["AENV_VM__POOL_SIZE"] = str(pool_size)
+    if network is not None:
+        env["AENV_VM__NETWORK"] = network
     proc = subprocess.Popen([sys.executable, "-m", "aenv_api.cli.main", "server", "--data-dir", str(data_dir),
                              "--port", "0", "--quiet"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -53,8 +57,9 @@ def start_server(data_dir: Path, pool_size: int) -> tuple[subprocess.Popen, dict
 
 
 def envd_address(sandbox_id: str) -> str:
-    """``host:port`` where QEMU forwards the sandbox's envd (from its command line: the
-    sandbox namespace's address when the node isolates sandboxes, else 127.0.0.1)."""
+    """``host:port`` of the sandbox's envd as the node reaches it (from its QEMU: the
+    host forward on its command line, on the sandbox namespace's address when the node
+    isolates sandboxes, else 127.0.0.1; in tap mode the namespace's own address)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -66,7 +71,19 @@ def envd_address(sandbox_id: str) -> str:
             m = re.search(rb"hostfwd=tcp:([0-9.]+):(\d+)-", b" ".join(argv))
             if m:
                 return f"{m.group(1).decode()}:{int(m.group(2))}"
+            return f"{namespace_address(entry)}:{ENVD_PORT}"
     raise BenchError(f"no QEMU process found for {sandbox_id} on this host")
+
+
+def namespace_address(proc: Path) -> str:
+    """The eth0 address of the named network namespace process ``proc`` runs in."""
+    inode = os.stat(proc / "ns" / "net").st_ino
+    for ns in Path("/run/netns").iterdir():
+        if os.stat(ns).st_ino == inode:
+            out = subprocess.run(["ip", "-n", ns.name, "-4", "-o", "addr", "show", "dev", "eth0"],
+                                 capture_output=True, text=True, check=True).stdout
+            return out.split()[3].split("/")[0]
+    raise BenchError(f"the QEMU {proc.name} is in no named network namespace")
 
 
 def pooled(url: str, key: str) -> int:
@@ -191,6 +208,8 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--pool-size", type=int, default=2)
+    p.add_argument("--network", choices=("auto", "user", "tap"),
+                   help="[vm] network of the server it starts (default: the server's, auto)")
     p.add_argument("--only-proxy", action="store_true", help="measure the proxy overhead only")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", type=Path)
@@ -205,7 +224,7 @@ def main() -> int:
         else:
             data_dir = args.data_dir or Path(tmp := tempfile.mkdtemp(prefix="api-bench-"))
             print(f"api_bench: starting aenv server on {data_dir} (pool {args.pool_size})", file=sys.stderr)
-            proc, env = start_server(data_dir, args.pool_size)
+            proc, env = start_server(data_dir, args.pool_size, args.network)
         os.environ.update(env)
         url, key = env["E2B_API_URL"], env["E2B_API_KEY"]
         if args.pool_size:

@@ -288,7 +288,7 @@ async def _run(args: argparse.Namespace) -> dict:
             parts = set(args.only or PARTS)
             node_ksm = None if args.no_ksm else VmConfig().ksm_settings()   # what `aenv server` uses
             res["ksm"] = node_ksm is not None
-            async with SandboxManager(store, guest_img, work / "node", ksm=node_ksm) as mgr:
+            async with SandboxManager(store, guest_img, work / "node", ksm=node_ksm, network=args.network) as mgr:
                 for mib in args.dirty if "pause" in parts else ():
                     res["pause"][mib] = await pauses(mgr, mib, args.reps)
                     if "strip" in parts:
@@ -397,6 +397,8 @@ def main() -> int:
     p.add_argument("--cold", type=int, default=3)
     p.add_argument("--fork", type=int, default=16)
     p.add_argument("--no-ksm", action="store_true", help="the node without its default [vm] ksm settings")
+    p.add_argument("--network", choices=("auto", "user", "tap"), default="auto",
+                   help="[vm] network of the node (default: auto, what `aenv server` uses)")
     p.add_argument("--only", nargs="+", choices=PARTS, help="run only these parts (default: all)")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", action="store_true")

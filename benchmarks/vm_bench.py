@@ -266,13 +266,15 @@ async def _run(args: argparse.Namespace) -> dict:
             cold = await cold_boots(store, guest, tpl, work, args.cold)
             tb = args.tcg_tb_mib
             node_ksm = None if args.no_ksm else VmConfig().ksm_settings()   # what `aenv server` uses
-            async with SandboxManager(store, guest, work / "node", tcg_tb_mib=tb, ksm=node_ksm) as plain, \
+            async with SandboxManager(store, guest, work / "node", tcg_tb_mib=tb, ksm=node_ksm,
+                                  network=args.network) as plain, \
                     SandboxManager(store, guest, work / "node-pool", pool_size=args.pool, tcg_tb_mib=tb,
-                                   ksm=node_ksm) as pooled:
+                                   ksm=node_ksm, network=args.network) as pooled:
                 rows = await creates(plain, pooled, args.creates)
             mem = {}
             for label, settings in (("plain", None), ("ksm", VmConfig().ksm_settings())):
-                async with SandboxManager(store, guest, work / f"m-{label}", tcg_tb_mib=tb, ksm=settings) as mgr:
+                async with SandboxManager(store, guest, work / f"m-{label}", tcg_tb_mib=tb, ksm=settings,
+                                          network=args.network) as mgr:
                     mem[label] = await memory(mgr, args.idle)
     return {"machine": machine_info(), "template_build_s": template_s, "cold": cold, **rows, "idle": args.idle, "memory_mib": args.memory_mib, "tcg_tb_mib": tb,
             "create_ksm": node_ksm is not None, "mem": mem}
@@ -353,6 +355,8 @@ def main() -> int:
     p.add_argument("--memory-mib", type=int, default=256)
     p.add_argument("--tcg-tb-mib", type=int, default=None, help="TCG translation buffer (default: QEMU's)")
     p.add_argument("--no-ksm", action="store_true", help="creates without the node's default KSM settings")
+    p.add_argument("--network", choices=("auto", "user", "tap"), default="auto",
+                   help="[vm] network of the node (default: auto, what `aenv server` uses)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = p.parse_args()
