@@ -46,7 +46,7 @@ def refused(query: bytes) -> bytes:
 def nameservers(resolv_conf: Path = Path("/etc/resolv.conf")) -> list[str]:
     """The node's IPv4 resolvers (from its own namespace's view: a loopback one such as
     systemd-resolved's 127.0.0.53 is fine, the forwarder runs on the node)."""
-    out = []
+    out: list[str] = []
     try:
         lines = resolv_conf.read_text().splitlines()
     except OSError:

@@ -25,7 +25,7 @@ import ipaddress
 import logging
 import socket
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Coroutine, Sequence
 
 from . import dns as dnsfwd
 from . import nsock
@@ -142,8 +142,8 @@ class EgressService:
             with contextlib.suppress(Exception):
                 await server.wait_closed()
 
-    def _track(self, box: _Sandbox, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _track(self, box: _Sandbox, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         box.conns.add(task)
         task.add_done_callback(box.conns.discard)
 
@@ -197,10 +197,11 @@ class EgressService:
                 self.refused += 1
                 log.info("egress of %s refused: %s", sid, verdict.why)
                 return
-            up_reader, upstream = await asyncio.wait_for(asyncio.open_connection(verdict.host, verdict.port),
-                                                         CONNECT_TIMEOUT)
-            upstream.write(head)
-            await asyncio.gather(_pump(reader, upstream), _pump(up_reader, writer))
+            up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(verdict.host, verdict.port),
+                                                          CONNECT_TIMEOUT)
+            upstream = up_writer
+            up_writer.write(head)
+            await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             log.debug("egress of %s: %s", sid, e)
         finally:

@@ -196,7 +196,8 @@ def rules() -> dict[str, Any]:
         out["web_info"] = dict(Sandbox.get_info(web.sandbox_id).network or {})
     finally:
         web.kill()
-    # CIDRs, changed on the running sandbox, then kept across pause -> resume and in a fork
+    # CIDRs, changed on the running sandbox, then kept across pause -> resume, in a fork
+    # and by the sandbox a snapshot is taken of
     split = Sandbox.create(timeout=600, network={"deny_out": ["198.51.100.0/24"]})
     children: list[Any] = []
     try:
@@ -211,6 +212,8 @@ def rules() -> dict[str, Any]:
         children = back.fork(count=1)
         out["split_child"] = check(children[0], SPLIT)
         out["split_child_info"] = dict(Sandbox.get_info(children[0].sandbox_id).network or {})
+        back.create_snapshot()
+        out["split_snapshotted"] = check(back, SPLIT)
     finally:
         for sbx in [split, *children]:
             try:

@@ -95,6 +95,7 @@ def test_network_controls_are_enforced(testnet: SealedNet, node_data: Path, mode
     assert got["split_updated"] == swapped and got["split_same_boot"] is True, got
     assert got["split_resumed"] == swapped, got           # pause -> resume keeps the update
     assert got["split_child"] == swapped, got             # and so does a fork child
+    assert got["split_snapshotted"] == swapped, got       # and a snapshot's source, running on
     assert got["split_child_info"]["deny_out"] == ["203.0.113.0/24"], got["split_child_info"]
 
     # dns_servers: the sandbox's own resolver answers (a name only it knows), or no DNS at all
