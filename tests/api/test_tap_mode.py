@@ -36,17 +36,6 @@ while True:
 """
 
 
-DNS_NAME = "pypi.org"
-
-
-def host_resolves(name: str) -> bool:
-    import socket
-    try:
-        return bool(socket.getaddrinfo(name, 443))
-    except OSError:
-        return False
-
-
 def free_outside_net() -> tuple[str, str]:
     """A /30 of the documentation range 198.51.100.0/24 (an "internet" host: sandboxes
     never reach private ranges) with no address on the host: (host side, namespace side)."""
@@ -217,10 +206,8 @@ def test_allow_internet_access_kept_across_pause(sdk: Server, outside: tuple[str
         assert on.get_info().allow_internet_access is None and off.get_info().allow_internet_access is False
         assert probe(on, addr, port) == "ok"
         assert probe(off, addr, port) == "blocked"
-        if host_resolves(DNS_NAME):   # the guest's 10.0.2.3 is the host's nameserver, behind the egress filter
-            assert on.commands.run(f"getent hosts {DNS_NAME}", timeout=30).stdout.strip()
-            assert off.commands.run(f"timeout 5 getent hosts {DNS_NAME} || echo none", timeout=30).stdout.strip() \
-                == "none"
+        # DNS with egress on and off: tests/isolation (the sealed testbed's own resolver; a
+        # name here would be resolved by the machine's real one, off the machine)
         seen = peers.read_text().split()[2:]
         assert len(seen) == 1 and seen[0].startswith("10.201.")   # masqueraded to its namespace address
         off.pause()
