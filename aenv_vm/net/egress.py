@@ -102,13 +102,13 @@ class EgressService:
         box = _Sandbox(policy, dnsfwd.Forwarder(lambda: self._dns_servers(sid)))
         loop = asyncio.get_running_loop()
         try:
-            tcp_proxy = await asyncio.to_thread(nsock.listener, namespace, socket.SOCK_STREAM, (bind, PORTS.proxy))
+            tcp_proxy, tcp_dns, udp_dns = await asyncio.to_thread(nsock.listeners, namespace, [
+                (socket.SOCK_STREAM, (bind, PORTS.proxy)), (socket.SOCK_STREAM, (bind, PORTS.dns)),
+                (socket.SOCK_DGRAM, (bind, PORTS.dns))])
             box.servers.append(await asyncio.start_server(
                 lambda r, w: self._track(box, self._proxy(sid, r, w)), sock=tcp_proxy))
-            tcp_dns = await asyncio.to_thread(nsock.listener, namespace, socket.SOCK_STREAM, (bind, PORTS.dns))
             box.servers.append(await asyncio.start_server(
                 lambda r, w: self._track(box, dnsfwd.serve_tcp(box.forwarder, r, w)), sock=tcp_dns))
-            udp_dns = await asyncio.to_thread(nsock.listener, namespace, socket.SOCK_DGRAM, (bind, PORTS.dns))
             _, box.udp = await loop.create_datagram_endpoint(lambda: dnsfwd.UdpServer(box.forwarder), sock=udp_dns)
         except BaseException:
             await self._close(box)

@@ -34,6 +34,12 @@ def _setns(fd: int) -> None:
 
 def listener(namespace: str, kind: int, addr: tuple[str, int]) -> socket.socket:
     """A bound socket (listening, for TCP) in ``namespace``, non-blocking."""
+    return listeners(namespace, [(kind, addr)])[0]
+
+
+def listeners(namespace: str, wanted: list[tuple[int, tuple[str, int]]]) -> list[socket.socket]:
+    """``listener`` for each ``(kind, addr)`` of ``wanted``, all made by one thread in
+    one visit to the namespace; all or none (those made are closed on an error)."""
     out: list[socket.socket] = []
     errors: list[BaseException] = []
 
@@ -48,17 +54,8 @@ def listener(namespace: str, kind: int, addr: tuple[str, int]) -> socket.socket:
         try:
             _setns(target)
             try:
-                s = socket.socket(socket.AF_INET, kind)
-                try:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    s.bind(addr)
-                    if kind == socket.SOCK_STREAM:
-                        s.listen(128)
-                    s.setblocking(False)
-                except BaseException:
-                    s.close()
-                    raise
-                out.append(s)
+                for kind, addr in wanted:
+                    out.append(_bound(kind, addr))
             finally:
                 _setns(own)   # this thread ends right after anyway
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
@@ -70,8 +67,24 @@ def listener(namespace: str, kind: int, addr: tuple[str, int]) -> socket.socket:
     t.start()
     t.join()
     if errors:
+        for s in out:
+            s.close()
         raise errors[0]
-    return out[0]
+    return out
+
+
+def _bound(kind: int, addr: tuple[str, int]) -> socket.socket:
+    s = socket.socket(socket.AF_INET, kind)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        if kind == socket.SOCK_STREAM:
+            s.listen(128)
+        s.setblocking(False)
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 def original_destination(sock: socket.socket) -> tuple[str, int] | None:
