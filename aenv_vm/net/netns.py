@@ -25,13 +25,12 @@ rules with the ``nft`` tool inside the namespace. ``destroy`` removes the namesp
 takes the veth pair and the tap with it); ``remove_orphans`` removes every
 namespace of this node's tag that no live sandbox owns (after a restart).
 
-Synchronous: pyroute2's API runs its own event loop, so from asyncio code
-call these functions in a worker thread (``asyncio.to_thread``).
+Synchronous (subprocesses, and pyroute2's API runs its own event loop), so from
+asyncio code call these functions in a worker thread (``asyncio.to_thread``).
 """
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import os
@@ -92,15 +91,6 @@ def _nsenter(name: str, argv: list[str], stdin: str | None = None, pass_fds: tup
         raise NetError(f"{' '.join(argv)} in netns {name} failed: {done.stderr.strip()}")
 
 
-def _quiet_children() -> None:
-    """pyroute2 does namespace work in a forked child that it stops with SIGTERM. That
-    child inherits the parent's Python signal handlers and asyncio's wakeup fd, so the
-    SIGTERM would reach the parent's event loop as its own (``aenv server`` then shuts
-    down). With this flag the child takes SIGTERM with the default action instead."""
-    from pyroute2 import config
-    config.disable_mp_signal = True
-
-
 def _require_tools() -> None:
     for tool in ("nsenter", "nft", "ip"):
         if shutil.which(tool) is None:
@@ -130,7 +120,6 @@ def create(tag: str, sid: str, ruleset: Callable[[SandboxNet], str], index: int 
     children) overlap there. ``owner``: the uid (and gid) that may open ``tap0``
     without CAP_NET_ADMIN, a confined QEMU's (aenv_vm/confine)."""
     _require_tools()
-    _quiet_children()
     with open(LOCK_PATH, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if index is None:
@@ -205,24 +194,18 @@ def apply(net: SandboxNet, ruleset: str) -> None:
 
 def destroy(net: SandboxNet | str) -> None:
     """Remove a sandbox's namespace and everything in it. Idempotent."""
-    from pyroute2 import IPRoute
-    from pyroute2 import netns as pnetns
-    _quiet_children()
     name = net if isinstance(net, str) else net.name
-    if (NETNS_DIR / name).exists():
-        try:
-            pnetns.remove(name)
-        except OSError as e:
-            raise NetError(f"removing netns {name} failed: {e}") from None
+    batch = f"netns del {name}\n" if (NETNS_DIR / name).exists() else ""
+    if not isinstance(net, str):   # normally gone with its peer, but the kernel frees a namespace asynchronously
+        batch += f"link del dev {net.host_if}\n"
+    if batch:
+        done = subprocess.run(["ip", "-force", "-batch", "-"], input=batch, text=True, capture_output=True,
+                              timeout=30)
+        failed = [line for line in done.stderr.splitlines()
+                  if line.strip() and "Cannot find device" not in line and "Command failed" not in line]
+        if done.returncode != 0 and failed:
+            raise NetError(f"removing netns {name} failed: {'; '.join(failed)}")
     if not isinstance(net, str):
-        from pyroute2 import NetlinkError
-        with IPRoute() as ipr:  # normally gone with its peer, but the kernel frees a namespace asynchronously
-            for idx in ipr.link_lookup(ifname=net.host_if):
-                try:
-                    ipr.link("del", index=idx)
-                except NetlinkError as e:
-                    if e.code != errno.ENODEV:
-                        raise NetError(f"removing {net.host_if} failed: {e}") from None
         _abort_host_sockets(net.ns_ip)
 
 
