@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import VmError
+from ..qemu.launcher import GUEST_IP, GUEST_MAC
 
-GUEST_IP = "10.0.2.15"
 TAP_ADDR = "10.0.2.2"
 SLIRP_DNS = "10.0.2.3"          # the resolver user-mode networking gives guests
 TAP_MAC = "52:55:0a:00:02:02"   # QEMU slirp's gateway MAC (what template guests have cached)
@@ -155,7 +155,10 @@ def _create(tag: str, sid: str, index: int, tap: bool, ruleset: Callable[[Sandbo
                    f"addr add {TAP_ADDR}/24 dev tap0\n"
                    # 10.0.2.3 answers the guest's ARP on tap0, so its DNS queries are sent (then redirected)
                    f"addr add {SLIRP_DNS}/32 dev tap0\n"
-                   "link set tap0 up\n")
+                   "link set tap0 up\n"
+                   # the guest's MAC is known (every clone's is its template's): no ARP
+                   # round trip to a guest that answers slowly under TCG on the first connection
+                   f"neigh replace {GUEST_IP} lladdr {GUEST_MAC} dev tap0 nud permanent\n")
     try:
         _run(["ip", "-batch", "-"], host, f"the network of {sid}")
         claimed()   # the /30 has its host address: others see it as used

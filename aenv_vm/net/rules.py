@@ -31,10 +31,10 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
+from ..qemu.launcher import GUEST_IP
 from .policy import SPECIAL_RANGES, NetworkPolicy
 
 TABLE = "aenv"
-GUEST_IP = "10.0.2.15"
 SANDBOX_NETS = ipaddress.IPv4Network("10.201.0.0/16")     # every sandbox's /30 (netns.py)
 
 Mode = Literal["user", "tap"]

@@ -48,6 +48,7 @@ from .errors import QemuExited, QemuNotFound
 from .qmp import QmpClient
 
 GUEST_IP = "10.0.2.15"
+GUEST_MAC = "52:54:00:12:34:56"     # every clone's: its template's
 _UNIX_PATH_MAX = 107
 
 Accel = Literal["tcg", "kvm"]
@@ -133,7 +134,7 @@ class VmSpec:
     tap: bool = False               # tap net (tap0 in ``netns``) instead of user-mode networking
     net_restrict: bool = False      # user net: the guest reaches neither the host nor beyond (forwards still work)
     guest_port: int = ENVD_PORT
-    mac: str = "52:54:00:12:34:56"
+    mac: str = GUEST_MAC
     incoming_defer: bool = False    # wait for migrate-incoming (clone restore)
     # TCG translation cache size in MiB (None: QEMU's default, 1 GiB of address space).
     # Smaller also shrinks TCG's lookup structures sized from it: less private memory per VM.

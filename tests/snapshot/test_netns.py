@@ -11,6 +11,7 @@ import http.client
 import os
 import shutil
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -195,6 +196,12 @@ def test_remove_orphans(tmp_path: Path) -> None:
     a = netns.create(tag, "sbx-orphan000001", OPEN_RULES)
     b = netns.create(tag, "sbx-orphan000002", OPEN_RULES, tap=False)
     assert a.index != b.index and a.host_ip != b.host_ip and a.tap and not b.tap
+    # the guest's neighbour entry is there from the start (no ARP to a slow TCG guest)
+    neigh = subprocess.run(["ip", "-n", a.name, "neigh", "show", "dev", "tap0"], capture_output=True, text=True,
+                           check=True).stdout
+    assert "10.0.2.15 lladdr 52:54:00:12:34:56 PERMANENT" in neigh, neigh
+    links = subprocess.run(["ip", "-n", b.name, "-br", "link"], capture_output=True, text=True, check=True).stdout
+    assert "tap0" not in links and "eth0" in links, links     # user mode: no tap device
     with pytest.raises(netns.NetError, match="already in use"):
         netns.create(tag, "sbx-orphan000003", OPEN_RULES, a.index)
     try:
@@ -348,7 +355,6 @@ def test_user_mode_gateway_is_not_the_hosts_loopback(env: Env, tmp_path: Path) -
 
 def test_doctor_reports_tap_networking(tmp_path: Path) -> None:
     import json
-    import subprocess
     import sys
 
     from aenv_vm.doctor import Status, check_tap_network
@@ -375,7 +381,6 @@ def test_destroy_aborts_host_connections(tmp_path: Path) -> None:
     keep-alive pool that would later send it to the next sandbox on that address."""
     if os.geteuid() != 0:
         pytest.skip("needs root")
-    import subprocess
     import sys
 
     net = netns.create(netns.node_tag(tmp_path), "sbx-sockets000001", OPEN_RULES)
