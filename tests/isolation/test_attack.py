@@ -21,9 +21,15 @@ from .hosts import INET_IP, OTHER_INET_IP, UDP_ECHO_PORT
 pytestmark = [pytest.mark.qemu, pytest.mark.slow]
 
 
-def run_scenario(net: SealedNet, env: dict[str, str], what: str) -> dict:
-    done = subprocess.run([*net.exec_argv(net.node), sys.executable, "-m", "tests.isolation.scenario", what],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+def run_scenario(net: SealedNet, node_data: Path, mode: str, log: Path, what: str) -> dict:
+    """A node of network ``mode`` in the sealed namespace, ``scenario.py what`` run
+    against it from there; its JSON answer."""
+    server = start_node(net, node_data, mode, log)
+    try:
+        done = subprocess.run([*net.exec_argv(net.node), sys.executable, "-m", "tests.isolation.scenario", what],
+                              cwd=REPO, env=server.env, capture_output=True, text=True, timeout=900)
+    finally:
+        server.stop()
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -37,11 +43,7 @@ def node_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_guests_reach_nothing_they_were_not_given(testnet: SealedNet, node_data: Path, mode: str,
                                                   tmp_path: Path) -> None:
     lan_before = len(testnet.accepted("lan"))
-    server = start_node(testnet, node_data, mode, tmp_path / "server.log")
-    try:
-        got = run_scenario(testnet, server.env, "attack")
-    finally:
-        server.stop()
+    got = run_scenario(testnet, node_data, mode, tmp_path / "server.log", "attack")
     assert len(got["namespaces"]) >= 4, got["namespaces"]     # three sandboxes and a pooled clone
     for name, results in got["probes"].items():
         reached = sorted(t for t, r in results.items() if r == "ok")
@@ -73,11 +75,7 @@ def test_network_controls_are_enforced(testnet: SealedNet, node_data: Path, mode
     """Acceptance 2, the guest's side: E2B's network options through the real SDK, tried
     from inside the sandboxes against the test's hosts."""
     lan_before = len(testnet.accepted("lan"))
-    server = start_node(testnet, node_data, mode, tmp_path / "server.log")
-    try:
-        got = run_scenario(testnet, server.env, "rules")
-    finally:
-        server.stop()
+    got = run_scenario(testnet, node_data, mode, tmp_path / "server.log", "rules")
     web = got["web"]       # allow_out: allowed.test, *.allowed.test, rebind.test; deny_out: 0.0.0.0/0
     assert web["http allowed.test"] == "inet allowed.test" and web["http www.allowed.test"] == "inet www.allowed.test"
     assert web[f"tls allowed.test {INET_IP}"] == "tls-peer-ok", web             # SNI allowed
