@@ -109,7 +109,9 @@ class Reference:
     def familiar(self) -> str:
         """The short form Docker prints (``alpine:latest``, ``user/x``, ``host:5000/x:1``)."""
         name = self.name
-        if self.registry == DOCKER_HUB:
+        first = self.repository.split("/", 1)[0]
+        # a first element that looks like a registry keeps the docker.io/ prefix (unambiguous)
+        if self.registry == DOCKER_HUB and "." not in first and first != "localhost":
             name = self.repository.removeprefix("library/") if self.repository.count("/") == 1 \
                 else self.repository
         out = name

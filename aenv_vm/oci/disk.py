@@ -1,0 +1,155 @@
+"""From an image's layer files to a block image in the store: flatten the layers
+into a directory in the workspace, make it an ext4 disk with the directory
+import (``mkfs.ext4 -d``; the CAS deduplicates its chunks), and commit the
+image's catalog record with the image's identity and runtime config in its
+meta (docs/images.md). The record is written last: a failure anywhere leaves
+no record, and the temporary tree is always removed."""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from aenv_store.admin.progress import ProgressFactory, no_progress
+from aenv_store.formats.catalog import CatalogRecord
+from aenv_store.formats.ids import Digest
+
+from ..blockimage.importer import import_tree, tree_size
+from ..blockimage.layer import IMAGE_KIND, image_top
+from .config import OciConfig
+from .layers import ApplyStats, apply_layers
+from .manifest import ImageConfig
+
+if TYPE_CHECKING:
+    from aenv_store.store import Store
+
+MiB = 1 << 20
+NAME_PREFIX = "oci-"
+
+
+@dataclass(frozen=True)
+class LayerFile:
+    path: Path
+    label: str
+    diff_id: str | None
+    size: int
+
+
+@dataclass(frozen=True)
+class ImageIdentity:
+    """What names an image independent of the node: its manifest digest (for a
+    `docker save` archive without one, its config digest), where it came from."""
+
+    reference: str              # canonical reference, or the archive's tag / file name
+    digest: str
+    platform: str
+    config_digest: str
+    index_digest: str | None = None
+    source: str = "registry"    # registry or archive
+
+
+@dataclass(frozen=True)
+class DiskImage:
+    name: str
+    layer_id: Digest
+    size: int
+    reused: bool
+    meta: dict[str, str]
+    notes: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def runtime(self) -> dict[str, object]:
+        return runtime_of(self.meta)
+
+
+def default_name(digest: str) -> str:
+    """The catalog name of an image by default: deterministic in its digest."""
+    return NAME_PREFIX + digest.removeprefix("sha256:")[:24]
+
+
+def runtime_of(meta: dict[str, str]) -> dict[str, object]:
+    """The image config a template build uses (Env, Entrypoint, Cmd, WorkingDir, User,
+    ExposedPorts, ...) from an image record's meta."""
+    try:
+        value = json.loads(meta.get("oci.config", "{}"))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def image_meta(ident: ImageIdentity, config: ImageConfig, layers: int) -> dict[str, str]:
+    meta = {"source": ident.reference, "oci.reference": ident.reference, "oci.digest": ident.digest,
+            "oci.platform": ident.platform, "oci.config_digest": ident.config_digest,
+            "oci.config": config.runtime_json(), "oci.layers": str(layers), "oci.source": ident.source}
+    if ident.index_digest:
+        meta["oci.index_digest"] = ident.index_digest
+    return meta
+
+
+def find_image(store: "Store", digest: str, platform: str | None = None) -> CatalogRecord | None:
+    """An image record pulled from manifest ``digest`` (or from an index of that digest,
+    for ``platform``): the default-named one if it is there, else any."""
+    try:
+        rec = store.get_record(default_name(digest))
+        if rec.kind == IMAGE_KIND and dict(rec.meta).get("oci.digest") == digest:
+            return rec
+    except Exception:           # NotFound (either layer's): fall back to a scan
+        pass
+    for rec in sorted(store.list_records(IMAGE_KIND), key=lambda r: r.created):
+        meta = dict(rec.meta)
+        if meta.get("oci.digest") == digest:
+            return rec
+        if meta.get("oci.index_digest") == digest and (platform is None or meta.get("oci.platform") == platform):
+            return rec
+    return None
+
+
+def reuse(store: "Store", rec: CatalogRecord, name: str | None, replace: bool) -> DiskImage:
+    """An existing image, under ``name`` too if that is another name (a new record
+    naming the same layers: nothing is copied)."""
+    top = image_top(rec)
+    size = store.load_manifest(top).size
+    meta = dict(rec.meta)
+    if name and name != rec.name:
+        store.put_record(CatalogRecord(name=name, kind=IMAGE_KIND, manifests=rec.manifests, meta=rec.meta,
+                                       created=time.time()), exclusive=not replace)
+        return DiskImage(name, top, size, True, meta)
+    return DiskImage(rec.name, top, size, True, meta)
+
+
+def disk_size(tree_bytes: int, config: OciConfig) -> int:
+    """The flattened tree's size plus the configured headroom, in whole MiB."""
+    size = tree_bytes * (100 + config.disk_headroom_percent) // 100 + config.disk_headroom_mib * MiB
+    return -(-size // MiB) * MiB
+
+
+def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile], ident: ImageIdentity,
+                     image_config: ImageConfig, name: str | None = None, size: int | None = None,
+                     replace: bool = False, progress: ProgressFactory = no_progress,
+                     log_line: Callable[[str], None] | None = None) -> DiskImage:
+    t0 = time.perf_counter()
+    say = log_line or (lambda _t: None)
+    work_root = store.settings.paths.workspace
+    work_root.mkdir(parents=True, exist_ok=True)
+    meta = image_meta(ident, image_config, len(layers))
+    record_name = name or default_name(ident.digest)
+    with tempfile.TemporaryDirectory(dir=work_root, prefix="oci-rootfs-") as td:
+        root = Path(td) / "rootfs"
+        total = sum(lf.size for lf in layers)
+        with progress(f"flatten {len(layers)} layer(s)", total, "bytes") as bar:
+            stats: ApplyStats = apply_layers(root, [(lf.path, lf.label, lf.diff_id) for lf in layers],
+                                             on_bytes=bar.advance)
+        for note in stats.notes:
+            say(f"note: {note}")
+        content = tree_size(root)
+        disk = size if size is not None else disk_size(content, config)
+        say(f"flattened {stats.entries} entries ({stats.files} files, {stats.bytes} bytes); "
+            f"making a {disk // MiB} MiB ext4 disk")
+        res = import_tree(store, root, record_name, size=disk, meta=meta, exclusive=not replace)
+        full_meta = dict(store.get_record(record_name).meta)
+    return DiskImage(record_name, res.layer_id, res.size, False, full_meta, tuple(stats.notes),
+                     time.perf_counter() - t0)
