@@ -156,8 +156,11 @@ class RegistryClient:
             except aiohttp.ClientSSLError as e:
                 raise RegistryUnreachable(f"TLS with {ep.name} failed ({e}); a registry without a valid "
                                           "certificate must be listed in oci.insecure_registries") from None
+            except aiohttp.ClientConnectorError as e:
+                why = e.os_error.strerror or str(e.os_error) if e.os_error else str(e)
+                raise RegistryUnreachable(f"cannot reach {ep.name} ({ep.base}): {why}") from None
             except (aiohttp.ClientConnectionError, OSError) as e:
-                raise RegistryUnreachable(f"cannot reach {ep.name} at {ep.base}: {e}") from None
+                raise RegistryUnreachable(f"cannot reach {ep.name} ({ep.base}): {e}") from None
             except asyncio.TimeoutError:
                 raise RegistryUnreachable(f"{ep.name} at {ep.base} did not answer within "
                                           f"{self.config.timeout:g} s") from None
