@@ -71,7 +71,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     finally:
         store.close()
     return _report(args, res.reference, res.image, {
-        "layers": res.layers, "cached_layers": res.cached_layers, "downloaded_bytes": res.downloaded_bytes,
+        "reference": res.reference, "layers": res.layers, "cached_layers": res.cached_layers, "downloaded_bytes": res.downloaded_bytes,
         "seconds": round(res.seconds, 3)})
 
 

@@ -91,10 +91,12 @@ def parse_index(data: bytes, what: str = "image index") -> list[Descriptor]:
 def normalise_platform(text: str) -> str:
     """``linux/amd64``; ``amd64`` alone means linux; ``x86_64`` is amd64."""
     parts = text.strip().lower().split("/")
-    if len(parts) == 1:
+    if len(parts) == 1 and parts[0] not in ("linux", "windows", "darwin", "freebsd", ""):
         parts = ["linux"] + parts
     if len(parts) not in (2, 3) or not all(parts):
         raise BadImage(f"bad platform {text!r} (expected OS/ARCH[/VARIANT], e.g. linux/amd64)")
+    if parts[0] != "linux":
+        raise BadImage(f"bad platform {text!r}: sandboxes run Linux, so only linux/… images can be used")
     parts[1] = {"x86_64": "amd64", "aarch64": "arm64"}.get(parts[1], parts[1])
     return "/".join(parts)
 
