@@ -53,8 +53,11 @@ class _Source:
                 name = os.path.normpath(m.name.lstrip("/")).removeprefix("./")
                 if m.isfile():
                     self.members[name] = m
+        except tarfile.ReadError:
+            raise BadImage(f"{path}: not a tar archive (plain, gzip, bzip2 or xz) nor an OCI layout "
+                           "directory") from None
         except (tarfile.TarError, EOFError, OSError) as e:
-            raise BadImage(f"{path}: not a tar archive or OCI layout directory ({e})") from None
+            raise BadImage(f"{path}: cannot read the archive: {e}") from None
 
     def close(self) -> None:
         if self.tar is not None:

@@ -116,7 +116,7 @@ def test_pull_by_digest_and_from_an_index(filled_registry: Registry, images: Pus
 def test_arm64_only_images_fail_clearly(filled_registry: Registry, data_dir: Path) -> None:
     for tag, why in (("armlist", "has no linux/amd64 image"), ("arm", "linux/arm64 image, not linux/amd64")):
         r = run_aenv(data_dir, "image", "pull", f"{filled_registry.host}/test/img:{tag}")
-        assert r.code == 1 and r.err.startswith("aenv: error:") and why in r.err, r.err
+        assert r.code == 1 and r.err.splitlines()[-1].startswith("aenv: error:") and why in r.err, r.err
         if tag == "armlist":
             assert "linux/arm64" in r.err      # says what it does have
     assert image_names(data_dir) == []
@@ -140,7 +140,7 @@ def test_errors_are_clear_and_leave_nothing(start_registry: Callable[..., Regist
     ]
     for args, why in cases:
         r = run_aenv(data_dir, "image", "pull", *args, stdin="wrong-password\n")
-        assert r.code != 0 and r.err.startswith("aenv: error:") and why in r.err, (args, r.err)
+        assert r.code != 0 and r.err.splitlines()[-1].startswith("aenv: error:") and why in r.err, (args, r.err)
     assert image_names(data_dir) == []
     assert_verify_clean(data_dir)
     ok = run_aenv(data_dir, "image", "pull", f"{secured.host}/private/img:v1", "--username", USER,
