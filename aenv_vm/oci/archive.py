@@ -24,7 +24,7 @@ from aenv_store.admin.progress import ProgressFactory, no_progress
 
 from .cache import LayerCache
 from .config import OciConfig
-from .disk import DiskImage, ImageIdentity, LayerFile, build_disk_image, find_image, reuse
+from .disk import DiskImage, ImageIdentity, LayerFile, build_disk_image, check_name_free, find_image, reuse
 from .errors import BadImage, ImageNotFound
 from .manifest import (DEFAULT_PLATFORM, Descriptor, is_index, normalise_platform, parse_config, parse_index,
                        parse_manifest, pick_platform)
@@ -233,6 +233,7 @@ def load_archive(store: "Store", config: OciConfig, data_dir: Path, path: Path, 
             rec = find_image(store, found.manifest_digest)
             if rec is not None:
                 return reuse(store, rec, name, replace)
+            check_name_free(store, name, found.manifest_digest)
         config_digest = "sha256:" + hashlib.sha256(found.config_bytes).hexdigest()
         ident = ImageIdentity(found.reference, found.manifest_digest, image_config.platform, config_digest,
                               found.index_digest, source="archive")

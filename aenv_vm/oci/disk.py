@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from aenv_store.admin.progress import ProgressFactory, no_progress
+from aenv_store.errors import AlreadyExists, NotFound
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
 
 from ..blockimage.importer import import_tree, tree_size
 from ..blockimage.layer import IMAGE_KIND, image_top
+from ..errors import Conflict
 from .config import OciConfig
 from .layers import ApplyStats, apply_layers
 from .manifest import ImageConfig
@@ -97,7 +99,7 @@ def find_image(store: "Store", digest: str, platform: str | None = None) -> Cata
         rec = store.get_record(default_name(digest))
         if rec.kind == IMAGE_KIND and dict(rec.meta).get("oci.digest") == digest:
             return rec
-    except Exception:           # NotFound (either layer's): fall back to a scan
+    except NotFound:            # not under its default name: look at every image
         pass
     for rec in sorted(store.list_records(IMAGE_KIND), key=lambda r: r.created):
         meta = dict(rec.meta)
@@ -106,6 +108,19 @@ def find_image(store: "Store", digest: str, platform: str | None = None) -> Cata
         if meta.get("oci.index_digest") == digest and (platform is None or meta.get("oci.platform") == platform):
             return rec
     return None
+
+
+def check_name_free(store: "Store", name: str | None, digest: str) -> None:
+    """Fail early (before any download) when ``name`` is taken by another image."""
+    if name is None:
+        return
+    try:
+        rec = store.get_record(name)
+    except NotFound:
+        return
+    if dict(rec.meta).get("oci.digest") != digest:
+        raise Conflict(f"an image named {name!r} exists (another image): choose another --name, "
+                       "or --force to replace it")
 
 
 def reuse(store: "Store", rec: CatalogRecord, name: str | None, replace: bool) -> DiskImage:
@@ -149,7 +164,13 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
         disk = size if size is not None else disk_size(content, config)
         say(f"flattened {stats.entries} entries ({stats.files} files, {stats.bytes} bytes); "
             f"making a {disk // MiB} MiB ext4 disk")
-        res = import_tree(store, root, record_name, size=disk, meta=meta, exclusive=not replace)
+        try:
+            res = import_tree(store, root, record_name, size=disk, meta=meta, exclusive=not replace)
+        except AlreadyExists:
+            # another pull of the same image committed first: use its record (ours
+            # left only packs nothing references, which `aenv repo gc` removes)
+            check_name_free(store, record_name, ident.digest)
+            return reuse(store, store.get_record(record_name), None, False)
         full_meta = dict(store.get_record(record_name).meta)
     return DiskImage(record_name, res.layer_id, res.size, False, full_meta, tuple(stats.notes),
                      time.perf_counter() - t0)

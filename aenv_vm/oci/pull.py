@@ -19,7 +19,7 @@ from aenv_store.admin.progress import ProgressFactory, no_progress
 from .auth import Credentials, credentials_from_file
 from .cache import LayerCache
 from .config import OciConfig
-from .disk import DiskImage, ImageIdentity, LayerFile, build_disk_image, find_image, reuse
+from .disk import DiskImage, ImageIdentity, LayerFile, build_disk_image, check_name_free, find_image, reuse
 from .errors import BadImage, PlatformNotFound
 from .manifest import (DEFAULT_PLATFORM, ImageConfig, ImageManifest, is_index, normalise_platform,
                        parse_config, parse_index, parse_manifest, pick_platform)
@@ -122,6 +122,7 @@ class Puller:
                 if rec is not None:
                     self.say(f"{what}: {fetched.digest} already pulled as image {rec.name}")
                     return _Resolved(ident, manifest, existing=reuse(self.store, rec, self.name, self.replace))
+                check_name_free(self.store, self.name, fetched.digest)
             config_bytes = await client.blob_bytes(manifest.config.digest, manifest.config.size)
             config = parse_config(config_bytes, f"config of {what}")
             _check_platform(config, self.platform, what)
