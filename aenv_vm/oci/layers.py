@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO, Callable, Iterable
 
-from .errors import BadImage
+from .errors import BadImage, OciError
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -391,7 +391,7 @@ def apply_layer(writer: RootWriter, f: BinaryIO, label: str, diff_id: str | None
         raise BadImage(f"{label}: not a valid tar layer: {e}") from None
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise
+            raise OciError(f"{label}: no space left flattening the image under {writer.root}") from None
         raise BadImage(f"{label}: cannot read the layer: {e}") from None
     except Exception as e:
         # the decompressors raise their own classes (zstd.ZstdError, gzip.BadGzipFile)

@@ -37,7 +37,10 @@ class Registry:
         return self.root / "storage"
 
     @classmethod
-    def start(cls, root: Path, auth: bool = False, timeout: float = 30.0) -> "Registry":
+    def start(cls, root: Path, auth: bool = False, timeout: float = 30.0,
+              auth_yaml: list[str] | None = None) -> "Registry":
+        """``auth``: htpasswd basic auth; ``auth_yaml``: another ``auth:`` section (a token
+        service's); either way pushes use USER/PASSWORD."""
         if shutil.which("docker-registry") is None:
             raise RuntimeError("docker-registry not installed (scripts/install.sh installs it)")
         root.mkdir(parents=True, exist_ok=True)
@@ -49,11 +52,13 @@ class Registry:
             hp = subprocess.run(["htpasswd", "-Bbn", USER, PASSWORD], check=True, capture_output=True, text=True)
             (root / "htpasswd").write_text(hp.stdout)
             lines += ["auth:", "  htpasswd:", "    realm: aenv-test", f"    path: {root / 'htpasswd'}"]
+        if auth_yaml:
+            lines += auth_yaml
         (root / "config.yml").write_text("\n".join(lines) + "\n")
         log = open(root / "registry.log", "wb")
         proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")], stdout=log,
                                 stderr=subprocess.STDOUT)
-        reg = cls(proc, port, root, auth)
+        reg = cls(proc, port, root, auth or bool(auth_yaml))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -80,7 +85,7 @@ class Registry:
                 self.proc.wait()
 
     def push(self, layout: Path, tag: str, dest: str, all_platforms: bool = False) -> None:
-        """``skopeo copy oci:LAYOUT:TAG docker://HOST/DEST``."""
+        """``skopeo copy oci:LAYOUT:TAG docker://HOST/DEST`` (with USER/PASSWORD if it has auth)."""
         cmd = ["skopeo", "--insecure-policy", "copy", "-q", "--dest-tls-verify=false",
                "--preserve-digests"]
         if all_platforms:

@@ -16,6 +16,7 @@ from aenv_vm.blockimage.layer import image_top
 
 from .conftest import EXPECTED_TREE, RUNTIME, PushedImages, read_tree, run_aenv
 from .registryproc import PASSWORD, USER, Registry, free_port
+from .tokenauth import TokenServer
 
 
 def export_image(data_dir: Path, name: str, out: Path) -> Path:
@@ -187,3 +188,34 @@ def test_mirrors_are_tried_before_the_registry(start_registry: Callable[..., Reg
                   config={"oci": {"registry_mirrors": [f"http://{mirror.host}"]}})
     assert r3.code == 0, r3.err
     assert r3.json()["reference"] == "docker.io/library/hubimg:v1"
+
+
+def test_bearer_token_auth(start_registry: Callable[..., Registry], images: PushedImages, data_dir: Path,
+                           tmp_path: Path) -> None:
+    """The registry with `auth: token` and a token service: anonymous tokens for public
+    repositories, credentials for private ones, wrong credentials refused by the realm."""
+    tokens = TokenServer(USER, PASSWORD, tmp_path / "token-cert.pem")
+    tokens.start()
+    try:
+        reg = Registry.start(tmp_path / "token-registry", auth_yaml=tokens.registry_auth_yaml())
+        try:
+            reg.push(images.layout, "v1", "public/img:v1")
+            reg.push(images.layout, "sibling", "private/img:v1")
+            anon = run_aenv(data_dir, "image", "pull", f"{reg.host}/public/img:v1", "--output", "json")
+            assert anon.code == 0, anon.err
+            assert any(t.startswith("anonymous repository:public/img:pull") for t in tokens.issued)
+            denied = run_aenv(data_dir, "image", "pull", f"{reg.host}/private/img:v1")
+            assert denied.code == 1 and "authentication required" in denied.err, denied.err
+            wrong = run_aenv(data_dir, "image", "pull", f"{reg.host}/private/img:v1", "-u", USER,
+                             "--password-stdin", stdin="nope\n")
+            assert wrong.code == 1 and "token endpoint refused user 'aenv'" in wrong.err, wrong.err
+            ok = run_aenv(data_dir, "image", "pull", f"{reg.host}/private/img:v1", "-u", USER, "--password-stdin",
+                          "--output", "json", stdin=PASSWORD + "\n")
+            assert ok.code == 0, ok.err
+            assert ok.json()["digest"] == images.sibling["digest"]
+            assert image_names(data_dir) == sorted([anon.json()["name"], ok.json()["name"]])
+        finally:
+            reg.stop()
+    finally:
+        tokens.stop()
+    assert_verify_clean(data_dir)
