@@ -130,6 +130,14 @@ def reuse(store: "Store", rec: CatalogRecord, name: str | None, replace: bool) -
     size = store.load_manifest(top).size
     meta = dict(rec.meta)
     if name and name != rec.name:
+        if not replace:
+            check_name_free(store, name, meta.get("oci.digest", ""))
+            try:
+                named = store.get_record(name)         # already there under that name too
+                return DiskImage(name, image_top(named), store.load_manifest(image_top(named)).size, True,
+                                 dict(named.meta))
+            except NotFound:
+                pass
         store.put_record(CatalogRecord(name=name, kind=IMAGE_KIND, manifests=rec.manifests, meta=rec.meta,
                                        created=time.time()), exclusive=not replace)
         return DiskImage(name, top, size, True, meta)

@@ -108,9 +108,17 @@ def test_pull_by_digest_and_from_an_index(filled_registry: Registry, images: Pus
                    "--output", "json").json()
     assert arm["digest"] == images.arm64["digest"] and arm["platform"] == "linux/arm64"
     assert "/arm-only" in read_tree(export_image(data_dir, arm["name"], tmp_path / "arm.raw"))
+    # "localhost" is loopback too: plain HTTP, no configuration
+    local = run_aenv(data_dir, "image", "pull", f"localhost:{filled_registry.port}/test/img:sibling", "--output", "json")
+    assert local.code == 0 and local.json()["digest"] == images.sibling["digest"], local.err
     # a second name for the same image costs one record, no new layer
     named = run_aenv(data_dir, "image", "pull", f"{host}/test/img:v1", "--name", "myimg", "--output", "json").json()
     assert named["name"] == "myimg" and named["layer"] == by_digest.json()["layer"]
+    taken = run_aenv(data_dir, "image", "pull", f"{host}/test/img:sibling", "--name", "myimg")
+    assert taken.code == 1 and "exists (another image)" in taken.err, taken.err
+    rm = run_aenv(data_dir, "image", "rm", "myimg")
+    assert rm.code == 0 and "myimg" not in image_names(data_dir) and name in image_names(data_dir)
+    assert run_aenv(data_dir, "image", "rm", "myimg").code == 1
     assert_verify_clean(data_dir)
 
 

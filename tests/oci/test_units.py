@@ -93,3 +93,32 @@ def test_config_checks() -> None:
                 {"parallel_downloads": 0}):
         with pytest.raises(ConfigError):
             OciConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_endpoints_and_transport() -> None:
+    from aenv_vm.oci.reference import parse_reference
+    from aenv_vm.oci.registry import endpoints_for
+
+    cfg = OciConfig(registry_mirrors=("http://127.0.0.1:9/",), insecure_registries=("reg.lan:5000",))
+    hub = endpoints_for(parse_reference("alpine"), cfg)
+    assert [(e.base, e.mirror, e.verify_tls) for e in hub] == [("http://127.0.0.1:9", True, True),
+                                                               ("https://registry-1.docker.io", False, True)]
+    [lan] = endpoints_for(parse_reference("reg.lan:5000/x"), cfg)
+    assert (lan.base, lan.verify_tls, lan.http_fallback) == ("https://reg.lan:5000", False, True)
+    [loop] = endpoints_for(parse_reference("localhost:5000/x"), cfg)
+    assert loop.base == "http://localhost:5000"
+    [other] = endpoints_for(parse_reference("ghcr.io/x/y"), cfg)
+    assert (other.base, other.verify_tls, other.http_fallback) == ("https://ghcr.io", True, False)
+
+
+def test_oci_section_from_file_and_environment(tmp_path: Path) -> None:
+    from aenv_api.config import env_overrides, load_config
+
+    (tmp_path / "config.toml").write_text('[oci]\nregistry_mirrors = ["https://mirror.example"]\n')
+    env = {"AENV_OCI__CACHE_CAPACITY": "1024", "AENV_OCI__INSECURE_REGISTRIES": '["reg.lan:5000"]'}
+    cfg = load_config(tmp_path, overrides=env_overrides(env)).section("oci")
+    assert cfg.registry_mirrors == ("https://mirror.example",) and cfg.cache_capacity == 1024
+    assert cfg.insecure_registries == ("reg.lan:5000",) and cfg.cache_dir(tmp_path) == tmp_path / "oci-cache"
+    (tmp_path / "config.toml").write_text('[oci]\nregistry_mirror = ["x"]\n')
+    with pytest.raises(ConfigError, match="oci.registry_mirror"):
+        load_config(tmp_path, overrides={})
