@@ -107,6 +107,16 @@ def _error_codes(body: bytes) -> list[str]:
         return []
 
 
+def _check_blob(ep: Endpoint, what: str, digest: str, size: int, got: int, sha256_hex: str) -> None:
+    """BlobMismatch unless ``got`` bytes hashing to ``sha256_hex`` are exactly the blob asked for."""
+    actual = "sha256:" + sha256_hex
+    if got == size and actual == digest:
+        return
+    detail = f"{got if got <= size else 'more than ' + str(size)} bytes, expected {size}" \
+        if got != size else f"content hashes to {actual}"
+    raise BlobMismatch(f"{ep.name}: {what} is corrupt ({detail}): refused")
+
+
 class RegistryClient:
     """Pulls manifests and blobs of one repository (``ref``'s) from its endpoints."""
 
@@ -316,14 +326,23 @@ class RegistryClient:
         return await self._each_endpoint(what, self._served_by, fetch)
 
     async def blob_bytes(self, digest: str, size: int, limit: int = MAX_MANIFEST) -> bytes:
-        """A small blob (an image config) in memory, verified."""
+        """A small blob (an image config) in memory, verified like any other."""
         if size > limit:
             raise RegistryError(f"blob {digest} of {size} bytes is too large to read into memory")
-        import tempfile
-        with tempfile.TemporaryDirectory() as td:
-            path = Path(td) / "blob"
-            await self.blob_to_file(digest, size, path)
-            return path.read_bytes()
+        what = f"blob {digest}"
+
+        async def fetch(ep: Endpoint) -> bytes:
+            resp = await self._get(ep, f"blobs/{digest}", {}, what)
+            try:
+                data = await resp.content.read(size + 1)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise RegistryUnreachable(f"{ep.name}: {what}: download failed: {e}") from None
+            finally:
+                resp.release()
+            _check_blob(ep, what, digest, size, len(data), hashlib.sha256(data).hexdigest())
+            return data
+
+        return await self._each_endpoint(what, self._served_by, fetch)
 
     async def blob_to_file(self, digest: str, size: int, dest: Path,
                            on_bytes: Callable[[int], None] | None = None) -> None:
@@ -354,14 +373,13 @@ class RegistryClient:
                 raise RegistryUnreachable(f"{ep.name}: {what}: download failed after {got} bytes: {e}") from None
             finally:
                 resp.release()
-            actual = "sha256:" + sha.hexdigest()
-            if got != size or actual != digest:
+            try:
+                _check_blob(ep, what, digest, size, got, sha.hexdigest())
+            except BlobMismatch:
                 part.unlink(missing_ok=True)
                 if on_bytes:
                     on_bytes(-min(got, size))
-                detail = f"{got if got <= size else 'more than ' + str(size)} bytes, expected {size}" \
-                    if got != size else f"content hashes to {actual}"
-                raise BlobMismatch(f"{ep.name}: {what} is corrupt ({detail}): refused")
+                raise
             os.replace(part, dest)
 
         try:
