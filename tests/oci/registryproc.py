@@ -3,6 +3,7 @@ a free loopback port, with its storage in a temp dir; optionally behind htpasswd
 basic auth. Images get in with ``skopeo copy`` (an independent, real client)."""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -38,16 +39,18 @@ class Registry:
 
     @classmethod
     def start(cls, root: Path, auth: bool = False, timeout: float = 30.0,
-              auth_yaml: list[str] | None = None) -> "Registry":
+              auth_yaml: list[str] | None = None, storage_yaml: list[str] | None = None) -> "Registry":
         """``auth``: htpasswd basic auth; ``auth_yaml``: another ``auth:`` section (a token
-        service's); either way pushes use USER/PASSWORD."""
+        service's); either way pushes use USER/PASSWORD. ``storage_yaml``: a ``storage:``
+        section instead of the filesystem in ``root``."""
         if shutil.which("docker-registry") is None:
             raise RuntimeError("docker-registry not installed (scripts/install.sh installs it)")
         root.mkdir(parents=True, exist_ok=True)
         port = free_port()
         lines = ["version: 0.1", "log:", "  level: warn", "  accesslog:", "    disabled: true",
-                 "storage:", "  filesystem:", f"    rootdirectory: {root / 'storage'}",
-                 "  delete:", "    enabled: true", "http:", f"  addr: 127.0.0.1:{port}"]
+                 *(storage_yaml or ["storage:", "  filesystem:", f"    rootdirectory: {root / 'storage'}",
+                                    "  delete:", "    enabled: true"]),
+                 "http:", f"  addr: 127.0.0.1:{port}"]
         if auth:
             hp = subprocess.run(["htpasswd", "-Bbn", USER, PASSWORD], check=True, capture_output=True, text=True)
             (root / "htpasswd").write_text(hp.stdout)
@@ -56,8 +59,11 @@ class Registry:
             lines += auth_yaml
         (root / "config.yml").write_text("\n".join(lines) + "\n")
         log = open(root / "registry.log", "wb")
+        # AWS_CA_BUNDLE (set on hosts behind a TLS-inspecting proxy) breaks the s3 driver's
+        # session set-up, and the registry talks to loopback only anyway
+        env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE" and "proxy" not in k.lower()}
         proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")], stdout=log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env=env)
         reg = cls(proc, port, root, auth or bool(auth_yaml))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +18,7 @@ from aenv_vm.blockimage.layer import image_top
 from .conftest import EXPECTED_TREE, RUNTIME, PushedImages, read_tree, run_aenv
 from .registryproc import PASSWORD, USER, Registry, free_port
 from .tokenauth import TokenServer
+from ..remote.motoserver import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
 
 
 def export_image(data_dir: Path, name: str, out: Path) -> Path:
@@ -227,3 +229,41 @@ def test_bearer_token_auth(start_registry: Callable[..., Registry], images: Push
     finally:
         tokens.stop()
     assert_verify_clean(data_dir)
+
+
+def test_blobs_redirected_to_object_storage(moto: MotoServer, images: PushedImages, data_dir: Path,
+                                            tmp_path: Path) -> None:
+    """The registry on S3 storage (moto, loopback) answers blob GETs with a redirect to a
+    presigned URL: followed, without the registry's Authorization header."""
+    bucket = moto.new_bucket()
+    storage = ["storage:", "  s3:", f"    accesskey: {ACCESS_KEY}", f"    secretkey: {SECRET_KEY}",
+               f"    region: {REGION}", f"    regionendpoint: {moto.endpoint}", f"    bucket: {bucket}",
+               "    secure: false", "    v4auth: true", "    rootdirectory: /registry",
+               "  redirect:", "    disable: false"]
+    reg = Registry.start(tmp_path / "s3-registry", auth=True, storage_yaml=storage)
+    try:
+        reg.push(images.layout, "v1", "test/img:v1")
+        # the registry really redirects (plain urllib, with the registry's credentials)
+        import base64
+        import urllib.request
+        manifest = json.loads((images.layout / "blobs/sha256" / images.amd64["digest"][7:]).read_text())
+        layer = manifest["layers"][0]["digest"]
+        req = urllib.request.Request(f"http://{reg.host}/v2/test/img/blobs/{layer}", headers={
+            "Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()})
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args: object, **kwargs: object) -> None:
+                return None
+        try:
+            urllib.request.build_opener(NoRedirect()).open(req)
+            raise AssertionError("no redirect")
+        except urllib.error.HTTPError as e:
+            assert e.code == 307 and e.headers["Location"].startswith(moto.endpoint)
+        r = run_aenv(data_dir, "image", "pull", f"{reg.host}/test/img:v1", "-u", USER, "--password-stdin",
+                     "--output", "json", stdin=PASSWORD + "\n")
+        assert r.code == 0, r.err
+        assert r.json()["digest"] == images.amd64["digest"] and r.json()["cached_layers"] == 0
+        tree = read_tree(export_image(data_dir, r.json()["name"], tmp_path / "disk.raw"))
+        assert {p: v[:5] for p, v in tree.items()} == EXPECTED_TREE
+    finally:
+        reg.stop()
