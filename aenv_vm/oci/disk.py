@@ -6,6 +6,7 @@ meta (docs/images.md). The record is written last: a failure anywhere leaves
 no record, and the temporary tree is always removed."""
 from __future__ import annotations
 
+import fcntl
 import json
 import tempfile
 import time
@@ -160,7 +161,11 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
     work_root.mkdir(parents=True, exist_ok=True)
     meta = image_meta(ident, image_config, len(layers))
     record_name = name or default_name(ident.digest)
-    with tempfile.TemporaryDirectory(dir=work_root, prefix="oci-rootfs-") as td:
+    with tempfile.TemporaryDirectory(dir=work_root, prefix="oci-rootfs-") as td, \
+            open(Path(td) / "lock", "w") as lock:
+        # held while the tree is in use, as a workspace's: the store's clean-up of stale
+        # workspace dirs (clean_stale_workspaces) skips it while this pull lives
+        fcntl.flock(lock, fcntl.LOCK_EX)
         root = Path(td) / "rootfs"
         total = sum(lf.size for lf in layers)
         with progress(f"flatten {len(layers)} layer(s)", total, "bytes") as bar:

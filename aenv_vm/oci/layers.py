@@ -235,7 +235,9 @@ class RootWriter:
             self._write_leaf(pfd, tuple(parts), leaf, member, data, dirs)
         finally:
             os.close(pfd)
-        written.add(tuple(parts))
+        # the entry and its parents count as this layer's (an opaque marker keeps them)
+        for i in range(1, len(parts) + 1):
+            written.add(tuple(parts[:i]))
         self.stats.entries += 1
 
     def _write_leaf(self, pfd: int, parts: tuple[str, ...], leaf: str, member: tarfile.TarInfo,
@@ -317,8 +319,8 @@ class RootWriter:
     def _whiteout(self, parent: list[str], leaf: str, written: set[tuple[str, ...]]) -> None:
         try:
             pfd = self.open_dir(parent, create=False)
-        except FileNotFoundError:
-            return                           # nothing below to hide
+        except (FileNotFoundError, BadImage):
+            return                           # no such directory below: nothing to hide
         try:
             if leaf == OPAQUE_MARKER:
                 self._make_opaque(pfd, tuple(parent), written)

@@ -189,3 +189,105 @@ def test_random_hostile_layers_never_write_outside(tmp_path: Path, layers: list[
         assert_nothing_outside(work, before)
     finally:
         shutil.rmtree(work)
+
+
+# ---------------------------------------------------------------- a model of overlay semantics
+
+_comp = st.sampled_from(["a", "b", "c"])
+_path = st.lists(_comp, min_size=1, max_size=3)
+_model_entry = st.one_of(
+    st.tuples(st.just("f"), _path, st.binary(max_size=3)),
+    st.tuples(st.just("d"), _path, st.just(b"")),
+    st.tuples(st.just("wh"), _path, st.just(b"")),
+    st.tuples(st.just("opq"), st.lists(_comp, max_size=2), st.just(b"")),
+)
+
+
+class _ModelError(Exception):
+    pass
+
+
+def _model_apply(model: dict[tuple[str, ...], bytes | None], layer: list[tuple[str, list[str], bytes]]) -> None:
+    """What a layer does, on a dict path -> file bytes (None: a directory)."""
+    touched: set[tuple[str, ...]] = set()
+
+    def ensure_parents(parts: tuple[str, ...]) -> None:
+        for i in range(1, len(parts)):
+            p = parts[:i]
+            if p not in model:
+                model[p] = None
+            elif model[p] is not None:
+                raise _ModelError("a parent is a file")
+
+    def remove(p: tuple[str, ...]) -> None:
+        for k in [k for k in model if k[:len(p)] == p]:
+            del model[k]
+
+    for kind, path, data in layer:
+        parts = tuple(path)
+        if kind == "wh":
+            parent = parts[:-1]
+            if all(model.get(parent[:i], b"") is None for i in range(1, len(parent) + 1)):
+                remove(parts)
+            continue
+        if kind == "opq":
+            if parts and model.get(parts, b"") is not None:
+                continue
+            for k in [k for k in model if k[:len(parts)] == parts and len(k) > len(parts) and k not in touched]:
+                model.pop(k, None)
+            continue
+        ensure_parents(parts)
+        if kind == "f":
+            remove(parts)
+            model[parts] = data
+        elif model.get(parts, None) is not None:       # a dir over a file
+            remove(parts)
+            model[parts] = None
+        else:
+            model[parts] = None
+        touched.update(parts[:i] for i in range(1, len(parts) + 1))
+
+
+def _to_entries(layer: list[tuple[str, list[str], bytes]]) -> list[Entry]:
+    out = []
+    for kind, path, data in layer:
+        if kind == "wh":
+            out.append(F("/".join(path[:-1] + [".wh." + path[-1]])))
+        elif kind == "opq":
+            out.append(F("/".join(path + [".wh..wh..opq"])))
+        elif kind == "f":
+            out.append(F("/".join(path), data))
+        else:
+            out.append(D("/".join(path)))
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layers=st.lists(st.lists(_model_entry, min_size=1, max_size=6), min_size=1, max_size=4))
+def test_flattening_matches_a_model_of_overlay_semantics(tmp_path: Path,
+                                                         layers: list[list[tuple[str, list[str], bytes]]]) -> None:
+    import shutil
+    import tempfile
+
+    model: dict[tuple[str, ...], bytes | None] = {}
+    try:
+        for layer in layers:
+            _model_apply(model, layer)
+        expect_error = False
+    except _ModelError:
+        expect_error = True
+    work = Path(tempfile.mkdtemp(dir=tmp_path))
+    try:
+        files = write_layers(work, [_to_entries(layer) for layer in layers])
+        if expect_error:
+            with pytest.raises(BadImage, match="not a directory"):
+                apply_layers(work / "root", files)
+            return
+        apply_layers(work / "root", files)
+        got = {tuple(k.split("/")): (None if v == "dir" else v.encode("latin-1", "replace"))
+               for k, v in tree(work / "root").items()}
+        want = {k: (None if v is None else v.decode(errors="replace").encode("latin-1", "replace"))
+                for k, v in model.items()}
+        assert got == want
+    finally:
+        shutil.rmtree(work)
