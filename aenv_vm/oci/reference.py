@@ -65,6 +65,9 @@ class Reference:
     def __post_init__(self) -> None:
         if not _DOMAIN_RE.match(self.registry):
             raise BadReference(f"invalid registry {self.registry!r}")
+        port = self.registry.rsplit(":", 1)[1] if ":" in self.registry.rsplit("]", 1)[-1] else None
+        if port is not None and not 0 < int(port) < 65536:
+            raise BadReference(f"invalid registry {self.registry!r}: port out of range")
         if not _PATH_RE.match(self.repository):
             raise BadReference(f"invalid repository name {self.repository!r}")
         if self.tag is not None and not _TAG_RE.match(self.tag):

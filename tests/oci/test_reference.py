@@ -59,6 +59,8 @@ def test_parts_and_familiar_form() -> None:
     ("-host.com/x", "registry"),
     (":5000/x", "no name|registry|repository"),
     ("x" * 300, "longer"),
+    ("127.0.0.1:99999/x", "port out of range"),
+    ("[::1]:0/x", "port out of range"),
 ])
 def test_bad_references(text: str, why: str) -> None:
     with pytest.raises(BadReference, match=why):
