@@ -42,7 +42,7 @@ BASE = [D("etc", mode=0o755), F("etc/os-release", "ID=test\n"), F("etc/gone", "d
 TOP = [F("etc/.wh.gone"), D("opt/app"), F("opt/app/.wh..wh..opq"), F("opt/app/new.txt", "new"),
        L("bin/link", "tool"), H("bin/hard", "bin/tool"),
        D("home", mode=0o755), D("home/user", mode=0o700, uid=1000, gid=1000),
-       F("home/user/notes", "mine", mode=0o640, uid=1000, gid=1000)]
+       F("home/user/notes", "mine", mode=0o640, uid=1000, gid=1000, xattrs={"user.origin": "top"})]
 EXTRA = [F("extra.txt", "plain tar layer")]
 RUNTIME = {"Env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"], "Entrypoint": ["/bin/tool"], "Cmd": ["--serve"],
            "WorkingDir": "/opt/app", "User": "1000:1000", "ExposedPorts": {"8080/tcp": {}}}

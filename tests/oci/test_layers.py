@@ -291,3 +291,15 @@ def test_flattening_matches_a_model_of_overlay_semantics(tmp_path: Path,
         assert got == want
     finally:
         shutil.rmtree(work)
+
+
+def test_xattrs_user_and_capabilities_kept_others_noted(tmp_path: Path) -> None:
+    cap = "\x01\x00\x00\x02\x00\x20\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"  # cap_net_raw
+    layer = [F("ping", "x", mode=0o755, xattrs={"user.origin": "layer", "security.capability": cap,
+                                              "trusted.overlay.opaque": "y"})]
+    stats = apply_layers(tmp_path / "root", write_layers(tmp_path, [layer]))
+    p = tmp_path / "root" / "ping"
+    assert os.getxattr(p, "user.origin") == b"layer"
+    assert os.getxattr(p, "security.capability") == cap.encode("utf-8", "surrogateescape")
+    assert "trusted.overlay.opaque" not in os.listxattr(p)
+    assert any("trusted.overlay.opaque" in n for n in stats.notes)

@@ -15,7 +15,7 @@ from aenv_store.config import StorePaths, StoreSettings
 from aenv_vm.blockimage.importer import export_raw
 from aenv_vm.blockimage.layer import image_top
 
-from .conftest import EXPECTED_TREE, RUNTIME, PushedImages, read_tree, run_aenv
+from .conftest import EXPECTED_TREE, RUNTIME, PushedImages, debugfs, read_tree, run_aenv
 from .registryproc import PASSWORD, USER, Registry, free_port
 from .tokenauth import TokenServer
 from ..remote.motoserver import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
@@ -52,7 +52,9 @@ def test_pull_flattens_layers_into_ext4(filled_registry: Registry, images: Pushe
     assert info["digest"] == images.amd64["digest"] and info["platform"] == "linux/amd64"
     assert info["reference"] == ref and info["layers"] == 3 and info["cached_layers"] == 0
     assert info["config"] == RUNTIME and not info["reused"]
-    tree = read_tree(export_image(data_dir, info["name"], tmp_path / "disk.raw"))
+    disk = export_image(data_dir, info["name"], tmp_path / "disk.raw")
+    tree = read_tree(disk)
+    assert 'user.origin (3) = "top"' in debugfs(disk, "ea_list /home/user/notes")
     got = {p: v[:5] for p, v in tree.items()}
     assert got == {p: v for p, v in EXPECTED_TREE.items()}
     assert tree["/bin/hard"][5] == tree["/bin/tool"][5]          # one inode: a hardlink
