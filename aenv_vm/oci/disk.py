@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from aenv_store.admin.progress import ProgressFactory, no_progress
+from aenv_store.admin.progress import ProgressFactory, human_bytes, no_progress
 from aenv_store.errors import AlreadyExists, NotFound
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
@@ -175,7 +175,7 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
             say(f"note: {note}")
         content = tree_size(root)
         disk = size if size is not None else disk_size(content, config)
-        say(f"flattened {stats.entries} entries ({stats.files} files, {stats.bytes} bytes); "
+        say(f"flattened {stats.entries} entries ({stats.files} files, {human_bytes(stats.bytes)}); "
             f"making a {disk // MiB} MiB ext4 disk")
         try:
             res = import_tree(store, root, record_name, size=disk, meta=meta, exclusive=not replace)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from aenv_store.admin.progress import ProgressFactory, no_progress
+from aenv_store.admin.progress import ProgressFactory, human_bytes, no_progress
 
 from .auth import Credentials, credentials_from_file
 from .cache import LayerCache
@@ -149,13 +149,13 @@ class Puller:
         if not unique:
             self.say(f"all {len(files)} layer(s) in the node's layer cache")
             return files
-        self.say(f"downloading {len(unique)} of {len(files)} layer(s) ({total} bytes)")
+        self.say(f"downloading {len(unique)} of {len(files)} layer(s) ({human_bytes(total)})")
         gate = asyncio.Semaphore(self.config.parallel_downloads)
         with self.progress(f"pull {self.ref.familiar()}", total, "bytes") as bar:
             async def one(desc_digest: str, size: int) -> None:
                 async with gate:
                     await client.blob_to_file(desc_digest, size, self.cache.path(desc_digest), bar.advance)
-                    self.say(f"layer {desc_digest[:19]} done ({size} bytes)")
+                    self.say(f"layer {desc_digest[:19]} done ({human_bytes(size)})")
 
             tasks = [asyncio.ensure_future(one(d.digest, d.size)) for d in unique]
             try:
