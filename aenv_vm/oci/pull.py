@@ -81,16 +81,39 @@ class Puller:
         self.credentials = credentials
 
     def run(self) -> PullResult:
+        """The pull, from synchronous code (not from inside an event loop)."""
         t0 = time.perf_counter()
-        if self.ref.digest is not None and not self.replace:
-            rec = find_image(self.store, self.ref.digest, self.platform)
-            if rec is not None:                      # by digest and already here: no registry at all
-                img = reuse(self.store, rec, self.name, self.replace)
-                self.say(f"{self.ref.familiar()}: already pulled as image {rec.name}")
-                return PullResult(img, str(self.ref), img.meta.get("oci.digest", self.ref.digest),
-                                  int(img.meta.get("oci.layers", "0")), 0, 0, time.perf_counter() - t0)
+        early = self._already_here(t0)
+        if early is not None:
+            return early
         self.cache.prepare()
-        resolved = asyncio.run(self._fetch())
+        return self._finish(asyncio.run(self._fetch()), t0)
+
+    async def run_async(self) -> PullResult:
+        """The pull from async code: the registry part on the loop, flattening and the
+        import (CPU and disk work) on a worker thread."""
+        t0 = time.perf_counter()
+        early = self._already_here(t0)
+        if early is not None:
+            return early
+        self.cache.prepare()
+        resolved = await self._fetch()
+        return await asyncio.to_thread(self._finish, resolved, t0)
+
+    def _already_here(self, t0: float) -> PullResult | None:
+        """A pull by digest of an image the node has needs no registry at all."""
+        if self.ref.digest is None or self.replace:
+            return None
+        rec = find_image(self.store, self.ref.digest, self.platform)
+        if rec is None:
+            return None
+        img = reuse(self.store, rec, self.name, self.replace)
+        self.say(f"{self.ref.familiar()}: already pulled as image {rec.name}")
+        return PullResult(img, str(self.ref), img.meta.get("oci.digest", self.ref.digest),
+                          int(img.meta.get("oci.layers", "0")), 0, 0, time.perf_counter() - t0)
+
+    def _finish(self, resolved: _Resolved, t0: float) -> PullResult:
+        """Flatten and import (unless the image is already here), prune the layer cache."""
         if resolved.existing is not None:
             img = resolved.existing
         else:
@@ -99,9 +122,9 @@ class Puller:
                                    self.name, self.size, self.replace, self.progress, self.say)
         if resolved.layer_files and resolved.manifest is not None:
             self.cache.prune({d.digest for d in resolved.manifest.layers})
-        return PullResult(img, str(self.ref), resolved.ident.digest,
-                          len(resolved.manifest.layers) if resolved.manifest else int(img.meta.get("oci.layers", "0")),
-                          resolved.downloaded, resolved.cached, time.perf_counter() - t0)
+        layers = len(resolved.manifest.layers) if resolved.manifest else int(img.meta.get("oci.layers", "0"))
+        return PullResult(img, str(self.ref), resolved.ident.digest, layers, resolved.downloaded, resolved.cached,
+                          time.perf_counter() - t0)
 
     async def _fetch(self) -> _Resolved:
         async with RegistryClient(self.ref, self.config, self.credentials, self.say) as client:

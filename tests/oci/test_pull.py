@@ -269,3 +269,22 @@ def test_blobs_redirected_to_object_storage(moto: MotoServer, images: PushedImag
         assert {p: v[:5] for p, v in tree.items()} == EXPECTED_TREE
     finally:
         reg.stop()
+
+
+def test_library_pull_from_async_code(filled_registry: Registry, images: PushedImages, data_dir: Path) -> None:
+    """What the template builder will call from the API server's event loop."""
+    import asyncio
+
+    from aenv_vm.oci.config import OciConfig
+    from aenv_vm.oci.pull import Puller
+
+    lines: list[str] = []
+    store = open_node_store(StoreSettings(paths=StorePaths(data_dir)), create=True)
+    try:
+        puller = Puller(store, OciConfig(), data_dir, f"{filled_registry.host}/test/img:multi", log_line=lines.append)
+        res = asyncio.run(puller.run_async())
+        assert res.digest == images.amd64["digest"] and not res.image.reused and res.layers == 3
+        assert res.image.runtime == RUNTIME and any("downloading 3 of 3" in line for line in lines)
+        assert dict(store.get_record(res.image.name).meta)["oci.index_digest"] == images.index["digest"]
+    finally:
+        store.close()
