@@ -45,7 +45,8 @@ def _size(args: argparse.Namespace) -> int | None:
 def _report(args: argparse.Namespace, what: str, img: Any, extra: dict[str, Any]) -> int:
     info = {"name": img.name, "layer": img.layer_id.hex(), "size": img.size, "reused": img.reused,
             "reference": img.meta.get("oci.reference"), "digest": img.meta.get("oci.digest"),
-            "platform": img.meta.get("oci.platform"), "config": img.runtime, "notes": list(img.notes), **extra}
+            "platform": img.meta.get("oci.platform"), "config": img.runtime, "notes": list(img.notes),
+            "chunks_added": img.chunks_added, "chunks_deduped": img.chunks_deduped, **extra}
     if args.output == "json":
         print_json(info, out=sys.stdout)
     elif img.reused:

@@ -63,6 +63,8 @@ class DiskImage:
     meta: dict[str, str]
     notes: tuple[str, ...] = ()
     seconds: float = 0.0
+    chunks_added: int = 0        # new chunks the import stored
+    chunks_deduped: int = 0      # chunks the store already had (the CAS at work)
 
     @property
     def runtime(self) -> dict[str, object]:
@@ -186,4 +188,4 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
             return reuse(store, store.get_record(record_name), None, False)
         full_meta = dict(store.get_record(record_name).meta)
     return DiskImage(record_name, res.layer_id, res.size, False, full_meta, tuple(stats.notes),
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, res.chunks_added, res.chunks_deduped)
