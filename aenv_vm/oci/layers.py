@@ -140,13 +140,15 @@ class RootWriter:
                     if len(fds) > 1:
                         os.close(fds.pop())
                     continue
+                created = False
                 try:
                     st = os.lstat(comp, dir_fd=fds[-1])
                 except FileNotFoundError:
                     if not create:
                         raise
-                    os.mkdir(comp, 0o755, dir_fd=fds[-1])
+                    os.mkdir(comp, 0o700, dir_fd=fds[-1])
                     st = os.lstat(comp, dir_fd=fds[-1])
+                    created = True
                 if stat.S_ISLNK(st.st_mode):
                     hops += 1
                     if hops > MAX_SYMLINK_HOPS:
@@ -160,6 +162,8 @@ class RootWriter:
                 if not stat.S_ISDIR(st.st_mode):
                     raise BadImage(f"/{'/'.join(parts)}: a path component is not a directory")
                 fds.append(os.open(comp, _DIR_FLAGS, dir_fd=fds[-1]))
+                if created:                  # a parent the layer does not list: 0755, whatever the umask
+                    os.fchmod(fds[-1], 0o755)
             result = fds.pop()
             return result
         finally:

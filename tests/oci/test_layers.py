@@ -64,6 +64,16 @@ def test_overlay_semantics(tmp_path: Path, how: str) -> None:
     assert stats.whiteouts >= 3
 
 
+def test_parents_a_layer_does_not_list_are_0755_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        apply_layers(tmp_path / "root", write_layers(tmp_path, [[F("usr/lib/x", "x")]]))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "root/usr").st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(tmp_path / "root/usr/lib").st_mode) == 0o755
+
+
 def test_opaque_dir_keeps_what_the_same_layer_wrote(tmp_path: Path) -> None:
     base = [D("d"), D("d/sub"), F("d/sub/lower", "x"), F("d/lowerfile", "y")]
     # the marker comes *after* entries of its own layer, as some tools write it
