@@ -199,13 +199,19 @@ class RegistryClient:
                 self._auth[ep.base] = "Bearer " + await self._token(ep, ch)
                 break
             if ch.scheme == "basic":
-                if self.credentials is None:
+                creds = self._credentials_for(ep)
+                if creds is None:
                     raise RegistryAuthError(f"{ep.name} needs credentials (--username/--password-stdin)")
-                self._auth[ep.base] = self.credentials.basic()
+                self._auth[ep.base] = creds.basic()
                 break
         else:
             raise RegistryAuthError(f"{ep.name} refused the request (401) with no usable challenge")
         return self._auth.get(ep.base) != before
+
+    def _credentials_for(self, ep: Endpoint) -> Credentials | None:
+        """The credentials are the registry's: a mirror is asked anonymously (it is another
+        party; a pull it cannot serve falls back to the registry with them)."""
+        return None if ep.mirror else self.credentials
 
     async def _token(self, ep: Endpoint, ch: Challenge) -> str:
         assert self._session is not None
@@ -216,7 +222,10 @@ class RegistryClient:
         if ch.params.get("service"):
             query["service"] = ch.params["service"]
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
-        headers = {"Authorization": self.credentials.basic()} if self.credentials else {}
+        creds = self._credentials_for(ep)
+        if creds is not None and realm.startswith("http:") and ep.base.startswith("https:"):
+            raise RegistryAuthError(f"{ep.name}: its token realm {realm} is plain HTTP: credentials not sent")
+        headers = {"Authorization": creds.basic()} if creds else {}
         realm_host = urllib.parse.urlsplit(realm).netloc
         try:
             async with self._session.get(url, headers=headers,
@@ -226,7 +235,7 @@ class RegistryClient:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             raise RegistryUnreachable(f"cannot get a token for {ep.name} from {realm}: {e}") from None
         if status in (401, 403):
-            who = f"user {self.credentials.username!r}" if self.credentials else "anonymous access"
+            who = f"user {creds.username!r}" if creds else "anonymous access"
             raise RegistryAuthError(f"{ep.name}: token endpoint refused {who} ({status}): bad credentials?")
         if status != 200:
             raise RegistryError(f"{ep.name}: token endpoint {realm} answered {status}")
@@ -266,7 +275,7 @@ class RegistryClient:
             if resp.status == 401 and attempt == 0 and await self._authenticate(ep, resp):
                 continue
             if resp.status == 401:
-                if self.credentials is None:
+                if self._credentials_for(ep) is None:
                     raise RegistryAuthError(f"{ep.name}: {what}: authentication required (the image may "
                                             "not exist, or need --username)")
                 raise RegistryAuthError(f"{ep.name}: {what}: credentials of {self.credentials.username!r} "

@@ -195,6 +195,13 @@ def test_mirrors_are_tried_before_the_registry(start_registry: Callable[..., Reg
     r2 = run_aenv(data_dir, "image", "pull", f"{mirror.host}/test/img:v1", "--output", "json", "--force",
                   "--name", "again", config={"oci": {"mirrors": [f"{mirror.host}=http://{closed}"]}})
     assert r2.code == 0 and "cannot reach mirror" in r2.err, r2.err
+    # credentials are the registry's: a mirror (one with auth here) is asked anonymously
+    secured = start_registry(auth=True)
+    secured.push(images.layout, "sibling", "test/img:sibling")
+    r4 = run_aenv(data_dir, "image", "pull", f"{mirror.host}/test/img:v1", "-u", USER, "--password-stdin",
+                  "--name", "third", "--output", "json", stdin=PASSWORD + "\n",
+                  config={"oci": {"mirrors": [f"{mirror.host}=http://{secured.host}"]}})
+    assert r4.code == 0 and f"mirror http://{secured.host} needs credentials" in r4.err, r4.err
     # Docker Hub names go to registry_mirrors (the mirror answers, so docker.io is never contacted)
     r3 = run_aenv(data_dir, "image", "pull", "hubimg:v1", "--output", "json",
                   config={"oci": {"registry_mirrors": [f"http://{mirror.host}"]}})
