@@ -335,8 +335,23 @@ class RootWriter:
                     return
                 if name in ("", ".", ".."):
                     raise BadImage(f"bad whiteout {'/'.join(parent + [leaf])!r}")
-                if self.remove(pfd, name):
-                    self.stats.whiteouts += 1
+                target = tuple(parent) + (name,)
+                if target not in written:
+                    if self.remove(pfd, name):
+                        self.stats.whiteouts += 1
+                    return
+                # a whiteout hides the layers below only (OCI image spec): what this layer
+                # put there stays; of a directory, only this layer's part of it stays
+                try:
+                    st = os.lstat(name, dir_fd=pfd)
+                except FileNotFoundError:
+                    return
+                if stat.S_ISDIR(st.st_mode):
+                    sub = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+                    try:
+                        self._make_opaque(sub, target, written)
+                    finally:
+                        os.close(sub)
         finally:
             os.close(pfd)
 

@@ -83,6 +83,14 @@ def test_opaque_dir_keeps_what_the_same_layer_wrote(tmp_path: Path) -> None:
     assert tree(root) == {"d": "dir", "d/sub": "dir", "d/sub/mine": "m"}
 
 
+def test_a_whiteout_hides_only_lower_layers(tmp_path: Path) -> None:
+    base = [D("d"), F("d/lower", "l"), F("f", "lower f")]
+    top = [D("d"), F("d/mine", "m"), F("d2/x", "x"), F(".wh.d"), F(".wh.d2"), F("f", "top f"), F(".wh.f")]
+    root = tmp_path / "root"
+    apply_layers(root, write_layers(tmp_path, [base, top]))
+    assert tree(root) == {"d": "dir", "d/mine": "m", "d2": "dir", "d2/x": "x", "f": "top f"}
+
+
 def test_file_replaces_dir_and_dir_replaces_symlink(tmp_path: Path) -> None:
     base = [D("x"), F("x/inner", "i"), L("y", "/etc")]
     top = [F("x", "now a file"), D("y"), F("y/z", "z")]
@@ -237,8 +245,14 @@ def _model_apply(model: dict[tuple[str, ...], bytes | None], layer: list[tuple[s
         parts = tuple(path)
         if kind == "wh":
             parent = parts[:-1]
-            if all(model.get(parent[:i], b"") is None for i in range(1, len(parent) + 1)):
+            if not all(model.get(parent[:i], b"") is None for i in range(1, len(parent) + 1)):
+                continue
+            if parts not in touched:
                 remove(parts)
+            elif model.get(parts, b"") is None:         # this layer's dir: only its own part stays
+                for k in [k for k in model if k[:len(parts)] == parts and len(k) > len(parts)
+                          and k not in touched]:
+                    del model[k]
             continue
         if kind == "opq":
             if parts and model.get(parts, b"") is not None:
@@ -272,7 +286,7 @@ def _to_entries(layer: list[tuple[str, list[str], bytes]]) -> list[Entry]:
     return out
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layers=st.lists(st.lists(_model_entry, min_size=1, max_size=6), min_size=1, max_size=4))
 def test_flattening_matches_a_model_of_overlay_semantics(tmp_path: Path,
                                                          layers: list[list[tuple[str, list[str], bytes]]]) -> None:
