@@ -158,7 +158,11 @@ def _oci_layout(src: _Source, tag: str | None, platform: str, label: str) -> _Fo
     index_digest = None
     data = src.read_bytes(_blob_name(entry.digest))
     _verify(data, entry, label)
+    depth = 0
     while is_index(entry.media_type, data):            # nested indexes (skopeo/buildx write them)
+        depth += 1
+        if depth > 4:
+            raise BadImage(f"{label}: image indexes nested more than 4 deep")
         index_digest = entry.digest
         entry = pick_platform(parse_index(data, f"{label} index"), platform, label)
         data = src.read_bytes(_blob_name(entry.digest))

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import ssl
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ MAX_MANIFEST = 4 << 20
 MAX_REDIRECTS = 5
 READ_CHUNK = 1 << 20
 USER_AGENT = "aenv-oci/1"
+BLOB_ATTEMPTS = 3          # a blob download that loses its connection is tried again
 
 
 @dataclass
@@ -148,8 +148,10 @@ class RegistryClient:
 
     # -- HTTP with auth, redirects and error mapping -------------------------------
 
-    def _ssl(self, ep: Endpoint) -> ssl.SSLContext | bool:
-        return True if ep.verify_tls else False
+    @staticmethod
+    def _ssl(ep: Endpoint) -> bool:
+        """aiohttp's ``ssl``: True verifies against the host's CA store, False does not."""
+        return ep.verify_tls
 
     async def _send(self, ep: Endpoint, method: str, url: str, headers: dict[str, str],
                     auth: bool = True) -> aiohttp.ClientResponse:
@@ -285,6 +287,9 @@ class RegistryClient:
             if resp.status == 404 or {"MANIFEST_UNKNOWN", "NAME_UNKNOWN", "BLOB_UNKNOWN"} & set(codes):
                 raise ImageNotFound(f"{ep.name}: {what}: not found"
                                     + (f" ({', '.join(codes)})" if codes else ""))
+            if resp.status == 429:
+                raise RegistryError(f"{ep.name}: {what}: too many requests (429, the registry's rate "
+                                    "limit): wait, log in, or use a mirror")
             raise RegistryError(f"{ep.name}: {what}: unexpected answer {resp.status}"
                                 + (f" ({', '.join(codes)})" if codes else ""))
         raise AssertionError("unreachable")
@@ -392,6 +397,15 @@ class RegistryClient:
             os.replace(part, dest)
 
         try:
-            await self._each_endpoint(what, self._served_by, fetch)
+            for attempt in range(BLOB_ATTEMPTS):
+                try:
+                    await self._each_endpoint(what, self._served_by, fetch)
+                    return
+                except RegistryUnreachable as e:
+                    # a connection lost mid-blob is the usual transient failure: start again
+                    if attempt + 1 == BLOB_ATTEMPTS:
+                        raise
+                    self.log_line(f"{e}; retrying")
+                    await asyncio.sleep(0.5 * 2 ** attempt)
         finally:
             part.unlink(missing_ok=True)
