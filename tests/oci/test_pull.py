@@ -161,6 +161,14 @@ def test_errors_are_clear_and_leave_nothing(start_registry: Callable[..., Regist
     assert ok.code == 0, ok.err
     assert ok.json()["digest"] == images.amd64["digest"]
     assert PASSWORD not in ok.out + ok.err
+    # the same credentials from a Docker-style auth file ([oci] auth_file)
+    import base64
+    auth_file = data_dir.parent / "docker-config.json"
+    auth_file.write_text(json.dumps({"auths": {secured.host: {
+        "auth": base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}}}))
+    from_file = run_aenv(data_dir, "image", "pull", f"{secured.host}/private/img:v1", "--name", "from-file",
+                         "--output", "json", config={"oci": {"auth_file": str(auth_file)}})
+    assert from_file.code == 0 and from_file.json()["name"] == "from-file", from_file.err
 
 
 def test_corrupt_blob_is_refused(start_registry: Callable[..., Registry], images: PushedImages,
