@@ -255,7 +255,9 @@ def load_archive(store: "Store", config: OciConfig, data_dir: Path, path: Path, 
                     dest = Path(td) / f"layer{i}"
                     src.copy_out(member, dest, None, None)
                 files.append(LayerFile(dest, lbl, diff_id, lsize or dest.stat().st_size))
-            return build_disk_image(store, config, files, ident, image_config, name, size, replace, progress,
-                                    log_line)
+            image = build_disk_image(store, config, files, ident, image_config, name, size, replace, progress,
+                                     log_line)
+        cache.prune({d for _, d, _, _ in found.layers if d is not None})
+        return image
     finally:
         src.close()
