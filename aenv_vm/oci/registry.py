@@ -169,7 +169,8 @@ class RegistryClient:
                 raise RegistryUnreachable(f"TLS with {ep.name} failed ({e}); a registry without a valid "
                                           "certificate must be listed in oci.insecure_registries") from None
             except aiohttp.ClientConnectorError as e:
-                why = e.os_error.strerror or str(e.os_error) if e.os_error else str(e)
+                err = e.os_error
+                why = os.strerror(err.errno) if err is not None and err.errno else str(err or e)
                 raise RegistryUnreachable(f"cannot reach {ep.name} ({ep.base}): {why}") from None
             except (aiohttp.ClientConnectionError, OSError) as e:
                 raise RegistryUnreachable(f"cannot reach {ep.name} ({ep.base}): {e}") from None
