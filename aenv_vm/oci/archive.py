@@ -131,7 +131,7 @@ class _Found:
     manifest_digest: str
     index_digest: str | None
     config_bytes: bytes
-    layers: list[tuple[str, str | None, int, str | None]]      # (member, digest, size, diff_id)
+    layers: list[tuple[str, str | None, int, str | None]]      # (member, digest or None, size, diff_id)
 
 
 def _oci_layout(src: _Source, tag: str | None, platform: str, label: str) -> _Found:
@@ -170,7 +170,8 @@ def _oci_layout(src: _Source, tag: str | None, platform: str, label: str) -> _Fo
     manifest = parse_manifest(data, f"{label} manifest")
     config = src.read_bytes(_blob_name(manifest.config.digest))
     _verify(config, manifest.config, label)
-    layers = [(_blob_name(d.digest), d.digest, d.size, None) for d in manifest.layers]
+    layers: list[tuple[str, str | None, int, str | None]] = [
+        (_blob_name(d.digest), d.digest, d.size, None) for d in manifest.layers]
     return _Found(ref, entry.digest, index_digest, config, layers)
 
 
@@ -205,7 +206,7 @@ def _docker_save(src: _Source, tag: str | None, label: str) -> _Found:
     diff_ids = parse_config(config, f"{label} config").diff_ids
     if len(diff_ids) != len(layer_names):
         raise BadImage(f"{label}: {len(layer_names)} layers but {len(diff_ids)} diff_ids in the config")
-    layers = []
+    layers: list[tuple[str, str | None, int, str | None]] = []
     for n, d in zip(layer_names, diff_ids):
         member = os.path.normpath(n).removeprefix("./")
         layers.append((member, None, src.size(member) if src.has(member) else 0, d))

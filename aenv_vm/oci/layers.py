@@ -93,7 +93,7 @@ def open_layer_stream(f: BinaryIO) -> IO[bytes]:
     f.seek(0)
     if head.startswith(GZIP_MAGIC):
         import gzip
-        return gzip.GzipFile(fileobj=f, mode="rb")
+        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]  # a binary reader
     if head.startswith(ZSTD_MAGIC):
         import zstandard
         return zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True)

@@ -141,6 +141,7 @@ def parse_config(data: bytes, what: str = "image config") -> ImageConfig:
         raise BadImage(f"{what} has no rootfs.diff_ids")
     for d in diff_ids:
         check_digest(d, f"{what} diff_id")
-    cfg = doc.get("config") if isinstance(doc.get("config"), dict) else {}
+    raw = doc.get("config")
+    cfg: dict[str, Any] = raw if isinstance(raw, dict) else {}
     runtime = {k: cfg[k] for k in RUNTIME_KEYS if cfg.get(k) not in (None, "", [], {})}
     return ImageConfig(platform, tuple(diff_ids), runtime)

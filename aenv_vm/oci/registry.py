@@ -278,11 +278,11 @@ class RegistryClient:
             if resp.status == 401 and attempt == 0 and await self._authenticate(ep, resp):
                 continue
             if resp.status == 401:
-                if self._credentials_for(ep) is None:
+                creds = self._credentials_for(ep)
+                if creds is None:
                     raise RegistryAuthError(f"{ep.name}: {what}: authentication required (the image may "
                                             "not exist, or need --username)")
-                raise RegistryAuthError(f"{ep.name}: {what}: credentials of {self.credentials.username!r} "
-                                        "refused (401)")
+                raise RegistryAuthError(f"{ep.name}: {what}: credentials of {creds.username!r} refused (401)")
             if resp.status == 403:
                 raise RegistryAuthError(f"{ep.name}: {what}: access denied (403)")
             if resp.status == 404 or {"MANIFEST_UNKNOWN", "NAME_UNKNOWN", "BLOB_UNKNOWN"} & set(codes):
