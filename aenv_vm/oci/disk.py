@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -147,9 +148,35 @@ def reuse(store: "Store", rec: CatalogRecord, name: str | None, replace: bool) -
     return DiskImage(rec.name, top, size, True, meta)
 
 
-def disk_size(tree_bytes: int, config: OciConfig) -> int:
-    """The flattened tree's size plus the configured headroom, in whole MiB."""
-    size = tree_bytes * (100 + config.disk_headroom_percent) // 100 + config.disk_headroom_mib * MiB
+# mkfs.ext4 gives a filesystem of 512 MiB or more one inode per 16 KiB (mke2fs.conf's
+# inode_ratio): a tree of many small files (node_modules, site-packages) runs out of
+# inodes long before it runs out of blocks unless the disk is sized for its inodes too.
+EXT4_BYTES_PER_INODE = 16384
+
+
+def count_inodes(root: Path) -> int:
+    """Files, directories and links under ``root`` (hardlinks counted once each)."""
+    seen: set[int] = set()
+    n = 1
+    for dirpath, dirs, files in os.walk(root):
+        n += len(dirs)
+        for name in files:
+            st = os.lstat(os.path.join(dirpath, name))
+            if st.st_nlink > 1:
+                if st.st_ino in seen:
+                    continue
+                seen.add(st.st_ino)
+            n += 1
+    return n
+
+
+def disk_size(tree_bytes: int, inodes: int, config: OciConfig) -> int:
+    """The flattened tree's size plus the configured headroom, and never fewer inodes
+    than the tree needs with the same headroom, in whole MiB."""
+    factor = 100 + config.disk_headroom_percent
+    by_bytes = tree_bytes * factor // 100
+    by_inodes = inodes * EXT4_BYTES_PER_INODE * factor // 100
+    size = max(by_bytes, by_inodes) + config.disk_headroom_mib * MiB
     return -(-size // MiB) * MiB
 
 
@@ -176,7 +203,7 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
         for note in stats.notes:
             say(f"note: {note}")
         content = tree_size(root)
-        disk = size if size is not None else disk_size(content, config)
+        disk = size if size is not None else disk_size(content, count_inodes(root), config)
         say(f"flattened {stats.entries} entries ({stats.files} files, {human_bytes(stats.bytes)}); "
             f"making a {disk // MiB} MiB ext4 disk")
         try:

@@ -122,3 +122,19 @@ def test_oci_section_from_file_and_environment(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text('[oci]\nregistry_mirror = ["x"]\n')
     with pytest.raises(ConfigError, match="oci.registry_mirror"):
         load_config(tmp_path, overrides={})
+
+
+def test_disk_size_leaves_room_for_bytes_and_inodes(tmp_path: Path) -> None:
+    from aenv_vm.oci.disk import EXT4_BYTES_PER_INODE, count_inodes, disk_size
+
+    MiB = 1 << 20
+    cfg = OciConfig()                       # +50 %, +256 MiB
+    assert disk_size(100 * MiB, 10, cfg) == 406 * MiB
+    # 100k small files: sized so mkfs.ext4's one inode per 16 KiB covers them with headroom
+    size = disk_size(100_000 * 4097, 100_000, cfg)
+    assert (size - 256 * MiB) // EXT4_BYTES_PER_INODE >= 150_000
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").write_text("a")
+    os.link(tmp_path / "d" / "a", tmp_path / "d" / "b")
+    os.symlink("a", tmp_path / "d" / "c")
+    assert count_inodes(tmp_path / "d") == 3           # the dir, a (= b), c
