@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from aenv_store.store import Store
 
 REF_NAME = "org.opencontainers.image.ref.name"
+FULL_NAME = "io.containerd.image.name"          # what `docker save` (Docker >= 25) puts there
 MAX_JSON = 16 << 20
 COPY = 1 << 20
 
@@ -151,9 +152,13 @@ def _oci_layout(src: _Source, tag: str | None, platform: str, label: str) -> _Fo
                        f"({', '.join(sorted({n for n in names if n})) or 'untagged'})")
     else:
         chosen = entries
+    full_names = [(m.get("annotations") or {}).get(FULL_NAME) if isinstance(m, dict) else None
+                  for m in raw.get("manifests", [])] if isinstance(raw, dict) else []
+    full = next((n for e, n in zip(entries, full_names) if e is chosen[0] and isinstance(n, str) and n), None)
     ref_name = next((n for e, n in zip(entries, names) if e is chosen[0] and n), None)
     # a ref.name is a full reference or only a tag: then the layout's file name stands for the repository
-    ref = label if not ref_name else ref_name if "/" in ref_name or ":" in ref_name else f"{label}:{ref_name}"
+    ref = full or (label if not ref_name else ref_name if "/" in ref_name or ":" in ref_name
+                   else f"{label}:{ref_name}")
     entry = chosen[0] if len(chosen) == 1 and chosen[0].platform is None else pick_platform(chosen, platform, label)
     index_digest = None
     data = src.read_bytes(_blob_name(entry.digest))
