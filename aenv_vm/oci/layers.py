@@ -342,18 +342,22 @@ class RootWriter:
                     return
                 # a whiteout hides the layers below only (OCI image spec): what this layer
                 # put there stays; of a directory, only this layer's part of it stays
-                try:
-                    st = os.lstat(name, dir_fd=pfd)
-                except FileNotFoundError:
-                    return
-                if stat.S_ISDIR(st.st_mode):
-                    sub = os.open(name, _DIR_FLAGS, dir_fd=pfd)
-                    try:
-                        self._make_opaque(sub, target, written)
-                    finally:
-                        os.close(sub)
+                self._strip_lower(pfd, name, target, written)
         finally:
             os.close(pfd)
+
+    def _strip_lower(self, dfd: int, name: str, path: tuple[str, ...], written: set[tuple[str, ...]]) -> None:
+        """If ``name`` (at ``path``) is a directory, make it opaque; anything else stays."""
+        try:
+            st = os.lstat(name, dir_fd=dfd)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                self._make_opaque(sub, path, written)
+            finally:
+                os.close(sub)
 
     def _make_opaque(self, dfd: int, path: tuple[str, ...], written: set[tuple[str, ...]]) -> None:
         """Remove everything under ``path`` that this layer did not write."""
@@ -362,14 +366,8 @@ class RootWriter:
             if cpath not in written:
                 self.remove(dfd, child)
                 self.stats.whiteouts += 1
-                continue
-            st = os.lstat(child, dir_fd=dfd)
-            if stat.S_ISDIR(st.st_mode):
-                sub = os.open(child, _DIR_FLAGS, dir_fd=dfd)
-                try:
-                    self._make_opaque(sub, cpath, written)
-                finally:
-                    os.close(sub)
+            else:
+                self._strip_lower(dfd, child, cpath, written)
 
     def finish_dirs(self, dirs: list[tuple[tuple[str, ...], tarfile.TarInfo]]) -> None:
         """Set directory mtimes once nothing more is written inside them (deepest first)."""
