@@ -56,7 +56,7 @@ def test_pull_flattens_layers_into_ext4(filled_registry: Registry, images: Pushe
     tree = read_tree(disk)
     assert 'user.origin (3) = "top"' in debugfs(disk, "ea_list /home/user/notes")
     got = {p: v[:5] for p, v in tree.items()}
-    assert got == {p: v for p, v in EXPECTED_TREE.items()}
+    assert got == EXPECTED_TREE
     assert tree["/bin/hard"][5] == tree["/bin/tool"][5]          # one inode: a hardlink
     assert not any(".wh." in p for p in tree)
 
