@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aenv_store.errors import ConfigError
 from aenv_vm.oci.auth import Credentials, credentials_from_file, parse_challenges, token_from_answer
@@ -138,3 +140,14 @@ def test_disk_size_leaves_room_for_bytes_and_inodes(tmp_path: Path) -> None:
     os.link(tmp_path / "d" / "a", tmp_path / "d" / "b")
     os.symlink("a", tmp_path / "d" / "c")
     assert count_inodes(tmp_path / "d") == 3           # the dir, a (= b), c
+
+
+_param_value = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30)
+_param_name = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True)
+
+
+@given(scheme=st.sampled_from(["Bearer", "Basic"]), params=st.dictionaries(_param_name, _param_value, max_size=4))
+def test_challenges_round_trip(scheme: str, params: dict[str, str]) -> None:
+    quoted = ",".join(f'{k}="' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for k, v in params.items())
+    [ch] = parse_challenges(f"{scheme} {quoted}" if quoted else scheme)
+    assert ch.scheme == scheme.lower() and dict(ch.params) == params
