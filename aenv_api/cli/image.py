@@ -16,6 +16,7 @@ from aenv_store.errors import NotFound
 from .common import (CliError, Subcommands, common_options, config_from_args, human_bytes, parse_size, print_json,
                      print_table)
 
+
 def _meta(items: list[str] | None) -> dict[str, str]:
     out = {}
     for item in items or []:
