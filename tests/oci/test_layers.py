@@ -327,3 +327,24 @@ def test_xattrs_user_and_capabilities_kept_others_noted(tmp_path: Path) -> None:
     assert os.getxattr(p, "security.capability") == cap.encode("utf-8", "surrogateescape")
     assert "trusted.overlay.opaque" not in os.listxattr(p)
     assert any("trusted.overlay.opaque" in n for n in stats.notes)
+
+
+def test_without_root_owners_are_noted_not_fatal(tmp_path: Path) -> None:
+    """Flattening as an ordinary user (chown not allowed): files belong to the running
+    user and a note says so. (The writer's own switch: the venv's interpreter is not
+    runnable by another user here.)"""
+    from aenv_vm.oci.layers import ApplyStats, RootWriter, apply_layer
+
+    layer = tmp_path / "l.tar"
+    layer.write_bytes(make_tar([D("home"), F("home/f", "x", uid=1000, gid=1000), F("suid", "s", mode=0o4755)]))
+    stats = ApplyStats()
+    writer = RootWriter(tmp_path / "root", stats)
+    writer.can_chown = False
+    try:
+        with open(layer, "rb") as f:
+            apply_layer(writer, f, "l")
+    finally:
+        writer.close()
+    assert any("not running as root" in n for n in stats.notes)
+    assert os.stat(tmp_path / "root/home/f").st_uid == os.geteuid()
+    assert stat.S_IMODE(os.stat(tmp_path / "root/suid").st_mode) == 0o4755
