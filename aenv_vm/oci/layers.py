@@ -19,6 +19,7 @@ provides /dev; creating device nodes on the host would be a hazard).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -430,11 +431,19 @@ def apply_layers(root: Path, layers: Iterable[tuple[Path, str, str | None]],
                  on_bytes: Callable[[int], None] | None = None) -> ApplyStats:
     """Apply ``(file, label, diff_id)`` layers bottom first onto ``root``."""
     stats = ApplyStats()
-    writer = RootWriter(root, stats)
-    try:
+    with contextlib.ExitStack() as files:
+        # every layer file is opened first: a layer cache pruned by another pull meanwhile
+        # can unlink a file, never take it from under this one
+        opened = []
         for path, label, diff_id in layers:
-            with open(path, "rb") as f:
+            try:
+                opened.append((files.enter_context(open(path, "rb")), label, diff_id))
+            except FileNotFoundError:
+                raise BadImage(f"{label}: layer file {path} is gone") from None
+        writer = RootWriter(root, stats)
+        try:
+            for f, label, diff_id in opened:
                 apply_layer(writer, f, label, diff_id, on_bytes)
-    finally:
-        writer.close()
+        finally:
+            writer.close()
     return stats
