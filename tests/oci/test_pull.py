@@ -303,3 +303,20 @@ def test_library_pull_from_async_code(filled_registry: Registry, images: PushedI
         assert dict(store.get_record(res.image.name).meta)["oci.index_digest"] == images.index["digest"]
     finally:
         store.close()
+
+
+def test_rm_then_gc_leaves_nothing(filled_registry: Registry, data_dir: Path) -> None:
+    """A pulled image removed and collected leaves an empty, clean repository; the layer
+    cache still saves the download of a pull after that."""
+    ref = f"{filled_registry.host}/test/img:v1"
+    name = run_aenv(data_dir, "image", "pull", ref, "--output", "json").json()["name"]
+    assert run_aenv(data_dir, "image", "rm", name).code == 0
+    gc = run_aenv(data_dir, "repo", "gc", "--grace", "0", "--output", "json")
+    assert gc.code == 0, gc.err
+    report = gc.json()
+    assert report["packs_deleted"] == report["packs_before"] > 0 and report["live_chunks"] == 0
+    assert [p.name for p in (data_dir / "repo").rglob("*") if p.is_file()] == ["config"]
+    assert_verify_clean(data_dir)
+    again = run_aenv(data_dir, "image", "pull", ref, "--output", "json").json()
+    assert not again["reused"] and again["cached_layers"] == 3 and again["downloaded_bytes"] < 2000
+    assert_verify_clean(data_dir)
