@@ -42,6 +42,7 @@ def _registry_module() -> Any:
     spec = importlib.util.spec_from_file_location("aenv_tests_registryproc", ROOT / "tests" / "oci" / "registryproc.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
