@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Installs everything aenv needs on a Debian 12 host: system packages (QEMU,
-# qemu-utils, debootstrap, e2fsprogs, busybox, restic/borg for benchmarks), a
+# qemu-utils, debootstrap, e2fsprogs, busybox, restic/borg for benchmarks, a registry
+# and skopeo for the OCI tests), a
 # virtualenv in .venv with the pinned Python dependencies, and the aenv package.
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# docker-registry, skopeo, umoci, apache2-utils (htpasswd): the OCI image tests' registry and clients
 APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static
-              zstd cpio kmod restic borgbackup iproute2 nodejs npm nftables)
+              zstd cpio kmod restic borgbackup iproute2 nodejs npm nftables
+              docker-registry skopeo umoci apache2-utils)
 
 need=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -22,6 +25,14 @@ if ((${#need[@]})); then
   SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# Debian's docker-registry package enables a registry service on :5000 (all addresses);
+# aenv only needs the binary (the tests start their own on loopback): keep it off.
+if command -v systemctl >/dev/null && systemctl is-enabled docker-registry >/dev/null 2>&1; then
+  echo "install: disabling the docker-registry system service (only the binary is used)"
+  SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+  $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
 fi
 
 PY=${PYTHON:-python3}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,18 @@ def config_from_args(args: argparse.Namespace) -> AenvConfig:
     data_dir = resolve_data_dir(getattr(args, "data_dir", None))
     cfg = getattr(args, "config", None)
     return load_config(data_dir, Path(cfg).expanduser() if cfg else None)
+
+
+_SIZE = re.compile(r"^(\d+)([KMGT]i?B?|B)?$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise CliError(f"bad size {text!r} (examples: 536870912, 512M, 2G)")
+    n = int(m.group(1))
+    unit = (m.group(2) or "B")[0].upper()
+    return n * {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str], out: TextIO | None = None) -> None:

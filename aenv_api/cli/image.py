@@ -1,4 +1,4 @@
-"""`aenv image import|export|ls|inspect|serve`: layered block images.
+"""`aenv image import|export|ls|inspect|rm|serve` (and pull|load: image_oci.py): layered block images.
 
 Images are catalog records of kind "image" whose "disk" role names the top
 layer; see docs/block-image.md."""
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import signal
 import sys
 from pathlib import Path
@@ -14,18 +13,8 @@ from typing import Any
 
 from aenv_store.errors import NotFound
 
-from .common import CliError, Subcommands, common_options, config_from_args, human_bytes, print_json, print_table
-
-_SIZE = re.compile(r"^(\d+)([KMGT]i?B?|B)?$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise CliError(f"bad size {text!r} (examples: 536870912, 512M, 2G)")
-    n = int(m.group(1))
-    unit = (m.group(2) or "B")[0].upper()
-    return n * {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+from .common import (CliError, Subcommands, common_options, config_from_args, human_bytes, parse_size, print_json,
+                     print_table)
 
 
 def _meta(items: list[str] | None) -> dict[str, str]:
@@ -113,14 +102,36 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 parent = store.load_manifest(parent).parent
                 depth += 1
             rows.append({"name": rec.name, "size": m.size, "layers": depth, "top": top.hex(),
-                         "meta": dict(rec.meta), "created": rec.created})
+                         "meta": dict(rec.meta), "created": rec.created,
+                         "reference": dict(rec.meta).get("oci.reference") or dict(rec.meta).get("source", "")})
     finally:
         store.close()
     if args.json:
         print_json(rows, out=sys.stdout)
     else:
         print_table([{**r, "size": human_bytes(r["size"]), "top": r["top"][:12]} for r in rows],
-                    ["name", "size", "layers", "top"], out=sys.stdout)
+                    ["name", "size", "layers", "top", "reference"], out=sys.stdout)
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    """Delete image records; their data goes at the next `aenv repo gc` unless something
+    else (another name, a template) still uses it."""
+    from aenv_vm.blockimage.layer import IMAGE_KIND
+
+    store = _open_store(args)
+    try:
+        for name in args.names:
+            try:
+                rec = store.get_record(name)
+            except NotFound:
+                raise CliError(f"no image named {name!r} (see `aenv image ls`)", 1) from None
+            if rec.kind != IMAGE_KIND:
+                raise CliError(f"{name!r} is a {rec.kind} record, not an image", 1)
+            store.delete_record(name)
+            print(f"removed image {name}")
+    finally:
+        store.close()
     return 0
 
 
@@ -195,7 +206,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def register(subparsers: Subcommands) -> None:
     common = common_options()
-    p = subparsers.add_parser("image", help="layered block images (import, export, ls, inspect, serve)")
+    from . import image_oci
+
+    p = subparsers.add_parser("image", help="layered block images (pull, load, import, export, ls, inspect, rm, serve)")
     sub = p.add_subparsers(dest="image_command", metavar="SUBCOMMAND")
     p.set_defaults(handler=lambda a: (p.print_help(), 2)[1])
 
@@ -223,6 +236,12 @@ def register(subparsers: Subcommands) -> None:
     ins.add_argument("name")
     ins.add_argument("--json", action="store_true")
     ins.set_defaults(handler=cmd_inspect)
+
+    rm = sub.add_parser("rm", parents=[common], help="remove images (their data goes at the next repo gc)")
+    rm.add_argument("names", nargs="+", metavar="NAME")
+    rm.set_defaults(handler=cmd_rm)
+
+    image_oci.register(sub)
 
     srv = sub.add_parser("serve", parents=[common], help="serve images over NBD on a Unix socket")
     srv.add_argument("names", nargs="+", metavar="NAME")
