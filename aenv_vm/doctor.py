@@ -85,16 +85,14 @@ def check_network_isolation(mode: str = "auto", isolation: str = "auto") -> Chec
     ``[vm] isolation``): OK with namespaces per sandbox; WARN without (restricted or
     off); FAIL when the configuration cannot be met."""
     from .net.netns import NetError
-    from .net.networks import decide_isolation, decide_mode, describe, isolation_problems, tap_problems
+    from .net.networks import describe, plan_network
     name = "network isolation"
-    problems = isolation_problems()
-    mode = decide_mode(mode, isolation, tap_problems())
     try:
-        isolated = decide_isolation(mode, isolation, problems)
+        plan = plan_network(mode, isolation)
     except NetError as e:
         return Check(name, Status.FAIL, str(e))
-    text = describe(mode, isolation, isolated, problems)
-    return Check(name, Status.OK if isolated else Status.WARN, text)
+    return Check(name, Status.OK if plan.isolated else Status.WARN,
+                 describe(plan.mode, isolation, plan.isolated, plan.why_not))
 
 
 def check_confinement(level: str = "auto", confinement: "Confinement | None" = None) -> list[Check]:

@@ -84,17 +84,23 @@ def addresses(index: int) -> tuple[str, str]:
     return f"10.201.{a}.{b + 1}", f"10.201.{a}.{b + 2}"
 
 
-def _nsenter(name: str, argv: list[str], stdin: str | None = None, pass_fds: tuple[int, ...] = ()) -> None:
-    done = subprocess.run(["nsenter", f"--net={NETNS_DIR / name}", "--", *argv], input=stdin, text=True,
-                          capture_output=True, timeout=30, pass_fds=pass_fds)
+def _run(argv: list[str], stdin: str, failure: str, pass_fds: tuple[int, ...] = ()) -> None:
+    """Run ``argv`` with ``stdin``; NetError ``failure: <its stderr>`` if it fails."""
+    done = subprocess.run(argv, input=stdin, text=True, capture_output=True, timeout=30, pass_fds=pass_fds)
     if done.returncode != 0:
-        raise NetError(f"{' '.join(argv)} in netns {name} failed: {done.stderr.strip()}")
+        raise NetError(f"{failure}: {done.stderr.strip()}")
+
+
+def _nsenter(name: str, argv: list[str], stdin: str, pass_fds: tuple[int, ...] = ()) -> None:
+    _run(["nsenter", f"--net={NETNS_DIR / name}", "--", *argv], stdin, f"{' '.join(argv)} in netns {name} failed",
+         pass_fds)
 
 
 def _require_tools() -> None:
     for tool in ("nsenter", "nft", "ip"):
         if shutil.which(tool) is None:
-            raise NetError(f"{tool} not found: tap networking needs util-linux and nftables (scripts/install.sh)")
+            raise NetError(f"{tool} not found: sandbox namespaces need iproute2, util-linux and nftables "
+                           "(scripts/install.sh)")
 
 
 def used_indexes() -> set[int]:
@@ -160,7 +166,7 @@ def _create(tag: str, sid: str, index: int, tap: bool, ruleset: Callable[[Sandbo
                    # round trip to a guest that answers slowly under TCG on the first connection
                    f"neigh replace {GUEST_IP} lladdr {GUEST_MAC} dev tap0 nud permanent\n")
     try:
-        _run(["ip", "-batch", "-"], host, f"the network of {sid}")
+        _run(["ip", "-batch", "-"], host, f"creating the network of {sid} failed: ip")
         claimed()   # the /30 has its host address: others see it as used
         # the ip batch reaches nft through a file descriptor, nft reads the rules on stdin
         r, w = os.pipe()
@@ -182,12 +188,6 @@ def _create(tag: str, sid: str, index: int, tap: bool, ruleset: Callable[[Sandbo
             raise NetError(f"creating the network of {sid} failed: {e}") from None
         raise
     return net
-
-
-def _run(argv: list[str], stdin: str, what: str) -> None:
-    done = subprocess.run(argv, input=stdin, text=True, capture_output=True, timeout=30)
-    if done.returncode != 0:
-        raise NetError(f"creating {what} failed: {argv[0]}: {done.stderr.strip()}")
 
 
 def apply(net: SandboxNet, ruleset: str) -> None:
@@ -245,7 +245,4 @@ def enable_host_egress(outbound_if: str | None = None) -> None:
     rule = f'oifname "{outbound_if}" ' if outbound_if else 'oifname != "ae*" '
     script = ("table ip aenv_host {\n  chain post {\n    type nat hook postrouting priority 100; policy accept;\n"
               f"    ip saddr 10.201.0.0/16 {rule}masquerade\n  }}\n}}\n")
-    done = subprocess.run(["nft", "-f", "-"], input="add table ip aenv_host\ndelete table ip aenv_host\n" + script,
-                          text=True, capture_output=True)
-    if done.returncode != 0:
-        raise NetError(f"host egress rules failed: {done.stderr.strip()}")
+    _run(["nft", "-f", "-"], "add table ip aenv_host\ndelete table ip aenv_host\n" + script, "host egress rules failed")

@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -58,10 +59,11 @@ TAP_STATE_SUFFIX = ".tap"
 def tap_problems() -> list[str]:
     """Why tap mode cannot work on this host (empty: it can). Cheap: no namespace is made.
     Everything namespaces need (isolation_problems()), and the tun device."""
-    out = isolation_problems()
-    if not Path("/dev/net/tun").exists():
-        out.append("/dev/net/tun missing (tun module)")
-    return out
+    return isolation_problems() + _tun_problems()
+
+
+def _tun_problems() -> list[str]:
+    return [] if Path("/dev/net/tun").exists() else ["/dev/net/tun missing (tun module)"]
 
 
 def probe_tap(run_root: Path) -> None:
@@ -142,6 +144,27 @@ def describe(mode: str, isolation: str, isolated: bool, why_not: list[str]) -> s
             "): guests are restricted (restrict=on): no egress at all")
 
 
+@dataclass(frozen=True)
+class NetworkPlan:
+    """How a node configured so networks its sandboxes on this host."""
+    mode: NetworkMode
+    isolated: bool              # a namespace per sandbox
+    why_not: list[str]          # what keeps a user-mode node from isolating (empty when isolated)
+
+
+def plan_network(configured: str, isolation: str) -> NetworkPlan:
+    """The node's decision (``NodeNetworks.start``, ``aenv doctor``): the mode "auto"
+    comes to and whether sandboxes get namespaces. NetError where ``configured`` and
+    ``isolation`` cannot be met here."""
+    problems = isolation_problems()
+    tun = _tun_problems()
+    mode = decide_mode(configured, isolation, problems + tun)
+    if mode == "tap":
+        problems += tun
+    isolated = decide_isolation(mode, isolation, problems)
+    return NetworkPlan(mode, isolated, [] if isolated else problems)
+
+
 def node_addresses() -> list[ipaddress.IPv4Network]:
     """Every IPv4 address of this node's namespace (no sandbox may connect to one)."""
     from pyroute2 import IPRoute
@@ -190,10 +213,8 @@ class NodeNetworks:
         """Decide the isolation (fail early and clearly where the configured one cannot be
         had), turn on the node's forwarding and masquerade for sandbox egress and start
         the egress services."""
-        self.mode = decide_mode(self.configured, self.isolation, tap_problems())
-        problems = tap_problems() if self.tap else isolation_problems()
-        self.isolated = decide_isolation(self.mode, self.isolation, problems)
-        self.why_not = problems if not self.isolated else []
+        plan = plan_network(self.configured, self.isolation)
+        self.mode, self.isolated, self.why_not = plan.mode, plan.isolated, plan.why_not
         if not self.isolated:
             return
         await asyncio.to_thread(netns.enable_host_egress)
@@ -220,7 +241,7 @@ class NodeNetworks:
             restrict = self.isolation != "off" or not policy.internet
             return {"host_port": free_port(), "netns": None, "net_restrict": restrict}
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
-        net = await asyncio.to_thread(netns.create, self.tag, sid,  # pyroute2: its own loop
+        net = await asyncio.to_thread(netns.create, self.tag, sid,  # blocking: subprocesses
                                       lambda n: self._ruleset(n, policy), None, self.tap, owner)
         try:
             assert self.egress is not None
