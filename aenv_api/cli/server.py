@@ -135,11 +135,14 @@ def _template_builds(cfg: AenvConfig, server_cfg: ServerConfig, manager: Sandbox
     from aenv_vm.builds.executor import BuildSettings
     from aenv_vm.builds.service import TemplateBuilds
 
-    vm = cfg.section("vm")
+    vm, tc = cfg.section("vm"), cfg.section("templates")
     settings = BuildSettings(base_template=server_cfg.default_template, accel=base.accel,  # type: ignore[arg-type]
                              memory_mib=vm.memory_mib, vcpus=vm.vcpus, disk_mib=vm.disk_mib,
-                             oci=cfg.section("oci"), data_dir=cfg.data_dir)
-    return TemplateBuilds(manager.rt, settings, cfg.data_dir / "build-logs", manager.template_users)
+                             max_memory_mib=tc.max_memory_mib, max_vcpus=tc.max_vcpus,
+                             headroom_mib=tc.disk_headroom_mib, step_timeout=tc.step_timeout,
+                             ready_timeout=tc.ready_timeout, oci=cfg.section("oci"), data_dir=cfg.data_dir)
+    return TemplateBuilds(manager.rt, settings, cfg.data_dir / "build-logs", manager.template_users,
+                          max_parallel=tc.max_parallel_builds)
 
 
 def _run_root(data_dir: Path) -> Path:
@@ -267,7 +270,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
         builds = _template_builds(cfg, server_cfg, manager, tpl)
         await builds.start()
         server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
-                           TemplateApi(builds, cfg.data_dir / "template-uploads"))
+                           TemplateApi(builds, cfg.data_dir / "template-uploads",
+                                       cfg.section("templates").max_upload_mib << 20))
         try:
             port = await server.start(server_cfg.host, server_cfg.port)
         except OSError as e:
