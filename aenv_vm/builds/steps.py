@@ -71,7 +71,7 @@ class Step:
             return f"RUN {self.args[0]}" + (f" (as {self.args[1]})" if len(self.args) > 1 and self.args[1] else "")
         if self.kind == "ENV":
             return "ENV " + " ".join(f"{k}={v}" for k, v in zip(self.args[::2], self.args[1::2]))
-        return f"{self.kind} {' '.join(self.args)}"
+        return f"{self.kind} {' '.join(a for a in self.args if a)}"
 
     def identity(self) -> dict[str, Any]:
         """What the cache key covers (docs/templates.md)."""
