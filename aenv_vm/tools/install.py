@@ -250,6 +250,7 @@ class _Root:
                         while buf := f.read(1 << 20):
                             _write_all(out, buf)
                     self._own(out, stat.S_IMODE(st.st_mode))
+                    os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
                 finally:
                     os.close(out)
 
