@@ -157,6 +157,29 @@ def test_alpine_like_commands(sdk: Server) -> None:
         s.kill()
 
 
+def test_alpine_like_pty(sdk: Server) -> None:
+    """A terminal: the tools' glibc opens it, the tools' bash runs in it, the image's
+    busybox stty and tty answer."""
+    from e2b import CommandExitException, PtySize, Sandbox
+
+    s = Sandbox.create(ALPINE, timeout=300)
+    try:
+        out = bytearray()
+        h = s.pty.create(PtySize(rows=24, cols=80))
+        for _, _, chunk in h:                       # readline drops type-ahead: wait for the prompt
+            out.extend(chunk or b"")
+            if b"$ " in out:
+                break
+        s.pty.send_stdin(h.pid, b"stty size; tty; exit 4\n")
+        with pytest.raises(CommandExitException) as ei:
+            h.wait(on_pty=out.extend)
+        assert ei.value.exit_code == 4
+        text = out.decode(errors="replace")
+        assert "24 80\r\n" in text and "/dev/pts/" in text
+    finally:
+        s.kill()
+
+
 def test_alpine_like_files_and_pause_resume(sdk: Server) -> None:
     from e2b import Sandbox
 
