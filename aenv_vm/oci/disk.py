@@ -225,9 +225,12 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
         if tools is not None:
             report = install_tools(root, tools, image_path_env(image_config))
             notes += report.notes
-            say(f"guest tools {tools.key} installed" + (f"; linked {', '.join(report.linked)}" if report.linked
-                                                       else "") + (f"; added user (uid {report.uid})"
-                                                                   if report.user_added else ""))
+            done = [f"guest tools {tools.key} installed"]
+            if report.linked:
+                done.append(f"linked {', '.join(report.linked)}")
+            if report.user_added:
+                done.append(f"added user {report.uid}:{report.gid}")
+            say("; ".join(done))
         for note in notes:
             say(f"note: {note}")
         content = tree_size(root)
