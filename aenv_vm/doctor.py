@@ -163,6 +163,13 @@ def run_checks(data_dir: Path, *, probe: bool = True, guest_cache: Path | None =
     else:
         checks.append(Check("guest", Status.OK, f"kernel {guest.kernel_release}, image {guest.key}"
                             f"{'' if guest.has_envd else ' (without envd)'} in {cache}"))
+        if guest.tools is None or not (guest.tools / "init").is_file():
+            checks.append(Check("guest-tools", Status.WARN, "no guest tools tree (images cannot be converted): "
+                                "rebuild with: sudo python3 fixtures/build_guest.py"))
+        else:
+            size = guest.info.get("tools_bytes")
+            checks.append(Check("guest-tools", Status.OK, f"tools {guest.tools_key}"
+                                + (f", {size / (1 << 20):.1f} MiB" if isinstance(size, int) else "")))
     missing = [t for t in GUEST_BUILD_TOOLS if shutil.which(t) is None]
     checks.append(Check("guest-build-tools", Status.WARN, f"missing: {', '.join(missing)} (bash scripts/install.sh)")
                   if missing else Check("guest-build-tools", Status.OK, ", ".join(GUEST_BUILD_TOOLS)))

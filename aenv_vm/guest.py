@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import VmError
+from .tools.tree import ToolsTree
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO_ROOT / "fixtures" / "build_guest.py"
@@ -38,15 +39,28 @@ class GuestImage:
     kernel_release: str
     has_envd: bool
     info: dict
+    tools: Path | None = None       # the guest tools tree (becomes /.aenv of converted images)
+    tools_key: str | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> "GuestImage":
         return cls(key=data["key"], kernel=Path(data["kernel"]), initrd=Path(data["initrd"]),
                    rootfs=Path(data["rootfs"]), kernel_release=data["kernel_release"],
-                   has_envd=bool(data.get("has_envd")), info=data)
+                   has_envd=bool(data.get("has_envd")), info=data,
+                   tools=Path(data["tools"]) if data.get("tools") else None, tools_key=data.get("tools_key"))
 
     def exists(self) -> bool:
         return self.kernel.is_file() and self.initrd.is_file() and self.rootfs.is_file()
+
+    @property
+    def tools_tree(self) -> ToolsTree:
+        """The tools this guest build made, for installing into images (docs/tools.md)."""
+        if self.tools is None or self.tools_key is None:
+            raise GuestBuildError("this guest build has no tools tree (rebuild: python3 fixtures/build_guest.py)")
+        tree = ToolsTree(self.tools, self.tools_key)
+        if not tree.exists():
+            raise GuestBuildError(f"the guest tools tree {self.tools} is missing (rebuild the guest)")
+        return tree
 
 
 def guest_cache_root() -> Path:

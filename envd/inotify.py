@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import errno
 import os
 import struct
@@ -85,7 +84,9 @@ _libc: ctypes.CDLL | None = None
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The C library this python already runs on (dlopen(NULL)): never one found by
+        # name, which runs ldconfig and may name the image's libc (musl) in a tools image.
+        _libc = ctypes.CDLL(None, use_errno=True)
         _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
     return _libc
 

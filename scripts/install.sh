@@ -7,10 +7,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# docker-registry, skopeo, umoci, apache2-utils (htpasswd): the OCI image tests' registry and clients
+# docker-registry, skopeo, umoci, apache2-utils (htpasswd): the OCI image tests' registry and clients;
+# musl: the C library of the tools tests' alpine-like image (the guest tools' own
+# bash-static and busybox-static are fetched by the guest build with apt-get download)
 APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static
               zstd cpio kmod restic borgbackup iproute2 nodejs npm nftables
-              docker-registry skopeo umoci apache2-utils)
+              docker-registry skopeo umoci apache2-utils musl)
 
 need=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -38,6 +38,14 @@ def _credentials(args: argparse.Namespace) -> Any:
     return Credentials(args.username, password)
 
 
+def _tools() -> Any:
+    """The guest tools every converted image gets (docs/tools.md): built with the guest
+    on first use, at once when cached."""
+    from aenv_vm.guest import ensure_guest
+
+    return ensure_guest(quiet=True).tools_tree
+
+
 def _size(args: argparse.Namespace) -> int | None:
     return parse_size(args.size) if args.size else None
 
@@ -68,7 +76,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     try:
         res = pull_image(store, cfg.section("oci"), cfg.data_dir, args.reference, credentials=credentials,
                          platform=args.platform, name=args.name, size=size, replace=args.force,
-                         progress=Progress, log_line=_say)
+                         progress=Progress, log_line=_say, tools=_tools())
     finally:
         store.close()
     return _report(args, res.reference, res.image, {
@@ -88,7 +96,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     store = open_node_store(cfg.store_settings(), create=True)
     try:
         img = load_archive(store, cfg.section("oci"), cfg.data_dir, path, tag=args.tag, platform=args.platform,
-                           name=args.name, size=size, replace=args.force, progress=Progress, log_line=_say)
+                           name=args.name, size=size, replace=args.force, progress=Progress, log_line=_say,
+                           tools=_tools())
     finally:
         store.close()
     return _report(args, str(path), img, {})

@@ -24,7 +24,9 @@ from aenv_store.admin.progress import ProgressFactory, no_progress
 
 from .cache import LayerCache
 from .config import OciConfig
-from .disk import DiskImage, ImageIdentity, LayerFile, build_disk_image, check_name_free, find_image, reuse
+from ..tools import ToolsTree
+from .disk import (DiskImage, ImageIdentity, LayerFile, build_disk_image, check_name_free, find_image, reuse,
+                   tools_current)
 from .errors import BadImage, ImageNotFound
 from .manifest import (DEFAULT_PLATFORM, Descriptor, is_index, normalise_platform, parse_config, parse_index,
                        parse_manifest, pick_platform)
@@ -221,8 +223,9 @@ def _docker_save(src: _Source, tag: str | None, label: str) -> _Found:
 def load_archive(store: "Store", config: OciConfig, data_dir: Path, path: Path, *, tag: str | None = None,
                  platform: str = DEFAULT_PLATFORM, name: str | None = None, size: int | None = None,
                  replace: bool = False, progress: ProgressFactory = no_progress,
-                 log_line: Callable[[str], None] | None = None) -> DiskImage:
-    """The image in archive ``path`` as a block image (reused if its digest is already here)."""
+                 log_line: Callable[[str], None] | None = None, tools: ToolsTree | None = None) -> DiskImage:
+    """The image in archive ``path`` as a block image (reused if its digest is already here
+    with the same ``tools``: the guest tools installed into it, docs/tools.md)."""
     path = Path(path)
     label = path.name
     want = normalise_platform(platform)
@@ -239,10 +242,12 @@ def load_archive(store: "Store", config: OciConfig, data_dir: Path, path: Path, 
         image_config = parse_config(found.config_bytes, f"{label} config")
         if image_config.platform != want and image_config.platform.rsplit("/", 1)[0] != want:
             raise BadImage(f"{label} is a {image_config.platform} image, not {want}")
+        reconvert = False
         if not replace:
             rec = find_image(store, found.manifest_digest)
-            if rec is not None:
+            if rec is not None and tools_current(rec, tools):
                 return reuse(store, rec, name, replace)
+            reconvert = rec is not None          # converted with other guest tools: again
             check_name_free(store, name, found.manifest_digest)
         config_digest = "sha256:" + hashlib.sha256(found.config_bytes).hexdigest()
         ident = ImageIdentity(found.reference, found.manifest_digest, image_config.platform, config_digest,
@@ -261,8 +266,8 @@ def load_archive(store: "Store", config: OciConfig, data_dir: Path, path: Path, 
                     dest = Path(td) / f"layer{i}"
                     src.copy_out(member, dest, None, None)
                 files.append(LayerFile(dest, lbl, diff_id, lsize or dest.stat().st_size))
-            image = build_disk_image(store, config, files, ident, image_config, name, size, replace, progress,
-                                     log_line)
+            image = build_disk_image(store, config, files, ident, image_config, name, size, replace or reconvert,
+                                     progress, log_line, tools)
         cache.prune({d for _, d, _, _ in found.layers if d is not None})
         return image
     finally:

@@ -23,6 +23,7 @@ from aenv_store.formats.ids import Digest
 from ..blockimage.importer import import_tree, tree_size
 from ..blockimage.layer import IMAGE_KIND, image_top
 from ..errors import Conflict
+from ..tools import TOOLS_KEY_META, ToolsTree, install_tools
 from .config import OciConfig
 from .layers import ApplyStats, apply_layers
 from .manifest import ImageConfig
@@ -94,6 +95,22 @@ def image_meta(ident: ImageIdentity, config: ImageConfig, layers: int) -> dict[s
     if ident.index_digest:
         meta["oci.index_digest"] = ident.index_digest
     return meta
+
+
+def image_path_env(config: ImageConfig) -> str | None:
+    """PATH of the image config's Env (what its commands expect), if it sets one."""
+    env = config.runtime.get("Env")
+    for item in env if isinstance(env, list) else []:
+        if isinstance(item, str) and item.startswith("PATH="):
+            return item[len("PATH="):]
+    return None
+
+
+def tools_current(rec: CatalogRecord, tools: ToolsTree | None) -> bool:
+    """Whether image ``rec`` carries ``tools`` (always true when no tools are asked for):
+    an image converted with other tools is converted again (the layer cache keeps
+    that cheap), so every image a node boots runs the node's envd."""
+    return tools is None or dict(rec.meta).get(TOOLS_KEY_META) == tools.key
 
 
 def find_image(store: "Store", digest: str, platform: str | None = None) -> CatalogRecord | None:
@@ -183,12 +200,16 @@ def disk_size(tree_bytes: int, inodes: int, config: OciConfig) -> int:
 def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile], ident: ImageIdentity,
                      image_config: ImageConfig, name: str | None = None, size: int | None = None,
                      replace: bool = False, progress: ProgressFactory = no_progress,
-                     log_line: Callable[[str], None] | None = None) -> DiskImage:
+                     log_line: Callable[[str], None] | None = None, tools: ToolsTree | None = None) -> DiskImage:
+    """Flatten ``layers``, install ``tools`` into the tree (docs/tools.md: what makes any
+    image bootable; None: the tree as the image has it), make the ext4 disk, commit."""
     t0 = time.perf_counter()
     say = log_line or (lambda _t: None)
     work_root = store.settings.paths.workspace
     work_root.mkdir(parents=True, exist_ok=True)
     meta = image_meta(ident, image_config, len(layers))
+    if tools is not None:
+        meta[TOOLS_KEY_META] = tools.key
     record_name = name or default_name(ident.digest)
     with tempfile.TemporaryDirectory(dir=work_root, prefix="oci-rootfs-") as td, \
             open(Path(td) / "lock", "w") as lock:
@@ -200,7 +221,17 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
         with progress(f"flatten {len(layers)} layer(s)", total, "bytes") as bar:
             stats: ApplyStats = apply_layers(root, [(lf.path, lf.label, lf.diff_id) for lf in layers],
                                              on_bytes=bar.advance)
-        for note in stats.notes:
+        notes = list(stats.notes)
+        if tools is not None:
+            report = install_tools(root, tools, image_path_env(image_config))
+            notes += report.notes
+            done = [f"guest tools {tools.key} installed"]
+            if report.linked:
+                done.append(f"linked {', '.join(report.linked)}")
+            if report.user_added:
+                done.append(f"added user {report.uid}:{report.gid}")
+            say("; ".join(done))
+        for note in notes:
             say(f"note: {note}")
         content = tree_size(root)
         disk = size if size is not None else disk_size(content, count_inodes(root), config)
@@ -214,5 +245,5 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
             check_name_free(store, record_name, ident.digest)
             return reuse(store, store.get_record(record_name), None, False)
         full_meta = dict(store.get_record(record_name).meta)
-    return DiskImage(record_name, res.layer_id, res.size, False, full_meta, tuple(stats.notes),
+    return DiskImage(record_name, res.layer_id, res.size, False, full_meta, tuple(notes),
                      time.perf_counter() - t0, res.chunks_added, res.chunks_deduped)

@@ -19,10 +19,12 @@ from aenv_store.admin.progress import ProgressFactory, human_bytes, no_progress
 from .auth import Credentials, credentials_from_file
 from .cache import LayerCache
 from .config import OciConfig
-from .disk import DiskImage, ImageIdentity, LayerFile, build_disk_image, check_name_free, find_image, reuse
+from .disk import (DiskImage, ImageIdentity, LayerFile, build_disk_image, check_name_free, find_image, reuse,
+                   tools_current)
 from .errors import BadImage, PlatformNotFound
 from .manifest import (DEFAULT_PLATFORM, ImageConfig, ImageManifest, is_index, normalise_platform,
                        parse_config, parse_index, parse_manifest, pick_platform)
+from ..tools import ToolsTree
 from .reference import Reference, parse_reference
 from .registry import RegistryClient
 
@@ -65,8 +67,12 @@ class Puller:
                  credentials: Credentials | None = None, platform: str = DEFAULT_PLATFORM,
                  name: str | None = None, size: int | None = None, replace: bool = False,
                  progress: ProgressFactory = no_progress,
-                 log_line: Callable[[str], None] | None = None) -> None:
+                 log_line: Callable[[str], None] | None = None, tools: ToolsTree | None = None) -> None:
+        """``tools``: the guest tools installed into the image (docs/tools.md); an image
+        already here but converted with other tools is converted again."""
         self.store = store
+        self.tools = tools
+        self.reconvert = False
         self.config = config
         self.ref: Reference = parse_reference(reference)
         self.platform = normalise_platform(platform)
@@ -105,7 +111,7 @@ class Puller:
         if self.ref.digest is None or self.replace:
             return None
         rec = find_image(self.store, self.ref.digest, self.platform)
-        if rec is None:
+        if rec is None or not tools_current(rec, self.tools):
             return None
         img = reuse(self.store, rec, self.name, self.replace)
         self.say(f"{self.ref.familiar()}: already pulled as image {rec.name}")
@@ -119,7 +125,8 @@ class Puller:
         else:
             assert resolved.layer_files is not None and resolved.config is not None
             img = build_disk_image(self.store, self.config, resolved.layer_files, resolved.ident, resolved.config,
-                                   self.name, self.size, self.replace, self.progress, self.say)
+                                   self.name, self.size, self.replace or self.reconvert, self.progress, self.say,
+                                   self.tools)
         if resolved.layer_files and resolved.manifest is not None:
             self.cache.prune({d.digest for d in resolved.manifest.layers})
         layers = len(resolved.manifest.layers) if resolved.manifest else int(img.meta.get("oci.layers", "0"))
@@ -142,9 +149,12 @@ class Puller:
             ident = ImageIdentity(str(self.ref), fetched.digest, self.platform, manifest.config.digest, index_digest)
             if not self.replace:
                 rec = find_image(self.store, fetched.digest)
-                if rec is not None:
+                if rec is not None and tools_current(rec, self.tools):
                     self.say(f"{what}: {fetched.digest} already pulled as image {rec.name}")
                     return _Resolved(ident, manifest, existing=reuse(self.store, rec, self.name, self.replace))
+                if rec is not None:
+                    self.say(f"{what}: image {rec.name} has other guest tools; converting it again")
+                    self.reconvert = True
                 check_name_free(self.store, self.name, fetched.digest)
             config_bytes = await client.blob_bytes(manifest.config.digest, manifest.config.size)
             config = parse_config(config_bytes, f"config of {what}")

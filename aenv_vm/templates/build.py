@@ -1,7 +1,8 @@
 """Building a template: a booted guest frozen once.
 
 ``build_template`` cold-boots the guest with its root disk on an NBD export of
-the guest's base layer, waits until envd answers /health (and records the
+the guest's base layer (or of a given disk layer: an image converted with the
+guest tools, docs/tools.md, or a layer built on one), waits until envd answers /health (and records the
 version it reports), gives envd a secret only the template record knows (so a
 clone answers nobody before the node re-keys it), saves the device state
 (``x-ignore-shared``), stops QEMU
@@ -29,6 +30,7 @@ from ..confine.policy import Confinement, jail_for
 from ..envd_client import EnvdClient
 from ..errors import BadRequest, VmError
 from ..guest import GuestImage, kernel_cmdline
+from ..tools import TOOLS_KEY_META
 from ..confine.jail import Jail
 from ..qemu.launcher import Accel, NbdDisk, QemuProcess, VmSpec, free_port
 from ..qemu.migration import save_device_state
@@ -48,23 +50,45 @@ def base_layer(store: Store, guest: GuestImage) -> Digest:
 async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, alias: str | None = None,
                          memory_mib: int = 256, vcpus: int = 1, accel: Accel = "tcg",
                          disk_mib: int | None = None, boot_timeout: float = 180.0,
-                         confinement: Confinement | None = None) -> Template:
+                         confinement: Confinement | None = None, base_layer: Digest | None = None) -> Template:
     """Cold-boot the guest once and commit it as a template (see the module doc).
-    ``disk_mib``: root disk size (None: the guest image's); a larger disk is grown
-    inside the booted guest (online ``resize2fs``) before the snapshot, so every
-    sandbox of the template starts with the space, in its memory and on its disk.
-    The build VM is confined by ``confinement`` (None: an ``auto`` policy of its own)."""
+    ``base_layer``: the root disk's layer (None: the guest's own image); it boots with
+    the guest's kernel and initramfs, so it must be bootable by them: the Debian
+    guest's image, or an image with the guest tools. ``disk_mib``: root disk size
+    (None: the layer's); a larger disk is grown by the guest's init at boot (online
+    ``resize2fs``) before the snapshot, so every sandbox of the template starts with
+    the space, in its memory and on its disk. The build VM is confined by
+    ``confinement`` (None: an ``auto`` policy of its own)."""
     async with jail_for(confinement, f"template-build-{secrets.token_hex(4)}") as jail:
-        return await _build(store, guest, work_dir, alias, memory_mib, vcpus, accel, disk_mib, boot_timeout, jail)
+        return await _build(store, guest, work_dir, alias, memory_mib, vcpus, accel, disk_mib, boot_timeout, jail,
+                            base_layer)
+
+
+def check_bootable(store: Store, guest: GuestImage, layer: Digest) -> None:
+    """Refuse a layer converted with other guest tools than this guest's (its envd and
+    init would be another build's): the image must be pulled or loaded again."""
+    try:
+        meta = dict(store.load_manifest(layer).meta)
+    except StoreNotFound:
+        raise BadRequest(f"no disk layer {layer.hex()} in the store") from None
+    tools_key = meta.get(TOOLS_KEY_META)
+    if tools_key is not None and guest.tools_key is not None and tools_key != guest.tools_key:
+        raise BadRequest(f"the image {meta.get('source', layer.short())} carries guest tools {tools_key}, this "
+                         f"node has {guest.tools_key}: pull or load it again")
 
 
 async def _build(store: Store, guest: GuestImage, work_dir: Path, alias: str | None, memory_mib: int, vcpus: int,
-                 accel: Accel, disk_mib: int | None, boot_timeout: float, jail: Jail | None) -> Template:
+                 accel: Accel, disk_mib: int | None, boot_timeout: float, jail: Jail | None,
+                 layer: Digest | None) -> Template:
     work_dir.mkdir(parents=True, exist_ok=True)
-    layer = await asyncio.to_thread(base_layer, store, guest)
+    what = "guest image" if layer is None else "image"
+    if layer is None:
+        layer = await asyncio.to_thread(base_layer, store, guest)
+    else:
+        await asyncio.to_thread(check_bootable, store, guest, layer)
     image_mib = store.load_manifest(layer).size >> 20
     if disk_mib is not None and disk_mib < image_mib:
-        raise BadRequest(f"disk_mib {disk_mib} is smaller than the guest image ({image_mib} MiB)")
+        raise BadRequest(f"disk_mib {disk_mib} is smaller than the {what} ({image_mib} MiB)")
     if disk_mib is not None and disk_mib > MAX_DISK_MIB:
         raise BadRequest(f"disk_mib {disk_mib} is larger than {MAX_DISK_MIB} MiB")
     disk_mib = image_mib if disk_mib is None else disk_mib
@@ -98,14 +122,11 @@ async def _build(store: Store, guest: GuestImage, work_dir: Path, alias: str | N
             secret = secrets.token_urlsafe(32)
             await envd.init({"accessToken": secret})
             envd = envd.with_token(secret)
+            # (A disk larger than the layer's filesystem was grown by the init before envd
+            # started: fixtures/guest/aenv-init, grow_root.)
             # Run the command path once per user before freezing: bash, its libraries and
             # profiles are then in the template's guest page cache, which clones share
             # instead of each reading them over NBD into private (copy-on-write) pages.
-            if disk_mib > image_mib:
-                grown = await envd.run("resize2fs /dev/vda", user="root", timeout=120.0)
-                if grown.exit_code != 0:
-                    raise VmError(f"growing the root filesystem to {disk_mib} MiB failed: "
-                                  f"{grown.stderr.decode(errors='replace').strip()}")
             for user in ("root", "user"):
                 result = await envd.run("true", user=user, timeout=60.0)
                 if result.exit_code != 0:
@@ -125,7 +146,7 @@ async def _build(store: Store, guest: GuestImage, work_dir: Path, alias: str | N
                 state = stage_file(ws, work_dir / "device-state", DEVICE_STATE, {"template": tid})
                 meta = {"memory_mib": str(memory_mib), "vcpus": str(vcpus), "accel": accel, "disk_mib": str(disk_mib),
                         "guest_key": guest.key, "kernel_release": guest.kernel_release,
-                        "kernel_cmdline": cmdline}
+                        "kernel_cmdline": cmdline, "base_layer": layer.hex()}
                 if envd_version:
                     meta["envd_version"] = envd_version
                 meta["envd_token"] = secret

@@ -47,6 +47,7 @@ def test_doctor_probes_the_accelerator(guest, capsys: pytest.CaptureFixture[str]
     code, checks = run_doctor(capsys)
     assert code == 0
     assert checks["guest"]["status"] == "ok" and guest.kernel_release in checks["guest"]["detail"]
+    assert checks["guest-tools"]["status"] == "ok" and guest.tools_key in checks["guest-tools"]["detail"]
     assert checks["accelerator"]["detail"].startswith(("TCG", "KVM"))
 
 
