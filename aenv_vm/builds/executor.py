@@ -136,8 +136,9 @@ class Build:
         creds = Credentials(spec.registry.username, spec.registry.password) if spec.registry else None
         self.log.info(f"pulling {spec.from_image}", "base")
         try:
+            # the guest tools go into the image (aenv_vm/tools): envd runs in any root filesystem
             puller = Puller(self.rt.store, st.oci, st.data_dir, spec.from_image, credentials=creds,
-                            log_line=lambda line: self.log.info(line, "base"))
+                            log_line=lambda line: self.log.info(line, "base"), tools=self.rt.guest.tools_tree)
             pulled = await puller.run_async()
         except (OciError, BadRequest) as e:
             raise BuildFailed(f"pulling {spec.from_image} failed: {e}", "base") from None
