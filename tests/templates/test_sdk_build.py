@@ -31,7 +31,8 @@ def _context(tmp_path: Path) -> Path:
 def _template(ctx: Path, last: str = "echo last > /tmp/last.txt") -> Template:
     return (Template(file_context_path=str(ctx)).from_template("base")
             .set_user("root")
-            .run_cmd("echo built-as-$(id -un) > /opt/built.txt && mkdir -p /srv/app && chown user: /srv/app")
+            .run_cmd("echo built-as-$(id -un) > /opt/built.txt && mkdir -p /srv/app && chown user: /srv/app "
+                     "&& echo seed > /tmp/seed && chmod 644 /tmp/seed")
             .set_user("user")
             .set_envs({"MY_VAR": "42", "OTHER": "with space"})
             .set_workdir("/srv/app")
@@ -78,12 +79,14 @@ def test_build_create_and_cache(sdk: Server, tmp_path: Path) -> None:
 
     # the last step changed: only it (and the finalize) run
     lines3, on_log3 = _logs()
-    Template.build(_template(ctx, last="echo changed > /tmp/last.txt"), "sdk-app", on_build_logs=on_log3)
+    # (it reads what step 2 left in /tmp: a step resumed from the cache sees the same disk)
+    Template.build(_template(ctx, last="cat /tmp/seed > /tmp/last.txt; echo changed >> /tmp/last.txt"), "sdk-app",
+                   on_build_logs=on_log3)
     assert len([x for x in lines3 if x.startswith("CACHED")]) == 7, lines3
-    assert any(x.startswith("[8/8] RUN echo changed") for x in lines3), lines3
+    assert any(x.startswith("[8/8] RUN cat /tmp/seed") for x in lines3), lines3
     sbx = Sandbox.create("sdk-app")
     try:
-        assert sbx.commands.run("cat /tmp/last.txt /opt/built.txt").stdout == "changed\nbuilt-as-root\n"
+        assert sbx.commands.run("cat /tmp/last.txt /opt/built.txt").stdout == "seed\nchanged\nbuilt-as-root\n"
     finally:
         sbx.kill()
 
