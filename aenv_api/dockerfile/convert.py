@@ -245,8 +245,8 @@ class _Converter:
             raise DockerfileError("FROM scratch is not supported: a template runs in the image's "
                                   "filesystem and needs a shell", ins.line)
         self.from_image = image
-        self.step(ins, "USER", "root")     # Docker's defaults, under which the instructions run
-        self.step(ins, "WORKDIR", "/")
+        # Docker's defaults, under which a Dockerfile's instructions run
+        self.steps += [Step("USER", ("root",)), Step("WORKDIR", ("/",))]
 
     def do_arg(self, ins: Instruction) -> None:
         words = self.lex.words(ins.text, self.resolve if self.from_image else self.global_args.get, ins.line)
