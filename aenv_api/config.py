@@ -15,6 +15,7 @@ from typing import Any
 from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.errors import ConfigError
 from aenv_vm.config import VmConfig
+from aenv_vm.builds.config import TemplatesConfig
 from aenv_vm.oci.config import OciConfig
 
 from .server.settings import ServerConfig
@@ -60,6 +61,7 @@ SECTIONS: dict[str, type] = {
     "vm": VmConfig,
     "server": ServerConfig,
     "oci": OciConfig,
+    "templates": TemplatesConfig,
 }
 
 

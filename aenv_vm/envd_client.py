@@ -29,7 +29,7 @@ import struct
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from envd import ENVD_PORT, VERSION_HEADER
 
@@ -335,3 +335,136 @@ def command_result(stream: bytes) -> CommandResult:
     if exit_code is None:
         raise EnvdError("envd process stream ended without an end event")
     return CommandResult(exit_code, bytes(out), bytes(err))
+
+
+# ---------------------------------------------------------------- streamed processes
+
+@dataclass(frozen=True)
+class ProcessRequest:
+    """One ``process.Process/Start``: a command line run as ``user`` in ``cwd`` with ``envs``
+    (envd's defaults where None)."""
+    cmd: str
+    args: tuple[str, ...] = ()
+    user: str | None = "root"
+    cwd: str | None = None
+    envs: dict[str, str] | None = None
+
+    def body(self) -> bytes:
+        process: dict[str, object] = {"cmd": self.cmd, "args": list(self.args), "envs": dict(self.envs or {})}
+        if self.cwd is not None:
+            process["cwd"] = self.cwd
+        return encode_envelope({"process": process, "stdin": False})
+
+
+OutputSink = Callable[[str, bytes], None]     # ("stdout" | "stderr", bytes)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> HttpAnswer:
+    """Status and headers of a response whose body is still to be read (body empty)."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+        raise NoAnswer(f"no HTTP response head: {e}") from None
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        raise NoAnswer(f"no HTTP response: {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if colon:
+            headers[name.strip().lower()] = value.strip()
+    return HttpAnswer(int(parts[1]), headers, b"")
+
+
+async def _frames(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[tuple[int, dict]]:
+    """Connect frames of a streamed body as they arrive (chunked or close-delimited)."""
+    buf = bytearray()
+
+    async def more() -> bool:
+        if not chunked:
+            data = await reader.read(1 << 16)
+            buf.extend(data)
+            return bool(data)
+        line = await reader.readline()
+        try:
+            size = int(line.split(b";", 1)[0].strip() or b"0", 16)
+        except ValueError:
+            raise EnvdError(f"bad chunk size {line[:20]!r}") from None
+        if size == 0:
+            return False
+        buf.extend(await reader.readexactly(size))
+        await reader.readexactly(2)
+        return True
+
+    while True:
+        while len(buf) >= 5:
+            flags, length = struct.unpack_from(">BI", buf, 0)
+            if len(buf) < 5 + length:
+                break
+            try:
+                msg = json.loads(bytes(buf[5:5 + length]) or b"{}")
+            except ValueError as e:
+                raise EnvdError(f"bad JSON in Connect frame: {e}") from None
+            del buf[:5 + length]
+            yield flags, msg if isinstance(msg, dict) else {}
+        if not await more():
+            if buf:
+                raise EnvdError("process stream ended inside a frame")
+            return
+
+
+async def stream_process(client: "EnvdClient", req: ProcessRequest, *, timeout: float | None,
+                         on_output: OutputSink | None = None, detach: bool = False) -> int:
+    """Run ``req`` in the guest, handing its output to ``on_output`` as it comes; the exit
+    code. ``detach``: return the pid as soon as envd reports the start and leave the
+    process running (envd keeps processes whose stream closed: E2B's background commands).
+    ``timeout``: envd kills the process after that many seconds (Connect's deadline, as the
+    SDK's command timeout) and this call raises VmTimeout; None: no deadline (a start
+    command: it must outlive the stream)."""
+    extra = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+             "Keepalive-Ping-Interval": "30"}
+    if timeout is not None:
+        extra["Connect-Timeout-Ms"] = str(int(timeout * 1000))
+    headers = client._headers(req.user, extra)
+
+    async def go() -> int:
+        reader, writer = await asyncio.open_connection(client.host, client.port, limit=1 << 20)
+        try:
+            writer.write(format_request("POST", client.host, "/process.Process/Start", headers, req.body()))
+            await writer.drain()
+            head = await _read_head(reader)
+            if head.status != 200:
+                rest = await reader.read(1024)
+                raise EnvdError(f"envd process start answered HTTP {head.status}: {rest[:200]!r}")
+            chunked = "chunked" in head.headers.get("transfer-encoding", "").lower()
+            async for flags, msg in _frames(reader, chunked):
+                if flags & END_STREAM:
+                    if msg.get("error"):
+                        raise EnvdError(f"envd process failed: {msg['error']}")
+                    continue
+                event = msg.get("event", {})
+                if "start" in event and detach:
+                    return int(event["start"].get("pid", 0))
+                data = event.get("data")
+                if data and on_output is not None:
+                    for key in ("stdout", "stderr"):
+                        if key in data:
+                            on_output(key, base64.b64decode(data[key]))
+                if "end" in event:
+                    end = event["end"]
+                    if end.get("error") and "exitCode" not in end:
+                        raise EnvdError(f"process ended: {end['error']}")
+                    return int(end.get("exitCode", 0))
+            raise EnvdError("envd process stream ended without an end event")
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    try:
+        return await asyncio.wait_for(go(), None if timeout is None else timeout + 5.0)
+    except asyncio.TimeoutError:
+        raise VmTimeout(f"{req.cmd} {' '.join(req.args)[:80]} did not finish in {timeout:.0f} s") from None
+    except (OSError, NoAnswer, asyncio.IncompleteReadError) as e:
+        raise EnvdError(f"envd at {client.host}:{client.port}: process stream: {e or type(e).__name__}") from None

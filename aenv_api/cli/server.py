@@ -37,6 +37,7 @@ if TYPE_CHECKING:   # the server's parts are imported when it starts (the CLI st
     from aenv_vm.confine.policy import Confinement
     from aenv_vm.guest import GuestImage
     from aenv_vm.sandboxes.manager import SandboxManager
+    from aenv_vm.builds.service import TemplateBuilds
     from aenv_vm.templates.template import Template
 
 # QEMU run dirs hold Unix sockets: <root>/vm/sbx-<16 hex>/qmp.sock (and nbd.sock) must fit 107 bytes.
@@ -127,6 +128,23 @@ async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, se
     return tpl
 
 
+def _template_builds(cfg: AenvConfig, server_cfg: ServerConfig, manager: SandboxManager,
+                     base: Template) -> TemplateBuilds:
+    """E2B template builds on this node: build VMs shaped like its sandboxes by default,
+    on the accelerator its base template was built for."""
+    from aenv_vm.builds.executor import BuildSettings
+    from aenv_vm.builds.service import TemplateBuilds
+
+    vm, tc = cfg.section("vm"), cfg.section("templates")
+    settings = BuildSettings(base_template=server_cfg.default_template, accel=base.accel,  # type: ignore[arg-type]
+                             memory_mib=vm.memory_mib, vcpus=vm.vcpus, disk_mib=vm.disk_mib,
+                             max_memory_mib=tc.max_memory_mib, max_vcpus=tc.max_vcpus,
+                             headroom_mib=tc.disk_headroom_mib, step_timeout=tc.step_timeout,
+                             ready_timeout=tc.ready_timeout, oci=cfg.section("oci"), data_dir=cfg.data_dir)
+    return TemplateBuilds(manager.rt, settings, cfg.data_dir / "build-logs", manager.template_users,
+                          max_parallel=tc.max_parallel_builds)
+
+
 def _run_root(data_dir: Path) -> Path:
     """Where the sandbox layer keeps its run state (records, paused sandboxes, sockets).
 
@@ -203,6 +221,7 @@ def _gauges(metrics: Metrics, lifecycle: Lifecycle, manager: SandboxManager, sto
 
 async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) -> int:
     from aenv_api.server.app import ApiServer
+    from aenv_api.server.templates_api import TemplateApi
     from aenv_vm.errors import VmError
     from aenv_vm.guest import ensure_guest
     from aenv_vm.net.netns import NetError
@@ -220,7 +239,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     store = await asyncio.to_thread(open_node_store, cfg.store_settings(), True)
-    manager = server = lifecycle = None
+    manager = server = lifecycle = builds = None
     background: list[asyncio.Future] = []
     run_root = _run_root(cfg.data_dir)
     vm = cfg.section("vm")
@@ -248,7 +267,11 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
                               creds.traffic_token)
         await lifecycle.start()
         background.append(asyncio.ensure_future(_gauges(metrics, lifecycle, manager, store)()))
-        server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version())
+        builds = _template_builds(cfg, server_cfg, manager, tpl)
+        await builds.start()
+        server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
+                           TemplateApi(builds, cfg.data_dir / "template-uploads",
+                                       cfg.section("templates").max_upload_mib << 20))
         try:
             port = await server.start(server_cfg.host, server_cfg.port)
         except OSError as e:
@@ -271,6 +294,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+        if builds is not None:
+            await builds.close()   # running builds end (their VMs stop) before the manager's QEMUs
         if lifecycle is not None:
             await lifecycle.shutdown()
         if server is not None:

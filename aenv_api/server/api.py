@@ -2,7 +2,6 @@
 reference/e2b-wire.md) plus /health, /openapi.json and /metrics."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
@@ -10,18 +9,13 @@ from aiohttp import web
 from . import schemas as S
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
+from .templates_api import TemplateApi
 
 
-def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=json.dumps(value, separators=(",", ":")).encode(),
-                        content_type="application/json", headers=headers)
-
-
-def no_content() -> web.Response:
-    return web.Response(status=204)
 
 
 def _log_entry(e: "LogEntry") -> dict[str, Any]:
@@ -31,8 +25,10 @@ def _log_entry(e: "LogEntry") -> dict[str, Any]:
 class ControlPlane:
     """Handlers bound to one node's lifecycle; ``routes()`` is the served table."""
 
-    def __init__(self, lifecycle: Lifecycle, metrics: Metrics, config: ServerConfig) -> None:
+    def __init__(self, lifecycle: Lifecycle, metrics: Metrics, config: ServerConfig,
+                 templates: TemplateApi | None = None) -> None:
         self.lc = lifecycle
+        self.templates = templates
         self.metrics = metrics
         self.config = config
         self.openapi_doc: dict[str, Any] = {}
@@ -111,7 +107,10 @@ class ControlPlane:
         return json_response(page, headers={"X-Next-Token": token} if token else None)
 
     async def delete_template(self, request: web.Request, call: Call) -> web.Response:
-        await self.lc.delete_snapshot(call.path["templateID"])
+        tid = call.path["templateID"]
+        if self.templates is not None and await self.templates.delete_template(tid):
+            return no_content()
+        await self.lc.delete_snapshot(tid)
         return no_content()
 
     async def fork(self, request: web.Request, call: Call) -> web.Response:
@@ -157,7 +156,8 @@ class ControlPlane:
         gone = Reply(404, "no such sandbox", "Error")
         nc = lambda d: Reply(204, d)  # noqa: E731
         sbx = ("sandboxes",)
-        return [
+        # the template API first: its literal paths (/templates/tags) before /templates/{templateID}
+        return (self.templates.routes() if self.templates is not None else []) + [
             Route("GET", "/health", self.health, "health check (no auth)", (nc("healthy"),), auth=False),
             Route("GET", "/openapi.json", self.openapi, "this API's OpenAPI document (no auth)",
                   (Reply(200, "the document", None),), auth=False),
@@ -199,8 +199,9 @@ class ControlPlane:
             Route("GET", "/snapshots", self.list_snapshots, "list snapshots",
                   (Reply(200, "snapshots", "SnapshotInfo[]", ("X-Next-Token",)),), query=S.SNAPSHOT_LIST,
                   tags=("snapshots",)),
-            Route("DELETE", "/templates/{templateID}", self.delete_template, "delete a snapshot",
-                  (nc("deleted"), Reply(404, "no such snapshot", "Error")), tags=("snapshots",)),
+            Route("DELETE", "/templates/{templateID}", self.delete_template, "delete a template or a snapshot",
+                  (nc("deleted"), Reply(404, "no such template or snapshot", "Error"),
+                   Reply(409, "sandboxes use it", "Error")), tags=("snapshots", "templates")),
             Route("POST", "/sandboxes/{sandboxID}/fork", self.fork, "fork a running sandbox into count children",
                   (Reply(201, "one result per fork", "SandboxForkResult[]"), gone), body=S.fork_schema(mt, mf),
                   tags=sbx),

@@ -24,7 +24,8 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from .api import ControlPlane, json_response
+from .api import ControlPlane
+from .responses import json_response
 from .auth import Credentials, presented_api_key
 from .errors import ApiError
 from .lifecycle import Lifecycle
@@ -33,6 +34,7 @@ from .proxy import SANDBOX_ID_HEADER, SandboxProxy, parse_host, route_of
 from .rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner, parser_reason
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
+from .templates_api import TemplateApi
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("aenv.server.access")
@@ -58,14 +60,14 @@ def _parse_json(raw: bytes) -> Any:
 
 class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
-                 version: str) -> None:
+                 version: str, templates: TemplateApi | None = None) -> None:
         self.lifecycle = lifecycle
         self.creds = creds
         self.config = config
         self.metrics = metrics
         self.version = version
         self.proxy = SandboxProxy(lifecycle, metrics)
-        self.control = ControlPlane(lifecycle, metrics, config)
+        self.control = ControlPlane(lifecycle, metrics, config, templates)
         self.routes = self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None

@@ -233,19 +233,22 @@ class NodeNetworks:
         return rules.ruleset("tap" if net.tap else "user", policy, egress_ports(), self._never)
 
     async def attach(self, sid: str, policy: NetworkPolicy = NetworkPolicy(),
-                     owner: int | None = None) -> dict[str, object]:
+                     owner: int | None = None, *, user_mode: bool = False) -> dict[str, object]:
         """The ``VmSpec`` fields that network sandbox ``sid`` under ``policy``: a namespace
         of its own (isolated), else a host port on 127.0.0.1 (user mode). ``owner``: the
-        uid of the sandbox's confined QEMU, which may then open its tap device."""
+        uid of the sandbox's confined QEMU, which may then open its tap device.
+        ``user_mode``: QEMU's user-mode stack in the namespace even on a tap node (a
+        template build VM: templates are frozen with user-mode devices, restore.py)."""
         if not self.isolated:
             restrict = self.isolation != "off" or not policy.internet
             return {"host_port": free_port(), "netns": None, "net_restrict": restrict}
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
+        tap = self.tap and not user_mode
         net = await asyncio.to_thread(netns.create, self.tag, sid,  # blocking: subprocesses
-                                      lambda n: self._ruleset(n, policy), None, self.tap, owner)
+                                      lambda n: self._ruleset(n, policy), None, tap, owner)
         try:
             assert self.egress is not None
-            await self.egress.attach(sid, net.name, "0.0.0.0" if self.tap else "127.0.0.1", policy)
+            await self.egress.attach(sid, net.name, "0.0.0.0" if tap else "127.0.0.1", policy)
         except BaseException:
             await asyncio.to_thread(netns.destroy, net)
             raise

@@ -480,11 +480,14 @@ class SandboxManager:
     async def list_snapshots(self) -> list[SnapshotInfo]:
         return await asyncio.to_thread(self.snapshots.listed)
 
+    def template_users(self, tid: str) -> list[str]:
+        """The sandboxes (running or paused) restored from template record ``tid``."""
+        return sorted(r.id for r in self.records_store.all() if r.template == tid)
+
     async def delete_snapshot(self, snapshot_id: str) -> None:
         def work() -> None:
             tid = find_template(self.rt.store, snapshot_id).id
-            users = sorted(r.id for r in self.records_store.all() if r.template == tid)
-            self.snapshots.delete(tid, users)
+            self.snapshots.delete(tid, self.template_users(tid))
         await asyncio.to_thread(work)
 
     # ------------------------------------------------------------ observers

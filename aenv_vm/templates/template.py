@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import errno
 import os
+
+import blake3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +67,21 @@ class Template:
             raise TemplateError(f"template record {rec.name} is incomplete: {e}") from None
 
 
+def tag_alias_name(name: str, tag: str) -> str:
+    """The alias record of E2B's ``name:tag`` (aenv_vm/builds/records.py writes them)."""
+    return "ttag-" + blake3.blake3(f"{name}:{tag}".encode()).hexdigest()[:40]
+
+
 def find_template(store: Store, ref: str) -> Template:
-    """A template by id (``tpl-…``) or alias."""
-    for name in ((ALIAS_PREFIX + ref, ref) if not ref.startswith("tpl-") else (ref,)):
+    """A template by id (``tpl-…``), alias, or E2B ``name:tag``."""
+    if ":" in ref:
+        name, _, tag = ref.partition(":")
+        names: tuple[str, ...] = (tag_alias_name(name.lower(), tag),)
+    elif ref.startswith("tpl-"):
+        names = (ref,)
+    else:
+        names = (ALIAS_PREFIX + ref, ref)
+    for name in names:
         try:
             return Template.from_record(store.resolve(name))
         except StoreNotFound:

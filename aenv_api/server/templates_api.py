@@ -1,0 +1,331 @@
+"""E2B's template build API over ``aenv_vm.builds.service.TemplateBuilds``, exactly as
+the SDK (2.63) calls it: request a build (``POST /v3/templates``, 202), the COPY
+contexts (``GET /templates/{id}/files/{hash}`` → present, or an upload URL this server
+serves), start it (``POST /v2/templates/{id}/builds/{buildID}``, 202), its status and
+log (``…/status?logsOffset=``, ``…/logs``), templates (list, get, delete), aliases and
+tags.
+
+The upload URL carries its own authorisation (the SDK PUTs there without the API
+key, as to an S3 presigned URL): an HMAC of the hash and an expiry under a key of
+this process. It is served on the API's own port, which guests cannot reach
+(docs/security.md: network isolation), and the body streams to a file in the data
+dir (bounded by ``max_upload_bytes``) before the store takes it.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from aenv_vm.builds.log import LogEntry
+from aenv_vm.builds.service import TemplateBuilds, TemplateView
+from aenv_vm.errors import BadRequest, Conflict, NotFound, VmError
+
+from .responses import json_response, no_content
+from .errors import ApiError
+from .routes import Call, Reply, Route
+from .schemas import Field, Schema, iso
+
+UPLOAD_PATH = "/_aenv/template-files/{hash}"
+UPLOAD_TTL = 3600.0
+_HASH = re.compile(r"[A-Za-z0-9_-]{8,128}\Z")
+
+_STRINGS = Field("tags", "array", items=Field("tag", "string", max_length=64), max_items=64)
+BUILD_REQUEST = Schema("TemplateBuildRequestV3", (
+    Field("name", "string", max_length=128), Field("alias", "string", max_length=128), _STRINGS,
+    Field("cpuCount", "integer", minimum=1, maximum=64), Field("memoryMB", "integer", minimum=128, maximum=1 << 20),
+    Field("minFreeDiskMb", "integer", minimum=0, maximum=1 << 20)))
+BUILD_START = Schema("TemplateBuildStartV2", (
+    Field("fromImage", "string", max_length=1024), Field("fromTemplate", "string", max_length=256),
+    Field("fromImageRegistry", "object"), Field("steps", "array", items=Field("step", "object"), max_items=1000),
+    Field("startCmd", "string", max_length=65536), Field("readyCmd", "string", max_length=65536),
+    Field("force", "boolean")))
+ASSIGN_TAGS = Schema("AssignTemplateTagsRequest", (Field("target", "string", required=True, max_length=200),
+                                                  Field("tags", "array", required=True, max_items=64,
+                                                        items=Field("tag", "string", max_length=64))))
+DELETE_TAGS = Schema("DeleteTemplateTagsRequest", (Field("name", "string", required=True, max_length=200),
+                                                  Field("tags", "array", required=True, max_items=64,
+                                                        items=Field("tag", "string", max_length=64))))
+STATUS_QUERY = Schema("BuildStatusQuery", (Field("logsOffset", "integer", minimum=0, maximum=2**62),
+                                           Field("limit", "integer", minimum=0, maximum=100),
+                                           Field("level", "string", enum=("debug", "info", "warn", "error"))))
+LOGS_QUERY = Schema("BuildLogsQuery", (Field("cursor", "integer", minimum=0, maximum=2**62),
+                                       Field("limit", "integer", minimum=0, maximum=100),
+                                       Field("direction", "string", enum=("forward", "backward")),
+                                       Field("level", "string", enum=("debug", "info", "warn", "error")),
+                                       Field("source", "string", max_length=32)))
+UPLOAD_QUERY = Schema("UploadQuery", (Field("expires", "integer", required=True, minimum=0, maximum=2**62),
+                                      Field("signature", "string", required=True, max_length=128)))
+
+
+def _error(e: VmError, what: str) -> ApiError:
+    if isinstance(e, NotFound):
+        return ApiError(404, str(e))
+    if isinstance(e, BadRequest):
+        return ApiError(400, f"{what}: {e}")
+    if isinstance(e, Conflict):
+        return ApiError(409, f"{what}: {e}")
+    return ApiError(500, f"{what} failed: {e}")
+
+
+def _entry(e: LogEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"timestamp": iso(e.timestamp), "level": e.level, "message": e.message}
+    if e.step is not None:
+        out["step"] = e.step
+    return out
+
+
+def _line(e: LogEntry) -> str:
+    return f"[{iso(e.timestamp)}] {e.message}"
+
+
+class TemplateApi:
+    def __init__(self, builds: TemplateBuilds, upload_dir: Path, max_upload_bytes: int = 4 << 30) -> None:
+        self.builds = builds
+        self.upload_dir = upload_dir
+        self.max_upload_bytes = max_upload_bytes
+        self._key = secrets.token_bytes(32)
+
+    # ------------------------------------------------------------------ build
+
+    async def request_build(self, request: web.Request, call: Call) -> web.Response:
+        b = call.body
+        name = b["name"] or b["alias"]
+        if not name:
+            raise ApiError(400, "name is required")
+        try:
+            run = await self.builds.request(name, b["tags"], b["cpuCount"], b["memoryMB"], b["minFreeDiskMb"])
+        except VmError as e:
+            raise _error(e, f"template {name!r}") from None
+        return json_response({"templateID": run.name, "buildID": run.build_id, "public": False,
+                              "names": [run.name], "aliases": [run.name], "tags": list(run.tags)}, 202)
+
+    async def files(self, request: web.Request, call: Call) -> web.Response:
+        tid, files_hash = call.path["templateID"], call.path["hash"]
+        if not _HASH.match(files_hash):
+            raise ApiError(400, f"bad files hash {files_hash[:64]!r}")
+        try:
+            if not self.builds.template_exists(tid):
+                raise ApiError(404, f"unknown template {tid!r}: request a build first (POST /v3/templates)")
+        except VmError as e:
+            raise _error(e, "files") from None
+        if self.builds.files_present(files_hash):
+            return json_response({"present": True}, 201)
+        expires = int(time.time() + UPLOAD_TTL)
+        url = (f"{request.url.origin()}{UPLOAD_PATH.format(hash=files_hash)}"
+               f"?expires={expires}&signature={self._sign(files_hash, expires)}")
+        return json_response({"present": False, "url": url}, 201)
+
+    def _sign(self, files_hash: str, expires: int) -> str:
+        return hmac.new(self._key, f"{files_hash}:{expires}".encode(), hashlib.sha256).hexdigest()
+
+    async def upload(self, request: web.Request, call: Call) -> web.Response:
+        files_hash = call.path["hash"]
+        q = call.query
+        if not _HASH.match(files_hash) or not hmac.compare_digest(self._sign(files_hash, q["expires"]),
+                                                                  q["signature"]):
+            raise ApiError(401, "invalid upload signature")
+        if q["expires"] < time.time():
+            raise ApiError(401, "the upload URL has expired: ask for a new one")
+        length = request.content_length
+        if length is not None and length > self.max_upload_bytes:
+            raise ApiError(413, f"the upload is larger than {self.max_upload_bytes} bytes")
+        self.upload_dir.mkdir(parents=True, exist_ok=True)
+        path = self.upload_dir / f"{files_hash}.{secrets.token_hex(4)}.part"
+        try:
+            size = 0
+            with open(path, "wb") as f:
+                async for data in request.content.iter_chunked(1 << 20):
+                    size += len(data)
+                    if size > self.max_upload_bytes:
+                        raise ApiError(413, f"the upload is larger than {self.max_upload_bytes} bytes")
+                    f.write(data)
+            if length is not None and size != length:
+                raise ApiError(400, f"the upload ended after {size} of {length} bytes")
+            if not self.builds.files_present(files_hash):
+                await self.builds.accept_files(files_hash, path)
+        finally:
+            path.unlink(missing_ok=True)
+        return web.Response(status=200)
+
+    async def start_build(self, request: web.Request, call: Call) -> web.Response:
+        tid, bid = call.path["templateID"], call.path["buildID"]
+        body = {k: v for k, v in call.body.items() if v is not None}
+        try:
+            await self.builds.start_build(tid, bid, body)
+        except VmError as e:
+            raise _error(e, f"build {bid}") from None
+        return web.Response(status=202)
+
+    async def status(self, request: web.Request, call: Call) -> web.Response:
+        q = call.query
+        try:
+            view = self.builds.status(call.path["templateID"], call.path["buildID"], q["logsOffset"] or 0,
+                                      100 if q["limit"] is None else q["limit"], q["level"])
+        except VmError as e:
+            raise _error(e, "build status") from None
+        out: dict[str, Any] = {"templateID": view.name, "buildID": view.build_id, "status": view.status,
+                               "logs": [_line(e) for e in view.entries],
+                               "logEntries": [_entry(e) for e in view.entries]}
+        if view.reason is not None:
+            reason: dict[str, Any] = {"message": view.reason[0],
+                                      "logEntries": [_entry(e) for e in view.reason_entries]}
+            if view.reason[1] is not None:
+                reason["step"] = view.reason[1]
+            out["reason"] = reason
+        return json_response(out)
+
+    async def logs(self, request: web.Request, call: Call) -> web.Response:
+        q = call.query
+        try:
+            view = self.builds.status(call.path["templateID"], call.path["buildID"], 0, 10**9, q["level"])
+        except VmError as e:
+            raise _error(e, "build logs") from None
+        entries = view.entries
+        if q["direction"] == "backward":
+            entries = entries[::-1]
+        start = q["cursor"] or 0
+        limit = 100 if q["limit"] is None else q["limit"]
+        return json_response({"logs": [_entry(e) for e in entries[start:start + limit]]})
+
+    # ------------------------------------------------------------------ templates
+
+    def _base_view(self) -> dict[str, Any] | None:
+        tpl = self.builds.base_template()
+        if tpl is None:
+            return None
+        when = iso(tpl.created)
+        bid = "00000000-0000-4000-8000-" + tpl.id.removeprefix("tpl-").rjust(12, "0")[-12:]
+        return {"templateID": "base", "buildID": bid, "cpuCount": tpl.vcpus, "memoryMB": tpl.memory_mib,
+                "diskSizeMB": tpl.disk_mib, "public": True, "aliases": ["base"], "names": ["base"],
+                "createdAt": when, "updatedAt": when, "createdBy": None, "lastSpawnedAt": None, "spawnCount": 0,
+                "buildCount": 1, "envdVersion": tpl.envd_version or "", "buildStatus": "ready", "isDefault": True,
+                "builds": [{"buildID": bid, "status": "ready", "createdAt": when, "updatedAt": when,
+                            "finishedAt": when, "cpuCount": tpl.vcpus, "memoryMB": tpl.memory_mib,
+                            "diskSizeMB": tpl.disk_mib, "envdVersion": tpl.envd_version or ""}]}
+
+    @staticmethod
+    def _view(v: TemplateView, with_builds: bool = False) -> dict[str, Any]:
+        b = v.build
+        out: dict[str, Any] = {
+            "templateID": v.template_id, "buildID": b.build_id if b else "", "cpuCount": b.cpu_count if b else 0,
+            "memoryMB": b.memory_mb if b else 0, "diskSizeMB": b.disk_mb if b else 0, "public": v.public,
+            "aliases": list(v.names), "names": list(v.names), "createdAt": iso(v.created),
+            "updatedAt": iso(v.updated), "createdBy": None, "lastSpawnedAt": None, "spawnCount": 0,
+            "buildCount": len(v.builds), "envdVersion": (b.envd_version or "") if b else "",
+            "buildStatus": v.status}
+        if with_builds:
+            out["builds"] = [{"buildID": x.build_id, "status": x.status, "createdAt": iso(x.created),
+                              "updatedAt": iso(x.finished or x.created),
+                              **({"finishedAt": iso(x.finished)} if x.finished else {}),
+                              "cpuCount": x.cpu_count, "memoryMB": x.memory_mb, "diskSizeMB": x.disk_mb,
+                              **({"envdVersion": x.envd_version} if x.envd_version else {})}
+                             for x in v.builds]
+        return out
+
+    async def list_templates(self, request: web.Request, call: Call) -> web.Response:
+        out = [self._view(v) for v in self.builds.list_templates() if v.build is not None]
+        base = self._base_view()
+        if base is not None:
+            base.pop("builds")
+            out.insert(0, base)
+        return json_response(out)
+
+    async def get_template(self, request: web.Request, call: Call) -> web.Response:
+        tid = call.path["templateID"]
+        if tid == "base":
+            base = self._base_view()
+            if base is not None:
+                return json_response(base)
+        try:
+            return json_response(self._view(self.builds.get(tid), with_builds=True))
+        except VmError as e:
+            raise _error(e, f"template {tid!r}") from None
+
+    async def delete_template(self, tid: str) -> bool:
+        """True if ``tid`` was an E2B template (now gone); False: not one (a snapshot, maybe)."""
+        if tid in ("base", self.builds.settings.base_template):
+            raise ApiError(409, "the node's base template cannot be deleted through the API")
+        try:
+            return await self.builds.delete(tid)
+        except BadRequest:
+            return False      # not a template name: the caller tries snapshot ids
+        except VmError as e:
+            raise _error(e, f"template {tid!r}") from None
+
+    async def alias(self, request: web.Request, call: Call) -> web.Response:
+        try:
+            tid = self.builds.alias(call.path["alias"])
+        except BadRequest:
+            raise ApiError(404, f"no template named {call.path['alias'][:128]!r}") from None
+        except VmError as e:
+            raise _error(e, "alias") from None
+        return json_response({"templateID": tid, "public": tid == "base"})
+
+    # ------------------------------------------------------------------ tags
+
+    async def assign_tags(self, request: web.Request, call: Call) -> web.Response:
+        try:
+            bid, tags = await self.builds.assign_tags(call.body["target"], call.body["tags"])
+        except VmError as e:
+            raise _error(e, "tags") from None
+        return json_response({"buildID": bid, "tags": tags}, 201)
+
+    async def delete_tags(self, request: web.Request, call: Call) -> web.Response:
+        try:
+            await self.builds.remove_tags(call.body["name"], call.body["tags"])
+        except VmError as e:
+            raise _error(e, "tags") from None
+        return no_content()
+
+    async def list_tags(self, request: web.Request, call: Call) -> web.Response:
+        try:
+            tags = self.builds.tags(call.path["templateID"])
+        except VmError as e:
+            raise _error(e, "tags") from None
+        return json_response([{"tag": t, "buildID": bid, "createdAt": iso(when)} for t, bid, when in tags])
+
+    # ------------------------------------------------------------------ table
+
+    def routes(self) -> list[Route]:
+        t = ("templates",)
+        return [
+            Route("POST", "/v3/templates", self.request_build, "request a template build",
+                  (Reply(202, "the build was requested", None),), body=BUILD_REQUEST, body_required=True, tags=t),
+            Route("GET", "/templates/{templateID}/files/{hash}", self.files,
+                  "whether a COPY context is present, else where to upload it",
+                  (Reply(201, "present, or the upload URL", None), Reply(404, "unknown template", "Error")),
+                  tags=t),
+            Route("PUT", UPLOAD_PATH, self.upload, "upload a COPY context (signed URL, no API key)",
+                  (Reply(200, "stored"), Reply(401, "bad or expired signature", "Error")), query=UPLOAD_QUERY,
+                  auth=False, tags=t),
+            Route("POST", "/v2/templates/{templateID}/builds/{buildID}", self.start_build, "start a build",
+                  (Reply(202, "the build has started"), Reply(400, "malformed steps", "Error"),
+                   Reply(404, "unknown build", "Error")), body=BUILD_START, body_required=True, tags=t),
+            Route("GET", "/templates/{templateID}/builds/{buildID}/status", self.status,
+                  "build status and log entries from logsOffset",
+                  (Reply(200, "the status", None), Reply(404, "unknown build", "Error")), query=STATUS_QUERY,
+                  tags=t),
+            Route("GET", "/templates/{templateID}/builds/{buildID}/logs", self.logs, "build log entries",
+                  (Reply(200, "the log", None), Reply(404, "unknown build", "Error")), query=LOGS_QUERY, tags=t),
+            Route("GET", "/templates", self.list_templates, "templates with a finished build",
+                  (Reply(200, "the templates", None),), tags=t),
+            Route("GET", "/templates/{templateID}", self.get_template, "a template and its builds",
+                  (Reply(200, "the template", None), Reply(404, "unknown template", "Error")), tags=t),
+            Route("GET", "/templates/aliases/{alias}", self.alias, "the template a name resolves to",
+                  (Reply(200, "the template id", None), Reply(404, "no such name", "Error")), tags=t),
+            Route("POST", "/templates/tags", self.assign_tags, "tag the build a name:tag points at",
+                  (Reply(201, "tagged", None), Reply(404, "unknown template or tag", "Error")), body=ASSIGN_TAGS,
+                  body_required=True, tags=t),
+            Route("DELETE", "/templates/tags", self.delete_tags, "remove tags of a template",
+                  (Reply(204, "removed"), Reply(404, "unknown template or tag", "Error")), body=DELETE_TAGS,
+                  body_required=True, tags=t),
+            Route("GET", "/templates/{templateID}/tags", self.list_tags, "the tags of a template",
+                  (Reply(200, "the tags", None), Reply(404, "unknown template", "Error")), tags=t),
+        ]

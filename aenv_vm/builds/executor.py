@@ -1,0 +1,379 @@
+"""One build, start to end (docs/templates.md):
+
+1. **base**: the disk layer and starting state of ``fromTemplate`` (its frozen disk;
+   ``base`` and E2B's ``e2bdev/base`` image are this node's base template) or of
+   ``fromImage`` (pulled into a store image: aenv_vm/oci; its config's Env).
+2. **steps**, with the build cache: step *i*'s key is (the layer it starts from, the
+   state it starts with, the step: type, args, files hash). A hit gives the layer and
+   state after it without a VM; the first miss boots a build VM from the layer so far,
+   and from there every step runs in it (each disk-changing step committed as a layer
+   and cached). ``force`` (the SDK's ``skip_cache``) or a step's own ``force`` turn
+   hits into misses from that step on.
+3. **finalize**: the start command started (as the state's user, in its workdir, with
+   its envs), the ready command polled until it exits 0, envd given the template's
+   defaults, and the running VM frozen into a ``tpl-…`` record. An unchanged rebuild
+   (same last layer, state, commands and shape) reuses the template the earlier one
+   made, without booting anything.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from aenv_store.formats.ids import Digest
+
+from ..envd_client import EnvdError, ProcessRequest, stream_process
+from ..errors import BadRequest, NotFound, VmError
+from ..oci.auth import Credentials
+from ..oci.config import OciConfig
+from ..oci.errors import OciError
+from ..oci.pull import Puller
+from ..qemu.launcher import Accel
+from ..sandboxes.runtime import NodeRuntime
+from ..templates.template import find_template
+from . import records
+from .copy import check_tar, copy_script, plain_tar
+from .log import BuildLog
+from .steps import BuildSpec, Step, StepState
+from .vm import BuildVm, VmShape
+
+E2B_BASE_IMAGE = re.compile(r"(docker\.io/)?e2bdev/base(:[\w.-]+)?\Z")
+READY_INTERVAL = 1.0
+START_SETTLE = 2.0          # no ready command: the start command must survive this long
+MiB = 1 << 20
+
+
+class BuildFailed(VmError):
+    """A build stopped; ``step`` names where (``base``, a step number, ``finalize``)."""
+
+    def __init__(self, message: str, step: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    base_template: str              # what ``base`` means on this node
+    accel: Accel
+    memory_mib: int                 # defaults when the request gives none
+    vcpus: int
+    disk_mib: int                   # 0: the base's size plus ``headroom_mib``
+    max_memory_mib: int = 16384
+    max_vcpus: int = 16
+    headroom_mib: int = 2048        # free space a build VM's disk gets above its base
+    step_timeout: float = 3600.0
+    ready_timeout: float = 300.0
+    boot_timeout: float = 240.0
+    oci: OciConfig | None = None
+    data_dir: Path | None = None
+    guest_setup: Callable[[BuildVm], Awaitable[None]] | None = None   # e.g. the host's CA certificates
+    setup_key: str = ""             # what ``guest_setup`` puts on the disk (part of the cache key)
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    name: str
+    build_id: str
+    spec: BuildSpec
+    cpu_count: int | None = None
+    memory_mb: int | None = None
+    min_free_disk_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    template: str                   # the tpl-… record
+    cached: bool                    # the whole template came from the cache
+    shape: VmShape
+    envd_version: str | None
+    state: StepState
+
+
+@dataclass
+class _Base:
+    layer: Digest
+    state: StepState
+    size_mib: int
+    disk_mib: int                   # the base template's disk (0 for an image)
+
+
+class Build:
+    def __init__(self, rt: NodeRuntime, settings: BuildSettings, job: BuildJob, log: BuildLog) -> None:
+        self.rt = rt
+        self.settings = settings
+        self.job = job
+        self.log = log
+        self.vm: BuildVm | None = None
+
+    # ------------------------------------------------------------------ base
+
+    async def _base(self) -> _Base:
+        spec, st = self.job.spec, self.settings
+        ref = spec.from_template
+        if ref is None and spec.from_image and E2B_BASE_IMAGE.match(spec.from_image):
+            ref = "base"
+            self.log.info(f"{spec.from_image} is this node's base template", "base")
+        if ref is not None:
+            try:
+                tpl = find_template(self.rt.store, st.base_template if ref == "base" else ref)
+            except NotFound:
+                raise BuildFailed(f"unknown template {ref!r}", "base") from None
+            if tpl.guest_key != self.rt.guest.key:
+                raise BuildFailed(f"template {ref!r} was built from another guest build: rebuild it first", "base")
+            meta = self.rt.store.get_record(tpl.id).meta_dict()
+            state = StepState.from_json(meta["build_state"]) if "build_state" in meta else StepState()
+            size = self.rt.store.load_manifest(tpl.disk).size // MiB
+            self.log.info(f"base: template {ref} ({tpl.id})", "base")
+            return _Base(tpl.disk, state, size, tpl.disk_mib or size)
+        assert spec.from_image is not None
+        if st.oci is None or st.data_dir is None:
+            raise BuildFailed("this node pulls no images (no [oci] configuration)", "base")
+        creds = Credentials(spec.registry.username, spec.registry.password) if spec.registry else None
+        self.log.info(f"pulling {spec.from_image}", "base")
+        try:
+            puller = Puller(self.rt.store, st.oci, st.data_dir, spec.from_image, credentials=creds,
+                            log_line=lambda line: self.log.info(line, "base"))
+            pulled = await puller.run_async()
+        except (OciError, BadRequest) as e:
+            raise BuildFailed(f"pulling {spec.from_image} failed: {e}", "base") from None
+        img = pulled.image
+        envs: dict[str, str] = {}
+        env_list = img.runtime.get("Env") or []
+        for item in env_list if isinstance(env_list, list) else []:
+            k, sep, v = str(item).partition("=")
+            if sep and k:
+                envs[k] = v
+        self.log.info(f"base: image {pulled.reference} ({pulled.digest[:19]}, {pulled.layers} layers, "
+                      f"{pulled.downloaded_bytes} bytes downloaded)", "base")
+        return _Base(img.layer_id, StepState().with_envs(envs), img.size // MiB, 0)
+
+    def _shape(self, base: _Base) -> VmShape:
+        st, job = self.settings, self.job
+        vcpus = job.cpu_count or st.vcpus
+        memory = job.memory_mb or st.memory_mib
+        if not 1 <= vcpus <= st.max_vcpus:
+            raise BadRequest(f"cpuCount must be 1..{st.max_vcpus}, got {vcpus}")
+        if not 128 <= memory <= st.max_memory_mib:
+            raise BadRequest(f"memoryMB must be 128..{st.max_memory_mib}, got {memory}")
+        disk = max(base.disk_mib, st.disk_mib or 0, base.size_mib + st.headroom_mib)
+        if job.min_free_disk_mb:
+            disk = max(disk, base.size_mib + job.min_free_disk_mb)
+        return VmShape(memory, vcpus, disk, st.accel)
+
+    # ------------------------------------------------------------------ VM
+
+    async def _ensure_vm(self, layer: Digest, shape: VmShape, label: str) -> BuildVm:
+        if self.vm is not None:
+            return self.vm
+        self.log.info(f"starting the build VM ({shape.vcpus} vCPU, {shape.memory_mib} MiB, "
+                      f"{shape.disk_mib} MiB disk)", label)
+        t0 = time.monotonic()
+        try:
+            self.vm = await BuildVm.boot(self.rt, f"build-{self.job.build_id[:12]}-{secrets.token_hex(2)}", layer,
+                                         shape, self.settings.boot_timeout)
+            await self.vm.grow_root()
+            if self.settings.guest_setup is not None:
+                await self.settings.guest_setup(self.vm)
+        except VmError as e:
+            raise BuildFailed(f"the build VM did not start: {e}", label) from None
+        self.log.info(f"build VM ready in {time.monotonic() - t0:.1f} s", label)
+        return self.vm
+
+    # ------------------------------------------------------------------ steps
+
+    async def _run_step(self, vm: BuildVm, step: Step, state: StepState) -> None:
+        label = step.label
+        if step.kind == "RUN":
+            user = step.args[1] if len(step.args) > 1 and step.args[1] else state.user
+            req = ProcessRequest("/bin/bash", ("-l", "-c", step.args[0]), user=user, cwd=state.workdir,
+                                 envs=state.env_dict())
+            await self._checked(vm, req, label, what=f"RUN {step.args[0][:200]}")
+        elif step.kind == "COPY":
+            src, dest = step.args[0], step.args[1]
+            owner = step.args[2] if len(step.args) > 2 and step.args[2] else None
+            mode = step.args[3] if len(step.args) > 3 and step.args[3] else None
+            assert step.files_hash is not None
+            try:
+                data = plain_tar(await asyncio.to_thread(records.read_files, self.rt.store, step.files_hash))
+                check_tar(data)
+            except (NotFound, BadRequest) as e:
+                raise BuildFailed(f"COPY {src}: {e}", label) from None
+            stage = f"/tmp/.aenv-copy-{secrets.token_hex(6)}.tar"
+            try:
+                await vm.envd.write_file(stage, data, user="root", timeout=600.0)
+            except EnvdError as e:
+                raise BuildFailed(f"COPY {src}: uploading the files into the build VM failed: {e}", label) from None
+            script = copy_script(stage, src, dest, state, owner, mode)
+            await self._checked(vm, ProcessRequest("/bin/sh", ("-c", script), user="root", cwd="/"), label,
+                                what=f"COPY {src} {dest}")
+        elif step.kind == "WORKDIR":
+            path = step.next_state(state).workdir
+            script = (f"mkdir -p -- '{path}' 2>/dev/null || /.aenv/bin/busybox mkdir -p -- '{path}'; "
+                      f"[ '{state.user}' = root ] || chown '{state.user}:' '{path}' 2>/dev/null || true")
+            if "'" in path or "'" in state.user:
+                raise BuildFailed(f"WORKDIR {path!r}: quotes are not allowed in paths here", label)
+            await self._checked(vm, ProcessRequest("/bin/sh", ("-c", script), user="root", cwd="/"), label,
+                                what=f"WORKDIR {path}")
+        elif step.kind == "USER":
+            code, out = await vm.sh(f"id -u -- '{step.args[0]}'", timeout=60.0)
+            if code != 0:
+                raise BuildFailed(f"USER {step.args[0]}: no such user in the image", label)
+
+    async def _checked(self, vm: BuildVm, req: ProcessRequest, label: str, what: str) -> None:
+        t0 = time.monotonic()
+        timeout = self.settings.step_timeout
+        try:
+            code = await vm.run(req, timeout=timeout, on_output=lambda s, d: self.log.output(label, s, d))
+        except VmError as e:
+            self.log.flush(label)
+            raise BuildFailed(f"{what}: {e}", label) from None
+        self.log.flush(label)
+        if code != 0:
+            if time.monotonic() - t0 >= timeout:
+                raise BuildFailed(f"{what}: did not finish in {timeout:.0f} s", label)
+            raise BuildFailed(f"{what}: exited with code {code}", label)
+
+    # ------------------------------------------------------------------ the whole
+
+    async def run(self) -> BuildResult:
+        try:
+            return await self._run()
+        finally:
+            if self.vm is not None:
+                await self.vm.close()
+                self.vm = None
+
+    async def _run(self) -> BuildResult:
+        spec, store = self.job.spec, self.rt.store
+        base = await self._base()
+        shape = self._shape(base)
+        layer, state = base.layer, base.state
+        forced = spec.force
+        # the base's key: its layer and state, the disk it is grown to, what the node sets up in it
+        parent = records.cache_key("base", {"layer": bytes(layer).hex(), "state": state.to_json(),
+                                            "disk_mib": shape.disk_mib, "setup": self.settings.setup_key})
+        for step in spec.steps:
+            label = step.label
+            key = records.cache_key(parent, {"layer": bytes(layer).hex(), "state": state.to_json(),
+                                             **step.identity()})
+            forced = forced or step.force
+            hit = None if forced or self.vm is not None else records.find_step(store, key)
+            if hit is not None:
+                self.log.info(f"CACHED [{label}/{len(spec.steps)}] {step.describe()}", label)
+                layer, state, parent = hit.layer, hit.state, key
+                continue
+            self.log.info(f"[{label}/{len(spec.steps)}] {step.describe()}", label)
+            t0 = time.monotonic()
+            new_state = step.next_state(state)
+            if step.changes_disk:
+                vm = await self._ensure_vm(layer, shape, label)
+                await self._run_step(vm, step, state)
+                try:
+                    layer = await vm.commit_layer({"build": self.job.build_id, "step": label})
+                except VmError as e:
+                    raise BuildFailed(f"committing the disk after {step.describe()} failed: {e}", label) from None
+            elif step.kind == "USER" and self.vm is not None:
+                await self._run_step(self.vm, step, state)
+            state = new_state
+            await asyncio.to_thread(records.put_step, store, key, layer, state, step.describe())
+            self.log.info(f"done in {time.monotonic() - t0:.1f} s", label)
+            parent = key
+        return await self._finalize(layer, state, shape, parent, forced)
+
+    async def _finalize(self, layer: Digest, state: StepState, shape: VmShape, parent: str,
+                        forced: bool) -> BuildResult:
+        spec, store = self.job.spec, self.rt.store
+        key = records.cache_key(parent, {"layer": bytes(layer).hex(), "state": state.to_json(),
+                                         "start": spec.start_cmd, "ready": spec.ready_cmd,
+                                         "vcpus": shape.vcpus, "memory_mib": shape.memory_mib,
+                                         "disk_mib": shape.disk_mib, "accel": shape.accel,
+                                         "guest": self.rt.guest.key})
+        if not forced and self.vm is None:
+            tid = records.find_snapshot(store, key)
+            if tid is not None:
+                tpl = find_template(store, tid)
+                self.log.info(f"CACHED [finalize] template {tid}", "finalize")
+                return BuildResult(tid, True, shape, tpl.envd_version, state)
+        vm = await self._ensure_vm(layer, shape, "finalize")
+        try:
+            await vm.envd.init({"envVars": state.env_dict(), "defaultUser": state.user,
+                                "defaultWorkdir": state.workdir})
+        except VmError as e:
+            raise BuildFailed(f"configuring envd failed: {e}", "finalize") from None
+        follower = None
+        if spec.start_cmd:
+            follower = await self._start(vm, state, spec.start_cmd)
+        try:
+            if spec.ready_cmd:
+                await self._wait_ready(vm, state, spec.ready_cmd, follower)
+            elif follower is not None:
+                await asyncio.sleep(START_SETTLE)
+                self._check_alive(follower)
+            if follower is not None:
+                self._check_alive(follower)
+        finally:
+            if follower is not None:
+                follower.cancel()     # the stream closes; the start command runs on
+                await asyncio.gather(follower, return_exceptions=True)
+                self.log.flush("finalize")
+        tid = f"tpl-{secrets.token_hex(6)}"
+        self.log.info(f"snapshotting the running VM as {tid}", "finalize")
+        meta = {"build_state": state.to_json(), "build_id": self.job.build_id, "e2b_template": self.job.name,
+                "default_user": state.user}
+        if spec.start_cmd:
+            meta["start_cmd"] = spec.start_cmd
+        if spec.ready_cmd:
+            meta["ready_cmd"] = spec.ready_cmd
+        try:
+            await vm.freeze(tid, meta)
+        except VmError as e:
+            raise BuildFailed(f"snapshotting the template failed: {e}", "finalize") from None
+        await asyncio.to_thread(records.put_snapshot, store, key, tid)
+        return BuildResult(tid, False, shape, vm.envd_version, state)
+
+    async def _start(self, vm: BuildVm, state: StepState, cmd: str) -> "asyncio.Task[int]":
+        self.log.info(f"start command: {cmd}", "finalize")
+        req = ProcessRequest("/bin/bash", ("-l", "-c", cmd), user=state.user, cwd=state.workdir,
+                             envs=state.env_dict())
+        task = asyncio.ensure_future(stream_process(vm.envd, req, timeout=None,
+                                                    on_output=lambda s, d: self.log.output("finalize", s, d)))
+        await asyncio.sleep(0.2)
+        return task
+
+    @staticmethod
+    def _check_alive(follower: "asyncio.Task[int]") -> None:
+        if follower.done():
+            exc = follower.exception()
+            detail = f"failed: {exc}" if exc else f"exited with code {follower.result()}"
+            raise BuildFailed(f"the start command {detail} before the template was ready", "finalize")
+
+    async def _wait_ready(self, vm: BuildVm, state: StepState, cmd: str,
+                          follower: "asyncio.Task[int] | None") -> None:
+        self.log.info(f"waiting for the ready command: {cmd}", "finalize")
+        deadline = time.monotonic() + self.settings.ready_timeout
+        req = ProcessRequest("/bin/bash", ("-l", "-c", cmd), user=state.user, cwd=state.workdir,
+                             envs=state.env_dict())
+        tries = 0
+        while True:
+            tries += 1
+            left = deadline - time.monotonic()
+            try:
+                code = await vm.run(req, timeout=max(1.0, min(60.0, left)))
+            except VmError as e:
+                code = -1
+                self.log.add("debug", f"ready command: {e}", "finalize")
+            if code == 0:
+                self.log.info(f"ready after {tries} check(s)", "finalize")
+                return
+            if follower is not None:
+                self._check_alive(follower)
+            if time.monotonic() + READY_INTERVAL > deadline:
+                raise BuildFailed(f"the ready command {cmd!r} did not succeed within "
+                                  f"{self.settings.ready_timeout:.0f} s (last exit code {code})", "finalize")
+            await asyncio.sleep(READY_INTERVAL)
+

@@ -1,0 +1,384 @@
+"""``TemplateBuilds``: E2B's templates on one node — requesting a build, the COPY
+contexts, running builds (one or a few at a time, in the background), their status
+and logs, names, tags, listing and deleting. The API (aenv_api/server/templates_api.py)
+speaks E2B's wire format over it; everything persistent is in the store's catalog
+(records.py), so a restarted node still has its templates, tags and cache. A build's
+log lives in memory while it runs and is written to ``<log_dir>/<build id>.json``
+when it ends."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from aenv_store.errors import StoreError
+
+from ..errors import BadRequest, Conflict, NotFound, VmError
+from ..sandboxes.runtime import NodeRuntime
+from ..templates.template import Template, find_template, remove_template
+from . import records
+from .executor import Build, BuildFailed, BuildJob, BuildSettings
+from .log import BuildLog, LogEntry
+from .records import DEFAULT_TAG, BuildEntry, TemplateDef
+from .steps import parse_build
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuildRun:
+    """A build this node knows of: requested (``waiting``), running, or finished."""
+    name: str
+    build_id: str
+    tags: tuple[str, ...]
+    cpu_count: int | None
+    memory_mb: int | None
+    min_free_disk_mb: int | None
+    created: float = field(default_factory=time.time)
+    status: str = "waiting"                 # waiting | building | ready | error
+    log: BuildLog = field(default_factory=BuildLog)
+    reason: tuple[str, str | None] | None = None   # (message, step) of a failure
+    finished: float | None = None
+    task: "asyncio.Task[None] | None" = None
+
+
+@dataclass(frozen=True)
+class StatusView:
+    name: str
+    build_id: str
+    status: str
+    entries: list[LogEntry]
+    reason: tuple[str, str | None] | None
+    reason_entries: list[LogEntry]
+
+
+@dataclass(frozen=True)
+class TemplateView:
+    """One E2B template as the API lists it."""
+    template_id: str
+    names: tuple[str, ...]
+    build: BuildEntry | None                 # the latest ready build
+    builds: tuple[BuildEntry, ...]
+    created: float
+    updated: float
+    public: bool
+    status: str                              # of the latest build
+
+
+Users = Callable[[str], list[str]]           # template record -> the sandboxes on it
+
+
+class TemplateBuilds:
+    def __init__(self, rt: NodeRuntime, settings: BuildSettings, log_dir: Path, users: Users,
+                 max_parallel: int = 1) -> None:
+        self.rt = rt
+        self.settings = settings
+        self.log_dir = log_dir
+        self.users = users
+        self._runs: dict[str, BuildRun] = {}
+        self._lock = asyncio.Lock()                    # template definitions: one writer
+        self._slots = asyncio.Semaphore(max_parallel)
+        self._closing = False
+
+    @property
+    def store(self):  # type: ignore[no-untyped-def]
+        return self.rt.store
+
+    async def start(self) -> None:
+        """Builds a previous process left unfinished failed with it."""
+        def fix() -> None:
+            for tdef in records.list_defs(self.store):
+                stale = [b for b in tdef.builds if b.status in ("waiting", "building")]
+                if stale:
+                    builds = tuple(replace(b, status="error", finished=time.time()) if b in stale else b
+                                   for b in tdef.builds)
+                    records.save_def(self.store, replace(tdef, builds=builds))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        async with self._lock:
+            await asyncio.to_thread(fix)
+
+    async def close(self) -> None:
+        self._closing = True
+        for run in list(self._runs.values()):
+            if run.task is not None and not run.task.done():
+                run.task.cancel()
+        await asyncio.gather(*(r.task for r in self._runs.values() if r.task is not None), return_exceptions=True)
+
+    # ------------------------------------------------------------------ request
+
+    async def request(self, ref: str, tags: list[str] | None, cpu_count: int | None, memory_mb: int | None,
+                      min_free_disk_mb: int | None) -> BuildRun:
+        if self._closing:
+            raise Conflict("the node is shutting down")
+        name, tag = records.split_name(ref)
+        wanted = [records.check_tag(t) for t in (tags or [])]
+        if tag and tag not in wanted:
+            wanted.insert(0, tag)
+        if not wanted:
+            wanted = [DEFAULT_TAG]
+        if name == self.settings.base_template or name == "base":
+            raise Conflict(f"{name!r} is this node's base template, built by `aenv template build`: "
+                           f"choose another name")
+        for value, what, lo, hi in ((cpu_count, "cpuCount", 1, self.settings.max_vcpus),
+                                    (memory_mb, "memoryMB", 128, self.settings.max_memory_mib)):
+            if value is not None and not lo <= value <= hi:
+                raise BadRequest(f"{what} must be {lo}..{hi}, got {value}")
+        if min_free_disk_mb is not None and not 0 <= min_free_disk_mb <= 1 << 20:
+            raise BadRequest(f"minFreeDiskMB must be 0..{1 << 20}, got {min_free_disk_mb}")
+        run = BuildRun(name, str(uuid.uuid4()), tuple(wanted), cpu_count, memory_mb, min_free_disk_mb)
+        async with self._lock:
+            def put() -> None:
+                now = time.time()
+                tdef = records.load_def(self.store, name) or TemplateDef(name, now, now)
+                entry = BuildEntry(run.build_id, None, "waiting", now, cpu_count=cpu_count or 0,
+                                   memory_mb=memory_mb or 0)
+                records.save_def(self.store, replace(tdef, updated=now, builds=tdef.builds + (entry,)))
+            await asyncio.to_thread(put)
+        self._runs[run.build_id] = run
+        return run
+
+    # ------------------------------------------------------------------ files
+
+    def template_exists(self, template_id: str) -> bool:
+        name, _ = records.split_name(template_id)
+        return records.load_def(self.store, name) is not None
+
+    def files_present(self, files_hash: str) -> bool:
+        return records.has_files(self.store, files_hash)
+
+    async def accept_files(self, files_hash: str, path: Path) -> None:
+        await asyncio.to_thread(records.put_files, self.store, files_hash, path)
+
+    # ------------------------------------------------------------------ run
+
+    def _run_of(self, template_id: str, build_id: str) -> BuildRun:
+        run = self._runs.get(build_id)
+        name, _ = records.split_name(template_id)
+        if run is None or run.name != name:
+            raise NotFound(f"no build {build_id} of template {template_id}")
+        return run
+
+    async def start_build(self, template_id: str, build_id: str, body: dict[str, Any]) -> None:
+        run = self._run_of(template_id, build_id)
+        if run.status != "waiting":
+            raise Conflict(f"build {build_id} was already started")
+        spec = parse_build(body)
+        for step in spec.steps:
+            if step.kind == "COPY" and step.files_hash and not self.files_present(step.files_hash):
+                raise BadRequest(f"step {step.index}: the files of COPY {step.args[0]} were not uploaded "
+                                 f"(GET /templates/{template_id}/files/{step.files_hash} first)")
+        job = BuildJob(run.name, run.build_id, spec, run.cpu_count, run.memory_mb, run.min_free_disk_mb)
+        run.status = "building"
+        run.task = asyncio.ensure_future(self._execute(run, job))
+
+    async def _execute(self, run: BuildRun, job: BuildJob) -> None:
+        t0 = time.monotonic()
+        try:
+            async with self._slots:
+                await self._set_build(run, "building")
+                run.log.info(f"build {run.build_id} of {run.name} ({len(job.spec.steps)} steps, from "
+                             f"{job.spec.base})")
+                result = await Build(self.rt, self.settings, job, run.log).run()
+                await self._finish_ok(run, result.template, result.shape, result.envd_version)
+                run.log.info(f"template {run.name} ({', '.join(run.tags)}) = {result.template}: built in "
+                             f"{time.monotonic() - t0:.1f} s{' (all cached)' if result.cached else ''}",
+                             "finalize")
+                run.status = "ready"
+        except BuildFailed as e:
+            self._fail(run, str(e), e.step)
+        except asyncio.CancelledError:
+            self._fail(run, "the build was cancelled (the node shut down)", None)
+        except (VmError, StoreError, OSError) as e:
+            self._fail(run, f"{type(e).__name__}: {e}", None)
+        except Exception as e:    # never lose a build's end: the status says what happened
+            log.exception("build %s failed", run.build_id)
+            self._fail(run, f"internal error: {type(e).__name__}: {e}", None)
+        finally:
+            run.finished = time.time()
+            if run.status != "ready":
+                try:
+                    await self._set_build(run, "error")
+                except (StoreError, OSError) as e:
+                    log.error("recording the failure of build %s: %s", run.build_id, e)
+            self._write_log(run)
+
+    def _fail(self, run: BuildRun, message: str, step: str | None) -> None:
+        run.status = "error"
+        run.reason = (message, step)
+        run.log.error(f"build failed: {message}", step)
+
+    async def _set_build(self, run: BuildRun, status: str) -> None:
+        async with self._lock:
+            def put() -> None:
+                tdef = records.load_def(self.store, run.name)
+                if tdef is None:
+                    return
+                builds = tuple(replace(b, status=status, finished=time.time() if status == "error" else None)
+                               if b.build_id == run.build_id else b for b in tdef.builds)
+                records.save_def(self.store, replace(tdef, builds=builds, updated=time.time()))
+            await asyncio.to_thread(put)
+
+    async def _finish_ok(self, run: BuildRun, tid: str, shape: Any, envd_version: str | None) -> None:
+        async with self._lock:
+            def put() -> None:
+                now = time.time()
+                tdef = records.load_def(self.store, run.name) or TemplateDef(run.name, now, now)
+                builds = tuple(replace(b, status="ready", template=tid, finished=now, cpu_count=shape.vcpus,
+                                       memory_mb=shape.memory_mib, disk_mb=shape.disk_mib,
+                                       envd_version=envd_version)
+                               if b.build_id == run.build_id else b for b in tdef.builds)
+                tags = dict(tdef.tags)
+                for tag in run.tags:
+                    tags[tag] = (run.build_id, tid, now)
+                records.save_def(self.store, replace(tdef, builds=builds, tags=tags, updated=now))
+            await asyncio.to_thread(put)
+
+    def _write_log(self, run: BuildRun) -> None:
+        try:
+            doc = {"template": run.name, "build_id": run.build_id, "status": run.status,
+                   "reason": list(run.reason) if run.reason else None,
+                   "entries": [[e.timestamp, e.level, e.message, e.step] for e in run.log.entries]}
+            tmp = self.log_dir / f".{run.build_id}.tmp"
+            tmp.write_text(json.dumps(doc))
+            tmp.replace(self.log_dir / f"{run.build_id}.json")
+        except OSError as e:
+            log.error("writing the log of build %s: %s", run.build_id, e)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self, template_id: str, build_id: str, offset: int = 0, limit: int = 100,
+               level: str | None = None) -> StatusView:
+        name, _ = records.split_name(template_id)
+        run = self._runs.get(build_id)
+        if run is None or run.name != name:
+            run = self._load_finished(name, build_id)
+        order = ["debug", "info", "warn", "error"]
+        entries = run.log.since(offset, limit)
+        if level in order:
+            entries = [e for e in entries if order.index(e.level) >= order.index(level)]
+        reason_entries = run.log.tail(20, run.reason[1]) if run.reason else []
+        return StatusView(run.name, run.build_id, run.status, entries, run.reason, reason_entries)
+
+    def _load_finished(self, name: str, build_id: str) -> BuildRun:
+        tdef = records.load_def(self.store, name)
+        entry = tdef.build(build_id) if tdef else None
+        if entry is None:
+            raise NotFound(f"no build {build_id} of template {name}")
+        run = BuildRun(name, build_id, (), None, None, None, created=entry.created, status=entry.status)
+        try:
+            doc = json.loads((self.log_dir / f"{build_id}.json").read_text())
+            run.log.entries = [LogEntry(float(t), str(lv), str(m), s) for t, lv, m, s in doc.get("entries", [])]
+            if doc.get("reason"):
+                run.reason = (str(doc["reason"][0]), doc["reason"][1])
+        except (OSError, ValueError, TypeError):
+            if entry.status == "error":
+                run.reason = ("the build failed (its log is gone)", None)
+        return run
+
+    # ------------------------------------------------------------------ templates
+
+    def _view(self, tdef: TemplateDef) -> TemplateView:
+        latest = max(tdef.builds, key=lambda b: b.created) if tdef.builds else None
+        return TemplateView(tdef.name, (tdef.name,), tdef.latest_ready(), tdef.builds, tdef.created, tdef.updated,
+                            tdef.public, latest.status if latest else "waiting")
+
+    def list_templates(self) -> list[TemplateView]:
+        return sorted((self._view(t) for t in records.list_defs(self.store)), key=lambda v: v.created)
+
+    def get(self, template_id: str) -> TemplateView:
+        name, _ = records.split_name(template_id)
+        tdef = records.load_def(self.store, name)
+        if tdef is None:
+            raise NotFound(f"unknown template {template_id!r}")
+        return self._view(tdef)
+
+    def base_template(self) -> Template | None:
+        try:
+            return find_template(self.store, self.settings.base_template)
+        except (VmError, StoreError):
+            return None
+
+    def alias(self, alias: str) -> str:
+        """The template id a name resolves to (NotFound: none, or no build of it is ready)."""
+        if alias in ("base", self.settings.base_template) and self.base_template() is not None:
+            return "base"
+        name, _ = records.split_name(alias)
+        tdef = records.load_def(self.store, name)
+        if tdef is None or tdef.latest_ready() is None:
+            raise NotFound(f"no template named {alias!r}")
+        return tdef.name
+
+    async def delete(self, template_id: str) -> bool:
+        """Delete an E2B template and its builds; False when ``template_id`` is none (the
+        caller may then try snapshots). Conflict while sandboxes use one of its builds."""
+        name, _ = records.split_name(template_id)
+        async with self._lock:
+            tdef = records.load_def(self.store, name)
+            if tdef is None:
+                return False
+            if any(r.name == name and r.status in ("waiting", "building") for r in self._runs.values()):
+                raise Conflict(f"template {name} has a build running: wait for it to end")
+            tids = sorted({b.template for b in tdef.builds if b.template})
+            users = sorted(u for t in tids for u in self.users(t))
+            if users:
+                raise Conflict(f"template {name} is in use by {len(users)} sandbox(es) "
+                               f"({', '.join(users[:3])}{', ...' if len(users) > 3 else ''}): kill them first")
+
+            def work() -> None:
+                records.delete_def(self.store, tdef)
+                for tid in tids:
+                    try:
+                        remove_template(self.store, tid)
+                    except (NotFound, StoreError):
+                        pass
+            await asyncio.to_thread(work)
+            for tid in tids:
+                self.rt.templates.forget(tid)
+            for bid in [b for b, r in self._runs.items() if r.name == name]:
+                self._runs.pop(bid, None)
+        return True
+
+    # ------------------------------------------------------------------ tags
+
+    async def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
+        name, tag = records.split_name(target)
+        wanted = [records.check_tag(t) for t in tags]
+        if not wanted:
+            raise BadRequest("give at least one tag")
+        async with self._lock:
+            tdef = records.load_def(self.store, name)
+            if tdef is None:
+                raise NotFound(f"unknown template {name!r}")
+            source = tdef.tags.get(tag or DEFAULT_TAG)
+            if source is None:
+                raise NotFound(f"template {name} has no tag {tag or DEFAULT_TAG!r}")
+            now = time.time()
+            new = dict(tdef.tags)
+            for t in wanted:
+                new[t] = (source[0], source[1], now)
+            await asyncio.to_thread(records.save_def, self.store, replace(tdef, tags=new, updated=now))
+        return source[0], wanted
+
+    async def remove_tags(self, ref: str, tags: list[str]) -> None:
+        name, _ = records.split_name(ref)
+        async with self._lock:
+            tdef = records.load_def(self.store, name)
+            if tdef is None:
+                raise NotFound(f"unknown template {name!r}")
+            missing = [t for t in tags if t not in tdef.tags]
+            if missing:
+                raise NotFound(f"template {name} has no tag(s) {', '.join(missing)}")
+            new = {t: v for t, v in tdef.tags.items() if t not in tags}
+            await asyncio.to_thread(records.save_def, self.store, replace(tdef, tags=new, updated=time.time()))
+
+    def tags(self, template_id: str) -> list[tuple[str, str, float]]:
+        name, _ = records.split_name(template_id)
+        tdef = records.load_def(self.store, name)
+        if tdef is None:
+            raise NotFound(f"unknown template {template_id!r}")
+        return [(t, bid, when) for t, (bid, _tid, when) in sorted(tdef.tags.items())]

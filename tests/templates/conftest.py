@@ -1,0 +1,40 @@
+"""Fixtures of the template build tests: one `aenv server` per module (the real E2B SDK
+points at it through environment variables only), a COPY context directory."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.api.conftest import Server, start_server, use_sdk_env
+
+REPO = Path(__file__).resolve().parents[2]
+AENV = [sys.executable, "-m", "aenv_api.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def tpl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if os.geteuid() != 0:
+        pytest.skip("template builds need root (the guest image build)")
+    data = tmp_path_factory.mktemp("tpl-node")
+    srv = start_server(data, tmp_path_factory.mktemp("tpl-logs"),
+                       env={"AENV_VM__POOL_SIZE": "0", "AENV_TEMPLATES__READY_TIMEOUT": "15",
+                            "AENV_TEMPLATES__STEP_TIMEOUT": "120"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def sdk(tpl_server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    return use_sdk_env(tpl_server, monkeypatch)
+
+
+def run_aenv(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*AENV, *args, "--data-dir", str(data_dir)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
