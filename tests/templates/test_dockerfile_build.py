@@ -98,7 +98,7 @@ def test_dockerfile_build_equals_the_sdk_build(sdk: Server, context: Path) -> No
     assert from_dockerfile == from_sdk
     lines = from_dockerfile.splitlines()
     assert lines[:7] == ["/srv/app", "user", "42", "with space", "sdk", "built-as-root", "last 42"], lines
-    assert "hello.txt f user 644" in lines and "lib/pkg/run.sh f root 755" in lines
+    assert "hello.txt f 1000 644" in lines and "lib/pkg/run.sh f 0 755" in lines, "\n".join(lines)   # uids
     assert not any("junk.pyc" in line for line in lines)           # .dockerignore
     assert lines[-1].startswith("user") and "python3 -m http.server 8080" in lines[-1]
 
