@@ -315,6 +315,6 @@ def cmd_build(args: argparse.Namespace) -> int:
         if args.output == "json":
             emit(args, {**result, "reason": status.get("reason")})
         raise CliError(f"build {build_id} of {args.name} failed: {message}", 1)
-    print(f"built {args.name} ({template_id}) in {result['seconds']}s", file=sys.stderr)
+    print(f"built {args.name}: template {template_id}, build {build_id}, in {result['seconds']}s", file=sys.stderr)
     emit(args, result, text=template_id)
     return 0

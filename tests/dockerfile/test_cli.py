@@ -227,3 +227,18 @@ def test_progress_on_a_terminal(project: Path) -> None:
     assert "[8/9] running\n" in tty.text
     assert "step 8/9: RUN echo \"$GREETING\" > /app/greeting, Dockerfile line 7" in tty.text
     assert tty.text.endswith("\r\033[K")
+
+
+def test_dockerfile_from_stdin_and_build_args_from_the_environment(
+        project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("GREETING", "from env")
+    monkeypatch.setattr("sys.stdin", io.StringIO("FROM a\nARG GREETING\nARG OTHER=o\nCOPY data.txt /d\n"))
+    assert main(["template", "build", "-f", "-", "--dry-run", "-o", "json", "--build-arg", "GREETING",
+                 "--build-arg", "OTHER"]) == 0                     # OTHER is not in the environment: its default
+    steps = json.loads(capsys.readouterr().out)["build"]["steps"]
+    assert [s["args"] for s in steps if s["type"] == "ENV"] == [["GREETING", "from env"], ["OTHER", "o"]]
+    assert main(["template", "build", "-f", "-", "--dry-run", "--build-arg", "=x"]) == 2
+    assert "--build-arg must be NAME=VALUE or NAME" in capsys.readouterr().err
