@@ -15,6 +15,7 @@ import datetime
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from .common import CliError, Subcommands, config_from_args, print_json, print_table
 
@@ -97,7 +98,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return cmd_ls_local(args)
     from .template_api import cmd_ls as ls_remote
 
-    return ls_remote(args)
+    return _hint_local(ls_remote, args, "ls")
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -105,7 +106,18 @@ def cmd_rm(args: argparse.Namespace) -> int:
         return cmd_rm_local(args)
     from .template_api import cmd_rm as rm_remote
 
-    return rm_remote(args)
+    return _hint_local(rm_remote, args, "rm")
+
+
+def _hint_local(command: Callable[[argparse.Namespace], int], args: argparse.Namespace, name: str) -> int:
+    """A node without a running server still has its store: say so when the API is unreachable."""
+    try:
+        return command(args)
+    except CliError as e:
+        if str(e).startswith("cannot reach"):
+            raise CliError(f"{e}; `aenv template {name} --local` works on this node's store without one",
+                           e.exit_code) from None
+        raise
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

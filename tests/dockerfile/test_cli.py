@@ -172,7 +172,7 @@ def test_ls_rm_logs(api: FakeTemplateApi, project: Path, capsys: pytest.CaptureF
 
 def test_unreachable_server_is_a_message(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["template", "ls", "--url", "http://127.0.0.1:9", "--api-key", "k"]) == 1
-    assert "cannot reach the aenv server" in capsys.readouterr().err
+    assert "cannot reach the aenv server" in (err := capsys.readouterr().err) and "template ls --local" in err
 
 
 def test_the_sdk_sends_the_same_build(api: FakeTemplateApi, project: Path, monkeypatch: pytest.MonkeyPatch,
