@@ -47,12 +47,12 @@ def test_build_ls_rm(guest: GuestImage, capsys: pytest.CaptureFixture[str], tmp_
     _check_disk_size(guest, tmp_path / "data", "cli-tpl", 1536)
     # The guest key is the build's current one (it moves if envd/ is edited during a run).
     assert built["id"].startswith("tpl-") and built["aliases"] == "cli-tpl" and len(built["guest"]) == 16
-    assert main(["template", "ls", "--json", *data]) == 0
+    assert main(["template", "ls", "--local", "--json", *data]) == 0
     assert [r["id"] for r in json.loads(capsys.readouterr().out)] == [built["id"]]
-    assert main(["template", "rm", "cli-tpl", *data]) == 0
+    assert main(["template", "rm", "--local", "cli-tpl", *data]) == 0
     capsys.readouterr()
-    assert main(["template", "rm", "cli-tpl", *data]) == 1
+    assert main(["template", "rm", "--local", "cli-tpl", *data]) == 1
     assert "aenv: error: unknown template 'cli-tpl'" in capsys.readouterr().err
-    assert main(["template", "ls", "--json", *data]) == 0
+    assert main(["template", "ls", "--local", "--json", *data]) == 0
     assert json.loads(capsys.readouterr().out) == []
     assert not [p for p in (tmp_path / "data").iterdir() if p.name.startswith("template-build-")]
