@@ -221,7 +221,7 @@ class Build:
             await self._checked(vm, ProcessRequest("/bin/sh", ("-c", script), user="root", cwd="/"), label,
                                 what=f"WORKDIR {path}")
         elif step.kind == "USER":
-            code, out = await vm.sh(f"id -u -- '{step.args[0]}'", timeout=60.0)
+            code, out = await vm.sh(f"id -u -- '{step.args[0].split(':', 1)[0]}'", timeout=60.0)
             if code != 0:
                 raise BuildFailed(f"USER {step.args[0]}: no such user in the image", label)
 

@@ -24,6 +24,7 @@ DEFAULT_USER = "user"           # E2B's: steps and sandboxes run as `user` in /h
 DEFAULT_WORKDIR = "/home/user"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\Z|[0-9]{1,10}\Z")
+_USER_GROUP = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?\Z")
 _FILES_HASH = re.compile(r"[A-Za-z0-9_-]{8,128}\Z")
 
 
@@ -84,9 +85,11 @@ class Step:
     def next_state(self, state: StepState) -> StepState:
         """The state after this step (its effect on envs, user, workdir)."""
         if self.kind == "ENV":
-            return state.with_envs(dict(zip(self.args[::2], self.args[1::2])))
+            # values see the variables before this step, as in Docker (ENV PATH=/opt/bin:$PATH)
+            envs = state.env_dict()
+            return state.with_envs({k: expand(v, envs) for k, v in zip(self.args[::2], self.args[1::2])})
         if self.kind == "USER":
-            return replace(state, user=self.args[0])
+            return replace(state, user=self.args[0].split(":", 1)[0])
         if self.kind == "WORKDIR":
             return replace(state, workdir=resolve_path(state.workdir, self.args[0]))
         return state
@@ -115,6 +118,34 @@ class BuildSpec:
     @property
     def base(self) -> str:
         return f"template {self.from_template}" if self.from_template else f"image {self.from_image}"
+
+
+# Docker's PATH for an image whose config sets none: what ``$PATH`` expands to then.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_VAR = re.compile(r"\\\$|\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<op>[-+])(?P<word>[^}]*))?\}"
+                  r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def expand(value: str, envs: dict[str, str]) -> str:
+    """``$VAR``, ``${VAR}``, ``${VAR:-default}``, ``${VAR:+alt}`` against ``envs`` (Docker's
+    ENV substitution; ``\\$`` is a literal ``$``). An unset PATH is Docker's default."""
+    def lookup(name: str) -> str:
+        if name in envs:
+            return envs[name]
+        return DEFAULT_PATH if name == "PATH" else ""
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "\\$":
+            return "$"
+        name = m.group("braced") or m.group("bare")
+        val = lookup(name)
+        op = m.group("op")
+        if op == "-":
+            return val if val else m.group("word")
+        if op == "+":
+            return m.group("word") if val else ""
+        return val
+    return _VAR.sub(one, value)
 
 
 def resolve_path(workdir: str, path: str) -> str:
@@ -172,8 +203,8 @@ def parse_step(index: int, raw: Any) -> Step:
         if len(args) != 1 or not args[0]:
             raise BadRequest(f"{where}: WORKDIR takes [path]")
     elif kind == "USER":
-        if len(args) != 1 or not _USER.match(args[0]):
-            raise BadRequest(f"{where}: USER takes [name]")
+        if len(args) != 1 or not _USER_GROUP.match(args[0]):
+            raise BadRequest(f"{where}: USER takes [name] or [name:group]")
     if kind != "COPY":
         files_hash = None
     return Step(index, kind, args, force, files_hash)
