@@ -5,6 +5,7 @@ prints the results as JSON on stdout.
 
     python -m tests.isolation.scenario attack
     python -m tests.isolation.scenario rules
+    python -m tests.isolation.scenario build
 """
 from __future__ import annotations
 
@@ -230,8 +231,39 @@ def rules() -> dict[str, Any]:
     return out
 
 
+def build_attack() -> dict[str, Any]:
+    """A template build's RUN step (user code in a build VM) tries what a sandbox tries
+    in ``attack``, and the internet; its results are read from a sandbox of the template."""
+    import tempfile
+    from e2b import Template
+
+    node_ports = listening() | EXTRA_PORTS
+    targets: set[tuple[str, int]] = set()
+    for addr in ["10.0.2.2", "10.0.2.3", *node_addresses()]:
+        targets |= {(addr, p) for p in node_ports if p != 53}
+    targets |= {(a, LAN_PORT) for a in LAN_ADDRS}
+    checks = [["tcp", h, p] for h, p in sorted(targets)] + [["tcp", INET_IP, 8080], ["http", "inet.test"]]
+    with tempfile.TemporaryDirectory() as ctx:
+        with open(os.path.join(ctx, "probe.py"), "w") as f:
+            f.write(PROBE)
+        with open(os.path.join(ctx, "checks.json"), "w") as f:
+            json.dump(checks, f)
+        t = (Template(file_context_path=ctx).from_template("base").copy("probe.py", "probe.py")
+             .copy("checks.json", "checks.json")
+             .run_cmd('python3 probe.py "$(cat checks.json)" > probe.json'))
+        Template.build(t, "isolation-build-probe")
+    sbx = Sandbox.create("isolation-build-probe", timeout=600)
+    try:
+        got = json.loads(sbx.files.read("/home/user/probe.json"))
+    finally:
+        sbx.kill()
+    return {"probes": {k: v for k, v in got.items() if k.startswith("tcp") and INET_IP not in k},
+            "inet": got[f"tcp {INET_IP} 8080"], "page": got["http inet.test"]}
+
+
 def main(what: str) -> None:
-    print(json.dumps(attack() if what == "attack" else rules()), flush=True)
+    result = {"attack": attack, "rules": rules, "build": build_attack}[what]()
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

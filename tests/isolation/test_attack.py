@@ -101,3 +101,17 @@ def test_network_controls_are_enforced(testnet: SealedNet, node_data: Path, mode
                               f"tcp {INET_IP} 8080": "ok"}, got["dns_own"]
     assert got["dns_none"] == {"dns inet.test": "none", "dns only-other.test": "none",
                                f"tcp {INET_IP} 8080": "ok"}, got["dns_none"]
+
+
+@pytest.mark.parametrize("mode", ["user", "tap"])
+def test_build_steps_reach_nothing_but_the_internet(testnet: SealedNet, node_data: Path, mode: str,
+                                                   tmp_path: Path) -> None:
+    """A template build's RUN step is user code too (docs/templates.md: the build VM):
+    it reaches none of the node's addresses and ports, nor the private hosts, and it
+    does reach the internet (apt, pip)."""
+    lan_before = len(testnet.accepted("lan"))
+    got = run_scenario(testnet, node_data, mode, tmp_path / "server.log", "build")
+    reached = sorted(t for t, r in got["probes"].items() if r == "ok")
+    assert not reached and len(got["probes"]) > 50, (mode, reached, len(got["probes"]))
+    assert len(testnet.accepted("lan")) == lan_before
+    assert got["inet"] == "ok" and got["page"] == "inet inet.test", got
