@@ -139,16 +139,19 @@ def test_from_template_tags_and_delete(sdk: Server, tmp_path: Path) -> None:
 def test_async_sdk_build(sdk: Server) -> None:
     async def go() -> None:
         t = AsyncTemplate().from_template("base").run_cmd("echo async > /tmp/a.txt")
-        info = await AsyncTemplate.build(t, "sdk-async", cpu_count=1, memory_mb=320)
+        info = await AsyncTemplate.build(t, "sdk-async", cpu_count=2, memory_mb=320)
         assert info.template_id == "sdk-async"
         assert await AsyncTemplate.exists("sdk-async")
         status = await AsyncTemplate.get_build_status(info, logs_offset=0)
         assert status.status.value == "ready" and any("[1/1] RUN" in e.message for e in status.log_entries)
         sbx = await AsyncSandbox.create("sdk-async")
         try:
-            r = await sbx.commands.run("cat /tmp/a.txt; free -m | awk '/Mem:/{print $2}'")
-            lines = r.stdout.split()
+            r = await sbx.commands.run("cat /tmp/a.txt; free -m | awk '/Mem:/{print $2}'; nproc; df -m / | tail -1")
+            lines = r.stdout.split("\n")
             assert lines[0] == "async" and 250 < int(lines[1]) <= 320, r.stdout   # the template's memoryMB
+            assert lines[2] == "2", r.stdout                                     # and cpuCount
+            info_api = await sbx.get_info()
+            assert info_api.cpu_count == 2 and info_api.memory_mb == 320
         finally:
             await sbx.kill()
     asyncio.run(go())
