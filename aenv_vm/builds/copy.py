@@ -65,13 +65,14 @@ def plain_tar(data: bytes) -> bytes:
 
 def copy_script(stage: str, src: str, dest: str, state: StepState, owner: str | None, mode: str | None) -> str:
     """The root shell script that copies ``src`` (a pattern in the context) to ``dest``
-    (relative to the workdir) from the tar at ``stage``."""
+    (relative to the workdir) from the tar at ``stage``, owned by ``owner`` (user or
+    user:group; a bare user gets its login group, as chown's ``user:``) or the step's user."""
     target = resolve_path(state.workdir, dest)
     if dest.endswith("/") and not target.endswith("/"):
         target += "/"
     who = owner or state.user
     env = {"STAGE": stage, "SRC": src.rstrip("/") or ".", "DEST": target,
-           "OWNER": "" if who == "root" else f"{who}:" , "MODE": mode or ""}
+           "OWNER": "" if who == "root" else who if ":" in who else f"{who}:", "MODE": mode or ""}
     assigns = "".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items())
     return _PRELUDE + assigns + _SCRIPT
 

@@ -184,8 +184,8 @@ def parse_step(index: int, raw: Any) -> Step:
     elif kind == "COPY":
         if not 2 <= len(args) <= 4 or not args[0] or not args[1]:
             raise BadRequest(f"{where}: COPY takes [src, dest, user?, mode?]")
-        if len(args) > 2 and args[2] and not _USER.match(args[2]):
-            raise BadRequest(f"{where}: bad user name {args[2]!r}")
+        if len(args) > 2 and args[2] and not _USER_GROUP.match(args[2]):    # Docker's --chown=user[:group]
+            raise BadRequest(f"{where}: bad owner {args[2]!r} (user or user:group)")
         if len(args) > 3 and args[3] and not re.fullmatch(r"0?[0-7]{3,4}", args[3]):
             raise BadRequest(f"{where}: COPY mode must be octal, got {args[3]!r}")
         if not isinstance(files_hash, str) or not _FILES_HASH.match(files_hash):

@@ -2,6 +2,7 @@
 points at it through environment variables only), a COPY context directory."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -16,18 +17,25 @@ REPO = Path(__file__).resolve().parents[2]
 AENV = [sys.executable, "-m", "aenv_api.cli.main"]
 
 
-@pytest.fixture(scope="module")
-def tpl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextlib.contextmanager
+def template_server(tmp_path_factory: pytest.TempPathFactory, ready_timeout: int = 15) -> Iterator[Server]:
+    """An `aenv server` on a data dir of its own, stopped (and checked) at the end."""
     if os.geteuid() != 0:
         pytest.skip("template builds need root (the guest image build)")
     data = tmp_path_factory.mktemp("tpl-node")
     srv = start_server(data, tmp_path_factory.mktemp("tpl-logs"),
-                       env={"AENV_VM__POOL_SIZE": "0", "AENV_TEMPLATES__READY_TIMEOUT": "15",
+                       env={"AENV_VM__POOL_SIZE": "0", "AENV_TEMPLATES__READY_TIMEOUT": str(ready_timeout),
                             "AENV_TEMPLATES__STEP_TIMEOUT": "120"})
     try:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tpl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with template_server(tmp_path_factory) as srv:
+        yield srv
 
 
 @pytest.fixture

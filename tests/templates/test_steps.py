@@ -94,6 +94,16 @@ def test_copy_script_quotes_everything() -> None:
     script = copy_script("/tmp/s.tar", "a b/$(reboot)", "dest dir/", StepState(), None, "0755")
     assert "SRC='a b/$(reboot)'" in script and "DEST='/home/user/dest dir/'" in script
     assert "OWNER=user:" in script and "MODE=0755" in script
+    assert "OWNER=app:staff\n" in copy_script("/tmp/s.tar", "a", "/b", StepState(), "app:staff", None)
+    assert "OWNER=''\n" in copy_script("/tmp/s.tar", "a", "/b", StepState(), "root", None)
+
+
+def test_copy_takes_an_owner_with_a_group() -> None:
+    copy = {"type": "COPY", "args": ["a", "/b", "user:user", ""], "filesHash": "0" * 64}
+    assert parse_build({"fromImage": "e2bdev/base", "steps": [copy]}).steps[0].args[2] == "user:user"
+    for bad in ("user:", ":user", "a b", "user:user:x"):
+        with pytest.raises(BadRequest, match="bad owner"):
+            parse_build({"fromImage": "e2bdev/base", "steps": [{**copy, "args": ["a", "/b", bad, ""]}]})
 
 
 def test_plain_tar_refuses_broken_gzip() -> None:
