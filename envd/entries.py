@@ -30,8 +30,10 @@ def _type(mode: int) -> str | None:
 
 
 def entry_info(path: str) -> Message:
-    """EntryInfo of ``path`` itself (a symlink is described, not followed;
-    its ``type`` is the target's, as newer envd reports, plus ``isSymlink``)."""
+    """EntryInfo of ``path`` itself (a symlink is described, not followed, but
+    its ``type`` is the target's and ``symlinkTarget`` the resolved target, as
+    E2B's envd reports; no ``isSymlink``: the SDK would then call it SYMLINK,
+    which E2B's envd never makes it do for a link to a file or directory)."""
     st = os.lstat(path)
     info: Message = {
         "name": os.path.basename(path) or path,
@@ -45,7 +47,6 @@ def entry_info(path: str) -> Message:
     }
     kind = _type(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
-        info["isSymlink"] = True
         info["symlinkTarget"] = os.path.realpath(path)
         try:
             kind = _type(os.stat(path).st_mode) or SYMLINK
