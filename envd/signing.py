@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 READ = "read"
 WRITE = "write"
@@ -64,7 +65,7 @@ class BadExpiration(ValueError):
     """``signature_expiration`` is not an integer."""
 
 
-def parse(method: str, query: dict[str, str]) -> SignedRequest:
+def parse(method: str, query: Mapping[str, str]) -> SignedRequest:
     """From the query values (the first of each name). BadExpiration on a non-integer expiry."""
     raw_exp = query.get("signature_expiration")
     expiration = None

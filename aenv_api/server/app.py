@@ -31,7 +31,9 @@ from .auth import Credentials, presented_api_key
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
-from .proxy import SANDBOX_ID_HEADER, SandboxProxy, parse_host, route_of
+from envd import ENVD_PORT
+
+from .proxy import SANDBOX_ID_HEADER, SandboxProxy, is_unrouted_signed_url, parse_host, route_of, signed_files
 from .rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner, parser_reason
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
@@ -137,7 +139,8 @@ class ApiServer:
         domain = self.config.domain
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            if SANDBOX_ID_HEADER in request.headers or (domain and parse_host(request.host, domain)):
+            if SANDBOX_ID_HEADER in request.headers or (domain and parse_host(request.host, domain)) or (
+                    is_unrouted_signed_url(request)):
                 return await self._answer(request, app_handler)  # type: ignore[arg-type]
             return await app_handler(request)
         return handler
@@ -152,6 +155,10 @@ class ApiServer:
         sandbox = None
         try:
             target = route_of(request, self.config.domain)
+            if target is None and is_unrouted_signed_url(request):
+                signed = signed_files(request)
+                assert signed is not None
+                target = (await self.lifecycle.signed_sandbox(signed), ENVD_PORT)
             if target is not None:
                 kind, sandbox = "proxy", target[0]
                 resp = await self.proxy.handle(request, *target, rid)

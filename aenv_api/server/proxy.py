@@ -1,9 +1,11 @@
 """Reverse proxy from the API port to sandbox ports.
 
 Sandbox traffic is recognised by the ``E2b-Sandbox-Id`` header (port in
-``E2b-Sandbox-Port``, default envd's 49983) or by a host of the form
-``<port>-<sandboxID>.<domain>`` when ``[server] domain`` is set. Everything
-else is control plane.
+``E2b-Sandbox-Port``, default envd's 49983), by a host of the form
+``<port>-<sandboxID>.<domain>`` when ``[server] domain`` is set, or, for a
+signed file URL naming no sandbox (``/files?…&signature=…``, what the SDK
+builds on ``E2B_SANDBOX_URL``), by the signature itself: it is made with one
+secured sandbox's envd token. Everything else is control plane.
 
 Both directions stream: request bodies (chunked ones too) are forwarded as
 they arrive, responses are written out piece by piece as they come from the
@@ -37,7 +39,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from envd import ENVD_PORT
+from envd import ENVD_PORT, signing
+from envd.signing import SignedRequest
 
 from .auth import check_token
 from .errors import ApiError
@@ -81,6 +84,27 @@ def parse_host(host: str, domain: str) -> tuple[str, int] | None:
     if not sep or not sid or "." in sid or not port.isdigit():
         return None
     return sid, int(port)
+
+
+FILES_PATH = "/files"
+
+
+def signed_files(request: web.BaseRequest) -> SignedRequest | None:
+    """The signature part of a ``/files`` request (None for any other path). ApiError 400
+    on an expiry that is not a number, as envd answers."""
+    if request.path != FILES_PATH:
+        return None
+    try:
+        return signing.parse(request.method, request.query)
+    except signing.BadExpiration as e:
+        raise ApiError(400, str(e)) from None
+
+
+def is_unrouted_signed_url(request: web.BaseRequest) -> bool:
+    """A signed file URL that names no sandbox (the SDK's ``download_url``/``upload_url``
+    on ``E2B_SANDBOX_URL``): ``/files`` with a ``signature`` query parameter. Its
+    signature says which sandbox it is for (``Lifecycle.signed_sandbox``)."""
+    return request.path == FILES_PATH and "signature" in request.query
 
 
 def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
@@ -167,7 +191,8 @@ class SandboxProxy:
         rules = self.lifecycle.proxy_rules(sid)
         if rules.traffic_token and port != ENVD_PORT:
             _check_traffic_token(rules.traffic_token, request, sid)
-        host, host_port = await self.lifecycle.target(sid, port, request.headers.get("X-Access-Token"))
+        signed = signed_files(request) if port == ENVD_PORT else None
+        host, host_port = await self.lifecycle.target(sid, port, request.headers.get("X-Access-Token"), signed)
         tls = port in rules.https_ports
         host_header = rules.host_header(port) or f"{host}:{host_port}"
         if request.headers.get("Upgrade", "").lower() == "websocket":

@@ -70,7 +70,7 @@ def test_gzip_uploads_octet_and_multipart(envd: Envd, sandbox, workdir) -> None:
         assert not target.exists()
 
 
-def test_remove_missing_and_symlink_types(sandbox, workdir) -> None:  # type: ignore[no-untyped-def]
+def test_remove_missing_and_symlink_types(sandbox, workdir, test_user) -> None:  # type: ignore[no-untyped-def]
     sandbox.files.remove(str(workdir / "never-was"))
     sandbox.files.remove(str(workdir / "never" / "was" / "deep"))
     (workdir / "dir").mkdir()
@@ -82,7 +82,17 @@ def test_remove_missing_and_symlink_types(sandbox, workdir) -> None:  # type: ig
     assert to_file.type == FileType.FILE and to_file.symlink_target == str(workdir / "dir" / "f.txt")
     to_dir = sandbox.files.get_info(str(workdir / "to-dir"))
     assert to_dir.type == FileType.DIR and to_dir.symlink_target == str(workdir / "dir")
-    assert sandbox.files.get_info(str(workdir / "dangling")).type == FileType.SYMLINK
+    dangling = sandbox.files.get_info(str(workdir / "dangling"))   # E2B: no type, its own target
+    assert dangling.type is None and dangling.symlink_target == str(workdir / "dangling")
+    # a link another user owns in a sticky world-writable directory (/tmp): envd (root)
+    # may not follow it (fs.protected_symlinks), yet reports the target's type
+    sticky = workdir / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    os.symlink(workdir / "dir" / "f.txt", sticky / "theirs")
+    os.lchown(sticky / "theirs", test_user.pw_uid, test_user.pw_gid)
+    theirs = sandbox.files.get_info(str(sticky / "theirs"))
+    assert theirs.type == FileType.FILE and theirs.symlink_target == str(workdir / "dir" / "f.txt")
     sandbox.files.remove(str(workdir / "to-dir"))  # the link goes, not what it points at
     assert (workdir / "dir" / "f.txt").exists() and not os.path.lexists(workdir / "to-dir")
 
