@@ -11,6 +11,7 @@ from . import schemas as S
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .proxy import AGENTENV_ID_HEADER
 from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
@@ -55,7 +56,7 @@ class ControlPlane:
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
         if key is None:
             rec = await self.lc.create(req, v2=v2)
-            return json_response(rec.sandbox(self.domain), 201)
+            return json_response(rec.sandbox(self.domain), 201, headers={AGENTENV_ID_HEADER: rec.sandbox_id})
 
         async def create() -> str:
             return (await self.lc.create(req, v2=v2)).sandbox_id
@@ -68,7 +69,9 @@ class ControlPlane:
                 raise
             raise ApiError(409, f"the sandbox {sid} created with this {idempotency.HEADER} no longer exists; "
                                 f"use a new key to create another", sandboxId=sid, retry=False) from None
-        headers = {idempotency.REPLAYED_HEADER: "true"} if replayed else None
+        headers = {AGENTENV_ID_HEADER: rec.sandbox_id}   # AgentENV's clients route by it
+        if replayed:
+            headers[idempotency.REPLAYED_HEADER] = "true"
         return json_response(rec.sandbox(self.domain), 201, headers=headers)
 
     async def get_info(self, request: web.Request, call: Call) -> web.Response:

@@ -33,7 +33,8 @@ from .lifecycle import Lifecycle
 from .metrics import Metrics
 from envd import ENVD_PORT
 
-from .proxy import SANDBOX_ID_HEADER, SandboxProxy, is_unrouted_signed_url, parse_host, route_of, signed_files
+from .proxy import (SandboxProxy, has_proxy_prefix, has_routing_header, is_unrouted_signed_url, parse_host, route_of,
+                    signed_files)
 from .rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner, parser_reason
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
@@ -139,8 +140,8 @@ class ApiServer:
         domain = self.config.domain
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            if SANDBOX_ID_HEADER in request.headers or (domain and parse_host(request.host, domain)) or (
-                    is_unrouted_signed_url(request)):
+            if has_routing_header(request) or (domain and parse_host(request.host, domain)) or (
+                    is_unrouted_signed_url(request) or has_proxy_prefix(request.path)):
                 return await self._answer(request, app_handler)  # type: ignore[arg-type]
             return await app_handler(request)
         return handler

@@ -9,6 +9,7 @@ import datetime
 import gzip
 import json
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -262,3 +263,54 @@ async def _async_parity(server: Server) -> None:
         assert "not supported by aenv" in str(exc.value)
     finally:
         await sbx.kill()
+
+
+# --- AgentENV's routing -----------------------------------------------------------------
+
+
+def test_agentenv_routing_headers_and_proxy_prefix(sdk_env: Server, sbx) -> None:  # type: ignore[no-untyped-def]
+    sbx.files.write("/tmp/www/index.html", "<p>agentenv</p>")
+    sbx.commands.run("cd /tmp/www && python3 -m http.server 8080 --bind 0.0.0.0 >/dev/null 2>&1", background=True)
+    agentenv = {"x-agentenv-sandbox-id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+    envd = {**agentenv, "x-agentenv-target-port": "49983"}
+    # /proxy/<path> reaches /<path> of the guest port the headers name
+    assert _http("GET", f"{sdk_env.url}/proxy/health", headers=envd)[0] == 204
+    assert _http("GET", f"{sdk_env.url}/proxy/files?path=/tmp/www/index.html", headers=envd) == (
+        200, b"<p>agentenv</p>")
+    status, body = _http("POST", f"{sdk_env.url}/proxy/filesystem.Filesystem/Stat",
+                         json.dumps({"path": "/tmp/www/index.html"}).encode(),
+                         {**envd, "Content-Type": "application/json"})
+    assert status == 200 and json.loads(body)["entry"]["name"] == "index.html"
+    # the headers without the prefix, and a port default of envd's
+    assert _http("GET", f"{sdk_env.url}/files?path=/tmp/www/index.html", headers=agentenv)[1] == b"<p>agentenv</p>"
+    # a signed URL through the prefix
+    signed = urllib.parse.urlsplit(sbx.download_url("/tmp/www/index.html"))
+    status, body = _http("GET", f"{sdk_env.url}/proxy/files?{signed.query}",
+                         headers={"x-agentenv-sandbox-id": sbx.sandbox_id, "x-agentenv-target-port": "49983"})
+    assert (status, body) == (200, b"<p>agentenv</p>")
+    # another guest port; /proxy alone is the guest's /
+    app = {"x-agentenv-sandbox-id": sbx.sandbox_id, "x-agentenv-target-port": "8080"}
+    deadline = time.monotonic() + 60    # the server starts in the background
+    while True:
+        status, body = _http("GET", f"{sdk_env.url}/proxy/index.html", headers=app)
+        if status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert (status, body) == (200, b"<p>agentenv</p>")
+    status, body = _http("GET", f"{sdk_env.url}/proxy", headers=app)
+    assert (status, body) == (200, b"<p>agentenv</p>")   # the guest's / (its index.html)
+    # what cannot be routed
+    status, body = _http("GET", f"{sdk_env.url}/proxy/files?path=/etc/hostname")
+    assert status == 400 and "missing sandbox routing header" in json.loads(body)["message"]
+    status, body = _http("GET", f"{sdk_env.url}/proxy/health", headers={**envd, "x-agentenv-target-port": "nope"})
+    assert status == 400 and "X-Agentenv-Target-Port" in json.loads(body)["message"]
+    assert _http("GET", f"{sdk_env.url}/proxy/health", headers={"x-agentenv-sandbox-id": "sbx-nope"})[0] == 502
+
+
+def test_create_answers_the_agentenv_sandbox_header(sdk_env: Server) -> None:
+    status, headers, body = sdk_env.request("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 60})
+    try:
+        lower = {k.lower(): v for k, v in headers.items()}
+        assert status == 201 and lower["x-agentenv-sandbox-id"] == body["sandboxID"]
+    finally:
+        sdk_env.request("DELETE", f"/sandboxes/{body['sandboxID']}")

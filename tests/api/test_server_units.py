@@ -363,3 +363,38 @@ def test_unsupported_options_named() -> None:
         with pytest.raises(ApiError) as e:
             reject_unsupported(req)
         assert e.value.status == 400 and "not supported by aenv" in e.value.message
+
+
+@pytest.mark.parametrize("path,headers,expected", [
+    ("/proxy/files?path=/a%20b", {"x-agentenv-sandbox-id": "s"}, "/files?path=/a%20b"),
+    ("/proxy", {"x-agentenv-sandbox-id": "s"}, "/"),
+    ("/proxy?x=1", {"E2b-Sandbox-Id": "s"}, "/?x=1"),
+    ("/proxyless", {"x-agentenv-sandbox-id": "s"}, "/proxyless"),
+    ("/proxy/app", {"Host": "8080-s.aenv.test"}, "/proxy/app"),      # host-routed: the guest's own path
+    ("/files?path=x", {"E2b-Sandbox-Id": "s"}, "/files?path=x"),
+])
+def test_forward_target_strips_agentenv_prefix_of_header_routes(path: str, headers: dict[str, str],
+                                                                expected: str) -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from aenv_api.server.proxy import forward_target
+
+    assert forward_target(make_mocked_request("GET", path, headers=headers)) == expected
+
+
+def test_route_of_agentenv_headers() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from aenv_api.server.proxy import route_of
+
+    def route(path: str, **headers: str) -> object:
+        return route_of(make_mocked_request("GET", path, headers=headers), "aenv.test")
+
+    assert route("/x", **{"x-agentenv-sandbox-id": "sbx-1", "x-agentenv-target-port": "8080"}) == ("sbx-1", 8080)
+    assert route("/x", **{"x-agentenv-sandbox-id": "sbx-1"}) == ("sbx-1", 49983)
+    assert route("/x", **{"E2b-Sandbox-Id": "e", "x-agentenv-sandbox-id": "a"}) == ("e", 49983)  # E2B's first
+    assert route("/x") is None
+    for bad in ({"x-agentenv-sandbox-id": "s", "x-agentenv-target-port": "0"}, {}):
+        with pytest.raises(ApiError) as e:
+            route("/proxy/x", **bad)
+        assert e.value.status == 400
