@@ -13,7 +13,6 @@ from .rpc import Message
 
 FILE = "FILE_TYPE_FILE"
 DIRECTORY = "FILE_TYPE_DIRECTORY"
-SYMLINK = "FILE_TYPE_SYMLINK"
 
 
 def _rfc3339(ts: float) -> str:
@@ -30,8 +29,10 @@ def _type(mode: int) -> str | None:
 
 
 def entry_info(path: str) -> Message:
-    """EntryInfo of ``path`` itself (a symlink is described, not followed;
-    its ``type`` is the target's, as newer envd reports, plus ``isSymlink``)."""
+    """EntryInfo of ``path`` itself (a symlink is described, not followed, but
+    its ``type`` and ``mode`` are the target's and ``symlinkTarget`` the resolved
+    target, as E2B's envd reports; no ``isSymlink``: the SDK would then call it
+    SYMLINK, which E2B's envd never makes it do)."""
     st = os.lstat(path)
     info: Message = {
         "name": os.path.basename(path) or path,
@@ -45,12 +46,19 @@ def entry_info(path: str) -> Message:
     }
     kind = _type(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
-        info["isSymlink"] = True
-        info["symlinkTarget"] = os.path.realpath(path)
+        # The target is resolved link by link (readlink, as Go's EvalSymlinks) and then
+        # stat'ed by its resolved path: following the link itself would be refused in a
+        # sticky world-writable directory (/tmp) for a link another user owns
+        # (fs.protected_symlinks), even to root. A link that resolves to nothing is
+        # its own target, of no type (E2B's envd: FILE_TYPE_UNSPECIFIED).
         try:
-            kind = _type(os.stat(path).st_mode) or SYMLINK
+            target = os.path.realpath(path, strict=True)
+            tst = os.stat(target)
+            kind, info["mode"] = _type(tst.st_mode), stat.S_IMODE(tst.st_mode)
+            info["symlinkTarget"] = target
         except OSError:
-            kind = SYMLINK  # dangling link
+            kind, info["mode"] = None, 0
+            info["symlinkTarget"] = path
     info["type"] = kind or "FILE_TYPE_UNSPECIFIED"
     meta = metadata.read(path)
     if meta:

@@ -23,6 +23,8 @@ from .router import media_type
 from .state import EnvdState
 
 CHUNK = 256 * 1024
+# Downloads up to this size are read into memory and sent with their real length.
+SMALL_FILE = 64 * 1024
 
 
 def _accepts_gzip(accept: str | None) -> bool | None:
@@ -99,20 +101,33 @@ async def download(head: RequestHead, state: EnvdState, auth_user: str | None) -
     except OSError as e:
         return _os_error_response(e, path)
     size = os.fstat(f.fileno()).st_size
-    headers: list[tuple[str, str]] = [("Content-Type", "application/octet-stream")]
+    headers: list[tuple[str, str]] = [("Content-Type", "application/octet-stream"),
+                                      ("Content-Disposition", f"attachment; filename=\"{os.path.basename(path)}\"")]
     if gz:
         headers.append(("Content-Encoding", "gzip"))
-    else:
-        headers.append(("Content-Length", str(size)))
-    headers.append(("Content-Disposition", f"attachment; filename=\"{os.path.basename(path)}\""))
-    if gz:
         return Response(200, tuple(headers), stream=_read_file(f, gz))
-    return Response(200, tuple(headers), file=f)
-
-
-async def _read_file(f: BinaryIO, gz: bool) -> AsyncIterator[bytes]:
-    comp = zlib.compressobj(1, zlib.DEFLATED, 31)  # fast level: CPU is the scarce resource if gz else None
+    if size > SMALL_FILE:
+        headers.append(("Content-Length", str(size)))
+        return Response(200, tuple(headers), file=f)
+    # Small files are read, not trusted by their stat size: files of /proc say 0 bytes
+    # and those of /sys 4096 whatever they hold, and a file may grow meanwhile. What
+    # turns out larger than a small file is streamed on (chunked) to its end.
     try:
+        head_bytes = f.read(SMALL_FILE + 1)
+    except OSError as e:
+        f.close()
+        return _os_error_response(e, path)
+    if len(head_bytes) <= SMALL_FILE:
+        f.close()
+        return Response(200, (*headers, ("Content-Length", str(len(head_bytes)))), head_bytes)
+    return Response(200, tuple(headers), stream=_read_file(f, False, head_bytes))
+
+
+async def _read_file(f: BinaryIO, gz: bool, first: bytes = b"") -> AsyncIterator[bytes]:
+    comp = zlib.compressobj(1, zlib.DEFLATED, 31) if gz else None  # fast level: CPU is the scarce resource
+    try:
+        if first:
+            yield first
         while True:
             data = f.read(CHUNK)
             if not data:
@@ -183,13 +198,18 @@ async def upload(head: RequestHead, body: BodyReader, state: EnvdState, auth_use
         meta = metadata.from_headers(head.headers)
     except metadata.MetadataError as e:
         return http_error(400, str(e))
+    encoding = (head.header("content-encoding") or "identity").strip().lower()
+    if encoding not in ("identity", "gzip"):
+        return http_error(400, f"unsupported Content-Encoding: {encoding!r}, supported: [identity, gzip]")
+    # Content-Encoding applies to the whole request body, multipart or not (as in E2B's envd).
+    chunks = _gunzip(body) if encoding == "gzip" else body.__aiter__()
     try:
         if media == "application/octet-stream":
             if not raw:
                 return http_error(400, "the 'path' query parameter is required for octet-stream uploads")
-            return await _upload_octet(head, body, users.resolve_path(raw, user), user, meta)
+            return await _upload_octet(chunks, users.resolve_path(raw, user), user, meta)
         if media == "multipart/form-data":
-            return await _upload_multipart(body, ctype, raw, user, meta)
+            return await _upload_multipart(chunks, ctype, raw, user, meta)
     except ConnectError as e:
         return http_error(400, e.message)
     except HttpError as e:
@@ -197,34 +217,50 @@ async def upload(head: RequestHead, body: BodyReader, state: EnvdState, auth_use
     return http_error(400, f"unsupported content type {media!r}; use multipart/form-data or application/octet-stream")
 
 
-async def _upload_octet(
-    head: RequestHead, body: BodyReader, path: str, user: users.User, meta: dict[str, str]
-) -> Response:
-    encoding = (head.header("content-encoding") or "identity").strip().lower()
-    if encoding not in ("identity", "gzip"):
-        return http_error(400, f"unsupported content-encoding {encoding!r}")
-    decomp = zlib.decompressobj(31) if encoding == "gzip" else None
+async def _gunzip(body: BodyReader) -> AsyncIterator[bytes]:
+    """The decompressed body; HttpError 400 when it is not gzip or ends early.
+    Concatenated gzip members are one stream (RFC 1952), as Go's reader takes them.
+    Output is bounded per step, so a gzip bomb cannot balloon memory."""
+    decomp = zlib.decompressobj(31)
+    seen = False
+    try:
+        async for chunk in body:
+            while chunk:
+                seen = True
+                out = decomp.decompress(chunk, CHUNK)
+                if out:
+                    yield out
+                while decomp.unconsumed_tail:
+                    out = decomp.decompress(decomp.unconsumed_tail, CHUNK)
+                    if out:
+                        yield out
+                chunk = b""
+                if decomp.eof and decomp.unused_data:
+                    chunk = decomp.unused_data
+                    decomp = zlib.decompressobj(31)
+        tail = decomp.flush()
+        if tail:
+            yield tail
+    except zlib.error as e:
+        raise HttpError(400, f"error decompressing request body: invalid gzip data ({e})") from None
+    if seen and not decomp.eof:
+        raise HttpError(400, "error decompressing request body: unexpected EOF (truncated gzip data)")
+    if not seen:
+        raise HttpError(400, "error decompressing request body: empty body is not gzip data")
+
+
+async def _upload_octet(chunks: AsyncIterator[bytes], path: str, user: users.User, meta: dict[str, str]) -> Response:
     try:
         f = _Target(path, user, meta)
     except OSError as e:
         return _os_error_response(e, path)
     ok = False
     try:
-        async for chunk in body:
-            if decomp is not None:
-                # Bounded output per step: a gzip bomb cannot balloon memory.
-                f.write(decomp.decompress(chunk, CHUNK))
-                while decomp.unconsumed_tail:
-                    f.write(decomp.decompress(decomp.unconsumed_tail, CHUNK))
-            else:
-                f.write(chunk)
-        if decomp is not None:
-            f.write(decomp.flush())
-            if not decomp.eof:
-                return http_error(400, "truncated gzip body")
+        async for chunk in chunks:
+            f.write(chunk)
         ok = True
-    except zlib.error as e:
-        return http_error(400, f"invalid gzip body: {e}")
+    except HttpError as e:
+        return http_error(e.status, e.message)
     except OSError as e:
         return _os_error_response(e, path)
     finally:
@@ -249,7 +285,7 @@ def _part_target(filename: str | None, query_path: str | None, user: users.User)
 
 
 async def _upload_multipart(
-    body: BodyReader, ctype: str, query_path: str | None, user: users.User, meta: dict[str, str]
+    chunks: AsyncIterator[bytes], ctype: str, query_path: str | None, user: users.User, meta: dict[str, str]
 ) -> Response:
     try:
         parser = MultipartParser(boundary_from_content_type(ctype))
@@ -259,7 +295,7 @@ async def _upload_multipart(
     current: _Target | None = None
     path = ""
     try:
-        async for chunk in body:
+        async for chunk in chunks:
             for ev in parser.feed(chunk):
                 if isinstance(ev, PartStart):
                     disp = ev.disposition

@@ -55,6 +55,11 @@ def chown(path: str, user: users.User) -> None:
             pass
 
 
+def _ignore_missing(func, path: str, exc_info) -> None:  # type: ignore[no-untyped-def]
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
 class _PolledWatcher:
     def __init__(self, watcher: DirWatcher) -> None:
         self.watcher = watcher
@@ -152,12 +157,16 @@ class FilesystemService:
         return {"entries": entries}
 
     async def remove(self, msg: Message, ctx: RpcContext) -> Message:
+        """Go's ``os.RemoveAll``, as E2B's envd does: a path that is not there is
+        already removed (no error), and so is what vanishes while a tree is removed."""
         path = self._path(msg, ctx)
         try:
             if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
+                shutil.rmtree(path, onerror=_ignore_missing)
             else:
                 os.remove(path)
+        except FileNotFoundError:
+            pass
         except OSError as e:
             raise os_error(e, path) from None
         return {}

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from . import ENVD_VERSION, VERSION_HEADER, connect, files, identity
+from . import ENVD_VERSION, VERSION_HEADER, connect, files, identity, signing
 from .connect import Code, ConnectError
 from .fs_service import FilesystemService
 from .http11 import LAST_CHUNK, MAX_HEAD_BYTES, BodyReader, HttpError, RequestHead, encode_chunk, format_head, parse_request_head
@@ -273,8 +273,10 @@ class EnvdServer:
 
     def _authorized(self, head: RequestHead, r: Route) -> bool:
         token = self.state.access_token
-        if token is None or r.path in PUBLIC_PATHS or r.path == "/init":
-            return True  # /init checks the token itself (it may carry it in the body)
+        if token is None or r.path in PUBLIC_PATHS or r.path in ("/init", "/files"):
+            # /init checks the token itself (it may carry it in the body); /files takes
+            # the token or a URL signature instead (_files_denied), as E2B's envd does.
+            return True
         given = head.header("x-access-token")
         return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
@@ -369,9 +371,23 @@ class EnvdServer:
             return json_response(200, self.state.env_vars)
         if path == "/init":
             return await self._init(head, body)
+        denied = self._files_denied(head)
+        if denied is not None:
+            return denied
         if head.method in ("GET", "HEAD"):
             return await files.download(head, self.state, auth_user)
         return await files.upload(head, body, self.state, auth_user)
+
+    def _files_denied(self, head: RequestHead) -> Response | None:
+        """401 with E2B's message unless the request bears the token or a valid,
+        unexpired signature (signing.py)."""
+        query = {k: v for k, v in reversed(head.query)}  # the first value of each name wins
+        try:
+            req = signing.parse(head.method, query)
+        except signing.BadExpiration as e:
+            return http_error(400, str(e))
+        reason = signing.check(req, self.state.access_token, head.header("x-access-token"))
+        return None if reason is None else http_error(401, reason)
 
     async def _init(self, head: RequestHead, body: BodyReader) -> Response:
         raw = await body.read_all(1 << 20)

@@ -6,14 +6,18 @@ from typing import Any
 
 from aiohttp import web
 
+from . import idempotency
 from . import schemas as S
+from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .proxy import AGENTENV_ID_HEADER
 from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 from .templates_api import TemplateApi
+from .unsupported import reject_unsupported
 
 
 
@@ -32,6 +36,7 @@ class ControlPlane:
         self.metrics = metrics
         self.config = config
         self.openapi_doc: dict[str, Any] = {}
+        self.creates = idempotency.IdempotentCreates()
 
     @property
     def domain(self) -> str:
@@ -40,14 +45,34 @@ class ControlPlane:
     # --- sandboxes -----------------------------------------------------------
 
     async def create_v1(self, request: web.Request, call: Call) -> web.Response:
-        return await self._create(call, v2=False)
+        return await self._create(request, call, v2=False)
 
     async def create_v2(self, request: web.Request, call: Call) -> web.Response:
-        return await self._create(call, v2=True)
+        return await self._create(request, call, v2=True)
 
-    async def _create(self, call: Call, v2: bool) -> web.Response:
-        rec = await self.lc.create(S.NewSandbox(**call.body), v2=v2)
-        return json_response(rec.sandbox(self.domain), 201)
+    async def _create(self, request: web.Request, call: Call, v2: bool) -> web.Response:
+        req = S.NewSandbox(**call.body)
+        reject_unsupported(req)
+        key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
+        if key is None:
+            rec = await self.lc.create(req, v2=v2)
+            return json_response(rec.sandbox(self.domain), 201, headers={AGENTENV_ID_HEADER: rec.sandbox_id})
+
+        async def create() -> str:
+            return (await self.lc.create(req, v2=v2)).sandbox_id
+
+        sid, replayed = await self.creates.run(key, idempotency.fingerprint(request.path, call.body), create)
+        try:
+            rec = await self.lc.get(sid)
+        except ApiError as e:
+            if e.status != 404 or not replayed:
+                raise
+            raise ApiError(409, f"the sandbox {sid} created with this {idempotency.HEADER} no longer exists; "
+                                f"use a new key to create another", sandboxId=sid, retry=False) from None
+        headers = {AGENTENV_ID_HEADER: rec.sandbox_id}   # AgentENV's clients route by it
+        if replayed:
+            headers[idempotency.REPLAYED_HEADER] = "true"
+        return json_response(rec.sandbox(self.domain), 201, headers=headers)
 
     async def get_info(self, request: web.Request, call: Call) -> web.Response:
         return json_response((await self.lc.get(call.path["sandboxID"])).detail(self.domain))

@@ -19,6 +19,7 @@ import logging
 import re
 import secrets
 import time
+import zlib
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -30,7 +31,10 @@ from .auth import Credentials, presented_api_key
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
-from .proxy import SANDBOX_ID_HEADER, SandboxProxy, parse_host, route_of
+from envd import ENVD_PORT
+
+from .proxy import (SandboxProxy, has_proxy_prefix, has_routing_header, is_unrouted_signed_url, parse_host, route_of,
+                    signed_files)
 from .rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner, parser_reason
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
@@ -58,6 +62,27 @@ def _parse_json(raw: bytes) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
 
 
+def _decoded(raw: bytes, encoding: str) -> bytes:
+    """A control-plane body as JSON text. The HTTP server leaves bodies as they came
+    (a proxied gzip upload must reach envd still compressed), so gzip is undone here,
+    bounded to ``MAX_BODY``."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding != "gzip":
+        raise ApiError(415, f"unsupported Content-Encoding {encoding[:40]!r}: send identity or gzip")
+    d = zlib.decompressobj(31)
+    try:
+        out = d.decompress(raw, MAX_BODY + 1)
+    except zlib.error as e:
+        raise ApiError(400, f"request body is not valid gzip: {e}") from None
+    if len(out) > MAX_BODY:
+        raise ApiError(413, f"request body over {MAX_BODY} bytes once decompressed")
+    if not d.eof:
+        raise ApiError(400, "request body is truncated gzip")
+    return out
+
+
 class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
                  version: str, templates: TemplateApi | None = None) -> None:
@@ -82,7 +107,7 @@ class ApiServer:
                 raise ApiError(401, "Invalid API key: send the server's key, once, in the X-API-Key header")
             body: dict[str, Any] = {}
             if route.body is not None:
-                raw = await request.read()
+                raw = _decoded(await request.read(), request.headers.get("Content-Encoding", ""))
                 if raw.strip():
                     body = route.body.parse_body(_parse_json(raw))
                 elif route.body_required:
@@ -115,7 +140,8 @@ class ApiServer:
         domain = self.config.domain
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            if SANDBOX_ID_HEADER in request.headers or (domain and parse_host(request.host, domain)):
+            if has_routing_header(request) or (domain and parse_host(request.host, domain)) or (
+                    is_unrouted_signed_url(request) or has_proxy_prefix(request.path)):
                 return await self._answer(request, app_handler)  # type: ignore[arg-type]
             return await app_handler(request)
         return handler
@@ -130,6 +156,10 @@ class ApiServer:
         sandbox = None
         try:
             target = route_of(request, self.config.domain)
+            if target is None and is_unrouted_signed_url(request):
+                signed = signed_files(request)
+                assert signed is not None
+                target = (await self.lifecycle.signed_sandbox(signed), ENVD_PORT)
             if target is not None:
                 kind, sandbox = "proxy", target[0]
                 resp = await self.proxy.handle(request, *target, rid)
@@ -195,7 +225,11 @@ class ApiServer:
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port`` 0 picks a free one)."""
         # Requests the HTTP parser itself refuses are answered in JSON too (rejects.py).
+        # auto_decompress off: aiohttp would otherwise inflate a gzip request body and the
+        # proxy would forward it inflated under its Content-Encoding: gzip header (envd then
+        # fails to gunzip plain bytes). Control-plane bodies are inflated by _decoded.
         self._runner = JsonErrorRunner(self.build_app(), on_reject=self._log_reject, access_log=None,
+                                       auto_decompress=False,
                                        handle_signals=False, shutdown_timeout=self.config.shutdown_grace,
                                        max_line_size=MAX_LINE, max_field_size=MAX_FIELD)
         await self._runner.setup()

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from envd import ENVD_PORT
+from envd.signing import SignedRequest
+from envd import signing
 
 from aenv_vm.errors import BadRequest, CapacityError, Conflict, NotFound, Unsupported, VmError
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
@@ -44,7 +46,7 @@ from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_
 from .sandbox_logs import MAX_CONSOLE_BYTES, LogEntry, SandboxLogs
 from .schemas import NewSandbox, iso
 from .settings import ServerConfig
-from .views import FALLBACK_ENVD_VERSION, SandboxView, page, parse_metadata_filter
+from .views import FALLBACK_ENVD_VERSION, SandboxView, page, parse_metadata_filter, started_at_or_after
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +264,7 @@ class Lifecycle:
                  if (not states or v.state in states)
                  and all(v.metadata.get(k) == val for k, val in wanted.items())
                  and (template is None or template in (v.template_id, v.alias))
-                 and (started_after is None or v.started_at >= started_after)]
+                 and (started_after is None or started_at_or_after(v.started_at, started_after))]
         return page(items, lambda v: (v.started_at, v.sandbox_id), order != "asc", limit, next_token)
 
     # --- pause / resume / connect -------------------------------------------
@@ -399,12 +401,25 @@ class Lifecycle:
                  "cpuUsedPct": round(cpu_pct, 2), "memUsed": use.rss_bytes, "memTotal": view.memory_mb << 20,
                  "memCache": 0, "diskUsed": use.disk_bytes, "diskTotal": view.disk_size_mb << 20}]
 
-    async def target(self, sid: str, port: int, access_token: str | None) -> tuple[str, int]:
+    async def signed_sandbox(self, signed: SignedRequest) -> str:
+        """The sandbox a signed ``/files`` URL with no sandbox in it is for: the secured
+        sandbox whose envd token the signature was made with (the SDK's URL on
+        ``E2B_SANDBOX_URL`` names no sandbox; only the signature binds it to one).
+        ApiError 401 with envd's "invalid signature" when none matches. One SHA-256 per
+        secured sandbox, running or paused."""
+        for view in await self.list_views():
+            if view.access_token and signed.matches(view.access_token):
+                return view.sandbox_id
+        raise ApiError(401, signing.INVALID)
+
+    async def target(self, sid: str, port: int, access_token: str | None,
+                     signed: SignedRequest | None = None) -> tuple[str, int]:
         """The ``(host, port)`` that reaches ``sid``'s guest ``port`` (the namespace's
         address and the forward in user mode, its veth address in tap mode), resuming a
         paused sandbox created with autoResume. ``access_token``: the X-Access-Token the
         request presented; for envd's port of a secured sandbox a wrong or missing one is
-        401 *before* anything is resumed (a stranger cannot wake a sandbox); a paused
+        401 *before* anything is resumed (a stranger cannot wake a sandbox), unless the
+        request is a ``/files`` one whose URL signature (``signed``) is valid; a paused
         sandbox without autoResume is 502 to anyone, as E2B's proxy answers. ApiError
         502 in E2B's shapes otherwise.
 
@@ -412,7 +427,7 @@ class Lifecycle:
         are known is answered from memory (forgotten when it pauses or goes)."""
         where = self._ports.get((sid, port))
         if where is not None and sid in self._tokens:
-            self._check_envd_token(self._tokens[sid], port, access_token)
+            self._check_envd_token(self._tokens[sid], port, access_token, signed)
             return where
         if sid not in self._tokens:
             try:
@@ -424,12 +439,12 @@ class Lifecycle:
                 if not view.auto_resume:    # E2B's proxy answer, whoever asks
                     raise ApiError(502, f"The sandbox {sid} was not found: it is paused and autoResume is off "
                                         f"(connect to resume it)", sandboxId=sid)
-                self._check_envd_token(view.access_token, port, access_token)
+                self._check_envd_token(view.access_token, port, access_token, signed)
                 view = await self.resume(sid)
             if view.state != SandboxState.RUNNING.value:
                 raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid)
             self._tokens[sid] = view.access_token
-        self._check_envd_token(self._tokens[sid], port, access_token)
+        self._check_envd_token(self._tokens[sid], port, access_token, signed)
         try:
             where = await self.service.endpoint(sid, port)
         except NotFound:
@@ -442,8 +457,15 @@ class Lifecycle:
         return where
 
     @staticmethod
-    def _check_envd_token(expected: str | None, port: int, given: str | None) -> None:
-        if expected and port == ENVD_PORT and not check_token(expected, given):
+    def _check_envd_token(expected: str | None, port: int, given: str | None,
+                          signed: SignedRequest | None = None) -> None:
+        if not expected or port != ENVD_PORT:
+            return
+        if signed is not None:  # a /files request: the token or a valid signature, E2B's messages
+            reason = signing.check(signed, expected, given)
+            if reason is not None:
+                raise ApiError(401, reason)
+        elif not check_token(expected, given):
             raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
 
     async def counts(self) -> dict[str, int]:

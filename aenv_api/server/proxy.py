@@ -1,9 +1,13 @@
 """Reverse proxy from the API port to sandbox ports.
 
 Sandbox traffic is recognised by the ``E2b-Sandbox-Id`` header (port in
-``E2b-Sandbox-Port``, default envd's 49983) or by a host of the form
-``<port>-<sandboxID>.<domain>`` when ``[server] domain`` is set. Everything
-else is control plane.
+``E2b-Sandbox-Port``, default envd's 49983) or AgentENV's
+``x-agentenv-sandbox-id`` / ``x-agentenv-target-port`` (its ``/proxy``
+path prefix is taken off header-routed requests), by a host of the form
+``<port>-<sandboxID>.<domain>`` when ``[server] domain`` is set, or, for a
+signed file URL naming no sandbox (``/files?…&signature=…``, what the SDK
+builds on ``E2B_SANDBOX_URL``), by the signature itself: it is made with one
+secured sandbox's envd token. Everything else is control plane.
 
 Both directions stream: request bodies (chunked ones too) are forwarded as
 they arrive, responses are written out piece by piece as they come from the
@@ -37,7 +41,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from envd import ENVD_PORT
+from envd import ENVD_PORT, signing
+from envd.signing import SignedRequest
 
 from .auth import check_token
 from .errors import ApiError
@@ -50,11 +55,16 @@ log = logging.getLogger(__name__)
 
 SANDBOX_ID_HEADER = "E2b-Sandbox-Id"
 SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
+# AgentENV's routing headers and path prefix, accepted as E2B's are (its own clients
+# send them): the id, the guest port, and ``/proxy/<path>`` forwarded as ``/<path>``.
+AGENTENV_ID_HEADER = "X-Agentenv-Sandbox-Id"
+AGENTENV_PORT_HEADER = "X-Agentenv-Target-Port"
+PROXY_PREFIX = "/proxy"
 # Never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the routing headers and the API key.
 _DROP_REQUEST = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "X-API-Key", SANDBOX_ID_HEADER,
-    SANDBOX_PORT_HEADER, TRAFFIC_TOKEN_HEADER))
+    SANDBOX_PORT_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, TRAFFIC_TOKEN_HEADER))
 _DROP_RESPONSE = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Trailer", "Transfer-Encoding", "Upgrade",
     "Content-Length", "Date", "Server"))
@@ -83,15 +93,69 @@ def parse_host(host: str, domain: str) -> tuple[str, int] | None:
     return sid, int(port)
 
 
+FILES_PATH = "/files"
+
+
+def has_routing_header(request: web.BaseRequest) -> bool:
+    return SANDBOX_ID_HEADER in request.headers or AGENTENV_ID_HEADER in request.headers
+
+
+def has_proxy_prefix(path: str) -> bool:
+    return path == PROXY_PREFIX or path.startswith(PROXY_PREFIX + "/")
+
+
+def forward_target(request: web.BaseRequest) -> str:
+    """The request target sent into the sandbox: as the client sent it, but with
+    AgentENV's ``/proxy`` prefix taken off a header-routed request (``/proxy`` alone is
+    ``/``). Host-routed requests keep their path whole: a guest app may serve ``/proxy``."""
+    raw = request.rel_url.raw_path_qs
+    if has_routing_header(request) and has_proxy_prefix(request.rel_url.raw_path):
+        rest = raw[len(PROXY_PREFIX):]
+        return rest if rest.startswith("/") else "/" + rest
+    return raw
+
+
+def _forward_path(request: web.BaseRequest) -> str:
+    if has_routing_header(request) and has_proxy_prefix(request.path):
+        return request.path[len(PROXY_PREFIX):] or "/"
+    return request.path
+
+
+def signed_files(request: web.BaseRequest) -> SignedRequest | None:
+    """The signature part of a ``/files`` request (None for any other path). ApiError 400
+    on an expiry that is not a number, as envd answers."""
+    if _forward_path(request) != FILES_PATH:
+        return None
+    try:
+        return signing.parse(request.method, request.query)
+    except signing.BadExpiration as e:
+        raise ApiError(400, str(e)) from None
+
+
+def is_unrouted_signed_url(request: web.BaseRequest) -> bool:
+    """A signed file URL that names no sandbox (the SDK's ``download_url``/``upload_url``
+    on ``E2B_SANDBOX_URL``): ``/files`` with a ``signature`` query parameter. Its
+    signature says which sandbox it is for (``Lifecycle.signed_sandbox``)."""
+    return request.path == FILES_PATH and "signature" in request.query
+
+
 def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
-    """Where sandbox traffic goes, or None for control-plane requests. ApiError 400 on a bad port."""
+    """Where sandbox traffic goes, or None for control-plane requests. ApiError 400 on a bad
+    port, and on a ``/proxy`` path (AgentENV's prefix) that names no sandbox."""
     sid = request.headers.get(SANDBOX_ID_HEADER)
+    if sid is None:
+        sid = request.headers.get(AGENTENV_ID_HEADER)
     if sid is not None:
-        raw = request.headers.get(SANDBOX_PORT_HEADER, str(ENVD_PORT))
+        name = AGENTENV_PORT_HEADER if AGENTENV_PORT_HEADER in request.headers else SANDBOX_PORT_HEADER
+        raw = request.headers.get(name, str(ENVD_PORT))
         if not raw.isdigit() or not 0 < int(raw) < 65536:
-            raise ApiError(400, f"{SANDBOX_PORT_HEADER} must be a port number, got {raw[:20]!r}")
+            raise ApiError(400, f"{name} must be a port number, got {raw[:20]!r}")
         return sid.strip(), int(raw)
-    return parse_host(request.host, domain)
+    route = parse_host(request.host, domain)
+    if route is None and has_proxy_prefix(request.path):
+        raise ApiError(400, f"missing sandbox routing header: {PROXY_PREFIX} paths need {AGENTENV_ID_HEADER} "
+                            f"(or {SANDBOX_ID_HEADER})")
+    return route
 
 
 class _RelayResponse(web.StreamResponse):
@@ -118,7 +182,7 @@ def _upstream_head(request: web.Request, host: str, framing: str, length: int | 
     """Request line and headers for the sandbox (``host``: its Host header): hop-by-hop
     headers, routing headers and credentials for the proxy dropped; the body's framing as
     the proxy sends it."""
-    lines = [f"{request.method} {request.rel_url.raw_path_qs} HTTP/1.1", f"Host: {host}"]
+    lines = [f"{request.method} {forward_target(request)} HTTP/1.1", f"Host: {host}"]
     for k, v in request.headers.items():
         if k.lower() not in _DROP_REQUEST:
             lines.append(f"{k}: {v}")
@@ -167,7 +231,8 @@ class SandboxProxy:
         rules = self.lifecycle.proxy_rules(sid)
         if rules.traffic_token and port != ENVD_PORT:
             _check_traffic_token(rules.traffic_token, request, sid)
-        host, host_port = await self.lifecycle.target(sid, port, request.headers.get("X-Access-Token"))
+        signed = signed_files(request) if port == ENVD_PORT else None
+        host, host_port = await self.lifecycle.target(sid, port, request.headers.get("X-Access-Token"), signed)
         tls = port in rules.https_ports
         host_header = rules.host_header(port) or f"{host}:{host_port}"
         if request.headers.get("Upgrade", "").lower() == "websocket":
@@ -370,7 +435,7 @@ class SandboxProxy:
         skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol"}
         fwd = [(k, v) for k, v in headers if k.lower() not in skip]
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
-        url = f"{'wss' if tls else 'ws'}://{upstream}{request.rel_url.raw_path_qs}"
+        url = f"{'wss' if tls else 'ws'}://{upstream}{forward_target(request)}"
         try:
             up = await self._client().ws_connect(url, headers=fwd, protocols=protocols, autoping=False,
                                                  max_msg_size=0, ssl=False)  # ssl=False: TLS, unverified

@@ -440,9 +440,21 @@ RESPONSE_SCHEMAS = (ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETA
                     LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)
 
 
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_US = datetime.timedelta(microseconds=1)
+
+
 def iso(ts: float) -> str:
     """RFC 3339 UTC timestamp as E2B writes them, always with microseconds (isoformat
     drops them on a whole second, and "...:03Z" sorts after "...:03.026000Z")."""
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(
         timespec="microseconds").replace("+00:00", "Z")
+
+
+def micros(ts: float) -> int:
+    """``ts`` in whole microseconds, rounded exactly as ``iso`` shows it. Times a client
+    sends back (``startedAfter``) were read from ``iso``: they are compared with the
+    records at this precision, not with the unrounded float (which ``iso`` may have
+    rounded up, so a sandbox would seem to start after its own start time)."""
+    return (datetime.datetime.fromtimestamp(ts, datetime.timezone.utc) - _EPOCH) // _US
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import bad_request
-from .schemas import iso
+from .schemas import iso, micros
 
 CLIENT_ID = "aenv"
 # envdVersion of a sandbox whose template recorded none: the oldest version whose
@@ -89,6 +89,12 @@ def parse_metadata_filter(raw: str) -> dict[str, str]:
     (the HTTP layer has already decoded the query string itself once)."""
     pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True)
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+
+def started_at_or_after(started_at: float, after: float) -> bool:
+    """The list filter ``startedAfter``, compared at the microseconds the API shows: a
+    client that passes a sandbox's own ``startedAt`` back finds that sandbox."""
+    return micros(started_at) >= micros(after)
 
 
 def encode_token(started_at: float, sid: str) -> str:

@@ -293,3 +293,108 @@ def test_presented_api_key_refuses_two_credentials() -> None:
     for keys, auth in (([], []), (["k", "k"], []), (["k", "j"], []), (["k"], ["Bearer j"]), (["k"], ["Basic k"]),
                        (["k"], ["Bearer k", "Bearer k"]), ([], ["Bearer k"])):
         assert presented_api_key(keys, auth) is None, (keys, auth)
+
+
+@given(st.floats(min_value=1.5e9, max_value=4.0e9, allow_nan=False))
+def test_started_after_its_own_start_time_finds_the_sandbox(started: float) -> None:
+    """The SDK's round trip of ``Sandbox.list(query={"started_after": info.started_at})``:
+    ``startedAt`` as the API writes it, parsed by the SDK (dateutil), sent back with
+    ``isoformat()``, parsed by the list query. The sandbox must be found, and must not
+    be once one microsecond later is asked. Comparing the unrounded float missed it
+    whenever ``iso`` rounded the microseconds up (about every other sandbox)."""
+    import datetime
+
+    from dateutil.parser import isoparse
+
+    from aenv_api.server.schemas import iso
+    from aenv_api.server.views import started_at_or_after
+
+    shown = isoparse(iso(started))
+    for sent, found in ((shown, True), (shown + datetime.timedelta(microseconds=1), False)):
+        after = LIST_V2.parse_query(MultiDict([("startedAfter", sent.isoformat())]))["started_after"]
+        assert started_at_or_after(started, after) is found, (started, iso(started), sent.isoformat())
+
+
+def test_idempotent_creates_once_per_key_and_window() -> None:
+    import asyncio
+
+    from aenv_api.server.idempotency import IdempotentCreates, parse_key
+
+    now = [0.0]
+    made: list[str] = []
+
+    async def scenario() -> None:
+        creates = IdempotentCreates(window=60, max_keys=2, clock=lambda: now[0])
+
+        async def create() -> str:
+            await asyncio.sleep(0.01)
+            made.append(f"sbx-{len(made)}")
+            return made[-1]
+
+        # a retry while the first create runs waits for it: one sandbox, both answers
+        first, second = await asyncio.gather(creates.run("k", "fp", create), creates.run("k", "fp", create))
+        assert first == ("sbx-0", False) and second == ("sbx-0", True)
+        with pytest.raises(ApiError) as e:
+            await creates.run("k", "other body", create)
+        assert e.value.status == 422
+
+        async def failing() -> str:
+            raise ApiError(500, "boom")
+        with pytest.raises(ApiError):
+            await creates.run("f", "fp", failing)
+        assert await creates.run("f", "fp", create) == ("sbx-1", False)   # a failure is forgotten
+        now[0] = 61.0                                                     # the window is over
+        assert await creates.run("k", "fp", create) == ("sbx-2", False)
+
+    asyncio.run(scenario())
+    assert parse_key(None) is None and parse_key("a-1") == "a-1"
+    for bad in ("", "UPPER", "x" * 256, "a b"):
+        with pytest.raises(ApiError):
+            parse_key(bad)
+
+
+def test_unsupported_options_named() -> None:
+    from aenv_api.server.unsupported import reject_unsupported
+
+    reject_unsupported(NewSandbox("base", mcp=None, iam={"tokens": {}}, volume_mounts=[], env_vars={"A": "$B"}))
+    for req in (NewSandbox("base", mcp={"x": {}}), NewSandbox("base", iam={"tokens": {"t": {}}}),
+                NewSandbox("base", volume_mounts=[{"name": "v", "path": "/d"}]),
+                NewSandbox("base", env_vars={"K": "${e2b.secrets.k}"})):
+        with pytest.raises(ApiError) as e:
+            reject_unsupported(req)
+        assert e.value.status == 400 and "not supported by aenv" in e.value.message
+
+
+@pytest.mark.parametrize("path,headers,expected", [
+    ("/proxy/files?path=/a%20b", {"x-agentenv-sandbox-id": "s"}, "/files?path=/a%20b"),
+    ("/proxy", {"x-agentenv-sandbox-id": "s"}, "/"),
+    ("/proxy?x=1", {"E2b-Sandbox-Id": "s"}, "/?x=1"),
+    ("/proxyless", {"x-agentenv-sandbox-id": "s"}, "/proxyless"),
+    ("/proxy/app", {"Host": "8080-s.aenv.test"}, "/proxy/app"),      # host-routed: the guest's own path
+    ("/files?path=x", {"E2b-Sandbox-Id": "s"}, "/files?path=x"),
+])
+def test_forward_target_strips_agentenv_prefix_of_header_routes(path: str, headers: dict[str, str],
+                                                                expected: str) -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from aenv_api.server.proxy import forward_target
+
+    assert forward_target(make_mocked_request("GET", path, headers=headers)) == expected
+
+
+def test_route_of_agentenv_headers() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from aenv_api.server.proxy import route_of
+
+    def route(path: str, **headers: str) -> object:
+        return route_of(make_mocked_request("GET", path, headers=headers), "aenv.test")
+
+    assert route("/x", **{"x-agentenv-sandbox-id": "sbx-1", "x-agentenv-target-port": "8080"}) == ("sbx-1", 8080)
+    assert route("/x", **{"x-agentenv-sandbox-id": "sbx-1"}) == ("sbx-1", 49983)
+    assert route("/x", **{"E2b-Sandbox-Id": "e", "x-agentenv-sandbox-id": "a"}) == ("e", 49983)  # E2B's first
+    assert route("/x") is None
+    for bad in ({"x-agentenv-sandbox-id": "s", "x-agentenv-target-port": "0"}, {}):
+        with pytest.raises(ApiError) as e:
+            route("/proxy/x", **bad)
+        assert e.value.status == 400

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import struct
+import urllib.request
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -103,8 +104,13 @@ def test_wrong_content_type_unknown_method_bad_json(envd: Envd) -> None:
 
 def test_missing_paths_permission_and_signals(envd: Envd, workdir) -> None:  # type: ignore[no-untyped-def]
     missing = json.dumps({"path": str(workdir / "missing")}).encode()
-    for method in ("Stat", "ListDir", "Remove"):
+    for method in ("Stat", "ListDir"):
         unary_error(envd, f"/filesystem.Filesystem/{method}", missing, 404, "not_found")
+    # Remove of what is not there succeeds (E2B's envd: Go's os.RemoveAll)
+    req = urllib.request.Request(envd.url + "/filesystem.Filesystem/Remove", data=missing, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert (r.status, json.loads(r.read())) == (200, {})
     stream_error(envd, "/filesystem.Filesystem/WatchDir", env(missing), "not_found")
     unary_error(envd, "/filesystem.Filesystem/Remove", b'{"path": "/proc/1/status"}', 403, "permission_denied")
     (workdir / "file").write_text("x")
