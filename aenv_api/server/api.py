@@ -16,7 +16,7 @@ from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
-from .templates_api import TemplateApi
+from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .unsupported import reject_unsupported
 
 
@@ -226,7 +226,8 @@ class ControlPlane:
                   tags=("snapshots",)),
             Route("DELETE", "/templates/{templateID}", self.delete_template, "delete a template or a snapshot",
                   (nc("deleted"), Reply(404, "no such template or snapshot", "Error"),
-                   Reply(409, "sandboxes use it", "Error")), tags=("snapshots", "templates")),
+                   Reply(409, "sandboxes use it", "Error")), tags=("snapshots", "templates"),
+                  router_path=TEMPLATE_ID_PATH),
             Route("POST", "/sandboxes/{sandboxID}/fork", self.fork, "fork a running sandbox into count children",
                   (Reply(201, "one result per fork", "SandboxForkResult[]"), gone), body=S.fork_schema(mt, mf),
                   tags=sbx),

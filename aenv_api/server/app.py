@@ -122,7 +122,7 @@ class ApiServer:
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._front], client_max_size=MAX_BODY)
         for r in self.routes:
-            app.router.add_route(r.method, r.path, self._wrap(r))
+            app.router.add_route(r.method, r.router_path or r.path, self._wrap(r))
         self.control.openapi_doc = openapi(self.routes, self.version)
         return app
 

@@ -51,6 +51,7 @@ class Route:
     tags: tuple[str, ...] = ()
     content_type: str = "application/json"   # of the success body
     extra: dict[str, Any] = field(default_factory=dict)
+    router_path: str = ""              # aiohttp's form when it needs a constraint ({id:regex}); "" = path
 
     @property
     def path_params(self) -> list[str]:

@@ -33,6 +33,10 @@ from .routes import Call, Reply, Route
 from .schemas import Field, Schema, iso
 
 UPLOAD_PATH = "/_aenv/template-files/{hash}"
+# /templates/{templateID} for the router: never the literal /templates/tags (its own
+# route; "tags" and "aliases" are not template names), so a wrong method there is a 405
+# naming only that route's methods
+TEMPLATE_ID_PATH = r"/templates/{templateID:(?!tags$)[^{}/]+}"
 UPLOAD_TTL = 3600.0
 _HASH = re.compile(r"[A-Za-z0-9_-]{8,128}\Z")
 
@@ -317,7 +321,8 @@ class TemplateApi:
             Route("GET", "/templates", self.list_templates, "templates with a finished build",
                   (Reply(200, "the templates", None),), tags=t),
             Route("GET", "/templates/{templateID}", self.get_template, "a template and its builds",
-                  (Reply(200, "the template", None), Reply(404, "unknown template", "Error")), tags=t),
+                  (Reply(200, "the template", None), Reply(404, "unknown template", "Error")), tags=t,
+                  router_path=TEMPLATE_ID_PATH),
             Route("GET", "/templates/aliases/{alias}", self.alias, "the template a name resolves to",
                   (Reply(200, "the template id", None), Reply(404, "no such name", "Error")), tags=t),
             Route("POST", "/templates/tags", self.assign_tags, "tag the build a name:tag points at",

@@ -39,6 +39,7 @@ STEP_KIND = "build-step"
 FILES_KIND = "build-files"
 FILES_MEDIA = "application/x-tar"
 DEFAULT_TAG = "default"
+RESERVED = ("tags", "aliases")
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}\Z")
 TAG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 
@@ -47,6 +48,8 @@ def split_name(ref: str) -> tuple[str, str | None]:
     """``name`` or ``name:tag`` → (name, tag or None); BadRequest when malformed."""
     name, sep, tag = ref.partition(":")
     name = name.lower()
+    if name in RESERVED:
+        raise BadRequest(f"{name!r} is not a template name here (the API has a path of that name)")
     if not NAME_RE.match(name):
         raise BadRequest(f"template name {name!r}: use 1-128 of a-z 0-9 . _ - (starting with a letter or digit)")
     if sep and not TAG_RE.match(tag):
