@@ -10,8 +10,8 @@ so a distroless or musl image gets them as well as Debian):
 
 - one file per certificate under ``/usr/local/share/ca-certificates/aenv-host/``
   (Debian, Ubuntu, Alpine), so a later ``update-ca-certificates`` keeps them,
-  and under ``/etc/pki/ca-trust/source/anchors/`` where that exists (RHEL,
-  Fedora: ``update-ca-trust``);
+  and under ``/etc/pki/ca-trust/source/anchors/`` in a guest with RHEL's
+  bundle (RHEL, Fedora: ``update-ca-trust``);
 - appended to ``/etc/ssl/certs/ca-certificates.crt`` (created if missing: the
   path OpenSSL, curl, Python, Go and git find on Debian and Alpine) and to
   ``/etc/pki/tls/certs/ca-bundle.crt`` if present (RHEL's).
@@ -22,10 +22,11 @@ sandbox starts has them, and ``/etc/profile.d/aenv-ca.sh`` exports them for
 login shells. Callers: ``build.py`` (the base template) and the template
 build-step executor, each right after the build VM's envd answers.
 
-The guest is hostile, but nothing flows back to the host here: the host writes
+The guest is hostile, but little flows back to the host here: the host writes
 public certificates into the guest, and the only thing it reads is the guest's
-own bundle, parsed as text for certificates it already has (bounded in size,
-and a bundle it cannot parse only means every host certificate is added).
+own bundle, parsed as text for certificates it already has: at most
+MAX_BUNDLE_BYTES (a larger answer fails the build), and a bundle it cannot
+parse only means every host certificate is added.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def ca_env(bundle_path: str = GUEST_BUNDLE) -> dict[str, str]:
 
 async def _read_or_none(envd: EnvdClient, path: str) -> bytes | None:
     try:
-        return await envd.read_file(path, user="root")
+        # the guest's file, of the guest's size: bounded before it is in host memory
+        return await envd.read_file(path, user="root", max_bytes=MAX_BUNDLE_BYTES)
     except EnvdError as e:
         if "HTTP 404" in str(e):
             return None
@@ -187,8 +189,6 @@ async def install_ca_certificates(envd: EnvdClient, bundle: bytes | CaBundle, *,
     Raises ConfigError for a bad bundle, EnvdError when the guest refuses a write."""
     ca = bundle if isinstance(bundle, CaBundle) else parse_ca_bundle(bundle)
     current = await _read_or_none(envd, GUEST_BUNDLE) or b""
-    if len(current) > MAX_BUNDLE_BYTES:     # the guest's own file: never trust its size
-        current = b""
     if b"-----" in _BLOCK.sub(b"", current):
         # a broken block would swallow what is appended after it: keep the certificates
         # that parse and write the bundle afresh
@@ -207,7 +207,7 @@ async def install_ca_certificates(envd: EnvdClient, bundle: bytes | CaBundle, *,
         sep = b"" if not current or current.endswith(b"\n") else b"\n"
         await envd.write_file(GUEST_BUNDLE, current + sep + added, user="root", timeout=timeout)
         written.append(GUEST_BUNDLE)
-        if rhel is not None and len(rhel) <= MAX_BUNDLE_BYTES:
+        if rhel is not None:
             rhel_have = set(pem_certificates(rhel))
             extra = b"".join(der_to_pem(d) for d in new if d not in rhel_have)
             if extra:

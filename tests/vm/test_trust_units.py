@@ -24,8 +24,9 @@ class FakeGuest:
         self.files = dict(files)
         self.writes: list[str] = []
 
-    async def read_file(self, path: str, *, user: str | None = None, timeout: float = 30.0) -> bytes:
-        assert user == "root"
+    async def read_file(self, path: str, *, user: str | None = None, timeout: float = 30.0,
+                        max_bytes: int | None = None) -> bytes:
+        assert user == "root" and max_bytes == trust.MAX_BUNDLE_BYTES
         if path not in self.files:
             raise EnvdError(f"envd file download of {path} answered HTTP 404: b'not found'")
         return self.files[path]
