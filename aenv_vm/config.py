@@ -10,6 +10,7 @@ from aenv_store.errors import ConfigError
 if TYPE_CHECKING:
     from .confine.policy import Confinement
     from .ksm import KsmSettings
+    from .templates.trust import CaBundle
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class VmConfig:
     # Guest memory (MiB) and vCPUs of templates built without explicit values.
     memory_mib: int = 256
     vcpus: int = 1
-    # Root disk of such templates in MiB (0: the guest image's size, 1 GiB); larger disks
+    # Root disk of such templates in MiB (0: the guest image's size, 4 GiB); larger disks
     # are grown inside the guest at template build (sparse: unwritten space costs nothing).
     disk_mib: int = 0
     # "auto": KVM only if a probe VM boots with it (aenv_vm/qemu/accel.py), else TCG.
@@ -72,6 +73,16 @@ class VmConfig:
     confine_vmm_mib: int = 64
     confine_pids: int = 256
     confine_cpu_extra: float = 0.0
+    # Guests trust the host's CA certificates (aenv_vm/templates/trust.py, docs/security.md):
+    # the certificates of host_ca_bundle that a guest lacks are added to its trust store at
+    # template build, so builds and sandboxes reach HTTPS through a TLS-inspecting proxy
+    # whose CA the host trusts. On by default: certificates are public, a stock host adds
+    # nothing (the guest has the same public CAs), and behind such a proxy HTTPS (pip, npm,
+    # git, curl) fails in every guest without it. Off: guests trust their distribution only.
+    trust_host_ca: bool = True
+    # PEM bundle of those certificates ("": the host's system bundle, the first of
+    # /etc/ssl/certs/ca-certificates.crt, /etc/pki/tls/certs/ca-bundle.crt, ... that exists).
+    host_ca_bundle: str = ""
 
     def ksm_settings(self) -> "KsmSettings | None":
         from .ksm import KsmSettings
@@ -84,6 +95,12 @@ class VmConfig:
         from .confine.policy import Confinement
         return Confinement(self.confine, uid_base=self.confine_uid_base, uid_count=self.confine_uid_count,
                            vmm_mib=self.confine_vmm_mib, pids=self.confine_pids, cpu_extra=self.confine_cpu_extra)
+
+    def host_ca(self) -> "CaBundle | None":
+        """The certificates guests are to trust (None: off, or no system bundle on this
+        host). Reads and validates the bundle: ConfigError names a missing or bad file."""
+        from .templates.trust import load_ca_bundle
+        return load_ca_bundle(self.host_ca_bundle) if self.trust_host_ca else None
 
     def __post_init__(self) -> None:
         if self.memory_mib < 64:

@@ -151,15 +151,25 @@ def format_request(method: str, host: str, path: str, headers: dict[str, str], b
 # ---------------------------------------------------------------- transport
 
 async def http_request(host: str, port: int, method: str, path: str, *, body: bytes = b"",
-                       headers: dict[str, str] | None = None, timeout: float = 2.0) -> HttpAnswer:
+                       headers: dict[str, str] | None = None, timeout: float = 2.0,
+                       max_bytes: int | None = None) -> HttpAnswer:
     """One HTTP exchange with a guest port. Raises OSError / asyncio.TimeoutError /
-    NoAnswer (nothing answered) or EnvdError (an answer that is not valid HTTP)."""
+    NoAnswer (nothing answered) or EnvdError (an answer that is not valid HTTP, or
+    longer than ``max_bytes``: the guest decides how much it sends)."""
     async def go() -> HttpAnswer:
         reader, writer = await asyncio.open_connection(host, port)
         try:
             writer.write(format_request(method, host, path, headers or {}, body))
             await writer.drain()
-            data = await reader.read()
+            if max_bytes is None:
+                data = await reader.read()
+            else:
+                buf = bytearray()
+                while chunk := await reader.read(1 << 16):
+                    buf += chunk
+                    if len(buf) > max_bytes + MAX_HEAD:
+                        raise EnvdError(f"{method} {path}: answer larger than {max_bytes} bytes")
+                data = bytes(buf)
         finally:
             writer.close()
             with contextlib.suppress(OSError):
@@ -228,10 +238,10 @@ class EnvdClient:
         return headers
 
     async def _call(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
-                    timeout: float = 30.0) -> HttpAnswer:
+                    timeout: float = 30.0, max_bytes: int | None = None) -> HttpAnswer:
         try:
             return await http_request(self.host, self.port, method, path, body=body, headers=headers,
-                                      timeout=timeout)
+                                      timeout=timeout, max_bytes=max_bytes)
         except (OSError, asyncio.TimeoutError, NoAnswer) as e:
             raise EnvdError(f"envd at {self.host}:{self.port}: {method} {path}: {e or type(e).__name__}") from None
 
@@ -294,10 +304,11 @@ class EnvdClient:
         if answer.status != 200:
             raise EnvdError(f"envd file upload to {path} answered HTTP {answer.status}: {answer.body[:200]!r}")
 
-    async def read_file(self, path: str, *, user: str | None = None, timeout: float = 30.0) -> bytes:
-        """``GET /files`` as the SDK's ``files.read`` does."""
+    async def read_file(self, path: str, *, user: str | None = None, timeout: float = 30.0,
+                        max_bytes: int | None = None) -> bytes:
+        """``GET /files`` as the SDK's ``files.read`` does; EnvdError beyond ``max_bytes``."""
         query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
-        answer = await self._call("GET", f"/files?{query}", b"", self._headers(), timeout)
+        answer = await self._call("GET", f"/files?{query}", b"", self._headers(), timeout, max_bytes)
         if answer.status != 200:
             raise EnvdError(f"envd file download of {path} answered HTTP {answer.status}: {answer.body[:200]!r}")
         return answer.body

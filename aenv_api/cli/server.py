@@ -39,6 +39,7 @@ if TYPE_CHECKING:   # the server's parts are imported when it starts (the CLI st
     from aenv_vm.sandboxes.manager import SandboxManager
     from aenv_vm.builds.service import TemplateBuilds
     from aenv_vm.templates.template import Template
+    from aenv_vm.templates.trust import CaBundle
 
 # QEMU run dirs hold Unix sockets: <root>/vm/sbx-<16 hex>/qmp.sock (and nbd.sock) must fit 107 bytes.
 _MAX_RUN_ROOT = 64
@@ -87,11 +88,12 @@ def cmd_server(args: argparse.Namespace) -> int:
     # aiohttp logs requests its HTTP parser rejects (NUL in a header, ...) with a traceback;
     # the client already got its 400, and every handler error is logged by the app itself.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-    return asyncio.run(_serve(cfg, server_cfg, creds))
+    host_ca = cfg.section("vm").host_ca()     # a bad bundle stops the start here, before anything runs
+    return asyncio.run(_serve(cfg, server_cfg, creds, host_ca))
 
 
 async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, server_cfg: ServerConfig,
-                            confinement: Confinement) -> Template:
+                            confinement: Confinement, host_ca: CaBundle | None) -> Template:
     from aenv_vm.errors import NotFound
     from aenv_vm.qemu.accel import probe_accel
     from aenv_vm.templates.build import build_template
@@ -100,9 +102,13 @@ async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, se
     why = "first start: "
     try:
         tpl = find_template(store, server_cfg.default_template)
-        if tpl.guest_key == guest.key:
+        trusted = host_ca.fingerprint if host_ca is not None else ""
+        if tpl.guest_key == guest.key and tpl.host_ca == trusted:
             return tpl
-        why = f"it was built from guest {tpl.guest_key}, this node now runs guest {guest.key}: "
+        if tpl.guest_key != guest.key:
+            why = f"it was built from guest {tpl.guest_key}, this node now runs guest {guest.key}: "
+        else:
+            why = "the host CA certificates guests trust ([vm] trust_host_ca, host_ca_bundle) changed: "
     except (NotFound, TemplateError):
         pass
     if not server_cfg.build_template:
@@ -123,7 +129,7 @@ async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, se
     with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
         tpl = await build_template(store, guest, Path(work), alias=server_cfg.default_template,
                                    memory_mib=vm.memory_mib, vcpus=vm.vcpus, accel=accel,  # type: ignore[arg-type]
-                                   disk_mib=vm.disk_mib or None, confinement=confinement)
+                                   disk_mib=vm.disk_mib or None, confinement=confinement, ca_bundle=host_ca)
     say(f"template {server_cfg.default_template!r} = {tpl.id} built in {time.monotonic() - t0:.1f} s")
     return tpl
 
@@ -219,7 +225,7 @@ def _gauges(metrics: Metrics, lifecycle: Lifecycle, manager: SandboxManager, sto
     return refresh
 
 
-async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) -> int:
+async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, host_ca: CaBundle | None) -> int:
     from aenv_api.server.app import ApiServer
     from aenv_api.server.templates_api import TemplateApi
     from aenv_vm.errors import VmError
@@ -250,8 +256,11 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials) 
             # template build, sandboxes (docs/security.md)
             await asyncio.to_thread(confinement.start)
             say(f"QEMU confinement: {confinement.summary()}")
+            say("host CA certificates: " + (f"guests trust the {len(host_ca.certificates)} of {host_ca.source} "
+                                            f"([vm] trust_host_ca)" if host_ca is not None else
+                                            "guests trust their distribution's only ([vm] trust_host_ca)"))
             guest = await asyncio.to_thread(ensure_guest)
-            tpl = await _prepare_template(store, guest, cfg, server_cfg, confinement)
+            tpl = await _prepare_template(store, guest, cfg, server_cfg, confinement, host_ca)
         except VmError as e:
             raise CliError(str(e), 1) from None
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,

@@ -155,6 +155,7 @@ def cmd_build_local(args: argparse.Namespace) -> int:
     disk_mib = vm.disk_mib if args.disk_mib is None else args.disk_mib
     if memory_mib < 64 or vcpus < 1 or disk_mib < 0:
         raise CliError("--memory-mib must be >= 64, --vcpus >= 1 and --disk-mib >= 0")
+    host_ca = vm.host_ca()           # [vm] trust_host_ca: a bad bundle is an error before any boot
     confinement = vm.confinement()   # the build VM and the probe are confined as [vm] confine says
     try:
         guest = ensure_guest()
@@ -171,7 +172,8 @@ def cmd_build_local(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
                 tpl = asyncio.run(build_template(store, guest, Path(work), alias=alias,
                                                  memory_mib=memory_mib, vcpus=vcpus, accel=accel,
-                                                 disk_mib=disk_mib or None, confinement=confinement))
+                                                 disk_mib=disk_mib or None, confinement=confinement,
+                                                 ca_bundle=host_ca))
     except VmError as e:
         raise CliError(str(e), 1) from None
     finally:

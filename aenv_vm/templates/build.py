@@ -4,7 +4,8 @@
 the guest's base layer (or of a given disk layer: an image converted with the
 guest tools, docs/tools.md, or a layer built on one), waits until envd answers /health (and records the
 version it reports), gives envd a secret only the template record knows (so a
-clone answers nobody before the node re-keys it), saves the device state
+clone answers nobody before the node re-keys it), adds the host's CA
+certificates to the guest's trust store when given (trust.py), saves the device state
 (``x-ignore-shared``), stops QEMU
 and commits the disk layer (the upper layer written during boot, on top of
 the base layer), the memory image and the device-state stream as one template
@@ -34,6 +35,7 @@ from ..tools import TOOLS_KEY_META
 from ..confine.jail import Jail
 from ..qemu.launcher import Accel, NbdDisk, QemuProcess, VmSpec, free_port
 from ..qemu.migration import save_device_state
+from .trust import CaBundle, install_ca_certificates
 from .template import (DEVICE_STATE, MAX_DISK_MIB, MEMORY_IMAGE, Template, find_template, put_alias, stage_file,
                        template_record)
 
@@ -50,7 +52,8 @@ def base_layer(store: Store, guest: GuestImage) -> Digest:
 async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, alias: str | None = None,
                          memory_mib: int = 256, vcpus: int = 1, accel: Accel = "tcg",
                          disk_mib: int | None = None, boot_timeout: float = 180.0,
-                         confinement: Confinement | None = None, base_layer: Digest | None = None) -> Template:
+                         confinement: Confinement | None = None, base_layer: Digest | None = None,
+                         ca_bundle: CaBundle | None = None) -> Template:
     """Cold-boot the guest once and commit it as a template (see the module doc).
     ``base_layer``: the root disk's layer (None: the guest's own image); it boots with
     the guest's kernel and initramfs, so it must be bootable by them: the Debian
@@ -58,10 +61,12 @@ async def build_template(store: Store, guest: GuestImage, work_dir: Path, *, ali
     (None: the layer's); a larger disk is grown by the guest's init at boot (online
     ``resize2fs``) before the snapshot, so every sandbox of the template starts with
     the space, in its memory and on its disk. The build VM is confined by
-    ``confinement`` (None: an ``auto`` policy of its own)."""
+    ``confinement`` (None: an ``auto`` policy of its own). ``ca_bundle``
+    (``VmConfig.host_ca()``): certificates the guest is made to trust, with the
+    variables tools need for them in envd's environment (trust.py)."""
     async with jail_for(confinement, f"template-build-{secrets.token_hex(4)}") as jail:
         return await _build(store, guest, work_dir, alias, memory_mib, vcpus, accel, disk_mib, boot_timeout, jail,
-                            base_layer)
+                            base_layer, ca_bundle)
 
 
 def check_bootable(store: Store, guest: GuestImage, layer: Digest) -> None:
@@ -79,7 +84,7 @@ def check_bootable(store: Store, guest: GuestImage, layer: Digest) -> None:
 
 async def _build(store: Store, guest: GuestImage, work_dir: Path, alias: str | None, memory_mib: int, vcpus: int,
                  accel: Accel, disk_mib: int | None, boot_timeout: float, jail: Jail | None,
-                 layer: Digest | None) -> Template:
+                 layer: Digest | None, ca_bundle: CaBundle | None) -> Template:
     work_dir.mkdir(parents=True, exist_ok=True)
     what = "guest image" if layer is None else "image"
     if layer is None:
@@ -124,6 +129,12 @@ async def _build(store: Store, guest: GuestImage, work_dir: Path, alias: str | N
             envd = envd.with_token(secret)
             # (A disk larger than the layer's filesystem was grown by the init before envd
             # started: fixtures/guest/aenv-init, grow_root.)
+            if ca_bundle is not None:
+                # envd's environment is part of the frozen memory: every process any
+                # sandbox of the template starts has these (a /init merges, never drops them).
+                trusted = await install_ca_certificates(envd, ca_bundle)
+                if trusted.env:
+                    await envd.init({"envVars": trusted.env})
             # Run the command path once per user before freezing: bash, its libraries and
             # profiles are then in the template's guest page cache, which clones share
             # instead of each reading them over NBD into private (copy-on-write) pages.
@@ -150,6 +161,8 @@ async def _build(store: Store, guest: GuestImage, work_dir: Path, alias: str | N
                 if envd_version:
                     meta["envd_version"] = envd_version
                 meta["envd_token"] = secret
+                if ca_bundle is not None:
+                    meta["host_ca"] = ca_bundle.fingerprint
                 ws.commit(template_record(tid, disk.layer_id, mem, state, meta, time.time()))
             if alias:
                 put_alias(store, alias, tid, time.time(), exclusive=False)

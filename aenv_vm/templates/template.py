@@ -51,6 +51,7 @@ class Template:
     created: float
     disk_mib: int = 0    # root disk size (0: a record from before sizes were recorded)
     envd_version: str | None = None   # what the guest's envd reported at build (None: not recorded)
+    host_ca: str = ""    # fingerprint of the host CA certificates it trusts ("": none; trust.py)
 
     @classmethod
     def from_record(cls, rec: CatalogRecord) -> "Template":
@@ -62,7 +63,8 @@ class Template:
                        device_state=rec.manifest("state"), memory_mib=int(meta["memory_mib"]),
                        vcpus=int(meta["vcpus"]), accel=meta["accel"], guest_key=meta["guest_key"],
                        kernel_cmdline=meta["kernel_cmdline"], created=rec.created,
-                       disk_mib=int(meta.get("disk_mib", "0")), envd_version=meta.get("envd_version"))
+                       disk_mib=int(meta.get("disk_mib", "0")), envd_version=meta.get("envd_version"),
+                       host_ca=meta.get("host_ca", ""))
         except (KeyError, ValueError) as e:
             raise TemplateError(f"template record {rec.name} is incomplete: {e}") from None
 

@@ -128,13 +128,15 @@ class NodeServer:
                 raise AssertionError("aenv server did not stop in time:\n" + self.log.read_text()[-3000:])
 
 
-def start_node(net: SealedNet, data_dir: Path, mode: str, log: Path) -> NodeServer:
+def start_node(net: SealedNet, data_dir: Path, mode: str, log: Path,
+               extra_env: dict[str, str] | None = None) -> NodeServer:
     """``aenv server`` inside the node namespace, listening on all its addresses (the
-    harder target), pool of one."""
+    harder target), pool of one; ``extra_env``: more AENV_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
     if os.environ.get("AENV_GUEST_CACHE"):
         env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
     env.update({"AENV_VM__POOL_SIZE": "1", "AENV_VM__NETWORK": mode, "AENV_VM__ISOLATION": "required"})
+    env.update(extra_env or {})
     with open(log, "ab") as err:
         proc = subprocess.Popen([*net.exec_argv(net.node), sys.executable, "-m", "aenv_api.cli.main", "server",
                                  "--data-dir", str(data_dir), "--host", "0.0.0.0", "--port", "8000"],

@@ -167,3 +167,26 @@ def test_waiting_on_a_port_nothing_answers_times_out() -> None:
             asyncio.run(EnvdClient("127.0.0.1", port).wait_healthy(timeout=0.3))
         with pytest.raises(VmError, match="VM exited"):
             asyncio.run(EnvdClient("127.0.0.1", port).init_when_ready({}, timeout=5, alive=lambda: False))
+
+
+def test_an_answer_beyond_max_bytes_is_refused() -> None:
+    """A guest decides how much it sends: a bounded read stops at the bound."""
+    body = b"x" * (1 << 20)
+
+    async def run() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            client = EnvdClient("127.0.0.1", port)
+            assert await client.read_file("/big", max_bytes=len(body)) == body
+            with pytest.raises(EnvdError, match="larger than 1000 bytes"):
+                await client.read_file("/big", max_bytes=1000)
+        finally:
+            server.close()
+            await server.wait_closed()
+    asyncio.run(run())

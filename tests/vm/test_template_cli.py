@@ -29,7 +29,7 @@ def _check_disk_size(guest: GuestImage, data: Path, template: str, mib: int) -> 
                 try:
                     res = await sbx.envd.run("df -BM --output=size / | tail -1", user="root", timeout=60.0)
                     size = int(res.stdout.decode().strip().rstrip("M"))
-                    # ext4 keeps a few % for its own metadata; the 1 GiB image would show ~990
+                    # ext4 keeps a few % for its own metadata; the 4 GiB image would show ~3.9 G
                     assert mib * 0.95 < size <= mib, size
                 finally:
                     await mgr.kill(sbx.id)
@@ -40,11 +40,11 @@ def _check_disk_size(guest: GuestImage, data: Path, template: str, mib: int) -> 
 def test_build_ls_rm(guest: GuestImage, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     data = ["--data-dir", str(tmp_path / "data")]
     assert main(["template", "build", "cli-tpl", "--disk-mib", "100", *data]) == 1
-    assert "aenv: error: disk_mib 100 is smaller than the guest image (1024 MiB)" in capsys.readouterr().err
-    assert main(["template", "build", "cli-tpl", "--json", "--disk-mib", "1536", *data]) == 0
+    assert "aenv: error: disk_mib 100 is smaller than the guest image (4096 MiB)" in capsys.readouterr().err
+    assert main(["template", "build", "cli-tpl", "--json", "--disk-mib", "5120", *data]) == 0
     built = json.loads(capsys.readouterr().out)
-    assert built["disk_mib"] == 1536
-    _check_disk_size(guest, tmp_path / "data", "cli-tpl", 1536)
+    assert built["disk_mib"] == 5120
+    _check_disk_size(guest, tmp_path / "data", "cli-tpl", 5120)
     # The guest key is the build's current one (it moves if envd/ is edited during a run).
     assert built["id"].startswith("tpl-") and built["aliases"] == "cli-tpl" and len(built["guest"]) == 16
     assert main(["template", "ls", "--local", "--json", *data]) == 0
