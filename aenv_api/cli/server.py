@@ -135,7 +135,7 @@ async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, se
 
 
 def _template_builds(cfg: AenvConfig, server_cfg: ServerConfig, manager: SandboxManager,
-                     base: Template) -> TemplateBuilds:
+                     base: Template, host_ca: CaBundle | None) -> TemplateBuilds:
     """E2B template builds on this node: build VMs shaped like its sandboxes by default,
     on the accelerator its base template was built for."""
     from aenv_vm.builds.executor import BuildSettings
@@ -146,7 +146,8 @@ def _template_builds(cfg: AenvConfig, server_cfg: ServerConfig, manager: Sandbox
                              memory_mib=vm.memory_mib, vcpus=vm.vcpus, disk_mib=vm.disk_mib,
                              max_memory_mib=tc.max_memory_mib, max_vcpus=tc.max_vcpus,
                              headroom_mib=tc.disk_headroom_mib, step_timeout=tc.step_timeout,
-                             ready_timeout=tc.ready_timeout, oci=cfg.section("oci"), data_dir=cfg.data_dir)
+                             ready_timeout=tc.ready_timeout, oci=cfg.section("oci"), data_dir=cfg.data_dir,
+                             ca_bundle=host_ca)
     return TemplateBuilds(manager.rt, settings, cfg.data_dir / "build-logs", manager.template_users,
                           max_parallel=tc.max_parallel_builds)
 
@@ -276,7 +277,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
                               creds.traffic_token)
         await lifecycle.start()
         background.append(asyncio.ensure_future(_gauges(metrics, lifecycle, manager, store)()))
-        builds = _template_builds(cfg, server_cfg, manager, tpl)
+        builds = _template_builds(cfg, server_cfg, manager, tpl, host_ca)
         await builds.start()
         server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                            TemplateApi(builds, cfg.data_dir / "template-uploads",

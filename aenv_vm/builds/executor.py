@@ -23,8 +23,8 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
 
+from aenv_store.errors import ConfigError
 from aenv_store.formats.ids import Digest
 
 from ..envd_client import EnvdError, ProcessRequest, stream_process
@@ -36,6 +36,7 @@ from ..oci.pull import Puller
 from ..qemu.launcher import Accel
 from ..sandboxes.runtime import NodeRuntime
 from ..templates.template import find_template
+from ..templates.trust import CaBundle, ca_env, install_ca_certificates
 from . import records
 from .copy import check_tar, copy_script, plain_tar
 from .log import BuildLog
@@ -71,8 +72,12 @@ class BuildSettings:
     boot_timeout: float = 240.0
     oci: OciConfig | None = None
     data_dir: Path | None = None
-    guest_setup: Callable[[BuildVm], Awaitable[None]] | None = None   # e.g. the host's CA certificates
-    setup_key: str = ""             # what ``guest_setup`` puts on the disk (part of the cache key)
+    ca_bundle: CaBundle | None = None   # [vm] trust_host_ca: installed in every build VM (templates/trust.py)
+
+    @property
+    def setup_key(self) -> str:
+        """What the node puts on every build VM's disk (part of the base's cache key)."""
+        return self.ca_bundle.fingerprint if self.ca_bundle is not None else ""
 
 
 @dataclass(frozen=True)
@@ -178,9 +183,13 @@ class Build:
             self.vm = await BuildVm.boot(self.rt, f"build-{self.job.build_id[:12]}-{secrets.token_hex(2)}", layer,
                                          shape, self.settings.boot_timeout)
             await self.vm.grow_root()
-            if self.settings.guest_setup is not None:
-                await self.settings.guest_setup(self.vm)
-        except VmError as e:
+            ca = self.settings.ca_bundle
+            if ca is not None:
+                # at every boot (a VM booted from a cached layer has the files already:
+                # nothing is added, but envd's environment must name the bundle again)
+                trusted = await install_ca_certificates(self.vm.envd, ca)
+                await self.vm.envd.init({"envVars": ca_env(trusted.bundle_path)})
+        except (VmError, ConfigError) as e:
             raise BuildFailed(f"the build VM did not start: {e}", label) from None
         self.log.info(f"build VM ready in {time.monotonic() - t0:.1f} s", label)
         return self.vm

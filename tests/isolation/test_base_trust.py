@@ -95,3 +95,16 @@ def test_base_has_the_tools_and_trusts_the_configured_ca(testnet: SealedNet, tls
     assert off["env"]["out"].strip() == ""
     assert len((tls_host / "requests.log").read_text().splitlines()) == before     # no request got through
 
+
+
+def test_builds_apt_and_pip_install_through_the_ca(testnet: SealedNet, tls_host: Path,
+                                                  tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """apt_install and pip_install steps of a template build reach an HTTPS repository
+    and index that only the node's CA bundle vouches for (issue 14, acceptance 2)."""
+    data = tmp_path_factory.mktemp("trust-build-node")
+    got = scenario(testnet, data, tmp_path / "build.log", "build",
+                   {"AENV_VM__HOST_CA_BUNDLE": str(tls_host / "bundle.pem")})
+    assert got["deb"]["out"].strip().endswith("hello from the test apt repository"), got
+    assert got["wheel"]["out"].strip().endswith("hello from the test index"), got
+    log = got["log"]["out"]
+    assert "apt-get install" in log and "pip install aenv-hello" in log, log[-3000:]

@@ -3,7 +3,7 @@ the E2B SDK pointed at the node under test: one sandbox from ``base`` runs what 
 run and reaches the test's HTTPS host, whose certificate only the test's CA vouches
 for. Prints ``{check: {"exit": code, "out": stdout tail, "err": stderr tail}}`` as JSON.
 
-    python -m tests.isolation.trust_scenario URL full|tls
+    python -m tests.isolation.trust_scenario URL full|tls|build
 """
 from __future__ import annotations
 
@@ -64,7 +64,36 @@ def run(sbx: Sandbox, cmd: str, user: str = "user") -> dict[str, object]:
         return {"exit": e.exit_code, "out": e.stdout[-2000:], "err": e.stderr[-2000:]}
 
 
+def build(url: str) -> dict[str, object]:
+    """A template build (issue 14, acceptance 2) whose steps are the SDK's apt_install and
+    pip_install, fetched over HTTPS from the test's repository and index: the build VM
+    trusts the node's CA bundle too. What a sandbox of the template then has."""
+    from e2b import Template
+
+    t = (Template().from_template("base")
+         .set_user("root")
+         # only the test's repository: the sealed network has no Debian mirror
+         .run_cmd(f"mkdir -p /etc/apt/off && mv /etc/apt/sources.list* /etc/apt/off/ 2>/dev/null; "
+                  f"echo 'deb [trusted=yes] {url}/apt ./' > /etc/apt/sources.list")
+         .set_user("user")
+         .set_envs({"PIP_INDEX_URL": f"{url}/simple/"})
+         .apt_install(["aenv-hello"])
+         .pip_install(["aenv-hello"]))
+    lines: list[str] = []
+    Template.build(t, "trust-build", on_build_logs=lambda e: lines.append(e.message))
+    sbx = Sandbox.create("trust-build", timeout=900)
+    try:
+        return {"deb": run(sbx, "cat /usr/share/aenv-hello/hello.txt"),
+                "wheel": run(sbx, "python -c 'import aenv_hello; print(aenv_hello.GREETING)'"),
+                "log": {"exit": 0, "out": "\n".join(lines[-200:]), "err": ""}}
+    finally:
+        sbx.kill()
+
+
 def main(url: str, what: str) -> None:
+    if what == "build":
+        print(json.dumps(build(url)), flush=True)
+        return
     sbx = Sandbox.create(timeout=900)
     try:
         out: dict[str, object] = {}
