@@ -113,11 +113,8 @@ def decode_chunked(data: bytes) -> bytes:
         pos += size + 2
 
 
-def parse_response(data: bytes) -> HttpAnswer:
-    """One complete HTTP/1.x response read to EOF. ``NoAnswer`` if it has no status line."""
-    head, sep, rest = data.partition(b"\r\n\r\n")
-    if not sep or len(head) > MAX_HEAD:
-        raise NoAnswer(f"no HTTP response: {data[:80]!r}")
+def parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    """Status and headers (names lower-cased) of a response head without its blank line."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
@@ -127,6 +124,15 @@ def parse_response(data: bytes) -> HttpAnswer:
         name, colon, value = line.partition(":")
         if colon:
             headers[name.strip().lower()] = value.strip()
+    return int(parts[1]), headers
+
+
+def parse_response(data: bytes) -> HttpAnswer:
+    """One complete HTTP/1.x response read to EOF. ``NoAnswer`` if it has no status line."""
+    head, sep, rest = data.partition(b"\r\n\r\n")
+    if not sep or len(head) > MAX_HEAD:
+        raise NoAnswer(f"no HTTP response: {data[:80]!r}")
+    status, headers = parse_head(head)
     if "chunked" in headers.get("transfer-encoding", "").lower():
         body = decode_chunked(rest)
     elif "content-length" in headers:
@@ -139,7 +145,7 @@ def parse_response(data: bytes) -> HttpAnswer:
         body = rest[:length]
     else:
         body = rest
-    return HttpAnswer(int(parts[1]), headers, body)
+    return HttpAnswer(status, headers, body)
 
 
 def format_request(method: str, host: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
@@ -376,16 +382,8 @@ async def _read_head(reader: asyncio.StreamReader) -> HttpAnswer:
         head = await reader.readuntil(b"\r\n\r\n")
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
         raise NoAnswer(f"no HTTP response head: {e}") from None
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-        raise NoAnswer(f"no HTTP response: {lines[0][:80]!r}")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if colon:
-            headers[name.strip().lower()] = value.strip()
-    return HttpAnswer(int(parts[1]), headers, b"")
+    status, headers = parse_head(head[:-4])
+    return HttpAnswer(status, headers, b"")
 
 
 async def _frames(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[tuple[int, dict]]:

@@ -25,10 +25,11 @@ from aiohttp import web
 
 from aenv_vm.builds.log import LogEntry
 from aenv_vm.builds.service import TemplateBuilds, TemplateView
-from aenv_vm.errors import BadRequest, Conflict, NotFound, VmError
+from aenv_vm.errors import BadRequest, VmError
 
 from .responses import json_response, no_content
 from .errors import ApiError
+from .lifecycle import api_error
 from .routes import Call, Reply, Route
 from .schemas import Field, Schema, iso
 
@@ -68,14 +69,7 @@ UPLOAD_QUERY = Schema("UploadQuery", (Field("expires", "integer", required=True,
                                       Field("signature", "string", required=True, max_length=128)))
 
 
-def _error(e: VmError, what: str) -> ApiError:
-    if isinstance(e, NotFound):
-        return ApiError(404, str(e))
-    if isinstance(e, BadRequest):
-        return ApiError(400, f"{what}: {e}")
-    if isinstance(e, Conflict):
-        return ApiError(409, f"{what}: {e}")
-    return ApiError(500, f"{what} failed: {e}")
+_error = api_error     # the sandbox layer's error classes, answered as for sandboxes
 
 
 def _entry(e: LogEntry) -> dict[str, Any]:
