@@ -18,14 +18,16 @@ AENV = [sys.executable, "-m", "aenv_api.cli.main"]
 
 
 @contextlib.contextmanager
-def template_server(tmp_path_factory: pytest.TempPathFactory, ready_timeout: int = 15) -> Iterator[Server]:
-    """An `aenv server` on a data dir of its own, stopped (and checked) at the end."""
+def template_server(tmp_path_factory: pytest.TempPathFactory, ready_timeout: int = 15,
+                    env: dict[str, str] | None = None) -> Iterator[Server]:
+    """An `aenv server` on a data dir of its own (``env``: more settings), stopped (and
+    checked) at the end."""
     if os.geteuid() != 0:
         pytest.skip("template builds need root (the guest image build)")
     data = tmp_path_factory.mktemp("tpl-node")
     srv = start_server(data, tmp_path_factory.mktemp("tpl-logs"),
                        env={"AENV_VM__POOL_SIZE": "0", "AENV_TEMPLATES__READY_TIMEOUT": str(ready_timeout),
-                            "AENV_TEMPLATES__STEP_TIMEOUT": "120"})
+                            "AENV_TEMPLATES__STEP_TIMEOUT": "120", **(env or {})})
     try:
         yield srv
     finally:

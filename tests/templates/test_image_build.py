@@ -11,9 +11,10 @@ from typing import Iterator
 import pytest
 from e2b import Sandbox, Template
 
-from tests.api.conftest import Server
+from tests.api.conftest import Server, use_sdk_env
 from tests.oci.registryproc import Registry
 
+from .conftest import template_server
 from .images import push_tiny_image
 
 
@@ -87,3 +88,25 @@ def test_mini_swe_agent_flow(sdk: Server, image: str) -> None:
         assert r.stdout.startswith("NAME=") and 240 < int(r.stdout.split()[-1]) <= 288, r.stdout
     finally:
         sbx.kill()
+
+
+def test_docker_hub_names_resolve_through_a_mirror(tmp_path_factory: pytest.TempPathFactory,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that reaches only a mirror ([oci] registry_mirrors, Docker's sense) builds
+    from_debian_image(), i.e. docker.io/library/debian:stable, from the mirror."""
+    reg = Registry.start(tmp_path_factory.mktemp("mirror"))
+    try:
+        push_tiny_image(reg, tmp_path_factory.mktemp("layout"), dest="library/debian:stable")
+        with template_server(tmp_path_factory, env={"AENV_OCI__REGISTRY_MIRRORS": f'["http://{reg.host}"]'}) as srv:
+            use_sdk_env(srv, monkeypatch)
+            lines: list[str] = []
+            Template.build(Template().from_debian_image().run_cmd("echo from-mirror > note"), "hub-name",
+                           on_build_logs=lambda e: lines.append(e.message))
+            assert any("docker.io/library/debian:stable" in x or "debian:stable" in x for x in lines), lines
+            sbx = Sandbox.create("hub-name")
+            try:
+                assert sbx.commands.run("cat note; whoimage").stdout == "from-mirror\nalpine-like-image\n"
+            finally:
+                sbx.kill()
+    finally:
+        reg.stop()
