@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -99,6 +100,8 @@ class TemplateBuilds:
                                    for b in tdef.builds)
                     records.save_def(self.store, replace(tdef, builds=builds))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # build VMs' disks and memory files a stopped (or killed) process left behind
+        await asyncio.to_thread(shutil.rmtree, self.rt.run_root / "builds", True)
         async with self._lock:
             await asyncio.to_thread(fix)
 
