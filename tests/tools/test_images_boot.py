@@ -63,13 +63,16 @@ def build_templates(data_dir: Path, guest: GuestImage, layers: dict[str, str]) -
     from aenv_store.assembly import open_node_store
     from aenv_vm.templates.build import build_template
 
-    store = open_node_store(load_config(data_dir).store_settings(), create=True)
+    cfg = load_config(data_dir)
+    store = open_node_store(cfg.store_settings(), create=True)
+    ca = cfg.section("vm").host_ca()     # what the server will check the templates against
     built = {}
     try:
         for alias, layer in layers.items():
             t0 = time.monotonic()
             tpl = asyncio.run(build_template(store, guest, data_dir / f"work-{alias}", alias=alias,
-                                             memory_mib=256, disk_mib=DISK_MIB, base_layer=Digest.from_hex(layer)))
+                                             memory_mib=256, disk_mib=DISK_MIB, base_layer=Digest.from_hex(layer),
+                                             ca_bundle=ca))
             built[alias] = {"template": tpl, "seconds": time.monotonic() - t0}
             print(f"\n[tools] template {alias} built in {built[alias]['seconds']:.1f} s")
     finally:
