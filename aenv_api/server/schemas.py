@@ -254,8 +254,8 @@ def _parse_query_value(f: Field, values: list[str]) -> Any:
             when = when.replace(tzinfo=datetime.timezone.utc)
         return when.timestamp()
     if f.kind == "states":  # form style, explode false (a,b) — repeated parameters accepted too
-        states = [s for v in values for s in v.split(",") if s]
-        for s in states:
+        states = [s for v in values for s in v.split(",")]
+        for s in states:   # an empty item ("state=," or "state=") is no state either
             if s not in f.enum:
                 raise bad_request(f"{f.name} must be a comma-separated list of {', '.join(f.enum)}; got {s[:40]!r}")
         return tuple(dict.fromkeys(states))
