@@ -73,6 +73,9 @@ def test_malformed_bodies(server: Server) -> None:
     assert status == 400 and "limit" in body["message"]
     status, _, body = server.request("GET", "/v2/sandboxes?state=sleeping")
     assert status == 400 and "state" in body["message"]
+    for empty in ("state=,", "state=running,", "state="):   # an empty item is outside the enum too
+        status, _, body = server.request("GET", f"/v2/sandboxes?{empty}")
+        assert status == 400 and "state" in body["message"], empty
     status, _, body = server.request("GET", "/v2/sandboxes?nextToken=garbage")
     assert status == 400 and body["code"] == 400
     status, _, body = server.request("GET", "/no/such/path")
