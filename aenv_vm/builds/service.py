@@ -209,6 +209,9 @@ class TemplateBuilds:
                 except (StoreError, OSError) as e:
                     log.error("recording the failure of build %s: %s", run.build_id, e)
             self._write_log(run)
+            # finished: its status and log are read back from the store and the log file
+            # (_load_finished), so a long-lived node does not keep every build in memory
+            self._runs.pop(run.build_id, None)
 
     def _fail(self, run: BuildRun, message: str, step: str | None) -> None:
         run.status = "error"
