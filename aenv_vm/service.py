@@ -79,6 +79,19 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class MetricSample:
+    """One sample of a sandbox's resource use as its guest sees it (E2B's SandboxMetric)."""
+    timestamp: float                # unix time the sample was taken
+    cpu_count: int
+    cpu_used_pct: float             # of all its vCPUs, since the previous sample
+    mem_used: int                   # bytes
+    mem_total: int
+    mem_cache: int                  # page cache, bytes
+    disk_used: int                  # of the guest's root filesystem, bytes
+    disk_total: int
+
+
+@dataclass(frozen=True)
 class ConsoleRead:
     """A piece of a sandbox's serial console: ``data`` starts at byte ``start`` of the
     console named ``source`` (a resumed sandbox's new VM has a new one)."""
@@ -127,6 +140,16 @@ class SandboxService(Protocol):
         ...
 
     async def usage(self, sandbox_id: str) -> Usage: ...
+
+    async def metrics(self, sandbox_id: str, start: float | None = None,
+                      end: float | None = None) -> list[MetricSample]:
+        """The samples of a sandbox (running or paused) taken between ``start`` and
+        ``end`` (unix seconds, inclusive; None: unbounded), oldest first."""
+        ...
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, MetricSample]:
+        """The newest sample of each of these sandboxes that has one (unknown ids are left out)."""
+        ...
 
     async def console(self, sandbox_id: str, source: str | None, offset: int, limit: int) -> ConsoleRead:
         """Console output of a running sandbox from ``offset`` of ``source`` (None or another

@@ -10,6 +10,7 @@ from . import idempotency
 from . import schemas as S
 from .errors import ApiError
 from .lifecycle import Lifecycle
+from .metric_series import sandbox_ids
 from .metrics import Metrics
 from .proxy import AGENTENV_ID_HEADER
 from .responses import json_response, no_content
@@ -146,6 +147,9 @@ class ControlPlane:
         start, end = call.query["start"], call.query["end"]
         return json_response(await self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
 
+    async def sandboxes_metrics(self, request: web.Request, call: Call) -> web.Response:
+        return json_response(await self.lc.sandboxes_metrics(sandbox_ids(call.query["sandbox_ids"])))
+
     async def logs_v1(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
         limit = 1000 if q["limit"] is None else q["limit"]
@@ -197,6 +201,8 @@ class ControlPlane:
             Route("GET", "/v2/sandboxes", self.list_v2, "list sandboxes (filters, pagination)",
                   (Reply(200, "sandboxes; next page token in X-Next-Token", "ListedSandbox[]",
                          ("X-Next-Token", "X-Total-Running")),), query=S.LIST_V2, tags=sbx),
+            Route("GET", "/sandboxes/metrics", self.sandboxes_metrics, "the newest sample of each listed sandbox",
+                  (Reply(200, "by sandbox id", "SandboxesWithMetrics"),), query=S.METRICS_LIST, tags=sbx),
             Route("GET", "/sandboxes/{sandboxID}", self.get_info, "sandbox details",
                   (Reply(200, "the sandbox", "SandboxDetail"), gone), tags=sbx),
             Route("DELETE", "/sandboxes/{sandboxID}", self.kill, "kill a sandbox", (nc("killed"), gone), tags=sbx),

@@ -41,10 +41,11 @@ from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError
 from .extras import ApiExtras, Extra
+from .metric_series import MAX_SANDBOX_IDS, bucketed, metric_json
 from .metrics import Metrics
 from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_view, update_policy
 from .sandbox_logs import MAX_CONSOLE_BYTES, LogEntry, SandboxLogs
-from .schemas import NewSandbox, iso
+from .schemas import NewSandbox
 from .settings import ServerConfig
 from .views import FALLBACK_ENVD_VERSION, SandboxView, page, parse_metadata_filter, started_at_or_after
 
@@ -386,20 +387,24 @@ class Lifecycle:
     # --- metrics and proxy targets ------------------------------------------
 
     async def sandbox_metrics(self, sid: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
-        """One sample taken now from the host's view of the VM (its RSS and CPU time)."""
-        view = await self.get(sid)
-        now = int(time.time())
-        if view.state != SandboxState.RUNNING.value or (start is not None and now < start) or (
-                end is not None and now > end):
-            return []
+        """The sandbox's samples between ``start`` and ``end`` (unix seconds; open: its
+        whole life so far) in E2B's buckets (metric_series.py); kept across pauses."""
+        if start is not None and end is not None and start > end:
+            raise ApiError(400, "Invalid time range for metrics: start time cannot be after end time")
+        await self.get(sid)     # 404 for a sandbox the API does not show
         try:
-            use = await self.service.usage(sid)
-        except VmError:     # paused meanwhile
-            return []
-        cpu_pct = 100.0 * use.cpu_seconds / max(time.time() - view.started_at, 1e-3)
-        return [{"timestamp": iso(now), "timestampUnix": now, "cpuCount": max(1, view.cpu_count),
-                 "cpuUsedPct": round(cpu_pct, 2), "memUsed": use.rss_bytes, "memTotal": view.memory_mb << 20,
-                 "memCache": 0, "diskUsed": use.disk_bytes, "diskTotal": view.disk_size_mb << 20}]
+            samples = await self.service.metrics(sid, start, end)
+        except VmError as e:
+            raise api_error(e, "metrics") from None
+        return [metric_json(s) for s in bucketed(samples, start, end)]
+
+    async def sandboxes_metrics(self, ids: list[str]) -> dict[str, Any]:
+        """The newest sample of each listed sandbox that has one (E2B's ``SandboxesWithMetrics``)."""
+        if len(ids) > MAX_SANDBOX_IDS:
+            raise ApiError(400, f"Too many sandboxes requested, maximum is {MAX_SANDBOX_IDS}")
+        visible = {v.sandbox_id for v in await self.list_views()}
+        latest = await self.service.latest_metrics([i for i in ids if i in visible])
+        return {"sandboxes": {sid: metric_json(s) for sid, s in latest.items()}}
 
     async def signed_sandbox(self, signed: SignedRequest) -> str:
         """The sandbox a signed ``/files`` URL with no sandbox in it is for: the secured

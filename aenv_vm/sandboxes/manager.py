@@ -46,6 +46,7 @@ from ..templates.local import LocalTemplates
 from ..templates.template import Template, find_template
 from .capture import Capturer
 from .fork import MAX_FORK, Child, Forks
+from .metrics import MetricsRecorder
 from .pause import PausedSandboxes, PauseTiming
 from .pool import REFILL_DELAY, WarmPool
 from .records import RecordStore, SandboxRecord, SandboxState
@@ -101,6 +102,8 @@ class SandboxManager:
         self._forks: Forks | None = None
         self._ttl: TtlWatcher | None = None
         self._ttl_task: asyncio.Task[None] | None = None
+        self.metrics = MetricsRecorder(MappingProxyType(self._running), self._busy)
+        self._metrics_task: asyncio.Task[None] | None = None
         self._standby = standby
         # called after a TTL expiry paused or killed a sandbox: (sandbox id, "paused" | "killed")
         self.expiry_listeners: list[ExpiryListener] = []
@@ -128,6 +131,7 @@ class SandboxManager:
         changed = await recover(self.rt, records, self._paused)
         self._ttl = TtlWatcher(records, lambda sid: sid in self._running, self._expire)
         self._ttl_task = asyncio.get_running_loop().create_task(self._ttl.run())
+        self._metrics_task = asyncio.get_running_loop().create_task(self.metrics.run())
         return changed
 
     async def __aenter__(self) -> "SandboxManager":
@@ -145,6 +149,11 @@ class SandboxManager:
             with contextlib.suppress(Exception):
                 await self._ttl_task
             self._ttl_task = None
+        if self._metrics_task is not None:
+            self.metrics.stop()
+            with contextlib.suppress(Exception):
+                await self._metrics_task
+            self._metrics_task = None
         if self._forks is not None:
             await self._forks.close()
         if self._paused is not None:
@@ -210,6 +219,10 @@ class SandboxManager:
 
     def lock(self, sid: str) -> asyncio.Lock:
         return self._locks.setdefault(sid, asyncio.Lock())
+
+    def _busy(self, sid: str) -> bool:
+        held = self._locks.get(sid)
+        return held is not None and held.locked()
 
     def template(self, ref: str) -> Template:
         """A template (id, alias, snapshot id or name) this node can restore from."""
@@ -349,6 +362,7 @@ class SandboxManager:
                 await teardown_sandbox(self.rt, sbx)
                 self.paused.drop_files(sid)
             self.records_store.delete(sid)
+            self.metrics.forget(sid)
             if rec is not None:
                 self.forks.drop_unused(rec.template)
         self._locks.pop(sid, None)
@@ -400,6 +414,7 @@ class SandboxManager:
                 return rec
             sbx = self._running_one(sid)
             await self.forks.wait_committed(sbx)
+            await self.metrics.quiesce(sid)
             paused = await self.paused.pause(sbx, rec)
             self.last_pause = paused.timing
             self._running.pop(sid, None)
@@ -433,6 +448,7 @@ class SandboxManager:
         async with self.lock(sid):
             sbx = self._running_one(sid)
             await self.forks.wait_committed(sbx)
+            await self.metrics.quiesce(sid)
             local = await self.snapshots.take_local(sbx, self.records_store.get(sid), hidden=False)
         try:
             await asyncio.to_thread(self.snapshots.commit, local, name)
@@ -458,6 +474,7 @@ class SandboxManager:
             async with self.lock(sid):
                 sbx = self._running_one(sid)
                 await self.forks.wait_committed(sbx)
+                await self.metrics.quiesce(sid)
                 local = await self.snapshots.take_local(sbx, parent, hidden=True)
             self.last_fork_snapshot = time.monotonic() - t0
             children = await self.forks.restore_children(local, parent, count, access_token)

@@ -15,8 +15,8 @@ from aenv_store.errors import StoreError
 from ..errors import NotFound, VmError
 from ..net.policy import NetworkPolicy
 from ..qemu.launcher import open_vm_file
-from ..service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, SandboxInfo, SnapshotInfo, TokenMinter,
-                       Usage)
+from ..service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, MetricSample, SandboxInfo,
+                       SnapshotInfo, TokenMinter, Usage)
 from ..templates.template import Template
 from .manager import SandboxManager
 from .records import SandboxRecord
@@ -128,6 +128,23 @@ class NodeSandboxService:
     async def usage(self, sandbox_id: str) -> Usage:
         sbx = self._running(sandbox_id)
         return await asyncio.to_thread(_usage, sbx.vm.pid, sbx.dir / "upper")
+
+    async def metrics(self, sandbox_id: str, start: float | None = None,
+                      end: float | None = None) -> list[MetricSample]:
+        self.manager.record(sandbox_id)     # NotFound for an unknown sandbox
+        recorder = self.manager.metrics
+        sbx = self.manager.sandboxes.get(sandbox_id)
+        if sbx is not None and recorder.latest(sandbox_id) is None:
+            await recorder.sample(sbx)      # just created: E2B has a sample from its start
+        return recorder.series(sandbox_id, start, end)
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, MetricSample]:
+        out = {}
+        for sid in sandbox_ids:
+            s = self.manager.metrics.latest(sid)
+            if s is not None:
+                out[sid] = s
+        return out
 
     async def console(self, sandbox_id: str, source: str | None, offset: int, limit: int) -> ConsoleRead:
         sbx = self._running(sandbox_id)
