@@ -39,6 +39,7 @@ class CreateRequest:
     auto_pause: bool = True                         # on expiry: pause (True) or kill
     allow_internet_access: bool | None = None       # None: not set (allowed); False: deny 0.0.0.0/0
     network: NetworkPolicy = field(default_factory=NetworkPolicy)   # egress rules (net/policy.py)
+    pause_memory: bool = True                       # a TTL auto-pause keeps memory (False: filesystem only)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class SandboxInfo:
     network: NetworkPolicy = field(default_factory=NetworkPolicy)   # the egress rules in force
     note: str = ""                  # why a sandbox is lost, or what recovery did
     from_pool: bool | None = None   # create answers only: handed out from the warm pool
+    pause_memory: bool = True       # what a TTL auto-pause keeps (False: the filesystem only)
+    cold_boot: bool = False         # paused filesystem-only: the next resume boots from its disk
+    envd_unresponsive: bool = False # paused while envd did not answer: resumes by cold boot only
 
 
 @dataclass(frozen=True)
@@ -115,9 +119,16 @@ class SandboxService(Protocol):
 
     async def kill(self, sandbox_id: str) -> None: ...
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo: ...
+    async def pause(self, sandbox_id: str, memory: bool = True, require_healthy: bool = False) -> SandboxInfo:
+        """``memory=False``: keep only the filesystem (the next resume boots from it);
+        ``require_healthy``: GuestUnresponsive, sandbox left running, when envd does not
+        answer (always so for ``memory=False``)."""
+        ...
 
-    async def resume(self, sandbox_id: str, timeout: float | None = None) -> SandboxInfo: ...
+    async def resume(self, sandbox_id: str, timeout: float | None = None, memory: bool = True) -> SandboxInfo:
+        """``memory=False``: boot from the disk instead of restoring the memory
+        (UnresponsiveSnapshot: a pause marked envd-unresponsive resumes only so)."""
+        ...
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> SandboxInfo: ...
 

@@ -112,15 +112,18 @@ class ControlPlane:
         return json_response([r.listed() for r in page], headers=headers)
 
     async def connect(self, request: web.Request, call: Call) -> web.Response:
-        rec, resumed = await self.lc.connect(call.path["sandboxID"], call.body.get("timeout"))
+        rec, resumed = await self.lc.connect(call.path["sandboxID"], call.body.get("timeout"),
+                                             call.body.get("memory") is not False)
         return json_response(rec.sandbox(self.domain), 201 if resumed else 200)
 
     async def resume(self, request: web.Request, call: Call) -> web.Response:
-        rec = await self.lc.resume(call.path["sandboxID"], call.body.get("timeout"))
+        rec = await self.lc.resume(call.path["sandboxID"], call.body.get("timeout"),
+                                   call.body.get("memory") is not False)
         return json_response(rec.sandbox(self.domain), 201)
 
     async def pause(self, request: web.Request, call: Call) -> web.Response:
-        await self.lc.pause(call.path["sandboxID"])
+        await self.lc.pause(call.path["sandboxID"], memory=call.body.get("memory") is not False,
+                            require_healthy=call.body.get("require_healthy_guest") is True)
         return no_content()
 
     async def snapshot(self, request: web.Request, call: Call) -> web.Response:

@@ -36,7 +36,7 @@ from aenv_store.store import Store
 
 from ..blockimage.nbd_server import NbdServer
 from ..confine.policy import Confinement
-from ..errors import BadRequest, CapacityError, Conflict, NotFound
+from ..errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, UnresponsiveSnapshot
 from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
 from ..net.policy import NetworkPolicy, with_internet
@@ -45,6 +45,7 @@ from ..service import ExpiryListener, SnapshotInfo, TokenMinter
 from ..templates.local import LocalTemplates
 from ..templates.template import Template, find_template
 from .capture import Capturer
+from .coldboot import cold_boot, prepare_pause
 from .fork import MAX_FORK, Child, Forks
 from .metrics import MetricsRecorder
 from .pause import PausedSandboxes, PauseTiming
@@ -271,8 +272,10 @@ class SandboxManager:
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
                      access_token: str | TokenMinter | None = None, timeout: float | None = None,
                      metadata: dict[str, str] | None = None, auto_pause: bool = True,
-                     allow_internet_access: bool | None = None, network: NetworkPolicy | None = None) -> Sandbox:
+                     allow_internet_access: bool | None = None, network: NetworkPolicy | None = None,
+                     pause_memory: bool = True) -> Sandbox:
         """A new sandbox from ``template`` (id, alias or snapshot), envd initialised.
+        ``pause_memory``: what its TTL auto-pause keeps (False: the filesystem only).
         ``access_token``: envd's token, or a function of the new sandbox's id giving it.
         ``allow_internet_access``: False = the guest may not open outbound connections
         (None, not set: it may); ``network``: finer egress rules (net/policy.py)."""
@@ -286,8 +289,11 @@ class SandboxManager:
             policy = network or NetworkPolicy()
             if allow_internet_access is False:
                 policy = with_internet(policy, False)
-            return await self._create(template, env_vars, access_token, timeout, metadata, auto_pause,
-                                      allow_internet_access, policy)
+            sbx = await self._create(template, env_vars, access_token, timeout, metadata, auto_pause,
+                                     allow_internet_access, policy)
+            if not pause_memory:
+                self.records_store.put(self.record(sbx.id).replace(pause_memory=False))
+            return sbx
         finally:
             self._creating -= 1
 
@@ -394,7 +400,10 @@ class SandboxManager:
     async def _expire(self, rec: SandboxRecord) -> str:
         """A TTL expiry: pause (or kill, for ``auto_pause=False``), then tell the listeners."""
         if rec.auto_pause:
-            await self.pause(rec.id)
+            try:
+                await self.pause(rec.id, memory=rec.pause_memory)
+            except GuestUnresponsive:   # a filesystem-only pause needs envd: keep memory, marked
+                await self.pause(rec.id, unresponsive=True)
             action = "paused"
         else:
             await self.kill(rec.id)
@@ -407,7 +416,13 @@ class SandboxManager:
         return action
 
     # ------------------------------------------------------------ pause / resume
-    async def pause(self, sid: str) -> SandboxRecord:
+    async def pause(self, sid: str, *, memory: bool = True, require_healthy: bool = False,
+                    unresponsive: bool = False) -> SandboxRecord:
+        """Pause a running sandbox. ``memory=False``: filesystem only (the guest syncs, the
+        next resume boots from the disk: coldboot.py); ``require_healthy`` or ``memory=False``:
+        GuestUnresponsive (and nothing done) when envd does not answer. A memory pause
+        of a guest whose envd missed its last samples (or ``unresponsive``) is marked:
+        it resumes only by cold boot."""
         async with self.lock(sid):
             rec = self.record(sid)
             if rec.state == SandboxState.PAUSED:
@@ -415,6 +430,10 @@ class SandboxManager:
             sbx = self._running_one(sid)
             await self.forks.wait_committed(sbx)
             await self.metrics.quiesce(sid)
+            if require_healthy or not memory:
+                await prepare_pause(sbx, sync=not memory)
+            rec = rec.replace(cold_boot=not memory, envd_unresponsive=memory and (
+                unresponsive or self.metrics.unresponsive(sid)))
             paused = await self.paused.pause(sbx, rec)
             self.last_pause = paused.timing
             self._running.pop(sid, None)
@@ -423,20 +442,29 @@ class SandboxManager:
             await asyncio.shield(self.paused.finish(sbx, paused))
             return paused.record
 
-    async def resume(self, sid: str, timeout: float | None = None) -> Sandbox:
+    async def resume(self, sid: str, timeout: float | None = None, *, memory: bool = True) -> Sandbox:
+        """Run a paused sandbox again: from its memory (``memory``), or booted from its disk
+        (``memory=False``, and always after a filesystem-only pause: coldboot.py).
+        UnresponsiveSnapshot for a memory resume of a pause marked envd-unresponsive."""
         if timeout is not None and timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
         async with self.lock(sid):
             rec = self.record(sid)
             if rec.state == SandboxState.RUNNING and sid in self._running:
                 return self._running[sid]
-            sbx, timing = await resume(self.rt, self.paused, rec)
+            if memory and rec.envd_unresponsive and not rec.cold_boot:
+                raise UnresponsiveSnapshot(f"sandbox {sid} was paused while its guest agent (envd) was not "
+                                           f"responding: it resumes only by cold boot")
+            if rec.cold_boot or not memory:
+                sbx, _ = await cold_boot(self.rt, self.paused, rec)
+            else:
+                sbx, self.last_resume = await resume(self.rt, self.paused, rec)
             self._running[sid] = sbx
             rec = self.records_store.get(sid) or rec     # the resume may have committed a pending pause
             t = rec.timeout if timeout is None else timeout
             self.records_store.put(rec.replace(state=SandboxState.RUNNING, envd_port=sbx.envd_port,
-                                               end_at=time.time() + t, timeout=t, note=""))
-            self.last_resume = timing
+                                               end_at=time.time() + t, timeout=t, note="", cold_boot=False,
+                                               envd_unresponsive=False))
             return sbx
 
     # ------------------------------------------------------------ snapshots / fork
@@ -491,6 +519,8 @@ class SandboxManager:
                           metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
                           env_vars=parent.env_vars, access_token=child.access_token,
                           allow_internet_access=parent.allow_internet_access, policy=parent.policy)
+            if not parent.pause_memory:
+                self.records_store.put(self.record(k.id).replace(pause_memory=False))
             out.append(k)
         return out
 

@@ -40,6 +40,7 @@ CAPACITY = 4320             # samples kept per sandbox before the older half is 
 TICK = 1.0                  # how often the recorder looks for sandboxes that are due
 CONCURRENCY = 16            # envd requests in flight at once
 SAMPLE_TIMEOUT = 3.0        # seconds one envd /metrics may take
+UNANSWERED = 2              # samples in a row without an answer: envd counts as unresponsive
 
 _RECORD = struct.Struct("<dIfQQQQQ")   # timestamp, cpus, cpu %, mem used/total/cache, disk used/total
 
@@ -128,6 +129,7 @@ class MetricsRecorder:
         self._due: dict[str, tuple[Sandbox, float]] = {}   # sid -> (the VM sampled, next due time)
         self._slots = asyncio.Semaphore(concurrency)
         self._inflight: dict[str, asyncio.Task[MetricSample | None]] = {}
+        self._misses: dict[str, int] = {}     # sid -> samples in a row its envd did not answer
         self._stop = asyncio.Event()
         self.samples_taken = 0
         self.failures = 0
@@ -142,10 +144,16 @@ class MetricsRecorder:
         s = self._series.get(sid)
         return None if s is None else s.latest()
 
+    def unresponsive(self, sid: str) -> bool:
+        """Its envd missed the last ``UNANSWERED`` samples in a row (≥ 10 s without an
+        answer): what a pause records as "envd unresponsive at pause", at no extra cost."""
+        return self._misses.get(sid, 0) >= UNANSWERED
+
     def forget(self, sid: str) -> None:
         """The sandbox is gone (killed): drop its series."""
         self._series.pop(sid, None)
         self._due.pop(sid, None)
+        self._misses.pop(sid, None)
 
     async def quiesce(self, sid: str) -> None:
         """End a request to ``sid``'s envd in flight (an operation is about to stop its VM:
@@ -167,10 +175,13 @@ class MetricsRecorder:
                 s = sample_from_envd(body, time.time())
             except (VmError, ValueError) as e:
                 self.failures += 1
+                if self.running.get(sbx.id) is sbx:
+                    self._misses[sbx.id] = self._misses.get(sbx.id, 0) + 1
                 log.debug("metrics of %s not sampled: %s", sbx.id, e)
                 return None
         if self.running.get(sbx.id) is not sbx:    # paused or killed while we asked
             return None
+        self._misses.pop(sbx.id, None)
         self._series.setdefault(sbx.id, MetricSeries(self.capacity)).add(s)
         self.samples_taken += 1
         return s
@@ -185,6 +196,8 @@ class MetricsRecorder:
                 continue
             if self.busy(sid):
                 continue
+            if known is not None and known[0] is not sbx:
+                self._misses.pop(sid, None)     # a new VM of the sandbox: its own record
             self._due[sid] = (sbx, now + self.interval)
             out.append(sbx)
         for sid in [sid for sid in self._due if sid not in self.running]:

@@ -60,7 +60,9 @@ class NodeSandboxService:
                            auto_pause=rec.auto_pause, timeout=rec.timeout, metadata=dict(rec.metadata),
                            access_token=rec.access_token, allow_internet_access=rec.allow_internet_access,
                            network=rec.policy,
-                           envd_version=envd_version, note=rec.note, from_pool=from_pool)
+                           envd_version=envd_version, note=rec.note, from_pool=from_pool,
+                           pause_memory=rec.pause_memory, cold_boot=rec.cold_boot,
+                           envd_unresponsive=rec.envd_unresponsive)
 
     def _running(self, sid: str) -> Sandbox:
         sbx = self.manager.sandboxes.get(sid)
@@ -74,7 +76,8 @@ class NodeSandboxService:
     async def create(self, req: CreateRequest) -> SandboxInfo:
         sbx = await self.manager.create(req.template, env_vars=req.env_vars or None, access_token=req.access_token,
                                         timeout=req.timeout, metadata=req.metadata, auto_pause=req.auto_pause,
-                                        allow_internet_access=req.allow_internet_access, network=req.network)
+                                        allow_internet_access=req.allow_internet_access, network=req.network,
+                                        pause_memory=req.pause_memory)
         return self._info(self.manager.record(sbx.id), sbx.timing.from_pool if sbx.timing else None)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -86,11 +89,11 @@ class NodeSandboxService:
     async def kill(self, sandbox_id: str) -> None:
         await self.manager.kill(sandbox_id)
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        return self._info(await self.manager.pause(sandbox_id))
+    async def pause(self, sandbox_id: str, memory: bool = True, require_healthy: bool = False) -> SandboxInfo:
+        return self._info(await self.manager.pause(sandbox_id, memory=memory, require_healthy=require_healthy))
 
-    async def resume(self, sandbox_id: str, timeout: float | None = None) -> SandboxInfo:
-        await self.manager.resume(sandbox_id, timeout)
+    async def resume(self, sandbox_id: str, timeout: float | None = None, memory: bool = True) -> SandboxInfo:
+        await self.manager.resume(sandbox_id, timeout, memory=memory)
         return self._info(self.manager.record(sandbox_id))
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> SandboxInfo:
