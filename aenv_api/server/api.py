@@ -18,7 +18,7 @@ from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
-from .unsupported import reject_unsupported
+from .unsupported import not_supported, reject_unsupported
 
 
 
@@ -127,6 +127,9 @@ class ControlPlane:
         return no_content()
 
     async def snapshot(self, request: web.Request, call: Call) -> web.Response:
+        if call.body.get("memory") is False:
+            raise not_supported("memory: false (a filesystem-only snapshot)",
+                                "aenv's snapshots always keep memory; pause(mode=\"filesystem\") is supported")
         return json_response(await self.lc.snapshot(call.path["sandboxID"], call.body.get("name")), 201)
 
     async def list_snapshots(self, request: web.Request, call: Call) -> web.Response:

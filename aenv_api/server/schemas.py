@@ -359,7 +359,8 @@ def fork_schema(max_timeout: int, max_forks: int) -> Schema:
 PAUSE = Schema("SandboxPauseRequest", (Field("memory", "boolean"), Field("requireHealthyGuest", "boolean",
                                                                           attr="require_healthy_guest")))
 SNAPSHOT = Schema("SandboxSnapshotRequest", (
-    Field("name", "string", max_length=128, description="optional snapshot name"),))
+    Field("name", "string", max_length=128, description="optional snapshot name"),
+    Field("memory", "boolean", description="false (a filesystem-only snapshot): not supported by aenv (400)")))
 REFRESH = Schema("SandboxRefreshRequest", (Field("duration", "integer", minimum=0, maximum=3600),))
 
 LIST_V1 = Schema("ListQueryV1", (Field("metadata", "string", max_length=2048),))

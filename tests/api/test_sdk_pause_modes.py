@@ -30,7 +30,7 @@ def _sleeping(sbx: Any) -> str:
 
 
 def test_filesystem_pause_and_reboot_sync(sdk_env: Server) -> None:
-    from e2b import Sandbox, SandboxState
+    from e2b import Sandbox, SandboxException, SandboxState
 
     sbx = Sandbox.create(metadata={"suite": "pause-modes"}, envs={"AENV_KEEP": "kept"}, timeout=600)
     try:
@@ -82,6 +82,9 @@ def test_filesystem_pause_and_reboot_sync(sdk_env: Server) -> None:
         assert resumed.pause(keep_memory=False) is True
         last = Sandbox.connect(sid)
         assert _out(last, BOOT_ID) != boot3 and _sleeping(last) == ""
+        # filesystem-only snapshots are refused by name, not taken with memory
+        with pytest.raises(SandboxException, match="not supported by aenv"):
+            last.create_snapshot(mode="filesystem")
         print(f"cold boot on connect: {booted_s:.1f} s")
     finally:
         sbx.kill()
