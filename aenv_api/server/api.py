@@ -20,6 +20,9 @@ from .settings import ServerConfig
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .unsupported import not_supported, reject_unsupported
 
+# /sandboxes/{sandboxID} is not /sandboxes/metrics (whose only method is GET)
+SANDBOX_ID_PATH = r"/sandboxes/{sandboxID:(?!metrics$)[^{}/]+}"
+
 
 
 
@@ -210,8 +213,9 @@ class ControlPlane:
             Route("GET", "/sandboxes/metrics", self.sandboxes_metrics, "the newest sample of each listed sandbox",
                   (Reply(200, "by sandbox id", "SandboxesWithMetrics"),), query=S.METRICS_LIST, tags=sbx),
             Route("GET", "/sandboxes/{sandboxID}", self.get_info, "sandbox details",
-                  (Reply(200, "the sandbox", "SandboxDetail"), gone), tags=sbx),
-            Route("DELETE", "/sandboxes/{sandboxID}", self.kill, "kill a sandbox", (nc("killed"), gone), tags=sbx),
+                  (Reply(200, "the sandbox", "SandboxDetail"), gone), tags=sbx, router_path=SANDBOX_ID_PATH),
+            Route("DELETE", "/sandboxes/{sandboxID}", self.kill, "kill a sandbox", (nc("killed"), gone), tags=sbx,
+                  router_path=SANDBOX_ID_PATH),
             Route("POST", "/sandboxes/{sandboxID}/timeout", self.set_timeout, "set the time to live from now",
                   (nc("timeout set"), gone), body=S.timeout_schema(mt), body_required=True, tags=sbx),
             Route("PUT", "/sandboxes/{sandboxID}/network", self.update_network,

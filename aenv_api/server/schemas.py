@@ -394,7 +394,7 @@ LOGS_V2 = Schema("SandboxLogsQueryV2", (
 METRICS_QUERY = Schema("MetricsQuery", (Field("start", "integer", minimum=0, maximum=2**62),
                                         Field("end", "integer", minimum=0, maximum=2**62)))
 METRICS_LIST = Schema("SandboxesMetricsQuery", (
-    Field("sandbox_ids", "string", required=True, max_length=100 * (MAX_ID_LEN + 1),
+    Field("sandbox_ids", "string", required=True, max_length=4096,
           description="comma-separated sandbox ids (at most 100)"),))
 
 
