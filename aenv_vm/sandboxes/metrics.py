@@ -40,6 +40,8 @@ CAPACITY = 4320             # samples kept per sandbox before the older half is 
 TICK = 1.0                  # how often the recorder looks for sandboxes that are due
 CONCURRENCY = 16            # envd requests in flight at once
 SAMPLE_TIMEOUT = 3.0        # seconds one envd /metrics may take
+FIRST_DELAY = 2.0           # seconds after a VM starts running before its first sample: its first
+                            # requests (a fork's 16 children at once) are the user's, not ours
 UNANSWERED = 2              # samples in a row without an answer: envd counts as unresponsive
 
 _RECORD = struct.Struct("<dIfQQQQQ")   # timestamp, cpus, cpu %, mem used/total/cache, disk used/total
@@ -113,18 +115,19 @@ class MetricSeries:
 
 class MetricsRecorder:
     """Samples every running sandbox of the node every ``interval`` seconds (the first
-    time as soon as it runs: after create, resume or a cold boot) and keeps the series.
+    time ``first_delay`` after it runs: after create, resume or a cold boot) and keeps the series.
     ``running``: the manager's table (read only); ``busy(sid)``: an operation holds the
     sandbox. Use within the manager's event loop."""
 
     def __init__(self, running: Mapping[str, Sandbox], busy: Callable[[str], bool], *,
                  interval: float = INTERVAL, capacity: int = CAPACITY, tick: float = TICK,
-                 concurrency: int = CONCURRENCY) -> None:
+                 concurrency: int = CONCURRENCY, first_delay: float = FIRST_DELAY) -> None:
         self.running = running
         self.busy = busy
         self.interval = interval
         self.capacity = capacity
         self.tick = min(tick, interval)
+        self.first_delay = first_delay
         self._series: dict[str, MetricSeries] = {}
         self._due: dict[str, tuple[Sandbox, float]] = {}   # sid -> (the VM sampled, next due time)
         self._slots = asyncio.Semaphore(concurrency)
@@ -187,21 +190,23 @@ class MetricsRecorder:
         return s
 
     def due(self, now: float) -> list[Sandbox]:
-        """The running sandboxes to sample now: never sampled in this run of their VM, or
-        sampled ``interval`` ago, and not held by an operation."""
+        """The running sandboxes to sample now: ``first_delay`` after their VM was first
+        seen running, then every ``interval``; never while an operation holds them."""
         out = []
         for sid, sbx in list(self.running.items()):
             known = self._due.get(sid)
-            if known is not None and known[0] is sbx and known[1] > now:
+            if known is None or known[0] is not sbx:     # a VM not seen yet: sampled shortly
+                self._misses.pop(sid, None)
+                self._due[sid] = (sbx, now + self.first_delay)
+                continue
+            if known[1] > now:
                 continue
             if self.busy(sid):
                 continue
-            if known is not None and known[0] is not sbx:
-                self._misses.pop(sid, None)     # a new VM of the sandbox: its own record
             self._due[sid] = (sbx, now + self.interval)
             out.append(sbx)
         for sid in [sid for sid in self._due if sid not in self.running]:
-            del self._due[sid]      # paused: its next VM is sampled at once
+            del self._due[sid]      # paused: its next VM is a new one
         return out
 
     def start_due(self) -> list[asyncio.Task[MetricSample | None]]:
