@@ -296,6 +296,20 @@ class EnvdClient:
         if not 200 <= answer.status < 300:
             raise EnvdError(f"envd /init answered HTTP {answer.status}: {answer.body[:200]!r}")
 
+    async def metrics(self, timeout: float = 2.0) -> dict:
+        """GET /metrics: the guest's CPU (since the previous call), memory and root-fs
+        use, in envd's field names (envd/metrics.py)."""
+        answer = await self._call("GET", "/metrics", headers=self._headers(), timeout=timeout, max_bytes=64 << 10)
+        if answer.status != 200:
+            raise EnvdError(f"envd /metrics answered HTTP {answer.status}: {answer.body[:200]!r}")
+        try:
+            out = json.loads(answer.body)
+        except ValueError:
+            raise EnvdError(f"envd /metrics answered no JSON: {answer.body[:200]!r}") from None
+        if not isinstance(out, dict):
+            raise EnvdError(f"envd /metrics answered {type(out).__name__}, not an object")
+        return out
+
     # -- files and commands -------------------------------------------------------
 
     async def write_file(self, path: str, data: bytes, *, user: str | None = None, timeout: float = 30.0) -> None:

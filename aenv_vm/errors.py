@@ -42,3 +42,13 @@ class VmTimeout(VmError):
 
 class SnapshotError(VmError):
     """A pause, resume, snapshot or fork failed on the node's side (a server error)."""
+
+
+class GuestUnresponsive(VmError):
+    """The sandbox's envd does not answer, and the operation needs it to (a strict or a
+    filesystem-only pause): nothing was done, the sandbox keeps running."""
+
+
+class UnresponsiveSnapshot(Conflict):
+    """The pause was taken while the guest's envd did not answer: restoring its memory
+    would bring that guest back, so it resumes only by cold boot (``memory=False``)."""

@@ -39,6 +39,7 @@ class CreateRequest:
     auto_pause: bool = True                         # on expiry: pause (True) or kill
     allow_internet_access: bool | None = None       # None: not set (allowed); False: deny 0.0.0.0/0
     network: NetworkPolicy = field(default_factory=NetworkPolicy)   # egress rules (net/policy.py)
+    pause_memory: bool = True                       # a TTL auto-pause keeps memory (False: filesystem only)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class SandboxInfo:
     network: NetworkPolicy = field(default_factory=NetworkPolicy)   # the egress rules in force
     note: str = ""                  # why a sandbox is lost, or what recovery did
     from_pool: bool | None = None   # create answers only: handed out from the warm pool
+    pause_memory: bool = True       # what a TTL auto-pause keeps (False: the filesystem only)
+    cold_boot: bool = False         # paused filesystem-only: the next resume boots from its disk
+    envd_unresponsive: bool = False # paused while envd did not answer: resumes by cold boot only
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,19 @@ class Usage:
     rss_bytes: int
     cpu_seconds: float              # since its VM process started
     disk_bytes: int                 # held by its writable disk layer on the host
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    """One sample of a sandbox's resource use as its guest sees it (E2B's SandboxMetric)."""
+    timestamp: float                # unix time the sample was taken
+    cpu_count: int
+    cpu_used_pct: float             # of all its vCPUs, since the previous sample
+    mem_used: int                   # bytes
+    mem_total: int
+    mem_cache: int                  # page cache, bytes
+    disk_used: int                  # of the guest's root filesystem, bytes
+    disk_total: int
 
 
 @dataclass(frozen=True)
@@ -102,9 +119,16 @@ class SandboxService(Protocol):
 
     async def kill(self, sandbox_id: str) -> None: ...
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo: ...
+    async def pause(self, sandbox_id: str, memory: bool = True, require_healthy: bool = False) -> SandboxInfo:
+        """``memory=False``: keep only the filesystem (the next resume boots from it);
+        ``require_healthy``: GuestUnresponsive, sandbox left running, when envd does not
+        answer (always so for ``memory=False``)."""
+        ...
 
-    async def resume(self, sandbox_id: str, timeout: float | None = None) -> SandboxInfo: ...
+    async def resume(self, sandbox_id: str, timeout: float | None = None, memory: bool = True) -> SandboxInfo:
+        """``memory=False``: boot from the disk instead of restoring the memory
+        (UnresponsiveSnapshot: a pause marked envd-unresponsive resumes only so)."""
+        ...
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> SandboxInfo: ...
 
@@ -127,6 +151,16 @@ class SandboxService(Protocol):
         ...
 
     async def usage(self, sandbox_id: str) -> Usage: ...
+
+    async def metrics(self, sandbox_id: str, start: float | None = None,
+                      end: float | None = None) -> list[MetricSample]:
+        """The samples of a sandbox (running or paused) taken between ``start`` and
+        ``end`` (unix seconds, inclusive; None: unbounded), oldest first."""
+        ...
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, MetricSample]:
+        """The newest sample of each of these sandboxes that has one (unknown ids are left out)."""
+        ...
 
     async def console(self, sandbox_id: str, source: str | None, offset: int, limit: int) -> ConsoleRead:
         """Console output of a running sandbox from ``offset`` of ``source`` (None or another

@@ -285,7 +285,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         try:
             port = await server.start(server_cfg.host, server_cfg.port)
         except OSError as e:
-            raise CliError(f"cannot listen on {server_cfg.host}:{server_cfg.port}: {e}", 1) from None
+            raise CliError(f"cannot listen on {server_cfg.host}:{server_cfg.port}"
+                           f"{f' (or TLS port {server_cfg.tls_port})' if server_cfg.tls_cert else ''}: {e}", 1) from None
         if vm.pool_size > 0:
             background.append(asyncio.ensure_future(manager.fill_pool(tpl.id)))
         host = "127.0.0.1" if server_cfg.host in ("0.0.0.0", "", "::") else server_cfg.host
@@ -293,6 +294,9 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         say(f"listening on {url} (template {server_cfg.default_template!r} = {tpl.id}, pool {vm.pool_size}, "
             f"API key {creds.api_key_source}, data dir {cfg.data_dir})")
         say(f"network: {manager.rt.networks.describe()}")
+        if server.tls_port is not None:
+            say(f"TLS on port {server.tls_port}: https://<port>-<sandbox id>.{server_cfg.domain or '<domain>'}"
+                + ("" if server.tls_port == 443 else f":{server.tls_port}"))
         print(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}",
               flush=True)
         await stop.wait()

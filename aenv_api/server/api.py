@@ -10,6 +10,7 @@ from . import idempotency
 from . import schemas as S
 from .errors import ApiError
 from .lifecycle import Lifecycle
+from .metric_series import sandbox_ids
 from .metrics import Metrics
 from .proxy import AGENTENV_ID_HEADER
 from .responses import json_response, no_content
@@ -17,7 +18,10 @@ from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
-from .unsupported import reject_unsupported
+from .unsupported import not_supported, reject_unsupported
+
+# /sandboxes/{sandboxID} is not /sandboxes/metrics (whose only method is GET)
+SANDBOX_ID_PATH = r"/sandboxes/{sandboxID:(?!metrics$)[^{}/]+}"
 
 
 
@@ -111,18 +115,24 @@ class ControlPlane:
         return json_response([r.listed() for r in page], headers=headers)
 
     async def connect(self, request: web.Request, call: Call) -> web.Response:
-        rec, resumed = await self.lc.connect(call.path["sandboxID"], call.body.get("timeout"))
+        rec, resumed = await self.lc.connect(call.path["sandboxID"], call.body.get("timeout"),
+                                             call.body.get("memory") is not False)
         return json_response(rec.sandbox(self.domain), 201 if resumed else 200)
 
     async def resume(self, request: web.Request, call: Call) -> web.Response:
-        rec = await self.lc.resume(call.path["sandboxID"], call.body.get("timeout"))
+        rec = await self.lc.resume(call.path["sandboxID"], call.body.get("timeout"),
+                                   call.body.get("memory") is not False)
         return json_response(rec.sandbox(self.domain), 201)
 
     async def pause(self, request: web.Request, call: Call) -> web.Response:
-        await self.lc.pause(call.path["sandboxID"])
+        await self.lc.pause(call.path["sandboxID"], memory=call.body.get("memory") is not False,
+                            require_healthy=call.body.get("require_healthy_guest") is True)
         return no_content()
 
     async def snapshot(self, request: web.Request, call: Call) -> web.Response:
+        if call.body.get("memory") is False:
+            raise not_supported("memory: false (a filesystem-only snapshot)",
+                                "aenv's snapshots always keep memory; pause(mode=\"filesystem\") is supported")
         return json_response(await self.lc.snapshot(call.path["sandboxID"], call.body.get("name")), 201)
 
     async def list_snapshots(self, request: web.Request, call: Call) -> web.Response:
@@ -145,6 +155,9 @@ class ControlPlane:
     async def sandbox_metrics(self, request: web.Request, call: Call) -> web.Response:
         start, end = call.query["start"], call.query["end"]
         return json_response(await self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
+
+    async def sandboxes_metrics(self, request: web.Request, call: Call) -> web.Response:
+        return json_response(await self.lc.sandboxes_metrics(sandbox_ids(call.query["sandbox_ids"])))
 
     async def logs_v1(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
@@ -197,9 +210,12 @@ class ControlPlane:
             Route("GET", "/v2/sandboxes", self.list_v2, "list sandboxes (filters, pagination)",
                   (Reply(200, "sandboxes; next page token in X-Next-Token", "ListedSandbox[]",
                          ("X-Next-Token", "X-Total-Running")),), query=S.LIST_V2, tags=sbx),
+            Route("GET", "/sandboxes/metrics", self.sandboxes_metrics, "the newest sample of each listed sandbox",
+                  (Reply(200, "by sandbox id", "SandboxesWithMetrics"),), query=S.METRICS_LIST, tags=sbx),
             Route("GET", "/sandboxes/{sandboxID}", self.get_info, "sandbox details",
-                  (Reply(200, "the sandbox", "SandboxDetail"), gone), tags=sbx),
-            Route("DELETE", "/sandboxes/{sandboxID}", self.kill, "kill a sandbox", (nc("killed"), gone), tags=sbx),
+                  (Reply(200, "the sandbox", "SandboxDetail"), gone), tags=sbx, router_path=SANDBOX_ID_PATH),
+            Route("DELETE", "/sandboxes/{sandboxID}", self.kill, "kill a sandbox", (nc("killed"), gone), tags=sbx,
+                  router_path=SANDBOX_ID_PATH),
             Route("POST", "/sandboxes/{sandboxID}/timeout", self.set_timeout, "set the time to live from now",
                   (nc("timeout set"), gone), body=S.timeout_schema(mt), body_required=True, tags=sbx),
             Route("PUT", "/sandboxes/{sandboxID}/network", self.update_network,

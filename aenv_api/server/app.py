@@ -18,12 +18,15 @@ import json
 import logging
 import re
 import secrets
+import ssl
 import time
 import zlib
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+
+from aenv_store.errors import ConfigError
 
 from .api import ControlPlane
 from .responses import json_response
@@ -96,6 +99,8 @@ class ApiServer:
         self.routes = self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None
+        self._tls_site: web.TCPSite | None = None
+        self.tls_port: int | None = None        # where HTTPS is served ([server] tls_cert)
         self.port: int | None = None
 
     # --- assembly ------------------------------------------------------------
@@ -238,15 +243,20 @@ class ApiServer:
         server.request_handler = self._pre_route(server.request_handler)  # read by each new connection
         self._site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await self._site.start()
-        server = self._site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        self.port = _bound_port(self._site, port)
+        if self.config.tls_cert:
+            # the same application behind TLS: control plane and proxy (host-routed or not)
+            self._tls_site = web.TCPSite(self._runner, host, self.config.tls_port, reuse_address=True,
+                                         ssl_context=tls_context(self.config.tls_cert, self.config.tls_key))
+            await self._tls_site.start()
+            self.tls_port = _bound_port(self._tls_site, self.config.tls_port)
         return self.port
 
     async def stop_accepting(self) -> None:
-        if self._site is not None:
-            await self._site.stop()
-            self._site = None
+        for site in (self._site, self._tls_site):
+            if site is not None:
+                await site.stop()
+        self._site = self._tls_site = None
 
     async def close(self) -> None:
         await self.stop_accepting()
@@ -254,3 +264,18 @@ class ApiServer:
             await self._runner.cleanup()
             self._runner = None
         await self.proxy.close()
+
+
+def _bound_port(site: web.TCPSite, asked: int) -> int:
+    sockets = getattr(site._server, "sockets", None) or []
+    return sockets[0].getsockname()[1] if sockets else asked
+
+
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """The server side of TLS from PEM files; ConfigError when they do not load."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"server.tls_cert / server.tls_key do not load: {e}") from None
+    return ctx

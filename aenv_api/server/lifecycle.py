@@ -34,23 +34,28 @@ from envd import ENVD_PORT
 from envd.signing import SignedRequest
 from envd import signing
 
-from aenv_vm.errors import BadRequest, CapacityError, Conflict, NotFound, Unsupported, VmError
+from aenv_vm.errors import (BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, Unsupported,
+                            UnresponsiveSnapshot, VmError)
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
 
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError
 from .extras import ApiExtras, Extra
+from .metric_series import MAX_SANDBOX_IDS, bucketed, metric_json
 from .metrics import Metrics
 from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_view, update_policy
 from .sandbox_logs import MAX_CONSOLE_BYTES, LogEntry, SandboxLogs
-from .schemas import NewSandbox, iso
+from .schemas import NewSandbox
 from .settings import ServerConfig
 from .views import FALLBACK_ENVD_VERSION, SandboxView, page, parse_metadata_filter, started_at_or_after
 
 log = logging.getLogger(__name__)
 
-VISIBLE_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)   # the service's "lost" is not an E2B state
+VISIBLE_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
+# E2B's error_code for a memory resume of a pause taken while envd did not answer (the
+# SDK raises GuestUnresponsiveException for it)
+GUEST_UNRESPONSIVE = "sandbox_snapshot_guest_agent_unresponsive"   # the service's "lost" is not an E2B state
 
 
 def random_envd_token(_sandbox_id: str) -> str:
@@ -142,7 +147,8 @@ class Lifecycle:
             allow_internet_access=info.allow_internet_access,
             envd_version=info.envd_version or FALLBACK_ENVD_VERSION,
             traffic_token=None if extra.public_traffic else self.traffic_token(info.sandbox_id),
-            network=network_view(info.network, extra))
+            network=network_view(info.network, extra),
+            cold_boot=info.cold_boot, envd_unresponsive=info.envd_unresponsive)
 
     async def _info(self, sid: str) -> SandboxInfo:
         try:
@@ -168,6 +174,12 @@ class Lifecycle:
         if self._closing:
             raise ApiError(503, "the node is shutting down", retry=False)
         timeout = self.config.default_timeout if req.timeout is None else req.timeout
+        if req.auto_pause_memory is False and not req.auto_pause:    # E2B's two refusals
+            raise ApiError(400, "autoPauseMemory=false only applies when autoPause is true.")
+        if req.auto_pause_memory is False and req.auto_resume:
+            raise ApiError(400, "autoPauseMemory=false (filesystem-only auto-pause) cannot be combined with "
+                                "autoResume: a filesystem-only snapshot cannot be auto-resumed by traffic and "
+                                "must be resumed explicitly.")
         net = create_network(req.network, req.allow_internet_access)
         # v2 creates are always secured (E2B: "all system communication with the sandbox is always secured").
         token = self.envd_token if (v2 or req.secure) else None
@@ -176,7 +188,8 @@ class Lifecycle:
             info = await self.service.create(CreateRequest(
                 template=self._template_ref(req.template_id), env_vars=dict(req.env_vars or {}), access_token=token,
                 timeout=timeout, metadata=dict(req.metadata or {}), auto_pause=bool(req.auto_pause),
-                allow_internet_access=egress_choice(req.allow_internet_access, net.policy), network=net.policy))
+                allow_internet_access=egress_choice(req.allow_internet_access, net.policy), network=net.policy,
+                pause_memory=req.auto_pause_memory is not False))
         except VmError as e:
             self.metrics.inc("aenv_sandbox_create_failures_total", help="sandbox creates that failed")
             if isinstance(e, NotFound):
@@ -269,38 +282,53 @@ class Lifecycle:
 
     # --- pause / resume / connect -------------------------------------------
 
-    async def pause(self, sid: str) -> None:
+    async def pause(self, sid: str, memory: bool = True, require_healthy: bool = False) -> None:
+        """E2B's pause; ``memory=False``: filesystem only (the next connect boots from the
+        disk); ``require_healthy`` (the SDK's ``strict``) or ``memory=False``: 503 and the
+        sandbox keeps running when its envd does not answer."""
         if (await self.get(sid)).state == SandboxState.PAUSED.value:
-            raise ApiError(409, f"sandbox {sid} is already paused")
+            raise ApiError(409, f"Error pausing sandbox - sandbox '{sid}' is already paused")
         await self._capture_console(sid)   # its VM is about to go away
         t0 = time.monotonic()
         try:
-            await self.service.pause(sid)
+            await self.service.pause(sid, memory=memory, require_healthy=require_healthy)
+        except GuestUnresponsive as e:
+            raise ApiError(503, f"Sandbox '{sid}' was not paused: its guest agent is not responding ({e})",
+                           retry=False) from None
         except VmError as e:
             raise api_error(e, f"pause of {sid}") from None
-        self.logs.event(sid, "sandbox paused", seconds=f"{time.monotonic() - t0:.3f}")
+        self.logs.event(sid, "sandbox paused", seconds=f"{time.monotonic() - t0:.3f}",
+                        memory=None if memory else False)
         self._forget_ports(sid)
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "pause"),))
 
-    async def resume(self, sid: str, timeout: int | None = None) -> SandboxView:
-        if (await self.get(sid)).state == SandboxState.RUNNING.value:
+    async def resume(self, sid: str, timeout: int | None = None, memory: bool = True) -> SandboxView:
+        """Resume a paused sandbox: from its memory, or (``memory=False``, the SDK's
+        ``on_resume="reboot"``, and always after a filesystem-only pause) booted from its disk."""
+        view = await self.get(sid)
+        if view.state == SandboxState.RUNNING.value:
             raise ApiError(409, f"sandbox {sid} is already running")
         t0 = time.monotonic()
         try:
-            info = await self.service.resume(sid, timeout)
+            info = await self.service.resume(sid, timeout, memory=memory)
+        except UnresponsiveSnapshot as e:
+            raise ApiError(409, f"Sandbox '{sid}' cannot be resumed with its memory: {e}",
+                           error_code=GUEST_UNRESPONSIVE) from None
         except VmError as e:
             self.logs.event(sid, "resume failed", level="error", error=str(e))
             raise api_error(e, f"resume of {sid}") from None
-        self.logs.event(sid, "sandbox resumed", seconds=f"{time.monotonic() - t0:.3f}")
+        self.logs.event(sid, "sandbox resumed" if memory and not view.cold_boot else "sandbox booted from its disk",
+                        seconds=f"{time.monotonic() - t0:.3f}")
         self._forget_ports(sid)  # a new VM: its port forwards are made afresh
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "resume"),))
         return self._view(info)
 
-    async def connect(self, sid: str, timeout: int | None) -> tuple[SandboxView, bool]:
-        """The sandbox, resumed if it was paused (``True``); a running one's TTL is only extended."""
+    async def connect(self, sid: str, timeout: int | None, memory: bool = True) -> tuple[SandboxView, bool]:
+        """The sandbox, resumed if it was paused (``True``; ``memory=False``: booted from its
+        disk); a running one's TTL is only extended."""
         view = await self.get(sid)
         if view.state == SandboxState.PAUSED.value:
-            return await self.resume(sid, timeout), True
+            return await self.resume(sid, timeout, memory), True
         if timeout is not None and time.time() + timeout > view.end_at:
             view = await self.set_timeout(sid, timeout)
         return view, False
@@ -386,20 +414,24 @@ class Lifecycle:
     # --- metrics and proxy targets ------------------------------------------
 
     async def sandbox_metrics(self, sid: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
-        """One sample taken now from the host's view of the VM (its RSS and CPU time)."""
-        view = await self.get(sid)
-        now = int(time.time())
-        if view.state != SandboxState.RUNNING.value or (start is not None and now < start) or (
-                end is not None and now > end):
-            return []
+        """The sandbox's samples between ``start`` and ``end`` (unix seconds; open: its
+        whole life so far) in E2B's buckets (metric_series.py); kept across pauses."""
+        if start is not None and end is not None and start > end:
+            raise ApiError(400, "Invalid time range for metrics: start time cannot be after end time")
+        await self.get(sid)     # 404 for a sandbox the API does not show
         try:
-            use = await self.service.usage(sid)
-        except VmError:     # paused meanwhile
-            return []
-        cpu_pct = 100.0 * use.cpu_seconds / max(time.time() - view.started_at, 1e-3)
-        return [{"timestamp": iso(now), "timestampUnix": now, "cpuCount": max(1, view.cpu_count),
-                 "cpuUsedPct": round(cpu_pct, 2), "memUsed": use.rss_bytes, "memTotal": view.memory_mb << 20,
-                 "memCache": 0, "diskUsed": use.disk_bytes, "diskTotal": view.disk_size_mb << 20}]
+            samples = await self.service.metrics(sid, start, end)
+        except VmError as e:
+            raise api_error(e, "metrics") from None
+        return [metric_json(s) for s in bucketed(samples, start, end)]
+
+    async def sandboxes_metrics(self, ids: list[str]) -> dict[str, Any]:
+        """The newest sample of each listed sandbox that has one (E2B's ``SandboxesWithMetrics``)."""
+        if len(ids) > MAX_SANDBOX_IDS:
+            raise ApiError(400, f"Too many sandboxes requested, maximum is {MAX_SANDBOX_IDS}")
+        visible = {v.sandbox_id for v in await self.list_views()}
+        latest = await self.service.latest_metrics([i for i in ids if i in visible])
+        return {"sandboxes": {sid: metric_json(s) for sid, s in latest.items()}}
 
     async def signed_sandbox(self, signed: SignedRequest) -> str:
         """The sandbox a signed ``/files`` URL with no sandbox in it is for: the secured
@@ -439,6 +471,10 @@ class Lifecycle:
                 if not view.auto_resume:    # E2B's proxy answer, whoever asks
                     raise ApiError(502, f"The sandbox {sid} was not found: it is paused and autoResume is off "
                                         f"(connect to resume it)", sandboxId=sid)
+                if view.cold_boot or view.envd_unresponsive:   # traffic never reboots a sandbox
+                    raise ApiError(502, f"The sandbox {sid} was not found: its pause kept only its filesystem "
+                                        f"(or its guest agent was not responding), so it must be resumed "
+                                        f"explicitly (connect)", sandboxId=sid)
                 self._check_envd_token(view.access_token, port, access_token, signed)
                 view = await self.resume(sid)
             if view.state != SandboxState.RUNNING.value:

@@ -359,7 +359,8 @@ def fork_schema(max_timeout: int, max_forks: int) -> Schema:
 PAUSE = Schema("SandboxPauseRequest", (Field("memory", "boolean"), Field("requireHealthyGuest", "boolean",
                                                                           attr="require_healthy_guest")))
 SNAPSHOT = Schema("SandboxSnapshotRequest", (
-    Field("name", "string", max_length=128, description="optional snapshot name"),))
+    Field("name", "string", max_length=128, description="optional snapshot name"),
+    Field("memory", "boolean", description="false (a filesystem-only snapshot): not supported by aenv (400)")))
 REFRESH = Schema("SandboxRefreshRequest", (Field("duration", "integer", minimum=0, maximum=3600),))
 
 LIST_V1 = Schema("ListQueryV1", (Field("metadata", "string", max_length=2048),))
@@ -392,6 +393,9 @@ LOGS_V2 = Schema("SandboxLogsQueryV2", (
 ))
 METRICS_QUERY = Schema("MetricsQuery", (Field("start", "integer", minimum=0, maximum=2**62),
                                         Field("end", "integer", minimum=0, maximum=2**62)))
+METRICS_LIST = Schema("SandboxesMetricsQuery", (
+    Field("sandbox_ids", "string", required=True, max_length=4096,
+          description="comma-separated sandbox ids (at most 100)"),))
 
 
 # --- response schemas (OpenAPI only) ----------------------------------------
@@ -425,6 +429,8 @@ METRIC = Schema("SandboxMetric", tuple(
         ("timestamp", "date-time"), ("timestampUnix", "integer"), ("cpuCount", "integer"),
         ("cpuUsedPct", "number"), ("memUsed", "integer"), ("memTotal", "integer"), ("memCache", "integer"),
         ("diskUsed", "integer"), ("diskTotal", "integer"))))
+SANDBOXES_METRICS = Schema("SandboxesWithMetrics", (Field("sandboxes", "object", required=True,
+                                                         description="sandbox id -> its newest SandboxMetric"),))
 
 LOG_LINE = Schema("SandboxLog", (Field("timestamp", "date-time", required=True),
                                  Field("line", "string", required=True)))
@@ -436,7 +442,7 @@ LOGS = Schema("SandboxLogs", (Field("logs", "array", required=True, ref="Sandbox
                               Field("logEntries", "array", required=True, ref="SandboxLogEntry")))
 LOGS_V2_RESPONSE = Schema("SandboxLogsV2Response", (Field("logs", "array", required=True, ref="SandboxLogEntry"),))
 
-RESPONSE_SCHEMAS = (ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, LOG_LINE,
+RESPONSE_SCHEMAS = (ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
                     LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)
 
 

@@ -14,6 +14,13 @@ class ServerConfig:
     # Host-routed sandbox traffic: requests for "<port>-<sandboxID>.<domain>" go to that
     # sandbox port. Empty: only header routing (E2b-Sandbox-Id / E2b-Sandbox-Port).
     domain: str = ""
+    # TLS: with a certificate (chain) and its key, PEM files, the server also listens with
+    # HTTPS on tls_port (API and proxy alike), so "https://<port>-<id>.<domain>" -- what
+    # the SDK's get_host(port) names -- is served once DNS points *.<domain> at the node
+    # (a wildcard certificate for *.<domain>). Both or neither; tls_port 0 = any free port.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_port: int = 443
     # Template a request's "base" resolves to, and the alias the first start builds.
     default_template: str = "base"
     # Build the default template at start when the store has none (a cold boot, ~30 s under TCG).
@@ -51,5 +58,9 @@ class ServerConfig:
             raise ConfigError(f"server.on_shutdown must be pause or kill, got {self.on_shutdown!r}")
         if self.shutdown_grace < 0:
             raise ConfigError("server.shutdown_grace must be >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
+        if not 0 <= self.tls_port <= 65535:
+            raise ConfigError(f"server.tls_port must be in 0..65535, got {self.tls_port}")
         if self.domain.startswith(".") or "/" in self.domain:
             raise ConfigError(f"server.domain must be a bare domain name, got {self.domain!r}")

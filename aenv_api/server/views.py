@@ -41,6 +41,8 @@ class SandboxView:
     envd_version: str = FALLBACK_ENVD_VERSION
     traffic_token: str | None = None            # allowPublicTraffic false: the token its other ports demand
     network: dict[str, Any] | None = None       # E2B's SandboxNetworkConfig as get_info shows it (network.py)
+    cold_boot: bool = False                     # paused filesystem-only: resumes by booting from its disk
+    envd_unresponsive: bool = False             # paused while envd did not answer: resumes by reboot only
 
     @property
     def secure(self) -> bool:
@@ -81,6 +83,8 @@ class SandboxView:
         out["allowInternetAccess"] = self.allow_internet_access
         if self.network is not None:
             out["network"] = self.network
+        if self.envd_unresponsive:
+            out["envdUnresponsiveAtPause"] = True
         return out
 
 

@@ -36,7 +36,7 @@ from aenv_store.store import Store
 
 from ..blockimage.nbd_server import NbdServer
 from ..confine.policy import Confinement
-from ..errors import BadRequest, CapacityError, Conflict, NotFound
+from ..errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, UnresponsiveSnapshot
 from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
 from ..net.policy import NetworkPolicy, with_internet
@@ -45,7 +45,9 @@ from ..service import ExpiryListener, SnapshotInfo, TokenMinter
 from ..templates.local import LocalTemplates
 from ..templates.template import Template, find_template
 from .capture import Capturer
+from .coldboot import cold_boot, prepare_pause
 from .fork import MAX_FORK, Child, Forks
+from .metrics import MetricsRecorder
 from .pause import PausedSandboxes, PauseTiming
 from .pool import REFILL_DELAY, WarmPool
 from .records import RecordStore, SandboxRecord, SandboxState
@@ -101,6 +103,8 @@ class SandboxManager:
         self._forks: Forks | None = None
         self._ttl: TtlWatcher | None = None
         self._ttl_task: asyncio.Task[None] | None = None
+        self.metrics = MetricsRecorder(MappingProxyType(self._running), self._busy)
+        self._metrics_task: asyncio.Task[None] | None = None
         self._standby = standby
         # called after a TTL expiry paused or killed a sandbox: (sandbox id, "paused" | "killed")
         self.expiry_listeners: list[ExpiryListener] = []
@@ -128,6 +132,7 @@ class SandboxManager:
         changed = await recover(self.rt, records, self._paused)
         self._ttl = TtlWatcher(records, lambda sid: sid in self._running, self._expire)
         self._ttl_task = asyncio.get_running_loop().create_task(self._ttl.run())
+        self._metrics_task = asyncio.get_running_loop().create_task(self.metrics.run())
         return changed
 
     async def __aenter__(self) -> "SandboxManager":
@@ -145,6 +150,11 @@ class SandboxManager:
             with contextlib.suppress(Exception):
                 await self._ttl_task
             self._ttl_task = None
+        if self._metrics_task is not None:
+            self.metrics.stop()
+            with contextlib.suppress(Exception):
+                await self._metrics_task
+            self._metrics_task = None
         if self._forks is not None:
             await self._forks.close()
         if self._paused is not None:
@@ -211,6 +221,10 @@ class SandboxManager:
     def lock(self, sid: str) -> asyncio.Lock:
         return self._locks.setdefault(sid, asyncio.Lock())
 
+    def _busy(self, sid: str) -> bool:
+        held = self._locks.get(sid)
+        return held is not None and held.locked()
+
     def template(self, ref: str) -> Template:
         """A template (id, alias, snapshot id or name) this node can restore from."""
         return self.rt.templates.resolve(ref)
@@ -258,8 +272,10 @@ class SandboxManager:
     async def create(self, template: str, *, env_vars: dict[str, str] | None = None,
                      access_token: str | TokenMinter | None = None, timeout: float | None = None,
                      metadata: dict[str, str] | None = None, auto_pause: bool = True,
-                     allow_internet_access: bool | None = None, network: NetworkPolicy | None = None) -> Sandbox:
+                     allow_internet_access: bool | None = None, network: NetworkPolicy | None = None,
+                     pause_memory: bool = True) -> Sandbox:
         """A new sandbox from ``template`` (id, alias or snapshot), envd initialised.
+        ``pause_memory``: what its TTL auto-pause keeps (False: the filesystem only).
         ``access_token``: envd's token, or a function of the new sandbox's id giving it.
         ``allow_internet_access``: False = the guest may not open outbound connections
         (None, not set: it may); ``network``: finer egress rules (net/policy.py)."""
@@ -273,8 +289,11 @@ class SandboxManager:
             policy = network or NetworkPolicy()
             if allow_internet_access is False:
                 policy = with_internet(policy, False)
-            return await self._create(template, env_vars, access_token, timeout, metadata, auto_pause,
-                                      allow_internet_access, policy)
+            sbx = await self._create(template, env_vars, access_token, timeout, metadata, auto_pause,
+                                     allow_internet_access, policy)
+            if not pause_memory:
+                self.records_store.put(self.record(sbx.id).replace(pause_memory=False))
+            return sbx
         finally:
             self._creating -= 1
 
@@ -349,6 +368,7 @@ class SandboxManager:
                 await teardown_sandbox(self.rt, sbx)
                 self.paused.drop_files(sid)
             self.records_store.delete(sid)
+            self.metrics.forget(sid)
             if rec is not None:
                 self.forks.drop_unused(rec.template)
         self._locks.pop(sid, None)
@@ -380,7 +400,10 @@ class SandboxManager:
     async def _expire(self, rec: SandboxRecord) -> str:
         """A TTL expiry: pause (or kill, for ``auto_pause=False``), then tell the listeners."""
         if rec.auto_pause:
-            await self.pause(rec.id)
+            try:
+                await self.pause(rec.id, memory=rec.pause_memory)
+            except GuestUnresponsive:   # a filesystem-only pause needs envd: keep memory, marked
+                await self.pause(rec.id, unresponsive=True)
             action = "paused"
         else:
             await self.kill(rec.id)
@@ -393,13 +416,24 @@ class SandboxManager:
         return action
 
     # ------------------------------------------------------------ pause / resume
-    async def pause(self, sid: str) -> SandboxRecord:
+    async def pause(self, sid: str, *, memory: bool = True, require_healthy: bool = False,
+                    unresponsive: bool = False) -> SandboxRecord:
+        """Pause a running sandbox. ``memory=False``: filesystem only (the guest syncs, the
+        next resume boots from the disk: coldboot.py); ``require_healthy`` or ``memory=False``:
+        GuestUnresponsive (and nothing done) when envd does not answer. A memory pause
+        of a guest whose envd missed its last samples (or ``unresponsive``) is marked:
+        it resumes only by cold boot."""
         async with self.lock(sid):
             rec = self.record(sid)
             if rec.state == SandboxState.PAUSED:
                 return rec
             sbx = self._running_one(sid)
             await self.forks.wait_committed(sbx)
+            await self.metrics.quiesce(sid)
+            if require_healthy or not memory:
+                await prepare_pause(sbx, sync=not memory)
+            rec = rec.replace(cold_boot=not memory, envd_unresponsive=memory and (
+                unresponsive or self.metrics.unresponsive(sid)))
             paused = await self.paused.pause(sbx, rec)
             self.last_pause = paused.timing
             self._running.pop(sid, None)
@@ -408,20 +442,29 @@ class SandboxManager:
             await asyncio.shield(self.paused.finish(sbx, paused))
             return paused.record
 
-    async def resume(self, sid: str, timeout: float | None = None) -> Sandbox:
+    async def resume(self, sid: str, timeout: float | None = None, *, memory: bool = True) -> Sandbox:
+        """Run a paused sandbox again: from its memory (``memory``), or booted from its disk
+        (``memory=False``, and always after a filesystem-only pause: coldboot.py).
+        UnresponsiveSnapshot for a memory resume of a pause marked envd-unresponsive."""
         if timeout is not None and timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
         async with self.lock(sid):
             rec = self.record(sid)
             if rec.state == SandboxState.RUNNING and sid in self._running:
                 return self._running[sid]
-            sbx, timing = await resume(self.rt, self.paused, rec)
+            if memory and rec.envd_unresponsive and not rec.cold_boot:
+                raise UnresponsiveSnapshot(f"sandbox {sid} was paused while its guest agent (envd) was not "
+                                           f"responding: it resumes only by cold boot")
+            if rec.cold_boot or not memory:
+                sbx, _ = await cold_boot(self.rt, self.paused, rec)
+            else:
+                sbx, self.last_resume = await resume(self.rt, self.paused, rec)
             self._running[sid] = sbx
             rec = self.records_store.get(sid) or rec     # the resume may have committed a pending pause
             t = rec.timeout if timeout is None else timeout
             self.records_store.put(rec.replace(state=SandboxState.RUNNING, envd_port=sbx.envd_port,
-                                               end_at=time.time() + t, timeout=t, note=""))
-            self.last_resume = timing
+                                               end_at=time.time() + t, timeout=t, note="", cold_boot=False,
+                                               envd_unresponsive=False))
             return sbx
 
     # ------------------------------------------------------------ snapshots / fork
@@ -433,6 +476,7 @@ class SandboxManager:
         async with self.lock(sid):
             sbx = self._running_one(sid)
             await self.forks.wait_committed(sbx)
+            await self.metrics.quiesce(sid)
             local = await self.snapshots.take_local(sbx, self.records_store.get(sid), hidden=False)
         try:
             await asyncio.to_thread(self.snapshots.commit, local, name)
@@ -458,6 +502,7 @@ class SandboxManager:
             async with self.lock(sid):
                 sbx = self._running_one(sid)
                 await self.forks.wait_committed(sbx)
+                await self.metrics.quiesce(sid)
                 local = await self.snapshots.take_local(sbx, parent, hidden=True)
             self.last_fork_snapshot = time.monotonic() - t0
             children = await self.forks.restore_children(local, parent, count, access_token)
@@ -474,6 +519,8 @@ class SandboxManager:
                           metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
                           env_vars=parent.env_vars, access_token=child.access_token,
                           allow_internet_access=parent.allow_internet_access, policy=parent.policy)
+            if not parent.pause_memory:
+                self.records_store.put(self.record(k.id).replace(pause_memory=False))
             out.append(k)
         return out
 

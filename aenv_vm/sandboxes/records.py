@@ -62,6 +62,9 @@ class SandboxRecord:
     envd_port: int | None = None
     snapshot: SnapshotRef | None = None
     note: str = ""
+    pause_memory: bool = True       # a TTL auto-pause keeps memory (False: filesystem only)
+    cold_boot: bool = False         # paused filesystem-only: the next resume boots from the disk
+    envd_unresponsive: bool = False # the last pause found envd not answering: resume by cold boot only
 
     def to_json(self) -> bytes:
         d = dataclasses.asdict(self)

@@ -15,8 +15,8 @@ from aenv_store.errors import StoreError
 from ..errors import NotFound, VmError
 from ..net.policy import NetworkPolicy
 from ..qemu.launcher import open_vm_file
-from ..service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, SandboxInfo, SnapshotInfo, TokenMinter,
-                       Usage)
+from ..service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, MetricSample, SandboxInfo,
+                       SnapshotInfo, TokenMinter, Usage)
 from ..templates.template import Template
 from .manager import SandboxManager
 from .records import SandboxRecord
@@ -60,7 +60,9 @@ class NodeSandboxService:
                            auto_pause=rec.auto_pause, timeout=rec.timeout, metadata=dict(rec.metadata),
                            access_token=rec.access_token, allow_internet_access=rec.allow_internet_access,
                            network=rec.policy,
-                           envd_version=envd_version, note=rec.note, from_pool=from_pool)
+                           envd_version=envd_version, note=rec.note, from_pool=from_pool,
+                           pause_memory=rec.pause_memory, cold_boot=rec.cold_boot,
+                           envd_unresponsive=rec.envd_unresponsive)
 
     def _running(self, sid: str) -> Sandbox:
         sbx = self.manager.sandboxes.get(sid)
@@ -74,7 +76,8 @@ class NodeSandboxService:
     async def create(self, req: CreateRequest) -> SandboxInfo:
         sbx = await self.manager.create(req.template, env_vars=req.env_vars or None, access_token=req.access_token,
                                         timeout=req.timeout, metadata=req.metadata, auto_pause=req.auto_pause,
-                                        allow_internet_access=req.allow_internet_access, network=req.network)
+                                        allow_internet_access=req.allow_internet_access, network=req.network,
+                                        pause_memory=req.pause_memory)
         return self._info(self.manager.record(sbx.id), sbx.timing.from_pool if sbx.timing else None)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -86,11 +89,11 @@ class NodeSandboxService:
     async def kill(self, sandbox_id: str) -> None:
         await self.manager.kill(sandbox_id)
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        return self._info(await self.manager.pause(sandbox_id))
+    async def pause(self, sandbox_id: str, memory: bool = True, require_healthy: bool = False) -> SandboxInfo:
+        return self._info(await self.manager.pause(sandbox_id, memory=memory, require_healthy=require_healthy))
 
-    async def resume(self, sandbox_id: str, timeout: float | None = None) -> SandboxInfo:
-        await self.manager.resume(sandbox_id, timeout)
+    async def resume(self, sandbox_id: str, timeout: float | None = None, memory: bool = True) -> SandboxInfo:
+        await self.manager.resume(sandbox_id, timeout, memory=memory)
         return self._info(self.manager.record(sandbox_id))
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> SandboxInfo:
@@ -128,6 +131,23 @@ class NodeSandboxService:
     async def usage(self, sandbox_id: str) -> Usage:
         sbx = self._running(sandbox_id)
         return await asyncio.to_thread(_usage, sbx.vm.pid, sbx.dir / "upper")
+
+    async def metrics(self, sandbox_id: str, start: float | None = None,
+                      end: float | None = None) -> list[MetricSample]:
+        self.manager.record(sandbox_id)     # NotFound for an unknown sandbox
+        recorder = self.manager.metrics
+        sbx = self.manager.sandboxes.get(sandbox_id)
+        if sbx is not None and recorder.latest(sandbox_id) is None:
+            await recorder.sample(sbx)      # just created: E2B has a sample from its start
+        return recorder.series(sandbox_id, start, end)
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, MetricSample]:
+        out = {}
+        for sid in sandbox_ids:
+            s = self.manager.metrics.latest(sid)
+            if s is not None:
+                out[sid] = s
+        return out
 
     async def console(self, sandbox_id: str, source: str | None, offset: int, limit: int) -> ConsoleRead:
         sbx = self._running(sandbox_id)

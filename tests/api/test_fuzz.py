@@ -24,7 +24,10 @@ def _schemathesis(server: Server, key: str, tmp_path: Path, *extra: str) -> subp
     seed = os.environ.get("AENV_FUZZ_SEED", "")
     argv = [str(SCHEMATHESIS), "run", f"{server.url}/openapi.json", "-H", f"X-API-Key: {key}",
             "--max-examples", os.environ.get("AENV_FUZZ_EXAMPLES", "25"), "--workers", "1",
-            "--report", "junit", "--report-dir", str(tmp_path), *extra]
+            "--report", "junit", "--report-dir", str(tmp_path),
+            # a connect with memory=false cold-boots the sandbox (~15 s under TCG) and a
+            # fork of 16 takes seconds: beyond schemathesis's default 10 s per request
+            "--request-timeout", "120", *extra]
     if seed:
         argv += ["--seed", seed]
     return subprocess.run(argv, capture_output=True, text=True, timeout=900)

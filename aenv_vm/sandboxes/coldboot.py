@@ -1,0 +1,173 @@
+"""Filesystem-only pauses and cold boot: a paused sandbox runs again from its disk alone.
+
+E2B's filesystem-only pause (``memory: false``), ``connect(on_resume="reboot")``
+and a pause taken while envd did not answer come back this way: the same
+sandbox id, a new guest boot (new ``/proc/sys/kernel/random/boot_id``, no
+processes of before), the disk exactly as the pause sealed it.
+
+The QEMU is the one a resume would start (``NodeRuntime.clone_spec``: same
+devices, kernel command line and memory size as the template) but boots
+instead of waiting for a device state; its RAM is the template's memory file
+mapped ``share=off``, as a clone's. The kernel does not need zeroed RAM (real
+machines give it garbage), and the mapping keeps the sandbox a normal one
+afterwards: its next memory pause captures the pages that differ from the
+template's image, like any clone's, and resumes over it.
+
+envd starts fresh in the booted guest (no token, no env vars), so it is told
+what the template's build and the sandbox's create gave it: hostname (the
+sandbox id), entropy, clock, the template's env vars, user and workdir plus
+the sandbox's own env vars, and the sandbox's access token (or none). A
+template's start command, if it has one, is started again.
+
+A filesystem-only pause ran ``sync`` in the guest before it stopped, so its
+disk holds every write; a memory pause booted cold (``on_resume="reboot"``)
+loses what its guest had not written back yet (its file system's journal
+replays at mount).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import shutil
+import time
+
+from aenv_store.errors import StoreError
+
+from ..blockimage.image import BlockImage
+from ..blockimage.prefetch import Prefetcher
+from ..envd_client import ProcessRequest, stream_process
+from ..errors import Conflict, GuestUnresponsive, VmError
+from ..qemu.launcher import QemuProcess
+from ..templates.template import Template
+from .pause import PausedSandboxes, digest_of
+from .records import SandboxRecord, SandboxState
+from .restore import identity, teardown
+from .runtime import NodeRuntime
+from .sandbox import Sandbox
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT = 3.0        # seconds envd has to answer /health before a strict or filesystem pause
+SYNC_TIMEOUT = 120.0        # seconds the guest's sync may take before a filesystem-only pause
+BOOT_TIMEOUT = 240.0        # seconds a booting guest's envd may take to answer (TCG under load)
+MAX_PARENTS = 8             # snapshot-of-snapshot records searched for the build's settings
+
+
+@dataclasses.dataclass(frozen=True)
+class GuestSettings:
+    """What envd held in the template's guest: set again after a boot."""
+    env_vars: dict[str, str]
+    user: str | None
+    workdir: str | None
+    start_cmd: str | None
+
+
+async def prepare_pause(sbx: Sandbox, *, sync: bool) -> None:
+    """Before a strict (``requireHealthyGuest``) or filesystem-only pause: envd must
+    answer (GuestUnresponsive otherwise, nothing done); ``sync``: the guest's page cache
+    is written back, so the disk the pause seals holds every write a boot will see."""
+    envd = sbx.envd.with_token(sbx.guest_token)
+    try:
+        await envd.health(timeout=HEALTH_TIMEOUT)
+    except (OSError, asyncio.TimeoutError, ConnectionError) as e:
+        raise GuestUnresponsive(f"the guest agent (envd) of sandbox {sbx.id} is not responding: "
+                                f"{e or type(e).__name__}") from None
+    if sync:
+        try:
+            r = await envd.run("sync", user="root", timeout=SYNC_TIMEOUT)
+        except VmError as e:
+            raise GuestUnresponsive(f"sync in sandbox {sbx.id} failed: {e}") from None
+        if r.exit_code != 0:
+            raise GuestUnresponsive(f"sync in sandbox {sbx.id} exited {r.exit_code}")
+
+
+def guest_settings(rt: NodeRuntime, tpl: Template) -> GuestSettings:
+    """The build's envd settings and start command of ``tpl`` (for a snapshot: of the
+    template it descends from); none for a template built without them."""
+    name: str | None = tpl.id
+    for _ in range(MAX_PARENTS):
+        if name is None:
+            break
+        try:
+            meta = rt.store.resolve(name).meta_dict()
+        except (StoreError, ValueError):
+            break
+        if "build_state" in meta or "start_cmd" in meta:
+            state = json.loads(meta.get("build_state", "{}"))
+            return GuestSettings({str(k): str(v) for k, v in state.get("envs", {}).items()},
+                                 state.get("user"), state.get("workdir"), meta.get("start_cmd"))
+        name = meta.get("parent_template")
+    return GuestSettings({}, None, None, None)
+
+
+async def cold_boot(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord) -> tuple[Sandbox, float]:
+    """Boot paused sandbox ``rec`` from its sealed disk (the caller holds its lock and
+    records the result); returns it and the seconds until envd was initialised."""
+    t0 = time.monotonic()
+    sid = rec.id
+    if rec.state != SandboxState.PAUSED or rec.snapshot is None:
+        raise Conflict(f"sandbox {sid} cannot be booted (state {rec.state.value})")
+    await paused.committed(sid)
+    rec = paused.records.get(sid) or rec
+    if rec.snapshot is not None and not rec.snapshot.committed:
+        await paused.commit_pending(rec)   # never boot over an unsealed disk
+        rec = paused.records.get(sid) or rec
+    snap = rec.snapshot
+    assert snap is not None and snap.committed
+    tpl = rt.templates.resolve(rec.template)
+    mem, _ = await rt.templates.files(tpl)
+    settings = await asyncio.to_thread(guest_settings, rt, tpl)
+    await paused.release(sid)     # a standby waits for a device state: of no use to a boot
+    sdir = rt.sandbox_dir(sid)
+    for d in (sdir, rt.vm_dir(sid)):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    image: BlockImage | None = None
+    vm: QemuProcess | None = None
+    try:
+        image = await asyncio.to_thread(BlockImage.open, rt.store, digest_of(snap.disk_top), sid,
+                                        upper_dir=sdir / "upper", fresh_upper=True, min_free_disk=rt.min_free_disk)
+        if rt.readahead > 0:
+            Prefetcher(image, window=rt.readahead)
+        rt.nbd.add_export(image)
+        jail = rt.confinement.jail(sid)
+        uid = jail.uid if jail is not None else None
+        await rt.nbd.listen(sid, rt.vm_dir(sid) / "nbd.sock", owner=uid)
+        network = await rt.networks.attach(sid, rec.policy, owner=uid)
+        spec = dataclasses.replace(rt.clone_spec(sid, tpl, mem, network, jail), incoming_defer=False)
+        vm = await QemuProcess.start(spec)
+        sbx = Sandbox(sid, tpl, vm, image, sdir, net=rt.networks.get(sid), guest_token=None)
+        try:
+            await sbx.envd.wait_healthy(timeout=BOOT_TIMEOUT, alive=vm.alive)
+        except VmError as e:
+            raise VmError(f"sandbox {sid} did not boot from its disk: {e}\n{vm.log_tail()}") from None
+        body: dict = {**identity(sid), "envVars": {**settings.env_vars, **rec.env_vars},
+                      "accessToken": rec.access_token or ""}
+        if settings.user:
+            body["defaultUser"] = settings.user
+        if settings.workdir:
+            body["defaultWorkdir"] = settings.workdir
+        await sbx.envd.init(body)
+        sbx.guest_token = rec.access_token
+        if settings.start_cmd:
+            await _start_again(sbx, settings)
+    except BaseException:
+        await teardown(rt, sid, vm, image)
+        raise
+    sbx.created = rec.started_at
+    return sbx, time.monotonic() - t0
+
+
+async def _start_again(sbx: Sandbox, settings: GuestSettings) -> None:
+    """The template's start command, running again in the booted guest (left running in
+    the background, as at build). A command that fails to start is logged, not fatal:
+    the sandbox itself is up."""
+    assert settings.start_cmd is not None
+    req = ProcessRequest("/bin/bash", ("-l", "-c", settings.start_cmd), user=settings.user or "root",
+                         cwd=settings.workdir, envs=dict(settings.env_vars))
+    try:
+        await stream_process(sbx.envd.with_token(sbx.guest_token), req, timeout=60.0, detach=True)
+    except (VmError, OSError, asyncio.TimeoutError) as e:
+        log.warning("sandbox %s: the start command did not start after the boot: %s", sbx.id, e)
