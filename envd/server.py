@@ -74,6 +74,18 @@ class EnvdServer:
 
     # -- connection --------------------------------------------------------
 
+    def _close_other_connections(self) -> None:
+        """Close every client connection but the current one. The node asks it in the
+        /init that follows a restore from a memory snapshot: the connections the snapshot
+        carried have no peer any more (the host aborted its side when the VM stopped), and
+        left open they would share a 4-tuple with a new connection from the host that
+        happens to get the same source port, which the guest then answers with the old
+        connection's sequence numbers: a request that fails or hangs."""
+        current = asyncio.current_task()
+        for task in list(self._conns):
+            if task is not current:
+                task.cancel()
+
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
@@ -426,6 +438,8 @@ class EnvdServer:
             if value is not None and not isinstance(value, str):
                 return http_error(400, "accessToken must be a string")
             self.state.access_token = value or None
+        if req.get("closeConnections") is True:
+            self._close_other_connections()
         ts = req.get("timestamp")
         if isinstance(ts, str) and self.state.sync_clock:
             _sync_clock(ts)

@@ -357,8 +357,13 @@ class Build:
 
     @staticmethod
     def _check_alive(follower: "asyncio.Task[int]") -> None:
+        """A start command that failed fails the build; one that finished with exit
+        code 0 does not (E2B's finalize: a start command may be a one-shot setup,
+        and the ready command still decides when the template is ready)."""
         if follower.done():
             exc = follower.exception()
+            if exc is None and follower.result() == 0:
+                return
             detail = f"failed: {exc}" if exc else f"exited with code {follower.result()}"
             raise BuildFailed(f"the start command {detail} before the template was ready", "finalize")
 

@@ -209,12 +209,13 @@ def destroy(net: SandboxNet | str) -> None:
         if done.returncode != 0 and failed:
             raise NetError(f"removing netns {name} failed: {'; '.join(failed)}")
     if not isinstance(net, str):
-        _abort_host_sockets(net.ns_ip)
+        abort_host_sockets(net.ns_ip)
 
 
-def _abort_host_sockets(ns_ip: str) -> None:
-    """Abort this host's TCP sockets to a removed sandbox's address. Its guest vanished
-    without a FIN, so a keep-alive connection (the API proxy pools them) would stay open
+def abort_host_sockets(ns_ip: str) -> None:
+    """Abort this host's TCP sockets to a sandbox's address whose guest vanished (its
+    namespace removed, or its QEMU killed at a pause while the namespace stays for the
+    standby): the guest went without a FIN, so a keep-alive connection (the API proxy pools them) would stay open
     and, once the /30 is given to a new sandbox, carry a request to that sandbox's guest,
     which resets it: a failed request. ``ss -K`` (sock_destroy) closes them now. Best
     effort: a kernel without CONFIG_INET_DIAG_DESTROY leaves them to the keep-alive timeout."""

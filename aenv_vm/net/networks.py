@@ -272,6 +272,18 @@ class NodeNetworks:
             raise NetError(f"sandbox {spec.name} has no network namespace any more")
         return self._fields(net)
 
+    async def abort_connections(self, sid: str) -> None:
+        """The QEMU of ``sid`` was killed but its namespace stays (a pause keeps it for
+        the standby): abort the host's TCP connections to the guest now. A killed QEMU
+        sends no FIN on a tap, so a keep-alive connection the API proxy pooled, or a
+        request in flight when the VM stopped, would otherwise stay open and, after the
+        resume, carry a request into TCP state the restored guest no longer shares: the
+        request hangs until the client's timeout. User mode needs nothing: QEMU's own
+        sockets close with it."""
+        net = self._nets.get(sid)
+        if net is not None and net.tap:
+            await asyncio.to_thread(netns.abort_host_sockets, net.ns_ip)
+
     def get(self, sid: str) -> SandboxNet | None:
         return self._nets.get(sid)
 

@@ -461,7 +461,10 @@ class SandboxManager:
                 sbx, self.last_resume = await resume(self.rt, self.paused, rec)
             self._running[sid] = sbx
             rec = self.records_store.get(sid) or rec     # the resume may have committed a pending pause
-            t = rec.timeout if timeout is None else timeout
+            # Without a timeout the sandbox runs for its own again; one whose timeout was
+            # set to 0 (``set_timeout(0)``: "expire now", which is what paused it) gets the
+            # default instead of being paused again by the TTL the moment it runs.
+            t = timeout if timeout is not None else rec.timeout if rec.timeout > 0 else self.default_timeout
             self.records_store.put(rec.replace(state=SandboxState.RUNNING, envd_port=sbx.envd_port,
                                                end_at=time.time() + t, timeout=t, note="", cold_boot=False,
                                                envd_unresponsive=False))

@@ -138,6 +138,7 @@ class PausedSandboxes:
         """Kill the paused VM, hold its disk, start the commit and maybe a standby QEMU."""
         sid = sbx.id
         await sbx.vm.kill()
+        await self.rt.networks.abort_connections(sid)
         if self.standby_limit <= 0:   # no QEMU left: namespace and uid go (a standby would keep them)
             await self.rt.release_host(sid)
         loop = asyncio.get_running_loop()

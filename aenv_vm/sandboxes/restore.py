@@ -163,10 +163,12 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
         if plan.greeting.probe_health:
             await envd.wait_healthy(timeout=rt.ready_timeout, alive=vm.alive)
         t5 = time.monotonic()
+        # the snapshot's client connections are dead: envd closes them first
+        greeting = {**plan.greeting.body, "closeConnections": True}
         if plan.greeting.probe_health:
-            await envd.init(plan.greeting.body)
+            await envd.init(greeting)
         else:
-            await envd.init_when_ready(plan.greeting.body, rt.ready_timeout, vm.alive)
+            await envd.init_when_ready(greeting, rt.ready_timeout, vm.alive)
         t6 = time.monotonic()
     except BaseException:
         await teardown(rt, sid, vm, image)

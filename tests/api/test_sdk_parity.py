@@ -314,3 +314,29 @@ def test_create_answers_the_agentenv_sandbox_header(sdk_env: Server) -> None:
         assert status == 201 and lower["x-agentenv-sandbox-id"] == body["sandboxID"]
     finally:
         sdk_env.request("DELETE", f"/sandboxes/{body['sandboxID']}")
+
+
+def test_connect_after_a_timeout_pause_keeps_running(sdk_env: Server) -> None:
+    """The intermittent "closed the connection to port 49983 without an answer" after a
+    timeout auto-pause and ``connect()``: the resume took the sandbox's own timeout,
+    which ``set_timeout(0)`` had made 0, so the TTL paused it again at once and the
+    next call met a stopping VM. A connect without a timeout now gives such a sandbox
+    the default; and the first call after it is answered, several times over."""
+    from e2b import Sandbox
+    for _ in range(4):
+        sbx = Sandbox.create("base", timeout=60, lifecycle={"on_timeout": {"action": "pause", "keep_memory": None}})
+        try:
+            boot = sbx.files.read("/proc/sys/kernel/random/boot_id").strip()
+            sbx.set_timeout(0)
+            deadline = time.monotonic() + 60
+            while sbx.is_running(request_timeout=20) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not sbx.is_running()
+            resumed = sbx.connect()
+            assert resumed.files.read("/proc/sys/kernel/random/boot_id", request_timeout=20).strip() == boot
+            time.sleep(1.5)   # the TTL would have paused it again by now
+            info = resumed.get_info()
+            assert info.state.value == "running", info
+            assert info.end_at.timestamp() - time.time() > 200   # the default timeout, not 0
+        finally:
+            sbx.kill()

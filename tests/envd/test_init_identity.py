@@ -88,3 +88,21 @@ def test_seed_kernel_rng_credits_and_reseeds() -> None:
     # Mixing fresh random bytes into this host's pool is harmless; the point is
     # that both ioctls exist and are accepted (numbers and struct layout right).
     identity.seed_kernel_rng(os.urandom(64))
+
+
+def test_init_close_connections_closes_every_other_connection(host_envd: Envd) -> None:
+    """What the node asks after a restore from a memory snapshot: the connections the
+    snapshot carried are closed (their peer is gone), the asking one is answered."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(host_envd.url)
+    old = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    old.request("GET", "/health")
+    assert old.getresponse().read() is not None     # kept alive
+    assert _post(host_envd.url, {"envVars": {"K": "v"}}) == 204   # without the flag: left alone
+    old.request("GET", "/health")
+    assert old.getresponse().status == 204
+    assert _post(host_envd.url, {"closeConnections": True}) == 204
+    old.sock.settimeout(10)
+    assert old.sock.recv(1) == b""                    # closed by envd
+    assert _envs(host_envd.url) == {"K": "v"}        # and envd serves new ones

@@ -131,6 +131,11 @@ def test_build_failures_name_the_step(sdk: Server, registry: Registry) -> None:
 
     err = _fails(sdk, Template().from_template("base").set_start_cmd("exit 4", "sleep 5; false"), "fail-start")
     assert "start command exited with code 4" in str(err)
+    # a start command that finishes with 0 is a one-shot setup, not a failure (E2B's
+    # finalize): the ready command still decides, and the build succeeds
+    info = Template.build(Template().from_template("base").set_start_cmd("echo one-shot", "sleep 3"),
+                          "start-exits-0", skip_cache=True)
+    assert info.template_id
 
     err = _fails(sdk, Template().from_template("no-such-template"), "fail-base")
     assert "unknown template 'no-such-template'" in str(err)
