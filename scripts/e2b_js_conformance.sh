@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Runs the E2B JS SDK's own tests (its vitest `unit` project) against a fresh
+# `aenv server`.
+#
+#   scripts/e2b_js_conformance.sh PATH-TO-E2B-CHECKOUT [VITEST-ARGS...]
+#
+# PATH-TO-E2B-CHECKOUT is a checkout of github.com/e2b-dev/E2B. Its
+# packages/js-sdk src/, tests/, package.json and tsconfig.json are copied, fresh
+# for every run, into a work dir outside this repository (AENV_JS_CONFORMANCE_DIR,
+# default $TMPDIR/aenv-js-conformance), so the tests run with the checkout's own
+# SDK sources (the version its tests target). What the `unit` project needs
+# (the SDK's dependencies, vitest, vite, msw) comes from npm, pinned by
+# scripts/e2b_js_conformance/package-lock.json (versions as in the checkout's
+# pnpm-lock.yaml), and installed in the work dir; the checkout's vitest config is
+# replaced by scripts/e2b_js_conformance/vitest.config.mts (the `unit` project
+# alone: no browser, template, cloudflare projects, so no playwright/wrangler),
+# which runs one test file at a time. The server runs on a data dir made for
+# the run and removed after it (port AENV_JS_CONFORMANCE_PORT, default 3199).
+# The totals are printed at the end, and the report is kept as JUnit XML in
+# AENV_JS_CONFORMANCE_DIR/report.xml.
+#
+# Defaults: tests/sandbox (sandbox, commands, files, pty, git, ...); pass vitest
+# arguments after the checkout to narrow it, e.g. tests/sandbox/files or
+# `tests/sandbox/commands/run.test.ts -t 'run with'` (paths relative to
+# packages/js-sdk).
+set -euo pipefail
+
+if [[ $# -lt 1 || ! -d "$1/packages/js-sdk/tests" || ! -d "$1/packages/js-sdk/src" ]]; then
+    echo "usage: $0 PATH-TO-E2B-CHECKOUT [VITEST-ARGS...]" >&2
+    echo "  (the checkout must have packages/js-sdk/src and packages/js-sdk/tests)" >&2
+    exit 2
+fi
+checkout=$(cd "$1" && pwd)
+shift
+repo=$(cd "$(dirname "$0")/.." && pwd)
+aenv="$repo/.venv/bin/aenv"
+[[ -x "$aenv" ]] || { echo "$0: $aenv missing: run scripts/install.sh first" >&2; exit 2; }
+command -v node >/dev/null && command -v npm >/dev/null \
+    || { echo "$0: node and npm are needed" >&2; exit 2; }
+pins="$repo/scripts/e2b_js_conformance"
+
+work=${AENV_JS_CONFORMANCE_DIR:-${TMPDIR:-/tmp}/aenv-js-conformance}
+mkdir -p "$work"
+work=$(cd "$work" && pwd)
+# node_modules in $work, the SDK copy in $work/js-sdk: Node and vite find the
+# packages by walking up from the copied sources.
+if ! cmp -s "$pins/package-lock.json" "$work/package-lock.json" || [[ ! -x "$work/node_modules/.bin/vitest" ]]; then
+    echo "js-conformance: npm ci (pinned by scripts/e2b_js_conformance/package-lock.json) in $work"
+    cp "$pins/package.json" "$pins/package-lock.json" "$work/"
+    (cd "$work" && npm ci --no-audit --no-fund --loglevel=error)
+fi
+sdk="$work/js-sdk"
+rm -rf "$sdk"
+mkdir -p "$sdk"
+cp -a "$checkout/packages/js-sdk/src" "$checkout/packages/js-sdk/tests" \
+    "$checkout/packages/js-sdk/package.json" "$checkout/packages/js-sdk/tsconfig.json" "$sdk/"
+cp "$pins/vitest.config.mts" "$sdk/"
+
+data=$(mktemp -d "$work/data.XXXXXX")
+log="$work/server.log"
+port=${AENV_JS_CONFORMANCE_PORT:-3199}
+server_pid=""
+cleanup() {
+    if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then
+        kill -TERM "$server_pid"
+        for _ in $(seq 1 120); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.5; done
+        kill -KILL "$server_pid" 2>/dev/null || true
+    fi
+    rm -rf "$data"
+}
+trap cleanup EXIT
+
+echo "js-conformance: starting aenv server on 127.0.0.1:$port (log: $log)"
+"$aenv" server --data-dir "$data" --port "$port" >"$work/server.out" 2>"$log" &
+server_pid=$!
+for _ in $(seq 1 900); do
+    grep -q '^export E2B_SANDBOX_URL=' "$work/server.out" 2>/dev/null && break
+    kill -0 "$server_pid" 2>/dev/null || { echo "$0: aenv server exited; see $log" >&2; exit 1; }
+    sleep 1
+done
+grep -q '^export E2B_SANDBOX_URL=' "$work/server.out" || { echo "$0: aenv server did not start in 900 s" >&2; exit 1; }
+# shellcheck disable=SC1090
+source <(grep '^export E2B_' "$work/server.out")
+export E2B_API_KEY E2B_API_URL E2B_SANDBOX_URL
+
+commit=$(git -C "$checkout" rev-parse HEAD 2>/dev/null || echo unknown)
+sdk_version=$(node -p 'require(process.argv[1]).version' "$sdk/package.json")
+echo "js-conformance: e2b-dev/E2B at $commit, js-sdk $sdk_version (its sources), vitest $(node -p 'require(process.argv[1]).version' "$work/node_modules/vitest/package.json"), server $E2B_API_URL"
+report="$work/report.xml"
+rm -f "$report"
+cd "$sdk"
+set +e
+AENV_JS_CONFORMANCE_REPORT="$report" "$work/node_modules/.bin/vitest" run "${@:-tests/sandbox}"
+status=$?
+set -e
+[[ -f "$report" ]] || { echo "js-conformance: no report written" >&2; exit "$status"; }
+python3 - "$report" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+cases = list(root.iter("testcase"))
+failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
+skipped = sum(1 for c in cases if c.find("skipped") is not None)
+passed = len(cases) - failed - skipped
+print(f"js-conformance totals: {len(cases)} tests, {passed} passed, {failed} failed, {skipped} skipped")
+PY
+exit $status
