@@ -54,7 +54,7 @@ rm -rf "$sdk"
 mkdir -p "$sdk"
 cp -a "$checkout/packages/js-sdk/src" "$checkout/packages/js-sdk/tests" \
     "$checkout/packages/js-sdk/package.json" "$checkout/packages/js-sdk/tsconfig.json" "$sdk/"
-cp "$pins/vitest.config.mts" "$sdk/"
+cp "$pins/vitest.config.mts" "$pins/offline.setup.ts" "$sdk/"
 
 data=$(mktemp -d "$work/data.XXXXXX")
 log="$work/server.log"
@@ -87,22 +87,42 @@ commit=$(git -C "$checkout" rev-parse HEAD 2>/dev/null || echo unknown)
 sdk_version=$(node -p 'require(process.argv[1]).version' "$sdk/package.json")
 echo "js-conformance: e2b-dev/E2B at $commit, js-sdk $sdk_version (its sources), vitest $(node -p 'require(process.argv[1]).version' "$work/node_modules/vitest/package.json"), server $E2B_API_URL"
 report="$work/report.xml"
-rm -f "$report"
+offline_list="$work/offline-files.txt"
+rm -f "$report" "$offline_list"
 cd "$sdk"
 set +e
-AENV_JS_CONFORMANCE_REPORT="$report" "$work/node_modules/.bin/vitest" run "${@:-tests/sandbox}"
+AENV_JS_CONFORMANCE_REPORT="$report" AENV_JS_CONFORMANCE_OFFLINE_LIST="$offline_list" \
+    "$work/node_modules/.bin/vitest" run "${@:-tests/sandbox}"
 status=$?
 set -e
 [[ -f "$report" ]] || { echo "js-conformance: no report written" >&2; exit "$status"; }
-python3 - "$report" <<'PY'
+python3 - "$report" "$offline_list" <<'PY'
 import sys
 import xml.etree.ElementTree as ET
 
 root = ET.parse(sys.argv[1]).getroot()
-cases = list(root.iter("testcase"))
-failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
-skipped = sum(1 for c in cases if c.find("skipped") is not None)
-passed = len(cases) - failed - skipped
-print(f"js-conformance totals: {len(cases)} tests, {passed} passed, {failed} failed, {skipped} skipped")
+try:
+    offline = set(open(sys.argv[2]).read().split())
+except OSError:
+    offline = set()
+counts = {}
+for case in root.iter("testcase"):
+    project = "offline" if case.get("classname") in offline else "aenv"
+    c = counts.setdefault(project, {"tests": 0, "passed": 0, "failed": 0, "skipped": 0})
+    c["tests"] += 1
+    if case.find("failure") is not None or case.find("error") is not None:
+        c["failed"] += 1
+    elif case.find("skipped") is not None:
+        c["skipped"] += 1
+    else:
+        c["passed"] += 1
+for project, what in (("aenv", "against the server"), ("offline", "SDK alone, no server")):
+    if project in counts:
+        c = counts[project]
+        print(f"js-conformance {project} ({what}): {c['tests']} tests, {c['passed']} passed, "
+              f"{c['failed']} failed, {c['skipped']} skipped")
+total = {k: sum(c[k] for c in counts.values()) for k in ("tests", "passed", "failed", "skipped")}
+print(f"js-conformance totals: {total['tests']} tests, {total['passed']} passed, "
+      f"{total['failed']} failed, {total['skipped']} skipped")
 PY
 exit $status

@@ -1,30 +1,103 @@
-// The `unit` project of the checkout's packages/js-sdk/vitest.config.mts, alone
-// (no browser, template, connectionConfig or cloudflare projects, so neither
-// playwright nor wrangler is needed), with test files run one at a time.
-// Copied next to the checkout's src/ and tests/ by scripts/e2b_js_conformance.sh.
+// The `unit` project of the checkout's packages/js-sdk/vitest.config.mts (no
+// browser, template, connectionConfig or cloudflare projects, so neither
+// playwright nor wrangler is needed), split in two, with test files run one at
+// a time. Copied next to the checkout's src/ and tests/ by
+// scripts/e2b_js_conformance.sh.
+//
+//   aenv     the tests that talk to a server: they run against aenv, through
+//            E2B_API_KEY / E2B_API_URL / E2B_SANDBOX_URL.
+//   offline  the tests that talk to no server: those that mock the API with msw
+//            (their handlers match `https://api.${E2B_DOMAIN || 'e2b.app'}`) and
+//            those that only build SDK objects and check the URLs derived from
+//            a domain. They assume the API and sandbox URLs are the defaults,
+//            as in E2B's own CI, so they run with E2B_API_URL and
+//            E2B_SANDBOX_URL unset (offline.setup.ts); they test the SDK alone.
+import { readFileSync, readdirSync, writeFileSync } from 'node:fs'
+import path from 'node:path'
 import { defineConfig } from 'vitest/config'
+
+const excluded = [/^tests\/runtimes\//, /^tests\/template\//, /^tests\/connectionConfig\.test\.ts$/]
+
+// Tests that send traffic to the public internet: from the sandbox (curl to
+// 1.1.1.1, 8.8.8.8, connectivitycheck.gstatic.com) or from the host (fetch of
+// https://<port>-<sandboxID>.e2b.app, the E2B cloud's host names; and the
+// E2B-only `httpbin` template). This machine reaches no public address, and
+// sends it no traffic: they are left out unless AENV_JS_CONFORMANCE_PUBLIC=1.
+const publicFiles = [
+  'tests/sandbox/network.test.ts',
+  'tests/sandbox/internetAccess.test.ts',
+  'tests/sandbox/host.test.ts',
+]
+const publicTests = [
+  'pause and resume a sandbox with http server', // snapshot.test.ts
+  'auto-resume wakes paused sandbox on http request', // lifecyclePayload.test.ts
+]
+const withPublic = process.env.AENV_JS_CONFORMANCE_PUBLIC === '1'
+const escape = (s: string) => s.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')
+
+function testFiles(dir: string): string[] {
+  return readdirSync(dir, { withFileTypes: true }).flatMap((e) => {
+    const p = path.posix.join(dir, e.name)
+    if (e.isDirectory()) return testFiles(p)
+    return e.name.endsWith('.test.ts') && !excluded.some((re) => re.test(p)) ? [p] : []
+  })
+}
+
+function isOffline(file: string): boolean {
+  const src = readFileSync(file, 'utf8')
+  if (/from '(msw|msw\/node)'/.test(src)) return true
+  return !/\bsandboxTest\b/.test(src) && !/\bSandbox\.(create|connect|list|kill|betaCreate)\(/.test(src)
+}
+
+const files = testFiles('tests').filter((f) => withPublic || !publicFiles.includes(f))
+const offline = files.filter(isOffline)
+const live = files.filter((f) => !offline.includes(f))
+
+const common = {
+  isolate: true,
+  globals: false,
+  testTimeout: 30_000,
+  environment: 'node' as const,
+  bail: 0,
+  deps: { interopDefault: true },
+  env: { ...(process.env as Record<string, string>) },
+}
+
+// For the totals of scripts/e2b_js_conformance.sh.
+if (process.env.AENV_JS_CONFORMANCE_OFFLINE_LIST) {
+  writeFileSync(process.env.AENV_JS_CONFORMANCE_OFFLINE_LIST, offline.join('\n') + '\n')
+}
 
 export default defineConfig({
   test: {
-    name: 'unit',
-    include: ['tests/**/*.test.ts'],
-    exclude: [
-      'tests/runtimes/**',
-      'tests/template/**',
-      'tests/connectionConfig.test.ts',
-    ],
-    isolate: true,
-    globals: false,
-    testTimeout: 30_000,
-    environment: 'node',
-    bail: 0,
-    setupFiles: ['tests/globalFetchFallback.setup.ts'],
-    deps: { interopDefault: true },
-    env: { ...(process.env as Record<string, string>) },
     // Other VMs share this machine's CPUs: one test file at a time.
     fileParallelism: false,
+    ...(withPublic
+      ? {}
+      : { testNamePattern: new RegExp(`^(?!.*(?:${publicTests.map(escape).join('|')})$)`) }),
     maxWorkers: 1,
     reporters: ['default', 'junit'],
     outputFile: { junit: process.env.AENV_JS_CONFORMANCE_REPORT || 'report.xml' },
+    projects: [
+      {
+        test: {
+          ...common,
+          name: 'aenv',
+          include: live,
+          setupFiles: ['tests/globalFetchFallback.setup.ts'],
+        },
+      },
+      {
+        test: {
+          ...common,
+          name: 'offline',
+          include: offline,
+          env: Object.fromEntries(
+            Object.entries(common.env).filter(([k]) => k !== 'E2B_API_URL' && k !== 'E2B_SANDBOX_URL')
+          ),
+          setupFiles: ['offline.setup.ts', 'tests/globalFetchFallback.setup.ts'],
+        },
+      },
+    ],
   },
 })
