@@ -70,8 +70,28 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# Host names over TLS (the tests that fetch https://${sandbox.getHost(port)}):
+# the server gets [server] domain aenv.test and a self-signed wildcard
+# certificate on port 443, the test processes trust it (NODE_EXTRA_CA_CERTS) and
+# resolve *.aenv.test to 127.0.0.1 (resolve-local.cjs). Without openssl or with
+# port 443 taken, those tests are left out (vitest.config.mts).
+domain=aenv.test
+server_env=()
+hosts=0
+if [[ "${AENV_JS_CONFORMANCE_HOSTS:-1}" == 1 ]] && command -v openssl >/dev/null \
+    && python3 -c 'import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", 443))' 2>/dev/null; then
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+        -subj "/CN=*.$domain" -addext "subjectAltName=DNS:*.$domain,DNS:$domain" \
+        -keyout "$data/tls.key" -out "$data/tls.pem" 2>/dev/null
+    server_env=(AENV_SERVER__DOMAIN="$domain" AENV_SERVER__TLS_CERT="$data/tls.pem"
+                AENV_SERVER__TLS_KEY="$data/tls.key" AENV_SERVER__TLS_PORT=443)
+    hosts=1
+else
+    echo "js-conformance: no host names over TLS (needs openssl and port 443 free): the tests that fetch sandbox.getHost() are left out"
+fi
+
 echo "js-conformance: starting aenv server on 127.0.0.1:$port (log: $log)"
-"$aenv" server --data-dir "$data" --port "$port" >"$work/server.out" 2>"$log" &
+env "${server_env[@]}" "$aenv" server --data-dir "$data" --port "$port" >"$work/server.out" 2>"$log" &
 server_pid=$!
 for _ in $(seq 1 900); do
     grep -q '^export E2B_SANDBOX_URL=' "$work/server.out" 2>/dev/null && break
@@ -82,10 +102,18 @@ grep -q '^export E2B_SANDBOX_URL=' "$work/server.out" || { echo "$0: aenv server
 # shellcheck disable=SC1090
 source <(grep '^export E2B_' "$work/server.out")
 export E2B_API_KEY E2B_API_URL E2B_SANDBOX_URL
+if [[ $hosts == 1 ]]; then
+    export E2B_DOMAIN=$domain AENV_JS_CONFORMANCE_HOSTS=1 AENV_JS_CONFORMANCE_LOCAL_DOMAIN=$domain
+    export NODE_EXTRA_CA_CERTS="$data/tls.pem"
+    export NODE_OPTIONS="${NODE_OPTIONS:+$NODE_OPTIONS }--require $pins/resolve-local.cjs"
+else
+    export AENV_JS_CONFORMANCE_HOSTS=0
+    unset E2B_DOMAIN
+fi
 
 commit=$(git -C "$checkout" rev-parse HEAD 2>/dev/null || echo unknown)
 sdk_version=$(node -p 'require(process.argv[1]).version' "$sdk/package.json")
-echo "js-conformance: e2b-dev/E2B at $commit, js-sdk $sdk_version (its sources), vitest $(node -p 'require(process.argv[1]).version' "$work/node_modules/vitest/package.json"), server $E2B_API_URL"
+echo "js-conformance: e2b-dev/E2B at $commit, js-sdk $sdk_version (its sources), vitest $(node -p 'require(process.argv[1]).version' "$work/node_modules/vitest/package.json"), server $E2B_API_URL${E2B_DOMAIN:+ (host names https://*.$E2B_DOMAIN)}"
 report="$work/report.xml"
 offline_list="$work/offline-files.txt"
 rm -f "$report" "$offline_list"

@@ -2,3 +2,4 @@
 // from the domain, as in E2B's CI: aenv's URL overrides would bypass them.
 delete process.env.E2B_API_URL
 delete process.env.E2B_SANDBOX_URL
+delete process.env.E2B_DOMAIN
