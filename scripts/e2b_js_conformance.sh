@@ -11,18 +11,31 @@
 # SDK sources (the version its tests target). What the `unit` project needs
 # (the SDK's dependencies, vitest, vite, msw) comes from npm, pinned by
 # scripts/e2b_js_conformance/package-lock.json (versions as in the checkout's
-# pnpm-lock.yaml), and installed in the work dir; the checkout's vitest config is
-# replaced by scripts/e2b_js_conformance/vitest.config.mts (the `unit` project
-# alone: no browser, template, cloudflare projects, so no playwright/wrangler),
-# which runs one test file at a time. The server runs on a data dir made for
-# the run and removed after it (port AENV_JS_CONFORMANCE_PORT, default 3199).
+# pnpm-lock.yaml), and is installed in the work dir. The checkout's vitest
+# config is replaced by scripts/e2b_js_conformance/vitest.config.mts: the `unit`
+# project alone (no browser, template or cloudflare projects, so no playwright
+# or wrangler), one test file at a time, split in `aenv` (the tests that talk to
+# the server) and `offline` (msw mocks and URL derivation, run without aenv's
+# URL overrides: they test the SDK alone), with totals for each.
+#
+# The server runs on a data dir made for the run and removed after it (API on
+# 127.0.0.1, port AENV_JS_CONFORMANCE_PORT, default 3199). Unless
+# AENV_JS_CONFORMANCE_HOSTS=0, or without openssl, or with port 443 taken, it
+# also serves host names over TLS (domain aenv.test, a self-signed wildcard
+# certificate made for the run, port 443), which the test processes trust and
+# resolve to 127.0.0.1 (resolve-local.cjs), so the tests that fetch
+# https://${sandbox.getHost(port)} run against it; otherwise they are left out.
+# The tests that reach the public internet (curl to 1.1.1.1 / 8.8.8.8 /
+# connectivitycheck.gstatic.com from a sandbox, E2B's `httpbin` template) are
+# always left out (reported as skipped; internetAccess.test.ts is not run) unless
+# AENV_JS_CONFORMANCE_PUBLIC=1. A `-t PATTERN` replaces that name filter.
 # The totals are printed at the end, and the report is kept as JUnit XML in
 # AENV_JS_CONFORMANCE_DIR/report.xml.
 #
 # Defaults: tests/sandbox (sandbox, commands, files, pty, git, ...); pass vitest
 # arguments after the checkout to narrow it, e.g. tests/sandbox/files or
-# `tests/sandbox/commands/run.test.ts -t 'run with'` (paths relative to
-# packages/js-sdk).
+# `tests/sandbox/commands/run.test.ts -t 'run with'`, or `tests` for the whole
+# unit project (paths relative to packages/js-sdk).
 set -euo pipefail
 
 if [[ $# -lt 1 || ! -d "$1/packages/js-sdk/tests" || ! -d "$1/packages/js-sdk/src" ]]; then
