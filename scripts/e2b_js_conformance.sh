@@ -100,7 +100,7 @@ if [[ "${AENV_JS_CONFORMANCE_HOSTS:-1}" == 1 ]] && command -v openssl >/dev/null
                 AENV_SERVER__TLS_KEY="$data/tls.key" AENV_SERVER__TLS_PORT=443)
     hosts=1
 else
-    echo "js-conformance: no host names over TLS (needs openssl and port 443 free): the tests that fetch sandbox.getHost() are left out"
+    echo "js-conformance: no host names over TLS (AENV_JS_CONFORMANCE_HOSTS=0, no openssl, or port 443 taken): the tests that fetch sandbox.getHost() are left out"
 fi
 
 echo "js-conformance: starting aenv server on 127.0.0.1:$port (log: $log)"
