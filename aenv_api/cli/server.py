@@ -229,6 +229,8 @@ def _gauges(metrics: Metrics, lifecycle: Lifecycle, manager: SandboxManager, sto
 async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, host_ca: CaBundle | None) -> int:
     from aenv_api.server.app import ApiServer
     from aenv_api.server.templates_api import TemplateApi
+    from aenv_api.server.volumes_api import VolumeApi
+    from aenv_vm.volumes.registry import VolumeRegistry
     from aenv_vm.errors import VmError
     from aenv_vm.guest import ensure_guest
     from aenv_vm.net.netns import NetError
@@ -281,7 +283,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         await builds.start()
         server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                            TemplateApi(builds, cfg.data_dir / "template-uploads",
-                                       cfg.section("templates").max_upload_mib << 20))
+                                       cfg.section("templates").max_upload_mib << 20),
+                           VolumeApi(VolumeRegistry(cfg.data_dir / "volumes"), server_cfg.volume_domain))
         try:
             port = await server.start(server_cfg.host, server_cfg.port)
         except OSError as e:
@@ -297,7 +300,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         if server.tls_port is not None:
             say(f"TLS on port {server.tls_port}: https://<port>-<sandbox id>.{server_cfg.domain or '<domain>'}"
                 + ("" if server.tls_port == 443 else f":{server.tls_port}"))
-        print(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}",
+        print(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}\n"
+              f"export E2B_VOLUME_API_URL={url}",
               flush=True)
         await stop.wait()
         say("shutting down: no new connections; stopping sandboxes")
