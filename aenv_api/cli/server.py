@@ -266,10 +266,12 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
             tpl = await _prepare_template(store, guest, cfg, server_cfg, confinement, host_ca)
         except VmError as e:
             raise CliError(str(e), 1) from None
+        volumes = VolumeRegistry(cfg.data_dir / "volumes")   # one registry: the API's and the mounts'
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                  tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
                                  ksm=vm.ksm_settings(), network=vm.network, max_sandboxes=server_cfg.max_sandboxes,
-                                 readahead=vm.readahead_mib << 20, isolation=vm.isolation, confine=confinement)
+                                 readahead=vm.readahead_mib << 20, isolation=vm.isolation, confine=confinement,
+                                 volumes=volumes)
         try:
             await manager.start()
         except NetError as e:   # [vm] network = "tap" on a host that cannot do it
@@ -284,7 +286,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                            TemplateApi(builds, cfg.data_dir / "template-uploads",
                                        cfg.section("templates").max_upload_mib << 20),
-                           VolumeApi(VolumeRegistry(cfg.data_dir / "volumes"), server_cfg.volume_domain))
+                           VolumeApi(volumes, server_cfg.volume_domain))
         try:
             port = await server.start(server_cfg.host, server_cfg.port)
         except OSError as e:
