@@ -1,0 +1,169 @@
+"""``Sandbox.create(volume_mounts=...)`` through the real E2B SDK (sync and async) against
+`aenv server` and real QEMU guests: a volume is shared live storage -- what one sandbox
+writes the next one and ``/volumecontent`` see, and the other way round; it survives
+pause/resume (the node dials the channel again) and fork children share it; an unknown
+volume is a 404; and the guest cannot turn the channel against the host."""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import Server, node_data_dir, sdk_env, server  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.qemu
+
+MNT = "/mnt/data"
+
+
+@pytest.fixture
+def vsdk(sdk_env: Server, monkeypatch: pytest.MonkeyPatch) -> Server:  # noqa: F811
+    monkeypatch.setenv("E2B_VOLUME_API_URL", sdk_env.url)
+    return sdk_env
+
+
+def _name() -> str:
+    return f"v-{uuid.uuid4().hex[:10]}"
+
+
+def _sh(sbx: Any, cmd: str, user: str = "user") -> str:
+    r = sbx.commands.run(cmd, user=user)
+    return r.stdout
+
+
+def test_volume_shared_between_sandboxes_api_and_pause(vsdk: Server) -> None:
+    from e2b import Sandbox, Volume
+
+    vol = Volume.create(_name())
+    a = Sandbox.create(volume_mounts={MNT: vol}, timeout=600)
+    try:
+        _sh(a, f"echo hi > {MNT}/a && mkdir -p {MNT}/dir && echo deep > {MNT}/dir/f")
+        assert a.get_info().volume_mounts == [{"name": vol.name, "path": MNT}]
+        assert _sh(a, f"stat -c '%U %a' {MNT}/a").split() == ["user", "644"]
+    finally:
+        a.kill()
+    assert vol.read_file("/a") == "hi\n"                       # /volumecontent sees it
+    b = Sandbox.create(volume_mounts={MNT: vol.name}, timeout=600)   # by name
+    try:
+        assert _sh(b, f"cat {MNT}/a {MNT}/dir/f") == "hi\ndeep\n"
+        vol.write_file("/from-api.txt", "written through /volumecontent")
+        assert _sh(b, f"cat {MNT}/from-api.txt") == "written through /volumecontent"
+        _sh(b, f"echo live > {MNT}/live")
+        assert vol.read_file("/live") == "live\n"             # while b runs: live, not at kill
+        b.pause()
+        b2 = Sandbox.connect(b.sandbox_id)                   # resume: the node dials again
+        assert _sh(b2, f"cat {MNT}/live") == "live\n"
+        _sh(b2, f"echo after > {MNT}/after")
+        assert vol.read_file("/after") == "after\n"
+        with pytest.raises(Exception, match="mounted"):
+            Volume.destroy(vol.volume_id)      # in use by a sandbox
+    finally:
+        b.kill()
+    assert Volume.destroy(vol.volume_id)
+
+
+def test_fork_children_share_the_volume(vsdk: Server) -> None:
+    from e2b import Sandbox, Volume
+
+    vol = Volume.create(_name())
+    parent = Sandbox.create(volume_mounts={MNT: vol}, timeout=600)
+    kids: list[Any] = []
+    try:
+        _sh(parent, f"echo parent > {MNT}/p")
+        kids = [k for k in parent.fork(count=2) if not isinstance(k, Exception)]
+        assert len(kids) == 2
+        for i, k in enumerate(kids):
+            assert _sh(k, f"cat {MNT}/p") == "parent\n"
+            _sh(k, f"echo child{i} > {MNT}/c{i}")
+        assert _sh(parent, f"cat {MNT}/c0 {MNT}/c1") == "child0\nchild1\n"
+        assert vol.read_file("/c1") == "child1\n"
+    finally:
+        for k in kids:
+            k.kill()
+        parent.kill()
+    assert Volume.destroy(vol.volume_id)
+
+
+def test_unknown_volume_and_bad_mounts_are_4xx(vsdk: Server) -> None:
+    from e2b import Sandbox
+
+    with pytest.raises(Exception) as e:
+        Sandbox.create(volume_mounts={MNT: "no-such-volume"})
+    assert "no-such-volume" in str(e.value) and "not found" in str(e.value).lower()
+    status, _, body = vsdk.request("POST", "/sandboxes", {"templateID": "base",
+                                                          "volumeMounts": [{"name": "x", "path": "rel"}]})
+    assert status == 400 and "absolute" in body["message"]
+    status, _, body = vsdk.request("POST", "/sandboxes", {"templateID": "base",
+                                                          "volumeMounts": [{"name": "no-such", "path": "/m"}]})
+    assert status == 404 and "no-such" in body["message"]
+
+
+PROBE = r"""
+import json, socket, sys
+token = sys.argv[1]
+out = {}
+for name, host, tok in (("loopback-no-token", "127.0.0.1", None), ("loopback-token", "127.0.0.1", token),
+                        ("own-address-token", "10.0.2.15", token)):
+    s = socket.create_connection((host, 49983), timeout=10)
+    req = ("POST /_aenv/volume?path=/mnt/evil&volume=x HTTP/1.1\r\nHost: x\r\nUpgrade: aenv-volume/1\r\n"
+           "Connection: Upgrade\r\nContent-Length: 0\r\n" + (f"X-Access-Token: {tok}\r\n" if tok else "") + "\r\n")
+    s.sendall(req.encode())
+    out[name] = s.recv(200).decode(errors="replace").split("\r\n")[0]
+    s.close()
+print(json.dumps(out))
+"""
+
+
+def test_hostile_guest(vsdk: Server) -> None:
+    from e2b import Sandbox, Volume
+
+    vol = Volume.create(_name())
+    sbx = Sandbox.create(volume_mounts={MNT: vol}, timeout=600)
+    try:
+        # a symlink out of the volume resolves inside the GUEST: its own /etc, never the host's
+        guest_shadow = _sh(sbx, "cat /etc/shadow", user="root")
+        _sh(sbx, f"ln -s /etc {MNT}/x; ln -s ../../../../../../etc {MNT}/up", user="root")
+        assert _sh(sbx, f"cat {MNT}/x/shadow", user="root") == guest_shadow
+        host_shadow = open("/etc/shadow").read()
+        assert guest_shadow != host_shadow
+        info = vol.get_info("/x")
+        assert str(info.type).lower().endswith("symlink") and info.target == "/etc"
+        with pytest.raises(Exception):
+            vol.read_file("/x/shadow")                  # /volumecontent never follows it either
+        # the channel endpoint refuses every connection from inside the guest
+        token = sbx._envd_access_token
+        sbx.files.write("/tmp/probe.py", PROBE)
+        got = json.loads(_sh(sbx, f"python3 /tmp/probe.py {token}", user="root"))
+        assert got == {"loopback-no-token": "HTTP/1.1 403 Forbidden", "loopback-token": "HTTP/1.1 403 Forbidden",
+                       "own-address-token": "HTTP/1.1 403 Forbidden"}, got
+        assert "/mnt/evil" not in _sh(sbx, "cat /proc/mounts")
+        # a setuid binary made in the volume is no setuid binary anywhere
+        _sh(sbx, f"cp /bin/true {MNT}/t && chmod 4755 {MNT}/t && stat -c %a {MNT}/t", user="root")
+        assert vol.get_info("/t").mode & 0o6000 == 0
+        assert "nosuid" in [ln for ln in _sh(sbx, "cat /proc/mounts").splitlines() if MNT in ln][0]
+    finally:
+        sbx.kill()
+    assert Volume.destroy(vol.volume_id)
+
+
+def test_async_sdk(vsdk: Server) -> None:
+    from e2b import AsyncSandbox, AsyncVolume
+
+    async def main() -> None:
+        vol = await AsyncVolume.create(_name())
+        sbx = await AsyncSandbox.create(volume_mounts={"/data": vol}, timeout=600)
+        try:
+            payload = secrets.token_hex(1000)
+            await vol.write_file("/in.txt", payload)
+            r = await sbx.commands.run("cat /data/in.txt && echo out > /data/out.txt")
+            assert r.stdout == payload
+            assert await vol.read_file("/out.txt") == "out\n"
+            assert (await sbx.get_info()).volume_mounts == [{"name": vol.name, "path": "/data"}]
+        finally:
+            await sbx.kill()
+        assert await AsyncVolume.destroy(vol.volume_id)
+    asyncio.run(main())
