@@ -66,6 +66,31 @@ def test_volume_shared_between_sandboxes_api_and_pause(vsdk: Server) -> None:
     assert Volume.destroy(vol.volume_id)
 
 
+def test_cold_boot_mounts_again(vsdk: Server) -> None:
+    """A filesystem-only pause boots the guest from its disk on resume: a fresh envd with
+    no mounts, so the node mounts the volume again; a reboot-resume of a memory pause too."""
+    from e2b import Sandbox, Volume
+
+    vol = Volume.create(_name())
+    sbx = Sandbox.create(volume_mounts={MNT: vol}, timeout=600)
+    try:
+        _sh(sbx, f"echo one > {MNT}/one")
+        boot = _sh(sbx, "cat /proc/sys/kernel/random/boot_id")
+        assert sbx.pause(mode="filesystem") is True
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert _sh(again, "cat /proc/sys/kernel/random/boot_id") != boot
+        assert _sh(again, f"cat {MNT}/one") == "one\n"
+        vol.write_file("/two", "two")
+        assert _sh(again, f"cat {MNT}/two") == "two"
+        assert again.pause() is True
+        rebooted = Sandbox.connect(sbx.sandbox_id, on_resume="reboot")
+        _sh(rebooted, f"echo three > {MNT}/three")
+        assert vol.read_file("/three") == "three\n"
+    finally:
+        sbx.kill()
+    assert Volume.destroy(vol.volume_id)
+
+
 def test_fork_children_share_the_volume(vsdk: Server) -> None:
     from e2b import Sandbox, Volume
 
