@@ -42,6 +42,26 @@ def _big_payload() -> bytes:
     return hashlib.shake_256(b"aenv volume").digest(BIG)
 
 
+def _kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def _reset_peak(pid: int) -> int:
+    """Reset the server's peak RSS (VmHWM) to its current RSS; that RSS in KiB."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _kib(pid, "VmRSS")
+
+
+def _assert_bounded(pid: int, rss_before: int) -> None:
+    """The server's memory peak since ``_reset_peak`` stayed far below the file's size:
+    the file was streamed, never held whole."""
+    grown = _kib(pid, "VmHWM") - rss_before
+    assert grown < (BIG >> 10) // 2, f"the server's peak RSS grew {grown} KiB for a {BIG >> 20} MiB file"
+
+
 # ---------------------------------------------------------------- volumes (sync)
 
 def test_volume_lifecycle_sync(sdk: Server) -> None:
@@ -150,6 +170,7 @@ def test_big_file_round_trip_sync(sdk: Server) -> None:
     payload = _big_payload()
     vol = Volume.create("big-sync")
     try:
+        rss = _reset_peak(sdk.proc.pid)
         st = vol.write_file("/big.bin", io.BytesIO(payload))      # streamed by the SDK
         assert st.size == BIG
         h = hashlib.sha256()
@@ -158,6 +179,7 @@ def test_big_file_round_trip_sync(sdk: Server) -> None:
             h.update(chunk)
             n += len(chunk)
         assert n == BIG and h.digest() == hashlib.sha256(payload).digest()
+        _assert_bounded(sdk.proc.pid, rss)
         assert (_tree_dir(sdk, vol.volume_id) / "big.bin").stat().st_size == BIG
     finally:
         Volume.destroy(vol.volume_id)
