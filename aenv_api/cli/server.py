@@ -302,9 +302,11 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         if server.tls_port is not None:
             say(f"TLS on port {server.tls_port}: https://<port>-<sandbox id>.{server_cfg.domain or '<domain>'}"
                 + ("" if server.tls_port == 443 else f":{server.tls_port}"))
-        print(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}\n"
-              f"export E2B_VOLUME_API_URL={url}",
-              flush=True)
+        # one write (PYTHONUNBUFFERED would make print's end a second one): a reader that
+        # stops after the lines it wants and closes the pipe never breaks a later write
+        sys.stdout.write(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\n"
+                         f"export E2B_SANDBOX_URL={url}\nexport E2B_VOLUME_API_URL={url}\n")
+        sys.stdout.flush()
         await stop.wait()
         say("shutting down: no new connections; stopping sandboxes")
         await server.stop_accepting()

@@ -173,7 +173,7 @@ class VolumeRegistry:
             users = self._mounts.get(volume_id)
             if users:
                 raise VolumeInUse(f"volume {volume_id} is mounted by sandbox(es) {', '.join(sorted(users))}: "
-                                  f"kill or pause them first")
+                                  f"delete it when no sandbox mounts it")
             trash = self.root / f".trash-{volume_id}-{secrets.token_hex(4)}"
             os.rename(self.root / volume_id, trash)
             fsync_dir(self.root)
