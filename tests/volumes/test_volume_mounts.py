@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
 import uuid
 from typing import Any
 
@@ -166,6 +167,15 @@ def test_hostile_guest(vsdk: Server) -> None:
         assert got == {"loopback-no-token": "HTTP/1.1 403 Forbidden", "loopback-token": "HTTP/1.1 403 Forbidden",
                        "own-address-token": "HTTP/1.1 403 Forbidden"}, got
         assert "/mnt/evil" not in _sh(sbx, "cat /proc/mounts")
+        # a user through the API's sandbox proxy, even with the token: Upgrade is hop-by-hop there
+        host, port = vsdk.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall((f"POST /_aenv/volume?path=/mnt/evil2&volume={vol.name} HTTP/1.1\r\nHost: x\r\n"
+                       f"E2b-Sandbox-Id: {sbx.sandbox_id}\r\nE2b-Sandbox-Port: 49983\r\n"
+                       f"X-Access-Token: {token}\r\nUpgrade: aenv-volume/1\r\nConnection: Upgrade\r\n"
+                       f"Content-Length: 0\r\n\r\n").encode())
+            assert s.recv(100).split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request"
+        assert "/mnt/evil2" not in _sh(sbx, "cat /proc/mounts")
         # a setuid binary made in the volume is no setuid binary anywhere
         _sh(sbx, f"cp /bin/true {MNT}/t && chmod 4755 {MNT}/t && stat -c %a {MNT}/t", user="root")
         assert vol.get_info("/t").mode & 0o6000 == 0
