@@ -87,6 +87,7 @@ class Opcode(enum.IntEnum):
     RENAME2 = 45
 
 
+OPCODE_NAMES = {op.value: op.name.lower() for op in Opcode}
 NO_REPLY = frozenset({Opcode.FORGET, Opcode.BATCH_FORGET, Opcode.INTERRUPT})
 
 

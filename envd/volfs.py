@@ -271,8 +271,8 @@ class VolumeFs:
                 log.debug("fuse reply: %s", e)
 
     async def _handle(self, req: F.Request) -> None:
-        handler = getattr(self, f"op_{F.Opcode(req.opcode).name.lower()}", None) \
-            if req.opcode in F.Opcode._value2member_map_ else None
+        name = F.OPCODE_NAMES.get(req.opcode)
+        handler = getattr(self, f"op_{name}", None) if name else None
         if handler is None:
             if req.opcode not in F.NO_REPLY:
                 self._write(F.error(req.unique, errno.ENOSYS))
