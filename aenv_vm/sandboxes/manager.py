@@ -468,7 +468,12 @@ class SandboxManager:
             await self.volumes.detach(sid)    # guest requests in flight wait for the resume
             rec = rec.replace(cold_boot=not memory, envd_unresponsive=memory and (
                 unresponsive or self.metrics.unresponsive(sid)))
-            paused = await self.paused.pause(sbx, rec)
+            try:
+                paused = await self.paused.pause(sbx, rec)
+            except Exception:
+                if sid in self._running:      # still running: its volumes too
+                    await self._remount(sbx, rec)
+                raise
             self.last_pause = paused.timing
             self._running.pop(sid, None)
             # The record says paused: finish even if the caller is cancelled now, or the
