@@ -34,6 +34,7 @@ from .registry import VolumeNotFound, VolumeRegistry
 log = logging.getLogger(__name__)
 
 MAX_MOUNTS = 16
+READ_LIMIT = W.MAX_DATA + W.MAX_META + W.HEADER_LEN
 REDIAL_PAUSE = (0.1, 2.0)            # first and largest pause between re-dials
 
 
@@ -105,7 +106,9 @@ async def dial(host: str, port: int, mount: VolumeMount, token: str | None,
                timeout: float = 10.0) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """One upgraded channel to the guest's envd. NoAnswer/OSError while envd is not up;
     MountError when it refuses."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    # a 1 MiB WRITE is one frame: a reader limit above it keeps the transport reading
+    # instead of pausing and resuming every 128 KiB
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=READ_LIMIT), timeout)
     try:
         writer.write(upgrade_request(host, mount, token))
         await writer.drain()
