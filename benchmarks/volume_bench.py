@@ -1,6 +1,6 @@
 """Volume mount throughput inside a sandbox, against the guest's own root disk in the same run.
 
-    python benchmarks/volume_bench.py [--mib 64] [--files 500] [--rounds 3] [--markdown]
+    python benchmarks/volume_bench.py [--mib 64] [--files 500] [--rounds 3] [--network user|tap] [--markdown]
 
 Starts ``aenv server`` on a fresh data dir (or uses --url/--api-key), creates a volume
 and a sandbox with it mounted at /mnt/vol (real e2b SDK), then runs the same Python
@@ -104,6 +104,8 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--files", type=int, default=500)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--network", choices=("auto", "user", "tap"),
+                   help="[vm] network of the server it starts (default: the server's, auto)")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     proc = tmp = None
@@ -115,7 +117,7 @@ def main() -> int:
         else:
             tmp = tempfile.mkdtemp(prefix="volume-bench-")
             print(f"volume_bench: starting aenv server on {tmp}", file=sys.stderr)
-            proc, env = start_server(Path(tmp), 0)
+            proc, env = start_server(Path(tmp), 0, args.network)
         env["E2B_VOLUME_API_URL"] = env["E2B_API_URL"]
         os.environ.update(env)
         result = run(args.mib, args.files, args.rounds)
