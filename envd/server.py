@@ -238,7 +238,9 @@ class EnvdServer:
         async def refuse(status: int, message: str) -> None:
             await self._write(writer, reader, http_error(status, message), False, False, "POST")
 
-        if head.method != "POST" or (head.header("upgrade") or "").lower() != volwire.UPGRADE_TOKEN:
+        unmount = head.query_value("unmount")
+        if head.method != "POST" or (unmount is None and
+                                     (head.header("upgrade") or "").lower() != volwire.UPGRADE_TOKEN):
             return await refuse(400, f"{volwire.ENDPOINT} takes POST with Upgrade: {volwire.UPGRADE_TOKEN}")
         peer = writer.get_extra_info("peername")
         if not peer or peer_is_local(peer[0]):
@@ -247,6 +249,13 @@ class EnvdServer:
         given = head.header("x-access-token")
         if token is not None and not (given is not None and hmac.compare_digest(given.encode(), token.encode())):
             return await refuse(401, "invalid access token")
+        if unmount is not None:
+            try:
+                found = self.volumes.unmount(unmount)
+            except VolfsError as e:
+                return await refuse(e.status, str(e))
+            await self._write(writer, reader, Response(204 if found else 404), False, False, "POST")
+            return
         switching = (f"HTTP/1.1 101 Switching Protocols\r\nUpgrade: {volwire.UPGRADE_TOKEN}\r\n"
                      f"Connection: Upgrade\r\n\r\n").encode()
         try:

@@ -612,6 +612,18 @@ class VolumeMounts:
             self.mounts[mountpoint] = fs
         return fs.channel.attach(reader, writer, preamble)
 
+    def unmount(self, path: str) -> bool:
+        """Detach the mount at ``path`` (lazily: open files keep it until closed) and end
+        its daemon, which fails whatever still waits (ENOTCONN). False: none there."""
+        mountpoint = check_mountpoint(path)
+        fs = self.mounts.pop(mountpoint, None)
+        if fs is None:
+            return False
+        if _lib().umount2(mountpoint.encode(), MNT_DETACH) != 0:
+            log.warning("umount %s: %s", mountpoint, os.strerror(ctypes.get_errno()))
+        fs.close()
+        return True
+
     def listed(self) -> list[dict[str, Any]]:
         return [{"path": p, "volume": fs.volume, "attached": fs.channel.attached.is_set()}
                 for p, fs in self.mounts.items()]

@@ -302,8 +302,10 @@ class SandboxManager:
                                      allow_internet_access, policy)
             if not pause_memory:
                 self.records_store.put(self.record(sbx.id).replace(pause_memory=False))
-            if mounts:
+            stale = [p for p in sbx.template.volume_paths if p not in {m.path for m in mounts}]
+            if mounts or stale:
                 try:
+                    await self.volumes.unmount(sbx.envd_host, sbx.envd_port, sbx.guest_token, stale)
                     await self._mount(sbx, mounts)
                 except BaseException:
                     await self.kill(sbx.id)

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from envd import volwire as W
 
-from ..envd_client import NoAnswer, parse_head, until_answered
+from ..envd_client import NoAnswer, http_request, parse_head, until_answered
 from ..errors import BadRequest, VmError
 from .channel import VolumeServer
 from .registry import VolumeNotFound, VolumeRegistry
@@ -228,6 +228,17 @@ class SandboxVolumes:
             for m in mounts:
                 with contextlib.suppress(VolumeNotFound):
                     self.registry.mark_mounted(m.volume_id, sid)
+
+    async def unmount(self, host: str, port: int, token: str | None, paths: list[str]) -> None:
+        """Drop mounts a guest restored from a snapshot still has but must not (a named
+        snapshot of a sandbox with volumes used as a template): without a channel every
+        access to them would wait forever."""
+        for path in paths:
+            query = urllib.parse.urlencode({"unmount": path})
+            headers = {"X-Access-Token": token} if token else {}
+            answer = await http_request(host, port, "POST", f"{W.ENDPOINT}?{query}", headers=headers, timeout=30)
+            if answer.status not in (204, 404):
+                raise MountError(f"envd did not unmount {path}: HTTP {answer.status} {answer.body[:200]!r}")
 
     def attached(self, sid: str) -> list[Keeper]:
         return list(self._keepers.get(sid, []))

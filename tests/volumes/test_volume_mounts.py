@@ -114,6 +114,35 @@ def test_fork_children_share_the_volume(vsdk: Server) -> None:
     assert Volume.destroy(vol.volume_id)
 
 
+def test_snapshot_of_a_sandbox_with_volumes(vsdk: Server) -> None:
+    """A named snapshot's guest still has the volume mounted with no channel: a sandbox made
+    from it without that mount gets it dropped (no access hangs); with it, the mount is
+    attached again and shows the volume live."""
+    from e2b import Sandbox, Volume
+
+    vol = Volume.create(_name())
+    a = Sandbox.create(volume_mounts={MNT: vol}, timeout=600)
+    try:
+        _sh(a, f"echo snap > {MNT}/s")
+        snap = a.create_snapshot()
+        plain = Sandbox.create(snap.snapshot_id, timeout=300)
+        try:
+            r = plain.commands.run(f"timeout 20 ls -la /mnt; grep -c ' {MNT} ' /proc/mounts || true", timeout=60)
+            assert r.exit_code == 0 and r.stdout.strip().endswith("0"), r.stdout
+        finally:
+            plain.kill()
+        again = Sandbox.create(snap.snapshot_id, volume_mounts={MNT: vol}, timeout=300)
+        try:
+            vol.write_file("/after-snapshot", "new")
+            assert _sh(again, f"cat {MNT}/s {MNT}/after-snapshot") == "snap\nnew"
+        finally:
+            again.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        a.kill()
+    assert Volume.destroy(vol.volume_id)
+
+
 def test_unknown_volume_and_bad_mounts_are_4xx(vsdk: Server) -> None:
     from e2b import Sandbox
 
