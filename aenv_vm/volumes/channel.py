@@ -31,7 +31,9 @@ import errno
 import logging
 import os
 import stat as st
+import threading
 import time
+from concurrent.futures import Executor
 from typing import Any, Callable
 
 from envd import volwire as W
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 
 MAX_IO = 1 << 20
 PAGE = 512
+LISTING_TTL = 5.0                    # seconds later pages reuse a listing
+MAX_LISTING = 1_000_000
 MAX_INFLIGHT = 8
 MAX_TARGET = 4095
 _NO_SETID = ~(st.S_ISUID | st.S_ISGID) & 0o7777
@@ -102,6 +106,8 @@ class VolumeServer:
             W.Op.OPEN: self._open, W.Op.READ: self._read, W.Op.WRITE: self._write,
             W.Op.SETATTR: self._setattr, W.Op.STATFS: self._statfs, W.Op.FSYNC: self._fsync,
         }
+        self._lock = threading.Lock()
+        self._listings: dict[str, tuple[float, list[tuple[str, str, int]]]] = {}
         self._writes = {W.Op.MKDIR, W.Op.UNLINK, W.Op.RMDIR, W.Op.RENAME, W.Op.SYMLINK, W.Op.CREATE,
                         W.Op.WRITE, W.Op.SETATTR}
 
@@ -141,23 +147,41 @@ class VolumeServer:
 
     def _readdir(self, meta: dict[str, Any], data: bytes) -> Reply:
         offset = _int(meta, "offset", default=0)
-        fd = self.tree.open_beneath(_str(meta, "path"), os.O_RDONLY | os.O_DIRECTORY)
+        rel = _str(meta, "path")
+        listing = self._listing(rel, fresh=offset == 0)
+        page = listing[offset:offset + PAGE]
+        return 0, {"entries": [list(e) for e in page], "more": offset + PAGE < len(listing)}, b""
+
+    def _listing(self, rel: str, fresh: bool) -> list[tuple[str, str, int]]:
+        """The directory's entries by name. Later pages of one listing reuse the first's
+        (a few seconds): a guest paging through a huge directory costs one scan, not one
+        per page. At most ``MAX_LISTING`` names (ENOSPC-free bound on node memory: E2BIG)."""
+        key = rel.strip("/")
+        with self._lock:
+            hit = self._listings.get(key)
+            if hit is not None and not fresh and time.monotonic() - hit[0] < LISTING_TTL:
+                return hit[1]
+        fd = self.tree.open_beneath(rel, os.O_RDONLY | os.O_DIRECTORY)
+        out: list[tuple[str, str, int]] = []
         try:
             with os.scandir(fd) as it:
-                names = sorted((e.name, e) for e in it)
-            page = names[offset:offset + PAGE]
-            entries = []
-            for name, e in page:
-                try:
-                    kind = "d" if e.is_dir(follow_symlinks=False) else "l" if e.is_symlink() else \
-                        "f" if e.is_file(follow_symlinks=False) else "o"
-                    ino = e.inode()
-                except OSError:
-                    continue
-                entries.append([name, kind, ino])
+                for e in it:
+                    if len(out) >= MAX_LISTING:
+                        raise OSError(errno.E2BIG, "directory too large to list")
+                    try:
+                        kind = "d" if e.is_dir(follow_symlinks=False) else "l" if e.is_symlink() else \
+                            "f" if e.is_file(follow_symlinks=False) else "o"
+                        out.append((e.name, kind, e.inode()))
+                    except OSError:
+                        continue
         finally:
             os.close(fd)
-        return 0, {"entries": entries, "more": offset + PAGE < len(names)}, b""
+        out.sort()
+        with self._lock:
+            self._listings[key] = (time.monotonic(), out)
+            while len(self._listings) > 4:
+                self._listings.pop(next(iter(self._listings)))
+        return out
 
     def _mkdir(self, meta: dict[str, Any], data: bytes) -> Reply:
         mode = _int(meta, "mode", 0, 0o7777, 0o755) & _NO_SETID
@@ -355,15 +379,18 @@ class VolumeServer:
 
     # ------------------------------------------------------------ a stream
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    executor: Executor | None = None) -> None:
         """Answer requests from ``reader`` on ``writer`` until EOF; WireError when the
-        guest sends something that is not a frame (the caller closes the channel)."""
+        guest sends something that is not a frame (the caller closes the channel).
+        ``executor``: where the blocking calls run (the node gives volume channels their
+        own, so a guest's slow requests never hold the threads the node's other work uses)."""
         slots = asyncio.Semaphore(MAX_INFLIGHT)
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(frame: W.Frame) -> None:
             try:
-                out = await asyncio.to_thread(self.answer, frame)
+                out = await asyncio.get_running_loop().run_in_executor(executor, self.answer, frame)
                 writer.write(out)     # one write per reply: replies never interleave
                 await writer.drain()
             except (ConnectionError, OSError):

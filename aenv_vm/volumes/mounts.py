@@ -21,6 +21,7 @@ import contextlib
 import logging
 import posixpath
 import urllib.parse
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -34,6 +35,7 @@ from .registry import VolumeNotFound, VolumeRegistry
 log = logging.getLogger(__name__)
 
 MAX_MOUNTS = 16
+IO_THREADS = 8                       # node-wide threads answering volume requests
 READ_LIMIT = W.MAX_DATA + W.MAX_META + W.HEADER_LEN
 REDIAL_PAUSE = (0.1, 2.0)            # first and largest pause between re-dials
 
@@ -132,8 +134,10 @@ async def dial(host: str, port: int, mount: VolumeMount, token: str | None,
 class Keeper:
     """The channel of one mount of one sandbox, dialled again whenever it drops."""
 
-    def __init__(self, host: str, port: int, mount: VolumeMount, token: str | None, server: VolumeServer) -> None:
+    def __init__(self, host: str, port: int, mount: VolumeMount, token: str | None, server: VolumeServer,
+                 executor: Executor | None = None) -> None:
         self.host, self.port, self.mount, self.token, self.server = host, port, mount, token, server
+        self.executor = executor
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self.dials = 0
@@ -151,7 +155,7 @@ class Keeper:
             self._writer = writer
             self.dials += 1
             try:
-                await self.server.serve(reader, writer)
+                await self.server.serve(reader, writer, self.executor)
             except (W.WireError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
                 log.info("volume channel %s of %s:%d ended: %s", self.mount.path, self.host, self.port, e)
             finally:
@@ -182,6 +186,8 @@ class SandboxVolumes:
     def __init__(self, registry: VolumeRegistry | None) -> None:
         self.registry = registry
         self._keepers: dict[str, list[Keeper]] = {}
+        # every channel's blocking calls, apart from the event loop's default threads
+        self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="volume-io")
 
     def resolve(self, mounts: Iterable[Any]) -> list[VolumeMount]:
         return resolve(self.registry, mounts)
@@ -202,7 +208,7 @@ class SandboxVolumes:
                     tree = self.registry.tree(m.volume_id)
                 except VolumeNotFound:
                     raise MountError(f"volume {m.name} ({m.volume_id}) no longer exists") from None
-                k = Keeper(host, port, m, token, VolumeServer(tree))
+                k = Keeper(host, port, m, token, VolumeServer(tree), self.executor)
                 await k.start(timeout)
                 keepers.append(k)
                 self.registry.mark_mounted(m.volume_id, sid)
@@ -246,3 +252,4 @@ class SandboxVolumes:
     async def close(self) -> None:
         for sid in list(self._keepers):
             await self.detach(sid)
+        self.executor.shutdown(wait=False, cancel_futures=True)
