@@ -26,7 +26,8 @@ from .router import PUBLIC_PATHS, Kind, Route, RouteError, route
 from .rpc import Handler, RpcContext
 from .state import EnvdState
 from .users import basic_auth_user
-from .volfs import VolfsError, VolumeMounts, peer_is_local
+from .volfs import VolfsError
+from .volmounts import VolumeMounts, peer_is_local
 
 log = logging.getLogger("envd")
 

@@ -20,12 +20,9 @@ without silly renames.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
-import ipaddress
 import logging
 import os
-import socket
 import stat as st
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +36,6 @@ ATTR_VALID = 1              # seconds the kernel may cache attributes and names
 READAHEAD_KB = 1024         # sequential reads ask for 1 MiB at a time (one round trip each)
 MAX_WRITE = 1 << 20
 READ_BUF = MAX_WRITE + 64 * 1024
-MS_NOSUID, MS_NODEV = 2, 4
-MNT_DETACH = 2
 
 
 class VolfsError(Exception):
@@ -515,8 +510,6 @@ def struct_fh(body: bytes) -> tuple[int]:
     return (int.from_bytes(body[:8], "little"),)
 
 
-# ---------------------------------------------------------------- mounting
-
 def set_readahead(mountpoint: str, kb: int) -> None:
     """Raise the mount's read-ahead (FUSE starts at 128 KiB: one round trip per 128 KiB of a
     sequential read). The device number comes from mountinfo: a stat of the mount point
@@ -530,104 +523,3 @@ def set_readahead(mountpoint: str, kb: int) -> None:
                         bdi.write(str(kb))
     except OSError as e:
         log.debug("read-ahead of %s not set: %s", mountpoint, e)
-
-
-def peer_is_local(address: str) -> bool:
-    """Whether a connection from ``address`` comes from inside this machine: loopback,
-    or any address this kernel can bind (one of its own, whichever interface has it)."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return True
-    if ip.is_loopback or ip.is_unspecified:
-        return True
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return peer_is_local(str(ip.ipv4_mapped))
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((str(ip), 0))
-        except OSError:
-            return False          # EADDRNOTAVAIL: not one of ours
-    return True
-
-
-_libc: ctypes.CDLL | None = None
-
-
-def _lib() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
-
-
-def check_mountpoint(path: str) -> str:
-    """A normalised absolute mount point, or VolfsError 400."""
-    if not path.startswith("/") or "\0" in path or len(path) > 4096:
-        raise VolfsError(400, "the mount path must be absolute")
-    norm = os.path.normpath(path)
-    if norm == "/" or any(p == ".." for p in path.split("/")):
-        raise VolfsError(400, f"cannot mount a volume at {path!r}")
-    for system in ("/proc", "/sys", "/dev", "/run/aenv"):
-        if norm == system or norm.startswith(system + "/"):
-            raise VolfsError(400, f"cannot mount a volume under {system}")
-    return norm
-
-
-def mount_fuse(mountpoint: str, volume: str) -> int:
-    """Open /dev/fuse and mount it at ``mountpoint``; the fd serving it."""
-    os.makedirs(mountpoint, exist_ok=True)
-    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,max_read={MAX_WRITE}"
-    src = f"aenv-volume:{volume}"
-    if _lib().mount(src.encode(), mountpoint.encode(), b"fuse.aenv", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
-        e = ctypes.get_errno()
-        os.close(fd)
-        raise VolfsError(500, f"mount {mountpoint}: {os.strerror(e)}")
-    return fd
-
-
-class VolumeMounts:
-    """envd's mounts by mount point."""
-
-    def __init__(self) -> None:
-        self.mounts: dict[str, VolumeFs] = {}
-
-    def attach(self, path: str, volume: str, reader: asyncio.StreamReader,
-               writer: asyncio.StreamWriter, preamble: bytes = b"") -> asyncio.Task[None]:
-        """Mount (first time) and hand the channel over; the task reading it."""
-        mountpoint = check_mountpoint(path)
-        fs = self.mounts.get(mountpoint)
-        if fs is not None and fs.closed:
-            del self.mounts[mountpoint]
-            fs = None
-        if fs is None:
-            try:
-                fd = mount_fuse(mountpoint, volume)
-            except OSError as e:
-                raise VolfsError(500, f"cannot mount at {mountpoint}: {e}") from None
-            fs = VolumeFs(mountpoint, volume, fd)
-            fs.start()
-            self.mounts[mountpoint] = fs
-        return fs.channel.attach(reader, writer, preamble)
-
-    def unmount(self, path: str) -> bool:
-        """Detach the mount at ``path`` (lazily: open files keep it until closed) and end
-        its daemon, which fails whatever still waits (ENOTCONN). False: none there."""
-        mountpoint = check_mountpoint(path)
-        fs = self.mounts.pop(mountpoint, None)
-        if fs is None:
-            return False
-        if _lib().umount2(mountpoint.encode(), MNT_DETACH) != 0:
-            log.warning("umount %s: %s", mountpoint, os.strerror(ctypes.get_errno()))
-        fs.close()
-        return True
-
-    def listed(self) -> list[dict[str, Any]]:
-        return [{"path": p, "volume": fs.volume, "attached": fs.channel.attached.is_set()}
-                for p, fs in self.mounts.items()]
-
-    def close(self) -> None:
-        for fs in self.mounts.values():
-            fs.close()

@@ -24,7 +24,8 @@ from hypothesis import strategies as hs
 from aenv_vm.volumes.channel import VolumeServer
 from aenv_vm.volumes.tree import VolumeTree
 from envd import volwire as W
-from envd.volfs import Nodes, VolumeMounts, check_mountpoint, peer_is_local
+from envd.volfs import Nodes
+from envd.volmounts import VolumeMounts, check_mountpoint, peer_is_local
 
 # ------------------------------------------------------------------ framing
 
