@@ -92,7 +92,7 @@ class SandboxManager:
                               min_free_disk=min_free_disk if min_free_disk is not None else
                               store.cache.config.min_free_disk if store.cache is not None else 0)
         self.default_timeout = default_timeout
-        self.volumes = SandboxVolumes(volumes)      # volume channels of running sandboxes
+        self.volumes = SandboxVolumes(volumes, self.rt.min_free_disk)   # volume channels of running sandboxes
         self.max_sandboxes = max_sandboxes
         self._running: dict[str, Sandbox] = {}
         self._locks: dict[str, asyncio.Lock] = {}

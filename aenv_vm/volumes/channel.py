@@ -96,9 +96,13 @@ def _renameat2(olddir: int, old: str, newdir: int, new: str, flags: int) -> None
 class VolumeServer:
     """Answers one volume's requests. Thread-safe (each request is its own syscalls)."""
 
-    def __init__(self, tree: VolumeTree, read_only: bool = False) -> None:
+    def __init__(self, tree: VolumeTree, read_only: bool = False, min_free: int = 0) -> None:
+        """``min_free``: bytes a guest's writes must leave free on the tree's filesystem
+        (ENOSPC otherwise): a volume shares the node's disk, so one guest filling it would
+        stop every sandbox's disk writes and the node's own."""
         self.tree = tree
         self.read_only = read_only
+        self.min_free = min_free
         self._ops: dict[int, Callable[[dict[str, Any], bytes], Reply]] = {
             W.Op.STAT: self._stat, W.Op.READDIR: self._readdir, W.Op.MKDIR: self._mkdir,
             W.Op.UNLINK: self._unlink, W.Op.RMDIR: self._rmdir, W.Op.RENAME: self._rename,
@@ -122,6 +126,9 @@ class VolumeServer:
             return W.reply(frame.id, errno.ENOSYS)
         if self.read_only and frame.code in self._writes:
             return W.reply(frame.id, errno.EROFS)
+        if self.min_free and frame.code in self._writes and frame.code not in (W.Op.UNLINK, W.Op.RMDIR) \
+                and self._free() - len(frame.data) < self.min_free:
+            return W.reply(frame.id, errno.ENOSPC)
         try:
             code, meta, data = op(frame.meta, frame.data)
         except BadRequest:
@@ -131,6 +138,13 @@ class VolumeServer:
         except (ValueError, TypeError, UnicodeError, OverflowError):
             code, meta, data = errno.EINVAL, {}, b""
         return W.reply(frame.id, code if 0 <= code < 1 << 16 else errno.EIO, meta, data)
+
+    def _free(self) -> int:
+        try:
+            v = os.statvfs(self.tree.root)
+        except OSError:
+            return 0
+        return v.f_bavail * v.f_frsize
 
     def _parent(self, meta: dict[str, Any], key: str = "path") -> tuple[int, str]:
         return self.tree.open_parent_beneath(_str(meta, key))

@@ -183,8 +183,9 @@ class Keeper:
 class SandboxVolumes:
     """The node's volume channels, by sandbox."""
 
-    def __init__(self, registry: VolumeRegistry | None) -> None:
+    def __init__(self, registry: VolumeRegistry | None, min_free: int = 0) -> None:
         self.registry = registry
+        self.min_free = min_free          # bytes guests' volume writes leave free (ENOSPC below)
         self._keepers: dict[str, list[Keeper]] = {}
         # every channel's blocking calls, apart from the event loop's default threads
         self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="volume-io")
@@ -208,7 +209,7 @@ class SandboxVolumes:
                     tree = self.registry.tree(m.volume_id)
                 except VolumeNotFound:
                     raise MountError(f"volume {m.name} ({m.volume_id}) no longer exists") from None
-                k = Keeper(host, port, m, token, VolumeServer(tree), self.executor)
+                k = Keeper(host, port, m, token, VolumeServer(tree, min_free=self.min_free), self.executor)
                 await k.start(timeout)
                 keepers.append(k)
                 self.registry.mark_mounted(m.volume_id, sid)

@@ -153,6 +153,22 @@ def test_no_setuid_on_the_host_and_bounded_io(vol: tuple[VolumeServer, Path]) ->
     assert ask(srv, W.Op.RENAME, {"path": "sh", "to": "sh2", "flags": 4}).code == errno.EINVAL  # WHITEOUT
 
 
+def test_writes_leave_the_node_its_free_space(tmp_path: Path) -> None:
+    (tmp_path / "t").mkdir()
+    v = os.statvfs(tmp_path)
+    free = v.f_bavail * v.f_frsize
+    srv = VolumeServer(VolumeTree(tmp_path / "t"), min_free=free + (1 << 30))   # already below the floor
+    for op, meta in ((W.Op.CREATE, {"path": "f"}), (W.Op.MKDIR, {"path": "d"}),
+                     (W.Op.WRITE, {"path": "f", "offset": 0}), (W.Op.SYMLINK, {"path": "l", "target": "x"})):
+        assert ask(srv, op, meta, b"x").code == errno.ENOSPC
+    assert os.listdir(tmp_path / "t") == []
+    (tmp_path / "t" / "old").write_text("x")
+    assert ask(srv, W.Op.UNLINK, {"path": "old"}).code == 0       # freeing space always works
+    ok = VolumeServer(VolumeTree(tmp_path / "t"), min_free=max(free - (64 << 20), 1))
+    assert ask(ok, W.Op.CREATE, {"path": "f"}).code == 0
+    assert ask(ok, W.Op.WRITE, {"path": "f", "offset": 0}, b"x" * 1000).code == 0
+
+
 @given(hs.lists(hs.sampled_from(["..", ".", "", "a", "etc", "up", "/", "\0", "x" * 300]), max_size=6),
        hs.sampled_from(list(W.Op)))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
