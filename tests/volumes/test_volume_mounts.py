@@ -231,3 +231,37 @@ def test_async_sdk(vsdk: Server) -> None:
             await sbx.kill()
         assert await AsyncVolume.destroy(vol.volume_id)
     asyncio.run(main())
+
+
+def test_restart_keeps_a_paused_sandboxs_volume(node_data_dir: Any, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graceful shutdown pauses the sandbox; after the restart its volume is still in use
+    (cannot be deleted) and the resume mounts it again."""
+    from e2b import Sandbox, Volume
+
+    from tests.api.conftest import start_server, use_sdk_env
+
+    logs = tmp_path_factory.mktemp("vol-restart-logs")
+    first = start_server(node_data_dir, logs)
+    try:
+        use_sdk_env(first, monkeypatch)
+        monkeypatch.setenv("E2B_VOLUME_API_URL", first.url)
+        vol = Volume.create(_name())
+        s = Sandbox.create(volume_mounts={MNT: vol}, timeout=600)
+        _sh(s, f"echo before > {MNT}/r")
+    finally:
+        first.stop()
+    second = start_server(node_data_dir, logs)
+    try:
+        use_sdk_env(second, monkeypatch)
+        monkeypatch.setenv("E2B_VOLUME_API_URL", second.url)
+        with pytest.raises(Exception, match="mounted"):
+            Volume.destroy(vol.volume_id)
+        back = Sandbox.connect(s.sandbox_id)
+        assert _sh(back, f"cat {MNT}/r") == "before\n"
+        _sh(back, f"echo after > {MNT}/r2")
+        assert Volume.connect(vol.volume_id).read_file("/r2") == "after\n"
+        back.kill()
+        assert Volume.destroy(vol.volume_id)
+    finally:
+        second.stop()
