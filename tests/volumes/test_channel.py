@@ -229,7 +229,15 @@ class LocalMount:
 
     def close(self) -> None:
         subprocess.run(["umount", "-l", str(self.mnt)], check=False)
-        self.loop.call_soon_threadsafe(self.mounts.close)
+
+        async def shut() -> None:
+            self.mounts.close()
+            self.host_writer.close()
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in others:
+                t.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
