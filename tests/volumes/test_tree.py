@@ -138,6 +138,64 @@ def test_a_recursive_remove_stays_inside(tree: VolumeTree, host: Path) -> None:
     assert not (tree.root / "d").exists() and _host_state(host) == before
 
 
+def test_a_guest_swapping_directories_for_symlinks_mid_operation(tree: VolumeTree, host: Path) -> None:
+    """A guest renames a directory away and puts a symlink to the host in its place, over
+    and over, while the node works in that directory: every operation either acts on
+    the real directory or fails; none ever lands on the host."""
+    import threading
+    import time
+
+    before = _host_state(host)
+    root = tree.root
+    (root / "d").mkdir()
+    (root / "d" / "f").write_bytes(b"inside")
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            try:
+                os.rename(root / "d", root / "d_real")
+                os.symlink(host, root / "d")
+                time.sleep(0)
+                os.unlink(root / "d")
+                os.rename(root / "d_real", root / "d")
+            except OSError:
+                for p in (root / "d",):
+                    if p.is_symlink():
+                        p.unlink()
+                if (root / "d_real").exists() and not os.path.lexists(root / "d"):
+                    os.rename(root / "d_real", root / "d")
+
+    t = threading.Thread(target=swap)
+    t.start()
+    done = 0
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            for op in (lambda: tree.write_file("/d/x", b"pwned", force=True),
+                       lambda: b"".join(tree.read_file("/d/f")),
+                       lambda: b"".join(tree.read_file("/d/secret")),
+                       lambda: tree.make_dir("/d/n/m", force=True),
+                       lambda: tree.update_metadata("/d/f", mode=0o600),
+                       lambda: tree.update_metadata("/d/secret", mode=0o777),
+                       lambda: tree.list_dir("/d", 2),
+                       lambda: tree.remove("/d/x"),
+                       lambda: tree.remove("/d/sub"),
+                       lambda: tree.remove("/d/n")):
+                try:
+                    got = op()
+                    done += 1
+                except OSError:
+                    continue
+                if isinstance(got, bytes):
+                    assert SECRET not in got
+    finally:
+        stop.set()
+        t.join()
+    assert done > 0
+    assert _host_state(host) == before
+
+
 @pytest.mark.parametrize("bad", ["..", "/..", "a/../b", "../host/secret", "dir/../../host", "a\x00b", "x" * 5000])
 def test_bad_paths_are_refused(tree: VolumeTree, bad: str) -> None:
     assert _errno(tree.get_info, bad) == errno.EINVAL

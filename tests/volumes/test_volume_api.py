@@ -418,3 +418,27 @@ def test_guest_symlinks_never_reach_host_files(sdk: Server, tmp_path: Path) -> N
         Volume.destroy(vol.volume_id)
     # deleting the volume removes its links, never their targets
     assert (host / "secret").read_text() == "host secret" and Path("/etc/passwd").read_bytes() == passwd
+
+
+# ---------------------------------------------------------------- restart (last: it restarts the module's server)
+
+def test_volumes_survive_a_restart(vol_server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2b import Volume
+
+    from tests.api.conftest import start_server, use_sdk_env
+
+    use_sdk_env(vol_server, monkeypatch)
+    vol = Volume.create("persistent")
+    vol.write_file("/kept/file.txt", "still here", force=True, mode=0o600)
+    vol_server.stop()
+    srv = start_server(vol_server.data_dir, vol_server.stderr_path.parent, env={"AENV_VM__POOL_SIZE": "0"})
+    try:
+        use_sdk_env(srv, monkeypatch)
+        info = Volume.get_info(vol.volume_id)
+        assert (info.name, info.token) == ("persistent", vol.token)
+        again = Volume.connect(vol.volume_id)
+        assert again.read_file("/kept/file.txt") == "still here"
+        assert again.get_info("/kept/file.txt").mode == 0o600
+        assert Volume.destroy(vol.volume_id) is True
+    finally:
+        srv.stop()
