@@ -252,19 +252,25 @@ class EnvdServer:
             return await refuse(401, "invalid access token")
         if unmount is not None:
             try:
-                found = self.volumes.unmount(unmount)
+                found = await self.volumes.unmount(unmount)
             except VolfsError as e:
                 return await refuse(e.status, str(e))
             await self._write(writer, reader, Response(204 if found else 404), False, False, "POST")
             return
         switching = (f"HTTP/1.1 101 Switching Protocols\r\nUpgrade: {volwire.UPGRADE_TOKEN}\r\n"
                      f"Connection: Upgrade\r\n\r\n").encode()
+        # The socket moves to the volfs thread (volmounts.py): this loop stops reading it
+        # and drops its own fd; the node sends nothing before the 101, so no byte is lost.
+        transport = writer.transport
+        transport.pause_reading()
+        sock = transport.get_extra_info("socket").dup()
         try:
-            task = self.volumes.attach(head.query_value("path") or "", head.query_value("volume") or "",
-                                       reader, writer, switching)
+            await self.volumes.attach(head.query_value("path") or "", head.query_value("volume") or "",
+                                      sock, switching)
         except VolfsError as e:
+            sock.close()
             return await refuse(e.status, str(e))
-        await asyncio.wait({task})      # the channel lives on its own; this connection ends with it
+        transport.abort()
 
     # -- dispatch ------------------------------------------------------------
 

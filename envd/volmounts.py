@@ -9,14 +9,17 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 from typing import Any
 
+from . import volwire as W
 from .volfs import MAX_WRITE, VolfsError, VolumeFs
 
 log = logging.getLogger("envd.volfs")
 
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
+CHANNEL_LIMIT = W.MAX_DATA + W.MAX_META + W.HEADER_LEN   # a whole frame in the reader
 
 def peer_is_local(address: str) -> bool:
     """Whether a connection from ``address`` comes from inside this machine: loopback,
@@ -75,15 +78,37 @@ def mount_fuse(mountpoint: str, volume: str) -> int:
 
 
 class VolumeMounts:
-    """envd's mounts by mount point."""
+    """envd's mounts by mount point, served on a thread and event loop of their own.
+
+    envd's own handlers touch files synchronously on the main loop (a ``files.read``
+    or a ``ListDir`` of a volume path): if the FUSE daemon shared that loop, the
+    kernel would wait for an answer from the very loop that is blocked in the
+    syscall. So the daemons, their /dev/fuse fds and their channels live on the
+    ``volfs`` thread; the main loop only hands each upgraded socket over."""
 
     def __init__(self) -> None:
-        self.mounts: dict[str, VolumeFs] = {}
+        self.mounts: dict[str, VolumeFs] = {}       # touched on the volfs thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
 
-    def attach(self, path: str, volume: str, reader: asyncio.StreamReader,
-               writer: asyncio.StreamWriter, preamble: bytes = b"") -> asyncio.Task[None]:
-        """Mount (first time) and hand the channel over; the task reading it."""
+    def _daemon(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="volfs", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    async def _on_daemon(self, coro: Any) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._daemon()))
+
+    async def attach(self, path: str, volume: str, sock: socket.socket, preamble: bytes = b"") -> None:
+        """Mount (the first time) and make ``sock`` the channel of ``path``, after
+        writing ``preamble`` (the 101) on it. VolfsError when it cannot mount."""
         mountpoint = check_mountpoint(path)
+        await self._on_daemon(self._attach(mountpoint, volume, sock, preamble))
+
+    async def _attach(self, mountpoint: str, volume: str, sock: socket.socket, preamble: bytes) -> None:
         fs = self.mounts.get(mountpoint)
         if fs is not None and fs.closed:
             del self.mounts[mountpoint]
@@ -96,12 +121,18 @@ class VolumeMounts:
             fs = VolumeFs(mountpoint, volume, fd)
             fs.start()
             self.mounts[mountpoint] = fs
-        return fs.channel.attach(reader, writer, preamble)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=CHANNEL_LIMIT)
+        fs.channel.attach(reader, writer, preamble)
 
-    def unmount(self, path: str) -> bool:
+    async def unmount(self, path: str) -> bool:
         """Detach the mount at ``path`` (lazily: open files keep it until closed) and end
         its daemon, which fails whatever still waits (ENOTCONN). False: none there."""
         mountpoint = check_mountpoint(path)
+        if self._loop is None:
+            return False
+        return bool(await self._on_daemon(self._unmount(mountpoint)))
+
+    async def _unmount(self, mountpoint: str) -> bool:
         fs = self.mounts.pop(mountpoint, None)
         if fs is None:
             return False
@@ -110,10 +141,13 @@ class VolumeMounts:
         fs.close()
         return True
 
-    def listed(self) -> list[dict[str, Any]]:
-        return [{"path": p, "volume": fs.volume, "attached": fs.channel.attached.is_set()}
-                for p, fs in self.mounts.items()]
-
     def close(self) -> None:
-        for fs in self.mounts.values():
-            fs.close()
+        loop = self._loop
+        if loop is None:
+            return
+
+        def shut() -> None:
+            for fs in self.mounts.values():
+                fs.close()
+            loop.stop()
+        loop.call_soon_threadsafe(shut)

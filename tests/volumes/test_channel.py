@@ -204,7 +204,8 @@ def test_guest_side_checks() -> None:
 
 class LocalMount:
     """envd's VolumeMounts mounted at ``mnt`` on this host, its channel a socketpair to a
-    VolumeServer on ``root``; its event loop in a thread (file calls block in the kernel)."""
+    VolumeServer on ``root`` served by an event loop in a thread (file calls block in the
+    kernel); the FUSE daemon runs on VolumeMounts' own thread, as in envd."""
 
     def __init__(self, root: Path, mnt: Path) -> None:
         self.root, self.mnt = root, mnt
@@ -217,11 +218,10 @@ class LocalMount:
     def dial(self) -> None:
         async def go() -> None:
             a, b = socket.socketpair()
-            gr, gw = await asyncio.open_connection(sock=a)
             hr, hw = await asyncio.open_connection(sock=b)
             self.host_writer = hw
             self.loop.create_task(self.server.serve(hr, hw))
-            self.mounts.attach(str(self.mnt), "local", gr, gw)
+            await self.mounts.attach(str(self.mnt), "local", a)    # envd's side: its own thread
         asyncio.run_coroutine_threadsafe(go(), self.loop).result(10)
 
     def drop(self) -> None:

@@ -45,9 +45,17 @@ def test_volume_shared_between_sandboxes_api_and_pause(vsdk: Server) -> None:
         _sh(a, f"echo hi > {MNT}/a && mkdir -p {MNT}/dir && echo deep > {MNT}/dir/f")
         assert a.get_info().volume_mounts == [{"name": vol.name, "path": MNT}]
         assert _sh(a, f"stat -c '%U %a' {MNT}/a").split() == ["user", "644"]
+        # envd's own file API on the volume (envd does these syscalls on its main loop: the FUSE
+        # daemon must not be on that loop, or the kernel would wait for a blocked daemon)
+        assert a.files.read(f"{MNT}/a") == "hi\n"
+        a.files.write(f"{MNT}/via-envd", "envd")
+        assert "data" in [e.name for e in a.files.list("/mnt")]
+        assert sorted(e.name for e in a.files.list(MNT)) == ["a", "dir", "via-envd"]
+        assert a.files.get_info(f"{MNT}/dir").type.value == "dir"
     finally:
         a.kill()
     assert vol.read_file("/a") == "hi\n"                       # /volumecontent sees it
+    assert vol.read_file("/via-envd") == "envd"
     b = Sandbox.create(volume_mounts={MNT: vol.name}, timeout=600)   # by name
     try:
         assert _sh(b, f"cat {MNT}/a {MNT}/dir/f") == "hi\ndeep\n"
