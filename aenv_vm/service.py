@@ -40,6 +40,7 @@ class CreateRequest:
     allow_internet_access: bool | None = None       # None: not set (allowed); False: deny 0.0.0.0/0
     network: NetworkPolicy = field(default_factory=NetworkPolicy)   # egress rules (net/policy.py)
     pause_memory: bool = True                       # a TTL auto-pause keeps memory (False: filesystem only)
+    volume_mounts: tuple[dict, ...] = ()            # E2B's [{name, path}]: volumes mounted at create
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class SandboxInfo:
     pause_memory: bool = True       # what a TTL auto-pause keeps (False: the filesystem only)
     cold_boot: bool = False         # paused filesystem-only: the next resume boots from its disk
     envd_unresponsive: bool = False # paused while envd did not answer: resumes by cold boot only
+    volume_mounts: tuple[dict, ...] = ()    # [{name, path}] of the volumes mounted in it
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from . import ENVD_VERSION, VERSION_HEADER, connect, files, identity, signing
+from . import ENVD_VERSION, VERSION_HEADER, connect, files, identity, signing, volwire
 from .connect import Code, ConnectError
 from .fs_service import FilesystemService
 from .http11 import LAST_CHUNK, MAX_HEAD_BYTES, BodyReader, HttpError, RequestHead, encode_chunk, format_head, parse_request_head
@@ -26,6 +26,8 @@ from .router import PUBLIC_PATHS, Kind, Route, RouteError, route
 from .rpc import Handler, RpcContext
 from .state import EnvdState
 from .users import basic_auth_user
+from .volfs import VolfsError
+from .volmounts import VolumeMounts, peer_is_local
 
 log = logging.getLogger("envd")
 
@@ -57,6 +59,7 @@ class EnvdServer:
             **ProcessService(self.processes).handlers(),
             **self.filesystem.handlers(),
         }
+        self.volumes = VolumeMounts()
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
 
@@ -71,6 +74,7 @@ class EnvdServer:
             t.cancel()
         await self.processes.shutdown()
         self.filesystem.close()
+        self.volumes.close()
 
     # -- connection --------------------------------------------------------
 
@@ -104,6 +108,9 @@ class EnvdServer:
                     body = BodyReader(reader, head)
                 except HttpError as e:
                     await self._write(writer, reader, http_error(e.status, e.message), False, False, "GET")
+                    return
+                if head.path == volwire.ENDPOINT:
+                    await self._volume_channel(head, reader, writer)
                     return
                 if (head.header("expect") or "").lower() == "100-continue":
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -236,6 +243,46 @@ class EnvdServer:
             return True
         finally:
             resp.file.close()
+
+    async def _volume_channel(self, head: RequestHead, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        """The node's channel for one volume mount (envd/volfs.py): only the node opens
+        it -- never a connection from inside the guest, and only with the token."""
+        async def refuse(status: int, message: str) -> None:
+            await self._write(writer, reader, http_error(status, message), False, False, "POST")
+
+        unmount = head.query_value("unmount")
+        if head.method != "POST" or (unmount is None and
+                                     (head.header("upgrade") or "").lower() != volwire.UPGRADE_TOKEN):
+            return await refuse(400, f"{volwire.ENDPOINT} takes POST with Upgrade: {volwire.UPGRADE_TOKEN}")
+        peer = writer.get_extra_info("peername")
+        if not peer or peer_is_local(peer[0]):
+            return await refuse(403, "volume channels are opened by the node, not from inside the sandbox")
+        token = self.state.access_token
+        given = head.header("x-access-token")
+        if token is not None and not (given is not None and hmac.compare_digest(given.encode(), token.encode())):
+            return await refuse(401, "invalid access token")
+        if unmount is not None:
+            try:
+                found = await self.volumes.unmount(unmount)
+            except VolfsError as e:
+                return await refuse(e.status, str(e))
+            await self._write(writer, reader, Response(204 if found else 404), False, False, "POST")
+            return
+        switching = (f"HTTP/1.1 101 Switching Protocols\r\nUpgrade: {volwire.UPGRADE_TOKEN}\r\n"
+                     f"Connection: Upgrade\r\n\r\n").encode()
+        # The socket moves to the volfs thread (volmounts.py): this loop stops reading it
+        # and drops its own fd; the node sends nothing before the 101, so no byte is lost.
+        transport = writer.transport
+        transport.pause_reading()
+        sock = transport.get_extra_info("socket").dup()
+        try:
+            await self.volumes.attach(head.query_value("path") or "", head.query_value("volume") or "",
+                                      sock, switching)
+        except VolfsError as e:
+            sock.close()
+            return await refuse(e.status, str(e))
+        transport.abort()
 
     # -- dispatch ------------------------------------------------------------
 

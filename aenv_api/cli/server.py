@@ -229,6 +229,8 @@ def _gauges(metrics: Metrics, lifecycle: Lifecycle, manager: SandboxManager, sto
 async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, host_ca: CaBundle | None) -> int:
     from aenv_api.server.app import ApiServer
     from aenv_api.server.templates_api import TemplateApi
+    from aenv_api.server.volumes_api import VolumeApi
+    from aenv_vm.volumes.registry import VolumeRegistry
     from aenv_vm.errors import VmError
     from aenv_vm.guest import ensure_guest
     from aenv_vm.net.netns import NetError
@@ -264,10 +266,12 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
             tpl = await _prepare_template(store, guest, cfg, server_cfg, confinement, host_ca)
         except VmError as e:
             raise CliError(str(e), 1) from None
+        volumes = VolumeRegistry(cfg.data_dir / "volumes")   # one registry: the API's and the mounts'
         manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                  tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
                                  ksm=vm.ksm_settings(), network=vm.network, max_sandboxes=server_cfg.max_sandboxes,
-                                 readahead=vm.readahead_mib << 20, isolation=vm.isolation, confine=confinement)
+                                 readahead=vm.readahead_mib << 20, isolation=vm.isolation, confine=confinement,
+                                 volumes=volumes)
         try:
             await manager.start()
         except NetError as e:   # [vm] network = "tap" on a host that cannot do it
@@ -281,7 +285,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         await builds.start()
         server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                            TemplateApi(builds, cfg.data_dir / "template-uploads",
-                                       cfg.section("templates").max_upload_mib << 20))
+                                       cfg.section("templates").max_upload_mib << 20),
+                           VolumeApi(volumes, server_cfg.volume_domain))
         try:
             port = await server.start(server_cfg.host, server_cfg.port)
         except OSError as e:
@@ -297,8 +302,11 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         if server.tls_port is not None:
             say(f"TLS on port {server.tls_port}: https://<port>-<sandbox id>.{server_cfg.domain or '<domain>'}"
                 + ("" if server.tls_port == 443 else f":{server.tls_port}"))
-        print(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}",
-              flush=True)
+        # one write (PYTHONUNBUFFERED would make print's end a second one): a reader that
+        # stops after the lines it wants and closes the pipe never breaks a later write
+        sys.stdout.write(f"export E2B_API_KEY={creds.api_key}\nexport E2B_API_URL={url}\n"
+                         f"export E2B_SANDBOX_URL={url}\nexport E2B_VOLUME_API_URL={url}\n")
+        sys.stdout.flush()
         await stop.wait()
         say("shutting down: no new connections; stopping sandboxes")
         await server.stop_accepting()

@@ -19,6 +19,7 @@ from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .unsupported import not_supported, reject_unsupported
+from .volumes_api import VolumeApi
 
 # /sandboxes/{sandboxID} is not /sandboxes/metrics (whose only method is GET)
 SANDBOX_ID_PATH = r"/sandboxes/{sandboxID:(?!metrics$)[^{}/]+}"
@@ -34,9 +35,10 @@ class ControlPlane:
     """Handlers bound to one node's lifecycle; ``routes()`` is the served table."""
 
     def __init__(self, lifecycle: Lifecycle, metrics: Metrics, config: ServerConfig,
-                 templates: TemplateApi | None = None) -> None:
+                 templates: TemplateApi | None = None, volumes: VolumeApi | None = None) -> None:
         self.lc = lifecycle
         self.templates = templates
+        self.volumes = volumes
         self.metrics = metrics
         self.config = config
         self.openapi_doc: dict[str, Any] = {}
@@ -195,7 +197,8 @@ class ControlPlane:
         nc = lambda d: Reply(204, d)  # noqa: E731
         sbx = ("sandboxes",)
         # the template API first: its literal paths (/templates/tags) before /templates/{templateID}
-        return (self.templates.routes() if self.templates is not None else []) + [
+        return (self.templates.routes() if self.templates is not None else []) + (
+            self.volumes.routes() if self.volumes is not None else []) + [
             Route("GET", "/health", self.health, "health check (no auth)", (nc("healthy"),), auth=False),
             Route("GET", "/openapi.json", self.openapi, "this API's OpenAPI document (no auth)",
                   (Reply(200, "the document", None),), auth=False),

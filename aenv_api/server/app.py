@@ -42,6 +42,7 @@ from .rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner, parser_reason
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
 from .templates_api import TemplateApi
+from .volumes_api import VolumeApi
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("aenv.server.access")
@@ -88,14 +89,14 @@ def _decoded(raw: bytes, encoding: str) -> bytes:
 
 class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
-                 version: str, templates: TemplateApi | None = None) -> None:
+                 version: str, templates: TemplateApi | None = None, volumes: VolumeApi | None = None) -> None:
         self.lifecycle = lifecycle
         self.creds = creds
         self.config = config
         self.metrics = metrics
         self.version = version
         self.proxy = SandboxProxy(lifecycle, metrics)
-        self.control = ControlPlane(lifecycle, metrics, config, templates)
+        self.control = ControlPlane(lifecycle, metrics, config, templates, volumes)
         self.routes = self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None

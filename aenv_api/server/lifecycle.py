@@ -36,6 +36,7 @@ from envd import signing
 
 from aenv_vm.errors import (BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, Unsupported,
                             UnresponsiveSnapshot, VmError)
+from aenv_vm.volumes.registry import VolumeNotFound
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
 
 from .auth import check_token
@@ -148,7 +149,8 @@ class Lifecycle:
             envd_version=info.envd_version or FALLBACK_ENVD_VERSION,
             traffic_token=None if extra.public_traffic else self.traffic_token(info.sandbox_id),
             network=network_view(info.network, extra),
-            cold_boot=info.cold_boot, envd_unresponsive=info.envd_unresponsive)
+            cold_boot=info.cold_boot, envd_unresponsive=info.envd_unresponsive,
+            volume_mounts=tuple(dict(m) for m in info.volume_mounts))
 
     async def _info(self, sid: str) -> SandboxInfo:
         try:
@@ -189,9 +191,11 @@ class Lifecycle:
                 template=self._template_ref(req.template_id), env_vars=dict(req.env_vars or {}), access_token=token,
                 timeout=timeout, metadata=dict(req.metadata or {}), auto_pause=bool(req.auto_pause),
                 allow_internet_access=egress_choice(req.allow_internet_access, net.policy), network=net.policy,
-                pause_memory=req.auto_pause_memory is not False))
+                pause_memory=req.auto_pause_memory is not False, volume_mounts=tuple(req.volume_mounts or ())))
         except VmError as e:
             self.metrics.inc("aenv_sandbox_create_failures_total", help="sandbox creates that failed")
+            if isinstance(e, VolumeNotFound):     # volumeMounts names a volume this node does not have
+                raise ApiError(404, f"volumeMounts: {e}", retry=False) from None
             if isinstance(e, NotFound):
                 raise ApiError(404, f"template {req.template_id!r} not found") from None
             raise api_error(e, f"sandbox create from template {req.template_id!r}") from None

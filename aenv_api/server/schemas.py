@@ -245,6 +245,10 @@ def _parse_query_value(f: Field, values: list[str]) -> Any:
         except ValueError:
             raise bad_request(f"query parameter {f.name} must be an integer, got {raw[:40]!r}") from None
         return _range(f, value, f.name)
+    if f.kind == "boolean":   # what httpx and fetch send for a bool: true / false
+        if raw.strip().lower() not in ("true", "false"):
+            raise bad_request(f"query parameter {f.name} must be true or false, got {raw[:40]!r}")
+        return raw.strip().lower() == "true"
     if f.kind == "date-time":
         try:
             when = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00"))

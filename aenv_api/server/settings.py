@@ -14,6 +14,10 @@ class ServerConfig:
     # Host-routed sandbox traffic: requests for "<port>-<sandboxID>.<domain>" go to that
     # sandbox port. Empty: only header routing (E2b-Sandbox-Id / E2b-Sandbox-Port).
     domain: str = ""
+    # Domain a volume's answer names (VolumeAndToken.domain): the SDK then sends volume
+    # content requests to https://api.<volume_domain>. Empty (the default): no domain is
+    # answered and the SDK uses E2B_VOLUME_API_URL, which the server prints at start.
+    volume_domain: str = ""
     # TLS: with a certificate (chain) and its key, PEM files, the server also listens with
     # HTTPS on tls_port (API and proxy alike), so "https://<port>-<id>.<domain>" -- what
     # the SDK's get_host(port) names -- is served once DNS points *.<domain> at the node
@@ -62,5 +66,7 @@ class ServerConfig:
             raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
         if not 0 <= self.tls_port <= 65535:
             raise ConfigError(f"server.tls_port must be in 0..65535, got {self.tls_port}")
+        if self.volume_domain.startswith(".") or "/" in self.volume_domain:
+            raise ConfigError(f"server.volume_domain must be a bare domain name, got {self.volume_domain!r}")
         if self.domain.startswith(".") or "/" in self.domain:
             raise ConfigError(f"server.domain must be a bare domain name, got {self.domain!r}")

@@ -2,8 +2,8 @@
 
 Unknown body fields stay ignored (schemas.py: newer SDKs add fields), but
 these are known and each one changes what the sandbox is: a sandbox started
-without its MCP gateway, its workload identity, its secrets or its volume
-would look created and then fail later, far from the cause. So a request
+without its MCP gateway, its workload identity or its secrets would look
+created and then fail later, far from the cause. So a request
 that really asks for one (a non-empty value; ``null``, ``{}`` and ``[]`` are
 what the SDKs send for "none") is a 400 naming the option. The network
 objects' own refusals (``egressProxy``, ``rules``) live in network.py.
@@ -34,8 +34,6 @@ def reject_unsupported(req: NewSandbox) -> None:
         raise not_supported("mcp", "aenv runs no MCP gateway in sandboxes")
     if _iam_tokens(req.iam) or (isinstance(req.iam, dict) and any(k != "tokens" for k in req.iam)):
         raise not_supported("iam", "aenv issues no workload identity tokens")
-    if req.volume_mounts:
-        raise not_supported("volumeMounts", "aenv has no volumes yet; the sandbox would start without them")
     for name, value in (req.env_vars or {}).items():
         if SECRET_PLACEHOLDER in value:
             raise not_supported(f"envVars.{name[:64]}: a secret placeholder",

@@ -43,6 +43,7 @@ class SandboxView:
     network: dict[str, Any] | None = None       # E2B's SandboxNetworkConfig as get_info shows it (network.py)
     cold_boot: bool = False                     # paused filesystem-only: resumes by booting from its disk
     envd_unresponsive: bool = False             # paused while envd did not answer: resumes by reboot only
+    volume_mounts: tuple[dict[str, str], ...] = ()   # E2B's SandboxVolumeMount list ({name, path})
 
     @property
     def secure(self) -> bool:
@@ -71,6 +72,8 @@ class SandboxView:
                                "state": self.state}
         if self.alias:
             out["alias"] = self.alias
+        if self.volume_mounts:
+            out["volumeMounts"] = [dict(m) for m in self.volume_mounts]
         return out
 
     def detail(self, domain: str) -> dict[str, Any]:

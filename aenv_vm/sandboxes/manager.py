@@ -36,7 +36,7 @@ from aenv_store.store import Store
 
 from ..blockimage.nbd_server import NbdServer
 from ..confine.policy import Confinement
-from ..errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, UnresponsiveSnapshot
+from ..errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, UnresponsiveSnapshot, VmError
 from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
 from ..net.policy import NetworkPolicy, with_internet
@@ -58,6 +58,8 @@ from .runtime import NodeRuntime
 from .sandbox import CreateTiming, Sandbox
 from .snapshots import NamedSnapshots
 from .ttl import TtlWatcher
+from ..volumes.mounts import MountError, SandboxVolumes, VolumeMount
+from ..volumes.registry import VolumeRegistry
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,8 @@ class SandboxManager:
                  ready_timeout: float = 60.0, tcg_tb_mib: int | None = None, default_timeout: float = 300.0,
                  ksm: KsmSettings | None = None, network: str = "user", standby: int = 4,
                  max_sandboxes: int | None = None, readahead: int = 4 << 20, isolation: str = "auto",
-                 confine: Confinement | str = "auto", min_free_disk: int | None = None) -> None:
+                 confine: Confinement | str = "auto", min_free_disk: int | None = None,
+                 volumes: VolumeRegistry | None = None) -> None:
         """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
         "required", "off") for a policy of the manager's own, or a shared ``Confinement``
         (started and closed by its owner). ``min_free_disk``: the free space guests' disk
@@ -89,6 +92,7 @@ class SandboxManager:
                               min_free_disk=min_free_disk if min_free_disk is not None else
                               store.cache.config.min_free_disk if store.cache is not None else 0)
         self.default_timeout = default_timeout
+        self.volumes = SandboxVolumes(volumes, self.rt.min_free_disk)   # volume channels of running sandboxes
         self.max_sandboxes = max_sandboxes
         self._running: dict[str, Sandbox] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -130,6 +134,8 @@ class SandboxManager:
         self._forks = Forks(self.rt, self.snapshots, records, view)
         self._started = True
         changed = await recover(self.rt, records, self._paused)
+        for rec in records.all():       # a paused sandbox's volumes stay in use (cannot be deleted)
+            self.volumes.mark(rec.id, rec.mounts)
         self._ttl = TtlWatcher(records, lambda sid: sid in self._running, self._expire)
         self._ttl_task = asyncio.get_running_loop().create_task(self._ttl.run())
         self._metrics_task = asyncio.get_running_loop().create_task(self.metrics.run())
@@ -155,6 +161,7 @@ class SandboxManager:
             with contextlib.suppress(Exception):
                 await self._metrics_task
             self._metrics_task = None
+        await self.volumes.close()
         if self._forks is not None:
             await self._forks.close()
         if self._paused is not None:
@@ -273,16 +280,18 @@ class SandboxManager:
                      access_token: str | TokenMinter | None = None, timeout: float | None = None,
                      metadata: dict[str, str] | None = None, auto_pause: bool = True,
                      allow_internet_access: bool | None = None, network: NetworkPolicy | None = None,
-                     pause_memory: bool = True) -> Sandbox:
+                     pause_memory: bool = True, volume_mounts: list | None = None) -> Sandbox:
         """A new sandbox from ``template`` (id, alias or snapshot), envd initialised.
         ``pause_memory``: what its TTL auto-pause keeps (False: the filesystem only).
         ``access_token``: envd's token, or a function of the new sandbox's id giving it.
         ``allow_internet_access``: False = the guest may not open outbound connections
-        (None, not set: it may); ``network``: finer egress rules (net/policy.py)."""
+        (None, not set: it may); ``network``: finer egress rules (net/policy.py).
+        ``volume_mounts``: ``[{name, path}]``, volumes mounted before this returns."""
         if not self._started:
             raise Conflict("SandboxManager.start() was not called")
         if timeout is not None and timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
+        mounts = self.volumes.resolve(volume_mounts or [])     # VolumeNotFound, BadRequest
         self._check_capacity(1)
         self._creating += 1
         try:
@@ -293,9 +302,32 @@ class SandboxManager:
                                      allow_internet_access, policy)
             if not pause_memory:
                 self.records_store.put(self.record(sbx.id).replace(pause_memory=False))
+            stale = [p for p in sbx.template.volume_paths if p not in {m.path for m in mounts}]
+            if mounts or stale:
+                try:
+                    await self.volumes.unmount(sbx.envd_host, sbx.envd_port, sbx.guest_token, stale)
+                    await self._mount(sbx, mounts)
+                except BaseException:
+                    await self.kill(sbx.id)
+                    raise
             return sbx
         finally:
             self._creating -= 1
+
+    async def _mount(self, sbx: Sandbox, mounts: list[VolumeMount]) -> None:
+        """Mount (or re-attach) ``mounts`` in ``sbx`` and keep them in its record."""
+        self.records_store.put(self.record(sbx.id).replace(volume_mounts=[m.to_json() for m in mounts]))
+        await self.volumes.attach(sbx.id, sbx.envd_host, sbx.envd_port, sbx.guest_token, mounts,
+                                  timeout=self.rt.ready_timeout)
+
+    async def _remount(self, sbx: Sandbox, rec: SandboxRecord) -> None:
+        """After a resume or cold boot: the guest waits for its channels again."""
+        if rec.volume_mounts:
+            try:
+                await self._mount(sbx, rec.mounts)
+            except (MountError, VmError, OSError) as e:
+                log.error("sandbox %s: volumes not mounted again: %s", sbx.id, e)
+                self.records_store.put(self.record(sbx.id).replace(note=f"volumes not mounted: {e}"[:300]))
 
     async def _create(self, template: str, env_vars: dict[str, str] | None, access_token: str | TokenMinter | None,
                       timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
@@ -360,6 +392,9 @@ class SandboxManager:
         async with self.lock(sid):
             sbx = self._running.pop(sid, None)
             rec = self.records_store.get(sid)
+            await self.volumes.detach(sid)
+            if rec is not None:
+                self.volumes.release(sid, rec.mounts)
             if sbx is None:
                 if rec is None:
                     raise NotFound(f"unknown sandbox {sid!r}")
@@ -432,9 +467,15 @@ class SandboxManager:
             await self.metrics.quiesce(sid)
             if require_healthy or not memory:
                 await prepare_pause(sbx, sync=not memory)
+            await self.volumes.detach(sid)    # guest requests in flight wait for the resume
             rec = rec.replace(cold_boot=not memory, envd_unresponsive=memory and (
                 unresponsive or self.metrics.unresponsive(sid)))
-            paused = await self.paused.pause(sbx, rec)
+            try:
+                paused = await self.paused.pause(sbx, rec)
+            except Exception:
+                if sid in self._running:      # still running: its volumes too
+                    await self._remount(sbx, rec)
+                raise
             self.last_pause = paused.timing
             self._running.pop(sid, None)
             # The record says paused: finish even if the caller is cancelled now, or the
@@ -468,6 +509,7 @@ class SandboxManager:
             self.records_store.put(rec.replace(state=SandboxState.RUNNING, envd_port=sbx.envd_port,
                                                end_at=time.time() + t, timeout=t, note="", cold_boot=False,
                                                envd_unresponsive=False))
+            await self._remount(sbx, rec)
             return sbx
 
     # ------------------------------------------------------------ snapshots / fork
@@ -524,6 +566,13 @@ class SandboxManager:
                           allow_internet_access=parent.allow_internet_access, policy=parent.policy)
             if not parent.pause_memory:
                 self.records_store.put(self.record(k.id).replace(pause_memory=False))
+            if parent.volume_mounts:     # each child dials its own channels to the same volumes
+                try:
+                    await self._mount(k, parent.mounts)
+                except (MountError, VmError, OSError) as e:
+                    await self.kill(k.id)
+                    out.append(e)
+                    continue
             out.append(k)
         return out
 

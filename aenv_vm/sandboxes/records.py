@@ -19,6 +19,7 @@ import lmdb
 from ..errors import VmError
 from ..net.policy import NetworkPolicy
 from ..service import SandboxState
+from ..volumes.mounts import VolumeMount
 
 
 class RecordError(VmError):
@@ -65,6 +66,9 @@ class SandboxRecord:
     pause_memory: bool = True       # a TTL auto-pause keeps memory (False: filesystem only)
     cold_boot: bool = False         # paused filesystem-only: the next resume boots from the disk
     envd_unresponsive: bool = False # the last pause found envd not answering: resume by cold boot only
+    # Volumes mounted into the guest (aenv_vm/volumes/mounts.py VolumeMount.to_json), mounted
+    # again on resume and cold boot, inherited by fork children.
+    volume_mounts: list = field(default_factory=list)
 
     def to_json(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -78,6 +82,10 @@ class SandboxRecord:
         if d.get("snapshot") is not None:
             d["snapshot"] = SnapshotRef(**d["snapshot"])
         return cls(**d)
+
+    @property
+    def mounts(self) -> list[VolumeMount]:
+        return [VolumeMount.from_json(m) for m in self.volume_mounts]
 
     @property
     def policy(self) -> NetworkPolicy:

@@ -62,7 +62,8 @@ class NodeSandboxService:
                            network=rec.policy,
                            envd_version=envd_version, note=rec.note, from_pool=from_pool,
                            pause_memory=rec.pause_memory, cold_boot=rec.cold_boot,
-                           envd_unresponsive=rec.envd_unresponsive)
+                           envd_unresponsive=rec.envd_unresponsive,
+                           volume_mounts=tuple({"name": m.name, "path": m.path} for m in rec.mounts))
 
     def _running(self, sid: str) -> Sandbox:
         sbx = self.manager.sandboxes.get(sid)
@@ -77,7 +78,7 @@ class NodeSandboxService:
         sbx = await self.manager.create(req.template, env_vars=req.env_vars or None, access_token=req.access_token,
                                         timeout=req.timeout, metadata=req.metadata, auto_pause=req.auto_pause,
                                         allow_internet_access=req.allow_internet_access, network=req.network,
-                                        pause_memory=req.pause_memory)
+                                        pause_memory=req.pause_memory, volume_mounts=list(req.volume_mounts))
         return self._info(self.manager.record(sbx.id), sbx.timing.from_pool if sbx.timing else None)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:

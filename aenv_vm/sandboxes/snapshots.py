@@ -100,6 +100,8 @@ class NamedSnapshots:
                 meta["envd_token"] = token
             if rec is not None:
                 meta["metadata"] = json.dumps(rec.metadata, sort_keys=True)
+                if rec.volume_mounts:   # mounted in the frozen guest: a create from it must drop them
+                    meta["volume_paths"] = json.dumps(sorted(m["path"] for m in rec.volume_mounts))
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             raise

@@ -11,6 +11,7 @@ How a template is made: build.py. How a node keeps its local copy: local.py.
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import blake3
@@ -52,6 +53,7 @@ class Template:
     disk_mib: int = 0    # root disk size (0: a record from before sizes were recorded)
     envd_version: str | None = None   # what the guest's envd reported at build (None: not recorded)
     host_ca: str = ""    # fingerprint of the host CA certificates it trusts ("": none; trust.py)
+    volume_paths: tuple[str, ...] = ()   # a snapshot's guest has volumes mounted there (no channel)
 
     @classmethod
     def from_record(cls, rec: CatalogRecord) -> "Template":
@@ -64,7 +66,8 @@ class Template:
                        vcpus=int(meta["vcpus"]), accel=meta["accel"], guest_key=meta["guest_key"],
                        kernel_cmdline=meta["kernel_cmdline"], created=rec.created,
                        disk_mib=int(meta.get("disk_mib", "0")), envd_version=meta.get("envd_version"),
-                       host_ca=meta.get("host_ca", ""))
+                       host_ca=meta.get("host_ca", ""),
+                       volume_paths=tuple(json.loads(meta.get("volume_paths", "[]"))))
         except (KeyError, ValueError) as e:
             raise TemplateError(f"template record {rec.name} is incomplete: {e}") from None
 

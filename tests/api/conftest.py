@@ -56,7 +56,8 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
 
     def sdk_env(self) -> dict[str, str]:
-        return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url}
+        return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url,
+                "E2B_VOLUME_API_URL": self.url}
 
     def envd_token(self, sandbox_id: str) -> str:
         """What the issue specifies, computed independently: base64url(HMAC-SHA256(the

@@ -183,7 +183,6 @@ UNSUPPORTED = [
     ({"mcp": {"github": {"githubPersonalAccessToken": "x"}}}, "mcp is not supported by aenv"),
     ({"iam": {"tokens": {"aws": {"audience": "sts.amazonaws.com", "tokenType": "JWT-SVID"}}}},
      "iam is not supported by aenv"),
-    ({"volumeMounts": [{"name": "vol", "path": "/data"}]}, "volumeMounts is not supported by aenv"),
     ({"envVars": {"KEY": "${e2b.secrets.openai}"}}, "secret placeholder is not supported by aenv"),
 ]
 
@@ -212,9 +211,9 @@ def test_unsupported_options_through_the_sdk(sdk_env: Server) -> None:
     with pytest.raises(Exception) as exc:
         Sandbox.create(mcp={"github": {"githubPersonalAccessToken": "x"}})
     assert "not supported by aenv" in str(exc.value)
-    with pytest.raises(Exception) as exc:
+    with pytest.raises(Exception) as exc:      # volumes are supported: an unknown one is a 404
         Sandbox.create(volume_mounts={"/data": "my-volume"})
-    assert "not supported by aenv" in str(exc.value)
+    assert "'my-volume' not found" in str(exc.value)
 
 
 # --- async ----------------------------------------------------------------------------
@@ -257,10 +256,10 @@ async def _async_parity(server: Server) -> None:
         found = await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "parity-async"},
                                                            started_after=started)).next_items()
         assert [s.sandbox_id for s in found] == [sbx.sandbox_id]
-        # unsupported options
+        # an unknown volume (tests/volumes/test_volume_mounts.py mounts real ones)
         with pytest.raises(Exception) as exc:
             await AsyncSandbox.create(volume_mounts={"/data": "v"})
-        assert "not supported by aenv" in str(exc.value)
+        assert "'v' not found" in str(exc.value)
     finally:
         await sbx.kill()
 

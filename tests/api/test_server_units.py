@@ -358,7 +358,6 @@ def test_unsupported_options_named() -> None:
 
     reject_unsupported(NewSandbox("base", mcp=None, iam={"tokens": {}}, volume_mounts=[], env_vars={"A": "$B"}))
     for req in (NewSandbox("base", mcp={"x": {}}), NewSandbox("base", iam={"tokens": {"t": {}}}),
-                NewSandbox("base", volume_mounts=[{"name": "v", "path": "/d"}]),
                 NewSandbox("base", env_vars={"K": "${e2b.secrets.k}"})):
         with pytest.raises(ApiError) as e:
             reject_unsupported(req)

@@ -1,0 +1,216 @@
+"""The volumes of one node: records on disk, their trees, who mounts them.
+
+Layout under ``root`` (``<data dir>/volumes``, mode 0700)::
+
+    <volume id>/volume.json   the record: id, name, token, created_at (mode 0600)
+    <volume id>/tree/         the volume's files (a VolumeTree); the only part a
+                              sandbox ever sees
+    .new-<id>/, .trash-<id>/  a create or delete in progress (removed at start)
+
+A create builds ``.new-<id>/`` completely (record written durably) and renames it
+to ``<id>/``: a crash leaves either no volume or a whole one. A delete renames
+``<id>/`` to ``.trash-<id>/`` first (the volume is gone at that instant) and then
+removes the trash.
+
+Volume ids are UUIDs like E2B's; a token is 32 random bytes (urlsafe base64),
+checked in constant time. Names follow E2B's pattern ``^[a-zA-Z0-9_-]+$`` and are
+unique on the node. Which sandboxes mount a volume is kept in memory only (a
+restarted node has no mounts until its sandboxes mount again); a mounted volume
+cannot be deleted (``VolumeInUse``).
+
+Thread-safe: one lock guards the records and the mounts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from aenv_store.durable import fsync_dir, write_file_durable
+
+from ..errors import BadRequest, Conflict, NotFound, VmError
+from .tree import VolumeTree
+
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,255}")
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+RECORD = "volume.json"
+TREE = "tree"
+TREE_ROOT_MODE = 0o777      # like a directory E2B makes: any guest user may write in it
+
+
+class VolumeError(VmError):
+    """Base of the volume registry's errors."""
+
+
+class VolumeNotFound(VolumeError, NotFound):
+    """No volume with that id on this node."""
+
+
+class InvalidVolumeName(VolumeError, BadRequest):
+    """The name does not match ``^[a-zA-Z0-9_-]+$`` (or is over 255 characters)."""
+
+
+class VolumeNameTaken(VolumeError, Conflict):
+    """A volume of that name exists on this node (E2B answers this with a 400)."""
+
+
+class VolumeInUse(VolumeError, Conflict):
+    """The volume is mounted by a sandbox; it cannot be deleted now."""
+
+
+def is_volume_id(value: str) -> bool:
+    """Whether ``value`` has the form of a volume id (a lower-case UUID)."""
+    return isinstance(value, str) and _UUID.fullmatch(value) is not None
+
+
+@dataclass(frozen=True)
+class VolumeRecord:
+    volume_id: str
+    name: str
+    token: str
+    created_at: float        # Unix seconds
+
+    def token_matches(self, presented: str) -> bool:
+        """Constant-time comparison of ``presented`` with this volume's token."""
+        return secrets.compare_digest(presented.encode("utf-8", "surrogateescape"), self.token.encode())
+
+    def to_json(self) -> dict[str, object]:
+        return {"volume_id": self.volume_id, "name": self.name, "token": self.token, "created_at": self.created_at}
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> "VolumeRecord":
+        rec = cls(str(d["volume_id"]), str(d["name"]), str(d["token"]), float(d["created_at"]))  # type: ignore[arg-type]
+        if not is_volume_id(rec.volume_id) or not NAME.fullmatch(rec.name) or not rec.token:
+            raise ValueError("malformed volume record")
+        return rec
+
+
+class VolumeRegistry:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._lock = threading.Lock()
+        self._records: dict[str, VolumeRecord] = {}
+        self._mounts: dict[str, set[str]] = {}
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        self._load()
+
+    def _load(self) -> None:
+        for entry in sorted(os.listdir(self.root)):
+            path = self.root / entry
+            if entry.startswith((".new-", ".trash-")):
+                shutil.rmtree(path, ignore_errors=True)     # an interrupted create or delete
+                continue
+            if not is_volume_id(entry):
+                continue
+            try:
+                rec = VolumeRecord.from_json(json.loads((path / RECORD).read_text()))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue       # not a volume (left alone for an operator to look at)
+            if rec.volume_id == entry and (path / TREE).is_dir():
+                self._records[rec.volume_id] = rec
+
+    # ------------------------------------------------------------- records
+
+    def create(self, name: str) -> VolumeRecord:
+        """A new, empty volume. ``InvalidVolumeName``, ``VolumeNameTaken``."""
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise InvalidVolumeName("a volume name matches ^[a-zA-Z0-9_-]+$ (at most 255 characters)")
+        with self._lock:
+            if any(r.name == name for r in self._records.values()):
+                raise VolumeNameTaken(f"Volume with name '{name}' already exists")
+            rec = VolumeRecord(str(uuid.uuid4()), name, secrets.token_urlsafe(32), time.time())
+            staging = self.root / f".new-{rec.volume_id}"
+            try:
+                staging.mkdir(mode=0o700)
+                (staging / TREE).mkdir()
+                os.chmod(staging / TREE, TREE_ROOT_MODE)
+                write_file_durable(staging / RECORD, json.dumps(rec.to_json()).encode())
+                os.chmod(staging / RECORD, 0o600)
+                fsync_dir(staging)
+                os.rename(staging, self.root / rec.volume_id)
+                fsync_dir(self.root)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            self._records[rec.volume_id] = rec
+            return rec
+
+    def find(self, volume_id: str) -> VolumeRecord | None:
+        with self._lock:
+            return self._records.get(volume_id) if isinstance(volume_id, str) else None
+
+    def get(self, volume_id: str) -> VolumeRecord:
+        """The record, or ``VolumeNotFound``."""
+        rec = self.find(volume_id)
+        if rec is None:
+            raise VolumeNotFound(f"Volume {str(volume_id)[:64]} not found")
+        return rec
+
+    def by_name(self, name: str) -> VolumeRecord | None:
+        """The volume called ``name`` on this node (sandboxes mount volumes by name)."""
+        with self._lock:
+            return next((r for r in self._records.values() if r.name == name), None)
+
+    def list(self) -> list[VolumeRecord]:
+        """Every volume, oldest first."""
+        with self._lock:
+            return sorted(self._records.values(), key=lambda r: (r.created_at, r.volume_id))
+
+    def delete(self, volume_id: str) -> None:
+        """Remove the volume and its tree. ``VolumeNotFound``; ``VolumeInUse`` while a
+        sandbox mounts it."""
+        with self._lock:
+            if volume_id not in self._records:
+                raise VolumeNotFound(f"Volume {str(volume_id)[:64]} not found")
+            users = self._mounts.get(volume_id)
+            if users:
+                raise VolumeInUse(f"volume {volume_id} is mounted by sandbox(es) {', '.join(sorted(users))}: "
+                                  f"delete it when no sandbox mounts it")
+            trash = self.root / f".trash-{volume_id}-{secrets.token_hex(4)}"
+            os.rename(self.root / volume_id, trash)
+            fsync_dir(self.root)
+            del self._records[volume_id]
+            self._mounts.pop(volume_id, None)
+        # outside the lock: a big tree takes a while; fd-based, never follows a symlink
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------- trees
+
+    def tree_path(self, volume_id: str) -> Path:
+        """Where the volume's files are on the host (for mounting). ``VolumeNotFound``."""
+        return self.root / self.get(volume_id).volume_id / TREE
+
+    def tree(self, volume_id: str) -> VolumeTree:
+        """The volume's tree. ``VolumeNotFound``."""
+        return VolumeTree(self.tree_path(volume_id))
+
+    # ------------------------------------------------------------- mounts
+
+    def mark_mounted(self, volume_id: str, sandbox_id: str) -> None:
+        """Record that ``sandbox_id`` mounts the volume. ``VolumeNotFound``."""
+        with self._lock:
+            if volume_id not in self._records:
+                raise VolumeNotFound(f"Volume {str(volume_id)[:64]} not found")
+            self._mounts.setdefault(volume_id, set()).add(sandbox_id)
+
+    def unmark(self, volume_id: str, sandbox_id: str) -> None:
+        """Forget that ``sandbox_id`` mounts the volume (no error if it did not)."""
+        with self._lock:
+            users = self._mounts.get(volume_id)
+            if users is not None:
+                users.discard(sandbox_id)
+                if not users:
+                    del self._mounts[volume_id]
+
+    def mounted_by(self, volume_id: str) -> frozenset[str]:
+        """The sandboxes that mount the volume now."""
+        with self._lock:
+            return frozenset(self._mounts.get(volume_id, ()))
