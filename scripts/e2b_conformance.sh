@@ -34,7 +34,7 @@ if [[ ! -x "$venv/bin/pytest" ]] || ! "$venv/bin/pip" freeze 2>/dev/null | grep 
     echo "conformance: installing $sdk_pin and the suite's test tools into $venv"
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q --disable-pip-version-check "$sdk_pin" \
-        -r "$repo/scripts/e2b_conformance.requirements"
+        -r "$repo/scripts/e2b_conformance/requirements.txt"
 fi
 
 data=$(mktemp -d "$work/data.XXXXXX")
@@ -51,8 +51,26 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# Host names: the tests that fetch https://{sandbox.get_host(port)} need the
+# server's [server] domain with TLS on port 443. Unless AENV_CONFORMANCE_HOSTS=0,
+# without openssl, or with port 443 taken, the server gets the domain aenv.test and
+# a self-signed wildcard certificate made for the run; the test process trusts it
+# (SSL_CERT_FILE) and resolves *.aenv.test to 127.0.0.1 (e2b_conformance/sitecustomize.py).
+domain=aenv.test
+server_env=()
+if [[ "${AENV_CONFORMANCE_HOSTS:-1}" == 1 ]] && command -v openssl >/dev/null \
+    && python3 -c 'import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", 443))' 2>/dev/null; then
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+        -subj "/CN=*.$domain" -addext "subjectAltName=DNS:*.$domain,DNS:$domain" \
+        -keyout "$data/tls.key" -out "$data/tls.pem" 2>/dev/null
+    server_env=(AENV_SERVER__DOMAIN="$domain" AENV_SERVER__TLS_CERT="$data/tls.pem"
+                AENV_SERVER__TLS_KEY="$data/tls.key" AENV_SERVER__TLS_PORT=443)
+else
+    echo "conformance: no host names over TLS (AENV_CONFORMANCE_HOSTS=0, no openssl, or port 443 taken)"
+fi
+
 echo "conformance: starting aenv server on 127.0.0.1:$port (log: $log)"
-"$aenv" server --data-dir "$data" --port "$port" >"$work/server.out" 2>"$log" &
+env "${server_env[@]}" "$aenv" server --data-dir "$data" --port "$port" >"$work/server.out" 2>"$log" &
 server_pid=$!
 for _ in $(seq 1 900); do
     grep -q '^export E2B_SANDBOX_URL=' "$work/server.out" 2>/dev/null && break
@@ -63,6 +81,10 @@ grep -q '^export E2B_SANDBOX_URL=' "$work/server.out" || { echo "$0: aenv server
 # shellcheck disable=SC1090
 source <(grep '^export E2B_' "$work/server.out")
 export E2B_API_KEY E2B_API_URL E2B_SANDBOX_URL
+if [[ ${#server_env[@]} -gt 0 ]]; then
+    export SSL_CERT_FILE="$data/tls.pem" AENV_CONFORMANCE_LOCAL_DOMAIN=$domain
+    export PYTHONPATH="$repo/scripts/e2b_conformance${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 commit=$(git -C "$checkout" rev-parse HEAD 2>/dev/null || echo unknown)
 echo "conformance: e2b-dev/E2B at $commit, $sdk_pin, server $E2B_API_URL"
