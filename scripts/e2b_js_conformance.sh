@@ -51,6 +51,8 @@ aenv="$repo/.venv/bin/aenv"
 command -v node >/dev/null && command -v npm >/dev/null \
     || { echo "$0: node and npm are needed" >&2; exit 2; }
 pins="$repo/scripts/e2b_js_conformance"
+# shellcheck source=conformance_server.sh
+source "$repo/scripts/conformance_server.sh"
 
 work=${AENV_JS_CONFORMANCE_DIR:-${TMPDIR:-/tmp}/aenv-js-conformance}
 mkdir -p "$work"
@@ -69,55 +71,13 @@ cp -a "$checkout/packages/js-sdk/src" "$checkout/packages/js-sdk/tests" \
     "$checkout/packages/js-sdk/package.json" "$checkout/packages/js-sdk/tsconfig.json" "$sdk/"
 cp "$pins/vitest.config.mts" "$pins/offline.setup.ts" "$sdk/"
 
-data=$(mktemp -d "$work/data.XXXXXX")
-log="$work/server.log"
-port=${AENV_JS_CONFORMANCE_PORT:-3199}
-server_pid=""
-cleanup() {
-    if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then
-        kill -TERM "$server_pid"
-        for _ in $(seq 1 120); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.5; done
-        kill -KILL "$server_pid" 2>/dev/null || true
-    fi
-    rm -rf "$data"
-}
-trap cleanup EXIT
-
-# Host names over TLS (the tests that fetch https://${sandbox.getHost(port)}):
-# the server gets [server] domain aenv.test and a self-signed wildcard
-# certificate on port 443, the test processes trust it (NODE_EXTRA_CA_CERTS) and
-# resolve *.aenv.test to 127.0.0.1 (resolve-local.cjs). Without openssl or with
-# port 443 taken, those tests are left out (vitest.config.mts).
-domain=aenv.test
-server_env=()
-hosts=0
-if [[ "${AENV_JS_CONFORMANCE_HOSTS:-1}" == 1 ]] && command -v openssl >/dev/null \
-    && python3 -c 'import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", 443))' 2>/dev/null; then
-    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
-        -subj "/CN=*.$domain" -addext "subjectAltName=DNS:*.$domain,DNS:$domain" \
-        -keyout "$data/tls.key" -out "$data/tls.pem" 2>/dev/null
-    server_env=(AENV_SERVER__DOMAIN="$domain" AENV_SERVER__TLS_CERT="$data/tls.pem"
-                AENV_SERVER__TLS_KEY="$data/tls.key" AENV_SERVER__TLS_PORT=443)
-    hosts=1
-else
-    echo "js-conformance: no host names over TLS (AENV_JS_CONFORMANCE_HOSTS=0, no openssl, or port 443 taken): the tests that fetch sandbox.getHost() are left out"
-fi
-
-echo "js-conformance: starting aenv server on 127.0.0.1:$port (log: $log)"
-env "${server_env[@]}" "$aenv" server --data-dir "$data" --port "$port" >"$work/server.out" 2>"$log" &
-server_pid=$!
-for _ in $(seq 1 900); do
-    grep -q '^export E2B_SANDBOX_URL=' "$work/server.out" 2>/dev/null && break
-    kill -0 "$server_pid" 2>/dev/null || { echo "$0: aenv server exited; see $log" >&2; exit 1; }
-    sleep 1
-done
-grep -q '^export E2B_SANDBOX_URL=' "$work/server.out" || { echo "$0: aenv server did not start in 900 s" >&2; exit 1; }
-# shellcheck disable=SC1090
-source <(grep '^export E2B_' "$work/server.out")
-export E2B_API_KEY E2B_API_URL E2B_SANDBOX_URL
-if [[ $hosts == 1 ]]; then
-    export E2B_DOMAIN=$domain AENV_JS_CONFORMANCE_HOSTS=1 AENV_JS_CONFORMANCE_LOCAL_DOMAIN=$domain
-    export NODE_EXTRA_CA_CERTS="$data/tls.pem"
+conformance_server_start js-conformance "$aenv" "$work" "${AENV_JS_CONFORMANCE_PORT:-3199}" "${AENV_JS_CONFORMANCE_HOSTS:-1}"
+# the test processes trust the certificate (NODE_EXTRA_CA_CERTS) and resolve
+# *.aenv.test to 127.0.0.1 (resolve-local.cjs); without host names the tests
+# that fetch sandbox.getHost() are left out (vitest.config.mts)
+if [[ $conformance_hosts == 1 ]]; then
+    export E2B_DOMAIN=$conformance_domain AENV_JS_CONFORMANCE_HOSTS=1 AENV_JS_CONFORMANCE_LOCAL_DOMAIN=$conformance_domain
+    export NODE_EXTRA_CA_CERTS="$conformance_cert"
     export NODE_OPTIONS="${NODE_OPTIONS:+$NODE_OPTIONS }--require $pins/resolve-local.cjs"
 else
     export AENV_JS_CONFORMANCE_HOSTS=0

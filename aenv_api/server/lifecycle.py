@@ -54,6 +54,8 @@ from .views import FALLBACK_ENVD_VERSION, SandboxView, page, parse_metadata_filt
 log = logging.getLogger(__name__)
 
 VISIBLE_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
+# E2B's proxy answer, word for word (its SDKs' tests compare it); the id is in sandboxId
+SANDBOX_NOT_FOUND = "The sandbox was not found"
 # E2B's error_code for a memory resume of a pause taken while envd did not answer (the
 # SDK raises GuestUnresponsiveException for it)
 GUEST_UNRESPONSIVE = "sandbox_snapshot_guest_agent_unresponsive"   # the service's "lost" is not an E2B state
@@ -469,7 +471,7 @@ class Lifecycle:
             try:
                 info = await self.service.get(sid)
             except NotFound:
-                raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid) from None
+                raise ApiError(502, SANDBOX_NOT_FOUND, sandboxId=sid) from None
             view = self._view(info)
             if view.state == SandboxState.PAUSED.value:
                 if not view.auto_resume:    # E2B's proxy answer, whoever asks
@@ -482,14 +484,14 @@ class Lifecycle:
                 self._check_envd_token(view.access_token, port, access_token, signed)
                 view = await self.resume(sid)
             if view.state != SandboxState.RUNNING.value:
-                raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid)
+                raise ApiError(502, SANDBOX_NOT_FOUND, sandboxId=sid)
             self._tokens[sid] = view.access_token
         self._check_envd_token(self._tokens[sid], port, access_token, signed)
         try:
             where = await self.service.endpoint(sid, port)
         except NotFound:
             self._forget_ports(sid)
-            raise ApiError(502, f"The sandbox {sid} was not found", sandboxId=sid) from None
+            raise ApiError(502, SANDBOX_NOT_FOUND, sandboxId=sid) from None
         except VmError as e:
             raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open: {e}",
                            sandboxId=sid) from None
