@@ -101,6 +101,7 @@ class Lifecycle:
         self._ports: dict[tuple[str, int], tuple[str, int]] = {}
         self._tokens: dict[str, str | None] = {}
         self._rules: dict[str, ProxyRules] = {}
+        self._killing: set[str] = set()     # a kill in progress: not there for the proxy
         self._closing = False
 
     async def start(self) -> None:
@@ -217,10 +218,16 @@ class Lifecycle:
     async def kill(self, sid: str) -> None:
         await self._info(sid)
         t0 = time.monotonic()
+        # From now on the proxy answers that the sandbox is not there (E2B's 502): a client
+        # whose stream breaks as the VM stops checks the health at once, before the kill returns
+        self._killing.add(sid)
+        self._forget_ports(sid)
         try:
             await self.service.kill(sid)
         except VmError as e:
             raise api_error(e, f"kill of {sid}") from None
+        finally:
+            self._killing.discard(sid)
         self.extras.drop([sid])
         self.logs.remove(sid)
         self._forget_ports(sid)
@@ -463,6 +470,8 @@ class Lifecycle:
 
         Hot path of every proxied request: a running sandbox whose token and endpoint
         are known is answered from memory (forgotten when it pauses or goes)."""
+        if sid in self._killing:
+            raise ApiError(502, SANDBOX_NOT_FOUND, sandboxId=sid)
         where = self._ports.get((sid, port))
         if where is not None and sid in self._tokens:
             self._check_envd_token(self._tokens[sid], port, access_token, signed)
