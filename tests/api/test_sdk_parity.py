@@ -339,3 +339,19 @@ def test_connect_after_a_timeout_pause_keeps_running(sdk_env: Server) -> None:
             assert info.end_at.timestamp() - time.time() > 200   # the default timeout, not 0
         finally:
             sbx.kill()
+
+
+def test_command_of_a_killed_sandbox_says_it_was_killed(sdk_env: Server) -> None:
+    """The SDK checks /health the moment a command's stream breaks, which is while the
+    kill is still stopping the VM: the proxy must already answer E2B's "not found"."""
+    from e2b import AsyncSandbox, TimeoutException
+
+    async def flow() -> None:
+        for _ in range(3):
+            sbx = await AsyncSandbox.create("base")
+            cmd = await sbx.commands.run("sleep 60", background=True)
+            await sbx.kill()
+            with pytest.raises(TimeoutException) as err:
+                await cmd.wait()
+            assert "sandbox was killed or reached its end of life" in str(err.value)
+    asyncio.run(flow())

@@ -166,7 +166,8 @@ def test_unknown_sandbox_is_502_was_not_found(sdk_env: Server) -> None:
     from e2b import Sandbox
 
     status, _, body = sdk_env.request("GET", "/health", headers={"E2b-Sandbox-Id": "sbx-nope"}, key=None)
-    assert status == 502 and "was not found" in body["message"] and body["code"] == 502
+    assert status == 502 and body["code"] == 502
+    assert body["message"] == "The sandbox was not found" and body["sandboxId"] == "sbx-nope"   # E2B's, word for word
     with pytest.raises(Exception, match="not found"):
         Sandbox.connect("sbx-nope")
 
