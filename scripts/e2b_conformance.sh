@@ -52,6 +52,16 @@ if [[ $conformance_hosts == 1 ]]; then
     export PYTHONPATH="$repo/scripts/e2b_conformance${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+# Tests that would send traffic to the public internet are deselected unless
+# AENV_CONFORMANCE_PUBLIC=1 (scripts/e2b_conformance/public-internet.txt).
+deselect=()
+if [[ "${AENV_CONFORMANCE_PUBLIC:-0}" != 1 ]]; then
+    while read -r node; do
+        [[ -z "$node" || "$node" == \#* ]] || deselect+=(--deselect "$node")
+    done < "$repo/scripts/e2b_conformance/public-internet.txt"
+    echo "conformance: $(( ${#deselect[@]} / 2 )) tests that reach the public internet are deselected (AENV_CONFORMANCE_PUBLIC=1 runs them)"
+fi
+
 commit=$(git -C "$checkout" rev-parse HEAD 2>/dev/null || echo unknown)
 echo "conformance: e2b-dev/E2B at $commit, $sdk_pin, server $E2B_API_URL"
 cd "$checkout/packages/python-sdk"
@@ -60,7 +70,7 @@ set +e
 # e2b/ sources on sys.path ahead of the pinned SDK. Test modules written for
 # another SDK version fail to import; the others still run.
 "$venv/bin/pytest" -q -p no:cacheprovider --junitxml="$work/report.xml" -o junit_family=xunit2 \
-    -p no:dotenv --continue-on-collection-errors "${@:-tests}"
+    -p no:dotenv --continue-on-collection-errors "${deselect[@]}" "${@:-tests}"
 status=$?
 set -e
 "$venv/bin/python" - "$work/report.xml" <<'PY'
