@@ -333,11 +333,19 @@ class EnvdClient:
             raise EnvdError(f"envd file download of {path} answered HTTP {answer.status}: {answer.body[:200]!r}")
         return answer.body
 
-    async def run(self, cmd: str, *, user: str | None = "root", timeout: float = 30.0) -> CommandResult:
+    async def run(self, cmd: str, *, user: str | None = "root", timeout: float = 30.0,
+                  pty: bool = False) -> CommandResult:
         """``bash -l -c cmd`` in the guest, the way the E2B SDK's ``commands.run`` does it
-        (same request, same headers); ``user=None`` is the SDK's default: envd's default user."""
-        body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}},
-                                "stdin": False})
+        (same request, same headers); ``user=None`` is the SDK's default: envd's default user.
+        ``pty``: as the SDK's ``pty.create`` starts its shell instead (``bash -i -l`` on a
+        terminal, with its TERM and locale), running ``cmd`` (the output is the terminal's)."""
+        if pty:
+            process = {"cmd": "/bin/bash", "args": ["-i", "-l", "-c", cmd],
+                       "envs": {"TERM": "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}}
+            body = encode_envelope({"process": process, "pty": {"size": {"cols": 80, "rows": 24}}, "stdin": False})
+        else:
+            body = encode_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": {}},
+                                    "stdin": False})
         headers = self._headers(user, {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                                        "Keepalive-Ping-Interval": "50",
                                        "Connect-Timeout-Ms": str(int(timeout * 1000))})
