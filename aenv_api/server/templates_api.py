@@ -126,8 +126,9 @@ class TemplateApi:
     async def upload(self, request: web.Request, call: Call) -> web.Response:
         files_hash = call.path["hash"]
         q = call.query
-        if not _HASH.match(files_hash) or not hmac.compare_digest(self._sign(files_hash, q["expires"]),
-                                                                  q["signature"]):
+        # bytes, not str: compare_digest refuses (TypeError) a str with non-ASCII characters
+        if not _HASH.match(files_hash) or not hmac.compare_digest(
+                self._sign(files_hash, q["expires"]).encode(), q["signature"].encode("utf-8", "surrogateescape")):
             raise ApiError(401, "invalid upload signature")
         if q["expires"] < time.time():
             raise ApiError(401, "the upload URL has expired: ask for a new one")

@@ -117,6 +117,7 @@ def test_upload_url_is_signed(sdk: Server) -> None:
     assert put(url.replace(f"{'c' * 64}", "d" * 64)) == 401          # a signature is for one hash
     base, _, query = url.partition("?")
     assert put(base + "?expires=1&signature=" + query.split("signature=")[1]) == 401
+    assert put(base + "?expires=9999999999&signature=%CA%87%C7%9D%C9%AF") == 401   # non-ASCII (was a 500)
     status, _, body = sdk.request("GET", f"/templates/unknown-tpl/files/{'c' * 64}")
     assert status == 404
 
