@@ -16,6 +16,8 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
+from .libc import libc
+
 IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004
 IN_CLOSE_WRITE = 0x00000008
@@ -78,17 +80,6 @@ def event_type(mask: int) -> str | None:
     return None
 
 
-_libc: ctypes.CDLL | None = None
-
-
-def _lib() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        # The C library this python already runs on (dlopen(NULL)): never one found by
-        # name, which runs ldconfig and may name the image's libc (musl) in a tools image.
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-    return _libc
 
 
 class DirWatcher:
@@ -98,7 +89,7 @@ class DirWatcher:
         self.root = root
         self.recursive = recursive
         self._sink = sink
-        fd = _lib().inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        fd = libc().inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
@@ -119,7 +110,7 @@ class DirWatcher:
         asyncio.get_running_loop().add_reader(fd, self._on_readable)
 
     def _add(self, path: str, rel: str) -> None:
-        wd = _lib().inotify_add_watch(self._fd, os.fsencode(path), WATCH_MASK)
+        wd = libc().inotify_add_watch(self._fd, os.fsencode(path), WATCH_MASK)
         if wd < 0:
             err = ctypes.get_errno()
             if rel and err in (errno.ENOENT, errno.ENOTDIR):

@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from . import volwire as W
+from .libc import libc
 from .volfs import MAX_WRITE, VolfsError, VolumeFs
 
 log = logging.getLogger("envd.volfs")
@@ -41,14 +42,6 @@ def peer_is_local(address: str) -> bool:
     return True
 
 
-_libc: ctypes.CDLL | None = None
-
-
-def _lib() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
 
 
 def check_mountpoint(path: str) -> str:
@@ -70,7 +63,7 @@ def mount_fuse(mountpoint: str, volume: str) -> int:
     fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,max_read={MAX_WRITE}"
     src = f"aenv-volume:{volume}"
-    if _lib().mount(src.encode(), mountpoint.encode(), b"fuse.aenv", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+    if libc().mount(src.encode(), mountpoint.encode(), b"fuse.aenv", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
         e = ctypes.get_errno()
         os.close(fd)
         raise VolfsError(500, f"mount {mountpoint}: {os.strerror(e)}")
@@ -136,7 +129,7 @@ class VolumeMounts:
         fs = self.mounts.pop(mountpoint, None)
         if fs is None:
             return False
-        if _lib().umount2(mountpoint.encode(), MNT_DETACH) != 0:
+        if libc().umount2(mountpoint.encode(), MNT_DETACH) != 0:
             log.warning("umount %s: %s", mountpoint, os.strerror(ctypes.get_errno()))
         fs.close()
         return True

@@ -225,17 +225,16 @@ class VolumeServer:
             os.close(fd)
 
     def _unlink(self, meta: dict[str, Any], data: bytes) -> Reply:
-        dfd, name = self._parent(meta)
-        try:
-            os.unlink(name, dir_fd=dfd)
-        finally:
-            os.close(dfd)
-        return 0, {}, b""
+        return self._in_parent(meta, os.unlink)
 
     def _rmdir(self, meta: dict[str, Any], data: bytes) -> Reply:
+        return self._in_parent(meta, os.rmdir)
+
+    def _in_parent(self, meta: dict[str, Any], op: Callable[..., None]) -> Reply:
+        """``op(name, dir_fd=parent)`` on the request's path, beneath the volume."""
         dfd, name = self._parent(meta)
         try:
-            os.rmdir(name, dir_fd=dfd)
+            op(name, dir_fd=dfd)
         finally:
             os.close(dfd)
         return 0, {}, b""
