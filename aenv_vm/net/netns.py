@@ -215,9 +215,10 @@ def destroy(net: SandboxNet | str) -> None:
 def abort_host_sockets(ns_ip: str) -> None:
     """Abort this host's TCP sockets to a sandbox's address whose guest vanished (its
     namespace removed, or its QEMU killed at a pause while the namespace stays for the
-    standby): the guest went without a FIN, so a keep-alive connection (the API proxy pools them) would stay open
-    and, once the /30 is given to a new sandbox, carry a request to that sandbox's guest,
-    which resets it: a failed request. ``ss -K`` (sock_destroy) closes them now. Best
+    standby): the guest went without a FIN, so a keep-alive connection (the API proxy
+    pools them) would stay open and carry a request to whatever answers that address
+    next (a new sandbox on the /30, or the resumed guest's stale TCP state): a failed
+    or hung request. ``ss -K`` (sock_destroy) closes them now. Best
     effort: a kernel without CONFIG_INET_DIAG_DESTROY leaves them to the keep-alive timeout."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(["ss", "-K", "-t", "dst", ns_ip], capture_output=True, timeout=10)
