@@ -5,9 +5,11 @@ name the key."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from aenv_store.errors import ConfigError
 from aenv_vm.config import VmConfig
 from aenv_vm.builds.config import TemplatesConfig
 from aenv_vm.oci.config import OciConfig
+from aenv_fleet.config import ClusterConfig, GatewayConfig
 
 from .server.settings import ServerConfig
 
@@ -45,11 +48,25 @@ class AenvConfig:
             repository=self.repository,
             store=self.store,
             cache=self.cache,
-            p2p=self.p2p,
+            p2p=fleet_p2p(self.p2p, self.extra.get("cluster")),
         )
 
     def section(self, name: str) -> Any:
         return self.extra[name]
+
+
+def fleet_p2p(p2p: P2PConfig, cluster: ClusterConfig | None) -> P2PConfig:
+    """``[p2p] host = ""`` on a fleet node: the host of ``[cluster] advertise_url`` when
+    that is an IP address (other nodes reach this one there), so its P2P endpoint is
+    reachable by the peers the agent gives it; else loopback (P2PConfig.bind_host)."""
+    if p2p.host or cluster is None or not cluster.redis_url:
+        return p2p
+    host = urllib.parse.urlsplit(cluster.advertise_url).hostname or ""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return p2p
+    return p2p if ip.is_unspecified else dataclasses.replace(p2p, host=str(ip))
 
 
 # section name -> dataclass type. Other modules add theirs with register_section().
@@ -62,6 +79,8 @@ SECTIONS: dict[str, type] = {
     "server": ServerConfig,
     "oci": OciConfig,
     "templates": TemplatesConfig,
+    "cluster": ClusterConfig,
+    "gateway": GatewayConfig,
 }
 
 

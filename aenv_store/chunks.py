@@ -19,6 +19,7 @@ have a chunk: it answers with what it could get, never fails a read.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Protocol, Sequence
@@ -34,7 +35,10 @@ from .repository.repository import Repository, coalesce
 
 log = logging.getLogger(__name__)
 
-READ_THREADS = 4  # range reads of one batch overlap I/O, zstd and BLAKE3 (all drop the GIL)
+READ_THREADS = 4  # range reads of one batch in flight at once (I/O: more than the CPUs)
+# zstd + BLAKE3 of the parts of a run (Repository.read_run), beside the thread that read
+# it: both drop the GIL, so one per CPU is what can run at once
+DECODE_THREADS = os.cpu_count() or 1
 
 
 class ChunkSource(Protocol):
@@ -58,6 +62,7 @@ class ChunkChain:
         self._sources: list[ChunkSource] = list(sources)
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
+        self._decode: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
     @property
@@ -71,9 +76,10 @@ class ChunkChain:
 
     def close(self) -> None:
         with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools, self._pool, self._decode = (self._pool, self._decode), None, None
+        for pool in pools:  # readers first: their runs may still hand parts to the decoders
+            if pool is not None:
+                pool.shutdown(wait=True)
         for source in self._sources:
             source.close()
         self._sources.clear()
@@ -148,7 +154,7 @@ class ChunkChain:
 
     def _read_run(self, run: list[IndexEntry]) -> list[bytes]:
         try:
-            return self.repository.read_run(run, self._dctx())
+            return self.repository.read_run(run, self._dctx(), self._decode_pool())
         except NotFound:  # the pack is gone (gc repacked it): chunk by chunk, which re-resolves them
             return [self.fetch_from_repository(Digest(e.chunk)) for e in run]
 
@@ -163,3 +169,13 @@ class ChunkChain:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="aenv-store-read")
             return self._pool
+
+    def _decode_pool(self) -> ThreadPoolExecutor | None:
+        """Decoders for the parts of a run; a separate pool, so a reader waiting for its
+        parts never waits for a thread that another waiting reader holds."""
+        if DECODE_THREADS < 2:
+            return None
+        with self._pool_lock:
+            if self._decode is None:
+                self._decode = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="aenv-store-decode")
+            return self._decode

@@ -3,8 +3,11 @@
 Defaults are documented next to each field and in docs/config.md."""
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .errors import ConfigError
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -64,6 +67,25 @@ class P2PConfig:
     lookup_timeout_ms: int = 300
     # Local UDP port for the iroh endpoint (0 = any).
     port: int = 0
+    # The IP address the endpoint binds and puts into its ticket: other nodes must
+    # reach it. "" = 127.0.0.1 (a single node), or in a fleet the host of
+    # [cluster] advertise_url when that is an IP address (aenv_api.config resolves it).
+    host: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"p2p.port must be in 0..65535, got {self.port}")
+        if self.host:
+            try:
+                ip = ipaddress.ip_address(self.host)
+            except ValueError:
+                raise ConfigError(f"p2p.host must be an IP address, got {self.host!r}") from None
+            if ip.is_unspecified:
+                # the ticket must name one address peers can reach, not "any"
+                raise ConfigError(f"p2p.host must be one address of this node, not {self.host!r}")
+
+    def bind_host(self) -> str:
+        return self.host or "127.0.0.1"
 
 
 @dataclass(frozen=True)

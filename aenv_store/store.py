@@ -3,12 +3,13 @@ its builder workspaces. This is the API other layers code against
 (notes: store-api contract; formats: docs/store-format.md)."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .cache.node_cache import ChunkData, NodeCache
 from .chunks import ChunkChain, ChunkSource
@@ -25,6 +26,13 @@ from .workspace import Workspace, clean_stale_workspaces
 log = logging.getLogger(__name__)
 
 MAX_ALIAS_DEPTH = 32
+# Sequential BlobReader reads: this many windows of the caller's read size are read
+# ahead on the store's read-ahead threads (the next windows' range reads, zstd, BLAKE3
+# and node-cache fills overlap with the caller's use of this one), for reads up to
+# READ_AHEAD_MAX bytes; so a reader holds at most READ_AHEAD * READ_AHEAD_MAX ahead.
+READ_AHEAD = 2
+READ_AHEAD_MAX = 16 << 20
+READ_AHEAD_THREADS = 2
 
 
 def _open_cache(settings: StoreSettings) -> NodeCache:
@@ -53,6 +61,7 @@ class Store:
         # New artifacts use the repository's chunk size (fixed at `aenv repo init`).
         self.chunk_size = repository.config.chunk_size
         self._cpool: ThreadPoolExecutor | None = None
+        self._apool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.closed = False
 
@@ -108,6 +117,10 @@ class Store:
         self.closed = True
         if self._cpool is not None:
             self._cpool.shutdown(wait=True)
+        with self._pool_lock:
+            apool, self._apool = self._apool, None
+        if apool is not None:  # before the read chain: read-ahead tasks use it
+            apool.shutdown(wait=True, cancel_futures=True)
         self.chunks.close()
         if self.cache is not None:
             self.cache.close()
@@ -134,6 +147,15 @@ class Store:
             if self._cpool is None:
                 self._cpool = ThreadPoolExecutor(threads, thread_name_prefix="aenv-store-zstd")
             return self._cpool
+
+    def _read_ahead(self, task: Callable[[], bytes]) -> "Future[bytes] | None":
+        """Run ``task`` on the read-ahead threads; None once the store is closing."""
+        with self._pool_lock:
+            if self.closed:
+                return None
+            if self._apool is None:
+                self._apool = ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="aenv-store-ahead")
+            return self._apool.submit(task)
 
     # -- reading ---------------------------------------------------------------------
 
@@ -236,7 +258,12 @@ def _zeros(n: int) -> bytes | memoryview:
 
 
 class BlobReader:
-    """Random-access reads over one manifest (whole artifact or a delta)."""
+    """Random-access reads over one manifest (whole artifact or a delta). Thread-safe.
+
+    Sequential reads (a read starting where the previous one ended) are read ahead: the next READ_AHEAD windows of the same size are read on the
+    store's read-ahead threads, through the same read chain (node cache, single
+    flight, verification), so a cold sequential read keeps every CPU busy. A read
+    elsewhere drops the windows read ahead."""
 
     def __init__(self, store: Store, manifest: Manifest, cache: bool = True) -> None:
         self.store = store
@@ -244,6 +271,9 @@ class BlobReader:
         self.size = manifest.size
         self.cache = cache
         self._pinned = False
+        self._lock = threading.Lock()
+        self._next = -1         # where a sequential read starts (none yet)
+        self._ahead: dict[tuple[int, int], Future[bytes]] = {}
 
     def read(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset+length) clipped at the size; zero extents read as
@@ -254,6 +284,42 @@ class BlobReader:
         end = min(offset + length, self.size)
         if offset >= end:
             return b""
+        ahead = self._take_ahead(offset, length, end)
+        if ahead is not None:
+            try:
+                return ahead.result()
+            except Exception:  # noqa: BLE001 - read it again here: its error is this caller's
+                pass
+        return self._read(offset, end)
+
+    def _take_ahead(self, offset: int, length: int, end: int) -> Future[bytes] | None:
+        """This read's window if it was read ahead; schedules the windows after it."""
+        with self._lock:
+            mine = self._ahead.pop((offset, length), None)
+            # two reads in a row make a sequential reader: one read (a header at 0, one
+            # window a peer serves) is not a reason to fetch the next windows
+            sequential, self._next = offset == self._next, end
+            if not sequential or length > READ_AHEAD_MAX:
+                stale, self._ahead = self._ahead, {}
+            else:
+                stale = {k: f for k, f in self._ahead.items() if k[0] < end}
+                for k in stale:
+                    del self._ahead[k]
+                for i in range(READ_AHEAD):
+                    start = end + i * length
+                    if start >= self.size:
+                        break
+                    if (start, length) not in self._ahead:
+                        stop = min(start + length, self.size)
+                        fut = self.store._read_ahead(functools.partial(self._read, start, stop))
+                        if fut is None:
+                            break
+                        self._ahead[(start, length)] = fut
+        for fut in stale.values():
+            fut.cancel()  # one already running finishes; its chunks are cached all the same
+        return mine
+
+    def _read(self, offset: int, end: int) -> bytes:
         extents = self.manifest.extents_in(offset, end - offset)
         datas = self.store.read_chunks([e.chunk for e in extents if e.chunk is not None], self.cache)
         # pieces joined once at the end: no zero-filled buffer to overwrite, no final copy

@@ -57,6 +57,11 @@ class VmConfig:
     # MiB of a sandbox's disk fetched ahead of its sequential reads (aenv_vm/blockimage/
     # prefetch.py; 0: off). Matters where chunks are not local yet (a cold node cache).
     readahead_mib: int = 4
+    # Memory images this node does not have (a snapshot or template made on another node)
+    # are served page by page from the store through a FUSE file the node mounts, so a
+    # restore starts without fetching the whole image first (aenv_vm/memory/lazyfs.py).
+    # Needs root and /dev/fuse; without them (or false) the image is fetched whole first.
+    lazy_memory: bool = True
     # QEMU confinement (aenv_vm/confine, docs/security.md): "auto" = every part this host
     # allows (uid per sandbox, no capabilities, no_new_privs, seccomp, own mount namespace,
     # cgroup), the rest off and named at start and in `aenv doctor`; "required" = refuse

@@ -52,3 +52,9 @@ class GuestUnresponsive(VmError):
 class UnresponsiveSnapshot(Conflict):
     """The pause was taken while the guest's envd did not answer: restoring its memory
     would bring that guest back, so it resumes only by cold boot (``memory=False``)."""
+
+
+class Moved(Conflict):
+    """The sandbox's latest pause in the shared repository was made, or taken over, by
+    another node: what this node holds of it is stale and is neither resumed nor committed
+    (release it; the other node resumes it)."""

@@ -3,7 +3,7 @@
 The build itself is fixtures/build_guest.py (needs root; debootstrap + apt);
 ``ensure_guest`` runs it — it returns at once when the cache is current — and
 ``find_guest`` only reads the last build's description (for `aenv doctor`).
-Cache: <repo>/.cache/guest, or $AENV_GUEST_CACHE. Layout and keys are
+Cache: $AENV_GUEST_CACHE, else ~/.cache/aenv/guest ($XDG_CACHE_HOME honoured). Layout and keys are
 described in docs/guest.md.
 """
 from __future__ import annotations
@@ -64,7 +64,13 @@ class GuestImage:
 
 
 def guest_cache_root() -> Path:
-    return Path(os.environ.get("AENV_GUEST_CACHE") or REPO_ROOT / ".cache" / "guest").resolve()
+    """$AENV_GUEST_CACHE, else the user's cache ($XDG_CACHE_HOME or ~/.cache, then
+    aenv/guest): one build serves every checkout of the same recipe (stage keys hash
+    the recipe, docs/guest.md), as pip's cache serves every venv."""
+    if os.environ.get("AENV_GUEST_CACHE"):
+        return Path(os.environ["AENV_GUEST_CACHE"]).resolve()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return (Path(base) / "aenv" / "guest").resolve()
 
 
 def find_guest(cache: Path | None = None) -> GuestImage | None:

@@ -41,6 +41,7 @@ class CreateRequest:
     network: NetworkPolicy = field(default_factory=NetworkPolicy)   # egress rules (net/policy.py)
     pause_memory: bool = True                       # a TTL auto-pause keeps memory (False: filesystem only)
     volume_mounts: tuple[dict, ...] = ()            # E2B's [{name, path}]: volumes mounted at create
+    annotations: dict[str, str] = field(default_factory=dict)   # the caller's own fields, kept with the sandbox
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class SandboxInfo:
     cold_boot: bool = False         # paused filesystem-only: the next resume boots from its disk
     envd_unresponsive: bool = False # paused while envd did not answer: resumes by cold boot only
     volume_mounts: tuple[dict, ...] = ()    # [{name, path}] of the volumes mounted in it
+    # what the create's caller asked to keep with it (inherited by fork children, moved
+    # with the sandbox between nodes)
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -171,4 +175,17 @@ class SandboxService(Protocol):
 
     def on_expiry(self, listener: ExpiryListener) -> None:
         """Call ``listener`` after a sandbox's TTL paused or killed it."""
+        ...
+
+    async def adopt(self, sandbox_id: str, force: bool = False) -> SandboxInfo:
+        """Take over a sandbox that another node sharing the repository paused: it is
+        paused here afterwards, and ``resume`` runs it with the same id. NotFound: no such
+        paused sandbox in the repository; Conflict: this one already holds it, or it cannot
+        move (volume mounts, its template gone, paused by an older node), or its holder
+        resumed it after that pause and ``force`` (that node is known to be gone) is not set."""
+        ...
+
+    async def release(self, sandbox_id: str) -> None:
+        """Forget a paused sandbox, its pause committed and kept in the repository, so that
+        another node can adopt it. NotFound: unknown; Conflict: running (or not movable)."""
         ...

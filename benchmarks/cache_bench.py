@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row("get hit", latencies(lambda it: cache.get(it[0]), items, rng, args.lookups), size))
             rows.append(row("get_or_fetch hit", latencies(lambda it: cache.get_or_fetch(it[0], bytes),
                                                           items, rng, args.lookups), size))
-            rows.append(row("path_of", latencies(lambda it: cache.path_of(it[0]), items, rng, args.lookups), 0))
+            rows.append(row("location_of", latencies(lambda it: cache.location_of(it[0]), items, rng, args.lookups), 0))
 
             per_thread = args.lookups // args.threads
             barrier = threading.Barrier(args.threads + 1)

@@ -11,8 +11,16 @@ chunk size). Prints tables with ratios against restic and borg; ``--json`` and
 Needs root (loop mount, dropping the page cache between phases). Installs
 restic and borgbackup from Debian if missing.
 
+``--aenv-tree LABEL=DIR`` adds a subject ``aenv@LABEL``: the same store-API phases
+run by the aenv checkout in DIR (a subprocess with PYTHONPATH=DIR, see
+_aenv_tree.py), e.g. the tree before a change beside this one in one run.
+``--readback-rounds N`` then reads v1 back N more times per tool, round-robin
+(each round in a rotated order), and reports the percentiles of those cold reads.
+
     .venv/bin/python benchmarks/store_bench.py                 # 1 GiB tree, all tools
     .venv/bin/python benchmarks/store_bench.py --size 64M --chunk-sizes 64K
+    .venv/bin/python benchmarks/store_bench.py --tools aenv,restic --chunk-sizes '' \
+        --aenv-tree before=../aenv-main --readback-rounds 7
 """
 from __future__ import annotations
 
@@ -32,8 +40,8 @@ from typing import Any, Protocol
 import blake3
 
 from _common import (KiB, MiB, BenchError, Stopwatch, drop_caches, dir_bytes, ensure_debian_packages,
-                     format_table, human_bytes, is_root, machine_info, markdown_table, parse_size, run,
-                     throughput_mb_s, tool_version)
+                     format_table, human_bytes, is_root, machine_info, markdown_table, parse_size, percentile,
+                     run, throughput_mb_s, tool_version)
 from _ext4_images import ChangeStats, build_tree, copy_image, evolve_in_place, image_size_for, make_ext4
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,10 +61,13 @@ def file_digest(path: Path) -> str:
 # ---------------------------------------------------------------- the tools
 
 class Subject(Protocol):
-    """One tool under test, driven through its normal interface."""
+    """One tool under test, driven through its normal interface. A subject whose
+    phases run in a process of their own may time them itself (``timed``: the
+    seconds of its last ingest/restore/verify), else the caller's stopwatch counts."""
 
     name: str
     notes: list[str]
+    timed: float | None
 
     def version(self) -> str: ...
     def init(self) -> None: ...
@@ -69,6 +80,7 @@ class Subject(Protocol):
 
 class Restic:
     name = "restic"
+    timed = None
 
     def __init__(self, work: Path) -> None:
         self.repo = work / "restic-repo"
@@ -115,6 +127,7 @@ class Restic:
 
 class Borg:
     name = "borg"
+    timed = None
 
     def __init__(self, work: Path) -> None:
         self.repo = work / "borg-repo"
@@ -173,6 +186,7 @@ class Aenv:
                                  ["API: BlobWriter.append of every byte; BlobReader.read from a cold node cache"])
         self._cold = 0
         self._verify_cli = False
+        self.timed: float | None = None
 
     def _settings(self, data_dir: Path) -> Any:
         from aenv_store.config import RepositoryConfig, StoreConfig, StorePaths, StoreSettings
@@ -279,9 +293,74 @@ class Aenv:
             shutil.rmtree(self.work / f"{self.name}-cold-{n}", ignore_errors=True)
 
 
-def _git_rev() -> str:
+class AenvTree:
+    """aenv's store API as another checkout of aenv runs it (``--aenv-tree LABEL=DIR``):
+    each phase is ``_aenv_tree.py`` in a subprocess with PYTHONPATH=DIR, timed inside
+    it like the in-process subject (Store.open to close), so imports do not count."""
+
+    def __init__(self, work: Path, label: str, tree: Path) -> None:
+        self.name = f"aenv@{label}"
+        self.tree = tree
+        self.data_dir = work / f"aenv-{label}-data"
+        self.repo = self.data_dir / "repo"
+        self.work = work
+        self.blobs: dict[str, str] = {}
+        self.notes = [f"the store API of the checkout {label} (git {_git_rev(tree)}), in a subprocess"]
+        self.timed: float | None = None
+        self._cold = 0
+
+    def _call(self, *args: str) -> dict[str, Any]:
+        import os
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}
+        out = subprocess.run([sys.executable, str(Path(__file__).with_name("_aenv_tree.py")), *args],
+                             capture_output=True, text=True, env=env, cwd=str(self.tree))
+        if out.returncode != 0:
+            raise BenchError(f"{self.name} {args[0]}: {out.stderr.strip()[-2000:]}")
+        result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        self.timed = result.get("seconds")
+        return result
+
+    def version(self) -> str:
+        return f"aenv (git {_git_rev(self.tree)}) from {self._call('version')['path']}"
+
+    def init(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+
+    def ingest(self, image: Path, label: str) -> None:
+        self.blobs[label] = self._call("ingest", str(self.data_dir), str(self.repo), str(image),
+                                       f"bench-{label}")["mid"]
+
+    def restore(self, label: str, dest_dir: Path) -> Path:
+        self._cold += 1
+        cold_dir = self.work / f"{self.name}-cold-{self._cold}"
+        out = dest_dir / f"{label}.img"
+        self._call("restore", str(cold_dir), str(self.repo), self.blobs[label], str(out))
+        return out
+
+    def drop_cold(self) -> None:
+        shutil.rmtree(self.work / f"{self.name}-cold-{self._cold}", ignore_errors=True)
+
+    def verify(self) -> str:
+        problems = self._call("verify", str(self.data_dir), str(self.repo))["problems"]
+        if problems:
+            raise BenchError(f"{self.name}: verify found problems: " + " | ".join(problems))
+        return "aenv_store.admin.verify.verify(read_data=True) in the subprocess"
+
+    def repo_bytes(self) -> int:
+        return dir_bytes(self.repo)
+
+    def drop_cold(self) -> None:
+        shutil.rmtree(self.work / f"{self.name}-cold-{self._cold}", ignore_errors=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        for n in range(1, self._cold + 1):
+            shutil.rmtree(self.work / f"{self.name}-cold-{n}", ignore_errors=True)
+
+
+def _git_rev(tree: Path = REPO_ROOT) -> str:
     try:
-        return subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip() or "?"
     except (OSError, subprocess.TimeoutExpired):
         return "?"
@@ -327,6 +406,7 @@ class Report:
     results: list[Measured] = field(default_factory=list)
     runs: dict[str, list[Measured]] = field(default_factory=dict)  # every repeat, for the record
     chunk_study: list[dict[str, Any]] = field(default_factory=list)
+    readback: dict[str, list[float]] = field(default_factory=dict)  # --readback-rounds: seconds per round
 
 
 def phase(msg: str) -> None:
@@ -349,28 +429,46 @@ def make_images(work: Path, size: int, fraction: float, seed: int) -> Images:
     return Images(v1, v2, img_size, file_digest(v1), stats.files, stats.bytes, changes)
 
 
+def _seconds(subject: Subject, sw: Stopwatch) -> float:
+    """The phase's time: the subject's own if it timed itself, else the stopwatch's."""
+    timed, subject.timed = subject.timed, None
+    return sw.seconds if timed is None else timed
+
+
+def read_back(subject: Subject, images: Images, work: Path) -> tuple[float, bool]:
+    """(seconds, identical) of one cold read-back of v1; its output and (aenv) its
+    filled node cache are removed afterwards, outside the timing."""
+    dest = work / f"restore-{subject.name}"
+    dest.mkdir()
+    drop_caches()
+    subject.timed = None
+    with Stopwatch() as sw:
+        out = subject.restore("v1", dest)
+    seconds = _seconds(subject, sw)
+    identical = file_digest(out) == images.v1_digest
+    shutil.rmtree(dest)
+    drop_cold = getattr(subject, "drop_cold", None)
+    if drop_cold is not None:
+        drop_cold()
+    return seconds, identical
+
+
 def measure(subject: Subject, images: Images, work: Path) -> Measured:
     m = Measured(subject.name, subject.version(), list(subject.notes))
     subject.init()
     phase(f"{subject.name}: ingest v1")
     drop_caches()
+    subject.timed = None
     with Stopwatch() as sw:
         subject.ingest(images.v1, "v1")
-    m.ingest_v1_s, m.repo_after_v1 = sw.seconds, subject.repo_bytes()
+    m.ingest_v1_s, m.repo_after_v1 = _seconds(subject, sw), subject.repo_bytes()
     phase(f"{subject.name}: ingest v2")
     drop_caches()
     with Stopwatch() as sw:
         subject.ingest(images.v2, "v2")
-    m.ingest_v2_s, m.repo_after_v2 = sw.seconds, subject.repo_bytes()
+    m.ingest_v2_s, m.repo_after_v2 = _seconds(subject, sw), subject.repo_bytes()
     phase(f"{subject.name}: read back v1")
-    dest = work / f"restore-{subject.name}"
-    dest.mkdir()
-    drop_caches()
-    with Stopwatch() as sw:
-        out = subject.restore("v1", dest)
-    m.readback_s = sw.seconds
-    m.readback_identical = file_digest(out) == images.v1_digest
-    shutil.rmtree(dest)
+    m.readback_s, m.readback_identical = read_back(subject, images, work)
     if not m.readback_identical:
         # keep measuring the rest; main() fails the run after printing the table
         phase(f"{subject.name}: ERROR: read-back of v1 differs from the image")
@@ -378,8 +476,23 @@ def measure(subject: Subject, images: Images, work: Path) -> Measured:
     drop_caches()
     with Stopwatch() as sw:
         m.verify_how = subject.verify()
-    m.verify_s = sw.seconds
+    m.verify_s = _seconds(subject, sw)
     return m
+
+
+def readback_rounds(subjects: list[Subject], images: Images, work: Path, rounds: int) -> dict[str, list[float]]:
+    """``rounds`` more cold read-backs of v1 per subject, round-robin; round r starts at
+    subject r (mod n), so no tool always follows the same one. Seconds per subject."""
+    times: dict[str, list[float]] = {s.name: [] for s in subjects}
+    for r in range(rounds):
+        for k in range(len(subjects)):
+            subject = subjects[(r + k) % len(subjects)]
+            phase(f"read-back round {r + 1}/{rounds}: {subject.name}")
+            seconds, identical = read_back(subject, images, work)
+            if not identical:
+                raise BenchError(f"{subject.name}: read-back of v1 differs from the image (round {r + 1})")
+            times[subject.name].append(seconds)
+    return times
 
 
 def best_of(runs: list[Measured]) -> Measured:
@@ -435,7 +548,7 @@ def result_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     (its value over the peer's: higher is better for speeds, lower for bytes), and
     whether each aenv variant meets the issue's target against restic."""
     by = {m.tool: m for m in report.results}
-    tools = [t for t in ("aenv", "aenv-cli", "restic", "borg") if t in by]
+    tools = [m.tool for m in report.results]
     subjects = [t for t in tools if t.startswith("aenv")]
     peers = [t for t in tools if not t.startswith("aenv")]
     size = report.images["image_bytes"]
@@ -476,6 +589,30 @@ def result_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def readback_rows(report: Report) -> tuple[list[str], list[list[str]]]:
+    """The --readback-rounds table: per tool the p50 / p10 / p90 / best of its cold
+    read-backs (MB/s), and for each aenv subject the ratio of its p50 to restic's and
+    the median of its per-round ratios (the tools of one round saw about the same load)."""
+    size = report.images["image_bytes"]
+    restic = report.readback.get("restic")
+    header = ["tool", "rounds", "p50 MB/s", "p10 MB/s", "p90 MB/s", "best MB/s", "p50 s"]
+    if restic:
+        header += ["p50 / restic p50", "median of round ratios"]
+    rows = []
+    for tool, secs in report.readback.items():
+        speeds = [throughput_mb_s(size, t) for t in secs]
+        row = [tool, str(len(secs)), f"{percentile(speeds, 50):.1f}", f"{percentile(speeds, 10):.1f}",
+               f"{percentile(speeds, 90):.1f}", f"{max(speeds):.1f}", f"{percentile(secs, 50):.2f}"]
+        if restic:
+            if tool == "restic":
+                row += ["", ""]
+            else:
+                ratios = [r / t for t, r in zip(secs, restic)]  # speed ratio = inverse time ratio
+                row += [f"{percentile(restic, 50) / percentile(secs, 50):.2f}x", f"{percentile(ratios, 50):.2f}x"]
+        rows.append(row)
+    return header, rows
+
+
 def chunk_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     header = ["chunk size", "ingest v1 (MB/s)", "ingest v2 (MB/s)", "repo after v1", "v2 added bytes"]
     rows = [[f"{r['chunk_size'] // KiB} KiB", f"{r['ingest_v1_mb_s']:.1f}", f"{r['ingest_v2_mb_s']:.1f}",
@@ -504,6 +641,10 @@ def render(report: Report, markdown: bool) -> str:
         lines += [f"- {m.tool}: {m.version}; verify = `{m.verify_how}`; " + "; ".join(m.notes)
                   for m in report.results]
         lines.append("")
+    if report.readback:
+        header, rows = readback_rows(report)
+        lines += ["cold read-back of v1, rounds after the phases above (round-robin, page cache dropped "
+                  "before each):", "", table(rows, header), ""]
     if report.chunk_study:
         header, rows = chunk_rows(report)
         lines += ["aenv chunk-size study:", "", table(rows, header)]
@@ -534,6 +675,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1,
                    help="measure every tool N times (round-robin, fresh repositories) and keep the best")
+    p.add_argument("--aenv-tree", action="append", default=[], metavar="LABEL=DIR",
+                   help="also measure the aenv checkout in DIR as subject aenv@LABEL (repeatable)")
+    p.add_argument("--readback-rounds", type=int, default=0,
+                   help="then read v1 back N more times per tool, round-robin, and report percentiles")
     p.add_argument("--no-install", action="store_true", help="do not apt-get install missing peers")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown here")
@@ -548,6 +693,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(e))
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if args.readback_rounds < 0:
+        p.error("--readback-rounds must be >= 0")
+    trees: dict[str, Path] = {}
+    for spec in args.aenv_tree:
+        label, sep, tree = spec.partition("=")
+        if not sep or not label or not (Path(tree) / "aenv_store").is_dir():
+            p.error(f"--aenv-tree wants LABEL=DIR with an aenv checkout in DIR, got {spec!r}")
+        trees[label] = Path(tree).resolve()
+    args.aenv_tree = trees
     if not 0 < args.change_fraction < 1:
         p.error("--change-fraction must be between 0 and 1")
     return args
@@ -570,22 +724,36 @@ def main(argv: list[str] | None = None) -> int:
         report = Report(machine=machine, cache_dropped=drop_caches(), images={
             "image_bytes": images.size, "tree_files": images.tree_files, "tree_bytes": images.tree_bytes,
             "changes": {**asdict(images.changes), "changed": images.changes.changed}})
-        makers = {"aenv": lambda: Aenv(work), "aenv-cli": lambda: Aenv(work, mode="cli"),
-                  "restic": lambda: Restic(work), "borg": lambda: Borg(work)}
-        tools = list(args.tools)
+        makers: dict[str, Any] = {"aenv": lambda: Aenv(work), "aenv-cli": lambda: Aenv(work, mode="cli"),
+                                  "restic": lambda: Restic(work), "borg": lambda: Borg(work)}
+        for label, tree in args.aenv_tree.items():
+            makers[f"aenv@{label}"] = functools.partial(AenvTree, work, label, tree)
+        tools = list(args.tools) + [f"aenv@{label}" for label in args.aenv_tree]
         if "aenv-cli" in tools and not Aenv.cli_has("image", "import"):
             phase("aenv-cli: no `aenv image import` in this build; skipped")
             tools.remove("aenv-cli")
         # Round-robin repeats, best of each: on a shared machine, load from others
         # hits whichever tool runs at that moment; the best run is the tool's own speed.
         runs: dict[str, list[Measured]] = {t: [] for t in tools}
-        for rep in range(args.repeat):
-            for tool in tools:
-                subject = makers[tool]()
-                runs[tool].append(measure(subject, images, work))
+        kept: list[Subject] = []  # the last repeat's subjects, for --readback-rounds
+        try:
+            for rep in range(args.repeat):
+                for tool in tools:
+                    subject = makers[tool]()
+                    try:
+                        runs[tool].append(measure(subject, images, work))
+                    finally:
+                        if rep == args.repeat - 1 and args.readback_rounds:
+                            kept.append(subject)
+                        else:
+                            subject.remove()
+            report.results = [best_of(runs[t]) for t in tools]
+            report.runs = runs
+            if args.readback_rounds:
+                report.readback = readback_rounds(kept, images, work, args.readback_rounds)
+        finally:
+            for subject in kept:
                 subject.remove()
-        report.results = [best_of(runs[t]) for t in tools]
-        report.runs = runs
         if args.chunk_sizes:
             from aenv_store.config import StoreConfig
             aenv = next((m for m in report.results if m.tool == "aenv"), None)

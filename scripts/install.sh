@@ -8,13 +8,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # docker-registry, skopeo, umoci, apache2-utils (htpasswd): the OCI image tests' registry and clients;
+# redis-server: the fleet's coordination (docs/cluster.md) and its tests;
 # musl: the C library of the tools tests' alpine-like image (the guest tools' own
-# bash-static and busybox-static are fetched by the guest build with apt-get download)
+# bash-static and busybox-static are fetched by the guest build with apt-get download);
+# python3-ipykernel (IPython), python3-matplotlib, python3-pandas: the host-side tests of
+# codeint/ (the guest's code interpreter, run on the host's Debian python3, the same
+# packages as the guest's base); python3-jupyter-client: the benchmark's Jupyter peer
 APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static
               zstd cpio kmod restic borgbackup iproute2 nodejs npm nftables
-              docker-registry skopeo umoci apache2-utils musl)
+              docker-registry skopeo umoci apache2-utils musl redis-server
+              python3-jupyter-client python3-ipykernel python3-matplotlib python3-pandas)
 
+# systemd: systemd-analyze, which the deploy tests run on the units (tests/deploy)
+APT_PACKAGES+=(systemd)
+# AENV_SKIP_APT=1: leave system packages alone (deploy/systemd/install.sh --no-apt).
 need=()
+[[ "${AENV_SKIP_APT:-0}" == 1 ]] && APT_PACKAGES=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
@@ -31,7 +40,7 @@ fi
 
 # Debian's docker-registry package enables a registry service on :5000 (all addresses);
 # aenv only needs the binary (the tests start their own on loopback): keep it off.
-if command -v systemctl >/dev/null && systemctl is-enabled docker-registry >/dev/null 2>&1; then
+if [[ "${AENV_SKIP_APT:-0}" != 1 ]] && command -v systemctl >/dev/null && systemctl is-enabled docker-registry >/dev/null 2>&1; then
   echo "install: disabling the docker-registry system service (only the binary is used)"
   SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"
   $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
@@ -50,13 +59,15 @@ if [[ ! -f "$stamp" ]]; then
   .venv/bin/pip install -q --no-deps -e .
   rm -f .venv/.aenv-lock-*; touch "$stamp"
 fi
-# The e2b npm SDK for tests/api/node (the Node half of the API acceptance tests).
-if [[ -f tests/api/node/package-lock.json ]] && command -v npm >/dev/null; then
-  nstamp=tests/api/node/node_modules/.aenv-lock-$(sha256sum tests/api/node/package-lock.json | cut -c1-16)
-  if [[ ! -f "$nstamp" ]]; then
-    echo "install: npm ci (tests/api/node, pinned by its package-lock.json)"
-    (cd tests/api/node && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
-    touch "$nstamp"
+# The e2b npm SDKs: e2b for tests/api/node, @e2b/code-interpreter for tests/codeint/node.
+for ndir in tests/api/node tests/codeint/node; do
+  if [[ -f $ndir/package-lock.json ]] && command -v npm >/dev/null; then
+    nstamp=$ndir/node_modules/.aenv-lock-$(sha256sum $ndir/package-lock.json | cut -c1-16)
+    if [[ ! -f "$nstamp" ]]; then
+      echo "install: npm ci ($ndir, pinned by its package-lock.json)"
+      (cd $ndir && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+      touch "$nstamp"
+    fi
   fi
-fi
+done
 echo "install: ok ($(.venv/bin/aenv --version))"

@@ -14,7 +14,8 @@ from aenv_vm.errors import VmError
 from .common import CliError
 
 # command-group modules (aenv_api.cli.<name>); a module that does not exist yet is skipped.
-COMMANDS = ["repo", "cache", "image", "p2p", "doctor", "template", "sandbox", "snapshot", "files", "server"]
+COMMANDS = ["repo", "cache", "image", "p2p", "doctor", "template", "sandbox", "snapshot", "files", "server", "gateway",
+            "cluster"]
 
 
 def package_version() -> str:

@@ -103,7 +103,7 @@ def cmd_ticket(args: argparse.Namespace) -> int:
         print(st["ticket"])
         return 0
     if cfg.p2p.port:
-        print(offline_ticket(cfg.data_dir, cfg.p2p.port))
+        print(offline_ticket(cfg.data_dir, cfg.p2p.port, cfg.store_settings().p2p.bind_host()))
         return 0
     raise CliError("no P2P node is running on this data dir and p2p.port = 0 (a random port): "
                    "start one (`aenv p2p serve`) or set a fixed [p2p] port", exit_code=1)

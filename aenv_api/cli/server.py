@@ -248,7 +248,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     store = await asyncio.to_thread(open_node_store, cfg.store_settings(), True)
-    manager = server = lifecycle = builds = None
+    manager = server = lifecycle = builds = agent = None
     background: list[asyncio.Future] = []
     run_root = _run_root(cfg.data_dir)
     vm = cfg.section("vm")
@@ -271,13 +271,21 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
                                  tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
                                  ksm=vm.ksm_settings(), network=vm.network, max_sandboxes=server_cfg.max_sandboxes,
                                  readahead=vm.readahead_mib << 20, isolation=vm.isolation, confine=confinement,
-                                 volumes=volumes)
+                                 volumes=volumes, lazy_memory=vm.lazy_memory)
         try:
             await manager.start()
         except NetError as e:   # [vm] network = "tap" on a host that cannot do it
             raise CliError(str(e), 1) from None
         metrics = Metrics()
-        lifecycle = Lifecycle(NodeSandboxService(manager), server_cfg, metrics, cfg.data_dir, creds.envd_token,
+        service: Any = NodeSandboxService(manager)
+        cluster = cfg.section("cluster")
+        if cluster.redis_url:   # a fleet node: the agent observes every sandbox change (aenv_fleet/agent.py)
+            from aenv_fleet.agent import NodeAgent
+            from aenv_store.assembly import peer_source
+            agent = NodeAgent(cluster, creds.api_key, server_cfg.max_sandboxes, vm.memory_mib, cfg.data_dir,
+                              package_version(), p2p=peer_source(store))
+            service = agent.observe(service)
+        lifecycle = Lifecycle(service, server_cfg, metrics, cfg.data_dir, creds.envd_token,
                               creds.traffic_token)
         await lifecycle.start()
         background.append(asyncio.ensure_future(_gauges(metrics, lifecycle, manager, store)()))
@@ -296,6 +304,15 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
             background.append(asyncio.ensure_future(manager.fill_pool(tpl.id)))
         host = "127.0.0.1" if server_cfg.host in ("0.0.0.0", "", "::") else server_cfg.host
         url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+        if agent is not None:
+            await agent.start(url, [server_cfg.default_template, tpl.id])
+            say(f"cluster: node {agent.node_id!r} in the fleet at {cluster.redis_url}, "
+                f"advertised as {cluster.advertise_url}")
+            if agent.peering is not None:
+                p2p_host = cfg.store_settings().p2p.bind_host()
+                say(f"cluster: P2P endpoint on {p2p_host} published; the other live nodes are its peers"
+                    + (" (loopback: only nodes on this host reach it; set [p2p] host)"
+                       if p2p_host.startswith("127.") or p2p_host == "::1" else ""))
         say(f"listening on {url} (template {server_cfg.default_template!r} = {tpl.id}, pool {vm.pool_size}, "
             f"API key {creds.api_key_source}, data dir {cfg.data_dir})")
         say(f"network: {manager.rt.networks.describe()}")
@@ -320,6 +337,8 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
             await builds.close()   # running builds end (their VMs stop) before the manager's QEMUs
         if lifecycle is not None:
             await lifecycle.shutdown()
+        if agent is not None:
+            await agent.close()     # after the shutdown's pauses are bound: the lease ends now
         if server is not None:
             await server.close()
         if manager is not None:

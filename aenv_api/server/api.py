@@ -154,6 +154,13 @@ class ControlPlane:
         count = call.body.get("count") or 1
         return json_response(await self.lc.fork(call.path["sandboxID"], count, call.body.get("timeout")), 201)
 
+    async def adopt(self, request: web.Request, call: Call) -> web.Response:
+        return json_response((await self.lc.adopt(call.path["sandboxID"], call.query["force"] is True)).listed())
+
+    async def release(self, request: web.Request, call: Call) -> web.Response:
+        await self.lc.release(call.path["sandboxID"])
+        return no_content()
+
     async def sandbox_metrics(self, request: web.Request, call: Call) -> web.Response:
         start, end = call.query["start"], call.query["end"]
         return json_response(await self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
@@ -256,4 +263,14 @@ class ControlPlane:
                   (Reply(200, "the logs", "SandboxLogsV2Response"), gone), query=S.LOGS_V2, tags=sbx),
             Route("GET", "/sandboxes/{sandboxID}/metrics", self.sandbox_metrics, "resource use of a sandbox",
                   (Reply(200, "samples", "SandboxMetric[]"), gone), query=S.METRICS_QUERY, tags=sbx),
+            # between the nodes of a fleet sharing one repository (docs/api.md "Moving sandboxes")
+            Route("POST", "/_aenv/cluster/sandboxes/{sandboxID}/adopt", self.adopt,
+                  "take over a sandbox another node paused into the shared repository",
+                  (Reply(200, "adopted: paused on this node", "ListedSandbox"),
+                   Reply(404, "no such paused sandbox in the repository", "Error"),
+                   Reply(409, "this node already holds it, it was resumed elsewhere (force), or it cannot move",
+                         "Error")), query=S.ADOPT, tags=("cluster",)),
+            Route("POST", "/_aenv/cluster/sandboxes/{sandboxID}/release", self.release,
+                  "forget a paused sandbox here, keeping it in the repository for another node",
+                  (nc("released"), gone, Reply(409, "running, or it cannot move", "Error")), tags=("cluster",)),
         ]

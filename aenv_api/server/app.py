@@ -87,6 +87,11 @@ def _decoded(raw: bytes, encoding: str) -> bytes:
     return out
 
 
+# RFC 8259's whitespace; bytes.strip() would also take \x0b and \x0c, turning such a
+# body into "no body" instead of the invalid JSON it is
+JSON_WHITESPACE = b" \t\r\n"
+
+
 class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
                  version: str, templates: TemplateApi | None = None, volumes: VolumeApi | None = None) -> None:
@@ -114,7 +119,7 @@ class ApiServer:
             body: dict[str, Any] = {}
             if route.body is not None:
                 raw = _decoded(await request.read(), request.headers.get("Content-Encoding", ""))
-                if raw.strip():
+                if raw.strip(JSON_WHITESPACE):
                     body = route.body.parse_body(_parse_json(raw))
                 elif route.body_required:
                     raise ApiError(400, "a JSON request body is required")

@@ -28,6 +28,23 @@ class Extra:
     def from_json(cls, raw: dict) -> "Extra":
         return cls(**{**raw, "https_ports": tuple(raw.get("https_ports") or ())})
 
+    def annotation(self) -> str:
+        """These fields as the sandbox layer keeps them with the sandbox (``ANNOTATION``),
+        so that they move with it to another node (docs/api.md "Moving sandboxes")."""
+        return json.dumps({k: v for k, v in asdict(self).items() if k != "disk_mb"}, sort_keys=True,
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_annotation(cls, raw: str, disk_mb: int) -> "Extra":
+        """ValueError/TypeError for something ``annotation`` did not write."""
+        obj = json.loads(raw)
+        if not isinstance(obj, dict) or "disk_mb" in obj:
+            raise ValueError(f"not an {ANNOTATION} annotation: {raw[:80]!r}")
+        return cls.from_json({**obj, "disk_mb": disk_mb})
+
+
+ANNOTATION = "api.extra"    # the key of ``Extra.annotation`` among a sandbox's annotations
+
 
 class ApiExtras:
     """Per-sandbox API fields the sandbox layer does not keep."""

@@ -23,6 +23,7 @@ them); what the proxy applies (``allowPublicTraffic``, ``maskRequestHost``,
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import secrets
@@ -42,7 +43,7 @@ from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxS
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError
-from .extras import ApiExtras, Extra
+from .extras import ANNOTATION, ApiExtras, Extra
 from .metric_series import MAX_SANDBOX_IDS, bucketed, metric_json
 from .metrics import Metrics
 from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_view, update_policy
@@ -188,13 +189,16 @@ class Lifecycle:
         net = create_network(req.network, req.allow_internet_access)
         # v2 creates are always secured (E2B: "all system communication with the sandbox is always secured").
         token = self.envd_token if (v2 or req.secure) else None
+        alias = None if req.template_id.startswith("tpl-") else req.template_id
+        extra = Extra(alias, bool(req.auto_resume), 0, net.public_traffic, net.mask_request_host, net.https_ports)
         t0 = time.monotonic()
         try:
             info = await self.service.create(CreateRequest(
                 template=self._template_ref(req.template_id), env_vars=dict(req.env_vars or {}), access_token=token,
                 timeout=timeout, metadata=dict(req.metadata or {}), auto_pause=bool(req.auto_pause),
                 allow_internet_access=egress_choice(req.allow_internet_access, net.policy), network=net.policy,
-                pause_memory=req.auto_pause_memory is not False, volume_mounts=tuple(req.volume_mounts or ())))
+                pause_memory=req.auto_pause_memory is not False, volume_mounts=tuple(req.volume_mounts or ()),
+                annotations={ANNOTATION: extra.annotation()}))
         except VmError as e:
             self.metrics.inc("aenv_sandbox_create_failures_total", help="sandbox creates that failed")
             if isinstance(e, VolumeNotFound):     # volumeMounts names a volume this node does not have
@@ -207,9 +211,7 @@ class Lifecycle:
             raise ApiError(500, f"sandbox create failed: {e}") from None
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "create"),),
                              help="latency of sandbox lifecycle operations")
-        alias = None if req.template_id.startswith("tpl-") else req.template_id
-        self.extras.put(info.sandbox_id, Extra(alias, bool(req.auto_resume), info.disk_mib, net.public_traffic,
-                                               net.mask_request_host, net.https_ports))
+        self.extras.put(info.sandbox_id, dataclasses.replace(extra, disk_mb=info.disk_mib))
         self.logs.event(info.sandbox_id, "sandbox created", template=req.template_id, timeout=timeout,
                         pooled=info.from_pool, secure=token is not None,
                         public_traffic=None if net.public_traffic else False)
@@ -232,6 +234,35 @@ class Lifecycle:
         self.logs.remove(sid)
         self._forget_ports(sid)
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "kill"),))
+
+    # --- moves between nodes (docs/api.md "Moving sandboxes") ---------------------
+
+    async def adopt(self, sid: str, force: bool = False) -> SandboxView:
+        """Take over ``sid``, paused by another node into the shared repository."""
+        try:
+            info = await self.service.adopt(sid, force)
+        except VmError as e:
+            raise api_error(e, f"adopt of {sid}") from None
+        raw = info.annotations.get(ANNOTATION)
+        try:   # what the proxy applies to its traffic moves with it (a sandbox made without: defaults)
+            extra = Extra.from_annotation(raw, info.disk_mib) if raw is not None else Extra(disk_mb=info.disk_mib)
+        except (ValueError, TypeError) as e:
+            log.warning("sandbox %s: unreadable %s annotation (%s): proxy rules are the defaults", sid,
+                        ANNOTATION, e)
+            extra = Extra(disk_mb=info.disk_mib)
+        self.extras.put(sid, extra)
+        self.logs.event(sid, "sandbox adopted from another node", note=info.note or None)
+        return self._view(info)
+
+    async def release(self, sid: str) -> None:
+        """Forget ``sid`` here (paused, kept in the repository) so that another node adopts it."""
+        try:
+            await self.service.release(sid)
+        except VmError as e:
+            raise api_error(e, f"release of {sid}") from None
+        self._forget_ports(sid)
+        self.extras.drop([sid])
+        self.logs.remove(sid)
 
     def _forget_ports(self, sid: str) -> None:
         for key in [k for k in self._ports if k[0] == sid]:

@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -50,6 +49,7 @@ from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .network import TRAFFIC_TOKEN_HEADER
 from .upstream import MAX_HEAD, ChunkedBody, ResponseHead, UpstreamConn, UpstreamError, Upstreams, parse_response_head
+from .wsbridge import HANDSHAKE_HEADERS, bridge, offered_protocols
 
 log = logging.getLogger(__name__)
 
@@ -432,9 +432,8 @@ class SandboxProxy:
 
     async def _websocket(self, request: web.Request, sid: str, port: int, upstream: str,
                          headers: list[tuple[str, str]], rid: str, tls: bool) -> web.StreamResponse:
-        skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol"}
-        fwd = [(k, v) for k, v in headers if k.lower() not in skip]
-        protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        fwd = [(k, v) for k, v in headers if k.lower() not in HANDSHAKE_HEADERS]
+        protocols = offered_protocols(request)
         url = f"{'wss' if tls else 'ws'}://{upstream}{forward_target(request)}"
         try:
             up = await self._client().ws_connect(url, headers=fwd, protocols=protocols, autoping=False,
@@ -446,31 +445,6 @@ class SandboxProxy:
         if rid:
             down.headers["X-Request-Id"] = rid
         await down.prepare(request)
-
-        async def pump(src: Any, dst: Any) -> None:
-            async for msg in src:
-                if msg.type == aiohttp.WSMsgType.TEXT:
-                    await dst.send_str(msg.data)
-                elif msg.type == aiohttp.WSMsgType.BINARY:
-                    await dst.send_bytes(msg.data)
-                elif msg.type == aiohttp.WSMsgType.PING:
-                    await dst.ping(msg.data)
-                elif msg.type == aiohttp.WSMsgType.PONG:
-                    await dst.pong(msg.data)
-                else:
-                    break
-            await dst.close()
-
-        tasks = [asyncio.ensure_future(pump(down, up)), asyncio.ensure_future(pump(up, down))]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(BaseException):
-                    await t
-            await up.close()
-            await down.close()
+        await bridge(down, up)
         self.metrics.inc("aenv_proxy_websockets_total", help="WebSocket sessions bridged to sandboxes")
         return down

@@ -395,6 +395,9 @@ LOGS_V2 = Schema("SandboxLogsQueryV2", (
     Field("level", "string", enum=("debug", "info", "warn", "error"), description="minimum level"),
     Field("search", "string", max_length=256, description="case-sensitive substring of the message"),
 ))
+ADOPT = Schema("AdoptQuery", (
+    Field("force", "boolean", description="adopt even if its holder resumed it after its last pause (that node "
+                                          "is known to be gone: the sandbox continues from that pause)"),))
 METRICS_QUERY = Schema("MetricsQuery", (Field("start", "integer", minimum=0, maximum=2**62),
                                         Field("end", "integer", minimum=0, maximum=2**62)))
 METRICS_LIST = Schema("SandboxesMetricsQuery", (

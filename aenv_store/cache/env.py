@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 # opens the directory in agreement (a per-capacity value would force MDB_MAP_RESIZED dances).
 MAP_SIZE = 32 << 30
 MAX_READERS = 1024
-MAX_DBS = 5
+MAX_DBS = 8  # five in use; room to open an older layout far enough to read its format
 
 
 def boot_id() -> bytes:
@@ -44,9 +44,11 @@ class SharedEnv:
 
 
 def wipe(cache_dir: Path) -> None:
-    """An empty cache directory (index, chunk files and temporaries removed)."""
+    """An empty cache directory (index and segment files removed, and the chunk files and
+    temporaries of format 1)."""
     for name in ("index", "data", "tmp"):
         shutil.rmtree(cache_dir / name, ignore_errors=True)
+    for name in ("index", "data"):
         (cache_dir / name).mkdir(exist_ok=True)
 
 
@@ -58,13 +60,18 @@ def open_env(cache_dir: Path, wipe_if_bad: bool) -> tuple[lmdb.Environment, Inde
                         sync=False, metasync=False, readahead=False)
         try:
             env.reader_check()  # free reader slots of dead processes
+            # the format first: another layout may have other tables (format 1 had `dying`)
+            meta = env.open_db(b"meta")
+            with env.begin(db=meta) as txn:
+                fmt = txn.get(b"format")
+                empty = fmt is None and txn.stat(meta)["entries"] == 0
+            if fmt is not None and bytes(fmt) != FORMAT or fmt is None and not empty:
+                raise StoreError(f"node cache index has format {bytes(fmt) if fmt else None!r}, "
+                                 f"this build uses {FORMAT!r}")
             dbs = IndexDbs(env)
-            with env.begin(write=True) as txn:
-                fmt = dbs.get_meta(txn, b"format")
-                if fmt is None:
+            if fmt is None:
+                with env.begin(write=True) as txn:
                     dbs.set_meta(txn, b"format", FORMAT)
-                elif fmt != FORMAT:
-                    raise StoreError(f"node cache index has format {fmt!r}, expected {FORMAT!r}")
         except BaseException:
             env.close()
             raise
@@ -75,6 +82,7 @@ def open_env(cache_dir: Path, wipe_if_bad: bool) -> tuple[lmdb.Environment, Inde
             raise StoreError(f"node cache {cache_dir} was opened before fork(); a forked child cannot "
                              "reopen it (use the 'spawn' start method, or open it only in the child)") from None
         if not wipe_if_bad:
+            # another process uses it (perhaps an older build, with its layout): refuse, never mix
             raise StoreError(f"node cache index at {cache_dir / 'index'} is unusable: {e}") from None
         log.warning("node cache %s: index unusable (%s); starting empty", cache_dir, e)
         wipe(cache_dir)

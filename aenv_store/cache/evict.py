@@ -1,6 +1,8 @@
 """Eviction policy of the node cache: LRU between the high and low watermarks plus
-a free-disk floor, never touching pinned entries; and the two-step removal
-(index first, files after the commit) that the ``dying`` table keeps race-free."""
+a free-disk floor, never touching pinned entries. A segment file (one fill) is
+evicted as a whole: its chunks were fetched together and are read together, and
+its bytes can only be freed together (its unpinned members go with the least
+recently used one; a segment with pinned members stays until those go too)."""
 from __future__ import annotations
 
 import os
@@ -9,8 +11,8 @@ from pathlib import Path
 import lmdb
 
 from ..config import CacheConfig
-from .files import ChunkFiles, unlink_all
-from .index import ENTRY, USED, IndexDbs
+from .files import SegmentFiles, unlink_all
+from .index import USED, IndexDbs
 
 
 def disk_free(path: Path) -> int:
@@ -18,13 +20,23 @@ def disk_free(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def make_room(txn: lmdb.Transaction, db: IndexDbs, files: ChunkFiles, cfg: CacheConfig, path: Path,
-              incoming: int, evicted: list[bytes]) -> bool:
+class Room:
+    """The free-disk figure of one write transaction: statvfs once per put batch, then
+    kept up to date with what the batch adds and evicts."""
+
+    def __init__(self, path: Path) -> None:
+        self.free = disk_free(path)
+
+
+def make_room(txn: lmdb.Transaction, db: IndexDbs, cfg: CacheConfig, room: Room,
+              incoming: int, evicted: list[int], filling: int = 0) -> bool:
     """Evict (inside ``txn``) per the watermarks and the free-disk floor so ``incoming``
     more bytes fit; False if they still would not (e.g. everything left is pinned).
-    Appends the victims to ``evicted``: pass them to finish_evictions after the commit."""
+    Appends the segments left without members to ``evicted``: unlink them (finish_evictions)
+    after the commit. On True the caller adds the bytes; ``room`` already counts them.
+    ``filling``: the segment being indexed, never a victim (it would evict its own batch)."""
     used = db.get_u64(txn, USED)
-    free = disk_free(path)
+    free = room.free
     target: float | None = None
     if used + incoming > cfg.high_watermark * cfg.capacity:
         target = cfg.low_watermark * cfg.capacity - incoming
@@ -35,62 +47,44 @@ def make_room(txn: lmdb.Transaction, db: IndexDbs, files: ChunkFiles, cfg: Cache
         target = below if target is None else min(target, below)
     freed = 0
     if target is not None and used > target:
-        freed = evict(txn, db, files, int(used - target), evicted)
-    return used - freed + incoming <= cfg.capacity and free + freed - incoming >= cfg.min_free_disk
+        freed = evict(txn, db, int(used - target), evicted, filling)
+    ok = used - freed + incoming <= cfg.capacity and free + freed - incoming >= cfg.min_free_disk
+    room.free = free + freed - (incoming if ok else 0)
+    return ok
 
 
-def evict(txn: lmdb.Transaction, db: IndexDbs, files: ChunkFiles, need: int, evicted: list[bytes]) -> int:
-    """Remove least-recently-used unpinned entries worth ``need`` bytes from the index and
-    mark them ``dying``: until their files are unlinked no put may create a file there."""
-    sweep_dead_evictions(txn, db, files)
-    victims: list[bytes] = []
+def evict(txn: lmdb.Transaction, db: IndexDbs, need: int, evicted: list[int], filling: int = 0) -> int:
+    """Remove least-recently-used unpinned entries worth at least ``need`` bytes from the
+    index, with the other unpinned members of their segments. Returns the bytes freed."""
+    victims: dict[bytes, None] = {}
     freed = 0
     for digest in db.lru_order(txn):
         if freed >= need:
             break
-        if db.pin_count(txn, digest):  # pinned entries are not listed; stay safe anyway
+        if digest in victims or db.pin_count(txn, digest):  # pinned ones are not listed; stay safe
             continue
-        raw = txn.get(digest, db=db.entries)
-        if raw is None:
+        entry = db.get(txn, digest)
+        if entry is None or entry.segment == filling:
             continue
-        victims.append(digest)
-        freed += ENTRY.unpack(raw)[0]
-    pid = os.getpid()
+        for member in db.segment_members(txn, entry.segment):
+            if member not in victims and not db.pin_count(txn, member):
+                victims[member] = None
+                m = db.get(txn, member)
+                freed += m.size if m is not None else 0
+    segments: set[int] = set()
     for digest in victims:  # not while the cursor walks the lru table
-        db.remove(txn, digest)
-        db.mark_dying(txn, digest, pid)
-        evicted.append(digest)
+        entry = db.remove(txn, digest)
+        if entry is not None:
+            segments.add(entry.segment)
+    evicted.extend(s for s in segments if db.segment_empty(txn, s))
     if victims:
         db.add_u64(txn, b"evictions", len(victims))
         db.add_u64(txn, b"evicted_bytes", freed)
     return freed
 
 
-def finish_evictions(env: lmdb.Environment, db: IndexDbs, files: ChunkFiles, victims: list[bytes]) -> None:
-    """After the commit that removed their entries: unlink the files (without holding
-    LMDB's writer lock), then lift the ``dying`` marks so the chunks may be cached again."""
-    if not victims:
-        return
-    unlink_all(files.path(d) for d in victims)
-    with env.begin(write=True) as txn:
-        for digest in victims:
-            db.clear_dying(txn, digest)
-
-
-def sweep_dead_evictions(txn: lmdb.Transaction, db: IndexDbs, files: ChunkFiles) -> None:
-    """Finish evictions whose process died between its commit and its unlinks."""
-    me = os.getpid()
-    for digest, pid in list(db.iter_dying(txn)):
-        if pid != me and not _alive(pid):
-            unlink_all([files.path(digest)])
-            db.clear_dying(txn, digest)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+def finish_evictions(files: SegmentFiles, segments: list[int]) -> None:
+    """After the commit that removed their last entries: unlink the segment files (without
+    holding LMDB's writer lock). Segment ids are never reused, so no put can be writing
+    one of these; a crash in between leaves orphans for the next first user's reconcile."""
+    unlink_all(files.path(s) for s in segments)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Generic, TypeVar
 
-from .files import ChunkData
+from .segments import ChunkData
 
 K = TypeVar("K", bound=bytes)   # a digest
 

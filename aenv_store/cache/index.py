@@ -2,12 +2,13 @@
 
 Five named databases in one LMDB environment:
 
-``entries``  digest (32 B) -> ENTRY (size u64, xxh3-64 of the data u64, last access ns i64)
+``entries``  digest (32 B) -> ENTRY (size u64, xxh3-64 of the data u64, last access ns i64,
+             segment id u64, offset in the segment u64)
 ``lru``      last access ns (u64 big-endian) + digest -> b""   (cursor order = least recent first);
              holds exactly the entries that are NOT pinned, so eviction never walks past pins
 ``pins``     digest -> pin count u32 (a digest may be pinned before it is cached)
-``dying``    digest -> pid u32 of the process whose eviction removed the entry and has not
-             yet unlinked the file; nobody may create that file meanwhile
+``members``  segment id (u64 big-endian) + digest -> b"": the entries each segment file holds
+             (a segment is unlinked when its last member goes)
 ``meta``     format marker, byte/entry totals, lifetime counters, clean flag, boot id
 
 Every function here works inside a transaction the caller owns, so a put, an
@@ -22,9 +23,10 @@ from typing import Iterator
 
 import lmdb
 
-FORMAT = b"aenv-node-cache/1"
+FORMAT = b"aenv-node-cache/2"
 
-ENTRY = struct.Struct("<QQq")
+ENTRY = struct.Struct("<QQqQQ")
+SEGMENT = struct.Struct(">Q")
 LRU_TIME = struct.Struct(">Q")
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
@@ -40,17 +42,22 @@ class Entry:
     size: int
     checksum: int      # xxh3-64 of the data: catches a torn/overwritten file cheaply (~1 µs / 64 KiB)
     last_access: int   # time.time_ns() of the last recorded access
+    segment: int = 0   # id of the segment file holding the bytes (cache/segments.py)
+    offset: int = 0    # where in it (page aligned)
+
+    def pack(self) -> bytes:
+        return ENTRY.pack(self.size, self.checksum, self.last_access, self.segment, self.offset)
 
 
 class IndexDbs:
-    """Handles of the four databases; opened once per environment."""
+    """Handles of the five databases; opened once per environment."""
 
     def __init__(self, env: lmdb.Environment) -> None:
         self.env = env
         self.entries = env.open_db(b"entries")
         self.lru = env.open_db(b"lru")
         self.pins = env.open_db(b"pins")
-        self.dying = env.open_db(b"dying")
+        self.members = env.open_db(b"members")
         self.meta = env.open_db(b"meta")
 
     # -- entries ---------------------------------------------------------------------------
@@ -61,17 +68,20 @@ class IndexDbs:
 
     def add(self, txn: lmdb.Transaction, digest: bytes, entry: Entry) -> None:
         """Insert a new entry (caller checked it is absent) and account its bytes."""
-        txn.put(digest, ENTRY.pack(entry.size, entry.checksum, entry.last_access), db=self.entries)
+        txn.put(digest, entry.pack(), db=self.entries)
+        txn.put(SEGMENT.pack(entry.segment) + digest, b"", db=self.members)
         if not self.pin_count(txn, digest):
             txn.put(LRU_TIME.pack(entry.last_access) + digest, b"", db=self.lru)
         self.add_u64(txn, USED, entry.size)
         self.add_u64(txn, ENTRIES, 1)
 
     def remove(self, txn: lmdb.Transaction, digest: bytes) -> Entry | None:
+        """Delete an entry; the caller unlinks its segment if ``segment_empty`` afterwards."""
         entry = self.get(txn, digest)
         if entry is None:
             return None
         txn.delete(digest, db=self.entries)
+        txn.delete(SEGMENT.pack(entry.segment) + digest, db=self.members)
         txn.delete(LRU_TIME.pack(entry.last_access) + digest, db=self.lru)
         self.add_u64(txn, USED, -entry.size)
         self.add_u64(txn, ENTRIES, -1)
@@ -84,7 +94,8 @@ class IndexDbs:
             return False
         if txn.delete(LRU_TIME.pack(entry.last_access) + digest, db=self.lru):  # absent while pinned
             txn.put(LRU_TIME.pack(when) + digest, b"", db=self.lru)
-        txn.put(digest, ENTRY.pack(entry.size, entry.checksum, when), db=self.entries)
+        txn.put(digest, Entry(entry.size, entry.checksum, when, entry.segment, entry.offset).pack(),
+                db=self.entries)
         return True
 
     def lru_order(self, txn: lmdb.Transaction) -> Iterator[bytes]:
@@ -152,21 +163,29 @@ class IndexDbs:
             problems.append(f"lru lists {listed} entries, {unpinned} entries are unpinned")
         return problems
 
-    # -- evictions in progress -------------------------------------------------------------
+    # -- segments --------------------------------------------------------------------------
 
-    def mark_dying(self, txn: lmdb.Transaction, digest: bytes, pid: int) -> None:
-        txn.put(digest, U32.pack(pid & 0xFFFFFFFF), db=self.dying)
+    def segment_members(self, txn: lmdb.Transaction, segment: int) -> list[bytes]:
+        """Digests of the entries held by ``segment``."""
+        prefix = SEGMENT.pack(segment)
+        cursor = txn.cursor(db=self.members)
+        out: list[bytes] = []
+        if not cursor.set_range(prefix):
+            return out
+        for key in cursor.iternext(keys=True, values=False):
+            if bytes(key[:SEGMENT.size]) != prefix:
+                break
+            out.append(bytes(key[SEGMENT.size:]))
+        return out
 
-    def is_dying(self, txn: lmdb.Transaction, digest: bytes) -> bool:
-        return txn.get(digest, db=self.dying) is not None
+    def segment_empty(self, txn: lmdb.Transaction, segment: int) -> bool:
+        prefix = SEGMENT.pack(segment)
+        cursor = txn.cursor(db=self.members)
+        return not cursor.set_range(prefix) or bytes(cursor.key()[:SEGMENT.size]) != prefix
 
-    def clear_dying(self, txn: lmdb.Transaction, digest: bytes) -> None:
-        txn.delete(digest, db=self.dying)
-
-    def iter_dying(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int]]:
-        cursor = txn.cursor(db=self.dying)
-        for key, raw in cursor.iternext(keys=True, values=True):
-            yield bytes(key), U32.unpack(raw)[0]
+    def iter_members(self, txn: lmdb.Transaction) -> Iterator[tuple[int, bytes]]:
+        for key in txn.cursor(db=self.members).iternext(keys=True, values=False):
+            yield SEGMENT.unpack(key[:SEGMENT.size])[0], bytes(key[SEGMENT.size:])
 
     # -- meta ------------------------------------------------------------------------------
 

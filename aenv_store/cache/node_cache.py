@@ -1,58 +1,62 @@
 """The node cache: a bounded local directory of verified plaintext chunks.
 
-Layout of a cache directory (details and the crash-safety argument in docs/cache.md)::
+Layout of a cache directory (format ``aenv-node-cache/2``; details and the
+crash-safety argument in docs/cache.md)::
 
-    index/            LMDB environment (aenv_store.cache.index): digest -> size, checksum,
-                      last access; LRU order; pin counts; totals and counters
-    data/ab/<hex>     one file per chunk, exactly its bytes (files.py; mapped by readers)
-    tmp/              chunk files being written
-    inflight.lock     byte-range lock per chunk being fetched (one fetch per node)
-    users.lock        every open NodeCache holds a shared flock (first/last user detection)
-    gate.lock         serialises open/close so first/last detection is race-free
+    index/                 LMDB environment (aenv_store.cache.index): digest -> size, checksum,
+                           last access, segment and offset; LRU order; pin counts; segment
+                           members; totals and counters
+    data/ab/<16 hex>.seg   segment files: the chunks of one fill behind a versioned header
+                           (segments.py; chunks page aligned, mapped by readers)
+    inflight.lock          byte-range lock per chunk being fetched (one fetch per node)
+    users.lock             every open NodeCache holds a shared flock (first/last user detection)
+    gate.lock              serialises open/close so first/last detection is race-free
 
-Write order makes a crash harmless: a chunk is written to tmp/ in full, renamed
-into data/ and indexed in one LMDB write transaction; eviction removes index
-entries first and the files after the commit. So an index entry never points
-to a partial file; a crash can leave an orphan file (removed when the next
-first user reconciles) or an entry whose file is gone (read as a miss and
-dropped). Reads check size and xxh3 against the index, so torn or tampered
-files are never returned.
+Write order makes a crash harmless (fill.py): a fill's segment is written in full
+under a fresh name, then its chunks are indexed in one LMDB write transaction;
+eviction removes index entries first and unlinks segments after the commit. So
+an index entry never points at unwritten bytes; a crash can leave an orphan
+segment (removed when the next first user reconciles) or an entry whose
+segment is gone (read as a miss and dropped). Reads check size and xxh3 against
+the index, so torn or tampered bytes are never returned.
 
-A hit is one LMDB read transaction plus open/read/close of one file (~10 µs
-for 64 KiB). The access time it produces is queued in memory and written to
-LMDB in batches (every TOUCH_BATCH hits or TOUCH_INTERVAL seconds, and before
-this process evicts), so LRU order across processes lags by at most that much.
+A hit is one LMDB read transaction plus open/pread/close of its segment (~10 µs
+for 64 KiB); the access time it produces is queued (touches.py).
 """
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, Iterable, Literal, Sequence, overload
 
 import lmdb
-import xxhash
 
 from ..config import CacheConfig
 from ..errors import ConfigError, StoreError
 from ..formats.ids import Digest
 from . import evict as cache_evict, files as cache_files
 from .env import EnvRegistry, boot_id, open_env, wipe
-from .files import ChunkData, Found, map_exact, read_checked, unlink_all, write_file
+from .files import SegmentFiles, unlink_all
+from .fill import Filler, Location
 from .flights import Flight, Flights
-from .index import COUNTERS, ENTRIES, ENTRY, USED, Entry, IndexDbs
+from .index import ENTRIES, ENTRY, USED, IndexDbs
 from .lock import DigestLocks, FileLock
+from .segments import ChunkData, Found, map_exact, read_checked
+from .touches import Pending
+from .writeback import WriteBehind
+
+__all__ = ["CacheStats", "ChunkData", "FetchMany", "Location", "NodeCache", "validate_config"]
 
 log = logging.getLogger(__name__)
 
-TOUCH_BATCH = 512       # queued LRU touches that trigger a flush
-TOUCH_INTERVAL = 1.0    # seconds: queued touches/counters are flushed at least this often (on activity)
 OPEN_COUNT = b"open_count"
+# entry fields a read needs: size, checksum, segment, offset
+Where = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -114,16 +118,13 @@ class NodeCache:
         validate_config(config)
         self.path = Path(path).absolute()
         self.config = config
-        self._files = cache_files.ChunkFiles(str(self.path / "data"))
-        self._file = self._files.path
-        self._tmp = str(self.path / "tmp")
-        self._lock = threading.Lock()   # pending touches, counter deltas, flights, own pins
-        self._pending: dict[bytes, int] = {}
-        self._deltas: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._last_flush = time.monotonic()
+        self._files = SegmentFiles(str(self.path / "data"))
+        self._lock = threading.Lock()   # own pins
+        self._pending = Pending()
+        self._filler = Filler(lambda: (self._env, self._db), self._files, config, self.path, self._pending)
+        self._writes = WriteBehind(lambda items: self._filler.insert(items, direct=True), self.path.name)
         self._flights: Flights[Digest] = Flights()
         self._my_pins: Counter[bytes] = Counter()
-        self._tmp_seq = itertools.count()
         # digests this instance looked up in the index (diagnostics: a read consults it
         # once per chunk; updated without a lock, so approximate under concurrency)
         self.lookups = 0
@@ -136,7 +137,7 @@ class NodeCache:
 
     def _open(self) -> None:
         try:
-            for d in (self.path, self.path / "data", Path(self._tmp)):
+            for d in (self.path, self.path / "data"):
                 d.mkdir(parents=True, exist_ok=True)
             gate = FileLock(self.path / "gate.lock")
         except OSError as e:
@@ -189,19 +190,15 @@ class NodeCache:
             self._shared.env, self._shared.dbs = open_env(self.path, wipe_if_bad=False)
         elif not clean:
             self._reconcile()
-        for name in os.listdir(self._tmp):  # leftovers of dead processes (nobody else is here)
-            unlink_all([os.path.join(self._tmp, name)])
-        evicted: list[bytes] = []
+        evicted: list[int] = []
         with self._env.begin(write=True) as txn:
-            for digest, _pid in list(self._db.iter_dying(txn)):  # evictions cut short by a crash
-                unlink_all([self._file(digest)])
-                self._db.clear_dying(txn, digest)
             self._db.clear_pins(txn)  # pins belong to live users; there are none
             self._db.set_meta(txn, b"clean", b"0")
             self._db.set_u64(txn, OPEN_COUNT, 0)
             self._db.set_meta(txn, b"boot_id", boot)
-            self._make_room(txn, 0, evicted)  # the capacity may have been lowered
-        self._finish_evictions(evicted)
+            # the capacity may have been lowered
+            cache_evict.make_room(txn, self._db, self.config, cache_evict.Room(self.path), 0, evicted)
+        cache_evict.finish_evictions(self._files, evicted)
         self._env.sync(True)
 
     def _reconcile(self) -> None:
@@ -218,6 +215,7 @@ class NodeCache:
         if self._generation != NodeCache._fork_generation:
             self._closed = True  # inherited across fork(): the parent still owns it
             return
+        self._writes.close()
         self._flush()
         self._closed = True
         with self._lock:
@@ -253,61 +251,64 @@ class NodeCache:
         if self._generation != NodeCache._fork_generation:
             raise StoreError(f"node cache {self.path} was opened before fork(); open a new NodeCache in this process")
 
-    def _lookup(self, digests: Sequence[bytes]) -> tuple[int, list[tuple[int, int] | None]]:
-        """(LMDB snapshot id, (size, checksum) of each digest's entry or None), in one read
-        transaction. Every read consults the index here, once per chunk."""
+    def _lookup(self, digests: Sequence[bytes]) -> tuple[int, list[Where | None]]:
+        """(LMDB snapshot id, (size, checksum, segment, offset) of each digest's entry or
+        None), in one read transaction. Every read consults the index here, once per chunk."""
         self._check_open()
         self.lookups += len(digests)
         with self._env.begin(db=self._db.entries) as txn:
             raws = [txn.get(d) for d in digests]
             snapshot = txn.id()
-        return snapshot, [None if raw is None else ENTRY.unpack(raw)[:2] for raw in raws]
+        out: list[Where | None] = []
+        for raw in raws:
+            if raw is None:
+                out.append(None)
+            else:
+                size, checksum, _, segment, offset = ENTRY.unpack(raw)
+                out.append((size, checksum, segment, offset))
+        return snapshot, out
 
     def _changed_since(self, snapshot: int) -> bool:
         """Whether any process committed an index change after that snapshot (a fetch that
         landed in between would be one)."""
         return int(self._env.info()["last_txnid"]) != snapshot
 
-    def _load(self, digest: bytes, size: int, checksum: int, mapped: bool) -> ChunkData | None:
-        """The file of an index entry, checked against it (size and xxh3, for a mapping too);
-        None, and the entry dropped, if it is gone or does not match."""
-        found, data = read_checked(self._file(digest), size, checksum, mapped)
+    def _load(self, digest: bytes, where: Where, mapped: bool) -> ChunkData | None:
+        """The bytes of an index entry, checked against it (size and xxh3, for a mapping too);
+        None, and the entry dropped, if its segment is gone or they do not match."""
+        size, checksum, segment, offset = where
+        found, data = read_checked(self._files.path(segment), offset, size, checksum, mapped)
         if found is Found.CORRUPT:
             log.warning("node cache %s: chunk %s does not match its index entry; dropped", self.path, digest.hex())
         if found is not Found.OK:
-            self._drop(digest, size, checksum, corrupt=found is Found.CORRUPT)
+            self._drop(digest, where, corrupt=found is Found.CORRUPT)
         return data
 
     def _read(self, digest: bytes, mapped: bool = False) -> ChunkData | None:
         """The cached chunk, checked against the index; None (and the entry dropped) otherwise."""
         _, (entry,) = self._lookup([digest])
-        return None if entry is None else self._load(digest, *entry, mapped)
+        return None if entry is None else self._load(digest, entry, mapped)
 
-    def _drop(self, digest: bytes, size: int, checksum: int, corrupt: bool) -> None:
-        path = self._file(digest)
+    def _drop(self, digest: bytes, where: Where, corrupt: bool) -> None:
+        size, checksum, segment, offset = where
+        emptied = False
         with self._env.begin(write=True) as txn:
             entry = self._db.get(txn, digest)
-            if entry is None or (entry.size, entry.checksum) != (size, checksum):
-                return  # already gone or replaced
-            if not corrupt and os.path.exists(path):
-                return  # a put restored the file meanwhile
+            if entry is None or (entry.size, entry.checksum, entry.segment, entry.offset) != where:
+                return  # already gone or replaced (a replacement is in another segment)
             self._db.remove(txn, digest)
             if corrupt:
                 self._db.add_u64(txn, b"corrupt", 1)
-                unlink_all([path])  # inside the txn: no put can rename a fresh file in between
+            emptied = self._db.segment_empty(txn, segment)
+        if emptied:  # segment ids are never reused: unlinking after the commit cannot hit a new fill
+            unlink_all([self._files.path(segment)])
 
     def _note_access(self, digest: bytes, counter: str | None = None) -> None:
-        with self._lock:
-            self._pending[digest] = time.time_ns()
-            if counter:
-                self._deltas[counter] += 1
-            due = len(self._pending) >= TOUCH_BATCH or time.monotonic() - self._last_flush >= TOUCH_INTERVAL
-        if due:
+        if self._pending.note(digest, counter):
             self._flush()
 
     def _count(self, counter: str, n: int = 1) -> None:
-        with self._lock:
-            self._deltas[counter] += n
+        self._pending.count(counter, n)
 
     def get(self, digest: Digest) -> bytes | None:
         """The cached bytes of ``digest`` or None. A hit refreshes its LRU position."""
@@ -318,7 +319,9 @@ class NodeCache:
         _, entries = self._lookup(digests)
         out: list[bytes | None] = []
         for digest, entry in zip(digests, entries):
-            data = None if entry is None else self._load(digest, *entry, False)
+            data = None if entry is None else self._load(digest, entry, False)
+            if data is None:
+                data = self._writes.get(digest)  # fetched by this instance, still being written
             if data is None:
                 self._count("misses")
                 out.append(None)
@@ -328,20 +331,30 @@ class NodeCache:
         return out
 
     def contains(self, digest: Digest) -> bool:
-        self._check_open()
-        with self._env.begin(db=self._db.entries) as txn:
-            present = txn.get(digest) is not None
-        return present and os.path.exists(self._file(digest))
+        return self.location_of(digest, touch=False) is not None
 
-    def path_of(self, digest: Digest) -> Path | None:
-        """The file holding exactly the chunk's bytes, or None; not checked against the index
-        (readers use get/get_or_fetch_many, which are). Pin the digest first if the file must
-        outlive the call (an unpinned entry may be evicted at any time; an open file
-        descriptor or mapping stays valid even then)."""
-        if not self.contains(digest):
+    def drain(self) -> None:
+        """Wait until the fills this instance wrote behind are indexed."""
+        self._writes.drain()
+
+    def location_of(self, digest: Digest, touch: bool = True) -> Location | None:
+        """Where the chunk's bytes are (segment file, offset, size), or None; not checked
+        against the index (readers use get/get_or_fetch_many, which are; this is for tests
+        and tools). Pin the digest first if the bytes must outlive the call (an unpinned
+        entry may be evicted at any time; an open descriptor or mapping stays valid even then)."""
+        self._check_open()
+        self._writes.drain()  # this instance's own writes are visible to it
+        with self._env.begin(db=self._db.entries) as txn:
+            raw = txn.get(digest)
+        if raw is None:
             return None
-        self._note_access(digest)
-        return Path(self._file(digest))
+        size, _, _, segment, offset = ENTRY.unpack(raw)
+        path = self._files.path(segment)
+        if not os.path.exists(path):
+            return None
+        if touch:
+            self._note_access(digest)
+        return Location(path, offset, size)
 
     # -- single-flight fetch ---------------------------------------------------------------
 
@@ -385,12 +398,19 @@ class NodeCache:
         got: dict[Digest, ChunkData] = {}
         missing: list[Digest] = []
         for digest, entry in zip(want, entries):
-            data = None if entry is None else self._load(digest, *entry, mapped)
+            data = None if entry is None else self._load(digest, entry, mapped)
             if data is None:
                 missing.append(digest)
             else:
                 got[digest] = data
                 self._note_access(digest, "hits")
+        if missing:
+            for digest in list(missing):  # fetched by this instance, still being written
+                data = self._writes.get(digest)
+                if data is not None:
+                    got[digest] = data
+                    missing.remove(digest)
+                    self._note_access(digest, "hits")
         if missing:
             self._count("misses", len(missing))
             got.update(self._fill(sorted(missing), snapshot, fetch, mapped))
@@ -410,14 +430,14 @@ class NodeCache:
                 # something was stored after our lookup: one of ours may have landed meanwhile
                 _, entries = self._lookup(mine)
                 for digest, entry in zip(list(mine), entries):
-                    data = None if entry is None else self._load(digest, *entry, mapped)
+                    data = None if entry is None else self._load(digest, entry, mapped)
                     if data is not None:
                         self._note_access(digest)
                         flights[digest].data = data
                         mine.remove(digest)
                         self._digest_locks.unlock(digest)
-            if mine:
-                self._fetch_and_store(mine, flights, fetch, mapped)
+            if mine and self._fetch_and_store(mine, flights, fetch, mapped, hand_over=True):
+                mine = []  # the write-behind thread unlocks them once they are indexed
         finally:
             for digest in mine:
                 self._digest_locks.unlock(digest)
@@ -434,15 +454,30 @@ class NodeCache:
                 self._digest_locks.unlock(digest)
 
     def _fetch_and_store(self, digests: list[Digest], flights: dict[Digest, Flight], fetch: FetchMany,
-                         mapped: bool) -> None:
+                         mapped: bool, hand_over: bool = False) -> bool:
+        """Fetch and store ``digests`` (their fetch locks held); True if their storing and
+        the release of their locks were handed to the write-behind thread (``hand_over``:
+        the caller allows it; only byte readers, who need nothing on disk to go on)."""
         self._count("fetches", len(digests))
         fetched = fetch(digests)
         if len(fetched) != len(digests):
             raise StoreError(f"chunk fetch returned {len(fetched)} chunks for {len(digests)} asked")
         datas = [d if type(d) is bytes else bytes(d) for d in fetched]
-        stored = self._insert(list(zip(digests, datas)), known_missing=True)
-        for digest, data, ok in zip(digests, datas, stored):
-            flights[digest].data = (map_exact(self._file(digest), len(data)) or data) if mapped and ok else data
+        if hand_over and not mapped:
+            for digest, data in zip(digests, datas):
+                flights[digest].data = data
+            self._writes.submit(list(zip(digests, datas)), functools.partial(self._unlock_all, list(digests)))
+            return True
+        # bytes readers have the bytes: write them past the page cache; mapped ones map them next
+        stored = self._filler.insert(list(zip(digests, datas)), direct=not mapped)
+        for digest, data, where in zip(digests, datas, stored):
+            mapping = map_exact(where.path, where.offset, where.size) if mapped and where is not None else None
+            flights[digest].data = mapping or data
+        return False
+
+    def _unlock_all(self, digests: list[Digest]) -> None:
+        for digest in digests:
+            self._digest_locks.unlock(digest)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -454,116 +489,29 @@ class NodeCache:
         return self.put_many([(digest, data)])[0]
 
     def put_many(self, items: Sequence[tuple[Digest, bytes]]) -> list[bool]:
-        """``put`` for several chunks with one LMDB write transaction (a cold bulk read
-        inserts a whole read batch at once; a transaction per chunk cost ~20% of it)."""
-        return self._insert(items, known_missing=False)
-
-    def _insert(self, items: Sequence[tuple[Digest, bytes]], known_missing: bool) -> list[bool]:
-        """put_many; ``known_missing``: the caller just found these digests missing under
-        their fetch locks, so do not look them up before writing their files (the write
-        transaction still checks)."""
+        """``put`` for several chunks: one segment file and one LMDB write transaction (a
+        workspace commit keeps all its new chunks at once)."""
         self._check_open()
+        self._writes.drain()
         stored = [False] * len(items)
-        todo: list[tuple[int, Digest, str, int, int]] = []  # index, digest, tmp file, size, checksum
-        renamed: set[str] = set()
-        try:
-            for i, (digest, data) in enumerate(items):
-                size = len(data)
-                if size > self.config.capacity:
-                    continue
-                if not known_missing and self.contains(digest):
-                    self._note_access(digest)
-                    stored[i] = True
-                    continue
-                tmp = f"{self._tmp}/{digest.hex()}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}"
-                try:
-                    write_file(tmp, data)
-                except OSError as e:
-                    unlink_all([tmp])
-                    log.warning("node cache %s: cannot write chunk %s: %s", self.path, digest.hex(), e)
-                    continue
-                todo.append((i, digest, tmp, size, xxhash.xxh3_64_intdigest(data)))
-            if not todo:
-                return stored
-            touches, deltas = self._take_pending()
-            evicted: list[bytes] = []
-            try:
-                with self._env.begin(write=True) as txn:
-                    self._apply_pending(txn, touches, deltas)  # our recent hits count before we evict
-                    for i, digest, tmp, size, checksum in todo:
-                        path = self._file(digest)
-                        existing = self._db.get(txn, digest)
-                        if existing is not None and os.path.exists(path):
-                            stored[i] = True  # raced with another writer (or a duplicate in items)
-                        elif self._db.is_dying(txn, digest):
-                            pass  # an eviction will unlink this path any moment: no file there now
-                        else:
-                            if existing is not None:
-                                self._db.remove(txn, digest)  # its file vanished: replace the entry
-                            if self._make_room(txn, size, evicted):
-                                # rename inside the write txn: renames and index changes of all
-                                # processes are serialised, so an entry always names its own file
-                                os.rename(tmp, path)
-                                renamed.add(tmp)
-                                self._db.add(txn, digest, Entry(size, checksum, time.time_ns()))
-                                stored[i] = True
-            except (lmdb.Error, OSError) as e:
-                self._restore_pending(touches, deltas)
-                unlink_all([self._file(d) for _, d, tmp, _, _ in todo if tmp in renamed])  # no entries
-                renamed.clear()
-                for i, *_ in todo:
-                    stored[i] = False
-                log.warning("node cache %s: cannot store %d chunk(s): %s", self.path, len(todo), e)
-                return stored
-            self._finish_evictions(evicted)
-            return stored
-        finally:
-            unlink_all([tmp for _, _, tmp, _, _ in todo if tmp not in renamed])
+        todo: list[int] = []
+        for i, (digest, _) in enumerate(items):
+            if self.contains(digest):
+                self._note_access(digest)
+                stored[i] = True
+            else:
+                todo.append(i)
+        if todo:
+            got = self._filler.insert([items[i] for i in todo], direct=True)
+            for i, where in zip(todo, got):
+                stored[i] = where is not None
+        return stored
 
     def _disk_free(self) -> int:
         return cache_evict.disk_free(self.path)
 
-    def _make_room(self, txn: lmdb.Transaction, incoming: int, evicted: list[bytes]) -> bool:
-        return cache_evict.make_room(txn, self._db, self._files, self.config, self.path, incoming, evicted)
-
-    def _finish_evictions(self, victims: list[bytes]) -> None:
-        try:
-            cache_evict.finish_evictions(self._env, self._db, self._files, victims)
-        except lmdb.Error as e:  # the marks stay; the next eviction or first user sweeps them
-            log.warning("node cache %s: cannot finish evictions: %s", self.path, e)
-
-    # -- batched LRU touches and counters --------------------------------------------------
-
-    def _take_pending(self) -> tuple[dict[bytes, int], dict[str, int]]:
-        with self._lock:
-            touches, self._pending = self._pending, {}
-            deltas, self._deltas = self._deltas, dict.fromkeys(COUNTERS, 0)
-            self._last_flush = time.monotonic()
-        return touches, deltas
-
-    def _restore_pending(self, touches: dict[bytes, int], deltas: dict[str, int]) -> None:
-        with self._lock:
-            for d, t in touches.items():
-                self._pending[d] = max(t, self._pending.get(d, 0))
-            for k, v in deltas.items():
-                self._deltas[k] += v
-
-    def _apply_pending(self, txn: lmdb.Transaction, touches: dict[bytes, int], deltas: dict[str, int]) -> None:
-        for digest, when in touches.items():
-            self._db.touch(txn, digest, when)
-        for name, delta in deltas.items():
-            self._db.add_u64(txn, name.encode(), delta)
-
     def _flush(self) -> None:
-        touches, deltas = self._take_pending()
-        if not touches and not any(deltas.values()):
-            return
-        try:
-            with self._env.begin(write=True) as txn:
-                self._apply_pending(txn, touches, deltas)
-        except lmdb.Error as e:
-            self._restore_pending(touches, deltas)
-            log.warning("node cache %s: cannot record accesses: %s", self.path, e)
+        self._pending.flush(self._env, self._db, self.path)
 
     # -- pins and stats --------------------------------------------------------------------
 
@@ -600,6 +548,7 @@ class NodeCache:
 
     def stats(self) -> CacheStats:
         self._check_open()
+        self._writes.drain()
         self._flush()
         with self._env.begin() as txn:
             get = lambda name: self._db.get_u64(txn, name.encode())  # noqa: E731
@@ -623,6 +572,7 @@ class NodeCache:
         file or with the wrong size (``read_data``: wrong checksum), files without an entry,
         totals that disagree with the entries. Exact while nobody writes."""
         self._check_open()
+        self._writes.drain()
         return cache_files.verify(self._env, self._db, self._files, read_data)
 
 

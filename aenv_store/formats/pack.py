@@ -167,13 +167,15 @@ def parse_pack(data: bytes) -> list[PackEntry]:
     return read_trailer(lambda off, n: data[off:off + n], len(data))
 
 
-def decode_payload(payload: bytes, entry: PackEntry, dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
-    """Plaintext of one chunk's payload. Raises CorruptData on a bad frame or
-    wrong length; the caller checks the BLAKE3 id."""
+def decode_payload(payload: bytes | memoryview, entry: PackEntry,
+                   dctx: zstandard.ZstdDecompressor | None = None) -> bytes:
+    """Plaintext of one chunk's payload (a slice of a larger range read may come as a
+    memoryview: only a stored-as-is payload is copied out of it). Raises CorruptData on
+    a bad frame or wrong length; the caller checks the BLAKE3 id."""
     if len(payload) != entry.length:
         raise CorruptData(f"chunk {entry.chunk.hex()}: payload has {len(payload)} bytes, expected {entry.length}")
     if entry.length == entry.raw_length:
-        return payload
+        return bytes(payload)
     try:
         # The frame header declares its content size and zstandard allocates that much:
         # check it first, or a damaged header could ask for exabytes.

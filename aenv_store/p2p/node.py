@@ -1,9 +1,11 @@
 """One iroh endpoint per node: serves committed chunks to peers and asks peers
 for chunks, on ALPN ``aenv/chunks/1`` (protocol.py).
 
-The endpoint is bound to loopback with relays and discovery off (the minimal
-preset): nothing leaves the machine, peers are reached by the direct
-addresses in their tickets. All iroh calls run on a private asyncio loop
+The endpoint is bound to ``[p2p] host`` (loopback unless set: a single node's
+endpoint leaves nothing reachable from elsewhere) with relays and discovery off
+(the minimal preset): peers are reached by the direct addresses in their
+tickets, which come from the config, ``aenv p2p add-peer`` or, in a fleet, the
+node agent (``sync_peers``, from the tickets live nodes publish in Redis). All iroh calls run on a private asyncio loop
 thread; the Store's reader threads call the blocking ``fetch``/``fetch_many``.
 """
 from __future__ import annotations
@@ -42,7 +44,16 @@ IDLE_TIMEOUT = 2.0           # a started transfer that stalls this long is aband
 FIRST_BYTE_TIMEOUT = 5.0     # a peer that said it has a chunk must start sending by then
 CONNECT_TIMEOUT = 2.0
 STATUS_INTERVAL = 1.0
-BIND_HOST = "127.0.0.1"
+BIND_HOST = "127.0.0.1"      # the default of [p2p] host
+
+
+def _socket_addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _addr_host(addr: str) -> str:
+    """The host part of an iroh direct address ("1.2.3.4:5", "[::1]:5")."""
+    return addr.rsplit(":", 1)[0].strip("[]")
 
 
 class ChunkProvider(Protocol):
@@ -115,14 +126,15 @@ class P2PNode:
         return self
 
     async def _bind(self) -> None:
+        host = self.config.bind_host()
         opts = iroh.EndpointOptions(preset=iroh.preset_minimal(), relay_mode=iroh.RelayMode.disabled(),
-                                    bind_addr=f"{BIND_HOST}:{self.config.port}", alpns=[ALPN],
+                                    bind_addr=_socket_addr(host, self.config.port), alpns=[ALPN],
                                     secret_key=peerfile.load_secret(self.data_dir))
         self._endpoint = await iroh.Endpoint.bind(opts)
         addr = self._endpoint.addr()
-        # Only the loopback address goes into the ticket (the endpoint also opens an
+        # Only the bound address goes into the ticket (the endpoint also opens an
         # IPv6 wildcard socket it does not advertise here).
-        addr = iroh.EndpointAddr(addr.id(), None, [a for a in addr.direct_addresses() if a.startswith(BIND_HOST)])
+        addr = iroh.EndpointAddr(addr.id(), None, [a for a in addr.direct_addresses() if _addr_host(a) == host])
         self.ticket = str(iroh.EndpointTicket.from_addr(addr))
         self.node_id = str(addr.id())
 
@@ -206,6 +218,46 @@ class P2PNode:
         self._peers_mtime = m
         for t in peerfile.read_added_peers(self.data_dir):
             self._add_quietly(t, "added")
+
+    def sync_peers(self, tickets: dict[str, str], source: str = "fleet") -> tuple[list[str], list[str]]:
+        """Make the peers from ``source`` exactly ``tickets`` (a name -> ticket, e.g.
+        fleet node id -> its published ticket): new ones are added (or revived), ones
+        no longer there are dropped. Peers from other sources are left alone. Returns
+        the (added, dropped) node ids. A bad or own ticket is skipped with a log line."""
+        want: dict[str, str] = {}
+        for name, ticket in tickets.items():
+            try:
+                _, node_id = parse_ticket(ticket)
+            except ConfigError as e:
+                log.warning("p2p: ignoring the ticket of %s: %s", name, e)
+                continue
+            if node_id != self.node_id:
+                want[node_id] = ticket.strip()
+        added: list[str] = []
+        gone: list[Peer] = []
+        with self.table.lock:
+            for node_id, ticket in want.items():
+                p = self.table.peers.get(node_id)
+                if p is None:
+                    self.table.peers[node_id] = Peer(ticket, node_id, source)
+                    added.append(node_id)
+                elif p.source == source and (p.dropped or p.ticket != ticket):
+                    # back in the fleet (perhaps on a new port): ask it again, afresh
+                    p.dropped, p.ticket, p.backoff, p.backoff_until = "", ticket, 0.0, 0.0
+                    added.append(node_id)
+            for p in self.table.peers.values():
+                if p.source == source and not p.dropped and p.node_id not in want:
+                    gone.append(p)
+        for p in gone:
+            self.drop_peer(p, f"no longer published ({source})")
+        for node_id in added:
+            # a connection to an old address of a peer that moved must not be reused
+            c = self._conns.pop(node_id, None)
+            if c is not None and c.conn is not None:
+                self._loop.call_soon_threadsafe(c.conn.close, 0, b"moved")
+        if added:
+            log.info("p2p: %d peer(s) from %s: %s", len(added), source, ", ".join(n[:12] for n in added))
+        return added, [p.node_id for p in gone]
 
     def drop_peer(self, peer: Peer, reason: str) -> None:
         with self.table.lock:
@@ -478,9 +530,9 @@ class P2PNode:
         return self._run(ask(), timeout=10)
 
 
-def offline_ticket(data_dir: Path, port: int) -> str:
-    """The ticket a node on ``data_dir`` will have when it listens on ``port``
+def offline_ticket(data_dir: Path, port: int, host: str = BIND_HOST) -> str:
+    """The ticket a node on ``data_dir`` will have when it listens on ``host:port``
     (needs a fixed ``p2p.port``; with port 0 only a running node knows its ticket)."""
     key = iroh.SecretKey.from_bytes(peerfile.load_secret(data_dir))
-    addr = iroh.EndpointAddr(key.public(), None, [f"{BIND_HOST}:{port}"])
+    addr = iroh.EndpointAddr(key.public(), None, [_socket_addr(host, port)])
     return str(iroh.EndpointTicket.from_addr(addr))

@@ -41,7 +41,7 @@ class PeerCounters:
 class Peer:
     ticket: str
     node_id: str
-    source: str                          # "config" | "added"
+    source: str                          # "config" | "added" | "fleet" (the node agent, from Redis)
     counters: PeerCounters = field(default_factory=PeerCounters)
     dropped: str = ""                    # why we stopped asking it ("" = active)
     backoff_until: float = 0.0           # monotonic time

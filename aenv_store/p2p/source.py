@@ -111,6 +111,10 @@ class PeerChunkSource:
     def status(self) -> dict[str, Any]:
         return self.node.status()
 
+    def sync_peers(self, tickets: dict[str, str], source: str = "fleet") -> tuple[list[str], list[str]]:
+        """The peers from ``source`` become exactly ``tickets`` (P2PNode.sync_peers)."""
+        return self.node.sync_peers(tickets, source)
+
     def close(self) -> None:
         self.node.close()
 

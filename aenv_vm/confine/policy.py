@@ -204,6 +204,10 @@ class Confinement:
             text += f" [{self.support.cgroup.describe()}]"
         return text + ("; off: " + "; ".join(off) if off else "")
 
+    def qemu_uids(self) -> range:
+        """The uids this node's confined QEMUs may run as (the leased range)."""
+        return range(self._leases.first, self._leases.first + self._leases.count)
+
     def jail(self, holder: str) -> Jail | None:
         """The jail of sandbox ``holder`` (the same until ``release``); None when off."""
         if self.level is Level.OFF:

@@ -14,4 +14,5 @@ pool.py       the warm pool
 ttl.py        TTL expiry watcher
 recovery.py   what a restarted node does with its records
 records.py    the sandbox records (LMDB)
+moves.py      adopt and release: a paused sandbox moving between nodes of one repository
 """

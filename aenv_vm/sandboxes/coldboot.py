@@ -41,6 +41,7 @@ from ..envd_client import ProcessRequest, stream_process
 from ..errors import Conflict, GuestUnresponsive, VmError
 from ..qemu.launcher import QemuProcess
 from ..templates.template import Template
+from .moves import check_held, mark_running
 from .pause import PausedSandboxes, digest_of
 from .records import SandboxRecord, SandboxState
 from .restore import identity, teardown
@@ -116,6 +117,8 @@ async def cold_boot(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord
         rec = paused.records.get(sid) or rec
     snap = rec.snapshot
     assert snap is not None and snap.committed
+    held = await asyncio.to_thread(check_held, rt, rec)   # Moved: another node holds it now
+    marking = asyncio.ensure_future(asyncio.to_thread(mark_running, rt, held)) if held is not None else None
     tpl = rt.templates.resolve(rec.template)
     mem, _ = await rt.templates.files(tpl)
     settings = await asyncio.to_thread(guest_settings, rt, tpl)
@@ -157,6 +160,8 @@ async def cold_boot(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord
         await teardown(rt, sid, vm, image)
         raise
     sbx.created = rec.started_at
+    if marking is not None:
+        await marking
     return sbx, time.monotonic() - t0
 
 

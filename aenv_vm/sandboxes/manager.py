@@ -46,8 +46,10 @@ from ..templates.local import LocalTemplates
 from ..templates.template import Template, find_template
 from .capture import Capturer
 from .coldboot import cold_boot, prepare_pause
+from .lazymem import start_lazy_memory, stop_lazy_memory
 from .fork import MAX_FORK, Child, Forks
 from .metrics import MetricsRecorder
+from .moves import Moves, check_releasable, mark_shared, node_identity
 from .pause import PausedSandboxes, PauseTiming
 from .pool import REFILL_DELAY, WarmPool
 from .records import RecordStore, SandboxRecord, SandboxState
@@ -75,11 +77,14 @@ class SandboxManager:
                  ksm: KsmSettings | None = None, network: str = "user", standby: int = 4,
                  max_sandboxes: int | None = None, readahead: int = 4 << 20, isolation: str = "auto",
                  confine: Confinement | str = "auto", min_free_disk: int | None = None,
-                 volumes: VolumeRegistry | None = None) -> None:
+                 volumes: VolumeRegistry | None = None, lazy_memory: bool = True) -> None:
         """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
         "required", "off") for a policy of the manager's own, or a shared ``Confinement``
         (started and closed by its owner). ``min_free_disk``: the free space guests' disk
-        writes leave on the run root's filesystem (None: the node cache's floor)."""
+        writes leave on the run root's filesystem (None: the node cache's floor).
+        ``lazy_memory``: restore templates whose memory image is not on this node from a
+        FUSE file that fetches pages on demand (lazymem.py; falls back to fetching the
+        image whole where the host has no FUSE or the node is not root)."""
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self._own_confinement = not isinstance(confine, Confinement)
         confinement = confine if isinstance(confine, Confinement) else Confinement(confine)
@@ -90,7 +95,9 @@ class SandboxManager:
                               ready_timeout=ready_timeout, tcg_tb_mib=tcg_tb_mib, merge_memory=ksm is not None,
                               fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead,
                               min_free_disk=min_free_disk if min_free_disk is not None else
-                              store.cache.config.min_free_disk if store.cache is not None else 0)
+                              store.cache.config.min_free_disk if store.cache is not None else 0,
+                              node_id=node_identity(run_root))
+        self.lazy_memory = lazy_memory
         self.default_timeout = default_timeout
         self.volumes = SandboxVolumes(volumes, self.rt.min_free_disk)   # volume channels of running sandboxes
         self.max_sandboxes = max_sandboxes
@@ -105,6 +112,7 @@ class SandboxManager:
         self._capturer = capturer
         self._paused: PausedSandboxes | None = None
         self._forks: Forks | None = None
+        self._moves: Moves | None = None
         self._ttl: TtlWatcher | None = None
         self._ttl_task: asyncio.Task[None] | None = None
         self.metrics = MetricsRecorder(MappingProxyType(self._running), self._busy)
@@ -126,12 +134,15 @@ class SandboxManager:
         await asyncio.to_thread(self.rt.confinement.start)   # ConfinementError: "required" cannot be met
         await self.rt.networks.start()
         await self.rt.nbd.start()
+        if self.lazy_memory:
+            await asyncio.to_thread(start_lazy_memory, self.rt)
         if self.ksm is not None and (why := await asyncio.to_thread(ksm_enable, self.ksm)) is not None:
             log.warning("KSM not enabled: %s", why)
         records = self._records = RecordStore(run_root / "records")
         view = MappingProxyType(self._running)
         self._paused = PausedSandboxes(self.rt, records, self._capturer, view, self._standby)
         self._forks = Forks(self.rt, self.snapshots, records, view)
+        self._moves = Moves(self.rt, records)
         self._started = True
         changed = await recover(self.rt, records, self._paused)
         for rec in records.all():       # a paused sandbox's volumes stay in use (cannot be deleted)
@@ -175,6 +186,7 @@ class SandboxManager:
         shutil.rmtree(self.rt.sandboxes_root, ignore_errors=True)
         shutil.rmtree(self.rt.vm_root, ignore_errors=True)
         await self.rt.networks.close()
+        await asyncio.to_thread(stop_lazy_memory, self.rt)
         if self._own_confinement:
             self.rt.confinement.close()
         if self._records is not None:
@@ -280,13 +292,15 @@ class SandboxManager:
                      access_token: str | TokenMinter | None = None, timeout: float | None = None,
                      metadata: dict[str, str] | None = None, auto_pause: bool = True,
                      allow_internet_access: bool | None = None, network: NetworkPolicy | None = None,
-                     pause_memory: bool = True, volume_mounts: list | None = None) -> Sandbox:
+                     pause_memory: bool = True, volume_mounts: list | None = None,
+                     annotations: dict[str, str] | None = None) -> Sandbox:
         """A new sandbox from ``template`` (id, alias or snapshot), envd initialised.
         ``pause_memory``: what its TTL auto-pause keeps (False: the filesystem only).
         ``access_token``: envd's token, or a function of the new sandbox's id giving it.
         ``allow_internet_access``: False = the guest may not open outbound connections
         (None, not set: it may); ``network``: finer egress rules (net/policy.py).
-        ``volume_mounts``: ``[{name, path}]``, volumes mounted before this returns."""
+        ``volume_mounts``: ``[{name, path}]``, volumes mounted before this returns;
+        ``annotations``: the caller's own fields, kept in the record (records.py)."""
         if not self._started:
             raise Conflict("SandboxManager.start() was not called")
         if timeout is not None and timeout < 0:
@@ -299,7 +313,7 @@ class SandboxManager:
             if allow_internet_access is False:
                 policy = with_internet(policy, False)
             sbx = await self._create(template, env_vars, access_token, timeout, metadata, auto_pause,
-                                     allow_internet_access, policy)
+                                     allow_internet_access, policy, annotations)
             if not pause_memory:
                 self.records_store.put(self.record(sbx.id).replace(pause_memory=False))
             stale = [p for p in sbx.template.volume_paths if p not in {m.path for m in mounts}]
@@ -331,9 +345,12 @@ class SandboxManager:
 
     async def _create(self, template: str, env_vars: dict[str, str] | None, access_token: str | TokenMinter | None,
                       timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
-                      allow_internet_access: bool | None, policy: NetworkPolicy) -> Sandbox:
+                      allow_internet_access: bool | None, policy: NetworkPolicy,
+                      annotations: dict[str, str] | None) -> Sandbox:
         t0 = time.monotonic()
         tpl = self.template(template)
+        if tpl.hidden_fork_node is not None and tpl.hidden_fork_node != self.rt.node_id:
+            await asyncio.to_thread(mark_shared, self.rt.store, tpl.id)   # a fork child beyond its node
         sbx = await self.pool.take(tpl, policy)
         from_pool = sbx is not None
         if sbx is None:
@@ -365,19 +382,22 @@ class SandboxManager:
         sbx.created = time.time()
         self._running[sbx.id] = sbx
         self._put_new(sbx, timeout=timeout, metadata=metadata, auto_pause=auto_pause, env_vars=env_vars,
-                      access_token=token, allow_internet_access=allow_internet_access, policy=policy)
+                      access_token=token, allow_internet_access=allow_internet_access, policy=policy,
+                      annotations=annotations)
         return sbx
 
     def _put_new(self, sbx: Sandbox, *, timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
                  env_vars: dict[str, str] | None, access_token: str | None,
-                 allow_internet_access: bool | None, policy: NetworkPolicy) -> None:
+                 allow_internet_access: bool | None, policy: NetworkPolicy,
+                 annotations: dict[str, str] | None = None) -> None:
         now = time.time()
         t = self.default_timeout if timeout is None else timeout
         self.records_store.put(SandboxRecord(
             id=sbx.id, template=sbx.template.id, state=SandboxState.RUNNING, started_at=now, end_at=now + t,
             auto_pause=auto_pause, metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
             access_token=access_token, allow_internet_access=allow_internet_access, network=policy.to_json(),
-            memory_mib=sbx.template.memory_mib, vcpus=sbx.template.vcpus, envd_port=sbx.envd_port, timeout=t))
+            memory_mib=sbx.template.memory_mib, vcpus=sbx.template.vcpus, envd_port=sbx.envd_port, timeout=t,
+            annotations=dict(annotations or {})))
 
     async def fill_pool(self, template: str) -> None:
         """Fill the pool of ``template`` now (e.g. at server start) and wait for it."""
@@ -512,6 +532,25 @@ class SandboxManager:
             await self._remount(sbx, rec)
             return sbx
 
+    # ------------------------------------------------------------ moves between nodes (moves.py)
+    async def adopt(self, sid: str, force: bool = False) -> SandboxRecord:
+        """Take over a sandbox another node paused into the shared repository (resumed here next)."""
+        async with self.lock(sid):
+            if self.records_store.get(sid) is None:
+                self._check_capacity(1)
+            assert self._moves is not None
+            return await asyncio.to_thread(self._moves.adopt, sid, force)
+
+    async def release(self, sid: str) -> None:
+        """Forget a paused sandbox here, its pause kept in the repository for another node."""
+        async with self.lock(sid):
+            check_releasable(self.record(sid), sid in self._running)
+            await self.paused.settle(sid)
+            assert self._moves is not None
+            await asyncio.to_thread(self._moves.forget, sid)
+            self.metrics.forget(sid)
+        self._locks.pop(sid, None)
+
     # ------------------------------------------------------------ snapshots / fork
     async def snapshot(self, sid: str, name: str | None = None) -> tuple[str, list[str]]:
         """A named snapshot of a running sandbox, usable as a template. The VM is
@@ -563,7 +602,8 @@ class SandboxManager:
             self._put_new(k, timeout=parent.timeout if timeout is None else timeout,
                           metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
                           env_vars=parent.env_vars, access_token=child.access_token,
-                          allow_internet_access=parent.allow_internet_access, policy=parent.policy)
+                          allow_internet_access=parent.allow_internet_access, policy=parent.policy,
+                          annotations=parent.annotations)
             if not parent.pause_memory:
                 self.records_store.put(self.record(k.id).replace(pause_memory=False))
             if parent.volume_mounts:     # each child dials its own channels to the same volumes

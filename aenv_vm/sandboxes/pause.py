@@ -38,20 +38,19 @@ from aenv_store.formats.ids import Digest
 from ..blockimage.image import BlockImage
 from ..blockimage.squash import MAX_DISK_CHAIN, squash
 from ..blockimage.upper import upper_base
-from ..errors import SnapshotError
+from ..errors import Moved, SnapshotError
 from ..memory.memory_image import (SPARE, Delta, page_hashes, parent_seq, read_delta, read_index, stage_delta,
                                    sync_file, write_delta, write_incremental)
 from ..qemu.launcher import QemuProcess, VmSpec
 from ..templates.template import DEVICE_STATE
 from .capture import Capturer
+from .moves import PAUSED_KIND, delete_if_held, paused_name, pause_meta, stale_reason
 from .records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from .restore import Standby
 from .runtime import NodeRuntime
 from .sandbox import Sandbox
 
 log = logging.getLogger(__name__)
-
-PAUSED_KIND = "sandbox-snapshot"
 
 
 @dataclass(frozen=True)
@@ -215,6 +214,17 @@ class PausedSandboxes:
         if task is not None:
             await asyncio.shield(task)
 
+    async def settle(self, sid: str) -> None:
+        """Before a release: the last pause of ``sid`` committed (its background commit
+        waited for, a pending one committed; one that finds the sandbox moved is dropped:
+        nothing of this copy is to be kept), then everything it holds here given up."""
+        with contextlib.suppress(Moved):
+            await self.committed(sid)
+            rec = self.records.get(sid)
+            if rec is not None and rec.snapshot is not None and not rec.snapshot.committed:
+                await self.commit_pending(rec)
+        await self.release(sid)
+
     async def commit_pending(self, rec: SandboxRecord) -> None:
         """Commit a pause whose background commit did not finish (server restart, store
         error): its upper layer on disk is exactly that pause's disk."""
@@ -234,10 +244,15 @@ class PausedSandboxes:
         """Seal the disk and commit the pause to the store (background)."""
         rec = self.records.get(sid)
         meta = {"sandbox": sid, "seq": str(snap.seq), "template": rec.template if rec else ""}
+        # the catalog record also carries the sandbox's record, for a node adopting it (moves.py)
+        record_meta = pause_meta(rec, snap.seq, self.rt.node_id) if rec is not None else meta
         try:
-            done, squashed = await asyncio.to_thread(self._commit_work, sid, image, snap, previous, meta)
-        except BaseException:
+            done, squashed = await asyncio.to_thread(self._commit_work, sid, image, snap, previous, meta,
+                                                     record_meta)
+        except BaseException as e:
             await self.release(sid, keep_dir=True)
+            if isinstance(e, Moved) and (now := self.records.get(sid)) is not None:
+                self.records.put(now.replace(note=str(e)[:300]))
             raise
         finally:
             self._commits.pop(sid, None)
@@ -250,7 +265,7 @@ class PausedSandboxes:
                 retire(Path(previous.local))
 
     def _commit_work(self, sid: str, image: BlockImage, snap: SnapshotRef, previous: SnapshotRef | None,
-                     meta: dict[str, str]) -> tuple[SnapshotRef, bool]:
+                     meta: dict[str, str], record_meta: dict[str, str]) -> tuple[SnapshotRef, bool]:
         store = self.rt.store
         up = image.upper
         top = image.commit(meta=meta).layer_id if up is not None and up.touched() else image.top
@@ -279,8 +294,12 @@ class PausedSandboxes:
             state_id = w.close()
             roles = ((("disk", top),) if top is not None else ()) + (
                 ("memory", mid), ("base", delta.base), ("state", state_id))
-            ws.commit(CatalogRecord(name=f"paused-{sid}", kind=PAUSED_KIND, manifests=roles,
-                                    meta=tuple(sorted(meta.items())), created=time.time()), exclusive=False)
+            # never over a newer pause or one another node took over: this copy is stale then
+            if (why := stale_reason(self.rt, sid, snap.seq, committed=False)[0]) is not None:
+                raise Moved(f"sandbox {sid} moved: {why}; pause {snap.seq} of this node is not committed "
+                            f"(release it here)")
+            ws.commit(CatalogRecord(name=paused_name(sid), kind=PAUSED_KIND, manifests=roles,
+                                    meta=tuple(sorted(record_meta.items())), created=time.time()), exclusive=False)
         parent = parent_seq(d / "memory.delta")
         if parent is not None:   # self-contained again (durably) before its parent is removed
             write_delta(d / "memory.delta", delta)
@@ -303,7 +322,7 @@ class PausedSandboxes:
     def drop_files(self, sid: str) -> None:
         """The store record and local pause files of ``sid`` (a killed or deleted sandbox)."""
         with contextlib.suppress(StoreError):
-            self.rt.store.delete_record(f"paused-{sid}")
+            delete_if_held(self.rt, sid)     # a stale copy's kill leaves the holder's pause alone
         shutil.rmtree(self.rt.paused_dir(sid), ignore_errors=True)
         shutil.rmtree(self.rt.sandbox_dir(sid), ignore_errors=True)
 

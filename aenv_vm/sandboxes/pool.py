@@ -95,7 +95,7 @@ class WarmPool:
                 return
             t0 = time.monotonic()
             try:
-                await self._warm(sbx, sbx.guest_token)
+                await self._warm(sbx, sbx.guest_token, tpl.ready_cmd)
             except BaseException as e:
                 await teardown_sandbox(self.rt, sbx)
                 if not isinstance(e, (VmError, OSError)):
@@ -109,12 +109,16 @@ class WarmPool:
             pool.append(sbx)
 
     @staticmethod
-    async def _warm(sbx: Sandbox, access_token: str | None) -> None:
+    async def _warm(sbx: Sandbox, access_token: str | None, ready_cmd: str | None = None) -> None:
         """Run what a user's first calls run, so that this QEMU has translated it before
         hand-out: a file write and read and the SDK's command request (``bash -l -c`` as
         envd's default user, then as root, which also removes the file). Templates built
         under TCG have the guest's ASLR off, so the user's commands reuse these
-        translations instead of paying them (docs/guest.md)."""
+        translations instead of paying them (docs/guest.md). A template built with a
+        ready command has it run once more: it exercises the start command's own
+        service (the code interpreter's /health does a kernel round trip), which the
+        user's first call to that service would otherwise pay for; it is not required
+        to pass (a create without the pool would not run it at all)."""
         envd, path = sbx.envd.with_token(access_token), f"/tmp/.aenv-warm-{sbx.id}"
         await envd.write_file(path, b"warm")
         if await envd.read_file(path) != b"warm":
@@ -123,6 +127,10 @@ class WarmPool:
             result = await envd.run(cmd, user=user, timeout=60.0)
             if result.exit_code != 0:
                 raise VmError(f"warming {sbx.id}: {cmd!r} as {user or 'default user'} exited {result.exit_code}")
+        if ready_cmd:
+            result = await envd.run(ready_cmd, user=None, timeout=60.0)
+            if result.exit_code != 0:
+                log.info("warming %s: the template's ready command exited %d", sbx.id, result.exit_code)
         # The SDK's terminal: an interactive login shell on a PTY runs the user's .bashrc
         # (Debian's forks dircolors); warmed, a first pty.create answers its first input
         # in ~0.1 s instead of ~0.3 s. Best effort: an image's shell may not be bash.

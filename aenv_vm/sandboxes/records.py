@@ -69,6 +69,10 @@ class SandboxRecord:
     # Volumes mounted into the guest (aenv_vm/volumes/mounts.py VolumeMount.to_json), mounted
     # again on resume and cold boot, inherited by fork children.
     volume_mounts: list = field(default_factory=list)
+    # Fields of the layer above (the API's per-sandbox settings: alias, autoResume, proxy
+    # rules), opaque here: kept, inherited by fork children and committed with every
+    # pause, so that a node adopting the sandbox (moves.py) gets them too.
+    annotations: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         d = dataclasses.asdict(self)

@@ -41,6 +41,7 @@ from aenv_store.formats.ids import Digest
 
 from ..blockimage.image import BlockImage
 from ..blockimage.prefetch import Prefetcher
+from ..memory.lazyfs import LazyMemoryError
 from ..memory.memory_image import Delta
 from ..net.policy import NetworkPolicy
 from ..memory.pagemap import ram_mapping, write_pages
@@ -170,8 +171,11 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
         else:
             await envd.init_when_ready(greeting, rt.ready_timeout, vm.alive)
         t6 = time.monotonic()
-    except BaseException:
+    except BaseException as e:
         await teardown(rt, sid, vm, image)
+        if isinstance(e, Exception) and (lazy := rt.templates.lazy_image(plan.memory)) is not None and lazy.error:
+            # the QEMU died of a memory page the store could not give (corrupt or missing chunk)
+            raise LazyMemoryError(f"sandbox {sid} cannot run: {lazy.error}") from e
         raise
     return sbx, RestoreTiming(t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t4)
 

@@ -22,6 +22,7 @@ from aenv_store.store import Store
 from ..errors import Conflict, SnapshotError
 from ..memory.device_state import durable_write
 from ..memory.memory_image import fetch_delta, read_delta, write_delta
+from .moves import check_held, mark_running
 from .pause import PausedSandboxes, digest_of
 from .records import SandboxRecord, SandboxState, SnapshotRef
 from .restore import Greeting, RestorePlan, clock, restore
@@ -55,6 +56,8 @@ async def resume(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord) -
         rec = paused.records.get(sid) or rec
     snap = rec.snapshot
     assert snap is not None and snap.committed
+    held = await asyncio.to_thread(check_held, rt, rec)   # Moved: another node holds it now
+    marking = asyncio.ensure_future(asyncio.to_thread(mark_running, rt, held)) if held is not None else None
     tpl = rt.templates.resolve(rec.template)
     mem, _ = await rt.templates.files(tpl)
     d = Path(snap.local)
@@ -75,6 +78,8 @@ async def resume(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord) -
                        policy=rec.policy)
     sbx, t = await restore(rt, plan, standby)
     sbx.created = rec.started_at
+    if marking is not None:
+        await marking
     done = time.monotonic()
     return sbx, ResumeTiming(fetch, t.qemu_start, t.inject, t.state_load, t.first_answer, t.init,
                              t.running_at - t0, done - t0)

@@ -63,7 +63,8 @@ class NodeSandboxService:
                            envd_version=envd_version, note=rec.note, from_pool=from_pool,
                            pause_memory=rec.pause_memory, cold_boot=rec.cold_boot,
                            envd_unresponsive=rec.envd_unresponsive,
-                           volume_mounts=tuple({"name": m.name, "path": m.path} for m in rec.mounts))
+                           volume_mounts=tuple({"name": m.name, "path": m.path} for m in rec.mounts),
+                           annotations=dict(rec.annotations))
 
     def _running(self, sid: str) -> Sandbox:
         sbx = self.manager.sandboxes.get(sid)
@@ -78,7 +79,8 @@ class NodeSandboxService:
         sbx = await self.manager.create(req.template, env_vars=req.env_vars or None, access_token=req.access_token,
                                         timeout=req.timeout, metadata=req.metadata, auto_pause=req.auto_pause,
                                         allow_internet_access=req.allow_internet_access, network=req.network,
-                                        pause_memory=req.pause_memory, volume_mounts=list(req.volume_mounts))
+                                        pause_memory=req.pause_memory, volume_mounts=list(req.volume_mounts),
+                                        annotations=dict(req.annotations))
         return self._info(self.manager.record(sbx.id), sbx.timing.from_pool if sbx.timing else None)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -157,6 +159,12 @@ class NodeSandboxService:
 
     def on_expiry(self, listener: ExpiryListener) -> None:
         self.manager.on_expiry(listener)
+
+    async def adopt(self, sandbox_id: str, force: bool = False) -> SandboxInfo:
+        return self._info(await self.manager.adopt(sandbox_id, force))
+
+    async def release(self, sandbox_id: str) -> None:
+        await self.manager.release(sandbox_id)
 
 
 def _usage(pid: int, upper: Path) -> Usage:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv_store.errors import StoreError
+from aenv_store.errors import NotFound as StoreNotFound
 from aenv_store.formats.catalog import check_name
 from aenv_store.formats.ids import Digest
 
@@ -29,6 +30,7 @@ from ..service import SnapshotInfo
 from ..templates.template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, Template, find_template, list_templates,
                                   put_alias, remove_template, stage_file, template_record)
 from .capture import Capturer
+from .moves import PAUSED_KIND, shared_mark
 from .records import SandboxRecord
 from .runtime import NodeRuntime
 from .sandbox import Sandbox
@@ -82,7 +84,8 @@ class NamedSnapshots:
                 if sbx.vm.alive() and sbx.vm.qmp is not None:
                     await sbx.vm.qmp.execute("cont")
             t2 = time.monotonic()
-            base, _ = await self.rt.templates.files(tpl)
+            # a local base (never the lazy file): consolidation reads it whole, holes kept
+            base, _ = await self.rt.templates.full_files(tpl)
             try:
                 await asyncio.to_thread(consolidate, base, cap.delta, d / "memory")
             finally:
@@ -92,6 +95,7 @@ class NamedSnapshots:
             meta.update({"snapshot_of": sbx.id, "parent_template": tpl.id})
             if hidden:
                 meta["hidden"] = HIDDEN_FORK
+                meta["fork_node"] = self.rt.node_id   # only its maker drops it (drop_unused)
             # what the frozen envd demands (the memory image holds it anyway; restores need
             # it to re-key envd): the sandbox's token, not the parent template's secret
             token = sbx.guest_token
@@ -136,21 +140,39 @@ class NamedSnapshots:
         return sorted(out, key=lambda s: s.created)
 
     def delete(self, snapshot_id: str, users: list[str]) -> None:
-        """Delete a snapshot no sandbox uses (``users``: the sandboxes on it)."""
+        """Delete a snapshot no sandbox uses (``users``: this node's sandboxes on it; paused
+        sandboxes of other nodes sharing the repository count too)."""
         tpl = find_template(self.rt.store, snapshot_id)
         if "snapshot_of" not in self.rt.store.get_record(tpl.id).meta_dict():
             raise BadRequest(f"{snapshot_id} is a template, not a snapshot")
+        users = users + sorted(r.meta_dict().get("sandbox", r.name) for r in self.rt.store.list_records(PAUSED_KIND)
+                               if r.meta_dict().get("template") == tpl.id
+                               and r.meta_dict().get("sandbox") not in users)
         if users:  # their pauses are deltas over its memory image, their resumes need its record
             raise Conflict(f"snapshot {snapshot_id} is in use by {len(users)} sandbox(es) "
                            f"({', '.join(users[:3])}{', ...' if len(users) > 3 else ''}): kill them first")
         remove_template(self.rt.store, tpl.id)
+        with contextlib.suppress(StoreError):
+            self.rt.store.delete_record(shared_mark(tpl.id))
         self.rt.templates.forget(tpl.id)
 
     def is_hidden_fork(self, tid: str) -> bool:
+        """A fork's hidden snapshot that this node may drop with its last child: made here,
+        never used elsewhere (``mark_shared``)."""
+        store = self.rt.store
         try:
-            return self.rt.store.get_record(tid).meta_dict().get("hidden") == HIDDEN_FORK
+            meta = store.get_record(tid).meta_dict()
         except (StoreError, ValueError):  # no such record, or the store cannot tell: not ours to drop
             return False
+        if meta.get("hidden") != HIDDEN_FORK or meta.get("fork_node", "") not in ("", self.rt.node_id):
+            return False
+        try:
+            store.get_record(shared_mark(tid))
+        except StoreNotFound:
+            return True
+        except (StoreError, ValueError):
+            pass
+        return False
 
     def drop(self, tid: str) -> None:
         """Remove a hidden fork snapshot nothing uses any more (store and local files)."""

@@ -17,10 +17,29 @@ from pathlib import Path
 
 from aenv_store.errors import NotFound as StoreNotFound
 from aenv_store.errors import StoreError
+from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Manifest
 from aenv_store.store import Store
 
 from ..memory.device_state import template_config
+from ..memory.lazyfs import LazyImage, MemoryFs
 from .template import DEVICE_STATE, MEMORY_IMAGE, Template, TemplateError, find_template
+
+
+def _write_blob(store: Store, mid: Digest, path: Path, media: str, tid: str) -> None:
+    """Artifact ``mid`` assembled into ``path`` (tmp → fsync → rename)."""
+    reader = store.open_blob(mid)
+    if reader.manifest.media_type != media:
+        raise TemplateError(f"template {tid}: {path.name} has media type {reader.manifest.media_type}")
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.truncate(reader.size)
+        for e in reader.extents():
+            if e.chunk is not None:
+                os.pwrite(f.fileno(), reader.read(e.offset, e.length), e.offset)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def materialize(store: Store, tpl: Template, root: Path) -> tuple[Path, Path]:
@@ -32,24 +51,47 @@ def materialize(store: Store, tpl: Template, root: Path) -> tuple[Path, Path]:
     d.mkdir(parents=True, exist_ok=True)
     try:
         for mid, path, media in ((tpl.memory, mem, MEMORY_IMAGE), (tpl.device_state, state, DEVICE_STATE)):
-            reader = store.open_blob(mid)
-            if reader.manifest.media_type != media:
-                raise TemplateError(f"template {tpl.id}: {path.name} has media type {reader.manifest.media_type}")
-            tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-            with open(tmp, "wb") as f:
-                f.truncate(reader.size)
-                for e in reader.extents():
-                    if e.chunk is not None:
-                        os.pwrite(f.fileno(), reader.read(e.offset, e.length), e.offset)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if not path.is_file():
+                _write_blob(store, mid, path, media, tpl.id)
     except StoreError as e:
         raise TemplateError(f"template {tpl.id} cannot be read from the store: {e}") from None
     if mem.stat().st_size != tpl.memory_mib << 20:
         raise TemplateError(f"template {tpl.id}: memory image is {mem.stat().st_size} bytes, "
                             f"expected {tpl.memory_mib} MiB")
     return mem, state
+
+
+def cached_whole(store: Store, manifest: Manifest) -> bool:
+    """Every data chunk of ``manifest`` is in the node cache (stops at the first miss)."""
+    cache = store.cache
+    return cache is not None and all(cache.contains(c) for c in dict.fromkeys(manifest.chunks))
+
+
+def lazy_files(store: Store, tpl: Template, root: Path, lazy: MemoryFs) -> tuple[Path, Path] | None:
+    """(lazy memory file, local device-state file) when the memory image is to be served
+    page by page: already exposed, or not wholly in the node cache. None: materialize."""
+    d = root / tpl.id
+    try:
+        if lazy.image(tpl.memory) is None:
+            if (d / "memory").is_file():
+                return None
+            manifest = store.load_manifest(tpl.memory)
+            if manifest.media_type != MEMORY_IMAGE:
+                raise TemplateError(f"template {tpl.id}: memory has media type {manifest.media_type}")
+            if manifest.size != tpl.memory_mib << 20:
+                raise TemplateError(f"template {tpl.id}: memory image is {manifest.size} bytes, "
+                                    f"expected {tpl.memory_mib} MiB")
+            if cached_whole(store, manifest):
+                return None          # a warm node: assembled from the node cache as before
+        else:
+            manifest = lazy.image(tpl.memory).manifest   # type: ignore[union-attr]
+        state = d / "device-state"
+        if not state.is_file():
+            d.mkdir(parents=True, exist_ok=True)
+            _write_blob(store, tpl.device_state, state, DEVICE_STATE, tpl.id)
+    except StoreError as e:
+        raise TemplateError(f"template {tpl.id} cannot be read from the store: {e}") from None
+    return lazy.expose(manifest), state
 
 
 class LocalTemplates:
@@ -62,6 +104,9 @@ class LocalTemplates:
         self._lock = asyncio.Lock()            # one writer of the local template files
         self._configs: dict[str, bytes] = {}
         self._tokens: dict[str, str | None] = {}
+        # memory images not on this node are served page by page from the store
+        # (aenv_vm/memory/lazyfs.py); None: fetched whole before the first restore
+        self.lazy: MemoryFs | None = None
 
     def resolve(self, ref: str) -> Template:
         """A template (id, alias, snapshot id or name) this node can restore from.
@@ -76,9 +121,33 @@ class LocalTemplates:
         return self.root / tid
 
     async def files(self, tpl: Template) -> tuple[Path, Path]:
-        """(memory file, device-state file) of ``tpl`` on this node."""
+        """(memory file, device-state file) of ``tpl`` on this node: the local memory file
+        if the node has it or its whole image is in the node cache, else (with ``lazy``)
+        a file of the lazy memory mount that fetches pages as the guest touches them."""
+        async with self._lock:
+            return await asyncio.to_thread(self._files, tpl)
+
+    def _files(self, tpl: Template) -> tuple[Path, Path]:
+        if self.lazy is not None and self.lazy.mounted:
+            got = lazy_files(self.store, tpl, self.root, self.lazy)
+            if got is not None:
+                return got
+        return materialize(self.store, tpl, self.root)
+
+    async def full_files(self, tpl: Template) -> tuple[Path, Path]:
+        """Like ``files``, but the memory file is always local (what a consolidation reads
+        whole anyway)."""
         async with self._lock:
             return await asyncio.to_thread(materialize, self.store, tpl, self.root)
+
+    def lazy_image(self, memory: Path) -> LazyImage | None:
+        """The lazy image behind memory file ``memory`` (None: a local file)."""
+        if self.lazy is None:
+            return None
+        for img in self.lazy.images():
+            if self.lazy.mountpoint / img.name == memory:
+                return img
+        return None
 
     async def state_config(self, tpl: Template) -> bytes:
         """The configuration section of the template's device-state stream (what a

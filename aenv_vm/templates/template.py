@@ -25,6 +25,7 @@ from aenv_store.store import Store
 from aenv_store.workspace import Workspace
 
 from ..blockimage.layer import DISK_ROLE
+from ..memory.workingset import record_name as working_set_record
 from ..errors import NotFound, VmError
 
 TEMPLATE_KIND = "template"
@@ -53,7 +54,10 @@ class Template:
     disk_mib: int = 0    # root disk size (0: a record from before sizes were recorded)
     envd_version: str | None = None   # what the guest's envd reported at build (None: not recorded)
     host_ca: str = ""    # fingerprint of the host CA certificates it trusts ("": none; trust.py)
+    ready_cmd: str | None = None      # a template build's ready command (the warm pool runs it too)
     volume_paths: tuple[str, ...] = ()   # a snapshot's guest has volumes mounted there (no channel)
+    # a fork's hidden snapshot: the node that made it ("" before nodes were named); None: not one
+    hidden_fork_node: str | None = None
 
     @classmethod
     def from_record(cls, rec: CatalogRecord) -> "Template":
@@ -66,8 +70,9 @@ class Template:
                        vcpus=int(meta["vcpus"]), accel=meta["accel"], guest_key=meta["guest_key"],
                        kernel_cmdline=meta["kernel_cmdline"], created=rec.created,
                        disk_mib=int(meta.get("disk_mib", "0")), envd_version=meta.get("envd_version"),
-                       host_ca=meta.get("host_ca", ""),
-                       volume_paths=tuple(json.loads(meta.get("volume_paths", "[]"))))
+                       host_ca=meta.get("host_ca", ""), ready_cmd=meta.get("ready_cmd") or None,
+                       volume_paths=tuple(json.loads(meta.get("volume_paths", "[]"))),
+                       hidden_fork_node=meta.get("fork_node", "") if meta.get("hidden") == "fork" else None)
         except (KeyError, ValueError) as e:
             raise TemplateError(f"template record {rec.name} is incomplete: {e}") from None
 
@@ -125,6 +130,10 @@ def remove_template(store: Store, ref: str) -> Template:
         if rec.target == tpl.id and rec.name.startswith(ALIAS_PREFIX):
             store.delete_record(rec.name)
     store.delete_record(tpl.id)
+    try:   # the working set recorded for its memory image (aenv_vm/memory/workingset.py), if any
+        store.delete_record(working_set_record(tpl.memory))
+    except StoreNotFound:
+        pass
     return tpl
 
 

@@ -7,6 +7,7 @@ checks that it exits cleanly and leaves no QEMU process behind."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -98,6 +99,25 @@ class Server:
         ctype = rh.get("Content-Type", "")
         return status, rh, json.loads(payload) if payload and "json" in ctype else payload
 
+    def kill_all(self) -> int:
+        """Kill every sandbox the node holds, running or paused (a module's leftovers
+        would otherwise count against the next module's ``max_sandboxes`` on the shared
+        data dir). Returns how many were killed."""
+        ids: list[str] = []
+        token: str | None = None
+        while True:
+            q = "/v2/sandboxes?state=running&state=paused&limit=100" + (f"&nextToken={token}" if token else "")
+            status, headers, page = self.request("GET", q)
+            assert status == 200, (status, page)
+            ids += [s["sandboxID"] for s in page]
+            token = headers.get("X-Next-Token")
+            if not token:
+                break
+        for sid in ids:
+            status, _, body = self.request("DELETE", f"/sandboxes/{sid}")
+            assert status in (204, 404), (sid, status, body)
+        return len(ids)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             qemus = qemu_children(self.proc.pid)
@@ -160,13 +180,25 @@ def node_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("api-node")
 
 
-@pytest.fixture(scope="module")
-def server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(node_data_dir, tmp_path_factory.mktemp("api-logs"))
+@contextlib.contextmanager
+def serving(data_dir: Path, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A server for the length of the block; it kills every sandbox it still holds
+    before it stops (tests clean up: the next module starts with an empty node)."""
+    srv = start_server(data_dir, log_dir, env=env)
     try:
         yield srv
     finally:
-        srv.stop()
+        try:
+            if srv.proc.poll() is None:
+                srv.kill_all()
+        finally:
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(node_data_dir, tmp_path_factory.mktemp("api-logs")) as srv:
+        yield srv
 
 
 def use_sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:

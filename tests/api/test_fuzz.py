@@ -9,15 +9,26 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from .conftest import Server
+from .conftest import Server, serving
 
 pytestmark = pytest.mark.qemu
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
+
+
+@pytest.fixture(scope="module")
+def server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """This module's server allows forks of up to 4 children: its OpenAPI document says
+    so (``count`` maximum), so schemathesis fuzzes every fork input against that bound
+    without starting up to 16 VMs per generated example (a fork of 16 is tested with
+    the SDK, tests/api/test_sdk_sync.py::test_fork)."""
+    with serving(node_data_dir, tmp_path_factory.mktemp("fuzz-logs"), env={"AENV_SERVER__MAX_FORKS": "4"}) as srv:
+        yield srv
 
 
 def _schemathesis(server: Server, key: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -66,6 +77,13 @@ def test_malformed_bodies(server: Server) -> None:
         assert status == 400, (raw, status, body)
         assert headers["Content-Type"].startswith("application/json")
         assert set(body) == {"code", "message"} and body["code"] == 400 and body["message"]
+    for raw in (b"\x0b", b"\x0c", b" \x0b\n"):   # not JSON whitespace: invalid JSON, not "no body"
+        status, _, body = server.request("POST", "/sandboxes/sbx-nope/snapshots", raw=raw,
+                                         headers={"Content-Type": "application/json"})
+        assert status == 400 and body["code"] == 400, (raw, status, body)
+    status, _, body = server.request("POST", "/sandboxes/sbx-nope/snapshots", raw=b" \t\r\n",
+                                     headers={"Content-Type": "application/json"})
+    assert status == 404, body      # JSON whitespace alone is no body: the id is looked up
     status, _, body = server.request("POST", "/v2/sandboxes", body={"templateID": "no-such-template"})
     assert status == 404 and "not found" in body["message"]
     status, _, body = server.request("POST", "/sandboxes/sbx-nope/timeout", body={"timeout": 10})

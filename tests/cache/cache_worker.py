@@ -12,7 +12,7 @@
         the fetch appends the digests it fetches to LOGFILE (one hex line each)
         and sleeps SLEEP seconds. Prints "ok" if every thread got the data.
     cache_worker.py churn DIR CAPACITY SEED
-        print "ready", then put/get/pin/unpin random chunks forever (until killed).
+        print "ready", then put/put_many/get/pin/unpin random chunks forever (until killed).
     cache_worker.py dirty DIR CAPACITY N
         put chunks chunk(0..N-1, 4096), pin the first, then exit without closing
         (what a crash after those operations leaves behind).
@@ -140,8 +140,11 @@ def churn_mode(cache: NodeCache, seed: int) -> int:
         size = rng.choice((4096, 16384, 65536, rng.randrange(1, 65536)))
         data = chunk(n * 1000 + size % 997, size)
         digest = Digest.of(data)
-        if op < 0.6:
+        if op < 0.45:
             cache.put(digest, data)
+        elif op < 0.6:  # a batch: one segment of several chunks (what a fill of misses writes)
+            batch = [(Digest.of(b), b) for b in (chunk(rng.randrange(200) * 1000 + 7, size) for _ in range(4))]
+            cache.put_many(batch + [(digest, data)])
         elif op < 0.8:
             got = cache.get(digest)
             assert got is None or got == data

@@ -60,7 +60,12 @@ def test_verify_reports_problems(data_dir: Path, capsys: pytest.CaptureFixture[s
     assert main(["--data-dir", str(data_dir), "cache", "verify", "--read-data"]) == 0
     assert "2 entries, 0 problem(s)" in capsys.readouterr().out
     h = digests[0].hex()
-    (data_dir / "cache" / "data" / h[:2] / h).write_bytes(b"\0" * 5000)  # same size, other bytes
+    with NodeCache(data_dir / "cache", CacheConfig()) as c:
+        loc = c.location_of(digests[0])
+    assert loc is not None
+    with open(loc.path, "r+b") as f:  # same size, other bytes
+        f.seek(loc.offset)
+        f.write(b"\0" * loc.size)
     assert main(["--data-dir", str(data_dir), "cache", "verify"]) == 0  # sizes still agree
     capsys.readouterr()
     assert main(["--data-dir", str(data_dir), "cache", "verify", "--read-data", "--output", "json"]) == 1

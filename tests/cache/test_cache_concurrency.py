@@ -17,6 +17,7 @@ import blake3
 import pytest
 
 from aenv_store.cache.node_cache import NodeCache
+from aenv_store.cache.segments import SegmentFormatError, read_header
 from aenv_store.config import CacheConfig
 from aenv_store.formats.ids import Digest
 
@@ -87,7 +88,7 @@ def test_failing_fetch_propagates_to_all_waiters(cache: NodeCache) -> None:
     assert len(calls) == 1
     assert all(isinstance(r, RuntimeError) and "unreachable" in str(r) for r in results)
     assert not cache.contains(digest) and cache.stats().entries == 0
-    assert not list((cache.path / "tmp").iterdir())
+    assert not list((cache.path / "data").glob("*/*.seg"))  # nothing written for a failed fetch
     # no negative caching: the next caller fetches again
     assert cache.get_or_fetch(digest, lambda: data) == data
     assert cache.get(digest) == data
@@ -169,12 +170,12 @@ def test_mapped_reads_check_the_file_and_refetch_a_bad_one(cache: NodeCache) -> 
 
     (d1, b1), (d2, b2), (d3, b3) = items = [(Digest.of(b), b) for b in (chunk(500 + i, S) for i in range(3))]
     cache.put_many(items)
-    p1, p2 = cache.path_of(d1), cache.path_of(d2)
-    assert p1 is not None and p2 is not None
-    with open(p1, "r+b") as f:  # same size, one byte flipped
-        f.seek(S - 1)
+    l1, l2 = cache.location_of(d1), cache.location_of(d2)
+    assert l1 is not None and l2 is not None and l1.path == l2.path  # one put_many: one segment
+    with open(l1.path, "r+b") as f:  # same size, one byte flipped
+        f.seek(l1.offset + S - 1)
         f.write(bytes([b1[-1] ^ 1]))
-    os.truncate(p2, S // 2)
+    os.truncate(l2.path, l2.offset + S // 2)  # d2 cut short, d3 (after it) gone with it
     fetched: list[Digest] = []
 
     def fetch(missing: list[Digest]) -> list[bytes]:
@@ -183,9 +184,9 @@ def test_mapped_reads_check_the_file_and_refetch_a_bad_one(cache: NodeCache) -> 
 
     got = cache.get_or_fetch_many([d1, d2, d3], fetch, mapped=True)
     assert [bytes(g) for g in got] == [b1, b2, b3]
-    assert sorted(fetched) == sorted([d1, d2])            # the two bad files, refetched
+    assert sorted(fetched) == sorted([d1, d2, d3])        # the bad ones, refetched
     assert all(isinstance(g, mmap.mmap) for g in got)     # the refetched ones are mapped too
-    assert cache.stats().corrupt == 2
+    assert cache.stats().corrupt == 3
     assert cache.verify(read_data=True) == []
 
 
@@ -232,15 +233,22 @@ def test_batched_single_flight_across_processes(tmp_path: Path) -> None:
 
 
 def check_contents(c: NodeCache, capacity: int) -> int:
-    """Every file in the cache reads back as the bytes of its digest (or as a miss)."""
+    """Every chunk a segment file lists reads back as the bytes of its digest (or as a miss),
+    as bytes and mapped."""
     seen = 0
-    for shard in (c.path / "data").iterdir():
-        for f in shard.iterdir():
-            d = Digest.from_hex(f.name)
-            data = c.get(d)
-            if data is not None:
-                assert Digest.of(data) == d
-                seen += 1
+    digests: set[Digest] = set()
+    for f in (c.path / "data").glob("*/*.seg"):
+        try:
+            digests.update(Digest(i.digest) for i in read_header(str(f)))
+        except (OSError, SegmentFormatError):
+            pass  # a segment being written, or evicted meanwhile, or torn by the kill
+    for d in digests:
+        data = c.get(d)
+        if data is not None:
+            assert Digest.of(data) == d
+            (mapped,) = c.get_or_fetch_many([d], lambda _m, data=data: [data], mapped=True)
+            assert Digest.of(bytes(mapped)) == d
+            seen += 1
     assert c.stats().used_bytes <= capacity
     return seen
 
@@ -263,7 +271,6 @@ def test_sigkill_mid_put_leaves_consistent_cache(tmp_path: Path) -> None:
             assert c.verify(read_data=True) == []
             assert check_contents(c, cap) == c.stats().entries
             assert c.stats().pinned == 0  # the dead worker's pins are gone
-            assert not list((directory / "tmp").iterdir())
     with NodeCache(directory, CacheConfig(capacity=cap, min_free_disk=0)) as c:
         st = c.stats()
         assert st.entries > 0 and st.evictions > 0  # the workers really churned

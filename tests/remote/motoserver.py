@@ -41,19 +41,23 @@ def _moto_binary() -> str:
 class MotoServer:
     proc: subprocess.Popen[bytes]
     port: int
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def start(cls, log_path: Path | None = None, timeout: float = 30.0) -> "MotoServer":
-        port = _free_port()
+    def start(cls, log_path: Path | None = None, timeout: float = 30.0, host: str = "127.0.0.1",
+              port: int = 0) -> "MotoServer":
+        """``host``: the address to listen on (another than loopback only on a network
+        namespace the test made, e.g. the fleet tests' bridge)."""
+        port = port or _free_port()
         out = open(log_path, "wb") if log_path else subprocess.DEVNULL
         env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-        proc = subprocess.Popen([_moto_binary(), "-H", "127.0.0.1", "-p", str(port)],
+        proc = subprocess.Popen([_moto_binary(), "-H", host, "-p", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
-        server = cls(proc, port)
+        server = cls(proc, port, host)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:

@@ -163,9 +163,10 @@ def test_map_chunks_maps_node_cache_files_and_drops_bad_ones(settings_factory, b
         assert all(isinstance(m, mmap.mmap) for m in first) and b"".join(first) == data[:3 * 4096]
         cache = cold.cache
         assert cache is not None
-        path = cache.path_of(cids[1])
-        assert path is not None
-        with open(path, "r+b") as f:   # tampered in place: same size, one byte flipped
+        loc = cache.location_of(cids[1])
+        assert loc is not None
+        with open(loc.path, "r+b") as f:   # tampered in place: same size, one byte flipped
+            f.seek(loc.offset)
             f.write(bytes([data[4096] ^ 0xFF]))
         fetched = count_repository_reads(cold)
         again = cold.map_chunks(cids[:3])

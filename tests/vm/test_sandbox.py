@@ -188,12 +188,17 @@ def test_warm_pool_hands_out_ready_sandboxes(guest: GuestImage, built: Built, tm
 
 
 def _ksm_kib_outside_guest_ram(pid: int) -> int:
-    """KSM-merged KiB of a QEMU outside its guest RAM mapping (heap, TCG tables, ...)."""
+    """KSM-merged KiB of a QEMU outside its guest RAM mapping (heap, TCG tables, ...). The
+    RAM mapping is the file QEMU's memory backend names (``mem-path=``): a local memory
+    file, or the lazy-memory mount's file on a node that does not hold the image."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    mem_path = next(part.split("mem-path=", 1)[1].split(",", 1)[0]
+                    for part in (a.decode(errors="replace") for a in args) if "mem-path=" in part)
     total, guest_ram = 0, False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         fields = line.split()
         if fields and "-" in fields[0] and not fields[0].endswith(":"):
-            guest_ram = len(fields) > 5 and fields[5].endswith("/memory")
+            guest_ram = len(fields) > 5 and fields[5] == mem_path
         elif line.startswith("KSM:") and not guest_ram:
             total += int(fields[1])
     return total

@@ -15,6 +15,8 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text("[vm]\nmemory_mib = 512\naccel = \"tcg\"\n")
     cfg = load_config(tmp_path, overrides={"vm": {"pool_size": 0}}).section("vm")
     assert (cfg.memory_mib, cfg.accel, cfg.pool_size) == (512, "tcg", 0)
+    assert VmConfig().lazy_memory is True
+    assert load_config(tmp_path, overrides={"vm": {"lazy_memory": False}}).section("vm").lazy_memory is False
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -24,6 +26,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     ("readahead_mib", -1, "readahead_mib must be in 0..1024"), ("readahead_mib", 4096, "readahead_mib"),
     ("confine", "yes", "confine must be auto, required or off"), ("confine_uid_base", 0, "confine_uid_base"),
     ("confine_uid_count", 2**31, "confine_uid_base"), ("confine_pids", 1, "confine_pids"),
+    ("lazy_memory", "yes", "vm.lazy_memory: expected bool"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, key: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

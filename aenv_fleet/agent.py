@@ -1,0 +1,308 @@
+"""The node agent: what ``aenv server`` runs when ``[cluster] redis_url`` is set.
+
+It registers the node (its advertised URL, capacity, the templates its cache holds and
+the deployment's API key digest), heartbeats its lease, and keeps the sandbox -> node
+bindings in Redis as the node's sandboxes change. The hook into the server is one
+wrapper, ``ObservedService``: a ``SandboxService`` that passes every call to the node's
+own service and tells a ``SandboxListener`` what changed. With ``redis_url = ""`` the
+server never builds it, so the single-node path is untouched.
+
+Redis being unreachable never fails a sandbox operation: the agent logs it, marks
+itself out of sync, and the next heartbeat that reaches Redis reconciles every
+binding from the node's own list (as a restart does).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from aenv_vm.service import (CreateRequest, ExpiryListener, ForkResult, SandboxInfo, SandboxService,
+                             SandboxState, TokenMinter)
+
+from .config import ClusterConfig
+from .coord import Capacity, CoordError, Coordinator
+from .peering import FleetPeering, PeerSync
+
+log = logging.getLogger(__name__)
+
+RELEASE_PATH = "/_aenv/cluster/sandboxes/{id}/release"
+
+
+def info_record(info: SandboxInfo) -> dict[str, Any]:
+    """What Redis keeps of a sandbox: enough for a gateway to show it (E2B's
+    ListedSandbox) while its node is down or after it was released."""
+    return {"sandboxID": info.sandbox_id, "templateID": info.template_id, "state": info.state.value,
+            "startedAt": info.started_at, "endAt": info.end_at, "cpuCount": info.vcpus,
+            "memoryMB": info.memory_mib, "diskSizeMB": info.disk_mib, "autoPause": info.auto_pause,
+            "timeout": info.timeout, "metadata": dict(info.metadata), "envdVersion": info.envd_version,
+            "note": info.note}
+
+
+class SandboxListener(Protocol):
+    """What the node's sandbox service tells the fleet (ObservedService calls it)."""
+
+    async def bound(self, info: SandboxInfo, requested_template: str | None = None,
+                    paused_now: bool = False) -> None: ...
+
+    async def gone(self, sandbox_id: str) -> None: ...
+
+
+class ObservedService:
+    """A ``SandboxService`` that is the node's own, plus a listener told of every change."""
+
+    def __init__(self, inner: SandboxService, listener: SandboxListener) -> None:
+        self.inner = inner
+        self.listener = listener
+        self._expiry: list[ExpiryListener] = []
+        self._tasks: set[asyncio.Task] = set()
+        inner.on_expiry(self._expired)
+
+    def __getattr__(self, name: str) -> Any:      # anything beyond the protocol: the node's own
+        return getattr(self.inner, name)
+
+    def _expired(self, sid: str, action: str) -> None:
+        for fn in self._expiry:
+            fn(sid, action)
+        task = asyncio.ensure_future(self._after_expiry(sid, action))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _after_expiry(self, sid: str, action: str) -> None:
+        if action == "killed":
+            await self.listener.gone(sid)
+            return
+        with contextlib.suppress(Exception):
+            await self.listener.bound(await self.inner.get(sid), paused_now=True)
+
+    def on_expiry(self, listener: ExpiryListener) -> None:
+        self._expiry.append(listener)
+
+    async def create(self, req: CreateRequest) -> SandboxInfo:
+        info = await self.inner.create(req)
+        await self.listener.bound(info, req.template)
+        return info
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return await self.inner.get(sandbox_id)
+
+    async def list_sandboxes(self) -> list[SandboxInfo]:
+        return await self.inner.list_sandboxes()
+
+    async def kill(self, sandbox_id: str) -> None:
+        await self.inner.kill(sandbox_id)
+        await self.listener.gone(sandbox_id)
+
+    async def pause(self, sandbox_id: str, memory: bool = True, require_healthy: bool = False) -> SandboxInfo:
+        info = await self.inner.pause(sandbox_id, memory, require_healthy)
+        await self.listener.bound(info, paused_now=True)
+        return info
+
+    async def resume(self, sandbox_id: str, timeout: float | None = None, memory: bool = True) -> SandboxInfo:
+        info = await self.inner.resume(sandbox_id, timeout, memory)
+        await self.listener.bound(info)
+        return info
+
+    async def set_timeout(self, sandbox_id: str, seconds: float) -> SandboxInfo:
+        info = await self.inner.set_timeout(sandbox_id, seconds)
+        await self.listener.bound(info)
+        return info
+
+    async def fork(self, sandbox_id: str, count: int, timeout: float | None = None,
+                   access_token: TokenMinter | None = None) -> list[ForkResult]:
+        results = await self.inner.fork(sandbox_id, count, timeout, access_token)
+        for r in results:
+            if isinstance(r, SandboxInfo):
+                await self.listener.bound(r)
+        with contextlib.suppress(Exception):      # the parent ran on after its brief pause
+            await self.listener.bound(await self.inner.get(sandbox_id))
+        return results
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    vcpus: int
+    mem_total_mib: int
+    mem_avail_mib: int
+    disk_free_mib: int
+
+
+def host_facts(data_dir: Path) -> HostFacts:
+    mem: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            mem[name] = int(rest.split()[0]) // 1024 if rest.split() else 0
+    disk = shutil.disk_usage(data_dir)
+    return HostFacts(os.cpu_count() or 1, mem.get("MemTotal", 0), mem.get("MemAvailable", 0), disk.free >> 20)
+
+
+class NodeAgent:
+    """Registration, heartbeat, bindings and reconciliation of one node."""
+
+    def __init__(self, config: ClusterConfig, api_key: str, max_sandboxes: int, sandbox_mem_mib: int,
+                 data_dir: Path, version: str = "", coord: Coordinator | None = None,
+                 p2p: PeerSync | None = None) -> None:
+        self.config = config
+        self.node_id = config.node_id or socket.gethostname()
+        self.coord = coord or Coordinator(config.redis_url)
+        self.api_key = api_key
+        self.max_sandboxes = max_sandboxes
+        self.sandbox_mem_mib = sandbox_mem_mib
+        self.data_dir = data_dir
+        self.version = version
+        self.service: SandboxService | None = None
+        self.local_url = ""             # this node's API as the agent itself reaches it
+        self._templates: set[str] = set()
+        self._dirty = True              # bindings must be reconciled with the node's own list
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+        self._http: aiohttp.ClientSession | None = None
+        # with [p2p] enabled: publish this node's ticket, peer with the other live nodes
+        self.peering = FleetPeering(self.coord, self.node_id, p2p) if p2p is not None else None
+
+    def observe(self, service: SandboxService) -> ObservedService:
+        observed = ObservedService(service, self)
+        self.service = service
+        return observed
+
+    # --- SandboxListener -----------------------------------------------------------------
+
+    async def bound(self, info: SandboxInfo, requested_template: str | None = None,
+                    paused_now: bool = False) -> None:
+        try:
+            await self.coord.bind(info.sandbox_id, self.node_id, info.state.value, info_record(info),
+                                  paused_at=time.time() if paused_now and info.state == SandboxState.PAUSED else None,
+                                  note=info.note)
+            new = {t for t in (requested_template, info.template_id) if t} - self._templates
+            if new:
+                await self.coord.add_templates(self.node_id, sorted(new))
+                self._templates |= new
+        except CoordError as e:
+            log.warning("cluster: binding of %s not recorded (%s); reconciling at the next heartbeat",
+                        info.sandbox_id, e)
+            self._dirty = True
+
+    async def gone(self, sandbox_id: str) -> None:
+        try:
+            await self.coord.unbind(sandbox_id, self.node_id)
+        except CoordError as e:
+            log.warning("cluster: removal of %s not recorded (%s); reconciling at the next heartbeat", sandbox_id, e)
+            self._dirty = True
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self, local_url: str, templates: list[str]) -> None:
+        """After the node's API listens: register, reconcile, then heartbeat every
+        ``heartbeat_seconds``. A Redis that is down at start is retried by the loop."""
+        self.local_url = local_url
+        self._templates |= {t for t in templates if t}
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+        try:
+            await self.coord.add_api_key(self.api_key)
+            await self.coord.add_templates(self.node_id, sorted(self._templates))
+            await self.tick()
+        except CoordError as e:
+            log.warning("cluster: redis unreachable at start (%s); retrying every %.1f s", e,
+                        self.config.heartbeat_seconds)
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_seconds)
+            try:
+                await self.tick()
+            except CoordError as e:
+                log.warning("cluster: heartbeat failed: %s", e)
+                self._dirty = True
+            except Exception:   # the loop must outlive any one failure
+                log.exception("cluster: heartbeat failed")
+                self._dirty = True
+
+    async def capacity(self) -> Capacity:
+        assert self.service is not None
+        infos = await self.service.list_sandboxes()
+        facts = await asyncio.to_thread(host_facts, self.data_dir)
+        return Capacity(url=self.config.advertise_url, max_sandboxes=self.max_sandboxes, vcpus=facts.vcpus,
+                        mem_total_mib=facts.mem_total_mib, mem_avail_mib=facts.mem_avail_mib,
+                        disk_free_mib=facts.disk_free_mib, sandbox_mem_mib=self.sandbox_mem_mib,
+                        running=sum(i.state == SandboxState.RUNNING for i in infos),
+                        paused=sum(i.state == SandboxState.PAUSED for i in infos), version=self.version,
+                        p2p=self.peering.ticket if self.peering is not None else "")
+
+    async def tick(self) -> None:
+        if self._dirty:
+            await self.reconcile()
+        await self.heartbeat(await self.capacity())
+
+    async def heartbeat(self, cap: Capacity) -> None:
+        """Renew the lease with ``cap`` (its ``p2p`` is the ticket published), then
+        re-check who this node's fleet P2P peers are."""
+        await self.coord.heartbeat(self.node_id, cap, self.config.lease_seconds)
+        if self.peering is not None:
+            await self.peering.sync()
+
+    async def reconcile(self) -> None:
+        """Make Redis agree with what this node holds: bind what it has (unless the
+        fleet moved it elsewhere: then a paused copy here is released), drop bindings
+        to this node of sandboxes it no longer has."""
+        assert self.service is not None
+        async with self._lock:
+            local = {i.sandbox_id: i for i in await self.service.list_sandboxes()}
+            bindings = {b.sandbox_id: b for b in await self.coord.bindings(sorted(local))}
+            for sid, info in local.items():
+                b = bindings.get(sid)
+                if b is not None and b.node_id != self.node_id and (b.node_id or sid in await self._released()):
+                    if info.state == SandboxState.PAUSED:
+                        await self._release_local(sid, b.node_id or "the repository")
+                    else:
+                        log.warning("cluster: %s runs here but the fleet binds it to %r; left as it is",
+                                    sid, b.node_id)
+                    continue
+                await self.coord.bind(sid, self.node_id, info.state.value, info_record(info), note=info.note)
+            for sid in await self.coord.node_sandbox_ids(self.node_id):
+                if sid not in local:
+                    await self.coord.unbind(sid, self.node_id)
+            self._dirty = False
+
+    async def _released(self) -> set[str]:
+        return set(await self.coord.released_ids())
+
+    async def _release_local(self, sid: str, where: str) -> None:
+        """The fleet moved ``sid`` while this node was away: forget the paused copy here
+        (fleetmove's release endpoint; the repository keeps everything)."""
+        assert self._http is not None
+        url = self.local_url + RELEASE_PATH.format(id=sid)
+        try:
+            async with self._http.post(url, headers={"X-API-Key": self.api_key}) as r:
+                if r.status not in (204, 404):
+                    log.warning("cluster: release of %s (moved to %s) answered %s: %s", sid, where, r.status,
+                                (await r.text())[:200])
+                else:
+                    log.info("cluster: released %s here: the fleet moved it to %s", sid, where)
+        except aiohttp.ClientError as e:
+            log.warning("cluster: release of %s failed: %s", sid, e)
+
+    async def close(self) -> None:
+        """The node stops on purpose: its lease ends now (gateways route around it at
+        once; its paused sandboxes become adoptable by other nodes)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        with contextlib.suppress(CoordError):
+            await self.reconcile()
+            await self.coord.stop_node(self.node_id)
+        if self._http is not None:
+            await self._http.close()
+        await self.coord.close()
+

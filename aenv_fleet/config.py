@@ -1,0 +1,60 @@
+"""The ``[cluster]`` (a node's) and ``[gateway]`` sections of aenv's TOML config
+(docs/config.md, docs/cluster.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aenv_store.errors import ConfigError
+
+
+def _check_redis_url(url: str, where: str) -> None:
+    if url and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL, got {url!r}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    # Redis of the fleet; "" = a standalone node (no registration, nothing changes).
+    redis_url: str = ""
+    # This node's name in the fleet; "" = the host name.
+    node_id: str = ""
+    # How gateways and other nodes reach this node's API + proxy, e.g. "http://10.0.0.2:8000";
+    # required when redis_url is set.
+    advertise_url: str = ""
+    # A node that has not heartbeated for this long is expired (its sandboxes are shown
+    # from Redis and its paused ones may be adopted elsewhere).
+    lease_seconds: float = 10.0
+    heartbeat_seconds: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check_redis_url(self.redis_url, "cluster.redis_url")
+        if self.redis_url and not self.advertise_url.startswith(("http://", "https://")):
+            raise ConfigError("cluster.advertise_url (http://HOST:PORT other nodes and gateways reach this "
+                              "node by) is required when cluster.redis_url is set")
+        if self.heartbeat_seconds <= 0 or self.lease_seconds < 2 * self.heartbeat_seconds:
+            raise ConfigError("cluster.heartbeat_seconds must be > 0 and cluster.lease_seconds at least twice it")
+        if self.node_id and (len(self.node_id) > 64 or not all(c.isalnum() or c in "-_." for c in self.node_id)):
+            raise ConfigError(f"cluster.node_id must be 1-64 of [A-Za-z0-9._-], got {self.node_id!r}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Host-routed sandbox traffic "<port>-<sandboxID>.<domain>" (as [server] domain on a node).
+    domain: str = ""
+    # How long a request to a node may take before the gateway gives up (create and resume
+    # restore a VM: minutes under TCG).
+    node_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"gateway.port must be in 0..65535, got {self.port}")
+        if not self.redis_url:
+            raise ConfigError("gateway.redis_url is required")
+        _check_redis_url(self.redis_url, "gateway.redis_url")
+        if self.domain.startswith(".") or "/" in self.domain:
+            raise ConfigError(f"gateway.domain must be a bare domain name, got {self.domain!r}")
+        if self.node_timeout <= 0:
+            raise ConfigError("gateway.node_timeout must be > 0")

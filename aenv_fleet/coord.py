@@ -1,0 +1,312 @@
+"""The fleet's state in Redis, as typed calls: node registry and leases, capacity,
+bindings, API key digests, reservations, events (keys.py lists the keys, scripts.py
+the atomic updates). Used by the node agent and the gateway alike."""
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from . import keys, scripts
+
+
+class CoordError(Exception):
+    """Redis could not be reached or answered an error."""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def key_digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_id: str
+    url: str
+    state: str                  # up | expired | stopped (as last written)
+    alive: bool                 # lease deadline not passed
+    lease_deadline: float       # unix seconds
+    drained: bool
+    free_slots: int | None      # None: not placeable (drained, expired, stopped)
+    max_sandboxes: int
+    running: int
+    paused: int
+    vcpus: int
+    mem_total_mib: int
+    mem_avail_mib: int
+    disk_free_mib: int
+    sandbox_mem_mib: int
+    heartbeat_at: float
+    templates: tuple[str, ...] = ()
+    p2p_ticket: str = ""        # the node's P2P endpoint ticket ("" = P2P off); only meant while alive
+
+    def view(self) -> dict[str, Any]:
+        return {"nodeID": self.node_id, "url": self.url, "state": "up" if self.alive else self.state,
+                "alive": self.alive, "drained": self.drained, "freeSlots": self.free_slots,
+                "maxSandboxes": self.max_sandboxes, "running": self.running, "paused": self.paused,
+                "vcpus": self.vcpus, "memTotalMiB": self.mem_total_mib, "memAvailableMiB": self.mem_avail_mib,
+                "diskFreeMiB": self.disk_free_mib, "sandboxMemoryMiB": self.sandbox_mem_mib,
+                "leaseDeadline": self.lease_deadline, "heartbeatAt": self.heartbeat_at,
+                "templates": list(self.templates), "p2pTicket": self.p2p_ticket}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a node reports at every heartbeat."""
+    url: str
+    max_sandboxes: int
+    vcpus: int
+    mem_total_mib: int
+    mem_avail_mib: int
+    disk_free_mib: int
+    sandbox_mem_mib: int
+    running: int
+    paused: int
+    version: str = ""
+    p2p: str = ""               # this node's P2P endpoint ticket, "" = P2P off
+
+    def fields(self) -> list[str]:
+        out: list[str] = []
+        for k in ("url", "vcpus", "mem_total_mib", "mem_avail_mib", "disk_free_mib", "sandbox_mem_mib",
+                  "running", "paused", "version", "p2p"):
+            out += [k, str(getattr(self, k))]
+        return out
+
+
+@dataclass(frozen=True)
+class Binding:
+    sandbox_id: str
+    node_id: str                # "" = released: paused in the repository, on no node
+    state: str                  # running | paused | lost
+    info: dict[str, Any] = field(default_factory=dict)   # the sandbox's record (agent.info_record)
+    note: str = ""
+    paused_at: float | None = None   # last pause this fleet saw committed (unix seconds)
+    updated: float = 0.0
+
+
+def _int(v: Any, default: int = 0) -> int:
+    try:
+        return int(float(v))
+    except (TypeError, ValueError):
+        return default
+
+
+class Coordinator:
+    """One Redis connection pool and the fleet's scripts on it."""
+
+    def __init__(self, url: str, client: aioredis.Redis | None = None) -> None:
+        self.url = url
+        self.redis = client or aioredis.from_url(url, decode_responses=True, socket_timeout=10,
+                                                 socket_connect_timeout=5, health_check_interval=10)
+        self._scripts = {name: self.redis.register_script(getattr(scripts, name))
+                         for name in ("HEARTBEAT", "STOP", "EXPIRE", "PLACE", "UNRESERVE", "BIND", "UNBIND",
+                                      "RELEASE", "DRAIN")}
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def _run(self, name: str, *args: Any) -> Any:
+        try:
+            return await self._scripts[name](args=[str(a) for a in args])
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    async def ping(self) -> None:
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    # --- API keys ------------------------------------------------------------------------
+
+    async def add_api_key(self, api_key: str) -> None:
+        try:
+            await self.redis.sadd(keys.APIKEYS, key_digest(api_key))
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    async def api_key_digests(self) -> set[str]:
+        try:
+            return set(await self.redis.smembers(keys.APIKEYS))
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    async def heartbeat(self, node_id: str, cap: Capacity, lease_seconds: float) -> int:
+        return int(await self._run("HEARTBEAT", node_id, now_ms(), int(lease_seconds * 1000), cap.max_sandboxes,
+                                   *cap.fields()))
+
+    async def stop_node(self, node_id: str) -> None:
+        await self._run("STOP", node_id)
+
+    async def expire_nodes(self) -> list[str]:
+        return list(await self._run("EXPIRE", now_ms()))
+
+    async def set_drained(self, node_id: str, drained: bool) -> bool:
+        return int(await self._run("DRAIN", node_id, "1" if drained else "0", now_ms())) == 1
+
+    async def add_templates(self, node_id: str, templates: list[str]) -> None:
+        templates = [t for t in templates if t]
+        if not templates:
+            return
+        try:
+            async with self.redis.pipeline(transaction=True) as p:
+                p.sadd(keys.node_templates(node_id), *templates)
+                for t in templates:
+                    p.sadd(keys.template_nodes(t), node_id)
+                await p.execute()
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    async def nodes(self) -> list[NodeRecord]:
+        try:
+            leases = await self.redis.zrange(keys.NODES, 0, -1, withscores=True)
+            free = dict(await self.redis.zrange(keys.FREE, 0, -1, withscores=True))
+            async with self.redis.pipeline(transaction=False) as p:
+                for nid, _ in leases:
+                    p.hgetall(keys.node(nid))
+                    p.smembers(keys.node_templates(nid))
+                got = await p.execute()
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+        now = time.time()
+        out = []
+        for i, (nid, deadline) in enumerate(leases):
+            h, tpls = got[2 * i], got[2 * i + 1]
+            out.append(NodeRecord(
+                node_id=nid, url=h.get("url", ""), state=h.get("state", "?"), alive=deadline / 1000 >= now,
+                lease_deadline=deadline / 1000, drained=h.get("drained") == "1",
+                free_slots=int(free[nid]) if nid in free else None, max_sandboxes=_int(h.get("max_sandboxes")),
+                running=_int(h.get("running")), paused=_int(h.get("paused")), vcpus=_int(h.get("vcpus")),
+                mem_total_mib=_int(h.get("mem_total_mib")), mem_avail_mib=_int(h.get("mem_avail_mib")),
+                disk_free_mib=_int(h.get("disk_free_mib")), sandbox_mem_mib=_int(h.get("sandbox_mem_mib")),
+                heartbeat_at=_int(h.get("heartbeat_at")) / 1000, templates=tuple(sorted(tpls)),
+                p2p_ticket=h.get("p2p", "")))
+        return out
+
+    # --- placement -----------------------------------------------------------------------
+
+    async def place(self, template: str, memory_mib: int, exclude: tuple[str, ...] = (), ttl: float = 900.0,
+                    candidates: int = 16) -> tuple[str, str] | None:
+        """Reserve a slot: ``(node, reservation id)``, or None when no node has room."""
+        rid = secrets.token_hex(8)
+        node = await self._run("PLACE", now_ms(), template, rid, int(ttl * 1000), memory_mib, candidates,
+                               ",".join(exclude))
+        return (node, rid) if node else None
+
+    async def free_slots(self, node_id: str) -> int | None:
+        """The node's free slots now (None: not placeable, e.g. drained or expired)."""
+        try:
+            score = await self.redis.zscore(keys.FREE, node_id)
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+        return None if score is None else int(score)
+
+    async def unreserve(self, node_id: str, rid: str) -> None:
+        await self._run("UNRESERVE", node_id, rid)
+
+    # --- idempotent creates --------------------------------------------------------------
+
+    async def claim_idempotency(self, key: str, ttl: int = 86400) -> str | None:
+        """None: this caller is the first with ``key`` (it is now "pending"); else the
+        node the first create went to, or "pending" while it runs."""
+        k = keys.idempotency(key_digest(key))
+        try:
+            if await self.redis.set(k, "pending", nx=True, ex=ttl):
+                return None
+            return await self.redis.get(k) or "pending"
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    async def settle_idempotency(self, key: str, node_id: str | None, ttl: int = 86400) -> None:
+        """The create of ``key`` went to ``node_id`` (None: it failed; the key is free again)."""
+        k = keys.idempotency(key_digest(key))
+        try:
+            if node_id is None:
+                await self.redis.delete(k)
+            else:
+                await self.redis.set(k, node_id, ex=ttl)
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    # --- bindings ------------------------------------------------------------------------
+
+    async def bind(self, sandbox_id: str, node_id: str, state: str, info: dict[str, Any],
+                   paused_at: float | None = None, note: str = "") -> None:
+        await self._run("BIND", sandbox_id, node_id, state, json.dumps(info, sort_keys=True), now_ms(),
+                        "" if paused_at is None else repr(paused_at), note)
+
+    async def unbind(self, sandbox_id: str, node_id: str = "") -> bool:
+        return int(await self._run("UNBIND", sandbox_id, node_id)) == 1
+
+    async def release(self, sandbox_id: str, node_id: str) -> bool:
+        return int(await self._run("RELEASE", sandbox_id, node_id, now_ms())) == 1
+
+    async def binding(self, sandbox_id: str) -> Binding | None:
+        try:
+            h = await self.redis.hgetall(keys.sandbox(sandbox_id))
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+        return _binding(sandbox_id, h) if h else None
+
+    async def bindings(self, sandbox_ids: list[str]) -> list[Binding]:
+        if not sandbox_ids:
+            return []
+        try:
+            async with self.redis.pipeline(transaction=False) as p:
+                for sid in sandbox_ids:
+                    p.hgetall(keys.sandbox(sid))
+                got = await p.execute()
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+        return [_binding(sid, h) for sid, h in zip(sandbox_ids, got) if h]
+
+    async def node_sandbox_ids(self, node_id: str) -> list[str]:
+        try:
+            return sorted(await self.redis.smembers(keys.node_sandboxes(node_id)))
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    async def released_ids(self) -> list[str]:
+        try:
+            return sorted(await self.redis.smembers(keys.RELEASED))
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    async def events_since(self, last_id: str, count: int = 1000) -> list[tuple[str, dict[str, str]]]:
+        """Events after ``last_id`` ("$" = none yet: only the id of the newest is returned)."""
+        try:
+            if last_id == "$":
+                newest = await self.redis.xrevrange(keys.EVENTS, count=1)
+                return [(newest[0][0], {})] if newest else [("0-0", {})]
+            got = await self.redis.xrange(keys.EVENTS, min=f"({last_id}", count=count)
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+        return [(eid, fields) for eid, fields in got]
+
+    async def events(self, count: int = 100) -> list[dict[str, str]]:
+        try:
+            got = await self.redis.xrevrange(keys.EVENTS, count=count)
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+        return [{"eventID": eid, **fields} for eid, fields in got]
+
+
+def _binding(sid: str, h: dict[str, str]) -> Binding:
+    try:
+        info = json.loads(h.get("info") or "{}")
+    except ValueError:
+        info = {}
+    pa = h.get("paused_at")
+    return Binding(sid, h.get("node", ""), h.get("state", "running"), info if isinstance(info, dict) else {},
+                   h.get("note", ""), float(pa) if pa else None, _int(h.get("updated")) / 1000)

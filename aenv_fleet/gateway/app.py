@@ -1,0 +1,320 @@
+"""``aenv gateway``: the whole E2B API and the sandbox proxy of a fleet on one endpoint.
+
+Design (docs/cluster.md, "Why the gateway routes HTTP"): the gateway does not run a
+``SandboxService`` of its own over the nodes; it routes HTTP to them by binding. Every
+node already serves the complete E2B API (validation, auth, the API-side records such
+as autoResume and proxy rules, envd tokens) for the sandboxes it holds, so the gateway
+handles only what needs more than one node -- placement of creates, listing,
+cross-node connect/resume, fork beyond one node, drain -- and passes everything else
+through, byte for byte and streamed. That keeps it stateless (Redis is its only
+state) and keeps the per-sandbox semantics in one place, the node.
+
+Sandbox traffic is recognised as a node does (``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port``
+headers, AgentENV's, or ``<port>-<id>.<domain>`` hosts with ``[gateway] domain``; a
+host-routed request reaches the node header-routed) and forwarded to the node the
+sandbox is bound to.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+from typing import Any
+
+from aiohttp import web
+
+from aenv_api.server.app import JSON_WHITESPACE
+from aenv_api.server.auth import presented_api_key
+from aenv_api.server.proxy import (AGENTENV_ID_HEADER, SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER,
+                                   is_unrouted_signed_url, parse_host)
+from aenv_api.server.rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner
+
+from ..config import GatewayConfig
+from ..coord import Binding, CoordError, Coordinator
+from .errors import GatewayError
+from .forward import NodeClient, NodeFailed, NodeRefused, NodeUnreachable, forwarded_headers
+from .listing import listed_from_binding, lost_note, shown_state
+from .lists import Lists
+from .moves import Moves
+from .state import FleetView
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("aenv.gateway.access")
+
+MAX_BODY = 1 << 20
+SIGNED_BODY_MAX = 256 << 20     # a signed upload is buffered to be offered to each node
+
+_CREATE = re.compile(r"^/(?:v2/)?sandboxes/?$")
+_CONNECT = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)/(connect|resume)$")
+_FORK = re.compile(r"^/sandboxes/([^/]+)/fork$")
+_SANDBOX = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)(/.*)?$")
+_NODE_OP = re.compile(r"^/nodes/([^/]+)/(drain|undrain)$")
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
+    return web.Response(status=status, text=json.dumps({"code": status, "message": message, **extra}),
+                        content_type="application/json", headers=headers)
+
+
+def json_answer(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, text=json.dumps(payload), content_type="application/json", headers=headers)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, coord: Coordinator | None = None) -> None:
+        self.config = config
+        self.coord = coord or Coordinator(config.redis_url)
+        self.fleet = FleetView(self.coord)
+        self.nodes = NodeClient(config.node_timeout)
+        self.lists = Lists(self.fleet, self.nodes)
+        self.moves = Moves(self.fleet, self.nodes)
+        self._runner: JsonErrorRunner | None = None
+        self.port: int | None = None
+
+    # --- run -----------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> int:
+        await self.nodes.start()
+        await self.fleet.start()
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self._runner = JsonErrorRunner(app, access_log=None, auto_decompress=False, handle_signals=False,
+                                       shutdown_timeout=2.0, max_line_size=MAX_LINE, max_field_size=MAX_FIELD)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await site.start()
+        socks = getattr(site._server, "sockets", None) or []
+        self.port = socks[0].getsockname()[1] if socks else port
+        return self.port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.fleet.close()
+        await self.nodes.close()
+        await self.coord.close()
+
+    # --- dispatch ------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        rid = request.headers.get("X-Request-Id") or secrets.token_hex(8)
+        try:
+            resp = await self._dispatch(request)
+        except GatewayError as e:
+            resp = error(e.status, e.message, **e.extra)
+        except CoordError as e:
+            resp = error(503, f"the fleet's Redis is unreachable: {e}")
+        except NodeUnreachable as e:
+            resp = error(502, f"node unreachable: {e}")
+        except NodeFailed as e:
+            if request.get("streaming"):
+                raise ConnectionResetError(str(e)) from None   # the answer is under way: only a cut is left
+            resp = error(502, f"node failed: {e}")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except web.HTTPException as e:
+            resp = error(e.status, e.reason or "error")
+        except Exception as e:
+            log.exception("gateway request %s %s %s failed", rid, request.method, request.path)
+            resp = error(500, f"internal error ({type(e).__name__}); request id {rid}")
+        if not resp.prepared:
+            resp.headers["X-Request-Id"] = rid
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info("%s %s %s -> %s %.1f ms", rid, request.method, request.path, resp.status,
+                            (time.monotonic() - t0) * 1000)
+        return resp
+
+    def _sandbox_target(self, request: web.Request) -> tuple[str, dict[str, str]] | None:
+        """``(sandbox id, headers to add)`` of sandbox traffic, else None."""
+        sid = request.headers.get(SANDBOX_ID_HEADER) or request.headers.get(AGENTENV_ID_HEADER)
+        if sid:
+            return sid, {}
+        if self.config.domain:
+            hit = parse_host(request.host, self.config.domain)
+            if hit is not None:
+                return hit[0], {SANDBOX_ID_HEADER: hit[0], SANDBOX_PORT_HEADER: str(hit[1])}
+        return None
+
+    async def _authorized(self, request: web.Request) -> None:
+        key = presented_api_key(request.headers.getall("X-API-Key", []), request.headers.getall("Authorization", []))
+        if not await self.fleet.check_key(key):
+            raise GatewayError(401, "Invalid API key: send the deployment's key, once, in the X-API-Key header")
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        target = self._sandbox_target(request)
+        if target is not None:
+            return await self._proxy(request, *target)
+        path, method = request.path, request.method
+        if is_unrouted_signed_url(request):
+            return await self._signed_file(request)
+        if path == "/health" and method == "GET":
+            return web.Response(status=204) if self.fleet.redis_ok else error(503, "redis unreachable")
+        await self._authorized(request)
+        if _CREATE.match(path):
+            if method == "POST":
+                return await self.moves.create(request, await self._body(request))
+            if method == "GET":
+                return await self.lists.list_sandboxes(request, v2=path.startswith("/v2/"))
+        if path == "/sandboxes/metrics" and method == "GET":
+            return await self.lists.latest_metrics(request)
+        if path == "/nodes" and method == "GET":
+            await self.fleet.refresh()      # an operator reads Redis now, not the last second's copy
+            return json_answer([n.view() for n in sorted(self.fleet.nodes.values(), key=lambda n: n.node_id)])
+        if path == "/cluster/events" and method == "GET":
+            return json_answer(await self.coord.events(200))
+        m = _NODE_OP.match(path)
+        if m and method == "POST":
+            body = _parse(await self._body(request)) or {}
+            migrate = body.get("migrate", False) if isinstance(body, dict) else False
+            if not isinstance(migrate, bool):
+                raise GatewayError(400, "migrate must be a boolean")
+            return json_answer(await self.moves.drain(m.group(1), m.group(2) == "drain", migrate,
+                                                      _key_headers(request)))
+        m = _CONNECT.match(path)
+        if m and method == "POST":
+            return await self.moves.connect(request, m.group(1), await self._body(request))
+        m = _FORK.match(path)
+        if m and method == "POST":
+            return await self.moves.fork(request, m.group(1), await self._body(request))
+        m = _SANDBOX.match(path)
+        if m and m.group(1) != "metrics":
+            return await self._routed(request, m.group(1), m.group(2) or "")
+        return await self._any_node(request)
+
+    async def _body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            raise GatewayError(413, f"request body over {MAX_BODY} bytes")
+        return await request.read()
+
+    # --- routed by binding ---------------------------------------------------------------
+
+    async def _routed(self, request: web.Request, sid: str, rest: str) -> web.StreamResponse:
+        b = await self.fleet.binding(sid)
+        if b is None:
+            return error(404, f"sandbox {sid} not found", sandboxId=sid)
+        if b.node_id and self.fleet.is_alive(b.node_id):
+            resp = await self._to_node(request, b.node_id, self.fleet.url(b.node_id) + request.rel_url.raw_path_qs)
+            if request.method == "DELETE" and rest == "" and resp.status == 404:
+                await self.coord.unbind(sid, b.node_id)      # the node no longer has it: neither does the fleet
+            return resp
+        return await self._orphan(request, b, rest)
+
+    async def _orphan(self, request: web.Request, b: Binding, rest: str) -> web.StreamResponse:
+        """A sandbox on a node that is down, or released to the repository: Redis answers."""
+        state = shown_state(b, False)
+        where = f"its node {b.node_id} is down" if b.node_id else "it is paused in the repository, on no node"
+        if request.method == "DELETE" and rest == "":
+            if state == "lost":
+                await self.coord.unbind(b.sandbox_id)
+                self.fleet.forget(b.sandbox_id)
+                return web.Response(status=204)
+            return await self.moves.kill_orphan(b, _key_headers(request))
+        if state == "lost":
+            return error(410, f"sandbox {b.sandbox_id} was lost: {lost_note(b)}", sandboxId=b.sandbox_id,
+                         state="lost")
+        if request.method == "GET" and rest == "":
+            detail = listed_from_binding(b, state)
+            detail.update({"domain": None, "lifecycle": {"autoResume": False,
+                                                         "onTimeout": "pause" if b.info.get("autoPause", True)
+                                                         else "kill"}})
+            return json_answer(detail)
+        if request.method == "POST" and rest == "/pause":
+            return error(409, f"sandbox {b.sandbox_id} is already paused ({where})", sandboxId=b.sandbox_id)
+        return error(409, f"sandbox {b.sandbox_id} is paused ({where}); connect resumes it on a node",
+                     sandboxId=b.sandbox_id)
+
+    async def _to_node(self, request: web.Request, node_id: str, url: str,
+                       extra: dict[str, str] | None = None, body: bytes | None = None) -> web.StreamResponse:
+        request["streaming"] = True
+        headers = forwarded_headers(request, {**(extra or {})})
+        if request.headers.get("Upgrade", "").lower() == "websocket" and request.method == "GET":
+            try:
+                return await self.nodes.websocket(request, url, headers)
+            except NodeRefused as e:
+                # the node's JSON error body is not readable from a failed handshake: its
+                # status and reason are, and are what the client gets
+                return error(e.status, f"the sandbox's node refused the WebSocket: {e.message}")
+        return await self.nodes.forward(request, url, headers, body)
+
+    async def _any_node(self, request: web.Request) -> web.StreamResponse:
+        """Templates, snapshots, volumes and the rest: any live node answers (templates and
+        snapshots live in the shared repository)."""
+        alive = sorted(self.fleet.alive(), key=lambda n: n.node_id)
+        if not alive:
+            return error(503, "no node of the fleet is up")
+        body = await self._body(request) if request.body_exists else None
+        last: Exception | None = None
+        for n in alive:
+            try:
+                return await self._to_node(request, n.node_id, n.url + request.rel_url.raw_path_qs, body=body)
+            except NodeUnreachable as e:
+                last = e
+        return error(502, f"no node answered: {last}")
+
+    # --- sandbox traffic -----------------------------------------------------------------
+
+    async def _signed_file(self, request: web.Request) -> web.StreamResponse:
+        """A signed file URL naming no sandbox (the SDK's download_url / upload_url): only
+        the node holding the sandbox recognises the signature (it is made with that
+        sandbox's envd token), so the live nodes are asked in turn; the first that does
+        not answer 401/403/404 is the answer. The body is read once (bounded)."""
+        if request.content_length is not None and request.content_length > SIGNED_BODY_MAX:
+            return error(413, f"a signed upload through the gateway is limited to {SIGNED_BODY_MAX} bytes; "
+                              f"send it with the {SANDBOX_ID_HEADER} header instead")
+        body = None
+        if request.body_exists:     # read past the app's 1 MiB control-plane limit, bounded here
+            parts, size = [], 0
+            async for piece in request.content.iter_any():
+                size += len(piece)
+                if size > SIGNED_BODY_MAX:
+                    return error(413, f"a signed upload through the gateway is limited to {SIGNED_BODY_MAX} bytes")
+                parts.append(piece)
+            body = b"".join(parts)
+        last = error(404, "no node recognises this signed URL")
+        for n in sorted(self.fleet.alive(), key=lambda n: n.node_id):
+            try:
+                a = await self.nodes.call(request.method, n.url + request.rel_url.raw_path_qs, body,
+                                          forwarded_headers(request))
+            except (NodeUnreachable, NodeFailed):
+                continue
+            resp = web.Response(status=a.status, body=a.body, headers={
+                k: v for k, v in a.headers.items() if k.lower() not in (
+                    "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")})
+            if a.status not in (401, 403, 404):
+                return resp
+            last = resp
+        return last
+
+    async def _proxy(self, request: web.Request, sid: str, extra: dict[str, str]) -> web.StreamResponse:
+        b = await self.fleet.binding(sid, cached=True)
+        if b is None:
+            return error(404, "The sandbox was not found", sandboxId=sid)
+        if not (b.node_id and self.fleet.is_alive(b.node_id)):
+            b = await self.fleet.binding(sid)            # the cache may be behind a move
+            if b is None or not (b.node_id and self.fleet.is_alive(b.node_id)):
+                return error(502, f"sandbox {sid} is not on a running node: connect to resume it",
+                             sandboxId=sid)
+        url = self.fleet.url(b.node_id) + request.rel_url.raw_path_qs
+        try:
+            return await self._to_node(request, b.node_id, url, extra)
+        except NodeUnreachable:
+            self.fleet.forget(sid)
+            raise
+
+
+def _parse(body: bytes) -> Any:
+    if not body.strip(JSON_WHITESPACE):
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise GatewayError(400, "request body is not valid JSON") from None
+
+
+def _key_headers(request: web.Request) -> dict[str, str]:
+    key = request.headers.get("X-API-Key")
+    return {"X-API-Key": key} if key else {}

@@ -1,0 +1,167 @@
+"""HTTP from the gateway to nodes: whole calls (control plane the gateway reads) and
+streamed forwarding (everything it passes through: request and answer bodies move as
+they arrive, so envd's Connect streams and file transfers flow frame by frame).
+
+aiohttp's client (pinned, as the server's) with decompression off: bodies pass as they
+are, under their own Content-Encoding. Hop-by-hop headers are not forwarded; the API
+key and the sandbox routing headers are (the node checks and routes by them).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from aenv_api.server.wsbridge import HANDSHAKE_HEADERS, bridge, offered_protocols
+
+_HOP = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
+    "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
+_DROP_RESPONSE = _HOP | {"date", "server"}
+_SMALL = 1 << 20
+
+
+class NodeUnreachable(Exception):
+    """The node could not be connected to (nothing was sent: safe to try elsewhere)."""
+
+
+class NodeRefused(Exception):
+    """The node answered a WebSocket handshake with an HTTP status instead of 101."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status} {message}")
+        self.status = status
+        self.message = message
+
+
+class NodeFailed(Exception):
+    """The connection to the node broke or timed out after the request was sent."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body) if self.body else None
+        except ValueError:
+            return None
+
+
+def forwarded_headers(request: web.BaseRequest, extra: dict[str, str] | None = None,
+                      drop: frozenset[str] = frozenset()) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in request.headers.items():
+        lk = k.lower()
+        if lk in _HOP or lk in drop:
+            continue
+        out[k] = v if k not in out else out[k] + ", " + v
+    out.update(extra or {})
+    return out
+
+
+class NodeClient:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, force_close=False)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def call(self, method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+                   timeout: float | None = None) -> Answer:
+        assert self.session is not None
+        try:
+            async with self.session.request(method, url, data=body, headers=headers, allow_redirects=False,
+                                            timeout=aiohttp.ClientTimeout(total=timeout or self.timeout,
+                                                                          sock_connect=5)) as r:
+                data = await r.read()
+                return Answer(r.status, {k: v for k, v in r.headers.items()}, data)
+        except aiohttp.ClientConnectorError as e:
+            raise NodeUnreachable(str(e)) from None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise NodeFailed(f"{type(e).__name__}: {e}") from None
+
+    async def call_json(self, method: str, url: str, payload: Any, headers: dict[str, str],
+                        timeout: float | None = None) -> Answer:
+        return await self.call(method, url, json.dumps(payload).encode(),
+                               {**headers, "Content-Type": "application/json"}, timeout)
+
+    async def forward(self, request: web.Request, url: str, headers: dict[str, str],
+                      body: bytes | None = None) -> web.StreamResponse:
+        """Send ``request`` to ``url`` and stream the answer back. ``body`` given: sent
+        as it is (already read); else a small body is read whole and a larger or chunked
+        one streams."""
+        assert self.session is not None
+        data: bytes | AsyncIterator[bytes] | None = body
+        if body is None and request.body_exists:
+            if request.content_length is not None and request.content_length <= _SMALL:
+                data = await request.read()
+            else:
+                data = _stream(request)
+        try:
+            up = await self.session.request(request.method, url, data=data, headers=headers, allow_redirects=False,
+                                            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5,
+                                                                          sock_read=self.timeout))
+        except aiohttp.ClientConnectorError as e:
+            raise NodeUnreachable(str(e)) from None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise NodeFailed(f"{type(e).__name__}: {e}") from None
+        try:
+            resp = web.StreamResponse(status=up.status, reason=up.reason)
+            for k, v in up.headers.items():
+                if k.lower() not in _DROP_RESPONSE:
+                    resp.headers.add(k, v)
+            length = up.headers.get("Content-Length")
+            if length is not None and "Transfer-Encoding" not in up.headers:
+                resp.content_length = int(length)
+            elif up.status not in (204, 304) and request.method != "HEAD":
+                resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            async for piece in up.content.iter_any():
+                await resp.write(piece)
+            await resp.write_eof()
+            return resp
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise NodeFailed(f"{type(e).__name__}: {e}") from None
+        finally:
+            up.release()
+
+    async def websocket(self, request: web.Request, url: str, headers: dict[str, str]) -> web.StreamResponse:
+        """Carry a WebSocket session to ``url`` (the node, which carries it on to the guest
+        port): the node's handshake is made first, so a refusal there (401, 403, 502 of a
+        closed port) reaches the client as that HTTP answer, not as an accepted socket."""
+        assert self.session is not None
+        fwd = {k: v for k, v in headers.items() if k.lower() not in HANDSHAKE_HEADERS}
+        protocols = offered_protocols(request)
+        try:
+            up = await self.session.ws_connect("ws" + url[len("http"):], headers=fwd, protocols=protocols,
+                                               autoping=False, max_msg_size=0,
+                                               timeout=aiohttp.ClientWSTimeout(ws_close=10.0))
+        except aiohttp.WSServerHandshakeError as e:
+            raise NodeRefused(e.status, e.message) from None
+        except aiohttp.ClientConnectorError as e:
+            raise NodeUnreachable(str(e)) from None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise NodeFailed(f"{type(e).__name__}: {e}") from None
+        down = web.WebSocketResponse(protocols=protocols, autoping=False, max_msg_size=0)
+        await down.prepare(request)
+        await bridge(down, up)
+        return down
+
+
+async def _stream(request: web.Request) -> AsyncIterator[bytes]:
+    async for piece in request.content.iter_any():
+        yield piece

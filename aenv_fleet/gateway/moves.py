@@ -1,0 +1,339 @@
+"""The gateway's operations that choose or change a sandbox's node: create (placed by
+the scheduler), connect/resume (on its node when it can, else adopted by another from
+the shared repository), fork beyond one node, and drain.
+
+Placement is ``Coordinator.place``: capacity filter, a score preferring nodes whose
+cache holds the template, and an atomic slot reservation in Redis that the create's
+end releases (scripts.py). A node that answers 429 (full after all) or cannot be
+connected to is excluded and the next best one tried.
+
+Moving a paused sandbox uses the nodes' fleetmove endpoints (docs/cluster.md):
+``release`` on the node that holds it (when it is up), ``adopt`` on the new one, and
+the binding moved in Redis by the gateway; the normal connect then resumes it there.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from ..coord import Binding, CoordError
+from .errors import GatewayError
+from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
+from .listing import lost_note, shown_state
+from .state import FleetView
+
+log = logging.getLogger(__name__)
+
+ADOPT = "/_aenv/cluster/sandboxes/{id}/adopt"
+RELEASE = "/_aenv/cluster/sandboxes/{id}/release"
+PLACE_ATTEMPTS = 4
+FORKS_PER_NODE = 16          # AgentENV's (and a node's default [server] max_forks)
+NODE_HEADER = "X-Aenv-Node"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+COMMIT_WAIT = 120.0         # how long a fork snapshot's or a pause's background commit is waited for
+
+
+def _err(status: int, message: str, **extra: Any) -> web.Response:
+    return web.Response(status=status, text=json.dumps({"code": status, "message": message, **extra}),
+                        content_type="application/json")
+
+
+def _relay(a: Answer, node_id: str) -> web.Response:
+    headers = {k: v for k, v in a.headers.items()
+               if k.lower() not in ("content-length", "transfer-encoding", "connection", "keep-alive", "date",
+                                    "server")}
+    headers[NODE_HEADER] = node_id
+    return web.Response(status=a.status, body=a.body, headers=headers)
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body) if body.strip() else {}
+    except ValueError:
+        return None
+
+
+class Moves:
+    def __init__(self, fleet: FleetView, nodes: NodeClient) -> None:
+        self.fleet = fleet
+        self.nodes = nodes
+
+    # --- create --------------------------------------------------------------------------
+
+    async def place_and_call(self, template: str, method: str, path: str, body: bytes, headers: dict[str, str],
+                             exclude: tuple[str, ...] = ()) -> tuple[str, Answer] | web.Response:
+        """Reserve a node, call it, release the reservation; next node on 429 or when
+        it cannot be reached."""
+        tried = list(exclude)
+        for _ in range(PLACE_ATTEMPTS):
+            got = await self.fleet.coord.place(template, 0, tuple(tried))
+            if got is None:
+                break
+            node, rid = got
+            try:
+                a = await self.nodes.call(method, self.fleet.url(node) + path, body, headers)
+            except NodeUnreachable:
+                tried.append(node)
+                continue
+            finally:
+                await self.fleet.coord.unreserve(node, rid)
+            if a.status == 429 or (a.status == 503 and "starting" in a.body.decode(errors="replace")):
+                tried.append(node)
+                continue
+            return node, a
+        up = len(self.fleet.alive())
+        return _err(429, f"no node has room for a sandbox ({up} node(s) up; full, drained, or tried: "
+                         f"{', '.join(tried) or 'none'})", retry=False)
+
+    async def create(self, request: web.Request, body: bytes) -> web.Response:
+        req = _json(body)
+        if not isinstance(req, dict):
+            return _err(400, "request body must be a JSON object")
+        template = req.get("templateID") or req.get("template_id") or ""
+        if not isinstance(template, str):
+            return _err(400, "templateID must be a string")
+        headers = forwarded_headers(request)
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key:
+            # a retried create must reach the node that has the first one (it replays it)
+            first = await self.fleet.coord.claim_idempotency(key)
+            if first == "pending":
+                return _err(409, f"a create with this {IDEMPOTENCY_HEADER} is in progress; retry shortly")
+            if first is not None and self.fleet.is_alive(first):
+                a = await self.nodes.call("POST", self.fleet.url(first) + request.rel_url.raw_path_qs, body,
+                                          headers)
+                return _relay(a, first)
+        try:
+            got = await self.place_and_call(template, "POST", request.rel_url.raw_path_qs, body, headers)
+        except BaseException:
+            if key:
+                await self.fleet.coord.settle_idempotency(key, None)
+            raise
+        if isinstance(got, web.Response) or got[1].status >= 400:
+            if key:
+                await self.fleet.coord.settle_idempotency(key, None)
+            return got if isinstance(got, web.Response) else _relay(got[1], got[0])
+        node, a = got
+        if key:
+            await self.fleet.coord.settle_idempotency(key, node)
+        return _relay(a, node)
+
+    # --- connect / resume ----------------------------------------------------------------
+
+    async def connect(self, request: web.Request, sid: str, body: bytes) -> web.Response:
+        b = await self.fleet.binding(sid)
+        if b is None:
+            return _err(404, f"sandbox {sid} not found", sandboxId=sid)
+        path = request.rel_url.raw_path_qs
+        headers = forwarded_headers(request)
+        old = b.node_id
+        if old and self.fleet.is_alive(old):
+            n = self.fleet.nodes[old]
+            fits = not n.drained and n.mem_avail_mib >= max(n.sandbox_mem_mib, 1)
+            if b.state == "running" or fits:
+                a = await self.nodes.call("POST", n.url + path, body, headers)
+                if a.status not in (429, 503) or b.state == "running":
+                    return _relay(a, old)
+            # full or drained: hand it to another node
+            r = await self.nodes.call("POST", n.url + RELEASE.format(id=sid), None, _keys(headers))
+            if r.status == 409:      # running after all: it stays
+                return _relay(await self.nodes.call("POST", n.url + path, body, headers), old)
+            if r.status not in (204, 404):
+                return _relay(r, old)
+            await self.fleet.coord.release(sid, old)
+        elif shown_state(b, False) == "lost":
+            return _err(410, f"sandbox {sid} was lost: {lost_note(b)}", sandboxId=sid, state="lost")
+        return await self._adopt_and_connect(b, path, body, headers)
+
+    async def _adopt_and_connect(self, b: Binding, path: str, body: bytes,
+                                 headers: dict[str, str]) -> web.Response:
+        got = await self.adopt(b, headers)
+        if isinstance(got, web.Response):
+            return got
+        return _relay(await self.nodes.call("POST", self.fleet.url(got) + path, body, headers), got)
+
+    async def kill_orphan(self, b: Binding, headers: dict[str, str]) -> web.Response:
+        """Kill a paused sandbox no live node holds (released, or its node is down): a node
+        adopts it and kills it, so its pause record leaves the repository too."""
+        got = await self.adopt(b, headers)
+        if isinstance(got, web.Response):
+            if got.status == 410:       # lost: nothing in the repository to remove
+                await self.fleet.coord.unbind(b.sandbox_id)
+                self.fleet.forget(b.sandbox_id)
+                return web.Response(status=204)
+            return got
+        a = await self.nodes.call("DELETE", self.fleet.url(got) + f"/sandboxes/{b.sandbox_id}", None,
+                                  _keys(headers))
+        if a.status in (204, 404):
+            await self.fleet.coord.unbind(b.sandbox_id)
+            self.fleet.forget(b.sandbox_id)
+        return _relay(a, got)
+
+    async def adopt(self, b: Binding, headers: dict[str, str]) -> str | web.Response:
+        """A node that adopted ``b`` from the repository (the binding moved there), or the
+        answer saying why none could."""
+        sid = b.sandbox_id
+        template = str(b.info.get("templateID", ""))
+        exclude = (b.node_id,) if b.node_id else ()
+        # its node is gone (not released by it): the repository's pause record may say it
+        # was resumed there since; the fleet knows that copy is dead, so the last pause wins
+        force = "?force=true" if b.node_id and not self.fleet.is_alive(b.node_id) else ""
+        # a pause is committed to the repository in the background: until then adopt is
+        # 404, so a recent pause is waited for (a node that died inside the commit never
+        # finishes it: then the wait ends and the sandbox is lost)
+        wait_until = (b.paused_at or 0) + COMMIT_WAIT
+        while True:
+            got = await self.place_and_call(template, "POST", ADOPT.format(id=sid) + force, b"", _keys(headers),
+                                            exclude)
+            if isinstance(got, web.Response):
+                return got
+            node, a = got
+            if a.status != 404 or time.time() > wait_until:
+                break
+            await asyncio.sleep(1.0)
+        if a.status == 404:
+            note = (f"its node {b.node_id or '?'} is gone and the repository holds no committed pause of it "
+                    f"(adopt by {node}: {a.body.decode(errors='replace')[:200]})")
+            await self.fleet.coord.bind(sid, b.node_id or node, "lost", b.info, note=note)
+            return _err(410, f"sandbox {sid} was lost: {note}", sandboxId=sid, state="lost")
+        if a.status == 409 and "already" not in a.body.decode(errors="replace"):
+            return _relay(a, node)      # cannot move (volume mounts, template gone, ...): the node says why
+        if a.status not in (200, 409):
+            return _relay(a, node)
+        info = dict(b.info, state="paused")
+        await self.fleet.coord.bind(sid, node, "paused", info, paused_at=b.paused_at)
+        self.fleet.forget(sid)
+        log.info("gateway: %s adopted by %s (was on %s)", sid, node, b.node_id or "the repository")
+        return node
+
+    # --- fork ----------------------------------------------------------------------------
+
+    async def fork(self, request: web.Request, sid: str, body: bytes) -> web.Response:
+        req = _json(body)
+        if not isinstance(req, dict):
+            return _err(400, "request body must be a JSON object")
+        count = req.get("count", 1)
+        if count is None:
+            count = 1
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            return _err(400, "count must be a positive integer")
+        b = await self.fleet.binding(sid)
+        if b is None:
+            return _err(404, f"sandbox {sid} not found", sandboxId=sid)
+        if not (b.node_id and self.fleet.is_alive(b.node_id)):
+            return _err(409, f"sandbox {sid} is not running on a node that is up; only a running sandbox is forked")
+        parent = self.fleet.nodes[b.node_id]
+        alive = self.fleet.alive()
+        if count > FORKS_PER_NODE * len(alive):
+            return _err(400, f"count {count} is more than the fleet forks at once ({FORKS_PER_NODE} per node "
+                             f"that is up: {FORKS_PER_NODE * len(alive)})")
+        headers = forwarded_headers(request)
+        # on the parent's node as many as it has room for (up to 16): they share its
+        # memory; the rest start elsewhere from a snapshot. Its room is read from Redis
+        # now (the cached view is as old as the last refresh, and misses e.g. the parent
+        # itself when it was just made); the node stays the judge: a 429 from it sends
+        # every child the snapshot way.
+        try:
+            free = await self.fleet.coord.free_slots(parent.node_id)
+        except CoordError:
+            free = parent.free_slots
+        here = min(count, FORKS_PER_NODE, max(free or 0, 0))
+        results: list[dict[str, Any]] = []
+        snapshot_id: str | None = None
+        if here > 0:
+            # the children beyond the parent's node start from this fork's own snapshot
+            # (a fork child's template), committed by the parent's node in the background
+            a = await self.nodes.call_json("POST", parent.url + f"/sandboxes/{sid}/fork", dict(req, count=here),
+                                           headers)
+            if a.status == 429:
+                log.info("gateway: fork of %s: its node %s has no room for %d, all %d children go elsewhere",
+                         sid, parent.node_id, here, count)
+                here = 0
+            elif a.status != 201 or here == count:
+                return _relay(a, parent.node_id)
+            else:
+                results += a.json() or []
+                snapshot_id = next((r["sandbox"].get("templateID") for r in results if "sandbox" in r), None)
+        rest = count - here
+        if snapshot_id is None:
+            # no room on the parent's node (or every fork there failed): a snapshot of the parent
+            snap = await self.nodes.call_json("POST", parent.url + f"/sandboxes/{sid}/snapshots", {},
+                                              _keys(headers))
+            snapshot_id = (snap.json() or {}).get("snapshotID") if snap.status == 201 else None
+            if snapshot_id is None:
+                return _relay(snap, parent.node_id)
+        create = {"templateID": snapshot_id, "metadata": dict(b.info.get("metadata") or {}), "secure": True}
+        if req.get("timeout") is not None:
+            create["timeout"] = req["timeout"]
+        create_body = json.dumps(create).encode()
+        sem = asyncio.Semaphore(4)
+
+        snap_id = snapshot_id
+
+        async def child() -> dict[str, Any]:
+            async with sem:
+                deadline = time.monotonic() + COMMIT_WAIT
+                while True:
+                    try:
+                        got = await self.place_and_call(snap_id, "POST", "/v2/sandboxes", create_body,
+                                                        {**_keys(headers), "Content-Type": "application/json"})
+                    except NodeFailed as e:
+                        return {"error": {"code": 502, "message": f"node failed: {e}"}}
+                    if isinstance(got, web.Response):
+                        return {"error": json.loads(got.text or "{}")}
+                    _node, a = got
+                    # 404: the fork snapshot's commit has not reached the repository yet
+                    if a.status != 404 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(1.0)
+                if a.status == 201:
+                    return {"sandbox": a.json()}
+                err = a.json()
+                return {"error": err if isinstance(err, dict) else {"code": a.status, "message": "create failed"}}
+
+        results += await asyncio.gather(*(child() for _ in range(rest)))
+        return web.Response(status=201, text=json.dumps(results), content_type="application/json",
+                            headers={NODE_HEADER: parent.node_id, "X-Aenv-Fork-Snapshot": snapshot_id})
+
+    # --- drain ---------------------------------------------------------------------------
+
+    async def drain(self, node_id: str, drained: bool, migrate: bool, headers: dict[str, str]) -> dict[str, Any]:
+        if not await self.fleet.coord.set_drained(node_id, drained):
+            raise GatewayError(404, f"no node {node_id!r} in the fleet")
+        await self.fleet.refresh()
+        out: dict[str, Any] = {"nodeID": node_id, "drained": drained, "migrated": [], "failed": []}
+        if not (drained and migrate):
+            return out
+        n = self.fleet.nodes.get(node_id)
+        if n is None or not self.fleet.is_alive(node_id):
+            # a node that is down holds nothing it could pause: its paused sandboxes are
+            # already adoptable, its running ones shown paused or lost
+            out["note"] = "the node is down: its sandboxes move on their next connect"
+            return out
+        for b in await self.fleet.coord.bindings(await self.fleet.coord.node_sandbox_ids(node_id)):
+            sid = b.sandbox_id
+            try:
+                if b.state == "running":
+                    a = await self.nodes.call_json("POST", n.url + f"/sandboxes/{sid}/pause", {}, headers)
+                    if a.status not in (204, 409):
+                        out["failed"].append({"sandboxID": sid, "error": a.body.decode(errors="replace")[:300]})
+                        continue
+                r = await self.nodes.call("POST", n.url + RELEASE.format(id=sid), None, headers)
+                if r.status not in (204, 404):
+                    out["failed"].append({"sandboxID": sid, "error": r.body.decode(errors="replace")[:300]})
+                    continue
+                await self.fleet.coord.release(sid, node_id)
+                self.fleet.forget(sid)
+                out["migrated"].append(sid)
+            except (NodeUnreachable, NodeFailed) as e:
+                out["failed"].append({"sandboxID": sid, "error": str(e)})
+        return out
+
+
+def _keys(headers: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() in ("x-api-key", "authorization")}

@@ -1,0 +1,110 @@
+"""What a gateway knows of the fleet, from Redis, kept fresh by a background loop:
+the node table (a second old at most), the API key digests, and a short-lived cache
+of sandbox -> node routes for the proxy's hot path (dropped early when the fleet's
+event stream says the sandbox changed). It is a cache of Redis, never a
+source of truth: any gateway can die or start at any time."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+
+from ..coord import Binding, CoordError, Coordinator, NodeRecord, key_digest
+
+log = logging.getLogger(__name__)
+
+REFRESH_SECONDS = 1.0
+ROUTE_TTL = 1.0
+
+
+class FleetView:
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self.nodes: dict[str, NodeRecord] = {}
+        self.key_digests: set[str] = set()
+        self._routes: dict[str, tuple[float, Binding]] = {}
+        self._task: asyncio.Task | None = None
+        self._last_event = "$"
+        self.redis_ok = False
+        self._last_ok = 0.0     # when Redis last answered: leases are judged as of then while it does not
+
+    async def start(self) -> None:
+        with contextlib.suppress(CoordError):
+            await self.refresh()
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_SECONDS)
+            try:
+                await self.refresh()
+            except CoordError as e:
+                if self.redis_ok:
+                    log.warning("gateway: redis unreachable: %s", e)
+                self.redis_ok = False
+            except Exception:
+                log.exception("gateway: refresh failed")
+
+    async def refresh(self) -> None:
+        await self.coord.expire_nodes()     # any gateway may notice an expiry first; the script is idempotent
+        self.nodes = {n.node_id: n for n in await self.coord.nodes()}
+        self.key_digests = await self.coord.api_key_digests()
+        self.redis_ok = True
+        self._last_ok = time.time()
+        now = time.monotonic()
+        self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
+        # a sandbox that moved, paused or went since: its cached route goes at once
+        for eid, ev in await self.coord.events_since(self._last_event):
+            self._last_event = eid
+            if ev.get("type", "").startswith("sandbox-"):
+                self._routes.pop(ev.get("id", ""), None)
+
+    def _now(self) -> float:
+        """Leases are judged by the clock while Redis answers; while it does not, nodes
+        cannot heartbeat either, so their leases are judged as of Redis' last answer (a
+        Redis outage does not make every node look dead to the proxy)."""
+        return time.time() if self.redis_ok else self._last_ok
+
+    def alive(self) -> list[NodeRecord]:
+        now = self._now()
+        return [n for n in self.nodes.values() if n.lease_deadline >= now]
+
+    def is_alive(self, node_id: str) -> bool:
+        n = self.nodes.get(node_id)
+        return n is not None and n.lease_deadline >= self._now()
+
+    def url(self, node_id: str) -> str:
+        n = self.nodes.get(node_id)
+        return n.url if n is not None else ""
+
+    async def check_key(self, presented: str | None) -> bool:
+        if presented is None:
+            return False
+        digest = key_digest(presented)
+        if not any(hmac.compare_digest(digest, d) for d in self.key_digests):
+            with contextlib.suppress(CoordError):   # a key added since the last refresh
+                self.key_digests = await self.coord.api_key_digests()
+        return any(hmac.compare_digest(digest, d) for d in self.key_digests)
+
+    async def binding(self, sandbox_id: str, cached: bool = False) -> Binding | None:
+        if cached:
+            hit = self._routes.get(sandbox_id)
+            if hit is not None and hit[0] > time.monotonic():
+                return hit[1]
+        b = await self.coord.binding(sandbox_id)
+        if b is not None:
+            self._routes[sandbox_id] = (time.monotonic() + ROUTE_TTL, b)
+        else:
+            self._routes.pop(sandbox_id, None)
+        return b
+
+    def forget(self, sandbox_id: str) -> None:
+        self._routes.pop(sandbox_id, None)

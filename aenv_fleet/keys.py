@@ -1,0 +1,53 @@
+"""Every Redis key the fleet uses, in one place (docs/cluster.md, "Redis keys", is the
+same list with what survives a Redis restart).
+
+All keys start with ``aenv:`` so a fleet can share a Redis with other users; none has a
+Redis TTL (a lease is a score compared with the clock, not an expiring key: a Redis
+restart from its AOF must not drop a node or a binding because time passed).
+"""
+from __future__ import annotations
+
+PREFIX = "aenv:"
+
+NODES = PREFIX + "nodes"            # ZSET node id -> lease deadline (unix ms)
+FREE = PREFIX + "free"              # ZSET node id -> free sandbox slots (placeable nodes only)
+APIKEYS = PREFIX + "apikeys"        # SET sha256 hex digests of the deployment's API keys
+EVENTS = PREFIX + "events"          # STREAM of fleet events (capped, ~10k entries)
+RELEASED = PREFIX + "released"      # SET sandbox ids paused in the repository, held by no node
+EVENTS_MAXLEN = 10_000
+
+
+def node(node_id: str) -> str:
+    """HASH: url, capacity fields, counts, p2p (its P2P ticket), drained, state (docs/cluster.md)."""
+    return f"{PREFIX}node:{node_id}"
+
+
+def node_sandboxes(node_id: str) -> str:
+    """SET: ids of the sandboxes bound to the node (running, paused or lost)."""
+    return f"{PREFIX}node:{node_id}:sbx"
+
+
+def node_templates(node_id: str) -> str:
+    """SET: templates (ids and aliases) the node has restored, so its cache holds them."""
+    return f"{PREFIX}node:{node_id}:tpl"
+
+
+def node_reservations(node_id: str) -> str:
+    """ZSET: reservation id -> expiry (unix ms) of creates placed on the node, in flight."""
+    return f"{PREFIX}node:{node_id}:resv"
+
+
+def template_nodes(template: str) -> str:
+    """SET: nodes whose cache holds ``template`` (the reverse of node_templates)."""
+    return f"{PREFIX}tpl:{template}"
+
+
+def sandbox(sandbox_id: str) -> str:
+    """HASH: node, state, info (the sandbox's record as JSON), note, paused_at, updated."""
+    return f"{PREFIX}sbx:{sandbox_id}"
+
+
+def idempotency(digest: str) -> str:
+    """STRING: the node a create with this Idempotency-Key (sha256 hex) went to, or
+    "pending"; the one key with a Redis TTL (a day, as a node keeps its own keys)."""
+    return f"{PREFIX}idem:{digest}"

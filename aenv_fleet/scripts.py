@@ -1,0 +1,187 @@
+"""The Lua scripts that change placement state atomically in Redis.
+
+Each runs as one Redis command (EVALSHA), so two gateways placing creates at the same
+moment, or a heartbeat racing a bind, see each other's effects whole: that is what
+keeps a node's slot count exact without locks. They name keys beyond KEYS[] (the
+fleet runs on one Redis, not a Redis Cluster; docs/cluster.md).
+
+Slot accounting (``aenv:free``): a placeable node's score is
+``max_sandboxes - bound sandboxes - live reservations``. A heartbeat recomputes it
+from scratch (so a gateway that died between reserving and finishing leaks a slot only
+until the reservation's expiry); bind/unbind and reservations adjust it by one in
+between. A node leaves ``aenv:free`` when drained, stopped or found expired.
+"""
+from __future__ import annotations
+
+# shared Lua helpers (prepended to every script)
+_LIB = """
+local P = 'aenv:'
+local function event(kind, a, b)
+  redis.call('XADD', P .. 'events', 'MAXLEN', '~', 10000, '*', 'type', kind, 'id', a or '', 'detail', b or '')
+end
+local function free_add(node, n)
+  if redis.call('ZSCORE', P .. 'free', node) then redis.call('ZINCRBY', P .. 'free', n, node) end
+end
+local function drop_from_node(sid, node)
+  if node and node ~= '' and redis.call('SREM', P .. 'node:' .. node .. ':sbx', sid) == 1 then
+    free_add(node, 1)
+  end
+end
+"""
+
+# ARGV: node, now_ms, lease_ms, max_sandboxes, field1, value1, ...  -> free slots
+HEARTBEAT = _LIB + """
+local id, now = ARGV[1], tonumber(ARGV[2])
+local nk = P .. 'node:' .. id
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+if #fields > 0 then redis.call('HSET', nk, unpack(fields)) end
+local prev = redis.call('HGET', nk, 'state')
+redis.call('HSET', nk, 'state', 'up', 'heartbeat_at', now, 'max_sandboxes', ARGV[4])
+redis.call('ZADD', P .. 'nodes', now + tonumber(ARGV[3]), id)
+local rk = nk .. ':resv'
+redis.call('ZREMRANGEBYSCORE', rk, '-inf', now)
+local free = tonumber(ARGV[4]) - redis.call('SCARD', nk .. ':sbx') - redis.call('ZCARD', rk)
+if redis.call('HGET', nk, 'drained') == '1' then
+  redis.call('ZREM', P .. 'free', id)
+else
+  redis.call('ZADD', P .. 'free', free, id)
+end
+if prev ~= 'up' then event('node-up', id, prev or 'new') end
+return free
+"""
+
+# ARGV: node  (a node that stops on purpose: expired at once, not after its lease)
+STOP = _LIB + """
+local id = ARGV[1]
+redis.call('ZADD', P .. 'nodes', 0, id)
+redis.call('ZREM', P .. 'free', id)
+redis.call('HSET', P .. 'node:' .. id, 'state', 'stopped')
+event('node-stopped', id)
+return 1
+"""
+
+# ARGV: now_ms -> ids of nodes whose lease ran out since the last sweep
+EXPIRE = _LIB + """
+local now = tonumber(ARGV[1])
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. 'nodes', '-inf', now)) do
+  redis.call('ZREM', P .. 'free', id)
+  if redis.call('HGET', P .. 'node:' .. id, 'state') == 'up' then
+    redis.call('HSET', P .. 'node:' .. id, 'state', 'expired')
+    event('node-expired', id)
+    out[#out + 1] = id
+  end
+end
+return out
+"""
+
+# ARGV: now_ms, template, reservation id, reservation ttl ms, memory MiB (0: the node's sandbox size),
+#       k, excluded nodes (a,b,c)
+# -> the node reserved, or nil when no node has room
+PLACE = _LIB + """
+local now, tpl, rid = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local ttl, mem, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local excl = {}
+for x in string.gmatch(ARGV[7], '[^,]+') do excl[x] = true end
+local list = redis.call('ZREVRANGEBYSCORE', P .. 'free', '+inf', '1', 'LIMIT', 0, k)
+if tpl ~= '' then
+  for _, n in ipairs(redis.call('SRANDMEMBER', P .. 'tpl:' .. tpl, k)) do list[#list + 1] = n end
+end
+local seen, best, bestscore = {}, nil, -1
+for _, n in ipairs(list) do
+  if not seen[n] and not excl[n] then
+    seen[n] = true
+    local lease = tonumber(redis.call('ZSCORE', P .. 'nodes', n) or '0')
+    local free = tonumber(redis.call('ZSCORE', P .. 'free', n) or '0')
+    if lease < now then
+      redis.call('ZREM', P .. 'free', n)
+    elseif free >= 1 then
+      local nk = P .. 'node:' .. n
+      local h = redis.call('HMGET', nk, 'max_sandboxes', 'mem_avail_mib', 'sandbox_mem_mib')
+      local max = tonumber(h[1]) or 1
+      local per = tonumber(h[3]) or mem
+      local need = mem > 0 and mem or per
+      local inflight = redis.call('ZCOUNT', nk .. ':resv', now, '+inf')
+      if (tonumber(h[2]) or 0) - inflight * per >= need then
+        local score = free / max
+        if tpl ~= '' and redis.call('SISMEMBER', nk .. ':tpl', tpl) == 1 then score = score + 1 end
+        if score > bestscore then best, bestscore = n, score end
+      end
+    end
+  end
+end
+if not best then return false end
+redis.call('ZINCRBY', P .. 'free', -1, best)
+redis.call('ZADD', P .. 'node:' .. best .. ':resv', now + ttl, rid)
+return best
+"""
+
+# ARGV: node, reservation id  (the create it was for has finished, either way)
+UNRESERVE = _LIB + """
+if redis.call('ZREM', P .. 'node:' .. ARGV[1] .. ':resv', ARGV[2]) == 1 then free_add(ARGV[1], 1) end
+return 1
+"""
+
+# ARGV: sandbox, node, state, info json, now_ms, paused_at ('' = keep), note ('' = clear)
+BIND = _LIB + """
+local sid, node = ARGV[1], ARGV[2]
+local sk = P .. 'sbx:' .. sid
+local old = redis.call('HGET', sk, 'node')
+if old ~= node then drop_from_node(sid, old) end
+redis.call('SREM', P .. 'released', sid)
+local prev = redis.call('HGET', sk, 'state')
+redis.call('HSET', sk, 'node', node, 'state', ARGV[3], 'info', ARGV[4], 'updated', ARGV[5], 'note', ARGV[7])
+if ARGV[6] ~= '' then redis.call('HSET', sk, 'paused_at', ARGV[6]) end
+if redis.call('SADD', P .. 'node:' .. node .. ':sbx', sid) == 1 then free_add(node, -1) end
+if old ~= node or prev ~= ARGV[3] then event('sandbox-' .. ARGV[3], sid, node) end
+return 1
+"""
+
+# ARGV: sandbox, node it must be on ('' = any) -> 1 removed, 0 not (bound elsewhere or unknown)
+UNBIND = _LIB + """
+local sid = ARGV[1]
+local sk = P .. 'sbx:' .. sid
+local old = redis.call('HGET', sk, 'node')
+if not old or (ARGV[2] ~= '' and old ~= ARGV[2]) then return 0 end
+drop_from_node(sid, old)
+redis.call('SREM', P .. 'released', sid)
+redis.call('DEL', sk)
+event('sandbox-killed', sid, old)
+return 1
+"""
+
+# ARGV: sandbox, node it must be on, now_ms  (paused in the repository, held by no node)
+RELEASE = _LIB + """
+local sid = ARGV[1]
+local sk = P .. 'sbx:' .. sid
+local old = redis.call('HGET', sk, 'node')
+if not old or old ~= ARGV[2] then return 0 end
+drop_from_node(sid, old)
+redis.call('HSET', sk, 'node', '', 'state', 'paused', 'updated', ARGV[3])
+redis.call('SADD', P .. 'released', sid)
+event('sandbox-released', sid, old)
+return 1
+"""
+
+# ARGV: node, drained ('1' | '0'), now_ms
+DRAIN = _LIB + """
+local id = ARGV[1]
+local nk = P .. 'node:' .. id
+if redis.call('EXISTS', nk) == 0 then return -1 end
+redis.call('HSET', nk, 'drained', ARGV[2])
+if ARGV[2] == '1' then
+  redis.call('ZREM', P .. 'free', id)
+  event('node-drained', id)
+else
+  local now = tonumber(ARGV[3])
+  if tonumber(redis.call('ZSCORE', P .. 'nodes', id) or '0') >= now then
+    local rk = nk .. ':resv'
+    redis.call('ZREMRANGEBYSCORE', rk, '-inf', now)
+    local max = tonumber(redis.call('HGET', nk, 'max_sandboxes') or '0')
+    redis.call('ZADD', P .. 'free', max - redis.call('SCARD', nk .. ':sbx') - redis.call('ZCARD', rk), id)
+  end
+  event('node-undrained', id)
+end
+return 1
+"""

