@@ -3,7 +3,8 @@
 The build itself is fixtures/build_guest.py (needs root; debootstrap + apt);
 ``ensure_guest`` runs it — it returns at once when the cache is current — and
 ``find_guest`` only reads the last build's description (for `aenv doctor`).
-Cache: $AENV_GUEST_CACHE, else ~/.cache/aenv/guest ($XDG_CACHE_HOME honoured). Layout and keys are
+Cache: $AENV_GUEST_CACHE, else /var/cache/aenv/guest for root, ~/.cache/aenv/guest
+($XDG_CACHE_HOME honoured) for other users. Layout and keys are
 described in docs/guest.md.
 """
 from __future__ import annotations
@@ -64,11 +65,15 @@ class GuestImage:
 
 
 def guest_cache_root() -> Path:
-    """$AENV_GUEST_CACHE, else the user's cache ($XDG_CACHE_HOME or ~/.cache, then
-    aenv/guest): one build serves every checkout of the same recipe (stage keys hash
-    the recipe, docs/guest.md), as pip's cache serves every venv."""
+    """$AENV_GUEST_CACHE, else for root the system's cache (/var/cache/aenv/guest), else
+    the user's ($XDG_CACHE_HOME or ~/.cache, then aenv/guest): one build serves every
+    checkout of the same recipe (stage keys hash the recipe, docs/guest.md), as pip's
+    cache serves every venv. Not root's home: each QEMU's jail binds the kernel and
+    initramfs at their host paths, and no part of /root belongs in a jail."""
     if os.environ.get("AENV_GUEST_CACHE"):
         return Path(os.environ["AENV_GUEST_CACHE"]).resolve()
+    if os.geteuid() == 0:
+        return Path("/var/cache/aenv/guest")
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return (Path(base) / "aenv" / "guest").resolve()
 
