@@ -17,7 +17,7 @@ import pytest
 from aenv_vm.confine.cgroups import Layout, host_layout
 from aenv_vm.confine.policy import Confinement
 from aenv_vm.qemu.accel import probe_accel
-from aenv_vm.qemu.launcher import QemuProcess, VmSpec
+from aenv_vm.qemu.launcher import QemuProcess, VmSpec, tcg_buffer_mib
 from aenv_vm.sandboxes.manager import SandboxManager
 from aenv_vm.sandboxes.sandbox import Sandbox
 from aenv_vm.sandboxes.service import read_console
@@ -101,8 +101,11 @@ def check_confined(s: Seen) -> None:
             f"{what}: unexpected mount {mp}"
     # the cgroup bounds CPU (vCPUs), memory (guest + TCG code buffer + VMM) and tasks
     vcpus, mib = s.spec.vcpus, s.spec.memory_mib
-    tb = s.spec.tcg_tb_mib or (s.spec.jail.tcg_tb_mib if s.spec.jail else 0)
     assert s.spec.jail is not None
+    # a TCG QEMU's code buffer: the configured one, else the jail's; a KVM one (the
+    # accelerator probe on a host with /dev/kvm) has none
+    tb = (s.spec.tcg_tb_mib or s.spec.jail.tcg_tb_mib) if s.spec.accel == "tcg" else 0
+    assert tb == (tcg_buffer_mib(s.spec) or 0), what
     mem = s.cgroup["memory"].get("memory.limit_in_bytes") or s.cgroup["memory"]["memory.max"]
     assert int(mem) == (mib + tb + s.spec.jail.vmm_mib) << 20, what
     cpu = s.cgroup["cpu"]
