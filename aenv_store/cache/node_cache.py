@@ -425,6 +425,16 @@ class NodeCache:
         held: list[Digest] = []   # another process is fetching these
         try:
             for digest in flights:
+                # A thread of ours may have fetched it between our lookup and our lead, and
+                # handed it to the write-behind: its fetch lock does not exclude our threads
+                # (DigestLocks), and its flight is gone. Until indexed it is in _writes;
+                # once indexed, _changed_since below sees it (the write-behind indexes
+                # before it forgets the bytes, so looking here first leaves no gap).
+                data = self._writes.get(digest)
+                if data is not None:
+                    flights[digest].data = data
+                    self._note_access(digest)
+                    continue
                 (mine if self._digest_locks.try_lock(digest) else held).append(digest)
             if mine and self._changed_since(snapshot):
                 # something was stored after our lookup: one of ours may have landed meanwhile

@@ -20,10 +20,12 @@ Run directory layout (``run_root``)::
 """
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from aenv_store.errors import ConfigError
 from aenv_store.store import Store
 
 from ..blockimage.nbd_server import NbdServer
@@ -34,6 +36,9 @@ from ..net.networks import NodeNetworks
 from ..qemu.launcher import NbdDisk, VmSpec
 from ..templates.local import LocalTemplates
 from ..templates.template import Template
+
+UNIX_PATH_MAX = 107     # sockaddr_un.sun_path holds 108 bytes, the last a NUL
+LONGEST_VM_NAME = 24    # sandbox ids (sbx-<16 hex>) and build VM names (build-<12>-<4>) fit
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,15 @@ class NodeRuntime:
     readahead: int = 4 << 20            # bytes read ahead of a sandbox's sequential disk reads (0: off)
     min_free_disk: int = 0              # a guest's disk writes fail rather than leave less free here
     node_id: str = ""                   # this node as the holder of pauses in a shared repository (moves.py)
+
+    def __post_init__(self) -> None:
+        # every QEMU's sockets live in its run dir: a run root too long for them would
+        # fail each create with "AF_UNIX path too long"; say so once, at start
+        longest = self.vm_dir("x" * LONGEST_VM_NAME) / "qmp.sock"
+        if len(os.fsencode(longest)) > UNIX_PATH_MAX:
+            raise ConfigError(f"the node's run directory {self.run_root} is too long for the Unix sockets "
+                              f"of its QEMUs ({longest}: {len(os.fsencode(longest))} bytes, at most "
+                              f"{UNIX_PATH_MAX}); choose a shorter data dir")
 
     @property
     def sandboxes_root(self) -> Path:

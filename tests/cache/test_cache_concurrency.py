@@ -149,6 +149,53 @@ def test_batched_reads_single_flight_threads_any_order(cache: NodeCache) -> None
     assert (st.fetches, st.entries) == (len(items), len(items))
 
 
+def test_a_fetch_handed_to_the_write_behind_is_not_fetched_again(cache: NodeCache,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interleaving that once fetched a chunk twice: thread A misses (index and
+    write-behind both checked), then thread B fetches the chunk, hands it to the
+    write-behind (not yet indexed) and ends its flight; only then does A take the lead.
+    Fetch locks do not exclude threads of one process, so A must find B's bytes in the
+    write-behind instead of fetching again."""
+    data = chunk(900, 4096)
+    d = Digest.of(data)
+    fetches: list[str] = []
+    a_in_fill, b_done, indexed_gate = threading.Event(), threading.Event(), threading.Event()
+    real_fill, real_store = cache._fill, cache._writes._store
+    a_thread: list[threading.Thread] = []
+
+    def fill(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if threading.current_thread() in a_thread:
+            a_in_fill.set()
+            assert b_done.wait(10)
+        return real_fill(*args, **kwargs)
+
+    def store(items):  # type: ignore[no-untyped-def]
+        assert indexed_gate.wait(10)      # the write-behind indexes only when the test says
+        return real_store(items)
+
+    monkeypatch.setattr(cache, "_fill", fill)
+    monkeypatch.setattr(cache._writes, "_store", store)
+
+    def fetch(name: str):  # type: ignore[no-untyped-def]
+        def run(missing: list[Digest]) -> list[bytes]:
+            fetches.append(name)
+            return [data for _ in missing]
+        return run
+
+    got: list[bytes] = []
+    a = threading.Thread(target=lambda: got.extend(cache.get_or_fetch_many([d], fetch("A"))))
+    a_thread.append(a)
+    a.start()
+    assert a_in_fill.wait(10)
+    assert cache.get_or_fetch_many([d], fetch("B")) == [data]   # handed over, not indexed
+    b_done.set()
+    a.join(10)
+    indexed_gate.set()
+    assert not a.is_alive() and got == [data]
+    assert fetches == ["B"]
+    assert cache.get_or_fetch_many([d], fetch("C")) == [data] and fetches == ["B"]
+
+
 def test_batched_fetch_failure_reaches_the_waiters_and_caches_nothing(cache: NodeCache) -> None:
     items = [(Digest.of(b), b) for b in (chunk(400 + i, 4096) for i in range(6))]
     calls = []

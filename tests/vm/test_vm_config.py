@@ -31,3 +31,19 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
 def test_bad_values_name_the_key(tmp_path: Path, key: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(tmp_path, overrides={"vm": {key: value}})
+
+
+def test_a_run_root_too_long_for_qemu_sockets_is_refused_at_start(tmp_path: Path) -> None:
+    """Every QEMU's QMP and NBD sockets live in <run root>/vm/<id>/: a run root that leaves
+    no room for them is a clear error when the node starts, not a failure of each create."""
+    from typing import Any, cast
+
+    from aenv_vm.sandboxes.runtime import UNIX_PATH_MAX, NodeRuntime
+
+    parts: dict[str, Any] = {k: cast(Any, None) for k in ("store", "guest", "nbd", "networks", "templates",
+                                                          "confinement")}
+    ok = tmp_path / "n"
+    assert NodeRuntime(run_root=ok, **parts).run_root == ok
+    long = tmp_path / ("d" * max(1, UNIX_PATH_MAX - len(str(tmp_path)) - 30))
+    with pytest.raises(ConfigError, match="too long for the Unix sockets"):
+        NodeRuntime(run_root=long, **parts)
