@@ -150,6 +150,8 @@ def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
         raw = request.headers.get(name, str(ENVD_PORT))
         if not raw.isdigit() or not 0 < int(raw) < 65536:
             raise ApiError(400, f"{name} must be a port number, got {raw[:20]!r}")
+        if not sid.strip():
+            raise ApiError(400, "the sandbox routing header is empty: it names the sandbox the request is for")
         return sid.strip(), int(raw)
     route = parse_host(request.host, domain)
     if route is None and has_proxy_prefix(request.path):

@@ -21,8 +21,8 @@ for 10.201.0.0/16 (``enable_host_egress``).
 QEMU joins the namespace itself: ``VmSpec.netns`` makes the launcher
 ``setns`` between fork and exec (aenv_vm/qemu/launcher.py). Links, addresses
 and routes are made with ``ip -batch`` (one process on each side), nftables
-rules with the ``nft`` tool inside the namespace. ``destroy`` removes the namespace (which
-takes the veth pair and the tap with it); ``remove_orphans`` removes every
+rules with the ``nft`` tool inside the namespace. ``destroy`` removes the veth pair and
+the namespace (which takes the tap with it); ``remove_orphans`` removes every
 namespace of this node's tag that no live sandbox owns (after a restart).
 
 Synchronous (subprocesses, and pyroute2's API runs its own event loop), so from
@@ -196,20 +196,28 @@ def apply(net: SandboxNet, ruleset: str) -> None:
 
 
 def destroy(net: SandboxNet | str) -> None:
-    """Remove a sandbox's namespace and everything in it. Idempotent."""
+    """Remove a sandbox's namespace and everything in it. Idempotent.
+
+    The veth pair goes by its end inside the namespace (``eth0``), never by the host
+    end's name: that name is the /30's (``ae<tag><index>``), and once this sandbox's
+    /30 is free a new sandbox may hold it, so a late or repeated destroy by name would
+    remove the newcomer's link. Deleting ``eth0`` now rather than leaving the pair to
+    the namespace's teardown (which the kernel runs asynchronously) frees the /30 at
+    once. The host's sockets to the guest are aborted first, while the address is
+    still this sandbox's."""
     name = net if isinstance(net, str) else net.name
-    batch = f"netns del {name}\n" if (NETNS_DIR / name).exists() else ""
-    if not isinstance(net, str):   # normally gone with its peer, but the kernel frees a namespace asynchronously
-        batch += f"link del dev {net.host_if}\n"
-    if batch:
-        done = subprocess.run(["ip", "-force", "-batch", "-"], input=batch, text=True, capture_output=True,
-                              timeout=30)
-        failed = [line for line in done.stderr.splitlines()
-                  if line.strip() and "Cannot find device" not in line and "Command failed" not in line]
-        if done.returncode != 0 and failed:
-            raise NetError(f"removing netns {name} failed: {'; '.join(failed)}")
+    if not (NETNS_DIR / name).exists():
+        return
     if not isinstance(net, str):
         abort_host_sockets(net.ns_ip)
+    # one ip(8) process in the namespace; netns del works on /run/netns, from any namespace
+    done = subprocess.run(["ip", "-n", name, "-force", "-batch", "-"], input=f"link del dev eth0\nnetns del {name}\n",
+                          text=True, capture_output=True, timeout=30)
+    failed = [line for line in done.stderr.splitlines()
+              if line.strip() and "Cannot find device" not in line and "Command failed" not in line
+              and "Cannot open network namespace" not in line]   # removed meanwhile
+    if done.returncode != 0 and failed:
+        raise NetError(f"removing netns {name} failed: {'; '.join(failed)}")
 
 
 def abort_host_sockets(ns_ip: str) -> None:

@@ -102,6 +102,9 @@ class SandboxRecord:
         return self.end_at - (time.time() if now is None else now)
 
 
+_MAX_KEY = 511   # LMDB's default maximum key size
+
+
 class RecordStore:
     """Sandbox records of one node. Thread-safe (LMDB transactions)."""
 
@@ -118,13 +121,19 @@ class RecordStore:
             txn.put(rec.id.encode(), rec.to_json())
 
     def get(self, sid: str) -> SandboxRecord | None:
+        key = sid.encode()
+        if not 0 < len(key) <= _MAX_KEY:   # no sandbox has such an id (and LMDB rejects the key)
+            return None
         with self._env.begin(db=self._db) as txn:
-            raw = txn.get(sid.encode())
+            raw = txn.get(key)
         return None if raw is None else self._decode(sid, raw)
 
     def delete(self, sid: str) -> None:
+        key = sid.encode()
+        if not 0 < len(key) <= _MAX_KEY:
+            return
         with self._env.begin(write=True, db=self._db) as txn:
-            txn.delete(sid.encode())
+            txn.delete(key)
 
     def all(self) -> list[SandboxRecord]:
         with self._env.begin(db=self._db) as txn:

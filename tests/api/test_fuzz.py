@@ -125,6 +125,20 @@ def test_proxy_routing_headers_fuzz(server: Server, sid: str, port: str, token: 
         assert "was not found" in body["message"]
 
 
+def test_empty_and_overlong_sandbox_ids(server: Server) -> None:
+    """Ids no sandbox can have (empty, or past the record store's key size) are a 400 or
+    a not-found like any unknown id, never a 500 (an empty header once reached LMDB)."""
+    for sid in ("", "   ", "x" * 600):
+        status, _, body = server.request("GET", "/health", key=None, headers={"E2b-Sandbox-Id": sid})
+        assert status in (400, 502) and body["code"] == status, (sid[:10], status, body)
+        if status == 502:
+            assert "was not found" in body["message"]
+    status, _, body = server.request("GET", "/sandboxes/" + "x" * 600)
+    assert status == 404 and body["code"] == 404, body
+    status, _, body = server.request("DELETE", "/sandboxes/" + "x" * 600)
+    assert status == 404 and body["code"] == 404, body
+
+
 def test_openapi_document_is_valid_and_matches_routes(server: Server) -> None:
     from openapi_spec_validator import validate
 

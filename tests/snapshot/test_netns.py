@@ -410,3 +410,27 @@ def test_destroy_aborts_host_connections(tmp_path: Path) -> None:
             server.wait()
         netns.destroy(net)
     assert netns.list_namespaces(netns.node_tag(tmp_path)) == []
+
+
+def test_a_late_destroy_leaves_the_next_sandbox_on_its_network_alone(tmp_path: Path) -> None:
+    """A destroy that comes again after the /30 went to a new sandbox (same node, so the
+    same host interface name) removes nothing of the newcomer's: the link, its address
+    and the host's connections to it stay (by-name deletion once took its eth0)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    tag = netns.node_tag(tmp_path)
+    a = netns.create(tag, "sbx-late00000001", OPEN_RULES, tap=False)
+    netns.destroy(a)
+    b = netns.create(tag, "sbx-late00000002", OPEN_RULES, tap=False)
+    try:
+        assert (b.index, b.host_if) == (a.index, a.host_if)   # the newcomer took the freed /30
+        netns.destroy(a)   # late and repeated
+        netns.destroy(a.name)
+        links = subprocess.run(["ip", "-n", b.name, "-br", "link"], capture_output=True, text=True, check=True).stdout
+        assert "eth0" in links, links
+        host = subprocess.run(["ip", "-br", "addr", "show", "dev", b.host_if], capture_output=True, text=True)
+        assert host.returncode == 0 and f"{b.host_ip}/30" in host.stdout, host
+    finally:
+        netns.destroy(b)
+    assert netns.list_namespaces(tag) == []
+    assert not any(name.startswith(f"ae{tag}") for name in os.listdir("/sys/class/net"))
