@@ -99,10 +99,17 @@ class Filler:
                 self.pending.apply(txn, db, touches, deltas)  # our recent hits count before we evict
                 room = cache_evict.Room(self.path)
                 now = time.time_ns()
+                pins = db.any_pins(txn)
                 for segment, group, offsets in written:
                     seg_path = self.files.path(segment)
-                    added = 0
+                    fresh: list[tuple[int, Digest, bytes, int, int]] = []
+                    first: dict[Digest, int] = {}          # digest -> its first item in this group
+                    again: list[tuple[int, int]] = []      # (item, its first item): a digest twice
                     for (i, digest, data, checksum), offset in zip(group, offsets):
+                        if digest in first:
+                            again.append((i, first[digest]))
+                            continue
+                        first[digest] = i
                         existing = db.get(txn, digest)
                         if existing is not None:
                             where = self.files.path(existing.segment)
@@ -112,10 +119,10 @@ class Filler:
                             db.remove(txn, digest)  # its segment vanished: replace the entry
                             if db.segment_empty(txn, existing.segment):
                                 evicted.append(existing.segment)
-                        if cache_evict.make_room(txn, db, self.config, room, len(data), evicted, segment):
-                            db.add(txn, digest, Entry(len(data), checksum, now, segment, offset))
-                            out[i] = Location(seg_path, offset, len(data))
-                            added += 1
+                        fresh.append((i, digest, data, checksum, offset))
+                    added = self._index(txn, db, room, fresh, segment, seg_path, now, pins, evicted, out)
+                    for i, j in again:
+                        out[i] = out[j]
                     if not added:
                         empty.append(segment)
         except (lmdb.Error, OSError) as e:
@@ -126,6 +133,28 @@ class Filler:
             return [None] * len(items)
         cache_evict.finish_evictions(self.files, evicted + empty)
         return out
+
+
+    def _index(self, txn: lmdb.Transaction, db: IndexDbs, room: cache_evict.Room,
+               fresh: list[tuple[int, Digest, bytes, int, int]], segment: int, seg_path: str, now: int,
+               pins: bool, evicted: list[int], out: list[Location | None]) -> int:
+        """Index a segment's new chunks: room for all of them at once (the usual case: one
+        eviction check and one update of the totals per segment), else chunk by chunk
+        while they fit. Returns how many were indexed."""
+        total = sum(len(data) for _, _, data, _, _ in fresh)
+        if fresh and cache_evict.make_room(txn, db, self.config, room, total, evicted, segment):
+            for i, digest, data, checksum, offset in fresh:
+                db.add_uncounted(txn, digest, Entry(len(data), checksum, now, segment, offset), pins)
+                out[i] = Location(seg_path, offset, len(data))
+            db.count_added(txn, total, len(fresh))
+            return len(fresh)
+        added = 0
+        for i, digest, data, checksum, offset in fresh:
+            if cache_evict.make_room(txn, db, self.config, room, len(data), evicted, segment):
+                db.add(txn, digest, Entry(len(data), checksum, now, segment, offset))
+                out[i] = Location(seg_path, offset, len(data))
+                added += 1
+        return added
 
 
 def _groups(todo: list[tuple[int, Digest, bytes, int]]) -> list[list[tuple[int, Digest, bytes, int]]]:

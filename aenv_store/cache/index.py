@@ -68,12 +68,24 @@ class IndexDbs:
 
     def add(self, txn: lmdb.Transaction, digest: bytes, entry: Entry) -> None:
         """Insert a new entry (caller checked it is absent) and account its bytes."""
+        self.add_uncounted(txn, digest, entry, self.any_pins(txn))
+        self.count_added(txn, entry.size, 1)
+
+    def add_uncounted(self, txn: lmdb.Transaction, digest: bytes, entry: Entry, pins: bool = True) -> None:
+        """Insert a new entry without accounting it: the caller adds a batch's totals with
+        one ``count_added`` (two fewer reads and writes per chunk of a fill). ``pins``:
+        whether any digest may be pinned (False skips the pin lookup)."""
         txn.put(digest, entry.pack(), db=self.entries)
         txn.put(SEGMENT.pack(entry.segment) + digest, b"", db=self.members)
-        if not self.pin_count(txn, digest):
+        if not pins or not self.pin_count(txn, digest):
             txn.put(LRU_TIME.pack(entry.last_access) + digest, b"", db=self.lru)
-        self.add_u64(txn, USED, entry.size)
-        self.add_u64(txn, ENTRIES, 1)
+
+    def count_added(self, txn: lmdb.Transaction, size: int, entries: int) -> None:
+        self.add_u64(txn, USED, size)
+        self.add_u64(txn, ENTRIES, entries)
+
+    def any_pins(self, txn: lmdb.Transaction) -> bool:
+        return txn.stat(self.pins)["entries"] > 0
 
     def remove(self, txn: lmdb.Transaction, digest: bytes) -> Entry | None:
         """Delete an entry; the caller unlinks its segment if ``segment_empty`` afterwards."""
