@@ -55,9 +55,14 @@ def restore(data_dir: str, repo: str, mid_hex: str, out: str) -> dict[str, Any]:
     store = _open(data_dir, repo)
     try:
         reader = store.open_blob(Digest.from_hex(mid_hex))
-        with open(out, "wb") as f:
-            for off in range(0, reader.size, READ_BLOCK):
-                f.write(reader.read(off, READ_BLOCK))
+        try:
+            from aenv_store.export import write_file
+        except ImportError:   # a tree from before aenv_store.export: what restoring meant then
+            with open(out, "wb") as f:
+                for off in range(0, reader.size, READ_BLOCK):
+                    f.write(reader.read(off, READ_BLOCK))
+        else:
+            write_file(reader.read, reader.size, Path(out))
     finally:
         store.close()
     return {"seconds": time.perf_counter() - t0}

@@ -183,7 +183,8 @@ class Aenv:
         self.commits: dict[str, Any] = {}
         self.notes: list[str] = (["`aenv image import` / `aenv image export` (sparse-aware: holes not read)"]
                                  if mode == "cli" else
-                                 ["API: BlobWriter.append of every byte; BlobReader.read from a cold node cache"])
+                                 ["API: BlobWriter.append of every byte; BlobReader.read from a cold node cache, "
+                                  "written by aenv_store.export.write_file (as `aenv image export` writes)"])
         self._cold = 0
         self._verify_cli = False
         self.timed: float | None = None
@@ -261,10 +262,9 @@ class Aenv:
             return out
         store = self._open(cold_dir)
         try:
+            from aenv_store.export import write_file
             reader = store.open_blob(self.blobs[label])
-            with open(out, "wb") as f:
-                for off in range(0, reader.size, READ_BLOCK):
-                    f.write(reader.read(off, READ_BLOCK))
+            write_file(reader.read, reader.size, out)
         finally:
             store.close()
         return out

@@ -3,10 +3,19 @@ cache directory. The kernel drops a flock when its holder dies, so a crashed
 process never leaves a lock behind."""
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import struct
 from pathlib import Path
+
+# libc's fcntl called WITHOUT releasing the GIL, for the non-blocking lock calls made
+# once per chunk a fill fetches: they take a microsecond, but releasing the GIL for
+# each one made the calling thread queue for it again behind the store's other busy
+# threads (up to the switch interval, 5 ms, each time). A call that fails is repeated
+# through the fcntl module, which raises the OSError with its errno.
+_fcntl_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p)(
+    ("fcntl", ctypes.CDLL(None)))
 
 
 class FileLock:
@@ -66,16 +75,19 @@ class DigestLocks:
 
     def try_lock(self, digest: bytes) -> bool:
         """Take this digest's lock if no other open file holds it; False (at once) if one does."""
+        arg = self._FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, self._offset(digest), 1, 0)
+        if _fcntl_holding_gil(self.fd, fcntl.F_OFD_SETLK, arg) == 0:
+            return True
         try:
-            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK,
-                        self._FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, self._offset(digest), 1, 0))
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, arg)
         except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held elsewhere
             return False
         return True
 
     def unlock(self, digest: bytes) -> None:
-        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK,
-                    self._FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, self._offset(digest), 1, 0))
+        arg = self._FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, self._offset(digest), 1, 0)
+        if _fcntl_holding_gil(self.fd, fcntl.F_OFD_SETLK, arg) != 0:
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, arg)
 
     def close(self) -> None:
         if self.fd >= 0:

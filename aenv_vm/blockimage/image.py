@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
+from aenv_store.export import write_file
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Extent, Manifest
 
@@ -426,18 +427,7 @@ class BlockImage:
         self.close()
 
 
-def flatten_to(image: BlockImage, out: Path, block: int = 4 << 20) -> int:
+def flatten_to(image: BlockImage, out: Path) -> int:
     """Write the image as a raw file (sparse where it reads zeros); returns bytes written."""
-    written = 0
-    zero = bytes(block)
-    with open(out, "wb") as f:
-        f.truncate(image.size)
-        for pos in range(0, image.size, block):
-            n = min(block, image.size - pos)
-            data = image.read(pos, n)
-            if data != zero[:n]:
-                f.seek(pos)
-                f.write(data)
-                written += n
-    return written
+    return write_file(image.read, image.size, out)
 
