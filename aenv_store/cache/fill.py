@@ -134,7 +134,6 @@ class Filler:
         cache_evict.finish_evictions(self.files, evicted + empty)
         return out
 
-
     def _index(self, txn: lmdb.Transaction, db: IndexDbs, room: cache_evict.Room,
                fresh: list[tuple[int, Digest, bytes, int, int]], segment: int, seg_path: str, now: int,
                pins: bool, evicted: list[int], out: list[Location | None]) -> int:

@@ -68,7 +68,7 @@ class IndexDbs:
 
     def add(self, txn: lmdb.Transaction, digest: bytes, entry: Entry) -> None:
         """Insert a new entry (caller checked it is absent) and account its bytes."""
-        self.add_uncounted(txn, digest, entry, self.any_pins(txn))
+        self.add_uncounted(txn, digest, entry)
         self.count_added(txn, entry.size, 1)
 
     def add_uncounted(self, txn: lmdb.Transaction, digest: bytes, entry: Entry, pins: bool = True) -> None:
