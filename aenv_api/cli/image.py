@@ -77,10 +77,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.output).expanduser()
     if out.exists() and not args.force:
         raise CliError(f"{out} exists (use --force to overwrite)")
+    existed = out.exists()
     store = _open_store(args)
     try:
         _record, top = _resolve_image(store, args.name)
-        size = export_raw(store, top, out)
+        try:
+            size = export_raw(store, top, out)
+        except OSError as e:
+            if not existed:   # a partial file of ours: nothing the user had is lost
+                out.unlink(missing_ok=True)
+            raise CliError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
         store.close()
     print(f"exported image {args.name} ({human_bytes(size)}) to {out}")

@@ -254,6 +254,9 @@ def test_cli_import_ls_inspect_export(tmp_path: Path, capsys: pytest.CaptureFixt
     out = tmp_path / "out.raw"
     assert aenv_main(["--data-dir", str(dd), "image", "export", "img1", str(out)]) == 0
     assert out.read_bytes() == data
+    capsys.readouterr()
+    assert aenv_main(["--data-dir", str(dd), "image", "export", "img1", str(tmp_path / "no-dir" / "x.raw")]) == 2
+    assert "cannot write" in capsys.readouterr().err and not (tmp_path / "no-dir").exists()
     assert aenv_main(["--data-dir", str(dd), "image", "inspect", "nope"]) == 1
     assert "no image named" in capsys.readouterr().err
     assert aenv_main(["--data-dir", str(dd), "image", "import", str(tmp_path / "missing"), "x"]) == 2
