@@ -48,7 +48,13 @@ def test_schemathesis_every_operation(server: Server, tmp_path: Path) -> None:
     # positive_data_acceptance is left out on purpose: some valid-looking inputs depend on
     # server state or rules OpenAPI 3.0 cannot state (a nextToken this server issued,
     # no NUL in env var names), and 400 is the right answer for them.
-    done = _schemathesis(server, server.api_key, tmp_path, "--exclude-checks", "positive_data_acceptance")
+    # ensure_resource_availability is left out too: E2B's paths delete a sandbox at
+    # /sandboxes/{id} but create and connect it under /v2/sandboxes, and schemathesis
+    # counts a DELETE only on a prefix of the path it checks, so a stateful scenario that
+    # kills a sandbox and then connects to it reported the (correct) 404 as a created
+    # resource gone missing. Create -> connect is tested with the SDKs.
+    done = _schemathesis(server, server.api_key, tmp_path, "--exclude-checks",
+                         "positive_data_acceptance,ensure_resource_availability")
     out = done.stdout[-6000:]
     assert done.returncode == 0, out
     assert "passed" in out and " 0 passed" not in out
