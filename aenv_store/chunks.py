@@ -145,7 +145,7 @@ class ChunkChain:
     def _from_repository(self, cids: list[Digest]) -> list[bytes]:
         if len(cids) == 1:
             return [self.fetch_from_repository(cids[0])]
-        entries = [e for e in map(self.repository.lookup, cids) if e is not None]
+        entries = [e for e in self.repository.lookup_many(cids) if e is not None]
         runs = coalesce(entries)
         datas = [self._read_run(runs[0])] if len(runs) == 1 else list(self._read_pool().map(self._read_run, runs))
         got = {bytes(e.chunk): data for run, run_datas in zip(runs, datas) for e, data in zip(run, run_datas)}

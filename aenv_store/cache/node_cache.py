@@ -405,12 +405,12 @@ class NodeCache:
                 got[digest] = data
                 self._note_access(digest, "hits")
         if missing:
-            for digest in list(missing):  # fetched by this instance, still being written
-                data = self._writes.get(digest)
-                if data is not None:
+            unwritten = self._writes.get_many(missing)  # fetched by this instance, still being written
+            if unwritten:
+                for digest, data in unwritten.items():
                     got[digest] = data
-                    missing.remove(digest)
                     self._note_access(digest, "hits")
+                missing = [d for d in missing if d not in unwritten]
         if missing:
             self._count("misses", len(missing))
             got.update(self._fill(sorted(missing), snapshot, fetch, mapped))
@@ -424,13 +424,14 @@ class NodeCache:
         mine: list[Digest] = []
         held: list[Digest] = []   # another process is fetching these
         try:
+            # A thread of ours may have fetched one between our lookup and our lead, and
+            # handed it to the write-behind: its fetch lock does not exclude our threads
+            # (DigestLocks), and its flight is gone. Until indexed it is in _writes;
+            # once indexed, _changed_since below sees it (the write-behind indexes
+            # before it forgets the bytes, so looking here first leaves no gap).
+            unwritten = self._writes.get_many(list(flights))
             for digest in flights:
-                # A thread of ours may have fetched it between our lookup and our lead, and
-                # handed it to the write-behind: its fetch lock does not exclude our threads
-                # (DigestLocks), and its flight is gone. Until indexed it is in _writes;
-                # once indexed, _changed_since below sees it (the write-behind indexes
-                # before it forgets the bytes, so looking here first leaves no gap).
-                data = self._writes.get(digest)
+                data = unwritten.get(digest)
                 if data is not None:
                     flights[digest].data = data
                     self._note_access(digest)

@@ -59,6 +59,13 @@ class WriteBehind:
         with self._cond:
             return self._unwritten.get(digest)
 
+    def get_many(self, digests: Sequence[Digest]) -> dict[Digest, bytes]:
+        """``get`` of several chunks under one lock: those handed over and not yet indexed."""
+        with self._cond:
+            if not self._unwritten:
+                return {}
+            return {d: data for d in digests if (data := self._unwritten.get(d)) is not None}
+
     def drain(self) -> None:
         with self._cond:
             while self._queue or self._busy:

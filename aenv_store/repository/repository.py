@@ -13,7 +13,7 @@ import uuid
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import blake3
 import zstandard
@@ -200,6 +200,9 @@ class Repository:
 
     def lookup(self, chunk: bytes) -> IndexEntry | None:
         return self.index.lookup(chunk)
+
+    def lookup_many(self, chunks: Sequence[bytes]) -> list[IndexEntry | None]:
+        return self.index.lookup_many(chunks)
 
     def has_chunk(self, chunk: bytes) -> bool:
         return self.index.lookup(chunk) is not None

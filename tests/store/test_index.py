@@ -44,6 +44,26 @@ def test_keys_sharing_a_prefix_are_told_apart() -> None:
     assert m.lookup(b"\xaa" * 8 + b"\x09" * 24) is None
 
 
+@settings(max_examples=80, deadline=None)
+@given(entries=entries_st, overlaid=st.integers(0, 40), strangers=st.lists(digest_st, max_size=8),
+       prefix=st.binary(min_size=8, max_size=8), twins=st.integers(0, 4), data=st.data())
+def test_lookup_many_answers_as_lookup(entries: list[IndexEntry], overlaid: int, strangers: list[Digest],
+                                       prefix: bytes, twins: int, data: st.DataObject) -> None:
+    # ids sharing their first 8 bytes (the sort key), some in the table, some in the overlay
+    p = Digest(b"\x02" * 32)
+    entries = entries + [IndexEntry(Digest(prefix + bytes([i]) * 24), p, 16 + i, 1, 1) for i in range(twins)]
+    entries = list({bytes(e.chunk): e for e in entries}.values())
+    m = MergedIndex()
+    m.add_files([decode_index(encode_index(entries[overlaid:]))])
+    m.add_entries(entries[:overlaid])
+    asked = [e.chunk for e in entries] + strangers + [Digest(prefix + b"\x77" * 24)]
+    asked = data.draw(st.permutations(asked + asked[:3]))
+    assert m.lookup_many(asked) == [m.lookup(c) for c in asked]
+    for e in entries:
+        assert m.lookup_many([e.chunk]) == [e]
+    assert MergedIndex().lookup_many(asked) == [None] * len(asked)
+
+
 def test_overlay_entries() -> None:
     m = MergedIndex()
     e = IndexEntry(Digest.of(b"x"), Digest.of(b"p"), 16, 3, 3)
