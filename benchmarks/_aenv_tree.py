@@ -56,13 +56,16 @@ def restore(data_dir: str, repo: str, mid_hex: str, out: str) -> dict[str, Any]:
     try:
         reader = store.open_blob(Digest.from_hex(mid_hex))
         try:
-            from aenv_store.export import write_file
+            from aenv_store import export
         except ImportError:   # a tree from before aenv_store.export: what restoring meant then
             with open(out, "wb") as f:
                 for off in range(0, reader.size, READ_BLOCK):
                     f.write(reader.read(off, READ_BLOCK))
         else:
-            write_file(reader.read, reader.size, Path(out))
+            if hasattr(export, "write_parts"):
+                export.write_parts(reader.read_parts, reader.size, Path(out))
+            else:   # a tree from before BlobReader.read_parts
+                export.write_file(reader.read, reader.size, Path(out))
     finally:
         store.close()
     return {"seconds": time.perf_counter() - t0}

@@ -183,8 +183,8 @@ class Aenv:
         self.commits: dict[str, Any] = {}
         self.notes: list[str] = (["`aenv image import` / `aenv image export` (sparse-aware: holes not read)"]
                                  if mode == "cli" else
-                                 ["API: BlobWriter.append of every byte; BlobReader.read from a cold node cache, "
-                                  "written by aenv_store.export.write_file (as `aenv image export` writes)"])
+                                 ["API: BlobWriter.append of every byte; BlobReader.read_parts from a cold node cache "
+                                  "(filling it), written by aenv_store.export.write_parts"])
         self._cold = 0
         self._verify_cli = False
         self.timed: float | None = None
@@ -262,9 +262,9 @@ class Aenv:
             return out
         store = self._open(cold_dir)
         try:
-            from aenv_store.export import write_file
+            from aenv_store.export import write_parts
             reader = store.open_blob(self.blobs[label])
-            write_file(reader.read, reader.size, out)
+            write_parts(reader.read_parts, reader.size, out)
         finally:
             store.close()
         return out

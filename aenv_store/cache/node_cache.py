@@ -431,7 +431,7 @@ class NodeCache:
             # before it forgets the bytes, so looking here first leaves no gap).
             unwritten = self._writes.get_many(list(flights))
             for digest in flights:
-                data = unwritten.get(digest)
+                data: ChunkData | None = unwritten.get(digest)
                 if data is not None:
                     flights[digest].data = data
                     self._note_access(digest)

@@ -30,6 +30,8 @@ from typing import Sequence
 
 import xxhash
 
+from ..aligned import AlignedBuffer
+
 # A chunk as a reader gets it: bytes, or a read-only mapping of its place in a segment.
 ChunkData = bytes | mmap.mmap
 
@@ -106,6 +108,9 @@ def decode_header(data: bytes | memoryview) -> list[SegmentItem]:
     return items
 
 
+_ZEROS = memoryview(bytes(ALIGN))   # padding after a chunk whose size is not aligned
+
+
 class SegmentWriter:
     """Writes segment files; O_DIRECT where the filesystem supports it (else buffered).
     Thread-safe: each thread builds its segments in its own aligned buffer."""
@@ -114,13 +119,12 @@ class SegmentWriter:
         self._local = threading.local()
         self.direct_ok = hasattr(os, "O_DIRECT")
 
-    def _buffer(self, n: int) -> mmap.mmap:
-        buf: mmap.mmap | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n:
+    def _buffer(self, n: int) -> AlignedBuffer:
+        buf: AlignedBuffer | None = getattr(self._local, "buf", None)
+        if buf is None or buf.size < n:
             if buf is not None:
                 buf.close()
-            # anonymous mappings are page aligned, as O_DIRECT needs; kept for the next fill
-            buf = self._local.buf = mmap.mmap(-1, max(n, 1 << 20))
+            buf = self._local.buf = AlignedBuffer(max(n, 1 << 20))   # kept for the next fill
         return buf
 
     def write(self, path: str, chunks: Sequence[tuple[bytes, bytes, int]], direct: bool) -> list[int]:
@@ -129,25 +133,20 @@ class SegmentWriter:
         caller unlinks it)."""
         length, offsets = layout([len(data) for _, data, _ in chunks])
         header = encode_header([SegmentItem(d, off, len(data), c) for (d, data, c), off in zip(chunks, offsets)])
-        if direct and self.direct_ok:
-            buf = self._buffer(length)
-            view = memoryview(buf)
-            try:
-                view[:len(header)] = header
-                for (_, data, _), off in zip(chunks, offsets):
-                    view[off:off + len(data)] = data
-                    pad = align(len(data)) - len(data)
-                    if pad:
-                        view[off + len(data):off + len(data) + pad] = bytes(pad)
-                if self._write_direct(path, view[:length]):
-                    return offsets
-            finally:
-                view.release()
         parts: list[bytes | memoryview] = [header]
         for data, off, nxt in zip((c[1] for c in chunks), offsets, offsets[1:] + [length]):
             parts.append(data)
             if nxt - off - len(data):
-                parts.append(bytes(nxt - off - len(data)))
+                parts.append(_ZEROS[:nxt - off - len(data)])
+        if direct and self.direct_ok:
+            buf = self._buffer(length)
+            buf.put(parts)
+            view = memoryview(buf.map)
+            try:
+                if self._write_direct(path, view[:length]):
+                    return offsets
+            finally:
+                view.release()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             _write_all(fd, parts)

@@ -198,3 +198,27 @@ def test_extents_of_zero_runs_are_not_read(settings_factory) -> None:  # type: i
         reader = cold.open_blob(mid)
         assert b"".join(reader.read(off, 3 * CHUNK) for off in range(0, len(data), 3 * CHUNK)) == data
         assert len(fetched) == 8 and all(isinstance(e, Extent) for e in reader.extents())
+
+
+def test_an_export_of_read_parts_is_the_blob_and_fills_the_cache(settings_factory, tmp_path,  # type: ignore[no-untyped-def]
+                                                                  monkeypatch) -> None:
+    """write_parts over BlobReader.read_parts (two reader threads, windows of several
+    chunks, a short last one): the file is the blob, every chunk was fetched once and
+    is in the node cache afterwards; read_parts itself reads nothing ahead."""
+    from aenv_store import export
+    monkeypatch.setattr(export, "BLOCK", 8 * CHUNK)
+    mid, data = _blob(settings_factory, 8 * 8 + 3)
+    with Store.open(settings_factory("cold")) as cold:
+        fetched = count_repository_reads(cold)
+        reader = cold.open_blob(mid)
+        assert b"".join(reader.read_parts(CHUNK + 7, 3 * CHUNK)) == data[CHUNK + 7:4 * CHUNK + 7]
+        assert reader.read_parts(len(data), 10) == [] and not reader._ahead
+        with pytest.raises(ValueError):
+            reader.read_parts(-1, 10)
+        out = tmp_path / "blob.raw"
+        export.write_parts(reader.read_parts, reader.size, out, readers=2)
+        assert out.read_bytes() == data
+        cids = [e.chunk for e in reader.extents() if e.chunk is not None]
+        assert sorted(fetched) == sorted(set(bytes(c) for c in cids))
+        cold.cache.drain()  # type: ignore[union-attr]
+        assert all(cold.cache.contains(c) for c in cids)  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from aenv_store import export
-from aenv_store.export import GRAIN, data_runs, write_file
+from aenv_store.export import GRAIN, data_runs, write_file, write_parts
 
 
 @st.composite
@@ -74,3 +74,41 @@ def test_a_failing_source_fails_the_write(tmp_path: Path) -> None:
         write_file(read, export.BLOCK * 4, tmp_path / "x.raw")
     with pytest.raises(OSError, match="short read"):
         write_file(lambda off, n: b"abc", 10, tmp_path / "y.raw")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=images(), cuts=st.lists(st.integers(0, 3 * export.BLOCK // 2 + 5000), max_size=12),
+       views=st.booleans(), readers=st.integers(1, 3), direct=st.booleans())
+def test_write_parts_reads_back_as_the_bytes(tmp_path_factory: pytest.TempPathFactory, data: bytes,
+                                             cuts: list[int], views: bool, readers: int, direct: bool) -> None:
+    """Windows given as pieces cut anywhere (across grains and windows), as bytes or
+    views, read by several threads at once: the same file and the same holes as
+    write_file of the joined bytes."""
+    out = tmp_path_factory.mktemp("export") / "image.raw"
+    edges = sorted({c for c in cuts if 0 < c < len(data)})
+
+    def read_parts(off: int, n: int) -> list[bytes | memoryview]:
+        inner = [off] + [c for c in edges if off < c < off + n] + [off + n]
+        pieces = [data[a:b] for a, b in zip(inner, inner[1:])]
+        return [memoryview(p) for p in pieces] if views else pieces
+
+    written = write_parts(read_parts, len(data), out, direct=direct, readers=readers)
+    assert out.read_bytes() == data
+    windows = [data[i:i + export.BLOCK] for i in range(0, len(data), export.BLOCK)]
+    assert written == sum(b - a for w in windows for a, b in data_runs(w))
+
+
+def test_a_failing_reader_stops_the_others(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def read_parts(off: int, n: int) -> list[bytes]:
+        calls.append(off)
+        if off == export.BLOCK * 3:
+            raise OSError(5, "the store went away")
+        return [os.urandom(n)]
+
+    with pytest.raises(OSError, match="went away"):
+        write_parts(read_parts, export.BLOCK * 64, tmp_path / "x.raw", readers=3)
+    assert len(calls) < 64   # the readers stopped instead of reading every window
+    with pytest.raises(ValueError):
+        write_parts(read_parts, 10, tmp_path / "y.raw", readers=0)
