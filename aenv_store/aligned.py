@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from typing import Sequence
 
 Part = bytes | memoryview
@@ -33,6 +34,9 @@ class AlignedBuffer:
                 os.close(self.fd)
             self.fd = -1
             self.map = mmap.mmap(-1, size)
+        # a buffer dropped without close() (a thread's, when the thread ends) closes its
+        # memfd too; the mapping holds a descriptor of its own
+        self._closer = weakref.finalize(self, _close_fd, self.fd)
 
     def put(self, parts: Sequence[Part], pos: int = 0) -> int:
         """The parts one after the other from ``pos``; returns where they end."""
@@ -66,6 +70,10 @@ class AlignedBuffer:
 
     def close(self) -> None:
         self.map.close()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._closer()
+        self.fd = -1
+
+
+def _close_fd(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)

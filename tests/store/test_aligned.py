@@ -53,3 +53,15 @@ def test_pieces_past_the_end_are_refused() -> None:
         buf.put([bytes(4000), bytes(200)])
     assert os.fstat(buf.fd).st_size == 4096   # the memfd did not grow past its mapping
     buf.close()
+
+
+def test_a_dropped_buffer_closes_its_descriptors() -> None:
+    import gc
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        AlignedBuffer(1 << 20).put([b"x" * 100])
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
+    buf = AlignedBuffer(4096)
+    buf.close()
+    buf.close()   # twice is harmless
