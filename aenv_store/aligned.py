@@ -16,7 +16,8 @@ from typing import Sequence
 
 Part = bytes | memoryview
 
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+# pieces per pwritev: Linux's IOV_MAX (sysconf answers -1 where it sets no limit)
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if os.sysconf("SC_IOV_MAX") > 0 else 1024
 
 
 class AlignedBuffer:

@@ -46,25 +46,6 @@ ReadParts = Callable[[int, int], Sequence[Part]]
 _ZERO = bytes(GRAIN)
 
 
-def data_runs(data: bytes, grain: int = GRAIN) -> list[tuple[int, int]]:
-    """[start, end) runs of ``data`` made of grain pieces that are not all zeros."""
-    zero = bytes(grain)
-    runs: list[tuple[int, int]] = []
-    start = -1
-    n = len(data)
-    for off in range(0, n, grain):
-        # startswith compares in C without copying the piece (a memoryview compare is 80x slower)
-        if data.startswith(zero[:min(grain, n - off)], off):
-            if start >= 0:
-                runs.append((start, off))
-                start = -1
-        elif start < 0:
-            start = off
-    if start >= 0:
-        runs.append((start, n))
-    return runs
-
-
 class _Output:
     """The file: an O_DIRECT descriptor when the filesystem takes it, and a buffered one."""
 
@@ -198,8 +179,7 @@ def _write(read_parts: ReadParts, size: int, out: Path, direct: bool, readers: i
 
 def fill(buf: AlignedBuffer, parts: Sequence[Part], length: int) -> list[tuple[int, int]]:
     """Copy ``parts`` (``length`` bytes in all) into ``buf`` and return its data runs: the
-    [start, end) runs of GRAIN pieces that are not all zeros (as ``data_runs`` finds them
-    in the joined bytes)."""
+    [start, end) runs of GRAIN pieces (of the joined bytes) that are not all zeros."""
     data = bytearray((length + GRAIN - 1) // GRAIN)   # 1: the grain holds a byte that is not zero
     pos = 0
     for part in parts:

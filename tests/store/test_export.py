@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from aenv_store import export
-from aenv_store.export import GRAIN, data_runs, write_file, write_parts
+from aenv_store.aligned import AlignedBuffer
+from aenv_store.export import GRAIN, fill, write_file, write_parts
+
+
+def data_bytes(window: bytes) -> int:
+    """What an export must write of a window: its GRAIN pieces that hold a non-zero byte."""
+    return sum(len(window[g:g + GRAIN]) for g in range(0, len(window), GRAIN) if any(window[g:g + GRAIN]))
 
 
 @st.composite
@@ -32,23 +38,30 @@ def test_the_file_reads_back_as_the_bytes(tmp_path_factory: pytest.TempPathFacto
     written = write_file(lambda off, n: data[off:off + n], len(data), out, direct=direct)
     assert out.read_bytes() == data
     windows = [data[i:i + export.BLOCK] for i in range(0, len(data), export.BLOCK)]
-    assert written == sum(b - a for w in windows for a, b in data_runs(w))
+    assert written == sum(data_bytes(w) for w in windows)
     if not any(data):
         assert written == 0
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=images())
-def test_data_runs_cover_exactly_the_nonzero_pieces(data: bytes) -> None:
-    runs = data_runs(data)
+@given(data=images(), cuts=st.lists(st.integers(0, 3 * export.BLOCK // 2 + 5000), max_size=8))
+def test_fill_runs_cover_exactly_the_nonzero_pieces(data: bytes, cuts: list[int]) -> None:
+    """fill's runs of a window given in pieces cut anywhere: grain aligned, in order,
+    covering every non-zero byte and no all-zero grain; the buffer holds the bytes."""
+    edges = [0] + sorted({c for c in cuts if 0 < c < len(data)}) + [len(data)]
+    buf = AlignedBuffer(max(len(data), 1))
+    runs = fill(buf, [data[a:b] for a, b in zip(edges, edges[1:])], len(data))
     covered = bytearray(len(data))
     last = -1
     for a, b in runs:
         assert last < a < b <= len(data) if last >= 0 else 0 <= a < b <= len(data)
         assert a % GRAIN == 0 and (b % GRAIN == 0 or b == len(data))
         covered[a:b] = data[a:b]
+        assert all(any(data[g:g + GRAIN]) for g in range(a, b, GRAIN))   # no all-zero grain written
+        assert buf.map[a:b] == data[a:b]
         last = b
     assert bytes(covered) == data   # everything outside the runs is zeros
+    buf.close()
 
 
 def test_zero_pieces_stay_holes(tmp_path: Path) -> None:
@@ -95,7 +108,7 @@ def test_write_parts_reads_back_as_the_bytes(tmp_path_factory: pytest.TempPathFa
     written = write_parts(read_parts, len(data), out, direct=direct, readers=readers)
     assert out.read_bytes() == data
     windows = [data[i:i + export.BLOCK] for i in range(0, len(data), export.BLOCK)]
-    assert written == sum(b - a for w in windows for a, b in data_runs(w))
+    assert written == sum(data_bytes(w) for w in windows)
 
 
 def test_a_failing_reader_stops_the_others(tmp_path: Path) -> None:
