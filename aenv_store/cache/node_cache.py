@@ -316,12 +316,17 @@ class NodeCache:
 
     def get_many(self, digests: Sequence[Digest]) -> list[bytes | None]:
         """``get`` for several digests, consulting the index once (one read transaction)."""
+        # Chunks this instance fetched and handed to the write-behind, looked up BEFORE the
+        # index: the write-behind forgets a chunk only after indexing it, so each chunk is
+        # in one or the other. Looked up after, a chunk indexed between the two lookups was
+        # in neither (a get right after a read, missing what the read had just fetched).
+        unwritten = self._writes.get_many(digests)
         _, entries = self._lookup(digests)
         out: list[bytes | None] = []
         for digest, entry in zip(digests, entries):
             data = None if entry is None else self._load(digest, entry, False)
             if data is None:
-                data = self._writes.get(digest)  # fetched by this instance, still being written
+                data = unwritten.get(digest)
             if data is None:
                 self._count("misses")
                 out.append(None)

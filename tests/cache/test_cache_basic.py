@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import threading
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -391,3 +392,29 @@ def test_put_many_one_batch_with_duplicates_oversize_and_eviction(tmp_path: Path
         assert all(c.put_many(items[4:]))  # the next batch evicts the first (LRU) segment
         st = c.stats()
         assert st.evictions == 4 and st.entries == 2 and c.verify(read_data=True) == []
+
+
+def test_a_get_does_not_miss_a_chunk_indexed_while_it_looks(cache: NodeCache, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A chunk handed to the write-behind is in its memory until indexed, then in the
+    index: a get whose index lookup comes just before the indexing must still find it
+    (this race failed test_read_chain's get-after-read once in a full run)."""
+    (digest, data), = chunks(1)
+    gate = threading.Event()
+    real_store = cache._writes._store
+
+    def store(items):  # type: ignore[no-untyped-def]
+        assert gate.wait(10)       # the write-behind indexes only when the test says
+        return real_store(items)
+
+    monkeypatch.setattr(cache._writes, "_store", store)
+    assert cache.get_or_fetch_many([digest], lambda missing: [data]) == [data]   # handed over, not indexed
+    real_lookup = cache._lookup
+
+    def lookup_then_index(digests):  # type: ignore[no-untyped-def]
+        found = real_lookup(digests)   # not indexed yet ...
+        gate.set()
+        cache.drain()                  # ... indexed now, and gone from the write-behind's memory
+        return found
+
+    monkeypatch.setattr(cache, "_lookup", lookup_then_index)
+    assert cache.get(digest) == data

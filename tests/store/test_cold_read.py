@@ -57,7 +57,10 @@ def test_run_decoded_in_parts_equals_sequential_decode(kinds: list[int], tail: b
             runs = coalesce([e for e in entries if e is not None])
             want = {bytes(e.chunk): got for run in runs for e, got in zip(run, repo.read_run(run))}
             bad: bytes | None = None
-            if corrupt is not None:  # flip one payload byte: exactly that chunk must fail
+            # Flip one payload byte: that chunk fails with CorruptData naming it and its pack,
+            # or, where the flip lands on a bit zstd does not use (seen: byte 16 of a 4 KiB
+            # text chunk's frame), decodes to exactly its bytes; wrong bytes never come back.
+            if corrupt is not None:
                 victim = entries[corrupt % len(entries)]
                 assert victim is not None
                 path = tmp_path / "repo" / pack_key(victim.pack)
@@ -66,12 +69,12 @@ def test_run_decoded_in_parts_equals_sequential_decode(kinds: list[int], tail: b
                 path.write_bytes(bytes(raw))
                 bad = bytes(victim.chunk)
             for run in runs:
-                if bad is not None and any(bytes(e.chunk) == bad for e in run):
-                    with pytest.raises(CorruptData) as err:
-                        repo.read_run(run, pool=pool, part_bytes=part_bytes)
-                    assert bad.hex() in str(err.value) and bytes(run[0].pack).hex() in str(err.value)
+                try:
+                    got = repo.read_run(run, pool=pool, part_bytes=part_bytes)
+                except CorruptData as err:
+                    assert bad is not None and any(bytes(e.chunk) == bad for e in run)
+                    assert bad.hex() in str(err) and bytes(run[0].pack).hex() in str(err)
                     continue
-                got = repo.read_run(run, pool=pool, part_bytes=part_bytes)
                 assert [type(g) for g in got] == [bytes] * len(run)
                 assert got == [want[bytes(e.chunk)] for e in run]
                 assert all(Digest.of(g) == e.chunk for g, e in zip(got, run))
