@@ -28,7 +28,7 @@ import blake3
 import zstandard
 
 from .cache.node_cache import ChunkData, NodeCache
-from .errors import NotFound
+from .errors import StoreNotFound
 from .formats.ids import Digest
 from .formats.index import IndexEntry
 from .repository.repository import Repository, coalesce
@@ -155,7 +155,7 @@ class ChunkChain:
     def _read_run(self, run: list[IndexEntry]) -> list[bytes]:
         try:
             return self.repository.read_run(run, self._dctx(), self._decode_pool())
-        except NotFound:  # the pack is gone (gc repacked it): chunk by chunk, which re-resolves them
+        except StoreNotFound:  # the pack is gone (gc repacked it): chunk by chunk, which re-resolves them
             return [self.fetch_from_repository(Digest(e.chunk)) for e in run]
 
     def _dctx(self) -> zstandard.ZstdDecompressor:

@@ -7,7 +7,7 @@ class StoreError(Exception):
     """Base of every error raised by aenv_store."""
 
 
-class NotFound(StoreError):
+class StoreNotFound(StoreError):
     """An object, manifest, chunk or catalog record does not exist."""
 
 

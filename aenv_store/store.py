@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 from .cache.node_cache import ChunkData, NodeCache
 from .chunks import ChunkChain, ChunkSource
 from .config import StoreSettings
-from .errors import ConfigError, NotFound, RepositoryError, StoreError
+from .errors import ConfigError, StoreNotFound, RepositoryError, StoreError
 from .formats.catalog import ALIAS, CatalogRecord
 from .formats.ids import Digest
 from .formats.manifest import Extent, Manifest, check_chunk_size
@@ -242,7 +242,7 @@ class Store:
         """Write a record whose manifests are already committed (e.g. an alias)."""
         for role, mid in record.manifests:
             if not self.repository.has_manifest(mid):
-                raise NotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
+                raise StoreNotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
         self.repository.put_record(record, exclusive)
 
     def delete_record(self, name: str) -> None:
@@ -283,7 +283,7 @@ class BlobReader:
 
     def read(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset+length) clipped at the size; zero extents read as
-        zeros. In a delta manifest, a gap raises NotFound (the caller resolves it
+        zeros. In a delta manifest, a gap raises StoreNotFound (the caller resolves it
         from the parent); in a full manifest a gap reads as zeros."""
         if offset < 0 or length < 0:
             raise ValueError(f"negative offset/length ({offset}, {length})")
@@ -367,7 +367,7 @@ class BlobReader:
 
     def _gap(self, a: int, b: int) -> None:
         if self.manifest.parent is not None:
-            raise NotFound(f"range [{a}, {b}) is not in delta manifest {self.manifest.id.short()} "
+            raise StoreNotFound(f"range [{a}, {b}) is not in delta manifest {self.manifest.id.short()} "
                            f"(read it from parent {self.manifest.parent.short()})")
 
     def extents(self) -> tuple[Extent, ...]:

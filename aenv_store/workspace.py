@@ -29,7 +29,7 @@ import zstandard
 
 from .config import StoreConfig
 from .durable import write_all
-from .errors import AlreadyExists, NotFound, StoreError
+from .errors import AlreadyExists, StoreNotFound, StoreError
 from .formats import pack as packfmt
 from .formats.catalog import CatalogRecord
 from .formats.chunker import add_range, merge_zero_runs, pieces, zero_digest
@@ -311,10 +311,10 @@ class Workspace(AbstractContextManager["Workspace"]):
             if e.chunk is not None and not self.has_chunk(e.chunk):
                 if bytes(e.chunk) == zero_digest(e.length):
                     raise ValueError(f"extent at {e.offset} references the all-zero chunk: use a zero extent")
-                raise NotFound(f"manifest references chunk {e.chunk.hex()} that is neither staged nor committed")
+                raise StoreNotFound(f"manifest references chunk {e.chunk.hex()} that is neither staged nor committed")
         if manifest.parent is not None and bytes(manifest.parent) not in self._manifests \
                 and not self.repository.has_manifest(manifest.parent):
-            raise NotFound(f"parent manifest {manifest.parent.hex()} is neither staged nor committed")
+            raise StoreNotFound(f"parent manifest {manifest.parent.hex()} is neither staged nor committed")
         mid = manifest.id
         self._manifests.setdefault(bytes(mid), manifest)
         return mid
@@ -333,7 +333,7 @@ class Workspace(AbstractContextManager["Workspace"]):
         if record is not None:
             for role, mid in record.manifests:
                 if bytes(mid) not in self._manifests and not repo.has_manifest(mid):
-                    raise NotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
+                    raise StoreNotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
             if exclusive and repo.backend.exists(f"catalog/{record.name}"):
                 # fail before uploading anything; create() below stays the real arbiter
                 raise AlreadyExists(f"catalog record {record.name!r} already exists")

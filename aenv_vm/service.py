@@ -2,7 +2,7 @@
 
 ``SandboxService`` is everything the E2B-compatible API asks of the sandbox
 layer, in records that carry no VM internals (no run directories, QEMU pids or
-specs), so that one node (``aenv_vm.sandboxes.service.NodeSandboxService``)
+specs), so that one node (``aenv_vm.sandboxes.node_service.NodeSandboxService``)
 and a cluster gateway spreading sandboxes over many nodes can stand behind the
 same API. Errors are ``aenv_vm.errors`` classes: ``NotFound``, ``Conflict``,
 ``BadRequest``, ``Unsupported``, ``CapacityError``; anything else is a

@@ -30,7 +30,7 @@ from aenv_store.store import Store  # noqa: E402
 from aenv_vm.blockimage.importer import import_raw  # noqa: E402
 from aenv_vm.guest import GuestImage  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
-from aenv_vm.templates.build import build_template  # noqa: E402
+from aenv_vm.templates.base import build_template  # noqa: E402
 
 
 async def one_guest(guest: GuestImage, work: Path, creates: int) -> dict:

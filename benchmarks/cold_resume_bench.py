@@ -52,7 +52,7 @@ from aenv_vm.guest import GuestImage, ensure_guest  # noqa: E402
 from aenv_vm.memory import workingset  # noqa: E402
 from aenv_vm.sandboxes import lazymem  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
-from aenv_vm.templates.build import build_template  # noqa: E402
+from aenv_vm.templates.base import build_template  # noqa: E402
 from aenv_vm.templates.template import Template, find_template  # noqa: E402
 from vm_bench import first_command  # noqa: E402
 

@@ -50,7 +50,7 @@ from aenv_vm.blockimage.image import BlockImage  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
 from aenv_vm.sandboxes.restore import restore_from_template, teardown, teardown_sandbox  # noqa: E402
 from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
-from aenv_vm.templates.build import build_template  # noqa: E402
+from aenv_vm.templates.base import build_template  # noqa: E402
 
 from snapshot_bench import dirty, guest, settings_for  # noqa: E402
 from vm_bench import first_command, memory  # noqa: E402

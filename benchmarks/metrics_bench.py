@@ -35,7 +35,7 @@ from aenv_store.store import Store  # noqa: E402
 from aenv_vm.guest import ensure_guest  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
 from aenv_vm.sandboxes.metrics import INTERVAL  # noqa: E402
-from aenv_vm.templates.build import build_template  # noqa: E402
+from aenv_vm.templates.base import build_template  # noqa: E402
 
 from snapshot_bench import settings_for  # noqa: E402
 from vm_bench import cpu_ms  # noqa: E402

@@ -51,7 +51,7 @@ from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
 from aenv_vm.qemu import migration_stream  # noqa: E402
 from aenv_vm.qemu.migration import migrate_to_file  # noqa: E402
 from aenv_vm.memory.memory_image import Delta, consolidate  # noqa: E402
-from aenv_vm.templates.build import build_template  # noqa: E402
+from aenv_vm.templates.base import build_template  # noqa: E402
 from vm_bench import cpu_ms, first_command, pss_kib, pss_kib_without_tcg, pss_split_kib, settle  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -50,7 +50,7 @@ from aenv_vm.guest import GuestImage, ensure_guest, kernel_cmdline  # noqa: E402
 from aenv_vm.qemu.launcher import NbdDisk, QemuProcess, VmSpec, free_port  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
 from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
-from aenv_vm.templates.build import base_layer, build_template  # noqa: E402
+from aenv_vm.templates.base import base_layer, build_template  # noqa: E402
 from aenv_vm.templates.template import Template  # noqa: E402
 
 

@@ -8,5 +8,5 @@ ENVD_VERSION = "0.6.4"
 # project: the host side imports it from here (this module is plain constants).
 ENVD_PORT = 49983
 # ``GET /health`` answers with this header naming ENVD_VERSION, so the host can
-# record the version a template's guest really runs (aenv_vm/templates/build.py).
+# record the version a template's guest really runs (aenv_vm/templates/base.py).
 VERSION_HEADER = "X-Envd-Version"

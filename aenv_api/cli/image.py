@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aenv_store.errors import NotFound
+from aenv_store.errors import StoreNotFound
 
 from .common import (CliError, Subcommands, common_options, config_from_args, human_bytes, parse_size, print_json,
                      print_table)
@@ -38,7 +38,7 @@ def _resolve_image(store: Any, name: str) -> Any:
 
     try:
         record = store.resolve(name)
-    except NotFound:
+    except StoreNotFound:
         raise CliError(f"no image named {name!r} (see `aenv image ls`)", 1) from None
     return record, image_top(record)
 
@@ -130,7 +130,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         for name in args.names:
             try:
                 rec = store.get_record(name)
-            except NotFound:
+            except StoreNotFound:
                 raise CliError(f"no image named {name!r} (see `aenv image ls`)", 1) from None
             if rec.kind != IMAGE_KIND:
                 raise CliError(f"{name!r} is a {rec.kind} record, not an image", 1)

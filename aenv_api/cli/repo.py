@@ -11,7 +11,7 @@ import re
 import sys
 from typing import Any
 
-from aenv_store.errors import NotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Manifest, check_chunk_size
 from aenv_store.repository.backends.factory import open_backend_for
@@ -174,7 +174,7 @@ def cmd_cat(args: argparse.Namespace) -> int:
         if _HEX_ID.match(args.what):
             try:
                 value = manifest_json(repo.get_manifest(Digest.from_hex(args.what.lower())), args.extents)
-            except NotFound:
+            except StoreNotFound:
                 raise CliError(f"no manifest {args.what.lower()} in {repo.where}", 1) from None
         else:
             try:

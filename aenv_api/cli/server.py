@@ -37,7 +37,7 @@ if TYPE_CHECKING:   # the server's parts are imported when it starts (the CLI st
     from aenv_vm.confine.policy import Confinement
     from aenv_vm.guest import GuestImage
     from aenv_vm.sandboxes.manager import SandboxManager
-    from aenv_vm.builds.service import TemplateBuilds
+    from aenv_vm.builds.template_builds import TemplateBuilds
     from aenv_vm.templates.template import Template
     from aenv_vm.templates.trust import CaBundle
 
@@ -96,7 +96,7 @@ async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, se
                             confinement: Confinement, host_ca: CaBundle | None) -> Template:
     from aenv_vm.errors import NotFound
     from aenv_vm.qemu.accel import probe_accel
-    from aenv_vm.templates.build import build_template
+    from aenv_vm.templates.base import build_template
     from aenv_vm.templates.template import TemplateError, find_template
 
     why = "first start: "
@@ -139,7 +139,7 @@ def _template_builds(cfg: AenvConfig, server_cfg: ServerConfig, manager: Sandbox
     """E2B template builds on this node: build VMs shaped like its sandboxes by default,
     on the accelerator its base template was built for."""
     from aenv_vm.builds.executor import BuildSettings
-    from aenv_vm.builds.service import TemplateBuilds
+    from aenv_vm.builds.template_builds import TemplateBuilds
 
     vm, tc = cfg.section("vm"), cfg.section("templates")
     settings = BuildSettings(base_template=server_cfg.default_template, accel=base.accel,  # type: ignore[arg-type]
@@ -234,7 +234,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
     from aenv_vm.errors import VmError
     from aenv_vm.guest import ensure_guest
     from aenv_vm.net.netns import NetError
-    from aenv_vm.sandboxes.service import NodeSandboxService
+    from aenv_vm.sandboxes.node_service import NodeSandboxService
 
     from .main import package_version
 

@@ -145,7 +145,7 @@ def cmd_build_local(args: argparse.Namespace) -> int:
     from aenv_vm.errors import VmError
     from aenv_vm.guest import ensure_guest
     from aenv_vm.qemu.accel import probe_accel
-    from aenv_vm.templates.build import build_template
+    from aenv_vm.templates.base import build_template
 
     alias = args.target or "base"
     cfg = config_from_args(args)

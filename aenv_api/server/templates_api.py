@@ -1,4 +1,4 @@
-"""E2B's template build API over ``aenv_vm.builds.service.TemplateBuilds``, exactly as
+"""E2B's template build API over ``aenv_vm.builds.template_builds.TemplateBuilds``, exactly as
 the SDK (2.63) calls it: request a build (``POST /v3/templates``, 202), the COPY
 contexts (``GET /templates/{id}/files/{hash}`` → present, or an upload URL this server
 serves), start it (``POST /v2/templates/{id}/builds/{buildID}``, 202), its status and
@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from aenv_vm.builds.log import LogEntry
-from aenv_vm.builds.service import TemplateBuilds, TemplateView
+from aenv_vm.builds.template_builds import TemplateBuilds, TemplateView
 from aenv_vm.errors import BadRequest, VmError
 
 from .responses import json_response, no_content

@@ -16,7 +16,7 @@ from .schemas import iso, micros
 CLIENT_ID = "aenv"
 # envdVersion of a sandbox whose template recorded none: the oldest version whose
 # features the SDK needs (octet-stream uploads). Templates built since record the
-# version their guest's envd reports (aenv_vm/templates/build.py).
+# version their guest's envd reports (aenv_vm/templates/base.py).
 FALLBACK_ENVD_VERSION = "0.5.7"
 
 

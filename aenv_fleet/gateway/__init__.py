@@ -1,3 +1,3 @@
 """The fleet gateway (``aenv gateway``): app.py serves, forward.py talks to nodes,
-lists.py/listing.py merge reads, moves.py places and moves sandboxes, state.py caches
+list_routes.py/list_merge.py merge reads, placement.py places and moves sandboxes, state.py caches
 Redis."""

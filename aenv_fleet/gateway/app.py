@@ -36,9 +36,9 @@ from ..config import GatewayConfig
 from ..coord import Binding, CoordError, Coordinator
 from .errors import GatewayError
 from .forward import NodeClient, NodeFailed, NodeRefused, NodeUnreachable, forwarded_headers
-from .listing import listed_from_binding, lost_note, shown_state
-from .lists import Lists
-from .moves import Moves
+from .list_merge import listed_from_binding, lost_note, shown_state
+from .list_routes import Lists
+from .placement import Moves
 from .state import FleetView
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from typing import Any
 import blake3
 import zstandard
 
-from ..errors import CorruptData, NotFound, StoreError
+from ..errors import CorruptData, StoreNotFound, StoreError
 from ..formats import pack as packfmt
 from ..formats.catalog import CatalogRecord
 from ..formats.ids import Digest
@@ -139,7 +139,7 @@ class Collector:
         for info in self.backend.list(CATALOG):
             try:
                 records.append(CatalogRecord.decode(self.backend.get(info.key)))
-            except NotFound:
+            except StoreNotFound:
                 continue
             except CorruptData as e:
                 raise GcError(f"catalog record {info.key} is unreadable ({e}); gc cannot tell what it keeps "
@@ -173,7 +173,7 @@ class Collector:
                 if blake3.blake3(data).digest() != mid:
                     raise CorruptData("content does not match its id")
                 m = Manifest.decode(data)
-            except (NotFound, CorruptData) as e:
+            except (StoreNotFound, CorruptData) as e:
                 if not strict:
                     log.warning("gc: young manifest %s (or its parent) unreadable, not a root: %s", key, e)
                     continue
@@ -199,7 +199,7 @@ class Collector:
                 if iid is None or blake3.blake3(data).digest() != iid:
                     raise CorruptData("content does not match its name")
                 index_files[info.key] = decode_index(data).entries()
-            except NotFound:
+            except StoreNotFound:
                 continue
             except CorruptData as e:
                 raise GcError(f"index file {info.key} is corrupt ({e}); packs it lists would look unreferenced. "

@@ -36,7 +36,7 @@ from typing import Any, Iterable
 import blake3
 import zstandard
 
-from ..errors import BackendError, CorruptData, NotFound
+from ..errors import BackendError, CorruptData, StoreNotFound
 from ..formats import pack as packfmt
 from ..formats.catalog import ALIAS, CatalogRecord
 from ..formats.ids import Digest
@@ -234,7 +234,7 @@ class Checker:
             name = info.key[len(CATALOG):]
             try:
                 rec = CatalogRecord.decode(self.backend.get(info.key))
-            except NotFound:
+            except StoreNotFound:
                 continue  # deleted while we listed
             except CorruptData as e:
                 self._issue(ERROR, "corrupt-record", info.key, f"catalog record {name!r}: {e}", records={name})
@@ -255,7 +255,7 @@ class Checker:
         key = manifest_key(mid)
         try:
             data = self.backend.get(key)
-        except NotFound:
+        except StoreNotFound:
             self._issue(ERROR, "missing-manifest", key, f"manifest {mid.hex()} is missing", manifests={mid})
             self.manifests[mid] = None  # type: ignore[assignment]
             return None
@@ -293,7 +293,7 @@ class Checker:
                 if iid is None or blake3.blake3(data).digest() != iid:
                     raise CorruptData("content does not match its name")
                 f = decode_index(data)
-            except NotFound:
+            except StoreNotFound:
                 self.index_files -= 1
                 continue
             except CorruptData as e:
@@ -350,7 +350,7 @@ class Checker:
         except (CorruptData, BackendError) as e:
             res.issues.append(_Issue(ERROR, "corrupt-pack", info.key, f"pack {info.key}: trailer unreadable: {e}",
                                      chunks=self._indexed_chunks_of(pid)))
-        except NotFound:
+        except StoreNotFound:
             pass  # deleted while we listed (gc); references to it are reported below
         return res
 
@@ -360,7 +360,7 @@ class Checker:
         try:
             with self.backend.open_stream(info.key) as f:
                 data = _slurp(f)
-        except NotFound:
+        except StoreNotFound:
             return res
         except BackendError as e:
             res.issues.append(_Issue(ERROR, "unreadable-pack", info.key, f"pack {info.key}: {e}",

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from ..errors import BackendError, CorruptData, LockError, NotFound
+from ..errors import BackendError, CorruptData, LockError, StoreNotFound
 from .backends.base import Backend, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def list_locks(backend: Backend, now: float | None = None, me: ProcessIdentity |
 def _judge(backend: Backend, obj: ObjectInfo, now: float, me: ProcessIdentity) -> LockEntry:
     try:
         info = LockInfo.decode(obj.key, backend.get(obj.key))
-    except NotFound:
+    except StoreNotFound:
         return LockEntry(obj.key, None, "removed while listing")
     except CorruptData:
         # A garbage lock object (writes are atomic, so not a half-written one):

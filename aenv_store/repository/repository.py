@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Sequence
 import blake3
 import zstandard
 
-from ..errors import AlreadyExists, CorruptData, NotFound, RepositoryError
+from ..errors import AlreadyExists, CorruptData, StoreNotFound, RepositoryError
 from ..formats import pack as packfmt
 from ..formats.catalog import CatalogRecord, check_name
 from ..formats.ids import Digest
@@ -142,7 +142,7 @@ class Repository:
         ``refresh_index``)."""
         try:
             data = backend.get(CONFIG_KEY)
-        except NotFound:
+        except StoreNotFound:
             raise RepositoryError(f"no repository at {where}; run `aenv repo init`") from None
         repo = cls(backend, RepoConfig.decode(data, where), where)
         if load_index:
@@ -180,7 +180,7 @@ class Repository:
                     if iid is None or blake3.blake3(data).digest() != iid:
                         raise CorruptData("content does not match its name")
                     files.append(decode_index(data))
-                except NotFound:
+                except StoreNotFound:
                     continue
                 except CorruptData as e:
                     log.warning("skipping index file %s: %s", info.key, e)
@@ -228,7 +228,7 @@ class Repository:
             try:
                 for e in self.read_pack_trailer(info):
                     entries.append(IndexEntry(e.chunk, pid, e.offset, e.length, e.raw_length))
-            except (CorruptData, NotFound) as e:
+            except (CorruptData, StoreNotFound) as e:
                 log.warning("pack %s skipped in index rebuild: %s", info.key, e)
         iid = None
         if entries:
@@ -314,16 +314,16 @@ class Repository:
             self.refresh_index()
             entry = self.index.lookup(chunk)
         if entry is None:
-            raise NotFound(f"chunk {bytes(chunk).hex()} is not in the repository index")
+            raise StoreNotFound(f"chunk {bytes(chunk).hex()} is not in the repository index")
         try:
             return self.read_chunk_entry(entry, dctx)
-        except NotFound:
+        except StoreNotFound:
             # the pack went away after we loaded the index (gc repacked its live
             # chunks elsewhere): forget it, load newer index files, try once more
             self.pack_gone(entry.pack)
             moved = self.index.lookup(chunk)
             if moved is None:
-                raise NotFound(f"chunk {bytes(chunk).hex()}: its pack {entry.pack.hex()} is gone "
+                raise StoreNotFound(f"chunk {bytes(chunk).hex()}: its pack {entry.pack.hex()} is gone "
                                "and no index lists it elsewhere") from None
             return self.read_chunk_entry(moved, dctx)
 
@@ -352,8 +352,8 @@ class Repository:
     def get_manifest(self, mid: bytes) -> Manifest:
         try:
             data = self.backend.get(manifest_key(mid))
-        except NotFound:
-            raise NotFound(f"manifest {bytes(mid).hex()} not found") from None
+        except StoreNotFound:
+            raise StoreNotFound(f"manifest {bytes(mid).hex()} not found") from None
         if blake3.blake3(data).digest() != mid:
             raise CorruptData(f"manifest {bytes(mid).hex()}: content does not match its id")
         return Manifest.decode(data)
@@ -379,8 +379,8 @@ class Repository:
     def get_record(self, name: str) -> CatalogRecord:
         try:
             data = self.backend.get(catalog_key(name))
-        except NotFound:
-            raise NotFound(f"no catalog record named {name!r}") from None
+        except StoreNotFound:
+            raise StoreNotFound(f"no catalog record named {name!r}") from None
         rec = CatalogRecord.decode(data)
         if rec.name != name:
             raise CorruptData(f"catalog record {name!r} holds a record named {rec.name!r}")
@@ -395,7 +395,7 @@ class Repository:
         for name in self.list_record_names():
             try:
                 rec = self.get_record(name)
-            except NotFound:  # deleted while listing
+            except StoreNotFound:  # deleted while listing
                 continue
             if kind is None or rec.kind == kind:
                 out.append(rec)
@@ -404,7 +404,7 @@ class Repository:
     def delete_record(self, name: str) -> None:
         key = catalog_key(name)
         if not self.backend.exists(key):
-            raise NotFound(f"no catalog record named {name!r}")
+            raise StoreNotFound(f"no catalog record named {name!r}")
         self.backend.delete(key)
 
     # -- stats -------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from aenv_store.errors import CorruptData, NotFound
+from aenv_store.errors import CorruptData, StoreNotFound
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Extent, Manifest
 
@@ -47,8 +47,8 @@ def load_stack(store: ManifestSource, top: Digest) -> list[Manifest]:
             raise ImageError(f"image {top.short()} has more than {MAX_LAYERS} layers")
         try:
             m = store.load_manifest(mid)
-        except NotFound:
-            raise NotFound(f"layer {mid.short()} of image {top.short()} is missing") from None
+        except StoreNotFound:
+            raise StoreNotFound(f"layer {mid.short()} of image {top.short()} is missing") from None
         if m.media_type != DISK_LAYER:
             raise ImageError(f"manifest {mid.short()} is a {m.media_type}, not a disk layer")
         chain.append(m)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import blake3
 
-from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.formats.catalog import ALIAS, CatalogRecord
 from aenv_store.formats.ids import Digest
 from aenv_store.store import Store

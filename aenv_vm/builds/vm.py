@@ -1,7 +1,7 @@
 """A build VM: a guest cold-booted from a committed disk layer, on the node's
 networks and confinement like any sandbox, that runs build steps through envd,
 commits its disk as a new layer after each step, and is finally frozen into a
-template (the same artifacts templates/build.py commits for ``base``).
+template (the same artifacts templates/base.py commits for ``base``).
 
 Networking: always QEMU's user-mode stack (in a namespace of its own when the
 node isolates sandboxes, so a build's RUN steps meet the same egress rules as a
@@ -159,7 +159,7 @@ class BuildVm:
         state), stop it, and commit the template record with ``meta`` added."""
         assert self.vm is not None
         # the command path once per user before freezing: bash, its libraries and the
-        # profiles are then in the frozen page cache that clones share (templates/build.py)
+        # profiles are then in the frozen page cache that clones share (templates/base.py)
         for user in ("root", meta.get("default_user", "root")):
             with contextlib.suppress(VmError):
                 await self.run(ProcessRequest("/bin/bash", ("-l", "-c", "true"), user=user), timeout=60.0)

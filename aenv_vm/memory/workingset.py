@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aenv_store.errors import NotFound, StoreError
+from aenv_store.errors import StoreNotFound, StoreError
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
@@ -105,7 +105,7 @@ def load(store: Store, memory: Digest) -> WorkingSet | None:
         if reader.manifest.media_type != MEDIA_TYPE:
             raise WorkingSetError(f"{rec.name} is a {reader.manifest.media_type}")
         ws = decode(reader.read(0, reader.size))
-    except NotFound:
+    except StoreNotFound:
         return None
     except (StoreError, WorkingSetError, KeyError) as e:
         log.warning("working set of memory image %s ignored: %s", memory.short(), e)

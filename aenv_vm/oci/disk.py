@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from aenv_store.admin.progress import ProgressFactory, human_bytes, no_progress
-from aenv_store.errors import AlreadyExists, NotFound
+from aenv_store.errors import AlreadyExists, StoreNotFound
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
 
@@ -120,7 +120,7 @@ def find_image(store: "Store", digest: str, platform: str | None = None) -> Cata
         rec = store.get_record(default_name(digest))
         if rec.kind == IMAGE_KIND and dict(rec.meta).get("oci.digest") == digest:
             return rec
-    except NotFound:            # not under its default name: look at every image
+    except StoreNotFound:            # not under its default name: look at every image
         pass
     for rec in sorted(store.list_records(IMAGE_KIND), key=lambda r: r.created):
         meta = dict(rec.meta)
@@ -137,7 +137,7 @@ def check_name_free(store: "Store", name: str | None, digest: str) -> None:
         return
     try:
         rec = store.get_record(name)
-    except NotFound:
+    except StoreNotFound:
         return
     if dict(rec.meta).get("oci.digest") != digest:
         raise Conflict(f"an image named {name!r} exists (another image): choose another --name, "
@@ -157,7 +157,7 @@ def reuse(store: "Store", rec: CatalogRecord, name: str | None, replace: bool) -
                 named = store.get_record(name)         # already there under that name too
                 return DiskImage(name, image_top(named), store.load_manifest(image_top(named)).size, True,
                                  dict(named.meta))
-            except NotFound:
+            except StoreNotFound:
                 pass
         store.put_record(CatalogRecord(name=name, kind=IMAGE_KIND, manifests=rec.manifests, meta=rec.meta,
                                        created=time.time()), exclusive=not replace)

@@ -1,7 +1,7 @@
 """The sandbox lifecycle of one node (the state machine is drawn in manager.py).
 
 manager.py    SandboxManager: the facade that sequences every operation
-service.py    NodeSandboxService: the manager behind aenv_vm.service.SandboxService
+node_service.py NodeSandboxService: the manager behind aenv_vm.service.SandboxService
 runtime.py    NodeRuntime: store, NBD server, networks, guest, run dir, template files
 sandbox.py    Sandbox: a running VM's handle, where it is reached
 restore.py    the one restore path (create, pool refill, resume, fork children)
@@ -14,5 +14,5 @@ pool.py       the warm pool
 ttl.py        TTL expiry watcher
 recovery.py   what a restarted node does with its records
 records.py    the sandbox records (LMDB)
-moves.py      adopt and release: a paused sandbox moving between nodes of one repository
+handover.py   adopt and release: a paused sandbox moving between nodes of one repository
 """

@@ -41,7 +41,7 @@ from ..envd_client import ProcessRequest, stream_process
 from ..errors import Conflict, GuestUnresponsive, VmError
 from ..qemu.launcher import QemuProcess
 from ..templates.template import Template
-from .moves import check_held, mark_running
+from .handover import check_held, mark_running
 from .pause import PausedSandboxes, digest_of
 from .records import SandboxRecord, SandboxState
 from .restore import identity, teardown

@@ -19,7 +19,7 @@ operation; the work is in the modules, each given the ``NodeRuntime``
 
 Methods return node-side handles (``Sandbox``: its QEMU, disk image, where
 it is reached), for the node's own tools, tests and benchmarks; the API sees
-this node through ``NodeSandboxService`` (service.py) instead.
+this node through ``NodeSandboxService`` (node_service.py) instead.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from .coldboot import cold_boot, prepare_pause
 from .lazymem import start_lazy_memory, stop_lazy_memory
 from .fork import MAX_FORK, Child, Forks
 from .metrics import MetricsRecorder
-from .moves import Moves, check_releasable, mark_shared, node_identity
+from .handover import Moves, check_releasable, mark_shared, node_identity
 from .pause import PausedSandboxes, PauseTiming
 from .pool import REFILL_DELAY, WarmPool
 from .records import RecordStore, SandboxRecord, SandboxState
@@ -532,7 +532,7 @@ class SandboxManager:
             await self._remount(sbx, rec)
             return sbx
 
-    # ------------------------------------------------------------ moves between nodes (moves.py)
+    # ------------------------------------------------------------ moves between nodes (handover.py)
     async def adopt(self, sid: str, force: bool = False) -> SandboxRecord:
         """Take over a sandbox another node paused into the shared repository (resumed here next)."""
         async with self.lock(sid):

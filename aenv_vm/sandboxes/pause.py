@@ -44,7 +44,7 @@ from ..memory.memory_image import (SPARE, Delta, page_hashes, parent_seq, read_d
 from ..qemu.launcher import QemuProcess, VmSpec
 from ..templates.template import DEVICE_STATE
 from .capture import Capturer
-from .moves import PAUSED_KIND, delete_if_held, paused_name, pause_meta, stale_reason
+from .handover import PAUSED_KIND, delete_if_held, paused_name, pause_meta, stale_reason
 from .records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from .restore import Standby
 from .runtime import NodeRuntime
@@ -244,7 +244,7 @@ class PausedSandboxes:
         """Seal the disk and commit the pause to the store (background)."""
         rec = self.records.get(sid)
         meta = {"sandbox": sid, "seq": str(snap.seq), "template": rec.template if rec else ""}
-        # the catalog record also carries the sandbox's record, for a node adopting it (moves.py)
+        # the catalog record also carries the sandbox's record, for a node adopting it (handover.py)
         record_meta = pause_meta(rec, snap.seq, self.rt.node_id) if rec is not None else meta
         try:
             done, squashed = await asyncio.to_thread(self._commit_work, sid, image, snap, previous, meta,

@@ -71,7 +71,7 @@ class SandboxRecord:
     volume_mounts: list = field(default_factory=list)
     # Fields of the layer above (the API's per-sandbox settings: alias, autoResume, proxy
     # rules), opaque here: kept, inherited by fork children and committed with every
-    # pause, so that a node adopting the sandbox (moves.py) gets them too.
+    # pause, so that a node adopting the sandbox (handover.py) gets them too.
     annotations: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:

@@ -22,7 +22,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.errors import StoreError
 
 from ..memory.memory_image import SPARE

@@ -22,7 +22,7 @@ from aenv_store.store import Store
 from ..errors import Conflict, SnapshotError
 from ..memory.device_state import durable_write
 from ..memory.memory_image import fetch_delta, read_delta, write_delta
-from .moves import check_held, mark_running
+from .handover import check_held, mark_running
 from .pause import PausedSandboxes, digest_of
 from .records import SandboxRecord, SandboxState, SnapshotRef
 from .restore import Greeting, RestorePlan, clock, restore

@@ -15,7 +15,7 @@ Run directory layout (``run_root``)::
     templates/<id>/   local template files (templates/local.py)
     lazymem/mnt/      the FUSE mount of memory images served lazily (lazymem.py)
     records/          the sandbox records (records.py)
-    node-id           this node's identity as a pause holder (moves.py)
+    node-id           this node's identity as a pause holder (handover.py)
     nbd.sock          the NBD server
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ class NodeRuntime:
     fixed_layout: bool = False          # QEMU without ASLR, so identical clones merge further
     readahead: int = 4 << 20            # bytes read ahead of a sandbox's sequential disk reads (0: off)
     min_free_disk: int = 0              # a guest's disk writes fail rather than leave less free here
-    node_id: str = ""                   # this node as the holder of pauses in a shared repository (moves.py)
+    node_id: str = ""                   # this node as the holder of pauses in a shared repository (handover.py)
 
     def __post_init__(self) -> None:
         # every QEMU's sockets live in its run dir: a run root too long for them would

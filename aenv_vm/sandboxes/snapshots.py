@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv_store.errors import StoreError
-from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.formats.catalog import check_name
 from aenv_store.formats.ids import Digest
 
@@ -30,7 +30,7 @@ from ..service import SnapshotInfo
 from ..templates.template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, Template, find_template, list_templates,
                                   put_alias, remove_template, stage_file, template_record)
 from .capture import Capturer
-from .moves import PAUSED_KIND, shared_mark
+from .handover import PAUSED_KIND, shared_mark
 from .records import SandboxRecord
 from .runtime import NodeRuntime
 from .sandbox import Sandbox

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.errors import StoreError
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Manifest

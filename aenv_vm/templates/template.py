@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv_store.formats.catalog import ALIAS, CatalogRecord
-from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 from aenv_store.workspace import Workspace

@@ -54,7 +54,7 @@ _RENAME_FLAGS = 0x1 | 0x2            # RENAME_NOREPLACE, RENAME_EXCHANGE
 Reply = tuple[int, dict[str, Any], bytes]
 
 
-class BadRequest(Exception):
+class MalformedRequest(Exception):
     """A request whose fields have the wrong type (answered EINVAL)."""
 
 
@@ -67,14 +67,14 @@ def attr(s: os.stat_result) -> dict[str, int]:
 def _int(meta: dict[str, Any], key: str, lo: int = 0, hi: int = (1 << 63) - 1, default: int | None = None) -> int:
     v = meta.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise BadRequest(f"{key} must be an integer in {lo}..{hi}")
+        raise MalformedRequest(f"{key} must be an integer in {lo}..{hi}")
     return v
 
 
 def _str(meta: dict[str, Any], key: str) -> str:
     v = meta.get(key)
     if not isinstance(v, str):
-        raise BadRequest(f"{key} must be a string")
+        raise MalformedRequest(f"{key} must be a string")
     return v
 
 
@@ -131,7 +131,7 @@ class VolumeServer:
             return W.reply(frame.id, errno.ENOSPC)
         try:
             code, meta, data = op(frame.meta, frame.data)
-        except BadRequest:
+        except MalformedRequest:
             code, meta, data = errno.EINVAL, {}, b""
         except OSError as e:
             code, meta, data = (e.errno or errno.EIO), {}, b""

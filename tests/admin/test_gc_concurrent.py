@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aenv_store.admin.gc import gc
 from aenv_store.admin.verify import verify
-from aenv_store.errors import LockError, NotFound
+from aenv_store.errors import LockError, StoreNotFound
 from aenv_store.repository.backends.posix_fs import PosixFsBackend
 from aenv_store.repository.repository import Repository
 
@@ -43,7 +43,7 @@ def _check_committed(repo, journals: list[Path], helpers) -> int:  # type: ignor
     for name in sorted(must - present):
         try:
             repo.read_back([name])
-        except NotFound:
+        except StoreNotFound:
             deleting = set().union(*(helpers.journal_state(j)[1] for j in journals))
             assert name in deleting, f"committed record lost: {name}"
     return len(must)

@@ -258,7 +258,7 @@ def test_vm_errors_map_to_status_by_class(cls: type, status: int) -> None:
 
 def test_console_is_read_in_complete_lines_across_calls(tmp_path: Path) -> None:
     from aenv_api.server.sandbox_logs import MAX_CONSOLE_BYTES, SandboxLogs
-    from aenv_vm.sandboxes.service import read_console
+    from aenv_vm.sandboxes.node_service import read_console
 
     console = tmp_path / "serial.log"
     logs = SandboxLogs(tmp_path / "logs")

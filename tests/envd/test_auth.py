@@ -95,7 +95,7 @@ def test_token_enforced_after_init(fresh_envd: Envd, workdir) -> None:  # type: 
 
 def test_metrics_and_health_shapes(fresh_envd: Envd) -> None:
     assert _http(fresh_envd.url + "/health")[0] == 204
-    # /health names the envd version (templates record it at build: aenv_vm/templates/build.py)
+    # /health names the envd version (templates record it at build: aenv_vm/templates/base.py)
     with urllib.request.urlopen(fresh_envd.url + "/health", timeout=10) as r:
         assert r.headers[VERSION_HEADER] == ENVD_VERSION
     status, body = _http(fresh_envd.url + "/metrics")

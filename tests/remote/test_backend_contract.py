@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aenv_store.config import RepositoryConfig
-from aenv_store.errors import AlreadyExists, BackendError, NotFound
+from aenv_store.errors import AlreadyExists, BackendError, StoreNotFound
 from aenv_store.repository.backends.base import Backend
 from aenv_store.repository.backends.factory import open_backend
 
@@ -38,13 +38,13 @@ def test_empty_object(backend: Backend) -> None:
 
 
 def test_missing_keys_raise_not_found(backend: Backend) -> None:
-    with pytest.raises(NotFound):
+    with pytest.raises(StoreNotFound):
         backend.get("nope/x")
-    with pytest.raises(NotFound):
+    with pytest.raises(StoreNotFound):
         backend.get_range("nope/x", 0, 1)
-    with pytest.raises(NotFound):
+    with pytest.raises(StoreNotFound):
         backend.stat("nope/x")
-    with pytest.raises(NotFound):
+    with pytest.raises(StoreNotFound):
         backend.open_stream("nope/x")
     assert not backend.exists("nope/x")
     backend.delete("nope/x")  # deleting a missing key is not an error

@@ -12,7 +12,7 @@ import botocore.exceptions
 import pytest
 
 from aenv_store.config import MiB, RepositoryConfig
-from aenv_store.errors import AlreadyExists, BackendError, ConfigError, NotFound
+from aenv_store.errors import AlreadyExists, BackendError, ConfigError, StoreNotFound
 from aenv_store.repository.backends.base import Backend
 from aenv_store.repository.backends.factory import open_backend, validate
 from aenv_store.repository.backends.oss import OssBackend
@@ -222,7 +222,7 @@ def test_retry_backend_retries_transient_errors(tmp_path: Path) -> None:
     assert flaky.calls == 3
     flaky.calls = 0
     assert b.get("k") == b"v"
-    with pytest.raises(NotFound):
+    with pytest.raises(StoreNotFound):
         RetryBackend(flaky, RetryPolicy(attempts=4, base_delay=0.001)).get("missing")
 
 

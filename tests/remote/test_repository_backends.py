@@ -212,7 +212,7 @@ def test_gc_concurrent_with_commits(repository_config: RepositoryConfig, tmp_pat
     import random
     import time
 
-    from aenv_store.errors import LockError, NotFound
+    from aenv_store.errors import LockError, StoreNotFound
 
     Store.open(settings(tmp_path / "init", repository_config), create=True).close()
     shared = [os.urandom(4096) for _ in range(64)]  # chunks that keep coming back
@@ -271,7 +271,7 @@ def test_gc_concurrent_with_commits(repository_config: RepositoryConfig, tmp_pat
         for name, data in live.items():
             try:
                 rec = c.get_record(name)
-            except NotFound:
+            except StoreNotFound:
                 raise AssertionError(f"committed record lost: {name}") from None
             blob = c.open_blob(rec.manifests[0][1])
             assert blob.read(0, blob.size) == data, name

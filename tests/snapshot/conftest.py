@@ -19,7 +19,7 @@ from ..vm.procs import qemu_children
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.store import Store
 from aenv_vm.guest import GuestImage, ensure_guest
-from aenv_vm.templates.build import build_template
+from aenv_vm.templates.base import build_template
 from aenv_vm.templates.template import Template
 
 

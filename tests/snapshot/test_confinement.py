@@ -20,8 +20,8 @@ from aenv_vm.qemu.accel import probe_accel
 from aenv_vm.qemu.launcher import QemuProcess, VmSpec, tcg_buffer_mib
 from aenv_vm.sandboxes.manager import SandboxManager
 from aenv_vm.sandboxes.sandbox import Sandbox
-from aenv_vm.sandboxes.service import read_console
-from aenv_vm.templates.build import build_template
+from aenv_vm.sandboxes.node_service import read_console
+from aenv_vm.templates.base import build_template
 
 from .conftest import Env
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aenv_store import store as store_mod
-from aenv_store.errors import CorruptData, NotFound
+from aenv_store.errors import CorruptData, StoreNotFound
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Extent, Manifest
 from aenv_store.repository.repository import coalesce, pack_key
@@ -171,7 +171,7 @@ def test_delta_gap_is_raised_to_the_caller_even_when_read_ahead(settings_factory
         delta = Manifest(full.media_type, full.size, extents, parent=mid, chunk_size=full.chunk_size)
         reader = cold.open_blob(delta)
         assert reader.read(0, 4 * CHUNK) == data[:4 * CHUNK]
-        with pytest.raises(NotFound, match="delta manifest"):
+        with pytest.raises(StoreNotFound, match="delta manifest"):
             reader.read(4 * CHUNK, 4 * CHUNK)
         assert reader.read(8 * CHUNK, 4 * CHUNK) == data[8 * CHUNK:12 * CHUNK]
 

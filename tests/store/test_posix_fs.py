@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_store.errors import AlreadyExists, BackendError, NotFound
+from aenv_store.errors import AlreadyExists, BackendError, StoreNotFound
 from aenv_store.repository.backends.posix_fs import PosixFsBackend
 
 
@@ -38,7 +38,7 @@ def test_move_file_consumes_source(tmp_path: Path) -> None:
     src.write_bytes(b"pack bytes")
     b.move_file("packs/00/p", src)
     assert not src.exists() and b.get("packs/00/p") == b"pack bytes"
-    with pytest.raises(NotFound):
+    with pytest.raises(StoreNotFound):
         b.move_file("packs/00/q", src)
 
 

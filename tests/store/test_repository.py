@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_store.errors import AlreadyExists, CorruptData, NotFound, RepositoryError
+from aenv_store.errors import AlreadyExists, CorruptData, StoreNotFound, RepositoryError
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
 from aenv_store.repository.repository import pack_key
@@ -74,7 +74,7 @@ def test_exclusive_record_conflict_and_replace(settings_factory) -> None:
         assert store.resolve("latest").manifest("d") == b
         assert [r.name for r in store.list_records("alias")] == ["latest"]
         store.delete_record("latest")
-        with pytest.raises(NotFound):
+        with pytest.raises(StoreNotFound):
             store.get_record("latest")
 
 
@@ -151,7 +151,7 @@ def test_rebuild_index_from_pack_trailers(settings_factory, tmp_path: Path) -> N
     for f in index_dir.iterdir():
         f.unlink()
     with Store.open(settings_factory("cold")) as cold:
-        with pytest.raises(NotFound):
+        with pytest.raises(StoreNotFound):
             cold.open_blob(mid).read(0, 10)
         iid, n = cold.repository.rebuild_index()
         assert iid is not None and n == 300_000 // 4096 + 1 + 50_000 // 4096 + 1

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aenv_store.errors import NotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Manifest
@@ -149,7 +149,7 @@ def test_delta_blob_keeps_gaps(writer: Writer, ops) -> None:
         for e in m.extents:
             assert reader.read(e.offset, e.length) == bytes(model[e.offset:e.end])
         if 0 in mask:
-            with pytest.raises(NotFound):
+            with pytest.raises(StoreNotFound):
                 reader.read(0, m.size)
 
 
@@ -206,7 +206,7 @@ def test_manifest_validates_staged_chunks(settings_factory) -> None:
         with store.workspace() as ws:
             cid = ws.put_chunk(b"q" * 100)
             mid = ws.add_manifest(Manifest("x", 100, (Extent(0, 100, cid),), chunk_size=CS))
-            with pytest.raises(NotFound):
+            with pytest.raises(StoreNotFound):
                 ws.add_manifest(Manifest("x", 100, (Extent(0, 100, Digest.of(b"nope")),), chunk_size=CS))
             ws.commit()
         assert store.open_blob(mid).read(0, 100) == b"q" * 100

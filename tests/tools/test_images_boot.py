@@ -61,7 +61,7 @@ def base_tree(guest: GuestImage) -> Path:
 def build_templates(data_dir: Path, guest: GuestImage, layers: dict[str, str]) -> dict[str, Any]:
     from aenv_api.config import load_config
     from aenv_store.assembly import open_node_store
-    from aenv_vm.templates.build import build_template
+    from aenv_vm.templates.base import build_template
 
     cfg = load_config(data_dir)
     store = open_node_store(cfg.store_settings(), create=True)

@@ -25,7 +25,7 @@ from aenv_vm.memory import workingset
 from aenv_vm.memory.lazyfs import LazyMemoryError, mounts_under
 from aenv_vm.sandboxes.manager import SandboxManager
 from aenv_vm.sandboxes.sandbox import Sandbox
-from aenv_vm.templates.build import build_template
+from aenv_vm.templates.base import build_template
 from aenv_vm.templates.template import Template, find_template
 
 pytestmark = pytest.mark.qemu

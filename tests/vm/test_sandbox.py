@@ -20,7 +20,7 @@ from aenv_vm.envd_client import EnvdError
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage
 from aenv_vm.sandboxes.manager import SandboxManager
-from aenv_vm.templates.build import build_template
+from aenv_vm.templates.base import build_template
 from aenv_vm.templates.template import DEVICE_STATE, TEMPLATE_KIND, Template, find_template, list_templates
 
 pytestmark = pytest.mark.qemu

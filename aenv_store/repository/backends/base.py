@@ -5,7 +5,7 @@ Keys are '/'-separated relative paths made of [A-Za-z0-9._-] segments
 about packs, manifests or the catalog.
 
 Contract (as restic's backend): every method may be retried by a wrapper; a
-missing key raises ``NotFound`` (never returns empty bytes); other failures
+missing key raises ``StoreNotFound`` (never returns empty bytes); other failures
 raise ``BackendError``. Writes are atomic: readers see either the whole new
 object or nothing, never a prefix, and a successful ``put``/``create`` is
 durable (survives a crash of this process or host).
@@ -45,11 +45,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
-        """The whole object; ``NotFound`` if absent."""
+        """The whole object; ``StoreNotFound`` if absent."""
 
     @abc.abstractmethod
     def get_range(self, key: str, offset: int, length: int) -> bytes:
-        """``length`` bytes from ``offset``; ``NotFound`` if absent; ``BackendError``
+        """``length`` bytes from ``offset``; ``StoreNotFound`` if absent; ``BackendError``
         if the range is outside the object."""
 
     @abc.abstractmethod
@@ -58,7 +58,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def stat(self, key: str) -> ObjectInfo:
-        """Size and mtime; ``NotFound`` if absent."""
+        """Size and mtime; ``StoreNotFound`` if absent."""
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
@@ -69,11 +69,11 @@ class Backend(abc.ABC):
         """Remove ``key``; deleting a missing key is not an error."""
 
     def exists(self, key: str) -> bool:
-        from ...errors import NotFound
+        from ...errors import StoreNotFound
 
         try:
             self.stat(key)
-        except NotFound:
+        except StoreNotFound:
             return False
         return True
 

@@ -36,7 +36,7 @@ import botocore.exceptions
 from botocore.config import Config
 
 from ...config import MiB, RepositoryConfig
-from ...errors import AlreadyExists, BackendError, ConfigError, NotFound
+from ...errors import AlreadyExists, BackendError, ConfigError, StoreNotFound
 from .base import Backend, ObjectInfo
 from .retry import PermanentError, RetryPolicy
 
@@ -56,7 +56,7 @@ CREATE_ATTEMPTS = 14
 _RETRYABLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
                     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
                     "TooManyRequests", "RequestLimitExceeded", "OperationAborted"}
-_NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+_NOT_FOUND_CODES = {"NoSuchKey", "404", "StoreNotFound"}
 # base.Backend's key rule: '/'-separated [A-Za-z0-9._-] segments, none starting with '.'
 # (dot-names are temporary files on posix_fs; the same rule keeps keys portable).
 _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*\Z")
@@ -85,7 +85,7 @@ def _classify(e: Exception, what: str) -> Exception:
         code = str(err.get("Code", ""))
         status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         if code in _NOT_FOUND_CODES or (status == 404 and code != "NoSuchBucket"):
-            return NotFound(what)
+            return StoreNotFound(what)
         if code in _RETRYABLE_CODES or status >= 500 or status == 429:
             return BackendError(f"{what}: {code or status} {err.get('Message', '')}".rstrip())
         return PermanentError(f"{what}: {code or status} {err.get('Message', '')}".rstrip())
@@ -182,7 +182,7 @@ class OssBackend(Backend):
             mapped = _classify(e, what)
             if mapped is e:
                 raise
-            if not isinstance(mapped, NotFound):
+            if not isinstance(mapped, StoreNotFound):
                 with self._lock:
                     self._counts["errors"] += 1
             raise mapped from None

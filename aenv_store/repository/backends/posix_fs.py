@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from ... import durable
-from ...errors import AlreadyExists, BackendError, NotFound
+from ...errors import AlreadyExists, BackendError, StoreNotFound
 from .base import Backend, ObjectInfo
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")
@@ -87,7 +87,7 @@ class PosixFsBackend(Backend):
                 tmp.unlink(missing_ok=True)
                 raise
         except FileNotFoundError:
-            raise NotFound(f"local file {path} not found") from None
+            raise StoreNotFound(f"local file {path} not found") from None
         except OSError as e:
             raise BackendError(f"{self.root}: put {key}: {e.strerror}") from None
 
@@ -104,7 +104,7 @@ class PosixFsBackend(Backend):
                 os.close(fd)
             os.replace(path, final)
         except FileNotFoundError:
-            raise NotFound(f"local file {path} not found") from None
+            raise StoreNotFound(f"local file {path} not found") from None
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise BackendError(f"{self.root}: put {key}: {e.strerror}") from None
@@ -143,9 +143,9 @@ class PosixFsBackend(Backend):
             with open(path, "rb") as f:
                 return f.read()
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFound(f"{key} not found in {self.root}") from None
+            raise StoreNotFound(f"{key} not found in {self.root}") from None
         except IsADirectoryError:
-            raise NotFound(f"{key} is not an object in {self.root}") from None
+            raise StoreNotFound(f"{key} is not an object in {self.root}") from None
         except OSError as e:
             raise BackendError(f"{self.root}: get {key}: {e.strerror}") from None
 
@@ -156,7 +156,7 @@ class PosixFsBackend(Backend):
         try:
             fd = os.open(path, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFound(f"{key} not found in {self.root}") from None
+            raise StoreNotFound(f"{key} not found in {self.root}") from None
         except OSError as e:
             raise BackendError(f"{self.root}: get {key}: {e.strerror}") from None
         try:
@@ -184,7 +184,7 @@ class PosixFsBackend(Backend):
         try:
             return open(self._path(key), "rb")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise NotFound(f"{key} not found in {self.root}") from None
+            raise StoreNotFound(f"{key} not found in {self.root}") from None
         except OSError as e:
             raise BackendError(f"{self.root}: open {key}: {e.strerror}") from None
 
@@ -192,11 +192,11 @@ class PosixFsBackend(Backend):
         try:
             st = os.stat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFound(f"{key} not found in {self.root}") from None
+            raise StoreNotFound(f"{key} not found in {self.root}") from None
         except OSError as e:
             raise BackendError(f"{self.root}: stat {key}: {e.strerror}") from None
         if not stat.S_ISREG(st.st_mode):
-            raise NotFound(f"{key} is not an object in {self.root}")
+            raise StoreNotFound(f"{key} is not an object in {self.root}")
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:

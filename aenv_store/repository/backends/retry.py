@@ -4,7 +4,7 @@ how often and how long to retry lives here, once.
 
 What is retried: ``BackendError`` (I/O, 5xx, throttling, connection resets),
 except ``PermanentError`` (access denied, missing bucket, bad request: asking
-again cannot help). ``NotFound`` and ``AlreadyExists`` are answers, not
+again cannot help). ``StoreNotFound`` and ``AlreadyExists`` are answers, not
 failures, and pass straight through.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, TypeVar
 
-from ...errors import AlreadyExists, BackendError, NotFound
+from ...errors import AlreadyExists, BackendError, StoreNotFound
 from .base import Backend, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class RetryBackend(Backend):
     def _holds(self, key: str, data: bytes) -> bool:
         try:
             return self.inner.get(key) == data
-        except (NotFound, BackendError):
+        except (StoreNotFound, BackendError):
             return False
 
     def get(self, key: str) -> bytes:

@@ -1,4 +1,4 @@
-"""The gateway's merged pagination (aenv_fleet/gateway/listing.py) against the plain
+"""The gateway's merged pagination (aenv_fleet/gateway/list_merge.py) against the plain
 truth: paging through any split of records over nodes, with any page sizes, yields
 every record exactly once in E2B's order."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from aenv_api.server.schemas import iso
 from aenv_api.server.views import decode_token, encode_token
 from aenv_fleet.coord import Binding
-from aenv_fleet.gateway.listing import (BadToken, NodePage, decode_cursor, encode_cursor, key_of, listed_from_binding,
+from aenv_fleet.gateway.list_merge import (BadToken, NodePage, decode_cursor, encode_cursor, key_of, listed_from_binding,
                                         merge, micros_of, page_after, shown_state)
 
 

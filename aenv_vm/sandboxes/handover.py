@@ -44,7 +44,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from aenv_store.errors import AlreadyExists, StoreError
-from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.formats.catalog import CatalogRecord, check_name
 from aenv_store.store import Store
 

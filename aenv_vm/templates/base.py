@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from aenv_store.errors import NotFound as StoreNotFound
+from aenv_store.errors import StoreNotFound
 from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 

@@ -24,7 +24,7 @@ from aiohttp import web
 from ..coord import Binding, CoordError
 from .errors import GatewayError
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
-from .listing import lost_note, shown_state
+from .list_merge import lost_note, shown_state
 from .state import FleetView
 
 log = logging.getLogger(__name__)

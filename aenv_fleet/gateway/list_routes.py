@@ -1,5 +1,5 @@
 """The gateway's merged reads: ``GET /sandboxes`` (v1: running, no pages), ``GET
-/v2/sandboxes`` (filters and pages, listing.py) and ``GET /sandboxes/metrics``.
+/v2/sandboxes`` (filters and pages, list_merge.py) and ``GET /sandboxes/metrics``.
 
 Every live node is asked at once; a node that does not answer in time is named in
 ``X-Aenv-Missing-Nodes`` and its sandboxes are shown from Redis, as are those of nodes
@@ -18,7 +18,7 @@ from aenv_api.server.views import parse_metadata_filter
 
 from ..coord import Binding
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable
-from .listing import (BadToken, NodePage, decode_cursor, listed_from_binding, matches, merge, micros_of, page_after,
+from .list_merge import (BadToken, NodePage, decode_cursor, listed_from_binding, matches, merge, micros_of, page_after,
                       shown_state)
 from .state import FleetView
 

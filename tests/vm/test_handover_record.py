@@ -1,4 +1,4 @@
-"""The sandbox record a pause commits for other nodes (aenv_vm/sandboxes/moves.py,
+"""The sandbox record a pause commits for other nodes (aenv_vm/sandboxes/handover.py,
 docs/snapshots.md "Moving a paused sandbox between nodes"): round trip, version and
 field checks, the node identity file."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aenv_vm.errors import SnapshotError
-from aenv_vm.sandboxes.moves import PORTABLE, RECORD_VERSION, node_identity, parse_portable, pause_meta, portable_json
+from aenv_vm.sandboxes.handover import PORTABLE, RECORD_VERSION, node_identity, parse_portable, pause_meta, portable_json
 from aenv_vm.sandboxes.records import SandboxRecord, SandboxState
 
 text = st.text(max_size=20)
