@@ -41,8 +41,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def _image(tmp: Path) -> tuple[Any, str]:
     """The suite's small image in a registry process: (registry, reference)."""
-    from tests.oci.registryproc import Registry
-    from tests.templates.images import push_tiny_image   # the alpine-like image of the tests
+    from tests.aenv_vm.oci.registryproc import Registry
+    from tests.aenv_vm.builds.images import push_tiny_image   # the alpine-like image of the tests
 
     reg = Registry.start(tmp / "registry")
     return reg, push_tiny_image(reg, tmp / "layout")
@@ -58,7 +58,7 @@ def main() -> int:
 
     from e2b import Sandbox, Template
 
-    from tests.api.conftest import start_server
+    from tests.aenv_api.server.conftest import start_server
 
     tmp = Path(tempfile.mkdtemp(prefix="template-bench-"))
     registry = None

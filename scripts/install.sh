@@ -59,8 +59,8 @@ if [[ ! -f "$stamp" ]]; then
   .venv/bin/pip install -q --no-deps -e .
   rm -f .venv/.aenv-lock-*; touch "$stamp"
 fi
-# The e2b npm SDKs: e2b for tests/api/node, @e2b/code-interpreter for tests/codeint/node.
-for ndir in tests/api/node tests/codeint/node; do
+# The e2b npm SDKs: e2b for tests/aenv_api/server/node, @e2b/code-interpreter for tests/codeint/node.
+for ndir in tests/aenv_api/server/node tests/codeint/node; do
   if [[ -f $ndir/package-lock.json ]] && command -v npm >/dev/null; then
     nstamp=$ndir/node_modules/.aenv-lock-$(sha256sum $ndir/package-lock.json | cut -c1-16)
     if [[ ! -f "$nstamp" ]]; then

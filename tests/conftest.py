@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from .remote.motoserver import MotoServer
+from .aenv_store.backends.motoserver import MotoServer
 
 
 @pytest.fixture

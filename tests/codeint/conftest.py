@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 from e2b import Template
 
-from tests.api.conftest import Server, start_server, use_sdk_env
+from tests.aenv_api.server.conftest import Server, start_server, use_sdk_env
 
 from .template import NAME, code_interpreter_template
 

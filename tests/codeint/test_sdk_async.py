@@ -7,7 +7,7 @@ import pytest
 from e2b import TimeoutException
 from e2b_code_interpreter import AsyncSandbox
 
-from tests.api.conftest import Server
+from tests.aenv_api.server.conftest import Server
 
 
 def test_async_flow(ci: Server) -> None:

@@ -8,14 +8,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.api.conftest import Server, _require
+from tests.aenv_api.server.conftest import Server
+from tests.support import require
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 
 
 def test_node_sdk_core_flow(ci: Server) -> None:
-    _require(shutil.which("node") is not None, "node is not installed (scripts/install.sh installs it)")
-    _require((NODE_DIR / "node_modules" / "@e2b" / "code-interpreter").is_dir(),
+    require(shutil.which("node") is not None, "node is not installed (scripts/install.sh installs it)")
+    require((NODE_DIR / "node_modules" / "@e2b" / "code-interpreter").is_dir(),
              "@e2b/code-interpreter npm package missing: run scripts/install.sh")
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")} | ci.sdk_env()
     done = subprocess.run(["node", "flow.mjs"], cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=600)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 from e2b import NotFoundException, SandboxException, TimeoutException
@@ -12,7 +12,7 @@ from e2b_code_interpreter import Sandbox
 from e2b_code_interpreter.charts import ChartType, LineChart
 from e2b_code_interpreter.models import Context
 
-from tests.api.conftest import Server
+from tests.aenv_api.server.conftest import Server
 
 
 @pytest.fixture

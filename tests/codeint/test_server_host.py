@@ -16,8 +16,8 @@ from typing import Iterator
 
 import psutil
 import pytest
+from tests.support import free_port, require
 
-from tests.api.conftest import _require, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PY = "/usr/bin/python3"
@@ -30,7 +30,7 @@ def _has_ipython() -> bool:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, subprocess.Popen]]:
-    _require(_has_ipython(), "the host's python3 has no IPython (scripts/install.sh installs python3-ipykernel)")
+    require(_has_ipython(), "the host's python3 has no IPython (scripts/install.sh installs python3-ipykernel)")
     cwd = tmp_path_factory.mktemp("codeint-cwd")
     port = free_port()
     log = open(tmp_path_factory.mktemp("codeint-log") / "server.log", "wb")

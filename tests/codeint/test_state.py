@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from e2b_code_interpreter import Sandbox
 
-from tests.api.conftest import Server
+from tests.aenv_api.server.conftest import Server
 
 
 def test_pause_resume_keeps_variables(ci: Server) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pwd
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,10 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from tests.support import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_USER = "envdtest"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,352 @@
+"""A 3-node test fleet on this machine, every part real and separate:
+
+    [hub ns]  br0 198.18.0.1/24: redis-server :6379 (AOF), moto S3 :9000 (the shared
+              "oss" repository), gateway 1 :8081, gateway 2 :8082 -- and this test
+              process's main thread (it joins the hub namespace, so every helper
+              process it starts lives on the test's own network)
+      ├─ veth ── [this test's own ns] 198.18.0.254: the threads that did not join.
+      │          setns moves one thread only: an HTTP client's worker threads made
+      │          before the join (the e2b SDK's shared transport) stay in the host
+      │          namespace, and without a route of its own there a packet for
+      │          198.18.0.0/24 would take the host's default route off the machine
+      ├─ veth ── [node1 ns] 198.18.0.11  aenv server :8000
+      ├─ veth ── [node2 ns] 198.18.0.12  aenv server :8000
+      └─ veth ── [node3 ns] 198.18.0.13  aenv server :8000
+
+198.18.0.0/15 is the benchmarking range (RFC 2544): it exists only on the test's
+namespaces, made before the first packet and removed after the last. Each node is a
+separate host as far as the fleet can tell (own address, own data dir, own cache);
+they share the API key and envd secret (env) and the repository (moto), as a
+deployment does. Guests cannot reach Redis, moto or the gateways: every node's
+sandboxes are denied private and benchmarking ranges by its egress rules
+(docs/security.md) -- test_fleet.py tries.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.aenv_store.backends.motoserver import MotoServer
+from tests.aenv_vm.vm.procs import qemu_children
+from .redisserver import RedisServer
+
+REPO = Path(__file__).resolve().parents[2]
+TAG = f"{os.getpid() % 100000}"
+HUB_IP = "198.18.0.1"
+HOST_IP = "198.18.0.254"      # the test's own namespace on the hub's bridge
+NODE_PORT = 8000
+GATEWAY_PORTS = (8081, 8082)
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def setns(path: str) -> None:
+    """Move this thread (the test's main thread) into a network namespace."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {path}")
+    finally:
+        os.close(fd)
+
+
+def http(method: str, url: str, body: Any = None, key: str | None = None,
+         timeout: float = 60) -> tuple[int, dict[str, str], Any]:
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if key:
+        headers["X-API-Key"] = key
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), method=method,
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, h, raw = r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        status, h, raw = e.code, dict(e.headers), e.read()
+    try:
+        return status, h, json.loads(raw) if raw else None
+    except ValueError:
+        return status, h, raw
+
+
+@dataclass
+class Node:
+    node_id: str
+    ns: str
+    addr: str
+    data_dir: Path
+    log: Path
+    proc: subprocess.Popen | None = None
+    qemus: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{NODE_PORT}"
+
+
+@dataclass
+class Gateway:
+    port: int
+    log: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HUB_IP}:{self.port}"
+
+
+@dataclass
+class Fleet:
+    root: Path
+    hub: str
+    api_key: str
+    envd_secret: str
+    redis: RedisServer | None = None
+    moto: MotoServer | None = None
+    bucket: str = ""
+    nodes: list[Node] = field(default_factory=list)
+    gateways: list[Gateway] = field(default_factory=list)
+    max_sandboxes: int = 12
+    state: dict[str, Any] = field(default_factory=dict)   # handed from one test to the next
+    _home_ns: int | None = None
+
+    # --- network -------------------------------------------------------------------------
+
+    def make_network(self) -> None:
+        self._home_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        ip("netns", "add", self.hub)
+        ip("-n", self.hub, "link", "set", "lo", "up")
+        ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.hub, "addr", "add", f"{HUB_IP}/24", "dev", "br0")
+        ip("-n", self.hub, "link", "set", "br0", "up")
+        # before anything is sent: this namespace's threads reach the hub on a link of
+        # the test's own (deleting the hub namespace deletes both ends)
+        host_if = f"aenvfl-h{TAG}"
+        ip("link", "add", host_if, "type", "veth", "peer", "name", "vh", "netns", self.hub)
+        ip("-n", self.hub, "link", "set", "vh", "master", "br0", "up")
+        ip("addr", "add", f"{HOST_IP}/24", "dev", host_if)
+        ip("link", "set", host_if, "up")
+        for i in (1, 2, 3):
+            ns = f"aenvfl-n{i}-{TAG}"
+            node = Node(f"node{i}", ns, f"198.18.0.1{i}", self.root / f"node{i}", self.root / f"node{i}.log")
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", self.hub, "link", "add", f"vn{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("-n", self.hub, "link", "set", f"vn{i}", "master", "br0", "up")
+            ip("-n", ns, "addr", "add", f"{node.addr}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+            self.nodes.append(node)
+        setns(f"/run/netns/{self.hub}")
+
+    def listen_on_host_link(self) -> socket.socket:
+        """A TCP listener on HOST_IP, in the test's own namespace (made from a thread that
+        joins it: the main thread is in the hub's)."""
+        assert self._home_ns is not None
+        made: list[socket.socket] = []
+
+        def make() -> None:
+            if _libc.setns(self._home_ns, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back to the test's own namespace")
+            sock = socket.socket()
+            sock.bind((HOST_IP, 0))
+            sock.listen()
+            made.append(sock)
+
+        t = threading.Thread(target=make)
+        t.start()
+        t.join()
+        if not made:
+            raise OSError(f"no listener on {HOST_IP}")
+        return made[0]
+
+    def remove_network(self) -> None:
+        if self._home_ns is not None:
+            if _libc.setns(self._home_ns, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back to the test's own namespace")
+            os.close(self._home_ns)
+            self._home_ns = None
+        for ns in [n.ns for n in self.nodes] + [self.hub]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    # --- services ------------------------------------------------------------------------
+
+    def start_services(self) -> None:
+        self.redis = RedisServer.start(self.root / "redis", host=HUB_IP, port=6379)
+        self.moto = MotoServer.start(self.root / "moto.log", host=HUB_IP, port=9000)
+        self.bucket = self.moto.new_bucket()
+
+    def node_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+        if os.environ.get("AENV_GUEST_CACHE"):
+            env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
+        env.update(AENV_API_KEY=self.api_key, AENV_ENVD_SECRET=self.envd_secret, PYTHONPATH=str(REPO))
+        return env
+
+    def write_node_config(self, node: Node) -> Path:
+        assert self.moto is not None and self.redis is not None
+        node.data_dir.mkdir(parents=True, exist_ok=True)
+        repo = self.moto.repository_config(self.bucket)
+        lines = ["[repository]"] + [f"{k} = {json.dumps(v)}" for k, v in repo.items()]
+        lines += ["[vm]", "pool_size = 0", "memory_mib = 256", 'isolation = "required"',
+                  "[server]", f"max_sandboxes = {self.max_sandboxes}", "default_timeout = 1200",
+                  "[cluster]", f'redis_url = "{self.redis.url}"', f'node_id = "{node.node_id}"',
+                  f'advertise_url = "{node.url}"', "lease_seconds = 4.0", "heartbeat_seconds = 1.0"]
+        path = node.data_dir / "config.toml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def start_node(self, node: Node, wait: bool = True) -> None:
+        cfg = self.write_node_config(node)
+        err = open(node.log, "ab")
+        node.proc = subprocess.Popen(["ip", "netns", "exec", node.ns, sys.executable, "-m", "aenv_api.cli.main",
+                                      "server", "--data-dir", str(node.data_dir), "--config", str(cfg),
+                                      "--host", "0.0.0.0", "--port", str(NODE_PORT)],
+                                     cwd=REPO, env=self.node_env(), stdout=subprocess.DEVNULL, stderr=err)
+        err.close()
+        if wait:
+            self.wait_node(node)
+
+    def wait_node(self, node: Node, timeout: float = 1200) -> None:
+        """Until the node's API answers and the fleet lists it as up."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert node.proc is not None
+            if node.proc.poll() is not None:
+                raise AssertionError(f"{node.node_id} exited ({node.proc.returncode}):\n"
+                                     + node.log.read_text(errors="replace")[-4000:])
+            try:
+                if http("GET", node.url + "/health", timeout=2)[0] == 204 and self._registered(node):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"{node.node_id} did not start in time:\n" + node.log.read_text()[-4000:])
+
+    def _registered(self, node: Node) -> bool:
+        assert self.redis is not None
+        import redis
+        r = redis.Redis(host=self.redis.host, port=self.redis.port, decode_responses=True)
+        try:
+            return r.hget(f"aenv:node:{node.node_id}", "state") == "up"
+        finally:
+            r.close()
+
+    def start_gateway(self, port: int) -> Gateway:
+        assert self.redis is not None
+        gw = next((g for g in self.gateways if g.port == port), None)
+        if gw is None:
+            gw = Gateway(port, self.root / f"gateway-{port}.log")
+            self.gateways.append(gw)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+        env["PYTHONPATH"] = str(REPO)
+        err = open(gw.log, "ab")
+        gw.proc = subprocess.Popen([sys.executable, "-m", "aenv_api.cli.main", "gateway", "--data-dir",
+                                    str(self.root / "gateway-data"), "--host", HUB_IP, "--port", str(port),
+                                    "--redis-url", self.redis.url], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                   stderr=err)
+        err.close()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if gw.proc.poll() is not None:
+                raise AssertionError(f"gateway exited:\n{gw.log.read_text()[-3000:]}")
+            try:
+                if http("GET", gw.url + "/health", timeout=2)[0] == 204:
+                    return gw
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("gateway did not start")
+
+    def sigkill_node(self, node: Node) -> None:
+        """The host dies: the server and its QEMUs go at once."""
+        assert node.proc is not None
+        server_pids = _descendants(node.proc.pid)
+        qemus = [p for pid in server_pids for p in qemu_children(pid)]
+        for pid in server_pids + qemus:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.proc.wait()
+        node.proc = None
+
+    def stop_node(self, node: Node) -> None:
+        if node.proc is None or node.proc.poll() is not None:
+            return
+        node.proc.send_signal(signal.SIGTERM)
+        try:
+            node.proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            self.sigkill_node(node)
+            raise AssertionError(f"{node.node_id} did not stop in time")
+
+    def stop(self) -> None:
+        errors = []
+        for gw in self.gateways:
+            if gw.proc is not None and gw.proc.poll() is None:
+                gw.proc.terminate()
+                gw.proc.wait(timeout=30)
+        for node in self.nodes:
+            try:
+                self.stop_node(node)
+            except AssertionError as e:
+                errors.append(str(e))
+        if self.moto is not None:
+            self.moto.stop()
+        if self.redis is not None:
+            self.redis.stop()
+        self.remove_network()
+        qemus = [p for p in _descendants(1) if _cmdline(p).startswith("/usr/bin/qemu-system")
+                 and str(self.root) in _cmdline(p)]
+        for p in qemus:
+            os.kill(p, signal.SIGKILL)
+        assert not qemus, f"QEMU processes of the fleet outlived it: {qemus}"
+        left = [n for n in os.listdir("/run/netns") if n.startswith("aenvfl-") and n.endswith(f"-{TAG}")]
+        assert not left, f"test namespaces left behind: {left}"
+        assert not errors, "\n".join(errors)
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it (ip netns exec execs the server in place)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def make_fleet(root: Path) -> Fleet:
+    return Fleet(root, f"aenvfl-hub-{TAG}", "aenv-fleet-" + secrets.token_hex(12), secrets.token_hex(32))

@@ -1,0 +1,494 @@
+"""Issue 16's acceptance on a real 3-node fleet (cluster.py): 3 `aenv server` nodes in
+their own network namespaces, a real redis-server, a moto S3 server as the shared
+repository, 2 gateways; driven through the real e2b SDK at a gateway.
+
+One fleet for the module (QEMU under TCG is slow): the tests run in file order and
+the destructive ones (Redis restart, node SIGKILL, rejoin) come last.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any, Iterator
+
+import pytest
+import redis
+from e2b import Sandbox, SandboxQuery
+
+from tests.guest_servers import GUEST_SERVER
+from .cluster import GATEWAY_PORTS, HOST_IP, REPO, Fleet, http, make_fleet
+from tests.support import require
+
+pytestmark = pytest.mark.timeout(3600)
+TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    require(os.geteuid() == 0 and shutil.which("ip") is not None, "the fleet tests need root and iproute2")
+    require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
+    require(shutil.which("redis-server") is not None, "redis-server not installed")
+    f = make_fleet(tmp_path_factory.mktemp("fleet"))
+    try:
+        f.make_network()
+        f.start_services()
+        first, *rest = f.nodes
+        f.start_node(first)              # builds the base template into the shared repository
+        for n in rest:
+            f.start_node(n, wait=False)  # the others find it there
+        for n in rest:
+            f.wait_node(n)
+        for port in GATEWAY_PORTS:
+            f.start_gateway(port)
+        yield f
+    finally:
+        f.stop()
+
+
+def gw(fleet: Fleet, i: int) -> dict[str, Any]:
+    """SDK options for gateway ``i`` (0 or 1): API and sandbox traffic both go there."""
+    url = fleet.gateways[i].url
+    return {"api_key": fleet.api_key, "api_url": url, "sandbox_url": url, "request_timeout": TIMEOUT}
+
+
+def binding_node(fleet: Fleet, sid: str) -> str:
+    assert fleet.redis is not None
+    r = redis.Redis(host=fleet.redis.host, port=fleet.redis.port, decode_responses=True)
+    try:
+        return r.hget(f"aenv:sbx:{sid}", "node") or ""
+    finally:
+        r.close()
+
+
+def nodes_of(fleet: Fleet, i: int = 0) -> dict[str, dict[str, Any]]:
+    status, _, body = http("GET", fleet.gateways[i].url + "/nodes", key=fleet.api_key)
+    assert status == 200, body
+    return {n["nodeID"]: n for n in body}
+
+
+def aenv(fleet: Fleet, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+    env.update(PYTHONPATH=str(REPO), E2B_API_KEY=fleet.api_key, AENV_GATEWAY_URL=fleet.gateways[0].url)
+    return subprocess.run([sys.executable, "-m", "aenv_api.cli.main", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def wait_committed(fleet: Fleet, sid: str, timeout: float = 300) -> None:
+    """Until the pause of ``sid`` is in the shared repository (its node commits it in the
+    background): its catalog record ``paused-<id>`` (docs/store-format.md)."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    from tests.aenv_store.backends.motoserver import ACCESS_KEY, REGION, SECRET_KEY
+
+    assert fleet.moto is not None
+    s3 = boto3.client("s3", endpoint_url=fleet.moto.endpoint, region_name=REGION, aws_access_key_id=ACCESS_KEY,
+                      aws_secret_access_key=SECRET_KEY)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                s3.head_object(Bucket=fleet.bucket, Key=f"repo/catalog/paused-{sid}")
+                return
+            except ClientError:
+                assert time.monotonic() < deadline, f"the pause of {sid} was not committed in {timeout} s"
+                time.sleep(0.5)
+    finally:
+        s3.close()
+
+
+def committed(fleet: Fleet, sid: str) -> bool:
+    import boto3
+    from botocore.exceptions import ClientError
+
+    from tests.aenv_store.backends.motoserver import ACCESS_KEY, REGION, SECRET_KEY
+
+    assert fleet.moto is not None
+    s3 = boto3.client("s3", endpoint_url=fleet.moto.endpoint, region_name=REGION, aws_access_key_id=ACCESS_KEY,
+                      aws_secret_access_key=SECRET_KEY)
+    try:
+        s3.head_object(Bucket=fleet.bucket, Key=f"repo/catalog/paused-{sid}")
+        return True
+    except ClientError:
+        return False
+    finally:
+        s3.close()
+
+
+def kill_all(fleet: Fleet, sandboxes: list[Sandbox]) -> None:
+    for s in sandboxes:
+        Sandbox.kill(s.sandbox_id, **gw(fleet, 0))
+
+
+# --- registry, placement, routing -----------------------------------------------------------
+
+
+def test_nodes_registered_with_capacity(fleet: Fleet) -> None:
+    for i in (0, 1):
+        nodes = nodes_of(fleet, i)
+        assert sorted(nodes) == ["node1", "node2", "node3"]
+        for n in nodes.values():
+            assert n["alive"] and not n["drained"] and n["maxSandboxes"] == fleet.max_sandboxes
+            assert n["freeSlots"] == fleet.max_sandboxes and n["memTotalMiB"] > 0 and n["vcpus"] >= 1
+            assert "base" in n["templates"] and n["url"].startswith("http://198.18.0.1")
+    out = aenv(fleet, "cluster", "nodes")
+    assert out.returncode == 0 and all(f"node{i}" in out.stdout for i in (1, 2, 3)), out.stderr
+    # the gateway checks the deployment's key itself
+    assert http("GET", fleet.gateways[0].url + "/nodes", key="wrong")[0] == 401
+    assert http("POST", fleet.gateways[0].url + "/nodes/nope/drain", {}, key=fleet.api_key)[0] == 404
+    bad = aenv(fleet, "cluster", "drain", "nope")
+    assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_creates_spread_and_every_call_works_through_either_gateway(fleet: Fleet) -> None:
+    made = [Sandbox.create("base", metadata={"suite": "spread", "n": str(i)}, timeout=TIMEOUT, **gw(fleet, i % 2))
+            for i in range(6)]
+    try:
+        placed = [binding_node(fleet, s.sandbox_id) for s in made]
+        assert sorted(placed.count(n) for n in ("node1", "node2", "node3")) == [2, 2, 2], placed
+        for i, s in enumerate(made):
+            # on the gateway that created it
+            assert s.commands.run(f"echo made-{i}").stdout.strip() == f"made-{i}"
+            s.files.write("/tmp/who", f"sandbox {i}")
+            # and through the other one, connected by id
+            other = Sandbox.connect(s.sandbox_id, **gw(fleet, 1 - i % 2))
+            assert other.files.read("/tmp/who") == f"sandbox {i}"
+            assert other.commands.run("cat /tmp/who").stdout == f"sandbox {i}"
+            info = other.get_info()
+            assert info.sandbox_id == s.sandbox_id and info.metadata["n"] == str(i)
+            other.set_timeout(TIMEOUT)
+        # a signed file URL names no sandbox: the gateway finds the node that knows its signature
+        url = made[0].download_url("/tmp/who", use_signature_expiration=120)
+        assert url.startswith(fleet.gateways[0].url + "/files?") and made[0].sandbox_id not in url
+        with urllib.request.urlopen(url, timeout=TIMEOUT) as r:
+            assert r.read() == b"sandbox 0"
+        forged = url.replace("signature=", "signature=x")
+        assert http("GET", forged)[0] in (400, 401, 404)
+        counts = nodes_of(fleet, 1)
+        assert sum(n["maxSandboxes"] - n["freeSlots"] for n in counts.values()) == 6
+    finally:
+        kill_all(fleet, made)
+    for s in made:
+        assert binding_node(fleet, s.sandbox_id) == ""
+    left = Sandbox.list(query=SandboxQuery(metadata={"suite": "spread"}), **gw(fleet, 1)).next_items()
+    assert left == []
+
+
+def test_list_paginates_across_nodes(fleet: Fleet) -> None:
+    made = [Sandbox.create("base", metadata={"suite": "list"}, timeout=TIMEOUT, **gw(fleet, 0)) for _ in range(4)]
+    # a create retried with its Idempotency-Key, through the other gateway: the same sandbox
+    made.append(Sandbox.create("base", metadata={"suite": "list"}, timeout=TIMEOUT, idempotency_key="fleet-k1",
+                               **gw(fleet, 0)))
+    again = Sandbox.create("base", metadata={"suite": "list"}, timeout=TIMEOUT, idempotency_key="fleet-k1",
+                           **gw(fleet, 1))
+    assert again.sandbox_id == made[-1].sandbox_id
+    try:
+        assert len({binding_node(fleet, s.sandbox_id) for s in made}) == 3
+        for i in (0, 1):
+            pager = Sandbox.list(query=SandboxQuery(metadata={"suite": "list"}), limit=2, **gw(fleet, i))
+            pages = []
+            while pager.has_next:
+                pages.append([s.sandbox_id for s in pager.next_items()])
+            assert [len(p) for p in pages][:2] == [2, 2] and sum(map(len, pages)) == 5
+            ids = [x for p in pages for x in p]
+            assert sorted(ids) == sorted(s.sandbox_id for s in made)   # each once
+        status, headers, body = http("GET", fleet.gateways[0].url + "/v2/sandboxes?limit=3&order=asc",
+                                     key=fleet.api_key)
+        assert status == 200 and len(body) == 3 and headers.get("X-Next-Token")
+        stamps = [b["startedAt"] for b in body]
+        assert stamps == sorted(stamps)
+        assert http("GET", fleet.gateways[0].url + "/v2/sandboxes?nextToken=bogus", key=fleet.api_key)[0] == 400
+        assert http("GET", fleet.gateways[0].url + "/v2/sandboxes?limit=0", key=fleet.api_key)[0] == 400
+    finally:
+        kill_all(fleet, made)
+
+
+def test_sandbox_ports_sse_and_websocket_through_the_gateway(fleet: Fleet) -> None:
+    """A guest port's plain HTTP, SSE (flushed event by event) and a WebSocket session,
+    each through both gateways; a WebSocket to a port nothing listens on is the node's
+    HTTP refusal, not an accepted socket."""
+    import asyncio
+
+    import aiohttp
+
+    s = Sandbox.create("base", metadata={"suite": "ports"}, timeout=TIMEOUT, **gw(fleet, 0))
+    try:
+        s.files.write("/tmp/guest_server.py", GUEST_SERVER)
+        s.commands.run("python3 /tmp/guest_server.py", background=True)
+        hdr = {"E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "8080"}
+
+        async def through(url: str) -> None:
+            async with aiohttp.ClientSession() as session:
+                deadline = time.monotonic() + 90
+                while True:
+                    async with session.get(url + "/echo", headers=hdr) as r:
+                        if r.status == 200 or time.monotonic() > deadline:
+                            assert r.status == 200, await r.text()
+                            break
+                    await asyncio.sleep(0.5)
+                arrivals = []
+                async with session.get(url + "/sse", headers=hdr) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data:"):
+                            arrivals.append((time.monotonic(), line.strip()))
+                assert [x for _, x in arrivals] == [b"data: 0", b"data: 1", b"data: 2"]
+                assert arrivals[-1][0] - arrivals[0][0] > 1.0, "SSE events were buffered on the way"
+                async with session.ws_connect(url + "/ws", headers=hdr) as ws:
+                    await ws.send_str("through " + url)
+                    msg = await ws.receive(timeout=60)
+                    assert msg.type == aiohttp.WSMsgType.TEXT and msg.data == "echo:through " + url
+                with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                    await session.ws_connect(url + "/ws", headers={**hdr, "E2b-Sandbox-Port": "8099"})
+                assert refused.value.status == 502
+
+        for i in (0, 1):
+            asyncio.run(through(fleet.gateways[i].url))
+    finally:
+        kill_all(fleet, [s])
+
+
+def test_guests_cannot_reach_the_fleet_services(fleet: Fleet) -> None:
+    # nor the test's own namespace (HOST_IP): a listener there is tried with the rest
+    listener = fleet.listen_on_host_link()
+    with contextlib.ExitStack() as stack:
+        stack.callback(listener.close)
+        bound = [listener.getsockname()[1]]
+        s = Sandbox.create("base", timeout=TIMEOUT, **gw(fleet, 0))
+        stack.callback(kill_all, fleet, [s])
+        targets = (f"198.18.0.1:6379 198.18.0.1:9000 198.18.0.1:8081 198.18.0.11:8000 198.18.0.12:8000 "
+                   f"198.18.0.13:8000 {HOST_IP}:{bound[0]}")
+        probe = (f"for t in {targets}; do h=${{t%:*}}; p=${{t#*:}}; if timeout 3 bash -c \"</dev/tcp/$h/$p\" "
+                 "2>/dev/null; then echo open $t; else echo closed $t; fi; done")
+        out = s.commands.run(probe, timeout=120).stdout
+        assert out.count("closed") == 7 and "open" not in out, out
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+
+def test_gateway_sigkill_mid_traffic_leaves_the_other_unaffected(fleet: Fleet) -> None:
+    s = Sandbox.create("base", metadata={"suite": "gwkill"}, timeout=TIMEOUT, **gw(fleet, 1))
+    failures: list[str] = []
+    calls = [0]
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            try:
+                assert s.commands.run("echo ok").stdout.strip() == "ok"
+                Sandbox.list(query=SandboxQuery(metadata={"suite": "gwkill"}), **gw(fleet, 1)).next_items()
+                Sandbox.get_info(s.sandbox_id, **gw(fleet, 1))
+                calls[0] += 3
+            except Exception as e:     # every failure counts: the assertion is that there are none
+                failures.append(f"{type(e).__name__}: {e}")
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        time.sleep(3)
+        victim = fleet.gateways[0]
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait()
+        before = calls[0]
+        deadline = time.monotonic() + 30
+        while calls[0] < before + 12 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        t.join(timeout=TIMEOUT)
+    try:
+        assert failures == [] and calls[0] >= 12, (failures, calls)
+        fleet.start_gateway(GATEWAY_PORTS[0])
+        assert Sandbox.connect(s.sandbox_id, **gw(fleet, 0)).commands.run("echo back").stdout.strip() == "back"
+    finally:
+        kill_all(fleet, [s])
+
+
+def test_redis_restart_loses_nothing(fleet: Fleet) -> None:
+    made = [Sandbox.create("base", metadata={"suite": "redis"}, timeout=TIMEOUT, **gw(fleet, i % 2))
+            for i in range(3)]
+    assert fleet.redis is not None
+    r = redis.Redis(host=fleet.redis.host, port=fleet.redis.port, decode_responses=True)
+    try:
+        def state() -> dict[str, Any]:
+            return {"bindings": {s.sandbox_id: r.hget(f"aenv:sbx:{s.sandbox_id}", "node") for s in made},
+                    "keys": sorted(r.smembers("aenv:apikeys")),
+                    "nodes": sorted(r.zrange("aenv:nodes", 0, -1)),
+                    "sets": {n: sorted(r.smembers(f"aenv:node:{n}:sbx")) for n in ("node1", "node2", "node3")}}
+        before = state()
+        assert all(before["bindings"].values()) and before["keys"]
+        fleet.redis.restart()          # SIGKILL, then a start from the AOF
+        assert state() == before
+        # the fleet carries on: nodes heartbeat again, gateways route and list
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(n["alive"] for n in nodes_of(fleet).values()):
+            time.sleep(0.5)
+        assert all(n["alive"] for n in nodes_of(fleet).values())
+        listed = Sandbox.list(query=SandboxQuery(metadata={"suite": "redis"}), **gw(fleet, 1)).next_items()
+        assert sorted(x.sandbox_id for x in listed) == sorted(s.sandbox_id for s in made)
+        for s in made:
+            assert Sandbox.connect(s.sandbox_id, **gw(fleet, 0)).commands.run("echo up").stdout.strip() == "up"
+    finally:
+        r.close()
+        kill_all(fleet, made)
+
+
+# --- cross-node lifecycle -------------------------------------------------------------------
+
+
+def test_pause_then_drain_migrate_then_connect_resumes_on_another_node(fleet: Fleet) -> None:
+    s = Sandbox.create("base", metadata={"suite": "move"}, timeout=TIMEOUT, **gw(fleet, 0))
+    old = binding_node(fleet, s.sandbox_id)
+    others: list[Sandbox] = []
+    try:
+        s.commands.run("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+                       ">/dev/null 2>&1 &")
+        s.files.write("/home/user/keep.txt", "kept across nodes")
+        s.pause()
+        # a running sandbox on the same node: drain --migrate pauses it too
+        _drain_others(fleet, old, True)
+        try:
+            others.append(Sandbox.create("base", metadata={"suite": "move"}, timeout=TIMEOUT, **gw(fleet, 1)))
+        finally:
+            _drain_others(fleet, old, False)
+        assert binding_node(fleet, others[0].sandbox_id) == old
+        out = aenv(fleet, "cluster", "drain", old, "--migrate")
+        assert out.returncode == 0, out.stderr + out.stdout
+        assert "migrated 2" in out.stdout
+        assert binding_node(fleet, s.sandbox_id) == "" and binding_node(fleet, others[0].sandbox_id) == ""
+        assert nodes_of(fleet)[old]["drained"] and nodes_of(fleet)[old]["freeSlots"] is None
+        listed = {x.sandbox_id: x.state.value for x in
+                  Sandbox.list(query=SandboxQuery(metadata={"suite": "move"}), **gw(fleet, 1)).next_items()}
+        assert listed == {s.sandbox_id: "paused", others[0].sandbox_id: "paused"}
+        c = Sandbox.connect(s.sandbox_id, **gw(fleet, 1))
+        new = binding_node(fleet, s.sandbox_id)
+        assert new and new != old
+        assert c.files.read("/home/user/keep.txt") == "kept across nodes"
+        n1 = int(c.commands.run("cat /tmp/counter").stdout)
+        time.sleep(1.5)
+        assert int(c.commands.run("cat /tmp/counter").stdout) > n1      # the process runs on
+        # a released sandbox killed without a connect: a node adopts and kills it, so its
+        # pause record leaves the shared repository too
+        wait_committed(fleet, others[0].sandbox_id)
+        Sandbox.kill(others[0].sandbox_id, **gw(fleet, 0))
+        assert binding_node(fleet, others[0].sandbox_id) == ""
+        assert not committed(fleet, others[0].sandbox_id)
+        others.clear()
+    finally:
+        aenv(fleet, "cluster", "undrain", old)
+        kill_all(fleet, [s, *others])
+    assert not nodes_of(fleet)[old]["drained"]
+
+
+def _drain_others(fleet: Fleet, keep: str, drained: bool) -> None:
+    for n in ("node1", "node2", "node3"):
+        if n != keep:
+            status, _, body = http("POST", fleet.gateways[0].url + f"/nodes/{n}/{'drain' if drained else 'undrain'}",
+                                   {}, key=fleet.api_key)
+            assert status == 200, body
+
+
+def test_fork_of_24_across_nodes_children_diverge(fleet: Fleet) -> None:
+    parent = Sandbox.create("base", metadata={"suite": "fork"}, timeout=TIMEOUT, **gw(fleet, 0))
+    kids: list[Any] = []
+    try:
+        parent.files.write("/home/user/fork.txt", "from the parent")
+        kids = list(parent.fork(count=20, timeout=TIMEOUT)) + list(
+            Sandbox.fork(parent.sandbox_id, count=4, timeout=TIMEOUT, **gw(fleet, 1)))
+        failed = [k for k in kids if not isinstance(k, Sandbox)]
+        assert not failed, failed
+        assert len(kids) == 24 and len({k.sandbox_id for k in kids}) == 24
+        where = [binding_node(fleet, k.sandbox_id) for k in kids]
+        assert len(set(where)) >= 2, where
+        assert where.count(binding_node(fleet, parent.sandbox_id)) <= 16
+        for k in kids:
+            assert k.files.read("/home/user/fork.txt") == "from the parent"
+            k.files.write("/home/user/fork.txt", k.sandbox_id)
+        for k in kids:
+            assert k.commands.run("cat /home/user/fork.txt").stdout == k.sandbox_id
+        assert parent.files.read("/home/user/fork.txt") == "from the parent"
+    finally:
+        kill_all(fleet, [k for k in kids if isinstance(k, Sandbox)] + [parent])
+
+
+# --- node failure and rejoin (last: they change the fleet) ----------------------------------
+
+
+def test_node_sigkill_paused_resume_elsewhere_running_reported_lost(fleet: Fleet) -> None:
+    victim = fleet.nodes[2]
+    _drain_others(fleet, victim.node_id, True)
+    try:
+        paused = Sandbox.create("base", metadata={"suite": "kill"}, timeout=TIMEOUT, **gw(fleet, 0))
+        running = Sandbox.create("base", metadata={"suite": "kill"}, timeout=TIMEOUT, **gw(fleet, 0))
+    finally:
+        _drain_others(fleet, victim.node_id, False)
+    fleet.state["killed"] = (paused.sandbox_id, running.sandbox_id)
+    assert {binding_node(fleet, paused.sandbox_id), binding_node(fleet, running.sandbox_id)} == {victim.node_id}
+    paused.files.write("/home/user/before.txt", "before the crash")
+    paused.pause()
+    wait_committed(fleet, paused.sandbox_id)    # the host dies after its pause reached the repository
+    fleet.sigkill_node(victim)
+    t0 = time.monotonic()
+    while nodes_of(fleet)[victim.node_id]["alive"]:
+        assert time.monotonic() - t0 < 4.0 + 5, "the lease did not expire"
+        time.sleep(0.2)
+    time.sleep(1.5)     # a gateway sweep marks it expired
+    listed = {x.sandbox_id: x.state.value for x in
+              Sandbox.list(query=SandboxQuery(metadata={"suite": "kill"}), **gw(fleet, 1)).next_items()}
+    assert listed == {paused.sandbox_id: "paused"}
+    status, headers, body = http("GET", fleet.gateways[0].url + "/v2/sandboxes?state=lost", key=fleet.api_key)
+    assert status == 200 and victim.node_id in headers.get("X-Aenv-Down-Nodes", "")
+    lost = {x["sandboxID"]: x for x in body}
+    assert running.sandbox_id in lost and victim.node_id in lost[running.sandbox_id]["note"]
+    status, _, body = http("GET", fleet.gateways[1].url + f"/sandboxes/{running.sandbox_id}", key=fleet.api_key)
+    assert status == 410 and body["state"] == "lost", body
+    assert http("GET", fleet.gateways[1].url + f"/sandboxes/{paused.sandbox_id}", key=fleet.api_key)[0] == 200
+    c = Sandbox.connect(paused.sandbox_id, **gw(fleet, 1))
+    assert binding_node(fleet, paused.sandbox_id) not in ("", victim.node_id)
+    assert c.files.read("/home/user/before.txt") == "before the crash"
+
+
+def test_node_rejoin_reconciles(fleet: Fleet) -> None:
+    victim = fleet.nodes[2]
+    paused_id, running_id = fleet.state["killed"]
+    moved_to = binding_node(fleet, paused_id)
+    fleet.start_node(victim)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status, _, mine = http("GET", victim.url + "/v2/sandboxes", key=fleet.api_key)
+        if status == 200 and paused_id not in {x["sandboxID"] for x in mine}:
+            break
+        time.sleep(1)
+    assert paused_id not in {x["sandboxID"] for x in mine}     # its stale copy was released
+    assert binding_node(fleet, paused_id) == moved_to             # the fleet's choice stands
+    got = [x.sandbox_id for x in Sandbox.list(query=SandboxQuery(metadata={"suite": "kill"}),
+                                              **gw(fleet, 0)).next_items()]
+    assert got == [paused_id]
+    assert Sandbox.connect(paused_id, **gw(fleet, 0)).commands.run("echo one").stdout.strip() == "one"
+    for sid in (paused_id, running_id):
+        Sandbox.kill(sid, **gw(fleet, 0))
+
+
+def test_nothing_leaks_and_repository_verifies(fleet: Fleet) -> None:
+    for s in Sandbox.list(**gw(fleet, 0)).next_items():
+        Sandbox.kill(s.sandbox_id, **gw(fleet, 0))
+    assert fleet.redis is not None
+    r = redis.Redis(host=fleet.redis.host, port=fleet.redis.port, decode_responses=True)
+    try:
+        assert r.keys("aenv:sbx:*") == [] and r.smembers("aenv:released") == set()
+        for n in ("node1", "node2", "node3"):
+            assert r.smembers(f"aenv:node:{n}:sbx") == set() and r.zcard(f"aenv:node:{n}:resv") == 0
+    finally:
+        r.close()
+    cfg = fleet.root / "verify.toml"
+    cfg.write_text((fleet.nodes[0].data_dir / "config.toml").read_text().split("[vm]")[0])
+    out = aenv(fleet, "--data-dir", str(fleet.root / "verify-data"), "--config", str(cfg), "repo", "verify")
+    assert out.returncode == 0, out.stdout + out.stderr

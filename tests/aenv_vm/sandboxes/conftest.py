@@ -1,0 +1,65 @@
+"""Fixtures for the snapshot tests: the cached guest image, one store with a
+256 MiB base template built once per session, and a QEMU / namespace leak check.
+
+Tests marked ``qemu`` skip on a developer machine without QEMU or root, never in
+CI (CI=true), where that is a failure."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.aenv_vm.vm.procs import qemu_children
+
+from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
+from aenv_store.store import Store
+from aenv_vm.guest import GuestImage, ensure_guest
+from aenv_vm.templates.base import build_template
+from aenv_vm.templates.template import Template
+from tests.support import require
+
+
+@dataclass(frozen=True)
+class Env:
+    guest: GuestImage
+    settings: StoreSettings
+    store: Store
+    template: Template
+    root: Path
+
+
+def store_settings(data: Path) -> StoreSettings:
+    return StoreSettings(paths=StorePaths(data), repository=RepositoryConfig(), store=StoreConfig(),
+                         cache=CacheConfig(capacity=4 << 30, min_free_disk=0))
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
+    require(os.geteuid() == 0, "building the guest image and reading /proc/PID/mem need root")
+    guest = ensure_guest(quiet=True)
+    root = tmp_path_factory.mktemp("snap")
+    settings = store_settings(root / "data")
+    store = Store.open(settings, create=True)
+    try:
+        t0 = time.monotonic()
+        tpl = asyncio.run(build_template(store, guest, root / "work", alias="base", memory_mib=256))
+        print(f"\n[snapshot] template build {time.monotonic() - t0:.1f} s")
+        yield Env(guest, settings, store, tpl, root)
+    finally:
+        store.close()
+
+
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_qemu():  # type: ignore[no-untyped-def]
+    before = set(qemu_children())
+    yield
+    leaked = set(qemu_children()) - before
+    assert not leaked, f"test left QEMU processes running: {sorted(leaked)}"
