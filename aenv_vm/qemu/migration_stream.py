@@ -201,6 +201,10 @@ def _take_run(r: _Reader, block: BlockPages, sizes: dict[str, int], addr: int, f
               stride: int, want: int) -> None:
     """Record one page (already consumed) plus every following record of the same
     kind and stride, in one numpy step."""
+    # the first address is checked before numpy sees it: one of 2**63 or more (a damaged
+    # header) does not fit an int64 and would raise OverflowError, not StreamError
+    if addr + PAGE_SIZE > sizes[block.name]:
+        raise StreamError(f"page offset outside RAM block {block.name!r} ({sizes[block.name]} bytes)")
     n = _run_length(r, stride, want)
     recs = np.lib.stride_tricks.as_strided(r.arr[r.pos:], shape=(n, stride), strides=(stride, 1))
     offs = np.concatenate((np.array([addr], np.int64), _addrs(recs[:, :8])))

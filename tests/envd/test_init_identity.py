@@ -7,6 +7,8 @@ import base64
 import json
 import os
 import socket
+import struct
+import subprocess
 import urllib.error
 import urllib.request
 from typing import Iterator
@@ -84,10 +86,41 @@ def test_seed_parser_round_trips_both_alphabets(seed: bytes, urlsafe: bool, stri
 
 
 @pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"), reason="RNDADDENTROPY needs root")
-def test_seed_kernel_rng_credits_and_reseeds() -> None:
-    # Mixing fresh random bytes into this host's pool is harmless; the point is
-    # that both ioctls exist and are accepted (numbers and struct layout right).
-    identity.seed_kernel_rng(os.urandom(64))
+def _ioc(direction: int, kind: str, nr: int, size: int) -> int:
+    """Linux's _IOC() (asm-generic/ioctl.h): dir << 30 | size << 16 | type << 8 | nr."""
+    return direction << 30 | size << 16 | ord(kind) << 8 | nr
+
+
+def test_seed_kernel_rng_sends_rand_pool_info_then_reseeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RNDADDENTROPY (_IOW('R', 3, int[2])) with struct rand_pool_info {int entropy_count
+    in bits; int buf_size in bytes; the bytes}, then RNDRESEEDCRNG (_IO('R', 7)), on
+    /dev/random: the numbers from linux/random.h's definitions, not copied from envd."""
+    calls: list[tuple[int, object]] = []
+    monkeypatch.setattr(identity.fcntl, "ioctl", lambda fd, req, arg=0: calls.append((req, arg)))
+    seed = bytes(range(64))
+    identity.seed_kernel_rng(seed)
+    assert calls == [(_ioc(1, "R", 3, 8), struct.pack("=ii", 64 * 8, 64) + seed), (_ioc(0, "R", 7, 0), 0)]
+
+
+def test_seed_kernel_rng_is_accepted_by_the_kernel(test_user) -> None:  # type: ignore[no-untyped-def]
+    """As root both ioctls succeed; as an unprivileged user each fails with EPERM, which
+    the kernel's random driver answers only to the commands it knows (an unknown number
+    is EINVAL / ENOTTY): the numbers are the kernel's."""
+    identity.seed_kernel_rng(os.urandom(64))        # root: credited and reseeded
+    probe = ("import errno, fcntl, os, struct, sys\n"
+             "fd = os.open('/dev/random', os.O_WRONLY)\n"
+             "for req, arg in ((int(sys.argv[1]), struct.pack('=ii', 64, 8) + bytes(8)), (int(sys.argv[2]), 0)):\n"
+             "    try:\n"
+             "        fcntl.ioctl(fd, req, arg)\n"
+             "        print('ok')\n"
+             "    except OSError as e:\n"
+             "        print(errno.errorcode[e.errno])\n")
+    # the system's python: the test user may not reach the checkout or its virtualenv
+    done = subprocess.run(["/usr/bin/python3", "-c", probe, str(identity.RNDADDENTROPY), str(identity.RNDRESEEDCRNG)],
+                          user=test_user.pw_uid, group=test_user.pw_gid, cwd="/", env={}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["EPERM", "EPERM"]
 
 
 def test_init_close_connections_closes_every_other_connection(host_envd: Envd) -> None:

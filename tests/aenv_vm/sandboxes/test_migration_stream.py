@@ -102,20 +102,96 @@ def test_split_matches_reference(case) -> None:  # type: ignore[no-untyped-def]
     assert again.devices == DEVICES and again.ram_sizes == blocks
 
 
+# the first device section's header (type, id, name, instance, version): the reader looks
+# at it to see that ram has ended; the rest of the device sections it copies as they are
+DEVICE_HEADER = 1 + 4 + 1 + len("timer") + 4 + 4
+
+
+def payload_spans(blocks: dict[str, int], parts: list[list[tuple[str, int, bytes | None]]],
+                  ignore_shared: bool) -> tuple[list[tuple[int, int, str, int]], int]:
+    """Where ``encode`` put the bytes a reader passes on without interpreting them: each
+    data page's 4096 bytes as ``(start, end, block, offset)``, and where the device
+    sections begin (everything after is copied as it is)."""
+    pos = len(encode(blocks, [], b"", ignore_shared))     # header, config, the START section
+    spans = []
+    prev = None
+    for part in parts:
+        pos += 5                                    # PART/END + section id
+        for block, off, data in part:
+            pos += 8 + (0 if block == prev else 1 + len(block))
+            if data is not None:
+                spans.append((pos, pos + PAGE, block, off))
+                pos += PAGE
+            else:
+                pos += 1
+            prev = block
+        pos += 8 + 5                                # EOS + footer
+    return spans, pos
+
+
+def test_payload_spans_match_the_encoder() -> None:
+    """The helper's idea of the layout is the encoder's (else the test below proves nothing)."""
+    blocks = {"mem0": 4 * PAGE, "pc.bios": PAGE}
+    parts = [[("mem0", 0, b"\x11" * PAGE), ("mem0", PAGE, None), ("pc.bios", 0, b"\x22" * PAGE)],
+             [("mem0", 3 * PAGE, b"\x33" * PAGE)]]
+    for ignore_shared in (False, True):
+        raw = encode(blocks, parts, DEVICES, ignore_shared)
+        spans, devices_at = payload_spans(blocks, parts, ignore_shared)
+        assert [raw[s:e] for s, e, _, _ in spans] == [b"\x11" * PAGE, b"\x22" * PAGE, b"\x33" * PAGE]
+        assert raw[devices_at:] == DEVICES
+
+
 @settings(max_examples=200, deadline=None)
 @given(stream_case(), st.data())
 def test_corrupt_streams_raise_stream_error(case, data) -> None:  # type: ignore[no-untyped-def]
+    """A damaged stream either fails with StreamError or is read faithfully: a byte
+    flipped in a page or in the device sections (bytes the reader passes on) shows up
+    in exactly that page or in the devices, and a stream cut inside the device sections
+    keeps what is left of them. Anything else (a flip in the structure the reader
+    interprets, a cut before the devices) must raise, unless the flip leaves a stream
+    that still reads as one (an address moved to another page of its block, a field the
+    reader skips): then that stream's pages and devices are what it says, and its
+    stripped form reads back."""
     blocks, parts, ignore_shared = case
     raw = bytearray(encode(blocks, parts, DEVICES, ignore_shared))
-    if data.draw(st.booleans()):
-        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    spans, devices_at = payload_spans(blocks, parts, ignore_shared)
+    cut = data.draw(st.booleans())
+    if cut:
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw = raw[:at]
     else:
-        i = data.draw(st.integers(0, len(raw) - 1))
-        raw[i] ^= data.draw(st.integers(1, 255))
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw[at] ^= data.draw(st.integers(1, 255))
     try:
-        ms.split(bytes(raw))
+        got = ms.split(bytes(raw))
     except ms.StreamError:
-        pass  # the only acceptable failure
+        assert cut or not (at >= devices_at + DEVICE_HEADER or any(s <= at < e for s, e, _, _ in spans)), \
+            f"a flip in bytes the reader passes on (offset {at}) was refused"
+        return
+    if cut:
+        assert at > devices_at, f"a stream cut at {at}, before its devices at {devices_at}, was accepted"
+        assert got.devices == DEVICES[:at - devices_at]
+        return
+    if at >= devices_at + DEVICE_HEADER:
+        assert got.devices == bytes(raw[devices_at:]) and got.devices != DEVICES
+        return
+    hit = [(s, block, off) for s, e, block, off in spans if s <= at < e]
+    if hit:
+        s, block, off = hit[0]
+        offs, pages = got.blocks[block].pages()
+        seen = dict(zip(offs.tolist(), (p.tobytes() for p in pages)))
+        # the last copy of a page wins: the damaged one must be what the reader kept,
+        # unless a later record of the same page replaced it
+        later = [x for x in spans if x[2] == block and x[3] == off and x[0] > s]
+        assert seen[off] == (bytes(raw[later[-1][0]:later[-1][0] + PAGE]) if later else bytes(raw[s:s + PAGE]))
+        assert got.devices == DEVICES
+        return
+    # a flip in the structure that still parses: what was read is self-consistent
+    again = ms.split(got.stripped())
+    assert again.devices == got.devices and again.ram_sizes == got.ram_sizes
+    for name, bp in got.blocks.items():
+        offs, _ = bp.pages()
+        assert all(0 <= o < got.ram_sizes[name] for o in offs.tolist())
 
 
 def test_long_runs_are_vectorised() -> None:
@@ -154,3 +230,15 @@ def test_drop_section_removes_one_device() -> None:
     assert without == encode({"mem0": PAGE}, [[]], DEVICES, True)
     assert ms.drop_section(without, "slirp") == without
     assert ms.split(without).devices == DEVICES
+
+
+def test_a_page_address_past_int64_is_a_stream_error() -> None:
+    """A damaged header whose top address bit is set (found by the corruption test: it
+    raised OverflowError from numpy instead of StreamError)."""
+    blocks = {"mem0": 4 * PAGE}
+    raw = bytearray(encode(blocks, [[("mem0", PAGE, b"\x11" * PAGE)]], DEVICES, False))
+    spans, _ = payload_spans(blocks, [[("mem0", PAGE, b"\x11" * PAGE)]], False)
+    header = spans[0][0] - 8 - 1 - len("mem0")
+    raw[header] ^= 0x80
+    with pytest.raises(ms.StreamError, match="outside RAM block"):
+        ms.split(bytes(raw))
