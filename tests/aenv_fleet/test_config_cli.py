@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.config import load_config
+from aenv_cli.config import load_config
 from aenv_fleet.config import ClusterConfig, GatewayConfig
 from aenv_store.errors import ConfigError
 
@@ -49,7 +49,7 @@ def test_bad_gateway_config_names_the_key(kwargs: dict, needle: str) -> None:
 def aenv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "aenv_api.cli.main", *args], cwd=REPO, env=e,
+    return subprocess.run([sys.executable, "-m", "aenv_cli.main", *args], cwd=REPO, env=e,
                           capture_output=True, text=True, timeout=120)
 
 

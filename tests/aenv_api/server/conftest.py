@@ -29,7 +29,7 @@ from tests.aenv_vm.vm.procs import qemu_children
 from tests.support import free_port, require
 
 REPO = Path(__file__).resolve().parents[3]
-AENV = [sys.executable, "-m", "aenv_api.cli.main"]
+AENV = [sys.executable, "-m", "aenv_cli.main"]
 
 
 @dataclass

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
-from aenv_api.cli.main import main
-from aenv_api.config import env_overrides, load_config, resolve_data_dir
+from aenv_cli.main import main
+from aenv_cli.config import env_overrides, load_config, resolve_data_dir
 from aenv_store.config import CacheConfig, StoreConfig
 from aenv_store.errors import ConfigError
 

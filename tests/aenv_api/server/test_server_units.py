@@ -167,7 +167,7 @@ def test_docs_config_lists_every_key_with_its_default() -> None:
     import dataclasses
     import re
 
-    from aenv_api.config import SECTIONS
+    from aenv_cli.config import SECTIONS
 
     text = (Path(__file__).resolve().parents[3] / "docs" / "config.md").read_text()
     for section, cls in SECTIONS.items():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from aenv_api.cli.main import main
+from aenv_cli.main import main
 
 
 def run_doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, dict]]:

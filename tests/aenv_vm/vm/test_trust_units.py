@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.cli.main import main
-from aenv_api.config import load_config
+from aenv_cli.main import main
+from aenv_cli.config import load_config
 from aenv_store.errors import ConfigError
 from aenv_vm.envd_client import EnvdError
 from aenv_vm.templates import trust

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.config import load_config
+from aenv_cli.config import load_config
 from aenv_store.errors import ConfigError
 from aenv_vm.config import VmConfig
 

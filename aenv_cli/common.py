@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol, TextIO
 
-from ..config import AenvConfig, load_config, resolve_data_dir
+from .config import AenvConfig, load_config, resolve_data_dir
 
 
 class Subcommands(Protocol):

@@ -21,7 +21,7 @@ from aenv_vm.builds.config import TemplatesConfig
 from aenv_vm.oci.config import OciConfig
 from aenv_fleet.config import ClusterConfig, GatewayConfig
 
-from .server.settings import ServerConfig
+from aenv_api.server.settings import ServerConfig
 
 DEFAULT_DATA_DIR = Path("~/.local/share/aenv")
 

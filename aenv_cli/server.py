@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from .common import CliError, Subcommands, common_options, config_from_args
 
 if TYPE_CHECKING:   # the server's parts are imported when it starts (the CLI starts fast)
-    from aenv_api.config import AenvConfig
+    from aenv_cli.config import AenvConfig
     from aenv_api.server.auth import Credentials
     from aenv_api.server.lifecycle import Lifecycle
     from aenv_api.server.metrics import Metrics
