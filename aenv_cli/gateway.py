@@ -29,7 +29,7 @@ def say(msg: str) -> None:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    gw = cfg.section("gateway")
+    gw = cfg.gateway
     changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("redis_url", args.redis_url))
                if v is not None}
     if args.port is not None and not 0 <= args.port <= 65535:

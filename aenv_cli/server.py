@@ -64,7 +64,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     from aenv_api.server.auth import Credentials
 
     cfg = config_from_args(args)
-    server_cfg = cfg.section("server")
+    server_cfg = cfg.server
     changes: dict[str, Any] = {}
     if args.host is not None:
         changes["host"] = args.host
@@ -88,7 +88,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     # aiohttp logs requests its HTTP parser rejects (NUL in a header, ...) with a traceback;
     # the client already got its 400, and every handler error is logged by the app itself.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-    host_ca = cfg.section("vm").host_ca()     # a bad bundle stops the start here, before anything runs
+    host_ca = cfg.vm.host_ca()     # a bad bundle stops the start here, before anything runs
     return asyncio.run(_serve(cfg, server_cfg, creds, host_ca))
 
 
@@ -115,7 +115,7 @@ async def _prepare_template(store: Store, guest: GuestImage, cfg: AenvConfig, se
         raise CliError(f"template {server_cfg.default_template!r} is missing or stale ({why.rstrip(': ')}) and "
                        f"[server] build_template is off: run `aenv template build {server_cfg.default_template}`",
                        1) from None
-    vm = cfg.section("vm")
+    vm = cfg.vm
     if vm.accel == "auto":
         choice = await probe_accel(guest.kernel, guest.initrd, cache_file=guest.kernel.parent.parent / "accel.json",
                                    confinement=confinement)
@@ -141,12 +141,12 @@ def _template_builds(cfg: AenvConfig, server_cfg: ServerConfig, manager: Sandbox
     from aenv_vm.builds.executor import BuildSettings
     from aenv_vm.builds.template_builds import TemplateBuilds
 
-    vm, tc = cfg.section("vm"), cfg.section("templates")
+    vm, tc = cfg.vm, cfg.templates
     settings = BuildSettings(base_template=server_cfg.default_template, accel=base.accel,  # type: ignore[arg-type]
                              memory_mib=vm.memory_mib, vcpus=vm.vcpus, disk_mib=vm.disk_mib,
                              max_memory_mib=tc.max_memory_mib, max_vcpus=tc.max_vcpus,
                              headroom_mib=tc.disk_headroom_mib, step_timeout=tc.step_timeout,
-                             ready_timeout=tc.ready_timeout, oci=cfg.section("oci"), data_dir=cfg.data_dir,
+                             ready_timeout=tc.ready_timeout, oci=cfg.oci, data_dir=cfg.data_dir,
                              ca_bundle=host_ca)
     return TemplateBuilds(manager.rt, settings, cfg.data_dir / "build-logs", manager.template_users,
                           max_parallel=tc.max_parallel_builds)
@@ -251,7 +251,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
     manager = server = lifecycle = builds = agent = None
     background: list[asyncio.Future] = []
     run_root = _run_root(cfg.data_dir)
-    vm = cfg.section("vm")
+    vm = cfg.vm
     confinement = vm.confinement()
     try:
         try:
@@ -278,7 +278,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
             raise CliError(str(e), 1) from None
         metrics = Metrics()
         service: Any = NodeSandboxService(manager)
-        cluster = cfg.section("cluster")
+        cluster = cfg.cluster
         if cluster.redis_url:   # a fleet node: the agent observes every sandbox change (aenv_fleet/agent.py)
             from aenv_fleet.agent import NodeAgent
             from aenv_store.assembly import peer_source
@@ -293,7 +293,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         await builds.start()
         server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                            TemplateApi(builds, cfg.data_dir / "template-uploads",
-                                       cfg.section("templates").max_upload_mib << 20),
+                                       cfg.templates.max_upload_mib << 20),
                            VolumeApi(volumes, server_cfg.volume_domain))
         try:
             port = await server.start(server_cfg.host, server_cfg.port)

@@ -149,7 +149,7 @@ def cmd_build_local(args: argparse.Namespace) -> int:
 
     alias = args.target or "base"
     cfg = config_from_args(args)
-    vm = cfg.section("vm")
+    vm = cfg.vm
     memory_mib = vm.memory_mib if args.memory_mib is None else args.memory_mib
     vcpus = vm.vcpus if args.vcpus is None else args.vcpus
     disk_mib = vm.disk_mib if args.disk_mib is None else args.disk_mib

@@ -20,10 +20,10 @@ def test_sections_load_with_defaults_and_env(tmp_path: Path) -> None:
     cfg = load_config(tmp_path, overrides={"cluster": {"redis_url": "redis://10.0.0.1:6379/0",
                                                        "advertise_url": "http://10.0.0.2:8000"},
                                            "gateway": {"port": 9090}})
-    assert cfg.section("cluster").redis_url == "redis://10.0.0.1:6379/0"
-    assert cfg.section("cluster").lease_seconds == 10.0
-    assert cfg.section("gateway").port == 9090 and cfg.section("gateway").domain == ""
-    assert load_config(tmp_path, overrides={}).section("cluster").redis_url == ""   # standalone by default
+    assert cfg.cluster.redis_url == "redis://10.0.0.1:6379/0"
+    assert cfg.cluster.lease_seconds == 10.0
+    assert cfg.gateway.port == 9090 and cfg.gateway.domain == ""
+    assert load_config(tmp_path, overrides={}).cluster.redis_url == ""   # standalone by default
 
 
 @pytest.mark.parametrize("kwargs,needle", [

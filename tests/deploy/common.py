@@ -62,4 +62,4 @@ def seconds(text: str) -> float:
 
 def section_dict(cfg: AenvConfig, name: str) -> dict[str, Any]:
     import dataclasses
-    return dataclasses.asdict(cfg.section(name))
+    return dataclasses.asdict(getattr(cfg, name))

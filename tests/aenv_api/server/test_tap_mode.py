@@ -269,9 +269,9 @@ def test_network_config_key(tmp_path: Path) -> None:
     from aenv_cli.config import load_config
     from aenv_store.errors import ConfigError
 
-    assert load_config(tmp_path, overrides={}).section("vm").network == "auto"            # the default
-    assert load_config(tmp_path, overrides={"vm": {"network": "user"}}).section("vm").network == "user"
-    assert load_config(tmp_path, overrides={"vm": {"network": "tap"}}).section("vm").network == "tap"
+    assert load_config(tmp_path, overrides={}).vm.network == "auto"            # the default
+    assert load_config(tmp_path, overrides={"vm": {"network": "user"}}).vm.network == "user"
+    assert load_config(tmp_path, overrides={"vm": {"network": "tap"}}).vm.network == "tap"
     with pytest.raises(ConfigError, match="vm.network must be auto, user or tap"):
         load_config(tmp_path, overrides={"vm": {"network": "bridge"}})
     # through the CLI: a clear error, no traceback

@@ -59,7 +59,7 @@ def build_templates(data_dir: Path, guest: GuestImage, layers: dict[str, str]) -
 
     cfg = load_config(data_dir)
     store = open_node_store(cfg.store_settings(), create=True)
-    ca = cfg.section("vm").host_ca()     # what the server will check the templates against
+    ca = cfg.vm.host_ca()     # what the server will check the templates against
     built = {}
     try:
         for alias, layer in layers.items():
