@@ -28,6 +28,20 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
+class StartError(CliError):
+    """A node or gateway cannot start (no guest, a stale template it may not rebuild, a
+    network mode the host cannot do, a port it cannot listen on): the message says which."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 1)
+
+
+def local_url(host: str, port: int) -> str:
+    """How this host reaches a server listening on ``host:port`` (a wildcard address: over loopback)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+
 def common_options() -> argparse.ArgumentParser:
     """Options every subcommand also accepts (so `aenv repo verify --data-dir X` works)."""
     parent = argparse.ArgumentParser(add_help=False)

@@ -51,9 +51,9 @@ def free_outside_net() -> tuple[str, str]:
 
 def node_prefix(data_dir: Path) -> str:
     """``aenv-<tag>-``: the namespaces of the node on ``data_dir`` (and no other node's)."""
-    from aenv_cli.server import _run_root
+    from aenv_cli.node import node_run_root
     from aenv_vm.net.netns import node_tag
-    return f"aenv-{node_tag(_run_root(data_dir))}-"
+    return f"aenv-{node_tag(node_run_root(data_dir))}-"
 
 
 def netns_names() -> set[str]:
