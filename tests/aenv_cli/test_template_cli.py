@@ -9,6 +9,7 @@ import pytest
 
 from aenv_cli.main import main
 from aenv_vm.guest import GuestImage
+from tests.aenv_vm.vm.conftest import guest, no_leaked_qemu  # noqa: F401  (fixtures: the cached guest, a QEMU leak check)
 
 
 def test_bad_sizes_are_rejected(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
