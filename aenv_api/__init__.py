@@ -1,1 +1,1 @@
-"""aenv_api: the E2B-compatible control plane, envd proxy, auth and the `aenv` CLI."""
+"""aenv_api: the E2B-compatible control plane, envd proxy, auth and Dockerfile builds."""

@@ -69,7 +69,7 @@ class P2PConfig:
     port: int = 0
     # The IP address the endpoint binds and puts into its ticket: other nodes must
     # reach it. "" = 127.0.0.1 (a single node), or in a fleet the host of
-    # [cluster] advertise_url when that is an IP address (aenv_api.config resolves it).
+    # [cluster] advertise_url when that is an IP address (aenv_cli.config resolves it).
     host: str = ""
 
     def __post_init__(self) -> None:

@@ -42,7 +42,7 @@ def start_server(data_dir: Path, pool_size: int, network: str | None = None) -> 
     env["AENV_VM__POOL_SIZE"] = str(pool_size)
     if network is not None:
         env["AENV_VM__NETWORK"] = network
-    proc = subprocess.Popen([sys.executable, "-m", "aenv_api.cli.main", "server", "--data-dir", str(data_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "server", "--data-dir", str(data_dir),
                              "--port", "0", "--quiet"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     values: dict[str, str] = {}

@@ -91,12 +91,12 @@ def start_fleet(data_dir: Path, redis_url: str) -> tuple[subprocess.Popen, subpr
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "AENV_CLUSTER"))}
     env.update(AENV_VM__POOL_SIZE="1", AENV_CLUSTER__REDIS_URL=redis_url, AENV_CLUSTER__NODE_ID="bench-node",
                AENV_CLUSTER__ADVERTISE_URL=f"http://127.0.0.1:{port}", PYTHONPATH=str(REPO))
-    node = subprocess.Popen([sys.executable, "-m", "aenv_api.cli.main", "server", "--data-dir", str(data_dir),
+    node = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "server", "--data-dir", str(data_dir),
                              "--port", str(port), "--quiet"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     node_env = read_exports(node, 3)
     genv = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "AENV_"))}
     genv["PYTHONPATH"] = str(REPO)
-    gw = subprocess.Popen([sys.executable, "-m", "aenv_api.cli.main", "gateway", "--port", "0", "--quiet",
+    gw = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "gateway", "--port", "0", "--quiet",
                            "--redis-url", redis_url, "--data-dir", str(data_dir / "gateway")], cwd=REPO, env=genv,
                           stdout=subprocess.PIPE, text=True)
     gw_env = read_exports(gw, 2)

@@ -123,7 +123,7 @@ def main() -> int:
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             for label, tag, extra_args in steps:
                 t0 = time.perf_counter()
-                proc = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(work / "data"),
+                proc = subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(work / "data"),
                                        "image", "pull", f"{reg.host}/bench/debian:{tag}", "--output", "json",
                                        *extra_args], capture_output=True, text=True, env=env)
                 seconds = time.perf_counter() - t0

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from .aenv_store.backends.motoserver import MotoServer
+from .support import require
 
 
 @pytest.fixture
@@ -36,3 +38,12 @@ def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def node_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One node data dir for the session's servers and in-process nodes (tests/aenv_api/server,
+    tests/aenv_cli): the first start builds the ``base`` template into it, later ones find it."""
+    require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
+    require(os.geteuid() == 0, "building the guest image needs root")
+    return tmp_path_factory.mktemp("api-node")

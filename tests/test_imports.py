@@ -3,6 +3,8 @@
 * Data flows one way: ``aenv_api`` → ``aenv_vm`` → ``aenv_store``. The store
   imports neither the VM layer nor the API; the VM layer does not import the
   API; ``envd`` (the in-guest daemon) imports only the standard library.
+* ``aenv_cli`` is the composition root: the only package that imports both the
+  API and the fleet (the API does not import the fleet), and no package imports it.
 * No import cycle anywhere among the project's modules, counting imports
   inside functions and under ``TYPE_CHECKING`` (a cycle hidden that way is
   still a cycle in the design).
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("aenv_store", "aenv_vm", "aenv_api", "aenv_fleet", "envd", "codeint")
+PACKAGES = ("aenv_store", "aenv_vm", "aenv_api", "aenv_fleet", "aenv_cli", "envd", "codeint")
 
 # (module, private name) pairs where a module uses a private name of something it does
 # not own, and why that is right there. All are third-party or standard-library names.
@@ -177,13 +179,31 @@ def _cycle_path(g: dict[str, set[str]], comp: list[str]) -> str:
 
 
 @pytest.mark.parametrize("layer,forbidden", [
-    ("aenv_store", ("aenv_vm", "aenv_api", "aenv_fleet")),
-    ("aenv_vm", ("aenv_api", "aenv_fleet")),
+    ("aenv_store", ("aenv_vm", "aenv_api", "aenv_fleet", "aenv_cli")),
+    ("aenv_vm", ("aenv_api", "aenv_fleet", "aenv_cli")),
+    ("aenv_api", ("aenv_fleet", "aenv_cli")),
+    ("aenv_fleet", ("aenv_cli",)),
 ])
 def test_layers_import_one_way(layer: str, forbidden: tuple[str, ...]) -> None:
-    bad = [f"{mod}:{line} imports {name}" for mod in MODULES if mod.split(".")[0] == layer
-           for name, line in imports_of(mod) if name.split(".")[0] in forbidden]
-    assert not bad, "imports against the data flow (aenv_api -> aenv_vm -> aenv_store):\n" + "\n".join(bad)
+    bad = list(dict.fromkeys(f"{mod}:{line} imports {name}" for mod in MODULES if mod.split(".")[0] == layer
+                             for name, line in imports_of(mod) if name.split(".")[0] in forbidden))
+    assert not bad, ("imports against the data flow (aenv_cli -> aenv_api, aenv_fleet -> aenv_vm -> "
+                     "aenv_store):\n" + "\n".join(bad))
+
+
+def test_only_tests_import_the_composition_root() -> None:
+    """aenv_cli assembles nodes and gateways from every package: a package importing it
+    would depend on all the others (tests and benchmarks may)."""
+    bad = list(dict.fromkeys(f"{mod}:{line} imports {name}" for mod in MODULES if mod.split(".")[0] != "aenv_cli"
+                             for name, line in imports_of(mod) if name.split(".")[0] == "aenv_cli"))
+    assert not bad, "the composition root aenv_cli is imported by:\n" + "\n".join(bad)
+
+
+def test_the_composition_root_is_where_api_and_fleet_meet() -> None:
+    """aenv_cli imports both (it is where the node's API and its fleet agent are put
+    together), so the rules above are about a real package, not an empty name."""
+    targets = {name.split(".")[0] for mod in MODULES if mod.split(".")[0] == "aenv_cli" for name, _ in imports_of(mod)}
+    assert {"aenv_api", "aenv_fleet", "aenv_vm", "aenv_store"} <= targets
 
 
 def test_envd_imports_only_the_standard_library() -> None:

@@ -11,7 +11,7 @@ class Advancer(Protocol):
 
 
 # (label, total, unit) -> a context manager yielding something with advance(n):
-# the CLI passes aenv_api.cli.common.Progress; the library default shows nothing.
+# the CLI passes aenv_cli.common.Progress; the library default shows nothing.
 ProgressFactory = Callable[[str, int, str], AbstractContextManager[Advancer]]
 
 

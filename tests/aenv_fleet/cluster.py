@@ -214,7 +214,7 @@ class Fleet:
     def start_node(self, node: Node, wait: bool = True) -> None:
         cfg = self.write_node_config(node)
         err = open(node.log, "ab")
-        node.proc = subprocess.Popen(["ip", "netns", "exec", node.ns, sys.executable, "-m", "aenv_api.cli.main",
+        node.proc = subprocess.Popen(["ip", "netns", "exec", node.ns, sys.executable, "-m", "aenv_cli.main",
                                       "server", "--data-dir", str(node.data_dir), "--config", str(cfg),
                                       "--host", "0.0.0.0", "--port", str(NODE_PORT)],
                                      cwd=REPO, env=self.node_env(), stdout=subprocess.DEVNULL, stderr=err)
@@ -256,7 +256,7 @@ class Fleet:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
         env["PYTHONPATH"] = str(REPO)
         err = open(gw.log, "ab")
-        gw.proc = subprocess.Popen([sys.executable, "-m", "aenv_api.cli.main", "gateway", "--data-dir",
+        gw.proc = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "gateway", "--data-dir",
                                     str(self.root / "gateway-data"), "--host", HUB_IP, "--port", str(port),
                                     "--redis-url", self.redis.url], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                    stderr=err)

@@ -76,7 +76,7 @@ def nodes_of(fleet: Fleet, i: int = 0) -> dict[str, dict[str, Any]]:
 def aenv(fleet: Fleet, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
     env.update(PYTHONPATH=str(REPO), E2B_API_KEY=fleet.api_key, AENV_GATEWAY_URL=fleet.gateways[0].url)
-    return subprocess.run([sys.executable, "-m", "aenv_api.cli.main", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "aenv_cli.main", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from aenv_api.config import fleet_p2p, load_config
+from aenv_cli.config import fleet_p2p, load_config
 from aenv_fleet.agent import NodeAgent
 from aenv_fleet.config import ClusterConfig
 from aenv_fleet.coord import Capacity, Coordinator

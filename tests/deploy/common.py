@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from aenv_api.config import AenvConfig, env_overrides, load_config
+from aenv_cli.config import AenvConfig, env_overrides, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -62,4 +62,4 @@ def seconds(text: str) -> float:
 
 def section_dict(cfg: AenvConfig, name: str) -> dict[str, Any]:
     import dataclasses
-    return dataclasses.asdict(cfg.section(name))
+    return dataclasses.asdict(getattr(cfg, name))

@@ -121,19 +121,19 @@ def test_configs_load_with_the_compose_environment(tmp_path: Path) -> None:
     node_toml = (COMPOSE.parent / "node.toml").read_text()
     for n in NODES:
         cfg = load_toml_config(node_toml, tmp_path, service_env(n))
-        assert cfg.section("cluster").node_id == n
-        assert cfg.section("cluster").advertise_url == f"http://{n}:8000"
-        assert cfg.section("cluster").redis_url == "redis://redis:6379/0"
+        assert cfg.cluster.node_id == n
+        assert cfg.cluster.advertise_url == f"http://{n}:8000"
+        assert cfg.cluster.redis_url == "redis://redis:6379/0"
         assert cfg.repository.endpoint_url == "http://s3:9000" and cfg.repository.bucket == "aenv"
     gw = load_toml_config((COMPOSE.parent / "gateway.toml").read_text(), tmp_path, service_env("gateway"))
-    assert gw.section("gateway").port == 8080
+    assert gw.gateway.port == 8080
 
 
 def test_node_env_keys_are_config_keys(tmp_path: Path) -> None:
     """The [vm] override the nodes carry is a real key (the [cluster] ones: test above)."""
     env = {k: v for k, v in service_env("node2").items() if k.startswith("AENV_VM__")}
     cfg = load_toml_config("", tmp_path, env)
-    assert cfg.section("vm").confine_uid_base == 1900065536
+    assert cfg.vm.confine_uid_base == 1900065536
 
 
 def test_s3_init_makes_the_bucket(moto: Any) -> None:

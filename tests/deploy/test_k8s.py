@@ -195,12 +195,12 @@ def node_env(pod_ip: str, node_name: str) -> dict[str, str]:
 def test_configmap_configs_load(tmp_path: Path) -> None:
     data = by_kind()[("ConfigMap", "aenv-config")]["data"]
     node = load_toml_config(data["node.toml"], tmp_path, node_env("10.244.1.7", "worker-1"))
-    cluster = node.section("cluster")
+    cluster = node.cluster
     assert (cluster.node_id, cluster.advertise_url) == ("worker-1", "http://10.244.1.7:8000")
     assert cluster.redis_url == "redis://aenv-redis:6379/0"
     assert node.repository.backend == "oss"
     gateway = load_toml_config(data["gateway.toml"], tmp_path)
-    assert gateway.section("gateway").port == 8080
-    assert gateway.section("gateway").redis_url == cluster.redis_url
+    assert gateway.gateway.port == 8080
+    assert gateway.gateway.redis_url == cluster.redis_url
     redis = by_kind()[("Service", "aenv-redis")]
     assert redis["spec"]["ports"][0]["port"] == 6379

@@ -203,10 +203,10 @@ def test_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
 def test_example_configs_load(tmp_path: Path) -> None:
     """The configs the script installs are what `aenv server` / `aenv gateway` accept."""
     node = load_toml_config((DEPLOY / "config/node.toml").read_text(), tmp_path)
-    assert node.section("cluster").redis_url == "redis://10.0.0.1:6379/0"
-    assert node.section("cluster").advertise_url == "http://10.0.0.2:8000"
+    assert node.cluster.redis_url == "redis://10.0.0.1:6379/0"
+    assert node.cluster.advertise_url == "http://10.0.0.2:8000"
     assert node.repository.backend == "oss" and node.repository.bucket == "aenv"
-    assert node.section("server").on_shutdown == "pause"
+    assert node.server.on_shutdown == "pause"
     gateway = load_toml_config((DEPLOY / "config/gateway.toml").read_text(), tmp_path)
-    assert (gateway.section("gateway").host, gateway.section("gateway").port) == ("0.0.0.0", 8080)
-    assert gateway.section("gateway").redis_url == "redis://10.0.0.1:6379/0"
+    assert (gateway.gateway.host, gateway.gateway.port) == ("0.0.0.0", 8080)
+    assert gateway.gateway.redis_url == "redis://10.0.0.1:6379/0"

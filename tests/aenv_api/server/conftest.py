@@ -1,8 +1,8 @@
 """Fixtures for the API tests: a real ``aenv server`` subprocess on a free port.
 
-One data dir is shared by the session (the first server start builds the
-``base`` template into it, later starts find it); each test module starts
-its own server on it (modules run one after another). Stopping a server
+One data dir is shared by the session (``node_data_dir``, tests/conftest.py: the
+first server start builds the ``base`` template into it, later starts find it);
+each test module starts its own server on it (modules run one after another). Stopping a server
 checks that it exits cleanly and leaves no QEMU process behind."""
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,10 +25,10 @@ from typing import Any, Iterator
 import pytest
 
 from tests.aenv_vm.vm.procs import qemu_children
-from tests.support import free_port, require
+from tests.support import free_port
 
 REPO = Path(__file__).resolve().parents[3]
-AENV = [sys.executable, "-m", "aenv_api.cli.main"]
+AENV = [sys.executable, "-m", "aenv_cli.main"]
 
 
 @dataclass
@@ -156,13 +155,6 @@ def start_server(data_dir: Path, log_dir: Path, *, env: dict[str, str] | None = 
     proc.stdout.close()
     assert values["E2B_API_URL"] == values["E2B_SANDBOX_URL"] == f"http://127.0.0.1:{port}"
     return Server(values["E2B_API_URL"], values["E2B_API_KEY"], proc, data_dir, stderr_path, full_env)
-
-
-@pytest.fixture(scope="session")
-def node_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
-    require(os.geteuid() == 0, "building the guest image needs root")
-    return tmp_path_factory.mktemp("api-node")
 
 
 @contextlib.contextmanager

@@ -163,24 +163,6 @@ def test_metrics_text_format() -> None:
     assert 'aenv_g{state="running"} 2' in text and "aenv_broken unavailable" in text
 
 
-def test_docs_config_lists_every_key_with_its_default() -> None:
-    import dataclasses
-    import re
-
-    from aenv_api.config import SECTIONS
-
-    text = (Path(__file__).resolve().parents[3] / "docs" / "config.md").read_text()
-    for section, cls in SECTIONS.items():
-        m = re.search(rf"^## `\[{section}\]`.*?(?=^## |\Z)", text, re.S | re.M)
-        assert m, f"docs/config.md has no [{section}] section"
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            shown = {True: "true", False: "false"}.get(default, None) if isinstance(default, bool) else None
-            if shown is None:
-                shown = f'"{default}"' if isinstance(default, str) else ("[]" if default == () else str(default))
-            assert f"| `{f.name}` | `{shown}` |" in m.group(0), f"[{section}] {f.name} = {shown} not documented"
-
-
 @given(st.lists(st.binary(min_size=1, max_size=300), max_size=6), st.data(),
        st.sampled_from([b"", b"X-Trailer: 1\r\n"]), st.sampled_from([b"", b";ext=1"]), st.binary(max_size=20))
 def test_chunked_body_follows_framing_however_cut(chunks: list[bytes], data: Any, trailer: bytes, ext: bytes,

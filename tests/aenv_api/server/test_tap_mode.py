@@ -51,9 +51,9 @@ def free_outside_net() -> tuple[str, str]:
 
 def node_prefix(data_dir: Path) -> str:
     """``aenv-<tag>-``: the namespaces of the node on ``data_dir`` (and no other node's)."""
-    from aenv_api.cli.server import _run_root
+    from aenv_cli.node import node_run_root
     from aenv_vm.net.netns import node_tag
-    return f"aenv-{node_tag(_run_root(data_dir))}-"
+    return f"aenv-{node_tag(node_run_root(data_dir))}-"
 
 
 def netns_names() -> set[str]:
@@ -266,16 +266,16 @@ def test_restart_removes_orphans_and_keeps_egress(tmp_path_factory: pytest.TempP
 
 
 def test_network_config_key(tmp_path: Path) -> None:
-    from aenv_api.config import load_config
+    from aenv_cli.config import load_config
     from aenv_store.errors import ConfigError
 
-    assert load_config(tmp_path, overrides={}).section("vm").network == "auto"            # the default
-    assert load_config(tmp_path, overrides={"vm": {"network": "user"}}).section("vm").network == "user"
-    assert load_config(tmp_path, overrides={"vm": {"network": "tap"}}).section("vm").network == "tap"
+    assert load_config(tmp_path, overrides={}).vm.network == "auto"            # the default
+    assert load_config(tmp_path, overrides={"vm": {"network": "user"}}).vm.network == "user"
+    assert load_config(tmp_path, overrides={"vm": {"network": "tap"}}).vm.network == "tap"
     with pytest.raises(ConfigError, match="vm.network must be auto, user or tap"):
         load_config(tmp_path, overrides={"vm": {"network": "bridge"}})
     # through the CLI: a clear error, no traceback
-    done = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "doctor", "--no-probe", "--data-dir",
+    done = subprocess.run([sys.executable, "-m", "aenv_cli.main", "doctor", "--no-probe", "--data-dir",
                            str(tmp_path)], capture_output=True, text=True, timeout=120,
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("AENV_")},
                                "AENV_VM__NETWORK": "bridge"}, cwd=Path(__file__).resolve().parents[3])

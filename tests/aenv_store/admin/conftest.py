@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from aenv_api.config import load_config
+from aenv_cli.config import load_config
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.store import Store
 
@@ -107,7 +107,7 @@ class CliResult:
 
 def run_aenv(data_dir: Path, *args: str) -> CliResult:
     """Run the `aenv` CLI in this process (its real argument parsing and output)."""
-    from aenv_api.cli.main import main
+    from aenv_cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

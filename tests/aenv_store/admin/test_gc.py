@@ -280,14 +280,14 @@ def _read_live(churned, live: list[str], wl) -> None:  # type: ignore[no-untyped
 @pytest.mark.parametrize("text,seconds", [("0", 0), ("90", 90), ("90s", 90), ("30m", 1800), ("1h", 3600),
                                           ("2d", 172800), ("1h30m", 5400), ("0.5h", 1800)])
 def test_parse_duration(text: str, seconds: float) -> None:
-    from aenv_api.cli.repo_admin import parse_duration
+    from aenv_cli.repo_admin import parse_duration
 
     assert parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "h", "1x", "-1h", "1h 2m", "10 30"])
 def test_parse_duration_rejects(text: str) -> None:
-    from aenv_api.cli.repo_admin import parse_duration
+    from aenv_cli.repo_admin import parse_duration
 
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration(text)

@@ -91,7 +91,7 @@ def _journal(fd: int, line: str) -> None:
 
 def run(data_dir: Path, prefix: str, seed: int, journal: Path, count: int, delete_prob: float,
         pause: float, recommit_prob: float = 0.0) -> None:
-    from aenv_api.config import load_config
+    from aenv_cli.config import load_config
     from aenv_store.formats.catalog import CatalogRecord
     from aenv_store.store import Store
 

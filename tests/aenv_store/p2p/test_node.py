@@ -124,22 +124,22 @@ def test_added_peer_is_picked_up_at_run_time(tmp_path: Path, serving: P2PNode, c
     ids = list(chunks)
     with P2PNode(tmp_path / "b", P2PConfig(enabled=True)).start() as b:
         assert b.fetch(ids[0]) is None  # no peers yet
-        r = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(tmp_path / "b"),
+        r = subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(tmp_path / "b"),
                             "p2p", "add-peer", serving.ticket], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert b.fetch(ids[0]) == chunks[ids[0]]
         time.sleep(1.5)  # status file refresh
-        r = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(tmp_path / "b"),
+        r = subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(tmp_path / "b"),
                             "p2p", "status", "--output", "json"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         st = json.loads(r.stdout)
         assert st["node"]["running"] and st["node"]["node_id"] == b.node_id
         (peer,) = st["node"]["peers"]
         assert peer["source"] == "added" and peer["bytes_in"] == 65536 and peer["chunks_in"] == 1
-        r = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(tmp_path / "b"),
+        r = subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(tmp_path / "b"),
                             "p2p", "status"], capture_output=True, text=True, timeout=60)
         assert "running" in r.stdout and serving.node_id[:16] in r.stdout and "64.0 KiB" in r.stdout
-        r = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(tmp_path / "b"),
+        r = subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(tmp_path / "b"),
                             "p2p", "ticket"], capture_output=True, text=True, timeout=60)
         assert r.stdout.strip() == b.ticket
     st2 = peerfile.read_status(tmp_path / "b")
@@ -149,7 +149,7 @@ def test_added_peer_is_picked_up_at_run_time(tmp_path: Path, serving: P2PNode, c
 def test_bad_tickets_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not an iroh endpoint ticket"):
         parse_ticket("endpointnonsense")
-    r = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(tmp_path), "p2p", "add-peer",
+    r = subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(tmp_path), "p2p", "add-peer",
                         "garbage"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and r.stderr.startswith("aenv: error: not an iroh endpoint ticket")
     assert "Traceback" not in r.stderr

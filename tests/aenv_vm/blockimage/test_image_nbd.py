@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aenv_api.cli.main import main as aenv_main
+from aenv_cli.main import main as aenv_main
 from aenv_store.store import Store
 from aenv_vm.blockimage import nbd_protocol as P
 from aenv_vm.blockimage.image import BlockImage
@@ -271,7 +271,7 @@ def test_cli_serve_real_client(tmp_path: Path) -> None:
     _disk(src, 2 * MiB)
     assert aenv_main(["--data-dir", str(dd), "image", "import", "--init", str(src), "img1"]) == 0
     sock = tmp_path / "serve.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(dd), "image", "serve",
+    proc = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(dd), "image", "serve",
                              "img1", "--socket", str(sock)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:

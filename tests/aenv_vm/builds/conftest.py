@@ -14,7 +14,7 @@ import pytest
 from tests.aenv_api.server.conftest import Server, start_server, use_sdk_env
 
 REPO = Path(__file__).resolve().parents[3]
-AENV = [sys.executable, "-m", "aenv_api.cli.main"]
+AENV = [sys.executable, "-m", "aenv_cli.main"]
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ the CLI's (the second of the two finds every step, the start command and the fil
 the server's cache). Also: a log longer than a status page followed to its end, the
 JSON result, --skip-cache, --no-wait with `logs` and `logs --follow`, ls and rm, a
 failing build named by its Dockerfile line, progress on a terminal (docs/templates.md).
-What needs no server (bad input, --dry-run, an unreachable server): tests/aenv_api/dockerfile/
-test_cli.py."""
+What needs no server (bad input, --dry-run, an unreachable server):
+tests/aenv_cli/test_template_build_cli.py."""
 from __future__ import annotations
 
 import fcntl

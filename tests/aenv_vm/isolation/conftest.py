@@ -132,7 +132,7 @@ def start_node(net: SealedNet, data_dir: Path, mode: str, log: Path,
     env.update({"AENV_VM__POOL_SIZE": "1", "AENV_VM__NETWORK": mode, "AENV_VM__ISOLATION": "required"})
     env.update(extra_env or {})
     with open(log, "ab") as err:
-        proc = subprocess.Popen([*net.exec_argv(net.node), sys.executable, "-m", "aenv_api.cli.main", "server",
+        proc = subprocess.Popen([*net.exec_argv(net.node), sys.executable, "-m", "aenv_cli.main", "server",
                                  "--data-dir", str(data_dir), "--host", "0.0.0.0", "--port", "8000"],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     assert proc.stdout is not None

@@ -109,7 +109,7 @@ def run_aenv(data_dir: Path, *args: str, stdin: str = "", config: dict[str, dict
     """The real `aenv` CLI in a subprocess (so a traceback or a hang would show)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_")}
     env["PYTHONPATH"] = str(REPO)
-    argv = [sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(data_dir)]
+    argv = [sys.executable, "-m", "aenv_cli.main", "--data-dir", str(data_dir)]
     if config:
         import tomli_w
         cfg = data_dir.parent / f"{data_dir.name}-config.toml"

@@ -114,11 +114,11 @@ def test_endpoints_and_transport() -> None:
 
 
 def test_oci_section_from_file_and_environment(tmp_path: Path) -> None:
-    from aenv_api.config import env_overrides, load_config
+    from aenv_cli.config import env_overrides, load_config
 
     (tmp_path / "config.toml").write_text('[oci]\nregistry_mirrors = ["https://mirror.example"]\n')
     env = {"AENV_OCI__CACHE_CAPACITY": "1024", "AENV_OCI__INSECURE_REGISTRIES": '["reg.lan:5000"]'}
-    cfg = load_config(tmp_path, overrides=env_overrides(env)).section("oci")
+    cfg = load_config(tmp_path, overrides=env_overrides(env)).oci
     assert cfg.registry_mirrors == ("https://mirror.example",) and cfg.cache_capacity == 1024
     assert cfg.insecure_registries == ("reg.lan:5000",) and cfg.cache_dir(tmp_path) == tmp_path / "oci-cache"
     (tmp_path / "config.toml").write_text('[oci]\nregistry_mirror = ["x"]\n')

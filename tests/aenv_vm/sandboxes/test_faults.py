@@ -89,7 +89,7 @@ def test_sigkill_during_pause_resume_fork(env: Env, tmp_path: Path) -> None:
     final = driver(env, run_root, "cycle", sid, digest, pid)
     out, err = final.communicate(timeout=300)
     assert final.returncode == 0 and "done" in out, out + err[-3000:]
-    check = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "repo", "verify", "--data-dir",
+    check = subprocess.run([sys.executable, "-m", "aenv_cli.main", "repo", "verify", "--data-dir",
                             str(env.settings.paths.data_dir)], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     assert not our_qemus(run_root)

@@ -368,7 +368,7 @@ def test_doctor_reports_tap_networking(tmp_path: Path) -> None:
         assert check_tap_network(tmp_path, "user").status is Status.WARN
     repo = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_")}
-    done = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "doctor", "--json", "--no-probe",
+    done = subprocess.run([sys.executable, "-m", "aenv_cli.main", "doctor", "--json", "--no-probe",
                            "--data-dir", str(tmp_path / "data")], cwd=repo, capture_output=True, text=True,
                           env={**env, "AENV_VM__NETWORK": "tap"}, timeout=120)
     rows = {r["check"]: r for r in json.loads(done.stdout)}

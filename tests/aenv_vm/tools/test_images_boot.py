@@ -39,7 +39,7 @@ def aenv(data_dir: Path, *args: str) -> Any:
     """The `aenv` CLI in a subprocess, JSON output parsed (keeps the guest cache setting)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_") or k == "AENV_GUEST_CACHE"}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(data_dir), *args,
+    proc = subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(data_dir), *args,
                            "--output", "json"], capture_output=True, text=True, env=env, timeout=600)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 0, proc.stderr
@@ -53,13 +53,13 @@ def base_tree(guest: GuestImage) -> Path:
 
 
 def build_templates(data_dir: Path, guest: GuestImage, layers: dict[str, str]) -> dict[str, Any]:
-    from aenv_api.config import load_config
+    from aenv_cli.config import load_config
     from aenv_store.assembly import open_node_store
     from aenv_vm.templates.base import build_template
 
     cfg = load_config(data_dir)
     store = open_node_store(cfg.store_settings(), create=True)
-    ca = cfg.section("vm").host_ca()     # what the server will check the templates against
+    ca = cfg.vm.host_ca()     # what the server will check the templates against
     built = {}
     try:
         for alias, layer in layers.items():
@@ -114,7 +114,7 @@ def sdk(images_server: tuple[Server, dict[str, Any]], monkeypatch: pytest.Monkey
 def test_conversion_records_the_tools(images_server: tuple[Server, dict[str, Any]]) -> None:
     info = images_server[1]
     guest = ensure_guest(quiet=True)
-    from aenv_api.config import load_config
+    from aenv_cli.config import load_config
     from aenv_store.assembly import open_node_store
 
     store = open_node_store(load_config(images_server[0].data_dir).store_settings())

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.cli.main import main
-from aenv_api.config import load_config
+from aenv_cli.main import main
+from aenv_cli.config import load_config
 from aenv_store.errors import ConfigError
 from aenv_vm.envd_client import EnvdError
 from aenv_vm.templates import trust
@@ -75,18 +75,18 @@ def test_a_key_next_to_the_certificate_is_refused() -> None:
 def test_config_setting_loads_the_bundle(tmp_path: Path) -> None:
     ca = TestCa()
     (tmp_path / "ca.pem").write_bytes(ca.pem)
-    vm = load_config(tmp_path, overrides={"vm": {"host_ca_bundle": str(tmp_path / "ca.pem")}}).section("vm")
+    vm = load_config(tmp_path, overrides={"vm": {"host_ca_bundle": str(tmp_path / "ca.pem")}}).vm
     assert vm.trust_host_ca is True
     got = vm.host_ca()
     assert got is not None and got.certificates == (ca.der,)
     off = load_config(tmp_path, overrides={"vm": {"trust_host_ca": False,
-                                                   "host_ca_bundle": str(tmp_path / "nope")}}).section("vm")
+                                                   "host_ca_bundle": str(tmp_path / "nope")}}).vm
     assert off.host_ca() is None                                      # off: the path is not even read
     with pytest.raises(ConfigError, match="host_ca_bundle.*no such file"):
-        load_config(tmp_path, overrides={"vm": {"host_ca_bundle": str(tmp_path / "nope")}}).section("vm").host_ca()
+        load_config(tmp_path, overrides={"vm": {"host_ca_bundle": str(tmp_path / "nope")}}).vm.host_ca()
     (tmp_path / "bad.pem").write_bytes(b"not a bundle")
     with pytest.raises(ConfigError, match="host_ca_bundle.*no PEM certificate"):
-        load_config(tmp_path, overrides={"vm": {"host_ca_bundle": str(tmp_path / "bad.pem")}}).section("vm").host_ca()
+        load_config(tmp_path, overrides={"vm": {"host_ca_bundle": str(tmp_path / "bad.pem")}}).vm.host_ca()
 
 
 def test_default_is_the_hosts_system_bundle(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

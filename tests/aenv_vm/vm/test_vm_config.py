@@ -5,18 +5,18 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.config import load_config
+from aenv_cli.config import load_config
 from aenv_store.errors import ConfigError
 from aenv_vm.config import VmConfig
 
 
 def test_defaults_and_overrides(tmp_path: Path) -> None:
-    assert load_config(tmp_path, overrides={}).section("vm") == VmConfig()
+    assert load_config(tmp_path, overrides={}).vm == VmConfig()
     (tmp_path / "config.toml").write_text("[vm]\nmemory_mib = 512\naccel = \"tcg\"\n")
-    cfg = load_config(tmp_path, overrides={"vm": {"pool_size": 0}}).section("vm")
+    cfg = load_config(tmp_path, overrides={"vm": {"pool_size": 0}}).vm
     assert (cfg.memory_mib, cfg.accel, cfg.pool_size) == (512, "tcg", 0)
     assert VmConfig().lazy_memory is True
-    assert load_config(tmp_path, overrides={"vm": {"lazy_memory": False}}).section("vm").lazy_memory is False
+    assert load_config(tmp_path, overrides={"vm": {"lazy_memory": False}}).vm.lazy_memory is False
 
 
 @pytest.mark.parametrize("key,value,message", [

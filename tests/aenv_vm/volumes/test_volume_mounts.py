@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.aenv_api.server.conftest import Server, node_data_dir, sdk_env, server  # noqa: F401  (fixtures)
+from tests.aenv_api.server.conftest import Server, sdk_env, server  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.qemu
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import AENV, REPO, Server
+from tests.aenv_api.server.conftest import AENV, REPO, Server
 
 pytestmark = pytest.mark.qemu
 

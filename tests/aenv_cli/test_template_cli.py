@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.cli.main import main
+from aenv_cli.main import main
 from aenv_vm.guest import GuestImage
+from tests.aenv_vm.vm.conftest import guest, no_leaked_qemu  # noqa: F401  (fixtures: the cached guest, a QEMU leak check)
 
 
 def test_bad_sizes_are_rejected(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -18,7 +19,7 @@ def test_bad_sizes_are_rejected(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 
 def _check_disk_size(guest: GuestImage, data: Path, template: str, mib: int) -> None:
     """A sandbox of the template sees a root filesystem grown to the template's disk size."""
-    from aenv_api.config import load_config
+    from aenv_cli.config import load_config
     from aenv_store.store import Store
     from aenv_vm.sandboxes.manager import SandboxManager
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.config import load_config
+from aenv_cli.config import load_config
 from aenv_fleet.config import ClusterConfig, GatewayConfig
 from aenv_store.errors import ConfigError
 
@@ -20,10 +20,10 @@ def test_sections_load_with_defaults_and_env(tmp_path: Path) -> None:
     cfg = load_config(tmp_path, overrides={"cluster": {"redis_url": "redis://10.0.0.1:6379/0",
                                                        "advertise_url": "http://10.0.0.2:8000"},
                                            "gateway": {"port": 9090}})
-    assert cfg.section("cluster").redis_url == "redis://10.0.0.1:6379/0"
-    assert cfg.section("cluster").lease_seconds == 10.0
-    assert cfg.section("gateway").port == 9090 and cfg.section("gateway").domain == ""
-    assert load_config(tmp_path, overrides={}).section("cluster").redis_url == ""   # standalone by default
+    assert cfg.cluster.redis_url == "redis://10.0.0.1:6379/0"
+    assert cfg.cluster.lease_seconds == 10.0
+    assert cfg.gateway.port == 9090 and cfg.gateway.domain == ""
+    assert load_config(tmp_path, overrides={}).cluster.redis_url == ""   # standalone by default
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -49,7 +49,7 @@ def test_bad_gateway_config_names_the_key(kwargs: dict, needle: str) -> None:
 def aenv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "aenv_api.cli.main", *args], cwd=REPO, env=e,
+    return subprocess.run([sys.executable, "-m", "aenv_cli.main", *args], cwd=REPO, env=e,
                           capture_output=True, text=True, timeout=120)
 
 

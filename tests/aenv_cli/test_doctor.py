@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from aenv_api.cli.main import main
+from aenv_cli.main import main
+from tests.aenv_vm.vm.conftest import guest, no_leaked_qemu  # noqa: F401  (fixtures: the cached guest, a QEMU leak check)
 
 
 def run_doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, dict]]:

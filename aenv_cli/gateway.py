@@ -1,6 +1,7 @@
 """`aenv gateway`: a stateless fleet gateway (aenv_fleet/gateway) serving the whole E2B
-API and the sandbox proxy of every node registered in the fleet's Redis. Run any
-number of them; SIGTERM/SIGINT stop one cleanly."""
+API and the sandbox proxy of every node registered in the fleet's Redis (assembled by
+``FleetGateway.open``, aenv_cli/fleet_gateway.py). Run any number of them;
+SIGTERM/SIGINT stop one cleanly."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,12 @@ import dataclasses
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from .common import CliError, Subcommands, common_options, config_from_args
+
+if TYPE_CHECKING:
+    from aenv_fleet.config import GatewayConfig
 
 
 def register(subparsers: Subcommands) -> None:
@@ -29,12 +34,11 @@ def say(msg: str) -> None:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    gw = cfg.section("gateway")
     changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("redis_url", args.redis_url))
                if v is not None}
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in 0..65535, got {args.port}")
-    gw = dataclasses.replace(gw, **changes)
+    gw = dataclasses.replace(cfg.gateway, **changes)
     access = logging.getLogger("aenv.gateway.access")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -45,31 +49,16 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(gw))
 
 
-async def _serve(gw) -> int:  # type: ignore[no-untyped-def]
-    from aenv_fleet.coord import CoordError
-    from aenv_fleet.gateway.app import Gateway
+async def _serve(gw: GatewayConfig) -> int:
+    from .fleet_gateway import FleetGateway   # imported when it starts (the CLI starts fast)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    gateway = Gateway(gw)
-    try:
-        try:
-            await gateway.coord.ping()
-        except CoordError as e:
-            say(f"warning: {e}; serving, and retrying every second")
-        try:
-            port = await gateway.start(gw.host, gw.port)
-        except OSError as e:
-            raise CliError(f"cannot listen on {gw.host}:{gw.port}: {e}", 1) from None
-        host = "127.0.0.1" if gw.host in ("0.0.0.0", "", "::") else gw.host
-        url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-        say(f"listening on {url} (fleet redis {gw.redis_url}, {len(gateway.fleet.alive())} node(s) up)")
-        sys.stdout.write(f"export E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}\n")
+    async with FleetGateway.open(gw, report=say) as gateway:
+        sys.stdout.write("".join(f"export {name}={value}\n" for name, value in gateway.sdk_env().items()))
         sys.stdout.flush()
         await stop.wait()
         say("shutting down")
-        return 0
-    finally:
-        await gateway.close()
+    return 0

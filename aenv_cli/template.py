@@ -13,8 +13,6 @@ import argparse
 import asyncio
 import datetime
 import sys
-import tempfile
-from pathlib import Path
 from typing import Callable
 
 from .common import CliError, Subcommands, config_from_args, print_json, print_table
@@ -144,12 +142,12 @@ def _row(tpl, aliases: list[str]) -> dict:  # type: ignore[no-untyped-def]
 def cmd_build_local(args: argparse.Namespace) -> int:
     from aenv_vm.errors import VmError
     from aenv_vm.guest import ensure_guest
-    from aenv_vm.qemu.accel import probe_accel
-    from aenv_vm.templates.base import build_template
+
+    from .base_template import build_base_template, choose_accel
 
     alias = args.target or "base"
     cfg = config_from_args(args)
-    vm = cfg.section("vm")
+    vm = cfg.vm
     memory_mib = vm.memory_mib if args.memory_mib is None else args.memory_mib
     vcpus = vm.vcpus if args.vcpus is None else args.vcpus
     disk_mib = vm.disk_mib if args.disk_mib is None else args.disk_mib
@@ -159,21 +157,13 @@ def cmd_build_local(args: argparse.Namespace) -> int:
     confinement = vm.confinement()   # the build VM and the probe are confined as [vm] confine says
     try:
         guest = ensure_guest()
-        if vm.accel == "auto":
-            choice = asyncio.run(probe_accel(guest.kernel, guest.initrd,
-                                             cache_file=guest.kernel.parent.parent / "accel.json",
-                                             confinement=confinement))
-            accel, reason = choice.accel, choice.reason
-        else:
-            accel, reason = vm.accel, f"{vm.accel} (forced by [vm] accel)"
+        accel, reason = asyncio.run(choose_accel(vm, guest, confinement))
         print(f"template: accelerator {reason}", file=sys.stderr)
         with _open_store(args, create=True) as store:
             cfg.data_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(prefix="template-build-", dir=cfg.data_dir) as work:
-                tpl = asyncio.run(build_template(store, guest, Path(work), alias=alias,
-                                                 memory_mib=memory_mib, vcpus=vcpus, accel=accel,
-                                                 disk_mib=disk_mib or None, confinement=confinement,
-                                                 ca_bundle=host_ca))
+            tpl = asyncio.run(build_base_template(store, guest, cfg.data_dir, alias=alias, memory_mib=memory_mib,
+                                                  vcpus=vcpus, disk_mib=disk_mib, accel=accel,
+                                                  confinement=confinement, ca_bundle=host_ca))
     except VmError as e:
         raise CliError(str(e), 1) from None
     finally:

@@ -74,7 +74,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     size = _size(args)
     store = open_node_store(cfg.store_settings(), create=True)
     try:
-        res = pull_image(store, cfg.section("oci"), cfg.data_dir, args.reference, credentials=credentials,
+        res = pull_image(store, cfg.oci, cfg.data_dir, args.reference, credentials=credentials,
                          platform=args.platform, name=args.name, size=size, replace=args.force,
                          progress=Progress, log_line=_say, tools=_tools())
     finally:
@@ -95,7 +95,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     size = _size(args)
     store = open_node_store(cfg.store_settings(), create=True)
     try:
-        img = load_archive(store, cfg.section("oci"), cfg.data_dir, path, tag=args.tag, platform=args.platform,
+        img = load_archive(store, cfg.oci, cfg.data_dir, path, tag=args.tag, platform=args.platform,
                            name=args.name, size=size, replace=args.force, progress=Progress, log_line=_say,
                            tools=_tools())
     finally:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol, TextIO
 
-from ..config import AenvConfig, load_config, resolve_data_dir
+from .config import AenvConfig, load_config, resolve_data_dir
 
 
 class Subcommands(Protocol):
@@ -26,6 +26,20 @@ class CliError(Exception):
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class StartError(CliError):
+    """A node or gateway cannot start (no guest, a stale template it may not rebuild, a
+    network mode the host cannot do, a port it cannot listen on): the message says which."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 1)
+
+
+def local_url(host: str, port: int) -> str:
+    """How this host reaches a server listening on ``host:port`` (a wildcard address: over loopback)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
 
 
 def common_options() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """`aenv repo verify | gc | unlock`: repository administration commands.
 
-Registered into the `aenv repo` group by aenv_api.cli.repo (``register_admin``);
+Registered into the `aenv repo` group by aenv_cli.repo (``register_admin``);
 thin shells over aenv_store.admin.verify, aenv_store.admin.gc and aenv_store.repository.locks."""
 from __future__ import annotations
 

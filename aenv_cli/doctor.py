@@ -20,7 +20,7 @@ def register(subparsers: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    vm = cfg.section("vm")
+    vm = cfg.vm
     checks = run_checks(cfg.data_dir, probe=not args.no_probe, network=vm.network, isolation=vm.isolation,
                         confinement=vm.confinement())
     if args.json:

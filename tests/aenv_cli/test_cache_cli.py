@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.cli.main import main
+from aenv_cli.main import main
 from aenv_store.cache.node_cache import NodeCache
 from aenv_store.config import CacheConfig
 from aenv_store.formats.ids import Digest

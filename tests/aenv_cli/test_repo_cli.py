@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.cli.main import main
+from aenv_cli.main import main
 from aenv_store.config import StorePaths, StoreSettings
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.store import Store
@@ -58,7 +58,7 @@ def test_init_stats_ls_cat(data_dir: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_errors_are_messages_not_tracebacks(tmp_path: Path) -> None:
-    aenv = [sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(tmp_path / "d")]
+    aenv = [sys.executable, "-m", "aenv_cli.main", "--data-dir", str(tmp_path / "d")]
     p = subprocess.run(aenv + ["repo", "init", "--chunk-size", "3000"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "power of two" in p.stderr and "Traceback" not in p.stderr
     subprocess.run(aenv + ["repo", "init"], check=True, capture_output=True, timeout=60)

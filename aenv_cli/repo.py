@@ -65,11 +65,11 @@ def register(sub: Any) -> None:
     p.add_argument("--extents", action="store_true", help="list every extent of a manifest")
     p.set_defaults(handler=cmd_cat)
 
-    # --- administration: verify / gc / unlock (aenv_api/cli/repo_admin.py) ---
+    # --- administration: verify / gc / unlock (aenv_cli/repo_admin.py) ---
     try:
         from .repo_admin import register_admin
     except ModuleNotFoundError as e:
-        if e.name not in ("aenv_api.cli.repo_admin", "aenv_store.admin.gc", "aenv_store.admin.verify"):
+        if e.name not in ("aenv_cli.repo_admin", "aenv_store.admin.gc", "aenv_store.admin.verify"):
             raise
     else:
         register_admin(repo_sub)

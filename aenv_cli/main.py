@@ -13,7 +13,7 @@ from aenv_vm.errors import VmError
 
 from .common import CliError
 
-# command-group modules (aenv_api.cli.<name>); a module that does not exist yet is skipped.
+# command-group modules (aenv_cli.<name>); a module that does not exist yet is skipped.
 COMMANDS = ["repo", "cache", "image", "p2p", "doctor", "template", "sandbox", "snapshot", "files", "server", "gateway",
             "cluster"]
 
@@ -65,9 +65,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     only = _named_command(argv) if argv is not None else None
     for name in [only] if only else COMMANDS:
         try:
-            module = importlib.import_module(f"aenv_api.cli.{name}")
+            module = importlib.import_module(f"aenv_cli.{name}")
         except ModuleNotFoundError as e:
-            if e.name == f"aenv_api.cli.{name}":
+            if e.name == f"aenv_cli.{name}":
                 continue
             raise
         module.register(sub)

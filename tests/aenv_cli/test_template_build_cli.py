@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv_api.cli.main import main
+from aenv_cli.main import main
 from tests.support import free_port
 
 DOCKERFILE = """\

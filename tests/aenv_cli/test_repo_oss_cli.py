@@ -11,7 +11,7 @@ import tomli_w
 
 
 def aenv(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "aenv_api.cli.main", "--data-dir", str(data_dir), *args],
+    return subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(data_dir), *args],
                           capture_output=True, text=True, timeout=120)
 
 

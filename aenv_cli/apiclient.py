@@ -60,7 +60,7 @@ class ApiClient:
         url = args.url or os.environ.get("AENV_URL") or os.environ.get("E2B_API_URL") or DEFAULT_URL
         key = args.api_key or os.environ.get("E2B_API_KEY") or os.environ.get("AENV_API_KEY")
         if not key:
-            from ..config import resolve_data_dir
+            from .config import resolve_data_dir
 
             try:
                 key = (resolve_data_dir(getattr(args, "data_dir", None)) / "api-key").read_text().strip()

@@ -1,7 +1,10 @@
 """aenv's configuration: one TOML file (``<data-dir>/config.toml`` or ``--config``)
-loaded into typed, frozen dataclasses. Every key has a default (see the
-dataclasses and docs/config.md); unknown keys and wrong types are errors that
-name the key."""
+loaded into typed, frozen dataclasses. Each package owns the dataclass of its own
+section(s) (aenv_store/config.py, aenv_vm/config.py, aenv_vm/builds/config.py,
+aenv_vm/oci/config.py, aenv_api/server/settings.py, aenv_fleet/config.py);
+``AenvConfig`` composes them, one typed field per ``[section]``. Every key has a default
+(see the dataclasses and docs/config.md); unknown sections and keys and wrong types are
+errors that name the key."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,16 +15,19 @@ import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.errors import ConfigError
-from aenv_vm.config import VmConfig
 from aenv_vm.builds.config import TemplatesConfig
+from aenv_vm.config import VmConfig
 from aenv_vm.oci.config import OciConfig
+from aenv_api.server.settings import ServerConfig
 from aenv_fleet.config import ClusterConfig, GatewayConfig
 
-from .server.settings import ServerConfig
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DEFAULT_DATA_DIR = Path("~/.local/share/aenv")
 
@@ -34,13 +40,21 @@ def resolve_data_dir(cli_value: str | None) -> Path:
 
 @dataclass(frozen=True)
 class AenvConfig:
+    """The whole configuration of one node or gateway: the data dir and one field per
+    TOML section (the field's name is the section's, its type the section's dataclass).
+    The fields' order is the order sections are checked in."""
+
     data_dir: Path
     repository: RepositoryConfig = field(default_factory=RepositoryConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     p2p: P2PConfig = field(default_factory=P2PConfig)
-    # Further sections (vm, server, ...) are registered in SECTIONS by their packages.
-    extra: dict[str, Any] = field(default_factory=dict)
+    vm: VmConfig = field(default_factory=VmConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    oci: OciConfig = field(default_factory=OciConfig)
+    templates: TemplatesConfig = field(default_factory=TemplatesConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def store_settings(self) -> StoreSettings:
         return StoreSettings(
@@ -48,18 +62,15 @@ class AenvConfig:
             repository=self.repository,
             store=self.store,
             cache=self.cache,
-            p2p=fleet_p2p(self.p2p, self.extra.get("cluster")),
+            p2p=fleet_p2p(self.p2p, self.cluster),
         )
 
-    def section(self, name: str) -> Any:
-        return self.extra[name]
 
-
-def fleet_p2p(p2p: P2PConfig, cluster: ClusterConfig | None) -> P2PConfig:
+def fleet_p2p(p2p: P2PConfig, cluster: ClusterConfig) -> P2PConfig:
     """``[p2p] host = ""`` on a fleet node: the host of ``[cluster] advertise_url`` when
     that is an IP address (other nodes reach this one there), so its P2P endpoint is
     reachable by the peers the agent gives it; else loopback (P2PConfig.bind_host)."""
-    if p2p.host or cluster is None or not cluster.redis_url:
+    if p2p.host or not cluster.redis_url:
         return p2p
     host = urllib.parse.urlsplit(cluster.advertise_url).hostname or ""
     try:
@@ -69,23 +80,15 @@ def fleet_p2p(p2p: P2PConfig, cluster: ClusterConfig | None) -> P2PConfig:
     return p2p if ip.is_unspecified else dataclasses.replace(p2p, host=str(ip))
 
 
-# section name -> dataclass type. Other modules add theirs with register_section().
-SECTIONS: dict[str, type] = {
-    "repository": RepositoryConfig,
-    "store": StoreConfig,
-    "cache": CacheConfig,
-    "p2p": P2PConfig,
-    "vm": VmConfig,
-    "server": ServerConfig,
-    "oci": OciConfig,
-    "templates": TemplatesConfig,
-    "cluster": ClusterConfig,
-    "gateway": GatewayConfig,
-}
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(AenvConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(AenvConfig) if f.name != "data_dir"}
 
 
-def register_section(name: str, cls: type) -> None:
-    SECTIONS[name] = cls
+# section name -> its dataclass, read off AenvConfig's fields (in their order).
+SECTIONS: Mapping[str, type] = MappingProxyType(_sections())
+
+_Section = TypeVar("_Section", bound="DataclassInstance")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -111,7 +114,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"config key {where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
-def build_section(cls: type, raw: dict[str, Any], section: str) -> Any:
+def build_section(cls: type[_Section], raw: dict[str, Any], section: str) -> _Section:
     if not isinstance(raw, dict):
         raise ConfigError(f"config section [{section}] must be a table")
     hints = typing.get_type_hints(cls)
@@ -155,6 +158,5 @@ def load_config(data_dir: Path, config_file: Path | None = None,
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"unknown config section [{unknown[0]}] (known: {', '.join(sorted(SECTIONS))})")
-    built = {name: build_section(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
-    core = {k: built.pop(k) for k in ("repository", "store", "cache", "p2p")}
-    return AenvConfig(data_dir=data_dir, extra=built, **core)
+    built: dict[str, Any] = {name: build_section(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
+    return AenvConfig(data_dir=data_dir, **built)

@@ -1,1 +1,0 @@
-"""The `aenv` command line: thin shells over library calls."""

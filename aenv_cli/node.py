@@ -1,0 +1,265 @@
+"""One node, assembled: ``Node.open(config)`` brings up everything `aenv server` runs and
+tears it down again, for the CLI and for tests that want a node in-process.
+
+Bring-up, in order: the credentials and the host CA bundle guests trust (a bad one stops
+the start before anything runs), the store, QEMU confinement, the guest image, the
+default template (built when missing or stale: ``[server] build_template``), the
+``SandboxManager``, its ``SandboxService`` (observed by the fleet agent when
+``[cluster] redis_url`` is set), the API's ``Lifecycle``, the /metrics gauges, template
+builds, volumes, the ``ApiServer`` listening, the warm pool's fill and the agent's
+registration. Progress goes to ``report`` (the CLI prints it on stderr).
+
+Teardown (on leaving the block, also after a failed start): template builds (their VMs
+stop before the manager's QEMUs), the lifecycle's shutdown (pause or kill every running
+sandbox: ``[server] on_shutdown``), the agent (after those pauses are bound: the lease
+ends now), the server, the manager (no QEMU outlives the node), confinement, the store.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from aenv_api.server.app import ApiServer
+from aenv_api.server.auth import Credentials
+from aenv_api.server.lifecycle import Lifecycle
+from aenv_api.server.metrics import Metrics
+from aenv_api.server.templates_api import TemplateApi
+from aenv_api.server.volumes_api import VolumeApi
+from aenv_fleet.agent import NodeAgent
+from aenv_store.assembly import open_node_store, peer_source
+from aenv_store.store import Store
+from aenv_vm.builds.executor import BuildSettings
+from aenv_vm.builds.template_builds import TemplateBuilds
+from aenv_vm.confine.policy import Confinement
+from aenv_vm.errors import NotFound, VmError
+from aenv_vm.guest import GuestImage, ensure_guest
+from aenv_vm.net.netns import NetError
+from aenv_vm.sandboxes.manager import SandboxManager
+from aenv_vm.sandboxes.node_service import NodeSandboxService
+from aenv_vm.service import SandboxService
+from aenv_vm.templates.template import Template, TemplateError, find_template
+from aenv_vm.templates.trust import CaBundle
+from aenv_vm.volumes.registry import VolumeRegistry
+
+from .base_template import build_base_template, choose_accel
+from .common import StartError, local_url
+from .config import AenvConfig
+from .main import package_version
+from .node_gauges import register_gauges
+
+log = logging.getLogger("aenv.node")
+
+Report = Callable[[str], None]
+
+# QEMU run dirs hold Unix sockets: <root>/vm/sbx-<16 hex>/qmp.sock (and nbd.sock) must fit 107 bytes.
+_MAX_RUN_ROOT = 64
+
+
+@dataclass(frozen=True)
+class Node:
+    """A running node: handles to its parts (typed, for the CLI and for tests)."""
+
+    config: AenvConfig           # as given (``server`` is what the node runs with)
+    credentials: Credentials     # the API key and the envd / traffic token secret
+    url: str                     # http://HOST:PORT of the API and the sandbox proxy
+    port: int
+    tls_port: int | None         # where HTTPS is served ([server] tls_cert), else None
+    store: Store
+    manager: SandboxManager
+    service: SandboxService      # the node's service, observed by ``agent`` in a fleet
+    lifecycle: Lifecycle
+    template: Template           # the default template ([server] default_template)
+    builds: TemplateBuilds
+    volumes: VolumeRegistry
+    metrics: Metrics
+    server: ApiServer
+    agent: NodeAgent | None      # the fleet agent ([cluster] redis_url), else None
+
+    def sdk_env(self) -> dict[str, str]:
+        """The variables an E2B SDK client sets to use this node (what `aenv server` prints)."""
+        return {"E2B_API_KEY": self.credentials.api_key, "E2B_API_URL": self.url,
+                "E2B_SANDBOX_URL": self.url, "E2B_VOLUME_API_URL": self.url}
+
+    async def stop_accepting(self) -> None:
+        """No new connections (the first step of a shutdown; leaving ``open`` does the rest)."""
+        await self.server.stop_accepting()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, config: AenvConfig, *, report: Report = log.info) -> AsyncIterator[Node]:
+        """Bring the node up (see the module doc); leaving the block tears it down.
+        Raises ``StartError`` (and ``ConfigError``, ``StoreError``) when it cannot start."""
+        server_cfg, vm = config.server, config.vm
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        # a relative envd_secret_file is relative to the data dir (an absolute one stays as it is)
+        secret_file = config.data_dir / server_cfg.envd_secret_file if server_cfg.envd_secret_file else None
+        creds = Credentials.load(config.data_dir, envd_secret_file=secret_file)
+        host_ca = vm.host_ca()     # a bad bundle stops the start here, before anything runs
+        store = await asyncio.to_thread(open_node_store, config.store_settings(), True)
+        manager: SandboxManager | None = None
+        server: ApiServer | None = None
+        lifecycle: Lifecycle | None = None
+        builds: TemplateBuilds | None = None
+        agent: NodeAgent | None = None
+        background: list[asyncio.Future[None]] = []
+        run_root = node_run_root(config.data_dir)
+        confinement = vm.confinement()
+        try:
+            try:
+                # every QEMU of this node is confined by it: the accelerator probe, the
+                # template build, sandboxes (docs/security.md)
+                await asyncio.to_thread(confinement.start)
+                report(f"QEMU confinement: {confinement.summary()}")
+                report("host CA certificates: " + (
+                    f"guests trust the {len(host_ca.certificates)} of {host_ca.source} ([vm] trust_host_ca)"
+                    if host_ca is not None else "guests trust their distribution's only ([vm] trust_host_ca)"))
+                guest = await asyncio.to_thread(ensure_guest)
+                tpl = await _prepare_template(store, guest, config, confinement, host_ca, report)
+            except VmError as e:
+                raise StartError(str(e)) from None
+            volumes = VolumeRegistry(config.data_dir / "volumes")   # one registry: the API's and the mounts'
+            manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
+                                     tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
+                                     ksm=vm.ksm_settings(), network=vm.network,
+                                     max_sandboxes=server_cfg.max_sandboxes, readahead=vm.readahead_mib << 20,
+                                     isolation=vm.isolation, confine=confinement, volumes=volumes,
+                                     lazy_memory=vm.lazy_memory)
+            try:
+                await manager.start()
+            except NetError as e:   # [vm] network = "tap" on a host that cannot do it
+                raise StartError(str(e)) from None
+            metrics = Metrics()
+            service: SandboxService = NodeSandboxService(manager)
+            cluster = config.cluster
+            if cluster.redis_url:   # a fleet node: the agent observes every sandbox change (aenv_fleet/agent.py)
+                agent = NodeAgent(cluster, creds.api_key, server_cfg.max_sandboxes, vm.memory_mib, config.data_dir,
+                                  package_version(), p2p=peer_source(store))
+                service = agent.observe(service)
+            lifecycle = Lifecycle(service, server_cfg, metrics, config.data_dir, creds.envd_token,
+                                  creds.traffic_token)
+            await lifecycle.start()
+            background.append(asyncio.ensure_future(register_gauges(metrics, lifecycle, manager, store, report)()))
+            builds = _template_builds(config, manager, tpl, host_ca)
+            await builds.start()
+            server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
+                               TemplateApi(builds, config.data_dir / "template-uploads",
+                                           config.templates.max_upload_mib << 20),
+                               VolumeApi(volumes, server_cfg.volume_domain))
+            try:
+                port = await server.start(server_cfg.host, server_cfg.port)
+            except OSError as e:
+                tls = f" (or TLS port {server_cfg.tls_port})" if server_cfg.tls_cert else ""
+                raise StartError(f"cannot listen on {server_cfg.host}:{server_cfg.port}{tls}: {e}") from None
+            if vm.pool_size > 0:
+                background.append(asyncio.ensure_future(manager.fill_pool(tpl.id)))
+            url = local_url(server_cfg.host, port)
+            if agent is not None:
+                await agent.start(url, [server_cfg.default_template, tpl.id])
+                report(f"cluster: node {agent.node_id!r} in the fleet at {cluster.redis_url}, "
+                       f"advertised as {cluster.advertise_url}")
+                if agent.peering is not None:
+                    p2p_host = config.store_settings().p2p.bind_host()
+                    report(f"cluster: P2P endpoint on {p2p_host} published; the other live nodes are its peers"
+                           + (" (loopback: only nodes on this host reach it; set [p2p] host)"
+                              if p2p_host.startswith("127.") or p2p_host == "::1" else ""))
+            report(f"listening on {url} (template {server_cfg.default_template!r} = {tpl.id}, "
+                   f"pool {vm.pool_size}, API key {creds.api_key_source}, data dir {config.data_dir})")
+            report(f"network: {manager.rt.networks.describe()}")
+            if server.tls_port is not None:
+                report(f"TLS on port {server.tls_port}: https://<port>-<sandbox id>."
+                       f"{server_cfg.domain or '<domain>'}" + ("" if server.tls_port == 443 else f":{server.tls_port}"))
+            yield cls(config=config, credentials=creds, url=url, port=port, tls_port=server.tls_port, store=store,
+                      manager=manager, service=service, lifecycle=lifecycle, template=tpl, builds=builds,
+                      volumes=volumes, metrics=metrics, server=server, agent=agent)
+        finally:
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            if builds is not None:
+                await builds.close()   # running builds end (their VMs stop) before the manager's QEMUs
+            if lifecycle is not None:
+                await lifecycle.shutdown()
+            if agent is not None:
+                await agent.close()     # after the shutdown's pauses are bound: the lease ends now
+            if server is not None:
+                await server.close()
+            if manager is not None:
+                await manager.close()  # kills pooled and remaining sandboxes: no QEMU outlives the node
+            confinement.close()
+            await asyncio.to_thread(store.close)
+            report("stopped")
+
+
+def node_run_root(data_dir: Path) -> Path:
+    """Where the sandbox layer keeps its run state (records, paused sandboxes, sockets).
+
+    It must persist with the data dir (paused sandboxes live there), but Unix socket
+    paths under it are limited to 107 bytes: a long data dir is reached through a
+    short symlink in the temp dir instead."""
+    root = data_dir / "run"
+    root.mkdir(parents=True, exist_ok=True)
+    if len(str(root)) <= _MAX_RUN_ROOT:
+        return root
+    digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    link = Path(tempfile.gettempdir()) / f"aenv-run-{digest}"
+    if not (link.is_symlink() and link.resolve() == root.resolve()):
+        link.unlink(missing_ok=True)
+        link.symlink_to(root, target_is_directory=True)
+    return link
+
+
+async def _prepare_template(store: Store, guest: GuestImage, config: AenvConfig, confinement: Confinement,
+                            host_ca: CaBundle | None, report: Report) -> Template:
+    """The default template, built first if it is missing or stale (another guest, other
+    trusted CA certificates)."""
+    server_cfg, vm = config.server, config.vm
+    why = "first start: "
+    try:
+        tpl = find_template(store, server_cfg.default_template)
+        trusted = host_ca.fingerprint if host_ca is not None else ""
+        if tpl.guest_key == guest.key and tpl.host_ca == trusted:
+            return tpl
+        if tpl.guest_key != guest.key:
+            why = f"it was built from guest {tpl.guest_key}, this node now runs guest {guest.key}: "
+        else:
+            why = "the host CA certificates guests trust ([vm] trust_host_ca, host_ca_bundle) changed: "
+    except (NotFound, TemplateError):
+        pass
+    if not server_cfg.build_template:
+        raise StartError(f"template {server_cfg.default_template!r} is missing or stale ({why.rstrip(': ')}) "
+                             f"and [server] build_template is off: run `aenv template build "
+                             f"{server_cfg.default_template}`")
+    accel, reason = await choose_accel(vm, guest, confinement)
+    report(f"accelerator: {reason}")
+    report(f"building template {server_cfg.default_template!r} ({why}one cold boot of the guest, "
+           f"then a snapshot; about a minute under TCG)...")
+    t0 = time.monotonic()
+    tpl = await build_base_template(store, guest, config.data_dir, alias=server_cfg.default_template,
+                                    memory_mib=vm.memory_mib, vcpus=vm.vcpus, disk_mib=vm.disk_mib, accel=accel,
+                                    confinement=confinement, ca_bundle=host_ca)
+    report(f"template {server_cfg.default_template!r} = {tpl.id} built in {time.monotonic() - t0:.1f} s")
+    return tpl
+
+
+def _template_builds(config: AenvConfig, manager: SandboxManager, base: Template,
+                     host_ca: CaBundle | None) -> TemplateBuilds:
+    """E2B template builds on this node: build VMs shaped like its sandboxes by default,
+    on the accelerator its base template was built for."""
+    vm, tc = config.vm, config.templates
+    settings = BuildSettings(base_template=config.server.default_template,
+                             accel=base.accel,  # type: ignore[arg-type]  # Template.accel: "tcg"/"kvm" as a str
+                             memory_mib=vm.memory_mib, vcpus=vm.vcpus, disk_mib=vm.disk_mib,
+                             max_memory_mib=tc.max_memory_mib, max_vcpus=tc.max_vcpus,
+                             headroom_mib=tc.disk_headroom_mib, step_timeout=tc.step_timeout,
+                             ready_timeout=tc.ready_timeout, oci=config.oci, data_dir=config.data_dir,
+                             ca_bundle=host_ca)
+    return TemplateBuilds(manager.rt, settings, config.data_dir / "build-logs", manager.template_users,
+                          max_parallel=tc.max_parallel_builds)

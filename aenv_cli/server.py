@@ -1,0 +1,82 @@
+"""`aenv server`: one node — store, sandbox manager (with its warm pool), the
+E2B-compatible API and the sandbox proxy on one port (assembled by ``Node.open``,
+aenv_cli/node.py).
+
+First start on an empty data dir: the repository is created (posix_fs under
+the data dir unless configured otherwise), the guest image is built if needed
+and the default template is booted once and committed, with progress lines on
+stderr. Then the E2B_* variables a client sets are printed on stdout.
+
+SIGTERM/SIGINT: stop accepting connections, pause every running sandbox when
+the node can (else kill it), close the proxy, the manager (no QEMU is left
+behind) and the store.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+from typing import Any
+
+from .common import CliError, Subcommands, common_options, config_from_args
+from .config import AenvConfig
+
+
+def register(subparsers: Subcommands) -> None:
+    p = subparsers.add_parser("server", parents=[common_options()],
+                              help="run the E2B-compatible API server and sandbox proxy of this node")
+    p.add_argument("--host", default=None, help="listen address (default: [server] host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default: [server] port, 8000; 0 = any)")
+    p.add_argument("--log-format", choices=("text", "json"), default=None,
+                   help="request log on stderr: text or JSON lines (default: [server] log_format)")
+    p.add_argument("--quiet", action="store_true", help="no request log")
+    p.set_defaults(handler=cmd_server)
+
+
+def say(msg: str) -> None:
+    print(f"aenv server: {msg}", file=sys.stderr, flush=True)
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    changes: dict[str, Any] = {}
+    if args.host is not None:
+        changes["host"] = args.host
+    if args.port is not None:
+        if not 0 <= args.port <= 65535:
+            raise CliError(f"--port must be in 0..65535, got {args.port}")
+        changes["port"] = args.port
+    if args.log_format is not None:
+        changes["log_format"] = args.log_format
+    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **changes))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("aenv.server.access")
+    access.addHandler(handler)
+    access.propagate = False
+    access.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    # aiohttp logs requests its HTTP parser rejects (NUL in a header, ...) with a traceback;
+    # the client already got its 400, and every handler error is logged by the app itself.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    return asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg: AenvConfig) -> int:
+    from .node import Node   # the node's parts are imported when it starts (the CLI starts fast)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):   # from the start: a signal during the start stops after it
+        loop.add_signal_handler(sig, stop.set)
+    async with Node.open(cfg, report=say) as node:
+        # one write (PYTHONUNBUFFERED would make print's end a second one): a reader that
+        # stops after the lines it wants and closes the pipe never breaks a later write
+        sys.stdout.write("".join(f"export {name}={value}\n" for name, value in node.sdk_env().items()))
+        sys.stdout.flush()
+        await stop.wait()
+        say("shutting down: no new connections; stopping sandboxes")
+        await node.stop_accepting()
+    return 0
