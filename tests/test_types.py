@@ -5,7 +5,8 @@ before pytest, in scripts/test.sh):
   (``# type: ignore[code]``) and says why, on the same line (``# type: ignore[code]  #
   why``) or in a comment on the line above. Files from before this rule are in
   ``UNEXPLAINED_ALLOWED`` with how many of their ignores say no why: that list may only
-  shrink. (mypy's ``warn_unused_ignores`` fails the ones that silence nothing.)
+  shrink. (mypy's ``warn_unused_ignores`` fails the ones that silence nothing.) No module
+  changes mypy's settings for itself (``# mypy:`` comments, ``@no_type_check``).
 * The baseline (mypy-baseline.txt) is well-formed, and scripts/typecheck.py judges a run
   against it as documented: a new error fails, a gone one fails, one in a strict module
   always fails.
@@ -146,6 +147,21 @@ def test_every_type_ignore_names_its_error_and_says_why() -> None:
             problems.append(f"{rel}: {n} unexplained `# type: ignore` now, the allow-list says {allowed}: "
                             f"the list may only shrink, lower it to {n}" + (" (drop the entry)" if n == 0 else ""))
     assert not problems, "\n".join(problems)
+
+
+def test_no_module_turns_the_checker_off() -> None:
+    """Inline configuration (``# mypy: ignore-errors``, ``disable-error-code``, a strict flag
+    turned off) and ``@no_type_check`` would change the rules of one module out of sight of
+    pyproject.toml."""
+    found = []
+    for path in project_files():
+        source = path.read_text()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT and re.match(r"#\s*mypy\s*:", tok.string):
+                found.append(f"{path.relative_to(REPO)}:{tok.start[0]}: {tok.string}")
+            elif tok.type == tokenize.NAME and tok.string == "no_type_check":
+                found.append(f"{path.relative_to(REPO)}:{tok.start[0]}: no_type_check")
+    assert not found, "mypy's settings live in pyproject.toml's [tool.mypy]: " + "; ".join(found)
 
 
 # -- the baseline ----------------------------------------------------------------------
