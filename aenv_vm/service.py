@@ -40,7 +40,7 @@ class CreateRequest:
     allow_internet_access: bool | None = None       # None: not set (allowed); False: deny 0.0.0.0/0
     network: NetworkPolicy = field(default_factory=NetworkPolicy)   # egress rules (net/policy.py)
     pause_memory: bool = True                       # a TTL auto-pause keeps memory (False: filesystem only)
-    volume_mounts: tuple[dict, ...] = ()            # E2B's [{name, path}]: volumes mounted at create
+    volume_mounts: tuple[dict[str, str], ...] = ()            # E2B's [{name, path}]: volumes mounted at create
     annotations: dict[str, str] = field(default_factory=dict)   # the caller's own fields, kept with the sandbox
 
 
@@ -66,7 +66,7 @@ class SandboxInfo:
     pause_memory: bool = True       # what a TTL auto-pause keeps (False: the filesystem only)
     cold_boot: bool = False         # paused filesystem-only: the next resume boots from its disk
     envd_unresponsive: bool = False # paused while envd did not answer: resumes by cold boot only
-    volume_mounts: tuple[dict, ...] = ()    # [{name, path}] of the volumes mounted in it
+    volume_mounts: tuple[dict[str, str], ...] = ()    # [{name, path}] of the volumes mounted in it
     # what the create's caller asked to keep with it (inherited by fork children, moved
     # with the sandbox between nodes)
     annotations: dict[str, str] = field(default_factory=dict)

@@ -18,7 +18,7 @@ import secrets
 import signal
 import tempfile
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from . import protocol
 from .context import KEEPALIVE_SECONDS, QUEUE_EVENTS, CodeContext, ContextError, context_env
@@ -51,15 +51,18 @@ class BashContext(CodeContext):
         self._write(_PRELUDE)
         self._global_envs_applied = False
 
-    def _write(self, text: str) -> None:
+    def _stdin(self) -> asyncio.StreamWriter:
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write(text.encode())
+        return self.proc.stdin
+
+    def _write(self, text: str) -> None:
+        self._stdin().write(text.encode())
 
     def _alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
     async def execute(self, code: str, env_vars: dict[str, str],
-                      global_envs: dict[str, str] | None) -> AsyncIterator[dict[str, Any]]:
+                      global_envs: dict[str, str] | None) -> AsyncGenerator[dict[str, Any], None]:
         if not self._alive():
             await self._replace()
         self.count += 1
@@ -84,7 +87,7 @@ class BashContext(CodeContext):
         lines.append(f"printf '\\n%s %s\\n' {marker} \"$__codeint_rc\"; printf '\\n%s\\n' {marker} >&2")
         try:
             self._write("\n".join(lines) + "\n")
-            await self.proc.stdin.drain()  # type: ignore[union-attr]
+            await self._stdin().drain()
         except (ConnectionError, OSError):
             yield self._death()
             return

@@ -116,8 +116,8 @@ def axes_chart(ax: Any) -> dict[str, Any]:
             ticks = list(ax.get_yticks() if horizontal else ax.get_xticks())
             for r in rects:
                 pos = r.get_y() + r.get_height() / 2 if horizontal else r.get_x() + r.get_width() / 2
-                label = next((lb for t, lb in zip(ticks, labels) if abs(t - pos) < 1e-6), None)
-                chart["elements"].append({"label": label if label is not None else str(_plain(pos)),
+                tick_label = next((lb for t, lb in zip(ticks, labels) if abs(t - pos) < 1e-6), None)
+                chart["elements"].append({"label": tick_label if tick_label is not None else str(_plain(pos)),
                                           "group": group,
                                           "value": _plain(r.get_width() if horizontal else r.get_height())})
             if horizontal:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from .platform import kernel_env_overrides
 
@@ -61,8 +61,8 @@ class CodeContext(abc.ABC):
         """Start the kernel or shell; ContextError when it cannot run."""
 
     @abc.abstractmethod
-    def execute(self, code: str, env_vars: dict[str, str], global_envs: dict[str, str] | None) -> AsyncIterator[
-            dict[str, Any]]:
+    def execute(self, code: str, env_vars: dict[str, str], global_envs: dict[str, str] | None) -> AsyncGenerator[
+            dict[str, Any], None]:
         """The cell's events. ``global_envs``: the sandbox's envs (from envd) to set for good
         before the first cell; ``env_vars`` hold for this cell only. When the client goes
         away the server calls ``interrupt`` and reads the iterator to its end."""

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from . import kernel_wire as wire
 from . import protocol
@@ -157,7 +157,7 @@ class PythonContext(CodeContext):
         await self.start()
 
     async def execute(self, code: str, env_vars: dict[str, str],
-                      global_envs: dict[str, str] | None) -> AsyncIterator[dict[str, Any]]:
+                      global_envs: dict[str, str] | None) -> AsyncGenerator[dict[str, Any], None]:
         try:
             await self._ensure_kernel()
         except ContextError as e:

@@ -134,7 +134,9 @@ class Streams:
         """Descriptors 1 and 2 become pipes read here (the originals, the kernel's log, stay
         on ``sys.__stderr__``)."""
         log = os.dup(2)
-        sys.__stderr__ = sys.__stdout__ = open(log, "w", buffering=1, closefd=True)   # type: ignore[misc]
+        # typeshed declares them Final (the interpreter's own streams); here they are rebound on
+        # purpose: what wants the real terminal (tracebacks of the kernel itself) writes the log
+        sys.__stderr__ = sys.__stdout__ = open(log, "w", buffering=1, closefd=True)  # type: ignore[misc]
         for fd, name in ((1, "stdout"), (2, "stderr")):
             r, w = os.pipe()
             os.dup2(w, fd)
@@ -299,8 +301,8 @@ def main(fd: int, startup: str) -> None:
     channel = Channel(socket.socket(fileno=fd), interrupts)
     streams = Streams(channel)
     streams.capture_fds()
-    sys.stdout = StreamFile(streams, "stdout")     # type: ignore[assignment]
-    sys.stderr = StreamFile(streams, "stderr")     # type: ignore[assignment]
+    sys.stdout = StreamFile(streams, "stdout")
+    sys.stderr = StreamFile(streams, "stderr")
     sys.argv = [""]
     # matplotlib's figures as inline PNGs (what ipykernel sets unless the user did)
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")

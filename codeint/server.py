@@ -204,7 +204,8 @@ async def _lines(ctx: CodeContext, events: AsyncIterator[dict[str, Any]],
     step = asyncio.ensure_future(it.__anext__())
     try:
         while True:
-            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            waiting: set[asyncio.Future[Any]] = {step, gone}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 break
             try:

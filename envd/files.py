@@ -11,7 +11,7 @@ import errno
 import os
 import stat
 import zlib
-from typing import AsyncIterator, BinaryIO
+from typing import AsyncGenerator, AsyncIterator, BinaryIO
 
 from . import metadata, users
 from .fs_service import chown, ensure_dirs
@@ -123,7 +123,7 @@ async def download(head: RequestHead, state: EnvdState, auth_user: str | None) -
     return Response(200, tuple(headers), stream=_read_file(f, False, head_bytes))
 
 
-async def _read_file(f: BinaryIO, gz: bool, first: bytes = b"") -> AsyncIterator[bytes]:
+async def _read_file(f: BinaryIO, gz: bool, first: bytes = b"") -> AsyncGenerator[bytes, None]:
     comp = zlib.compressobj(1, zlib.DEFLATED, 31) if gz else None  # fast level: CPU is the scarce resource
     try:
         if first:

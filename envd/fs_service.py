@@ -13,7 +13,8 @@ import os
 import shutil
 import stat
 import uuid
-from typing import AsyncIterator
+from types import TracebackType
+from typing import AsyncGenerator, Callable
 
 from . import pbjson, users
 from .connect import Code, ConnectError
@@ -55,7 +56,8 @@ def chown(path: str, user: users.User) -> None:
             pass
 
 
-def _ignore_missing(func, path: str, exc_info) -> None:  # type: ignore[no-untyped-def]
+def _ignore_missing(func: Callable[..., object], path: str,
+                    exc_info: tuple[type[BaseException], BaseException, TracebackType | None]) -> None:
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]
 
@@ -171,7 +173,7 @@ class FilesystemService:
             raise os_error(e, path) from None
         return {}
 
-    def _open_watch(self, msg: Message, ctx: RpcContext, sink) -> DirWatcher:  # type: ignore[no-untyped-def]
+    def _open_watch(self, msg: Message, ctx: RpcContext, sink: Callable[[str, str, int], None]) -> DirWatcher:
         path = self._path(msg, ctx)
         if not os.path.exists(path):
             raise ConnectError(Code.NOT_FOUND, f"path '{path}' does not exist")
@@ -182,7 +184,7 @@ class FilesystemService:
         except OSError as e:
             raise os_error(e, path) from None
 
-    async def watch_dir(self, msg: Message, ctx: RpcContext) -> AsyncIterator[Message]:
+    async def watch_dir(self, msg: Message, ctx: RpcContext) -> AsyncGenerator[Message, None]:
         include = pbjson.get_bool(msg, "include_entry")
         queue: asyncio.Queue[Message] = asyncio.Queue(WATCH_QUEUE)
         overflow = False

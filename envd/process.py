@@ -19,6 +19,7 @@ import signal
 import struct
 import subprocess
 import termios
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -151,16 +152,15 @@ class Process:
         if pty_input:
             if self.master_fd is None:
                 raise ConnectError(Code.FAILED_PRECONDITION, f"process {self.pid} has no pty")
-            fd: int | None = self.master_fd
+            fd = self.master_fd
         else:
-            if self.master_fd is not None:
-                fd = self.master_fd  # upstream writes stdin of a PTY process to the terminal
-            else:
-                fd = self.stdin_fd
-            if fd is None:
+            # upstream writes stdin of a PTY process to the terminal
+            stdin = self.master_fd if self.master_fd is not None else self.stdin_fd
+            if stdin is None:
                 raise ConnectError(
                     Code.FAILED_PRECONDITION, f"stdin of process {self.pid} is not enabled or closed"
                 )
+            fd = stdin
         async with self.stdin_lock:
             try:
                 await fdio.write_all(fd, data)
@@ -235,9 +235,12 @@ class ProcessManager:
         if not os.path.isdir(user.home):
             # A missing home (bare hosts) must not break every command.
             env["HOME"] = cwd
-        creds: dict[str, object] = {}
+        # Popen's defaults (None) keep envd's own identity
+        run_uid: int | None = None
+        run_gid: int | None = None
+        run_groups: list[int] | None = None
         if os.geteuid() == 0 and user.uid != 0:
-            creds = {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
+            run_uid, run_gid, run_groups = user.uid, user.gid, user.groups
         elif user.uid != os.geteuid():
             raise ConnectError(Code.PERMISSION_DENIED, f"envd is not root: cannot run as {user.name!r}")
 
@@ -252,7 +255,8 @@ class ProcessManager:
                 fcntl.ioctl(slave_fd, termios.TIOCSWINSZ, pty_winsize(spec.pty))
                 popen = subprocess.Popen(
                     [spec.cmd, *spec.args], stdin=slave_fd, stdout=slave_fd, stderr=slave_fd,
-                    cwd=cwd, env=env, start_new_session=True, preexec_fn=_set_controlling_tty, **creds,  # type: ignore[arg-type]
+                    cwd=cwd, env=env, start_new_session=True, preexec_fn=_set_controlling_tty,
+                    user=run_uid, group=run_gid, extra_groups=run_groups,
                 )
                 os.close(slave_fd)
                 close_on_fail.remove(slave_fd)
@@ -267,7 +271,8 @@ class ProcessManager:
                     close_on_fail += [in_r, stdin_fd]
                 popen = subprocess.Popen(
                     [spec.cmd, *spec.args], stdin=in_r if in_r is not None else subprocess.DEVNULL,
-                    stdout=out_w, stderr=err_w, cwd=cwd, env=env, start_new_session=True, **creds,  # type: ignore[arg-type]
+                    stdout=out_w, stderr=err_w, cwd=cwd, env=env, start_new_session=True,
+                    user=run_uid, group=run_gid, extra_groups=run_groups,
                 )
                 for fd in (out_w, err_w, in_r):
                     if fd is not None:
@@ -355,9 +360,9 @@ class ProcessManager:
             await asyncio.wait(list(self._tasks), timeout=5)
 
 
-async def _first(*aws: "asyncio.Future[object] | object") -> None:
+async def _first(*aws: Awaitable[object]) -> None:
     """Wait until the first of ``aws`` finishes; cancel the others."""
-    tasks = [asyncio.ensure_future(a) for a in aws]  # type: ignore[arg-type]
+    tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import signal
-from typing import AsyncIterator
+from typing import AsyncGenerator, AsyncIterator
 
 from . import pbjson
 from .connect import Code, ConnectError
-from .process import EndInfo, Output, ProcessManager, ProcessSpec, PtySize
+from .process import EndInfo, Output, Process, ProcessManager, ProcessSpec, PtySize, Subscriber
 from .rpc import Handler, Message, RpcContext, get_or_keepalive, is_keepalive
 
 _SIGNALS = {"SIGNAL_SIGTERM": signal.SIGTERM, "SIGNAL_SIGKILL": signal.SIGKILL, 15: signal.SIGTERM, 9: signal.SIGKILL}
@@ -80,7 +80,7 @@ class ProcessService:
     async def list(self, msg: Message, ctx: RpcContext) -> Message:
         return {"processes": [p.info() for p in self.m.list()]}
 
-    async def _follow(self, proc, sub, ctx: RpcContext) -> AsyncIterator[Message]:  # type: ignore[no-untyped-def]
+    async def _follow(self, proc: Process, sub: Subscriber, ctx: RpcContext) -> AsyncGenerator[Message, None]:
         try:
             yield {"event": {"start": {"pid": proc.pid}}}
             while True:
@@ -94,13 +94,13 @@ class ProcessService:
         finally:
             proc.unsubscribe(sub)
 
-    async def start(self, msg: Message, ctx: RpcContext) -> AsyncIterator[Message]:
+    async def start(self, msg: Message, ctx: RpcContext) -> AsyncGenerator[Message, None]:
         spec = parse_start(msg)
         proc, sub = self.m.start(spec, ctx.user(), ctx.timeout_s)
         async for out in self._follow(proc, sub, ctx):
             yield out
 
-    async def connect(self, msg: Message, ctx: RpcContext) -> AsyncIterator[Message]:
+    async def connect(self, msg: Message, ctx: RpcContext) -> AsyncGenerator[Message, None]:
         # Like upstream: no replay of earlier output, stream from now on.
         proc = self.m.find(*_selector(msg))
         sub = proc.subscribe()
@@ -114,7 +114,7 @@ class ProcessService:
             proc.resize(size)
         return {}
 
-    async def _input(self, proc, inp: Message | None) -> None:  # type: ignore[no-untyped-def]
+    async def _input(self, proc: Process, inp: Message | None) -> None:
         if inp is None:
             return
         stdin = pbjson.get_bytes(inp, "stdin")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, BinaryIO
+from typing import Any, AsyncGenerator, BinaryIO
 
 
 @dataclass(frozen=True)
@@ -13,8 +13,9 @@ class Response:
     headers: tuple[tuple[str, str], ...] = ()
     body: bytes = b""
     # When set, the body is streamed: with Content-Length if the headers carry
-    # one, else chunked. Each item is flushed before the next is produced.
-    stream: AsyncIterator[bytes] | None = None
+    # one, else chunked. Each item is flushed before the next is produced; the
+    # writer closes the generator (aclose) when it is done with it.
+    stream: AsyncGenerator[bytes, None] | None = None
     # A file sent as the whole body with the kernel's sendfile (Content-Length
     # must be in the headers); closed after sending.
     file: BinaryIO | None = None

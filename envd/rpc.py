@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Union
 
 from .connect import Code, ConnectError
 from .state import EnvdState
@@ -32,7 +32,8 @@ class RpcContext:
 
 
 Unary = Callable[[Message, RpcContext], Awaitable[Message]]
-ServerStream = Callable[[Message, RpcContext], AsyncIterator[Message]]
+# an async generator: the server closes it (aclose) when the stream ends, finished or not
+ServerStream = Callable[[Message, RpcContext], AsyncGenerator[Message, None]]
 ClientStream = Callable[[AsyncIterator[Message], RpcContext], Awaitable[Message]]
 Handler = Union[Unary, ServerStream, ClientStream]
 

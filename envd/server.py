@@ -12,7 +12,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, cast
 
 from . import ENVD_VERSION, VERSION_HEADER, connect, files, identity, signing, volwire
 from .connect import Code, ConnectError
@@ -23,7 +23,7 @@ from .process import ProcessManager
 from .process_service import ProcessService
 from .responses import Response, http_error, json_response
 from .router import PUBLIC_PATHS, Kind, Route, RouteError, route
-from .rpc import Handler, RpcContext
+from .rpc import ClientStream, Handler, RpcContext, ServerStream, Unary
 from .state import EnvdState
 from .users import basic_auth_user
 from .volfs import VolfsError
@@ -45,7 +45,7 @@ def _connect_error_response(
     )
 
 
-async def _one(frames: bytes) -> AsyncIterator[bytes]:
+async def _one(frames: bytes) -> AsyncGenerator[bytes, None]:
     yield frames
 
 
@@ -164,7 +164,7 @@ class EnvdServer:
         if method == "HEAD":
             writer.write(head)
             if resp.stream is not None:
-                await resp.stream.aclose()  # type: ignore[attr-defined]
+                await resp.stream.aclose()
             await writer.drain()
             return True
         if resp.stream is None:
@@ -217,7 +217,7 @@ class EnvdServer:
             if gone is not None and not gone.done():
                 gone.cancel()
                 await asyncio.gather(gone, return_exceptions=True)
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
         if gone is not None and gone.done() and not gone.cancelled():
             return False
         if chunked:
@@ -274,6 +274,7 @@ class EnvdServer:
         # The socket moves to the volfs thread (volmounts.py): this loop stops reading it
         # and drops its own fd; the node sends nothing before the 101, so no byte is lost.
         transport = writer.transport
+        assert isinstance(transport, asyncio.Transport)  # a socket's: it reads as well as writes
         transport.pause_reading()
         sock = transport.get_extra_info("socket").dup()
         try:
@@ -319,15 +320,16 @@ class EnvdServer:
             if r.kind is Kind.UNARY:
                 return _connect_error_response(e)
             return self._stream_response(_one(connect.encode_end_stream(e)))
+        # which of the three kinds of handler a path has is the route table's word (router.py)
         handler = self.handlers[r.path]
         if r.kind is Kind.UNARY:
-            return await self._unary(handler, body, ctx)
+            return await self._unary(cast(Unary, handler), body, ctx)
         if r.kind is Kind.SERVER_STREAM:
-            return await self._server_stream(handler, body, ctx)
+            return await self._server_stream(cast(ServerStream, handler), body, ctx)
         # The answer of a client stream is sent only once the request body is
         # consumed: the SDK's HTTP client stops sending the body (ends it
         # empty) when response headers arrive first.
-        frames = b"".join([f async for f in self._client_stream(handler, body, ctx)])
+        frames = b"".join([f async for f in self._client_stream(cast(ClientStream, handler), body, ctx)])
         return Response(200, (("Content-Type", CONNECT_STREAM_CT),), frames)
 
     def _authorized(self, head: RequestHead, r: Route) -> bool:
@@ -340,14 +342,14 @@ class EnvdServer:
         return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
     @staticmethod
-    def _stream_response(frames: AsyncIterator[bytes]) -> Response:
+    def _stream_response(frames: AsyncGenerator[bytes, None]) -> Response:
         return Response(200, (("Content-Type", CONNECT_STREAM_CT),), stream=frames)
 
-    async def _unary(self, handler: Handler, body: BodyReader, ctx: RpcContext) -> Response:
+    async def _unary(self, handler: Unary, body: BodyReader, ctx: RpcContext) -> Response:
         try:
             msg = connect.decode_json_message(await body.read_all(UNARY_BODY_LIMIT))
             async with asyncio.timeout(ctx.timeout_s):
-                out = await handler(msg, ctx)  # type: ignore[call-arg,misc]
+                out = await handler(msg, ctx)
         except HttpError as e:
             if e.status == 413:
                 return _connect_error_response(ConnectError(Code.RESOURCE_EXHAUSTED, e.message))
@@ -361,7 +363,7 @@ class EnvdServer:
             return _connect_error_response(ConnectError(Code.INTERNAL, f"internal error: {e}"))
         return Response(200, (("Content-Type", "application/json"),), json.dumps(out).encode())
 
-    async def _server_stream(self, handler: Handler, body: BodyReader, ctx: RpcContext) -> Response:
+    async def _server_stream(self, handler: ServerStream, body: BodyReader, ctx: RpcContext) -> Response:
         try:
             envs = connect.decode_envelopes(await body.read_all(UNARY_BODY_LIMIT + connect.HEADER_LEN))
             if len(envs) != 1:
@@ -373,9 +375,9 @@ class EnvdServer:
             return self._stream_response(_one(connect.encode_end_stream(ConnectError(Code.RESOURCE_EXHAUSTED, e.message))))
         except ConnectError as e:
             return self._stream_response(_one(connect.encode_end_stream(e)))
-        return self._stream_response(self._frames(handler(msg, ctx), ctx))  # type: ignore[arg-type,call-arg]
+        return self._stream_response(self._frames(handler(msg, ctx), ctx))
 
-    async def _frames(self, messages: AsyncIterator[dict[str, Any]], ctx: RpcContext) -> AsyncIterator[bytes]:
+    async def _frames(self, messages: AsyncGenerator[dict[str, Any], None], ctx: RpcContext) -> AsyncGenerator[bytes, None]:
         loop = asyncio.get_running_loop()
         end_at = None if ctx.timeout_s is None else loop.time() + ctx.timeout_s
         error: ConnectError | None = None
@@ -394,10 +396,10 @@ class EnvdServer:
             log.exception("stream handler failed")
             error = ConnectError(Code.INTERNAL, f"internal error: {e}")
         finally:
-            await messages.aclose()  # type: ignore[attr-defined]
+            await messages.aclose()
         yield connect.encode_end_stream(error)
 
-    async def _client_stream(self, handler: Handler, body: BodyReader, ctx: RpcContext) -> AsyncIterator[bytes]:
+    async def _client_stream(self, handler: ClientStream, body: BodyReader, ctx: RpcContext) -> AsyncIterator[bytes]:
         decoder = connect.EnvelopeDecoder()
 
         async def messages() -> AsyncIterator[dict[str, Any]]:
@@ -408,7 +410,7 @@ class EnvdServer:
 
         try:
             async with asyncio.timeout(ctx.timeout_s):
-                out = await handler(messages(), ctx)  # type: ignore[call-arg,misc]
+                out = await handler(messages(), ctx)
             yield connect.encode_message(out)
             yield connect.encode_end_stream()
         except ConnectError as e:
@@ -459,7 +461,8 @@ class EnvdServer:
         token = self.state.access_token
         if token is not None:
             given = head.header("x-access-token") or ""
-            body_token = req.get("accessToken") if isinstance(req.get("accessToken"), str) else ""
+            in_body = req.get("accessToken")
+            body_token = in_body if isinstance(in_body, str) else ""
             if not (hmac.compare_digest(given.encode(), token.encode())
                     or hmac.compare_digest(body_token.encode(), token.encode())):
                 return http_error(401, "invalid access token")

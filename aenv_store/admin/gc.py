@@ -214,13 +214,13 @@ class Collector:
         plan.young_packs = len(young & set(packs))
 
         by_pack: dict[bytes, dict[bytes, IndexEntry]] = defaultdict(dict)
-        for entries in index_files.values():
-            for e in entries:
-                if bytes(e.pack) in packs:
-                    by_pack[bytes(e.pack)].setdefault(bytes(e.chunk), e)
+        for file_entries in index_files.values():
+            for entry in file_entries:
+                if bytes(entry.pack) in packs:
+                    by_pack[bytes(entry.pack)].setdefault(bytes(entry.chunk), entry)
         candidates: dict[bytes, list[bytes]] = defaultdict(list)
-        for pid, entries in by_pack.items():
-            for c in entries:
+        for pid, pack_entries in by_pack.items():
+            for c in pack_entries:
                 if c in live_chunks:
                     candidates[c].append(pid)
         missing = [c for c in live_chunks if not candidates.get(c)]
@@ -329,9 +329,9 @@ class Collector:
         nrecords, live_manifests, live_chunks = self._mark(cutoff)
         packs: dict[bytes, ObjectInfo] = {}
         for info in self.backend.list(PACKS):
-            pid = id_from_key(info.key)
-            if pid is not None and info.key == pack_key(pid):
-                packs[bytes(pid)] = info
+            named = id_from_key(info.key)
+            if named is not None and info.key == pack_key(named):
+                packs[bytes(named)] = info
         plan = self._plan(live_manifests, live_chunks, cutoff, packs)
         new_entries: list[IndexEntry] = []
         written: list[tuple[bytes, int]] = []

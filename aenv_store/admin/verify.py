@@ -188,6 +188,9 @@ class Checker:
         self.rng = random.Random(seed)
         self.issues: list[_Issue] = []
         self.records: dict[str, CatalogRecord] = {}
+        # every manifest looked at, None where it is missing or corrupt (looked at once);
+        # its readable ones become ``manifests`` when they are all loaded
+        self.looked_up: dict[bytes, Manifest | None] = {}
         self.manifests: dict[bytes, Manifest] = {}
         self.reach: dict[bytes, set[str]] = defaultdict(set)   # manifest -> records reaching it
         self.locs: dict[bytes, list[_Loc]] = defaultdict(list)  # chunk -> index entries
@@ -250,14 +253,14 @@ class Checker:
                             f"alias {rec.name!r} points to {rec.target!r}, which does not exist")
 
     def _get_manifest(self, mid: bytes) -> Manifest | None:
-        if mid in self.manifests:
-            return self.manifests[mid]
+        if mid in self.looked_up:
+            return self.looked_up[mid]
         key = manifest_key(mid)
         try:
             data = self.backend.get(key)
         except StoreNotFound:
             self._issue(ERROR, "missing-manifest", key, f"manifest {mid.hex()} is missing", manifests={mid})
-            self.manifests[mid] = None  # type: ignore[assignment]
+            self.looked_up[mid] = None
             return None
         try:
             if blake3.blake3(data).digest() != mid:
@@ -266,7 +269,7 @@ class Checker:
         except CorruptData as e:
             self._issue(ERROR, "corrupt-manifest", key, f"manifest {mid.hex()}: {e}", manifests={mid})
             m = None
-        self.manifests[mid] = m  # type: ignore[assignment]
+        self.looked_up[mid] = m
         return m
 
     def _load_manifests(self) -> None:
@@ -282,7 +285,7 @@ class Checker:
                 if cur is not None:
                     self._issue(ERROR, "manifest-cycle", manifest_key(cur),
                                 f"manifest parent chain of record {name!r} ({role}) loops", manifests={cur})
-        self.manifests = {k: v for k, v in self.manifests.items() if v is not None}
+        self.manifests = {k: v for k, v in self.looked_up.items() if v is not None}
 
     def _load_index(self) -> None:
         for info in self.backend.list(INDEX):
@@ -301,9 +304,9 @@ class Checker:
                 # referenced chunks that end up in no index to this problem.
                 self._issue(ERROR, "corrupt-index", info.key, f"index file {info.key}: {e}")
                 continue
-            for e in f.entries():
-                self.locs[bytes(e.chunk)].append(
-                    _Loc(bytes(e.pack), e.offset, e.length, e.raw_length, info.key))
+            for entry in f.entries():
+                self.locs[bytes(entry.chunk)].append(
+                    _Loc(bytes(entry.pack), entry.offset, entry.length, entry.raw_length, info.key))
             self.index_entries += len(f)
 
     def _check_packs(self) -> None:
@@ -378,25 +381,25 @@ class Checker:
         bad: set[bytes] = set()
         dctx = zstandard.ZstdDecompressor()
         view = memoryview(data)
-        for e in res.entries:
+        for entry in res.entries:
             try:
-                plain = packfmt.decode_payload(view[e.offset:e.offset + e.length], e, dctx)
-                ok = blake3.blake3(plain).digest() == e.chunk
+                plain = packfmt.decode_payload(view[entry.offset:entry.offset + entry.length], entry, dctx)
+                ok = blake3.blake3(plain).digest() == entry.chunk
                 problem = "" if ok else "content does not match its id"
             except CorruptData as err:
                 problem = str(err)
             res.chunks_read += 1
             if problem:
-                bad.add(bytes(e.chunk))
+                bad.add(bytes(entry.chunk))
                 res.issues.append(_Issue(ERROR, "corrupt-chunk", info.key,
-                                         f"chunk {e.chunk.hex()} at offset {e.offset} in pack {info.key}: {problem}",
-                                         chunks={bytes(e.chunk)}))
+                                         f"chunk {entry.chunk.hex()} at offset {entry.offset} in pack {info.key}: {problem}",
+                                         chunks={bytes(entry.chunk)}))
         if damaged and not bad:
             # Every chunk checks out but the file does not hash to its name (a flipped
             # header/trailer bit the codecs tolerate): the pack is still damaged.
             res.issues.append(_Issue(ERROR, "corrupt-pack", info.key,
                                      f"pack {info.key}: content does not match its id",
-                                     chunks={bytes(e.chunk) for e in res.entries}))
+                                     chunks={bytes(entry.chunk) for entry in res.entries}))
         return res
 
     def _check_index_against_packs(self) -> None:
@@ -514,7 +517,9 @@ def verify(repo: Repository, read_data: bool = False, subset: Subset | None = No
 
 def format_report(report: VerifyReport, read_data: bool) -> Iterable[str]:
     """Human-readable summary lines (the CLI prints them)."""
-    from_pct = lambda n, d: f"{100.0 * n / d:.0f}%" if d else "0%"  # noqa: E731
+    def from_pct(n: int, d: int) -> str:
+        return f"{100.0 * n / d:.0f}%" if d else "0%"
+
     yield (f"checked {report.records} catalog records, {report.manifests} manifests, "
            f"{report.chunks_referenced} referenced chunks")
     yield (f"index: {report.index_files} files, {report.index_entries} entries; "

@@ -567,7 +567,9 @@ class NodeCache:
         self._writes.drain()
         self._flush()
         with self._env.begin() as txn:
-            get = lambda name: self._db.get_u64(txn, name.encode())  # noqa: E731
+            def get(name: str) -> int:
+                return self._db.get_u64(txn, name.encode())
+
             pinned = pinned_bytes = 0
             for digest in self._db.iter_pins(txn):
                 entry = self._db.get(txn, digest)

@@ -7,6 +7,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import CorruptData
 from .ids import Digest
@@ -46,12 +47,12 @@ class CatalogRecord:
                 raise ValueError(f"duplicate manifest role {item[0]!r}")
             roles.add(item[0])
         prev = None
-        for item in self.meta:
-            if not (isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) for x in item)):
-                raise ValueError(f"meta items must be (str, str) pairs, got {item!r}")
-            if prev is not None and item[0] <= prev:
+        for pair in self.meta:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise ValueError(f"meta items must be (str, str) pairs, got {pair!r}")
+            if prev is not None and pair[0] <= prev:
                 raise ValueError("meta keys must be unique and sorted")
-            prev = item[0]
+            prev = pair[0]
         if not isinstance(self.created, (int, float)) or isinstance(self.created, bool) \
                 or not math.isfinite(self.created):
             raise ValueError(f"bad created time {self.created!r}")
@@ -73,7 +74,7 @@ class CatalogRecord:
     def meta_dict(self) -> dict[str, str]:
         return dict(self.meta)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "v": VERSION,
             "name": self.name,

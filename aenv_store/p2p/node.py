@@ -411,7 +411,7 @@ class P2PNode:
             return c.conn
 
     async def _request(self, peer: Peer, op: Op, cids: list[Digest], first_byte_deadline: float) -> Any:
-        """One request to one peer; the first answer byte must come by ``first_byte_deadline``."""
+        """Send one request to one peer; returns the stream its answer comes on."""
         loop = asyncio.get_running_loop()
         conn = await self._connection(peer, max(0.01, min(CONNECT_TIMEOUT, first_byte_deadline - loop.time())))
         bi = await conn.open_bi()
@@ -421,10 +421,20 @@ class P2PNode:
         recv = bi.recv()
         with self.table.lock:
             peer.counters.requests += 1
-        if op == Op.HAVE:
-            data = await asyncio.wait_for(recv.read_to_end((len(cids) + 7) // 8),
-                                          max(0.001, first_byte_deadline - loop.time()))
-            return decode_have(data, len(cids))
+        return recv
+
+    async def _have(self, peer: Peer, cids: list[Digest], first_byte_deadline: float) -> list[bool]:
+        """Ask one peer which of ``cids`` it holds; the answer must come by ``first_byte_deadline``."""
+        loop = asyncio.get_running_loop()
+        recv = await self._request(peer, Op.HAVE, cids, first_byte_deadline)
+        data = await asyncio.wait_for(recv.read_to_end((len(cids) + 7) // 8),
+                                      max(0.001, first_byte_deadline - loop.time()))
+        return decode_have(data, len(cids))
+
+    async def _get(self, peer: Peer, cids: list[Digest], first_byte_deadline: float) -> list[Frame]:
+        """Get ``cids`` from one peer; the first answer byte must come by ``first_byte_deadline``."""
+        loop = asyncio.get_running_loop()
+        recv = await self._request(peer, Op.GET, cids, first_byte_deadline)
         parser = GetResponseParser(cids)
         frames: list[Frame] = []
         try:
@@ -450,16 +460,16 @@ class P2PNode:
         IDLE_TIMEOUT between reads."""
         loop = asyncio.get_running_loop()
         await self._connection(peer, max(0.01, min(CONNECT_TIMEOUT, lookup_deadline - loop.time())))
-        get = asyncio.ensure_future(self._request(peer, Op.GET, cids, loop.time() + FIRST_BYTE_TIMEOUT))
+        get = asyncio.ensure_future(self._get(peer, cids, loop.time() + FIRST_BYTE_TIMEOUT))
         try:
-            have = await self._request(peer, Op.HAVE, cids, lookup_deadline)
+            have = await self._have(peer, cids, lookup_deadline)
         except BaseException:
             await _cancel(get)
             raise
         if not any(have):
             await _cancel(get)
             return [Frame(c, Status.MISSING) for c in cids]
-        return await get  # type: ignore[no-any-return]
+        return await get
 
     async def _fetch_async(self, cids: list[Digest]) -> dict[Digest, bytes]:
         loop = asyncio.get_running_loop()
@@ -525,7 +535,7 @@ class P2PNode:
 
         async def ask() -> list[bool]:
             deadline = asyncio.get_running_loop().time() + max(self.lookup_timeout, 2.0)
-            return await self._request(peer, Op.HAVE, cids, deadline)  # type: ignore[no-any-return]
+            return await self._have(peer, cids, deadline)
 
         return self._run(ask(), timeout=10)
 

@@ -210,7 +210,7 @@ def write_status(data_dir: Path, status: dict[str, Any]) -> None:
 def read_status(data_dir: Path) -> dict[str, Any] | None:
     """The last status a node wrote, or None; ``running`` says whether its process lives."""
     try:
-        st = json.loads((p2p_dir(data_dir) / "status.json").read_text())
+        st: dict[str, Any] = json.loads((p2p_dir(data_dir) / "status.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     pid = int(st.get("pid", 0) or 0)

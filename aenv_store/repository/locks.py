@@ -31,6 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import TypedDict, Unpack
 
 from ..errors import BackendError, CorruptData, LockError, StoreNotFound
 from .backends.base import Backend, ObjectInfo
@@ -386,12 +387,22 @@ def _raise_on_conflict(kind: LockKind, entries: list[LockEntry], own_key: str | 
                     f"`aenv repo unlock` removes stale locks")
 
 
-def lock_shared(backend: Backend, **kwargs: object) -> RepositoryLock:
-    return acquire(backend, LockKind.SHARED, **kwargs)  # type: ignore[arg-type]
+class LockOptions(TypedDict, total=False):
+    """``acquire``'s keyword arguments, for the two shorthands below."""
+    purpose: str
+    timeout: float
+    refresh_interval: float | None
+    wait: float
+    settle: float
+    remove_stale: bool
 
 
-def lock_exclusive(backend: Backend, **kwargs: object) -> RepositoryLock:
-    return acquire(backend, LockKind.EXCLUSIVE, **kwargs)  # type: ignore[arg-type]
+def lock_shared(backend: Backend, **options: Unpack[LockOptions]) -> RepositoryLock:
+    return acquire(backend, LockKind.SHARED, **options)
+
+
+def lock_exclusive(backend: Backend, **options: Unpack[LockOptions]) -> RepositoryLock:
+    return acquire(backend, LockKind.EXCLUSIVE, **options)
 
 
 # Writers wait this long for a running gc (the only exclusive holder) before failing.
