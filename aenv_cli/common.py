@@ -8,9 +8,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, TextIO
 
 from .config import AenvConfig, load_config, resolve_data_dir
+
+if TYPE_CHECKING:     # the store is imported when a command opens it (the CLI starts fast)
+    from aenv_store.store import Store
 
 
 class Subcommands(Protocol):
@@ -55,6 +58,13 @@ def config_from_args(args: argparse.Namespace) -> AenvConfig:
     data_dir = resolve_data_dir(getattr(args, "data_dir", None))
     cfg = getattr(args, "config", None)
     return load_config(data_dir, Path(cfg).expanduser() if cfg else None)
+
+
+def open_store(args: argparse.Namespace, create: bool = False) -> Store:
+    """The node's store as the command's config names it (``create``: a new repository if none)."""
+    from aenv_store.assembly import open_node_store
+
+    return open_node_store(config_from_args(args).store_settings(), create=create)
 
 
 _SIZE = re.compile(r"^(\d+)([KMGT]i?B?|B)?$", re.IGNORECASE)

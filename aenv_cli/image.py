@@ -13,8 +13,8 @@ from typing import Any
 
 from aenv_store.errors import StoreNotFound
 
-from .common import (CliError, Subcommands, common_options, config_from_args, human_bytes, parse_size, print_json,
-                     print_table)
+from .common import (CliError, Subcommands, common_options, config_from_args, human_bytes, open_store, parse_size,
+                     print_json, print_table)
 
 
 def _meta(items: list[str] | None) -> dict[str, str]:
@@ -25,12 +25,6 @@ def _meta(items: list[str] | None) -> dict[str, str]:
             raise CliError(f"bad --meta {item!r}: expected KEY=VALUE")
         out[k] = v
     return out
-
-
-def _open_store(args: argparse.Namespace, create: bool = False):  # type: ignore[no-untyped-def]
-    from aenv_store.assembly import open_node_store
-
-    return open_node_store(config_from_args(args).store_settings(), create=create)
 
 
 def _resolve_image(store: Any, name: str) -> Any:
@@ -49,7 +43,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     src = Path(args.source).expanduser()
     if not src.exists():
         raise CliError(f"{src}: no such file or directory")
-    store = _open_store(args, create=args.init)
+    store = open_store(args, create=args.init)
     try:
         if src.is_dir():
             res = import_tree(store, src, args.name, size=parse_size(args.size) if args.size else None,
@@ -78,7 +72,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise CliError(f"{out} exists (use --force to overwrite)")
     existed = out.exists()
-    store = _open_store(args)
+    store = open_store(args)
     try:
         _record, top = _resolve_image(store, args.name)
         try:
@@ -96,9 +90,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     from aenv_vm.blockimage.layer import IMAGE_KIND, image_top
 
-    store = _open_store(args)
+    store = open_store(args)
     try:
-        rows = []
+        rows: list[dict[str, Any]] = []
         for rec in sorted(store.list_records(IMAGE_KIND), key=lambda r: r.name):
             top = image_top(rec)
             m = store.load_manifest(top)
@@ -125,7 +119,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     else (another name, a template) still uses it."""
     from aenv_vm.blockimage.layer import IMAGE_KIND
 
-    store = _open_store(args)
+    store = open_store(args)
     try:
         for name in args.names:
             try:
@@ -145,7 +139,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from aenv_vm.blockimage.extent_map import ExtentMap
     from aenv_vm.blockimage.layer import load_stack
 
-    store = _open_store(args)
+    store = open_store(args)
     try:
         record, top = _resolve_image(store, args.name)
         layers = load_stack(store, top)
@@ -181,7 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from aenv_vm.blockimage.nbd_server import NbdServer
 
     cfg = config_from_args(args)
-    store = _open_store(args)
+    store = open_store(args)
     images = []
     try:
         for name in args.names:

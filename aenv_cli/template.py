@@ -13,9 +13,12 @@ import argparse
 import asyncio
 import datetime
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .common import CliError, Subcommands, config_from_args, print_json, print_table
+from .common import CliError, Subcommands, config_from_args, open_store, print_json, print_table
+
+if TYPE_CHECKING:
+    from aenv_vm.templates.template import Template
 
 
 def register(subparsers: Subcommands) -> None:
@@ -126,13 +129,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return logs_remote(args)
 
 
-def _open_store(args: argparse.Namespace, create: bool = False):  # type: ignore[no-untyped-def]
-    from aenv_store.assembly import open_node_store
-
-    return open_node_store(config_from_args(args).store_settings(), create=create)
-
-
-def _row(tpl, aliases: list[str]) -> dict:  # type: ignore[no-untyped-def]
+def _row(tpl: Template, aliases: list[str]) -> dict[str, object]:
     return {"id": tpl.id, "aliases": ",".join(aliases), "memory_mib": tpl.memory_mib, "vcpus": tpl.vcpus,
             "disk_mib": tpl.disk_mib,
             "accel": tpl.accel, "guest": tpl.guest_key,
@@ -159,7 +156,7 @@ def cmd_build_local(args: argparse.Namespace) -> int:
         guest = ensure_guest()
         accel, reason = asyncio.run(choose_accel(vm, guest, confinement))
         print(f"template: accelerator {reason}", file=sys.stderr)
-        with _open_store(args, create=True) as store:
+        with open_store(args, create=True) as store:
             cfg.data_dir.mkdir(parents=True, exist_ok=True)
             tpl = asyncio.run(build_base_template(store, guest, cfg.data_dir, alias=alias, memory_mib=memory_mib,
                                                   vcpus=vcpus, disk_mib=disk_mib, accel=accel,
@@ -176,7 +173,7 @@ def cmd_build_local(args: argparse.Namespace) -> int:
 def cmd_ls_local(args: argparse.Namespace) -> int:
     from aenv_vm.templates.template import list_templates
 
-    with _open_store(args) as store:
+    with open_store(args) as store:
         rows = [_row(t, aliases) for t, aliases in list_templates(store)]
     if args.output == "json":
         print_json(rows, out=sys.stdout)
@@ -189,7 +186,7 @@ def cmd_rm_local(args: argparse.Namespace) -> int:
     from aenv_vm.errors import VmError
     from aenv_vm.templates.template import remove_template
 
-    with _open_store(args) as store:
+    with open_store(args) as store:
         try:
             tpl = remove_template(store, args.template)
         except VmError as e:
