@@ -93,7 +93,7 @@ class NamedSnapshots:
             finally:
                 self.capturer.give_back(cap.delta.data)
             t3 = time.monotonic()
-            meta = snapshot_meta(tpl.meta, sbx, rec, hidden, self.rt.node_id)
+            meta = snapshot_meta(tpl.meta, sbx.id, tpl.id, sbx.guest_token, rec, self.rt.node_id if hidden else None)
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             raise
@@ -160,18 +160,19 @@ class NamedSnapshots:
         self.rt.templates.forget(tid)
 
 
-def snapshot_meta(parent: TemplateMeta, sbx: Sandbox, rec: SandboxRecord | None, hidden: bool,
-                  node_id: str) -> TemplateMeta:
-    """The meta of a snapshot of ``sbx``: its template's (the machine, and a build's
-    settings and start command, which a cold boot of the snapshot's sandboxes needs) with
-    the snapshot's own keys set."""
+def snapshot_meta(parent: TemplateMeta, of: str, parent_template: str, token: str | None,
+                  rec: SandboxRecord | None, fork_node: str | None) -> TemplateMeta:
+    """The meta of a snapshot of sandbox ``of`` (running ``parent_template``, whose meta is
+    ``parent``: the machine, and a build's settings and start command, which a cold boot of
+    the snapshot's sandboxes needs) with the snapshot's own keys set. ``token``: what its
+    envd demands now; ``fork_node``: a fork's hidden snapshot made on that node."""
     meta = dataclasses.replace(
-        parent, snapshot_of=sbx.id, parent_template=sbx.template.id,
+        parent, snapshot_of=of, parent_template=parent_template,
         # what the frozen envd demands (the memory image holds it anyway; restores need
         # it to re-key envd): the sandbox's token, not the parent template's secret
-        envd_token=sbx.guest_token or None)
-    if hidden:   # only its maker drops it (drop_unused)
-        meta = dataclasses.replace(meta, hidden=HIDDEN_FORK, fork_node=node_id)
+        envd_token=token or None)
+    if fork_node is not None:   # only its maker drops it (drop_unused)
+        meta = dataclasses.replace(meta, hidden=HIDDEN_FORK, fork_node=fork_node)
     if rec is not None:
         meta = dataclasses.replace(meta, metadata=tuple(sorted(rec.metadata.items())))
         if rec.volume_mounts:   # mounted in the frozen guest: a create from it must drop them

@@ -4,7 +4,6 @@ snapshot's record carries, and the fallback for records that do not carry it."""
 from __future__ import annotations
 
 import json
-import types
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 from aenv_vm.blockimage.image import BlockImage
+from aenv_vm.sandboxes.records import SandboxRecord, SandboxState
 from aenv_vm.sandboxes.snapshots import snapshot_meta
 from aenv_vm.templates.freeze import freeze
 from aenv_vm.templates.meta import HIDDEN_FORK, NO_SETTINGS, GuestSettings, MetaError, TemplateMeta
@@ -148,17 +148,17 @@ def test_a_snapshot_carries_its_templates_settings(store: Store, tmp_path: Path)
     built = {**BASE, "build_state": state, "start_cmd": "serve", "ready_cmd": "check", "envd_token": "tpl-secret",
              "default_user": "user", "disk_mib": "2048"}
     parent = frozen(store, tmp_path, "tpl-000000000002", TemplateMeta.from_meta(built))
-    sbx = types.SimpleNamespace(id="sbx-1", template=parent, guest_token="sbx-token")
-    rec = types.SimpleNamespace(metadata={"b": "2", "a": "1"}, volume_mounts=[{"path": "/v2"}, {"path": "/v1"}])
-    snap = frozen(store, tmp_path, "tpl-000000000003", snapshot_meta(parent.meta, sbx, rec, False, "node-a"))
+    rec = SandboxRecord("sbx-1", parent.id, SandboxState.RUNNING, 0.0, 0.0, metadata={"b": "2", "a": "1"},
+                        volume_mounts=[{"path": "/v2", "name": "v"}, {"path": "/v1", "name": "w"}])
+    snap = frozen(store, tmp_path, "tpl-000000000003",
+                  snapshot_meta(parent.meta, "sbx-1", parent.id, "sbx-token", rec, None))
     assert store.get_record(snap.id).meta_dict() == {
         **built, "snapshot_of": "sbx-1", "parent_template": parent.id, "envd_token": "sbx-token",
         "metadata": '{"a": "1", "b": "2"}', "volume_paths": '["/v1", "/v2"]'}
     assert snap.hidden_fork_node is None and snap.volume_paths == ("/v1", "/v2") and snap.ready_cmd == "check"
     assert guest_settings(store, snap) == GuestSettings({"A": "1"}, "user", "/w", "serve")
     # a fork's hidden snapshot of a sandbox with no token: not listed, and no token kept
-    kid = types.SimpleNamespace(id="sbx-2", template=snap, guest_token=None)
-    fork = snapshot_meta(snap.meta, kid, None, True, "node-a")
+    fork = snapshot_meta(snap.meta, "sbx-2", snap.id, None, None, "node-a")
     assert fork.hidden == HIDDEN_FORK and fork.fork_node == "node-a" and fork.envd_token is None
     assert fork.to_meta()["metadata"] == '{"a": "1", "b": "2"}'    # none of its own: its parent's
 
