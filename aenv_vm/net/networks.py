@@ -37,7 +37,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from envd import ENVD_PORT
 
@@ -208,7 +208,7 @@ class NodeNetworks:
             raise NetError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
         self.configured = mode
         self.mode: NetworkMode = "tap" if mode == "tap" else "user"   # "auto": decided in start()
-        self.isolation: Isolation = isolation  # type: ignore[assignment]
+        self.isolation = cast(Isolation, isolation)     # one of ISOLATIONS: checked above
         self.tag = netns.node_tag(run_root)
         self._nets: dict[str, SandboxNet] = {}
         self._policies: dict[str, NetworkPolicy] = {}

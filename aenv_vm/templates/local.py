@@ -71,7 +71,8 @@ def lazy_files(store: Store, tpl: Template, root: Path, lazy: MemoryFs) -> tuple
     page by page: already exposed, or not wholly in the node cache. None: materialize."""
     d = root / tpl.id
     try:
-        if lazy.image(tpl.memory) is None:
+        exposed = lazy.image(tpl.memory)
+        if exposed is None:
             if (d / "memory").is_file():
                 return None
             manifest = store.load_manifest(tpl.memory)
@@ -83,7 +84,7 @@ def lazy_files(store: Store, tpl: Template, root: Path, lazy: MemoryFs) -> tuple
             if cached_whole(store, manifest):
                 return None          # a warm node: assembled from the node cache as before
         else:
-            manifest = lazy.image(tpl.memory).manifest   # type: ignore[union-attr]
+            manifest = exposed.manifest
         state = d / "device-state"
         if not state.is_file():
             d.mkdir(parents=True, exist_ok=True)
