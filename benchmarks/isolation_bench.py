@@ -48,7 +48,10 @@ from aenv_vm.qemu import migration  # noqa: E402
 from aenv_vm.qemu.launcher import QemuProcess  # noqa: E402
 from aenv_vm.blockimage.image import BlockImage  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
-from aenv_vm.sandboxes.restore import restore_from_template, teardown, teardown_sandbox  # noqa: E402
+from aenv_vm.machine.machine import teardown  # noqa: E402
+from aenv_vm.machine.plan import Disk, Greeting, MachinePlan, Restore  # noqa: E402
+from aenv_vm.machine.spec import machine_spec  # noqa: E402
+from aenv_vm.sandboxes.restore import restore_from_template, teardown_sandbox  # noqa: E402
 from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
 from aenv_vm.templates.base import build_template  # noqa: E402
 
@@ -95,7 +98,9 @@ async def state_loads(mgr: SandboxManager, reps: int) -> dict[str, list[float]]:
             image = await asyncio.to_thread(BlockImage.open, rt.store, tpl.disk, sid, upper_dir=rt.sandbox_dir(sid) / "upper")
             rt.nbd.add_export(image)
             await rt.nbd.listen(sid, rt.vm_dir(sid) / "nbd.sock")
-            vm = await QemuProcess.start(rt.clone_spec(sid, tpl, mem, await rt.networks.attach(sid), None))
+            plan = MachinePlan.restore(sid, rt.sandbox_dir(sid), tpl.shape, mem, Restore(state), Disk(tpl.disk),
+                                       Greeting({}, None, rt.ready_timeout))
+            vm = await QemuProcess.start(machine_spec(rt, plan, await rt.networks.attach(sid), None))
             try:
                 t0 = time.perf_counter()
                 if how == "fd:":
@@ -109,7 +114,7 @@ async def state_loads(mgr: SandboxManager, reps: int) -> dict[str, list[float]]:
                         await asyncio.sleep(0.002)
                 out[how].append(time.perf_counter() - t0)
             finally:
-                await teardown(rt, sid, vm, image)
+                await teardown(rt, sid, vm, image, rt.sandbox_dir(sid))
     return out
 
 

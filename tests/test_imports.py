@@ -12,6 +12,9 @@
   no module reaches into a private attribute of an object another module owns
   (``obj._x`` with ``_x`` defined nowhere in the module itself), except the few
   places listed in ``PRIVATE_ALLOWED`` with the reason.
+* Nothing outside ``aenv_vm/machine`` and ``aenv_vm/qemu`` starts a QEMU: no
+  other module refers to ``QemuProcess.start`` or constructs a ``QemuProcess``
+  (``qemu_starts``); every guest comes up through the one bring-up.
 """
 from __future__ import annotations
 
@@ -310,3 +313,50 @@ def test_former_cycles_stay_cut(source: str, target: str) -> None:
            for d in deps if d == target or d.startswith(target + ".")]
     assert not bad, f"{source} must not import {target}: {bad}"
     assert "aenv_store.p2p.source" in g["aenv_store.assembly"]     # the assembly is where they meet
+
+
+# Only these packages start a QEMU: aenv_vm/machine brings every guest up (and down), and
+# aenv_vm/qemu is the process control beneath it (its accelerator probe boots a bare kernel).
+QEMU_STARTERS = ("aenv_vm.machine", "aenv_vm.qemu")
+QEMU_LAUNCHER = "aenv_vm.qemu.launcher"
+
+
+def qemu_starts(mod: str) -> list[str]:
+    """Where ``mod`` starts a QEMU: a reference to ``QemuProcess.start`` (called or handed
+    on) or a call constructing a ``QemuProcess``, however the class or its module was
+    imported (``from ...launcher import QemuProcess [as X]``, ``import ...launcher as L``)."""
+    tree = ast.parse(MODULES[mod].read_text(), str(MODULES[mod]))
+    classes: set[str] = set()       # names bound to QemuProcess in this module
+    modules: set[str] = set()       # names bound to the launcher module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _resolve(mod, node)
+            for a in node.names:
+                if source == QEMU_LAUNCHER and a.name == "QemuProcess":
+                    classes.add(a.asname or a.name)
+                elif f"{source}.{a.name}" == QEMU_LAUNCHER:
+                    modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name == QEMU_LAUNCHER and a.asname}
+
+    def is_class(n: ast.expr) -> bool:
+        return (isinstance(n, ast.Name) and n.id in classes) or (
+            isinstance(n, ast.Attribute) and n.attr == "QemuProcess" and ast.unparse(n.value) in modules | {
+                QEMU_LAUNCHER})
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "start" and is_class(node.value):
+            out.append(f"{mod}:{node.lineno} {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and is_class(node.func):
+            out.append(f"{mod}:{node.lineno} {ast.unparse(node)[:80]}")
+    return out
+
+
+def test_only_the_machine_package_starts_qemu() -> None:
+    bad = [where for mod in MODULES if not any(mod == p or mod.startswith(p + ".") for p in QEMU_STARTERS)
+           for where in qemu_starts(mod)]
+    assert not bad, ("a QEMU started outside aenv_vm/machine and aenv_vm/qemu (bring it up with "
+                     "aenv_vm.machine.bringup: bring_up or start_standby):\n" + "\n".join(bad))
+    # the checker sees the starts that are allowed
+    assert any("QemuProcess.start" in w for w in qemu_starts("aenv_vm.machine.bringup"))
+    assert any("QemuProcess.start" in w for w in qemu_starts("aenv_vm.qemu.accel"))

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import secrets
 import time
@@ -130,8 +131,8 @@ class Build:
                 raise BuildFailed(f"unknown template {ref!r}", "base") from None
             if tpl.guest_key != self.rt.guest.key:
                 raise BuildFailed(f"template {ref!r} was built from another guest build: rebuild it first", "base")
-            meta = self.rt.store.get_record(tpl.id).meta_dict()
-            state = StepState.from_json(meta["build_state"]) if "build_state" in meta else StepState()
+            built = tpl.meta.build_state
+            state = StepState.from_json(built) if built is not None else StepState()
             size = self.rt.store.load_manifest(tpl.disk).size // MiB
             self.log.info(f"base: template {ref} ({tpl.id})", "base")
             return _Base(tpl.disk, state, size, tpl.disk_mib or size)
@@ -333,12 +334,9 @@ class Build:
                 self.log.flush("finalize")
         tid = f"tpl-{secrets.token_hex(6)}"
         self.log.info(f"snapshotting the running VM as {tid}", "finalize")
-        meta = {"build_state": state.to_json(), "build_id": self.job.build_id, "e2b_template": self.job.name,
-                "default_user": state.user}
-        if spec.start_cmd:
-            meta["start_cmd"] = spec.start_cmd
-        if spec.ready_cmd:
-            meta["ready_cmd"] = spec.ready_cmd
+        meta = dataclasses.replace(vm.template_meta(), build_state=state.to_json(), build_id=self.job.build_id,
+                                   e2b_template=self.job.name, default_user=state.user,
+                                   start_cmd=spec.start_cmd or None, ready_cmd=spec.ready_cmd or None)
         try:
             await vm.freeze(tid, meta)
         except VmError as e:

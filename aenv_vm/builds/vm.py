@@ -1,7 +1,8 @@
-"""A build VM: a guest cold-booted from a committed disk layer, on the node's
-networks and confinement like any sandbox, that runs build steps through envd,
-commits its disk as a new layer after each step, and is finally frozen into a
-template (the same artifacts templates/base.py commits for ``base``).
+"""A build VM: a guest booted from a committed disk layer (aenv_vm/machine,
+``MachinePlan.build``), on the node's networks and confinement like any sandbox,
+that runs build steps through envd, commits its disk as a new layer after each
+step, and is finally frozen into a template (templates/freeze.py, as the base
+template is).
 
 Networking: always QEMU's user-mode stack (in a namespace of its own when the
 node isolates sandboxes, so a build's RUN steps meet the same egress rules as a
@@ -18,24 +19,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import shutil
-import time
 from dataclasses import dataclass
-from pathlib import Path
-
-from envd import ENVD_PORT
 
 from aenv_store.formats.ids import Digest
 
-from ..blockimage.image import BlockImage
 from ..envd_client import EnvdClient, OutputSink, ProcessRequest, stream_process
 from ..errors import VmError
-from ..guest import kernel_cmdline
-from ..net.policy import NetworkPolicy
-from ..qemu.launcher import Accel, NbdDisk, QemuProcess, VmSpec
-from ..qemu.migration import save_device_state
+from ..machine.bringup import bring_up
+from ..machine.machine import Machine, close, halt
+from ..machine.plan import Greeting, MachinePlan
+from ..qemu.launcher import Accel
 from ..sandboxes.runtime import NodeRuntime
-from ..templates.template import DEVICE_STATE, MEMORY_IMAGE, stage_file, template_record
+from ..templates.freeze import freeze
+from ..templates.meta import TemplateMeta
 
 GROW_ROOT = ("if [ -x /.aenv/bin/resize2fs ]; then exec /.aenv/bin/resize2fs /dev/vda; "
              "else exec resize2fs /dev/vda; fi")
@@ -52,68 +48,31 @@ class VmShape:
 class BuildVm:
     """One running build VM. ``boot`` starts it; ``close`` always tears it down."""
 
-    def __init__(self, rt: NodeRuntime, name: str, shape: VmShape, image: BlockImage, cmdline: str) -> None:
+    def __init__(self, rt: NodeRuntime, machine: Machine, shape: VmShape, cmdline: str, token: str) -> None:
         self.rt = rt
-        self.name = name
+        self.machine = machine
+        self.name = machine.name
         self.shape = shape
-        self.image = image
         self.cmdline = cmdline
-        self.work = rt.run_root / "builds" / name
-        self.vm: QemuProcess | None = None
-        self.envd = EnvdClient("127.0.0.1", 0)
-        self.envd_version: str | None = None
+        self.token = token                  # what the VM's envd (and the frozen template's) demands
+        self.envd: EnvdClient = machine.envd
+        self.envd_version = machine.envd_version
 
     @classmethod
     async def boot(cls, rt: NodeRuntime, name: str, layer: Digest, shape: VmShape,
                    boot_timeout: float = 240.0) -> "BuildVm":
-        work = rt.run_root / "builds" / name
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        image = await asyncio.to_thread(BlockImage.open, rt.store, layer, name, upper_dir=work / "upper",
-                                        size=shape.disk_mib << 20, min_free_disk=rt.min_free_disk)
-        # Under TCG no ASLR in the guest (docs/guest.md: the translations of a pooled
-        # clone's warm-up then serve the user's commands); KVM keeps it.
-        cmdline = kernel_cmdline(extra="norandmaps" if shape.accel == "tcg" else "")
-        self = cls(rt, name, shape, image, cmdline)
-        try:
-            await self._start(boot_timeout)
-        except BaseException:
-            await self.close()
-            raise
-        return self
-
-    async def _start(self, boot_timeout: float) -> None:
-        rt, name = self.rt, self.name
-        rt.nbd.add_export(self.image)
-        jail = rt.confinement.jail(name)
-        uid = jail.uid if jail is not None else None
-        vm_dir = rt.vm_dir(name)
-        shutil.rmtree(vm_dir, ignore_errors=True)
-        vm_dir.mkdir(parents=True)
-        await rt.nbd.listen(name, vm_dir / "nbd.sock", owner=uid)
-        network = await rt.networks.attach(name, NetworkPolicy(), owner=uid, user_mode=True)
-        spec = VmSpec(name=name, kernel=rt.guest.kernel, initrd=rt.guest.initrd, kernel_cmdline=self.cmdline,
-                      run_dir=vm_dir, memory_mib=self.shape.memory_mib, vcpus=self.shape.vcpus,
-                      accel=self.shape.accel, mem_path=self.work / "memory",
-                      disk=NbdDisk(rt.nbd.socket_of(name), name), tcg_tb_mib=rt.tcg_tb_mib, jail=jail,
-                      **network)  # type: ignore[arg-type]
-        self.vm = await QemuProcess.start(spec)
-        net = rt.networks.get(name)
-        host = "127.0.0.1" if net is None else net.ns_ip
-        assert spec.host_port is not None
-        self.envd = EnvdClient(host, spec.host_port)
-        try:
-            self.envd_version = await self.envd.wait_healthy(timeout=boot_timeout, alive=self.vm.alive)
-        except VmError as e:
-            raise VmError(f"the build VM did not boot: {e}\n{self.vm.log_tail()}") from None
         # a secret of this build's own: nothing else reaches the VM's envd meanwhile, and
         # the frozen template's envd demands it until the node re-keys each clone
-        self.token = secrets.token_urlsafe(32)
-        await self.envd.init({"accessToken": self.token})
-        self.envd = self.envd.with_token(self.token)
+        token = secrets.token_urlsafe(32)
+        plan = MachinePlan.build(name, rt.run_root / "builds" / name, layer, disk_mib=shape.disk_mib,
+                                 memory_mib=shape.memory_mib, vcpus=shape.vcpus, accel=shape.accel,
+                                 greeting=Greeting({"accessToken": token}, None, boot_timeout),
+                                 failure="the build VM did not boot")
+        machine, _ = await bring_up(rt, plan)
+        return cls(rt, machine, shape, plan.shape.kernel_cmdline, token)
 
     def alive(self) -> bool:
-        return self.vm is not None and self.vm.alive()
+        return self.machine.vm.alive()
 
     async def run(self, req: ProcessRequest, *, timeout: float, on_output: OutputSink | None = None) -> int:
         if not self.alive():
@@ -142,52 +101,39 @@ class BuildVm:
 
     async def commit_layer(self, meta: dict[str, str]) -> Digest:
         """The disk as it is now, sealed as a committed layer (see the module doc)."""
-        assert self.vm is not None and self.vm.qmp is not None
+        vm = self.machine.vm
+        assert vm.qmp is not None
         code, out = await self.sh("sync", timeout=300.0)
         if code != 0:
             raise VmError(f"sync in the build VM failed: {out.decode(errors='replace')[-200:]}")
-        await self.vm.qmp.execute("stop")
+        await vm.qmp.execute("stop")
         try:
-            info = await asyncio.to_thread(self.image.commit, None, meta)
+            info = await asyncio.to_thread(self.machine.image.commit, None, meta)
         finally:
-            if self.vm.alive():
-                await self.vm.qmp.execute("cont")
+            if vm.alive():
+                await vm.qmp.execute("cont")
         return info.layer_id
 
-    async def freeze(self, tid: str, meta: dict[str, str]) -> None:
+    def template_meta(self) -> TemplateMeta:
+        """The meta of a template frozen from this VM, before the build adds its keys."""
+        guest = self.rt.guest
+        return TemplateMeta(memory_mib=self.shape.memory_mib, vcpus=self.shape.vcpus, accel=self.shape.accel,
+                            guest_key=guest.key, kernel_cmdline=self.cmdline, kernel_release=guest.kernel_release,
+                            disk_mib=self.shape.disk_mib, envd_version=self.envd_version or None,
+                            envd_token=self.token)
+
+    async def freeze(self, tid: str, meta: TemplateMeta) -> None:
         """Save the running VM as template ``tid`` (disk layer, memory image, device
-        state), stop it, and commit the template record with ``meta`` added."""
-        assert self.vm is not None
+        state), stop it, and commit the template record with ``meta`` (``template_meta()``
+        with the build's keys)."""
         # the command path once per user before freezing: bash, its libraries and the
         # profiles are then in the frozen page cache that clones share (templates/base.py)
-        for user in ("root", meta.get("default_user", "root")):
+        for user in ("root", meta.default_user or "root"):
             with contextlib.suppress(VmError):
                 await self.run(ProcessRequest("/bin/bash", ("-l", "-c", "true"), user=user), timeout=60.0)
-        state = self.work / "device-state"
-        await save_device_state(self.vm, state)
-        await self.vm.stop()
-        self.rt.nbd.remove_export(self.name)
-        guest = self.rt.guest
-
-        def commit() -> None:
-            disk = self.image.commit(meta={"template": tid})
-            with self.rt.store.workspace() as ws:
-                mem = stage_file(ws, self.work / "memory", MEMORY_IMAGE, {"template": tid})
-                dstate = stage_file(ws, state, DEVICE_STATE, {"template": tid})
-                full = {"memory_mib": str(self.shape.memory_mib), "vcpus": str(self.shape.vcpus),
-                        "accel": self.shape.accel, "disk_mib": str(self.shape.disk_mib), "guest_key": guest.key,
-                        "kernel_release": guest.kernel_release, "kernel_cmdline": self.cmdline,
-                        "envd_token": self.token, **meta}
-                if self.envd_version:
-                    full["envd_version"] = self.envd_version
-                ws.commit(template_record(tid, disk.layer_id, mem, dstate, full, time.time()))
-        await asyncio.to_thread(commit)
+        state = await halt(self.rt, self.machine)
+        await asyncio.to_thread(freeze, self.rt.store, tid, disk=self.machine.image,
+                                memory=self.machine.memory_file, device_state=state, meta=meta)
 
     async def close(self) -> None:
-        if self.vm is not None:
-            await self.vm.stop(timeout=2.0)
-        await self.rt.release_host(self.name)
-        self.rt.nbd.remove_export(self.name)
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.image.close)
-        shutil.rmtree(self.work, ignore_errors=True)
+        await close(self.rt, self.machine)

@@ -18,9 +18,10 @@ Either way the guest's DNS and (with hostname rules) its web traffic go
 through the node's egress services (egress.py, dns.py) listening inside the
 namespace; a policy change is one nftables transaction (``apply``).
 
-``NodeNetworks`` is the manager's view: it makes a sandbox's network before its
-QEMU starts (``attach`` → the ``VmSpec`` fields to use), remembers it by
-sandbox id, and removes it (``release``) when the QEMU that used it is gone.
+``NodeNetworks`` is the node's view: it makes a sandbox's network before its
+QEMU starts (``attach`` → an ``Attachment``: how that QEMU is networked, which
+``Attachment.on`` writes into its ``VmSpec``), remembers it by sandbox id, and
+removes it (``release``) when the QEMU that used it is gone.
 Templates are saved from user-mode VMs: their device state has a ``slirp``
 section that a VM on a tap device cannot load, so ``device_state`` gives tap
 VMs a copy without it (made once per file, next to it).
@@ -28,6 +29,7 @@ VMs a copy without it (made once per file, next to it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -35,19 +37,16 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, cast
 
 from envd import ENVD_PORT
 
 from ..errors import Unsupported
-from ..qemu.launcher import free_port
+from ..qemu.launcher import VmSpec, free_port
 from . import dns, netns, rules
 from .egress import EgressService, egress_ports
 from .netns import NetError, SandboxNet
 from .policy import NetworkPolicy
-
-if TYPE_CHECKING:
-    from ..qemu.launcher import VmSpec
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +144,22 @@ def describe(mode: str, isolation: str, isolated: bool, why_not: list[str]) -> s
 
 
 @dataclass(frozen=True)
+class Attachment:
+    """How one QEMU of a sandbox is networked (``NodeNetworks.attach``)."""
+    host_port: int | None               # user mode: the host end of envd's forward (None: tap, no forwards)
+    hostfwd_host: str = "127.0.0.1"     # where user-mode forwards listen (the namespace's address when isolated)
+    netns: str | None = None            # the sandbox's network namespace (None: the node's own)
+    tap: bool = False                   # a tap device in ``netns`` instead of QEMU's user-mode stack
+    restrict: bool = False              # user mode without a namespace: QEMU's restrict=on (no egress)
+    net: SandboxNet | None = None       # the namespace the node made (None: not isolated)
+
+    def on(self, spec: VmSpec) -> VmSpec:
+        """``spec`` networked this way (its other fields as they are)."""
+        return dataclasses.replace(spec, host_port=self.host_port, hostfwd_host=self.hostfwd_host,
+                                   netns=self.netns, tap=self.tap, net_restrict=self.restrict)
+
+
+@dataclass(frozen=True)
 class NetworkPlan:
     """How a node configured so networks its sandboxes on this host."""
     mode: NetworkMode
@@ -193,7 +208,7 @@ class NodeNetworks:
             raise NetError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
         self.configured = mode
         self.mode: NetworkMode = "tap" if mode == "tap" else "user"   # "auto": decided in start()
-        self.isolation: Isolation = isolation  # type: ignore[assignment]
+        self.isolation = cast(Isolation, isolation)     # one of ISOLATIONS: checked above
         self.tag = netns.node_tag(run_root)
         self._nets: dict[str, SandboxNet] = {}
         self._policies: dict[str, NetworkPolicy] = {}
@@ -233,15 +248,14 @@ class NodeNetworks:
         return rules.ruleset("tap" if net.tap else "user", policy, egress_ports(), self._never)
 
     async def attach(self, sid: str, policy: NetworkPolicy = NetworkPolicy(),
-                     owner: int | None = None, *, user_mode: bool = False) -> dict[str, object]:
-        """The ``VmSpec`` fields that network sandbox ``sid`` under ``policy``: a namespace
-        of its own (isolated), else a host port on 127.0.0.1 (user mode). ``owner``: the
-        uid of the sandbox's confined QEMU, which may then open its tap device.
-        ``user_mode``: QEMU's user-mode stack in the namespace even on a tap node (a
-        template build VM: templates are frozen with user-mode devices, restore.py)."""
+                     owner: int | None = None, *, user_mode: bool = False) -> Attachment:
+        """Network sandbox ``sid`` under ``policy``: a namespace of its own (isolated), else
+        a host port on 127.0.0.1 (user mode). ``owner``: the uid of the sandbox's confined
+        QEMU, which may then open its tap device. ``user_mode``: QEMU's user-mode stack in
+        the namespace even on a tap node (a template build VM: templates are frozen with
+        user-mode devices, aenv_vm/machine)."""
         if not self.isolated:
-            restrict = self.isolation != "off" or not policy.internet
-            return {"host_port": free_port(), "netns": None, "net_restrict": restrict}
+            return Attachment(host_port=free_port(), restrict=self.isolation != "off" or not policy.internet)
         await self.release(sid)   # a namespace left by an earlier QEMU of this sandbox
         tap = self.tap and not user_mode
         net = await asyncio.to_thread(netns.create, self.tag, sid,  # blocking: subprocesses
@@ -254,23 +268,24 @@ class NodeNetworks:
             raise
         self._nets[sid] = net
         self._policies[sid] = policy
-        return self._fields(net)
+        return self._attachment(net)
 
     @staticmethod
-    def _fields(net: SandboxNet) -> dict[str, object]:
+    def _attachment(net: SandboxNet) -> Attachment:
         if net.tap:
-            return {"host_port": None, "netns": net.name, "tap": True}
-        return {"host_port": ENVD_PORT, "hostfwd_host": net.ns_ip, "netns": net.name, "tap": False}
+            return Attachment(host_port=None, netns=net.name, tap=True, net=net)
+        return Attachment(host_port=ENVD_PORT, hostfwd_host=net.ns_ip, netns=net.name, net=net)
 
-    async def attach_again(self, spec: "VmSpec") -> dict[str, object]:
-        """The network fields of another QEMU for the same sandbox (a paused sandbox's
-        standby): the namespace it already has, or a new host port (not isolated)."""
+    async def attach_again(self, spec: VmSpec) -> Attachment:
+        """The network of another QEMU for the same sandbox (a paused sandbox's standby):
+        the namespace it already has, or a new host port (not isolated)."""
         if not self.isolated:
-            return {"host_port": free_port(), "netns": None}
+            return Attachment(host_port=free_port(), hostfwd_host=spec.hostfwd_host, tap=spec.tap,
+                              restrict=spec.net_restrict)
         net = self._nets.get(spec.name)
         if net is None or spec.netns != net.name:
             raise NetError(f"sandbox {spec.name} has no network namespace any more")
-        return self._fields(net)
+        return self._attachment(net)
 
     async def abort_connections(self, sid: str) -> None:
         """The QEMU of ``sid`` was killed but its namespace stays (a pause keeps it for

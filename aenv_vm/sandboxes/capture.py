@@ -70,8 +70,8 @@ class Capturer:
 
     def give_back(self, buffer: bytearray | memoryview | None) -> None:
         """Keep one page buffer for the next capture (up to RETAINED_BUFFER bytes)."""
-        if isinstance(buffer, memoryview):
-            buffer = buffer.obj  # type: ignore[assignment]
+        if isinstance(buffer, memoryview):   # a view of the delta: the buffer it was read into
+            buffer = buffer.obj if isinstance(buffer.obj, bytearray) else None
         if isinstance(buffer, bytearray) and len(buffer) <= RETAINED_BUFFER and (
                 not self._buffers or len(self._buffers[0]) < len(buffer)):
             self._buffers[:] = [buffer]

@@ -5,10 +5,10 @@ and a pause taken while envd did not answer come back this way: the same
 sandbox id, a new guest boot (new ``/proc/sys/kernel/random/boot_id``, no
 processes of before), the disk exactly as the pause sealed it.
 
-The QEMU is the one a resume would start (``NodeRuntime.clone_spec``: same
-devices, kernel command line and memory size as the template) but boots
-instead of waiting for a device state; its RAM is the template's memory file
-mapped ``share=off``, as a clone's. The kernel does not need zeroed RAM (real
+The machine is the one a resume would bring up (aenv_vm/machine,
+``MachinePlan.cold_boot``: same devices, kernel command line and memory size
+as the template) but boots instead of waiting for a device state; its RAM is
+the template's memory file mapped ``share=off``, as a clone's. The kernel does not need zeroed RAM (real
 machines give it garbage), and the mapping keeps the sandbox a normal one
 afterwards: its next memory pause captures the pages that differ from the
 template's image, like any clone's, and resumes over it.
@@ -17,7 +17,9 @@ envd starts fresh in the booted guest (no token, no env vars), so it is told
 what the template's build and the sandbox's create gave it: hostname (the
 sandbox id), entropy, clock, the template's env vars, user and workdir plus
 the sandbox's own env vars, and the sandbox's access token (or none). A
-template's start command, if it has one, is started again.
+template's start command, if it has one, is started again. The template's
+settings come from its record (a snapshot's carries its parent's:
+templates/template.py ``guest_settings``).
 
 A filesystem-only pause ran ``sync`` in the guest before it stopped, so its
 disk holds every write; a memory pause booted cold (``on_resume="reboot"``)
@@ -27,24 +29,20 @@ replays at mount).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
-import shutil
 import time
 
-from aenv_store.errors import StoreError
-
-from ..blockimage.image import BlockImage
-from ..blockimage.prefetch import Prefetcher
 from ..envd_client import ProcessRequest, stream_process
 from ..errors import Conflict, GuestUnresponsive, VmError
-from ..qemu.launcher import QemuProcess
-from ..templates.template import Template
+from ..machine.bringup import bring_up
+from ..machine.machine import close
+from ..machine.plan import Disk, Greeting, MachinePlan, identity
+from ..templates.meta import GuestSettings
+from ..templates.template import guest_settings
 from .handover import check_held, mark_running
 from .pause import PausedSandboxes, digest_of
 from .records import SandboxRecord, SandboxState
-from .restore import identity, teardown
+from .restore import sandbox_of
 from .runtime import NodeRuntime
 from .sandbox import Sandbox
 
@@ -53,16 +51,6 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT = 3.0        # seconds envd has to answer /health before a strict or filesystem pause
 SYNC_TIMEOUT = 120.0        # seconds the guest's sync may take before a filesystem-only pause
 BOOT_TIMEOUT = 240.0        # seconds a booting guest's envd may take to answer (TCG under load)
-MAX_PARENTS = 8             # snapshot-of-snapshot records searched for the build's settings
-
-
-@dataclasses.dataclass(frozen=True)
-class GuestSettings:
-    """What envd held in the template's guest: set again after a boot."""
-    env_vars: dict[str, str]
-    user: str | None
-    workdir: str | None
-    start_cmd: str | None
 
 
 async def prepare_pause(sbx: Sandbox, *, sync: bool) -> None:
@@ -84,25 +72,6 @@ async def prepare_pause(sbx: Sandbox, *, sync: bool) -> None:
             raise GuestUnresponsive(f"sync in sandbox {sbx.id} exited {r.exit_code}")
 
 
-def guest_settings(rt: NodeRuntime, tpl: Template) -> GuestSettings:
-    """The build's envd settings and start command of ``tpl`` (for a snapshot: of the
-    template it descends from); none for a template built without them."""
-    name: str | None = tpl.id
-    for _ in range(MAX_PARENTS):
-        if name is None:
-            break
-        try:
-            meta = rt.store.resolve(name).meta_dict()
-        except (StoreError, ValueError):
-            break
-        if "build_state" in meta or "start_cmd" in meta:
-            state = json.loads(meta.get("build_state", "{}"))
-            return GuestSettings({str(k): str(v) for k, v in state.get("envs", {}).items()},
-                                 state.get("user"), state.get("workdir"), meta.get("start_cmd"))
-        name = meta.get("parent_template")
-    return GuestSettings({}, None, None, None)
-
-
 async def cold_boot(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord) -> tuple[Sandbox, float]:
     """Boot paused sandbox ``rec`` from its sealed disk (the caller holds its lock and
     records the result); returns it and the seconds until envd was initialised."""
@@ -121,43 +90,25 @@ async def cold_boot(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord
     marking = asyncio.ensure_future(asyncio.to_thread(mark_running, rt, held)) if held is not None else None
     tpl = rt.templates.resolve(rec.template)
     mem, _ = await rt.templates.files(tpl)
-    settings = await asyncio.to_thread(guest_settings, rt, tpl)
+    settings = await asyncio.to_thread(guest_settings, rt.store, tpl)
     await paused.release(sid)     # a standby waits for a device state: of no use to a boot
-    sdir = rt.sandbox_dir(sid)
-    for d in (sdir, rt.vm_dir(sid)):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-    image: BlockImage | None = None
-    vm: QemuProcess | None = None
+    body: dict[str, str | dict[str, str]] = {**identity(sid), "envVars": {**settings.env_vars, **rec.env_vars},
+                                             "accessToken": rec.access_token or ""}
+    if settings.user:
+        body["defaultUser"] = settings.user
+    if settings.workdir:
+        body["defaultWorkdir"] = settings.workdir
+    plan = MachinePlan.cold_boot(sid, rt.sandbox_dir(sid), tpl.shape, mem,
+                                 Disk(digest_of(snap.disk_top), fresh_upper=True),
+                                 Greeting(body, None, BOOT_TIMEOUT, clock=True),
+                                 f"sandbox {sid} did not boot from its disk", policy=rec.policy)
+    machine, _ = await bring_up(rt, plan)
+    sbx = sandbox_of(tpl, machine)
     try:
-        image = await asyncio.to_thread(BlockImage.open, rt.store, digest_of(snap.disk_top), sid,
-                                        upper_dir=sdir / "upper", fresh_upper=True, min_free_disk=rt.min_free_disk)
-        if rt.readahead > 0:
-            Prefetcher(image, window=rt.readahead)
-        rt.nbd.add_export(image)
-        jail = rt.confinement.jail(sid)
-        uid = jail.uid if jail is not None else None
-        await rt.nbd.listen(sid, rt.vm_dir(sid) / "nbd.sock", owner=uid)
-        network = await rt.networks.attach(sid, rec.policy, owner=uid)
-        spec = dataclasses.replace(rt.clone_spec(sid, tpl, mem, network, jail), incoming_defer=False)
-        vm = await QemuProcess.start(spec)
-        sbx = Sandbox(sid, tpl, vm, image, sdir, net=rt.networks.get(sid), guest_token=None)
-        try:
-            await sbx.envd.wait_healthy(timeout=BOOT_TIMEOUT, alive=vm.alive)
-        except VmError as e:
-            raise VmError(f"sandbox {sid} did not boot from its disk: {e}\n{vm.log_tail()}") from None
-        body: dict = {**identity(sid), "envVars": {**settings.env_vars, **rec.env_vars},
-                      "accessToken": rec.access_token or ""}
-        if settings.user:
-            body["defaultUser"] = settings.user
-        if settings.workdir:
-            body["defaultWorkdir"] = settings.workdir
-        await sbx.envd.init(body)
-        sbx.guest_token = rec.access_token
         if settings.start_cmd:
             await _start_again(sbx, settings)
     except BaseException:
-        await teardown(rt, sid, vm, image)
+        await close(rt, machine)
         raise
     sbx.created = rec.started_at
     if marking is not None:

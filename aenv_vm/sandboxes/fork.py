@@ -1,8 +1,8 @@
 """Fork: ``count`` children of a running sandbox, restored concurrently from one snapshot.
 
 The parent is stopped only for a hidden snapshot's capture and disk seal
-(snapshots.py). The children restore from the snapshot's local files (the
-one restore path, restore.py), each with its own id, identity, access token
+(snapshots.py). The children restore from the snapshot's local files
+(restore.py, machine restores), each with its own id, identity, access token
 and upper disk layer, and with ``/init`` as the first request. The snapshot is
 committed to the store in the background once they answer (so that the commit
 does not compete with them for the CPU); its ids are needed only from a
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..errors import SnapshotError
+from ..machine.plan import identity
 from ..service import TokenMinter
 from .records import RecordStore, SandboxRecord
-from .restore import Greeting, RestorePlan, identity, new_sandbox_id, restore, teardown_sandbox
+from .restore import RestorePlan, greeting, new_sandbox_id, restore, teardown_sandbox
 from .runtime import NodeRuntime
 from .sandbox import CreateTiming, Sandbox
 from .snapshots import LocalSnapshot, NamedSnapshots
@@ -57,7 +58,6 @@ class Forks:
         A secured parent's children get ``access_token(child id)`` (default: random)."""
         t1 = time.monotonic()
         tid = local.tid
-        self.rt.templates.note_token(tid, local.token)     # what the children's envd holds until their /init
         mem, state = local.dir / "memory", local.dir / "device-state"
         policy = parent.policy
         plans = []
@@ -71,7 +71,7 @@ class Forks:
             if token is not None:
                 body["accessToken"] = token
             plans.append(RestorePlan(sid, local.provisional, mem, state, local.layer,
-                                     Greeting(body, local.token, probe_health=False), policy=policy))
+                                     greeting(self.rt, body, local.token, probe_health=False), policy=policy))
         tasks = [asyncio.ensure_future(restore(self.rt, p)) for p in plans]
         answered: list[float] = []      # when each child's /init answered (or it failed)
         for task in tasks:

@@ -13,7 +13,8 @@ What a pause captures and guarantees is in docs/snapshots.md. In short:
   host crashes happens there, before anything is staged). A resume waits for
   that commit, so a resumed VM never writes into an upper layer that is still
   being sealed. Up to ``standby_limit`` recently paused sandboxes also get
-  their next QEMU started in advance (``restore.Standby``).
+  their next QEMU started in advance (aenv_vm/machine ``start_standby``; a resume
+  brings it up as a ``Standby``).
 
 ``PausedSandboxes`` owns what this node holds for paused sandboxes: the open
 disk images, the standby QEMUs and the commit tasks.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -39,14 +39,15 @@ from ..blockimage.image import BlockImage
 from ..blockimage.squash import MAX_DISK_CHAIN, squash
 from ..blockimage.upper import upper_base
 from ..errors import Moved, SnapshotError
+from ..machine.bringup import Standby, start_standby
+from ..machine.host import release_host
 from ..memory.memory_image import (SPARE, Delta, page_hashes, parent_seq, read_delta, read_index, stage_delta,
                                    sync_file, write_delta, write_incremental)
-from ..qemu.launcher import QemuProcess, VmSpec
+from ..qemu.launcher import QemuProcess
 from ..templates.template import DEVICE_STATE
 from .capture import Capturer
 from .handover import PAUSED_KIND, delete_if_held, paused_name, pause_meta, stale_reason
 from .records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
-from .restore import Standby
 from .runtime import NodeRuntime
 from .sandbox import Sandbox
 
@@ -139,21 +140,14 @@ class PausedSandboxes:
         await sbx.vm.kill()
         await self.rt.networks.abort_connections(sid)
         if self.standby_limit <= 0:   # no QEMU left: namespace and uid go (a standby would keep them)
-            await self.rt.release_host(sid)
+            await release_host(self.rt, sid)
         loop = asyncio.get_running_loop()
         self._held[sid] = (sbx.image, sbx.dir)
         self._commits[sid] = loop.create_task(self._commit(sid, sbx.image, paused.snap, paused.previous))
         if self.standby_limit > 0:
-            self._standby[sid] = loop.create_task(self._start_standby(sbx.vm.spec))
+            self._standby[sid] = loop.create_task(start_standby(self.rt, sbx.vm.spec))
             for old in list(self._standby)[:-self.standby_limit]:
                 loop.create_task(self._evict(old))
-
-    async def _start_standby(self, spec: VmSpec) -> QemuProcess:
-        """The QEMU a resume will use: started now, waiting for its device state."""
-        # user mode: a new host port; tap mode: the same namespace (kept until the standby goes)
-        spec = dataclasses.replace(spec, **await self.rt.networks.attach_again(spec),  # type: ignore[arg-type]
-                                   incoming_defer=True)
-        return await QemuProcess.start(spec)
 
     async def _drop_standby(self, sid: str) -> None:
         task = self._standby.pop(sid, None)
@@ -193,7 +187,7 @@ class PausedSandboxes:
         and (unless ``keep_dir``: a pause whose commit failed keeps its upper layer) run dir."""
         await self._drop_standby(sid)
         if sid not in self.running:   # no QEMU of it runs now: its namespace (tap) and uid go
-            await self.rt.release_host(sid)
+            await release_host(self.rt, sid)
         held = self._held.pop(sid, None)
         self.rt.nbd.remove_export(sid)
         if held is not None:

@@ -21,9 +21,10 @@ import logging
 import time
 
 from ..errors import VmError
+from ..machine.bringup import renice
 from ..net.policy import NetworkPolicy
 from ..templates.template import Template
-from .restore import renice, restore_from_template, teardown_sandbox
+from .restore import restore_from_template, teardown_sandbox
 from .runtime import NodeRuntime
 from .sandbox import Sandbox
 

@@ -2,7 +2,8 @@
 
 A new QEMU (or the standby its pause started) maps the template's memory file
 ``share=off``; the pause's delta pages are written into it through
-/proc/PID/mem and the device state is loaded (restore.py); the disk restarts
+/proc/PID/mem and the device state is loaded (restore.py, a machine restore:
+aenv_vm/machine); the disk restarts
 on a fresh upper layer over the layer the pause sealed. The pause's files are
 fetched from the store first when this node does not have them (another node
 paused it, or they were lost). A resume always waits for the pause's commit,
@@ -25,7 +26,7 @@ from ..memory.memory_image import fetch_delta, read_delta, write_delta
 from .handover import check_held, mark_running
 from .pause import PausedSandboxes, digest_of
 from .records import SandboxRecord, SandboxState, SnapshotRef
-from .restore import Greeting, RestorePlan, clock, restore
+from .restore import RestorePlan, greeting, restore
 from .runtime import NodeRuntime
 from .sandbox import Sandbox
 
@@ -74,7 +75,7 @@ async def resume(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord) -
         await paused.release(sid)
         shutil.rmtree(rt.sandbox_dir(sid), ignore_errors=True)
     plan = RestorePlan(sid, tpl, mem, d / "device-state", digest_of(snap.disk_top),
-                       Greeting({"timestamp": clock()}, rec.access_token), fresh_upper=True, delta=delta,
+                       greeting(rt, {}, rec.access_token), fresh_upper=True, delta=delta,
                        policy=rec.policy)
     sbx, t = await restore(rt, plan, standby)
     sbx.created = rec.started_at

@@ -4,11 +4,13 @@
 recovery instead of a back-pointer to the manager: the store, the NBD server
 that exports every sandbox's disk, the networks, the guest image, the run
 directory and the local template files, plus the few settings a restored VM
-needs. It holds no per-sandbox state.
+needs. It holds no per-sandbox state. It is the ``Host`` of the node's machines
+(aenv_vm/machine: sandboxes and build VMs come up and go through it).
 
 Run directory layout (``run_root``)::
 
     sandboxes/<id>/   a running (or standby) sandbox: its upper disk layer
+    builds/<name>/    a template build's VM: its upper disk layer, RAM and device state (aenv_vm/builds)
     vm/<id>/          its QEMU's own dir (QMP socket, console, its disk's NBD socket): the
                       only directory of the node a confined QEMU sees and may write
     paused/<id>/<n>/  pause n of a sandbox: memory.delta + device-state (docs/snapshots.md)
@@ -21,7 +23,6 @@ Run directory layout (``run_root``)::
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,13 +30,11 @@ from aenv_store.errors import ConfigError
 from aenv_store.store import Store
 
 from ..blockimage.nbd_server import NbdServer
-from ..confine.jail import Jail
 from ..confine.policy import Confinement
 from ..guest import GuestImage
+from ..memory.lazyfs import LazyImage
 from ..net.networks import NodeNetworks
-from ..qemu.launcher import NbdDisk, VmSpec
 from ..templates.local import LocalTemplates
-from ..templates.template import Template
 
 UNIX_PATH_MAX = 107     # sockaddr_un.sun_path holds 108 bytes, the last a NUL
 LONGEST_VM_NAME = 24    # sandbox ids (sbx-<16 hex>) and build VM names (build-<12>-<4>) fit
@@ -90,21 +89,6 @@ class NodeRuntime:
         disk files, and short (Unix socket paths in it must fit 107 bytes)."""
         return self.vm_root / sid
 
-    def clone_spec(self, sid: str, tpl: Template, memory: Path, network: dict[str, object],
-                   jail: Jail | None) -> VmSpec:
-        """The QEMU of a clone of ``tpl``: its memory file mapped copy-on-write, its disk
-        the sandbox's NBD export (on the export's own socket), waiting for its device
-        state (``-incoming defer``), confined by ``jail``."""
-        return VmSpec(name=sid, kernel=self.guest.kernel, initrd=self.guest.initrd,
-                      kernel_cmdline=tpl.kernel_cmdline, run_dir=self.vm_dir(sid), memory_mib=tpl.memory_mib,
-                      vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
-                      mem_path=memory, mem_share=False, disk=NbdDisk(self.nbd.socket_of(sid), sid),
-                      incoming_defer=True, tcg_tb_mib=self.tcg_tb_mib, merge_memory=self.merge_memory,
-                      fixed_layout=self.fixed_layout, jail=jail, **network)  # type: ignore[arg-type]
-
-    async def release_host(self, sid: str) -> None:
-        """The sandbox has no QEMU on this node any more: its network, its uid and its
-        QEMU's run dir go."""
-        await self.networks.release(sid)
-        self.confinement.release(sid)
-        shutil.rmtree(self.vm_dir(sid), ignore_errors=True)
+    def lazy_image(self, memory: Path) -> LazyImage | None:
+        """The lazy image behind memory file ``memory`` (None: a local file)."""
+        return self.templates.lazy_image(memory)

@@ -16,6 +16,7 @@ from envd import ENVD_PORT
 from ..blockimage.image import BlockImage
 from ..envd_client import EnvdClient
 from ..errors import Conflict
+from ..machine.spec import envd_address
 from ..net.netns import SandboxNet
 from ..qemu.launcher import GUEST_IP, QemuProcess, free_port
 from ..templates.template import Template
@@ -48,14 +49,11 @@ class Sandbox:
 
     @property
     def envd_host(self) -> str:
-        return "127.0.0.1" if self.net is None else self.net.ns_ip
+        return envd_address(self.net, self.vm.spec)[0]
 
     @property
     def envd_port(self) -> int:
-        if self.net is not None and self.net.tap:
-            return ENVD_PORT
-        assert self.vm.spec.host_port is not None
-        return self.vm.spec.host_port
+        return envd_address(self.net, self.vm.spec)[1]
 
     @property
     def envd_url(self) -> str:

@@ -3,16 +3,19 @@
 A snapshot stops the VM only for the capture (capture.py) and the seal of the
 disk's upper layer, lets it run again, then writes a **full** memory image
 (template memory + the captured pages: the consolidation step) and commits it
-with the device state as a catalog record of kind ``template``, so creating a
-sandbox from the snapshot's id or name restores from it like from any
-template. A fork (fork.py) takes a hidden snapshot the same way and restores
-its children from the local files before the commit.
+with the device state as a catalog record of kind ``template`` (templates/freeze.py),
+so creating a sandbox from the snapshot's id or name restores from it like from
+any template. Its meta is its parent template's (so it carries what a cold boot
+of its sandboxes needs: the build's settings and start command) with the
+snapshot's keys set (templates/meta.py). A fork (fork.py) takes a hidden
+snapshot the same way and restores its children from the local files before
+the commit.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import secrets
 import shutil
 import time
@@ -27,15 +30,14 @@ from aenv_store.formats.ids import Digest
 from ..errors import BadRequest, Conflict, NotFound, VmError
 from ..memory.memory_image import consolidate
 from ..service import SnapshotInfo
-from ..templates.template import (ALIAS_PREFIX, DEVICE_STATE, MEMORY_IMAGE, Template, find_template, list_templates,
-                                  put_alias, remove_template, stage_file, template_record)
+from ..templates.freeze import freeze
+from ..templates.meta import HIDDEN_FORK, TemplateMeta
+from ..templates.template import ALIAS_PREFIX, Template, find_template, list_templates, remove_template
 from .capture import Capturer
 from .handover import PAUSED_KIND, shared_mark
 from .records import SandboxRecord
 from .runtime import NodeRuntime
 from .sandbox import Sandbox
-
-HIDDEN_FORK = "fork"    # meta "hidden" of a fork's snapshot: not listed, dropped with its last child
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class LocalSnapshot:
     tid: str
     dir: Path
     layer: Digest                   # the sealed disk layer
-    meta: dict[str, str]            # of the template record
+    meta: TemplateMeta              # of the template record
     token: str | None               # envd access token the snapshot's guest holds
     provisional: Template           # restorable from the local files (memory/state ids unknown)
     timing: dict[str, float]
@@ -91,59 +93,36 @@ class NamedSnapshots:
             finally:
                 self.capturer.give_back(cap.delta.data)
             t3 = time.monotonic()
-            meta = dict(self.rt.store.get_record(tpl.id).meta_dict())
-            meta.update({"snapshot_of": sbx.id, "parent_template": tpl.id})
-            if hidden:
-                meta["hidden"] = HIDDEN_FORK
-                meta["fork_node"] = self.rt.node_id   # only its maker drops it (drop_unused)
-            # what the frozen envd demands (the memory image holds it anyway; restores need
-            # it to re-key envd): the sandbox's token, not the parent template's secret
-            token = sbx.guest_token
-            meta.pop("envd_token", None)
-            if token:
-                meta["envd_token"] = token
-            if rec is not None:
-                meta["metadata"] = json.dumps(rec.metadata, sort_keys=True)
-                if rec.volume_mounts:   # mounted in the frozen guest: a create from it must drop them
-                    meta["volume_paths"] = json.dumps(sorted(m["path"] for m in rec.volume_mounts))
+            meta = snapshot_meta(tpl.meta, sbx.id, tpl.id, sbx.guest_token, rec, self.rt.node_id if hidden else None)
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             raise
         # a Template for restores from the local files; its memory and state ids are
         # known once committed (the fork swaps in the committed one afterwards)
         unknown = Digest(bytes(32))
-        provisional = Template(id=tid, disk=layer, memory=unknown, device_state=unknown,
-                               memory_mib=tpl.memory_mib, vcpus=tpl.vcpus, accel=tpl.accel,
-                               guest_key=tpl.guest_key, kernel_cmdline=tpl.kernel_cmdline, created=time.time(),
-                               disk_mib=tpl.disk_mib, envd_version=tpl.envd_version)
-        return LocalSnapshot(tid, d, layer, meta, token, provisional,
+        provisional = Template(id=tid, disk=layer, memory=unknown, device_state=unknown, created=time.time(),
+                               meta=meta)
+        return LocalSnapshot(tid, d, layer, meta, meta.envd_token, provisional,
                              {"capture": t1 - t0, "seal": t2 - t1, "consolidate": t3 - t2})
 
     def commit(self, local: LocalSnapshot, name: str | None) -> None:
         """Commit a local snapshot to the store as a template record (worker thread)."""
-        store = self.rt.store
-        d = local.dir
-        with store.workspace() as ws:
-            mem = stage_file(ws, d / "memory", MEMORY_IMAGE, {"template": local.tid})
-            state = stage_file(ws, d / "device-state", DEVICE_STATE, {"template": local.tid})
-            ws.commit(template_record(local.tid, local.layer, mem, state, local.meta, time.time()))
-        if name:
-            put_alias(store, name, local.tid, time.time(), exclusive=True)
+        freeze(self.rt.store, local.tid, disk=local.layer, memory=local.dir / "memory",
+               device_state=local.dir / "device-state", meta=local.meta, alias=name, exclusive_alias=True)
 
     def listed(self) -> list[SnapshotInfo]:
         """The named snapshots in the store (not forks' hidden ones), oldest first."""
         out = []
         for tpl, aliases in list_templates(self.rt.store):
-            meta = self.rt.store.get_record(tpl.id).meta_dict()
-            if "snapshot_of" in meta and "hidden" not in meta:
-                out.append(SnapshotInfo(tpl.id, tuple(aliases), meta["snapshot_of"], tpl.created))
+            if tpl.meta.snapshot_of is not None and tpl.meta.hidden is None:
+                out.append(SnapshotInfo(tpl.id, tuple(aliases), tpl.meta.snapshot_of, tpl.created))
         return sorted(out, key=lambda s: s.created)
 
     def delete(self, snapshot_id: str, users: list[str]) -> None:
         """Delete a snapshot no sandbox uses (``users``: this node's sandboxes on it; paused
         sandboxes of other nodes sharing the repository count too)."""
         tpl = find_template(self.rt.store, snapshot_id)
-        if "snapshot_of" not in self.rt.store.get_record(tpl.id).meta_dict():
+        if tpl.meta.snapshot_of is None:
             raise BadRequest(f"{snapshot_id} is a template, not a snapshot")
         users = users + sorted(r.meta_dict().get("sandbox", r.name) for r in self.rt.store.list_records(PAUSED_KIND)
                                if r.meta_dict().get("template") == tpl.id
@@ -161,10 +140,10 @@ class NamedSnapshots:
         never used elsewhere (``mark_shared``)."""
         store = self.rt.store
         try:
-            meta = store.get_record(tid).meta_dict()
+            meta = TemplateMeta.from_meta(store.get_record(tid).meta_dict())
         except (StoreError, ValueError):  # no such record, or the store cannot tell: not ours to drop
             return False
-        if meta.get("hidden") != HIDDEN_FORK or meta.get("fork_node", "") not in ("", self.rt.node_id):
+        if meta.hidden != HIDDEN_FORK or (meta.fork_node or "") not in ("", self.rt.node_id):
             return False
         try:
             store.get_record(shared_mark(tid))
@@ -179,3 +158,23 @@ class NamedSnapshots:
         with contextlib.suppress(StoreError, VmError):   # already gone, or the store is away (gc finds it)
             remove_template(self.rt.store, tid)
         self.rt.templates.forget(tid)
+
+
+def snapshot_meta(parent: TemplateMeta, of: str, parent_template: str, token: str | None,
+                  rec: SandboxRecord | None, fork_node: str | None) -> TemplateMeta:
+    """The meta of a snapshot of sandbox ``of`` (running ``parent_template``, whose meta is
+    ``parent``: the machine, and a build's settings and start command, which a cold boot of
+    the snapshot's sandboxes needs) with the snapshot's own keys set. ``token``: what its
+    envd demands now; ``fork_node``: a fork's hidden snapshot made on that node."""
+    meta = dataclasses.replace(
+        parent, snapshot_of=of, parent_template=parent_template,
+        # what the frozen envd demands (the memory image holds it anyway; restores need
+        # it to re-key envd): the sandbox's token, not the parent template's secret
+        envd_token=token or None)
+    if fork_node is not None:   # only its maker drops it (drop_unused)
+        meta = dataclasses.replace(meta, hidden=HIDDEN_FORK, fork_node=fork_node)
+    if rec is not None:
+        meta = dataclasses.replace(meta, metadata=tuple(sorted(rec.metadata.items())))
+        if rec.volume_mounts:   # mounted in the frozen guest: a create from it must drop them
+            meta = dataclasses.replace(meta, volume_paths=tuple(sorted(m["path"] for m in rec.volume_mounts)))
+    return meta

@@ -6,7 +6,7 @@ file ``share=off``, so they share its pages in the host page cache.
 ``LocalTemplates`` is what the sandbox layer asks: resolve a reference to a
 template this node can run (its guest build must be the node's), the local
 files (one writer at a time), the configuration section of its device state (a
-capture needs it), and the envd access token a snapshot's guest still holds.
+capture needs it), and the envd access token its frozen guest still holds.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-from aenv_store.errors import StoreNotFound
 from aenv_store.errors import StoreError
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Manifest
@@ -72,7 +71,8 @@ def lazy_files(store: Store, tpl: Template, root: Path, lazy: MemoryFs) -> tuple
     page by page: already exposed, or not wholly in the node cache. None: materialize."""
     d = root / tpl.id
     try:
-        if lazy.image(tpl.memory) is None:
+        exposed = lazy.image(tpl.memory)
+        if exposed is None:
             if (d / "memory").is_file():
                 return None
             manifest = store.load_manifest(tpl.memory)
@@ -84,7 +84,7 @@ def lazy_files(store: Store, tpl: Template, root: Path, lazy: MemoryFs) -> tuple
             if cached_whole(store, manifest):
                 return None          # a warm node: assembled from the node cache as before
         else:
-            manifest = lazy.image(tpl.memory).manifest   # type: ignore[union-attr]
+            manifest = exposed.manifest
         state = d / "device-state"
         if not state.is_file():
             d.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,6 @@ class LocalTemplates:
         self.root = root
         self._lock = asyncio.Lock()            # one writer of the local template files
         self._configs: dict[str, bytes] = {}
-        self._tokens: dict[str, str | None] = {}
         # memory images not on this node are served page by page from the store
         # (aenv_vm/memory/lazyfs.py); None: fetched whole before the first restore
         self.lazy: MemoryFs | None = None
@@ -158,21 +157,13 @@ class LocalTemplates:
             cfg = self._configs[tpl.id] = template_config(state)
         return cfg
 
-    def envd_token(self, tpl: Template) -> str | None:
-        """The envd access token a snapshot's guest still holds (None for built templates)."""
-        if tpl.id not in self._tokens:
-            try:
-                self._tokens[tpl.id] = self.store.get_record(tpl.id).meta_dict().get("envd_token")
-            except (StoreNotFound, StoreError):
-                return None
-        return self._tokens[tpl.id]
-
-    def note_token(self, tid: str, token: str | None) -> None:
-        """What the guest of a snapshot not yet in the store holds (a fork's children)."""
-        self._tokens[tid] = token
+    @staticmethod
+    def envd_token(tpl: Template) -> str | None:
+        """The envd access token the template's frozen guest still holds (its record's:
+        a built template's secret, a snapshot's sandbox token; None: none)."""
+        return tpl.meta.envd_token
 
     def forget(self, tid: str) -> None:
         """Drop what this node keeps of ``tid`` (its files and cached facts)."""
         shutil.rmtree(self.root / tid, ignore_errors=True)
         self._configs.pop(tid, None)
-        self._tokens.pop(tid, None)

@@ -1,17 +1,18 @@
 """Templates as the store holds them: one catalog record (kind ``template``,
 name ``tpl-<hex>``) naming three artifacts -- the disk layer, the memory image
 (the ``share=on`` memory file of a frozen guest, zero pages not stored) and the
-device-state stream -- plus the metadata a restore needs (memory size, vCPUs,
-accelerator, guest build, kernel command line, the envd version the guest
-reported). ``template.<alias>`` is an alias record to it. Named snapshots and
-forks' hidden snapshots are template records too (aenv_vm/sandboxes/snapshots.py).
+device-state stream -- plus its meta (meta.py: memory size, vCPUs, accelerator,
+guest build, kernel command line, the envd version the guest reported, what a
+build or a snapshot adds). ``template.<alias>`` is an alias record to it. Named
+snapshots and forks' hidden snapshots are template records too
+(aenv_vm/sandboxes/snapshots.py).
 
-How a template is made: build.py. How a node keeps its local copy: local.py.
+How a record is committed: freeze.py (the base template: base.py; template
+builds: aenv_vm/builds/; snapshots). How a node keeps its local copy: local.py.
 """
 from __future__ import annotations
 
 import errno
-import json
 import os
 
 import blake3
@@ -19,20 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv_store.formats.catalog import ALIAS, CatalogRecord
-from aenv_store.errors import StoreNotFound
+from aenv_store.errors import StoreError, StoreNotFound
 from aenv_store.formats.ids import Digest
 from aenv_store.store import Store
 from aenv_store.workspace import Workspace
 
 from ..blockimage.layer import DISK_ROLE
+from ..machine.plan import Shape
 from ..memory.workingset import record_name as working_set_record
 from ..errors import NotFound, VmError
+from ..qemu.launcher import Accel
+from .meta import HIDDEN_FORK, NO_SETTINGS, GuestSettings, TemplateMeta
 
 TEMPLATE_KIND = "template"
 MEMORY_IMAGE = "application/vnd.aenv.memory-image"
 DEVICE_STATE = "application/vnd.aenv.device-state"
 ALIAS_PREFIX = "template."
 MAX_DISK_MIB = 1 << 20    # 1 TiB: the upper layer and NBD export are sparse; this bounds typos
+MAX_PARENTS = 8           # records walked for a build's guest settings (``guest_settings``)
 
 
 class TemplateError(VmError):
@@ -41,40 +46,80 @@ class TemplateError(VmError):
 
 @dataclass(frozen=True)
 class Template:
+    """A template record this node can name: its three artifacts and its meta."""
     id: str
     disk: Digest
     memory: Digest
     device_state: Digest
-    memory_mib: int
-    vcpus: int
-    accel: str
-    guest_key: str
-    kernel_cmdline: str
     created: float
-    disk_mib: int = 0    # root disk size (0: a record from before sizes were recorded)
-    envd_version: str | None = None   # what the guest's envd reported at build (None: not recorded)
-    host_ca: str = ""    # fingerprint of the host CA certificates it trusts ("": none; trust.py)
-    ready_cmd: str | None = None      # a template build's ready command (the warm pool runs it too)
-    volume_paths: tuple[str, ...] = ()   # a snapshot's guest has volumes mounted there (no channel)
-    # a fork's hidden snapshot: the node that made it ("" before nodes were named); None: not one
-    hidden_fork_node: str | None = None
+    meta: TemplateMeta
 
     @classmethod
     def from_record(cls, rec: CatalogRecord) -> "Template":
         if rec.kind != TEMPLATE_KIND:
             raise TemplateError(f"{rec.name} is a {rec.kind} record, not a template")
         try:
-            meta = rec.meta_dict()
             return cls(id=rec.name, disk=rec.manifest(DISK_ROLE), memory=rec.manifest("memory"),
-                       device_state=rec.manifest("state"), memory_mib=int(meta["memory_mib"]),
-                       vcpus=int(meta["vcpus"]), accel=meta["accel"], guest_key=meta["guest_key"],
-                       kernel_cmdline=meta["kernel_cmdline"], created=rec.created,
-                       disk_mib=int(meta.get("disk_mib", "0")), envd_version=meta.get("envd_version"),
-                       host_ca=meta.get("host_ca", ""), ready_cmd=meta.get("ready_cmd") or None,
-                       volume_paths=tuple(json.loads(meta.get("volume_paths", "[]"))),
-                       hidden_fork_node=meta.get("fork_node", "") if meta.get("hidden") == "fork" else None)
+                       device_state=rec.manifest("state"), created=rec.created,
+                       meta=TemplateMeta.from_meta(rec.meta_dict()))
         except (KeyError, ValueError) as e:
             raise TemplateError(f"template record {rec.name} is incomplete: {e}") from None
+
+    @property
+    def memory_mib(self) -> int:
+        return self.meta.memory_mib
+
+    @property
+    def vcpus(self) -> int:
+        return self.meta.vcpus
+
+    @property
+    def accel(self) -> Accel:
+        return self.meta.accel
+
+    @property
+    def guest_key(self) -> str:
+        return self.meta.guest_key
+
+    @property
+    def kernel_cmdline(self) -> str:
+        return self.meta.kernel_cmdline
+
+    @property
+    def shape(self) -> Shape:
+        """The machine every clone of it is (aenv_vm/machine)."""
+        m = self.meta
+        return Shape(m.memory_mib, m.vcpus, m.accel, m.kernel_cmdline)
+
+    @property
+    def disk_mib(self) -> int:
+        """Root disk size (0: a record from before sizes were recorded)."""
+        return self.meta.disk_mib or 0
+
+    @property
+    def envd_version(self) -> str | None:
+        return self.meta.envd_version
+
+    @property
+    def host_ca(self) -> str:
+        """Fingerprint of the host CA certificates it trusts ("": none; trust.py)."""
+        return self.meta.host_ca or ""
+
+    @property
+    def ready_cmd(self) -> str | None:
+        """A template build's ready command (the warm pool runs it too)."""
+        return self.meta.ready_cmd or None
+
+    @property
+    def volume_paths(self) -> tuple[str, ...]:
+        """A snapshot's guest has volumes mounted there (no channel)."""
+        return self.meta.volume_paths or ()
+
+    @property
+    def hidden_fork_node(self) -> str | None:
+        """A fork's hidden snapshot: the node that made it ("" before nodes were named);
+        None: not one."""
+        return (self.meta.fork_node or "") if self.meta.hidden == HIDDEN_FORK else None
 
 
 def tag_alias_name(name: str, tag: str) -> str:
@@ -101,12 +146,35 @@ def find_template(store: Store, ref: str) -> Template:
     raise NotFound(f"unknown template {ref!r}")
 
 
-def template_record(tid: str, disk: Digest, memory: Digest, state: Digest, meta: dict[str, str],
+def template_record(tid: str, disk: Digest, memory: Digest, state: Digest, meta: TemplateMeta,
                     created: float) -> CatalogRecord:
     """The catalog record of a template (or snapshot) whose three artifacts are staged."""
     return CatalogRecord(name=tid, kind=TEMPLATE_KIND, manifests=((DISK_ROLE, disk), ("memory", memory),
                                                                   ("state", state)),
-                         meta=tuple(sorted(meta.items())), created=created)
+                         meta=tuple(sorted(meta.to_meta().items())), created=created)
+
+
+def guest_settings(store: Store, tpl: Template) -> GuestSettings:
+    """What ``tpl``'s build told its envd, and its start command (a cold boot tells a
+    booted guest again); none for a template built without them. A snapshot's record
+    carries its parent's (snapshots copy their parent's meta); for records that do not,
+    the parents are asked, up to MAX_PARENTS of them."""
+    meta: TemplateMeta | None = tpl.meta
+    for _ in range(MAX_PARENTS):
+        if meta is None:
+            break
+        found = GuestSettings.of(meta)
+        if found is not None:
+            return found
+        meta = _meta_of(store, meta.parent_template) if meta.parent_template else None
+    return NO_SETTINGS
+
+
+def _meta_of(store: Store, name: str) -> TemplateMeta | None:
+    try:
+        return TemplateMeta.from_meta(store.resolve(name).meta_dict())
+    except (StoreError, ValueError):   # gone, or not a template's: the walk ends there
+        return None
 
 
 def put_alias(store: Store, alias: str, tid: str, created: float, exclusive: bool) -> None:

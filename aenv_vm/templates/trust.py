@@ -19,7 +19,7 @@ so a distroless or musl image gets them as well as Debian):
 ``ca_env`` gives the variables tools with their own store need (Node.js, Python
 requests and pip); a template build sets them in envd, so every process a
 sandbox starts has them, and ``/etc/profile.d/aenv-ca.sh`` exports them for
-login shells. Callers: ``build.py`` (the base template) and the template
+login shells. Callers: ``base.py`` (the base template) and the template
 build-step executor, each right after the build VM's envd answers.
 
 The guest is hostile, but little flows back to the host here: the host writes

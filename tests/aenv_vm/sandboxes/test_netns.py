@@ -132,7 +132,7 @@ def test_clones_in_namespaces_same_ip_and_mac(env: Env, tmp_path: Path) -> None:
                 server.add_export(image)
                 spec = VmSpec(name=sid, kernel=env.guest.kernel, initrd=env.guest.initrd,
                               kernel_cmdline=tpl.kernel_cmdline, run_dir=tmp_path / sid, memory_mib=tpl.memory_mib,
-                              vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
+                              vcpus=tpl.vcpus, accel=tpl.accel,
                               mem_path=mem, mem_share=False, disk=NbdDisk(server.socket_path, sid),
                               incoming_defer=True, netns=net.name, tap=True)
                 vm = await QemuProcess.start(spec)   # joins the namespace itself (setns before exec)
@@ -252,8 +252,9 @@ def test_node_networks_modes(tmp_path: Path) -> None:
         await plain.start()
         assert not plain.isolated and "WITHOUT isolation" in plain.describe()
         fields = await plain.attach("sbx-0000000000000001", DENY_ALL)
-        assert fields["netns"] is None and fields["net_restrict"] is True and isinstance(fields["host_port"], int)
-        assert (await plain.attach("sbx-0000000000000001"))["net_restrict"] is False   # "off": unfiltered
+        assert fields.netns is None and fields.restrict is True and isinstance(fields.host_port, int)
+        assert fields.net is None
+        assert (await plain.attach("sbx-0000000000000001")).restrict is False   # "off": unfiltered
         assert plain.can_apply(NetworkPolicy()) and not plain.can_apply(DENY_ALL)
         with pytest.raises(Unsupported, match="namespaces"):
             await plain.apply("sbx-0000000000000001", DENY_ALL)
@@ -266,9 +267,12 @@ def test_node_networks_modes(tmp_path: Path) -> None:
             sid = f"sbx-000000000000000{2 if mode == 'user' else 3}"
             fields = await node.attach(sid, DENY_ALL)
             net = node.get(sid)
-            assert net is not None and net.tap == (mode == "tap") and fields["netns"] == net.name
+            assert net is not None and net.tap == (mode == "tap") and fields.netns == net.name and fields.net == net
             if mode == "user":
-                assert fields == {"host_port": ENVD_PORT, "hostfwd_host": net.ns_ip, "netns": net.name, "tap": False}
+                assert fields == networks.Attachment(host_port=ENVD_PORT, hostfwd_host=net.ns_ip, netns=net.name,
+                                                     tap=False, net=net)
+            else:
+                assert fields == networks.Attachment(host_port=None, netns=net.name, tap=True, net=net)
             assert node.can_apply(DENY_ALL)
             await node.apply(sid, NetworkPolicy())
             await node.release(sid)
@@ -308,11 +312,11 @@ def test_user_mode_gateway_is_not_the_hosts_loopback(env: Env, tmp_path: Path) -
                 images.append(image)
                 server.add_export(image)
                 fields = await node.attach(sid, NetworkPolicy())
-                spec = VmSpec(name=sid, kernel=env.guest.kernel, initrd=env.guest.initrd,
-                              kernel_cmdline=tpl.kernel_cmdline, run_dir=tmp_path / sid, memory_mib=tpl.memory_mib,
-                              vcpus=tpl.vcpus, accel=tpl.accel,  # type: ignore[arg-type]
-                              mem_path=mem, mem_share=False, disk=NbdDisk(server.socket_path, sid),
-                              incoming_defer=True, **fields)  # type: ignore[arg-type]
+                spec = fields.on(VmSpec(name=sid, kernel=env.guest.kernel, initrd=env.guest.initrd,
+                                        kernel_cmdline=tpl.kernel_cmdline, run_dir=tmp_path / sid,
+                                        memory_mib=tpl.memory_mib, vcpus=tpl.vcpus, accel=tpl.accel,
+                                        mem_path=mem, mem_share=False, disk=NbdDisk(server.socket_path, sid),
+                                        incoming_defer=True))
                 vm = await QemuProcess.start(spec)
                 vms.append(vm)
                 await load_device_state(vm, state)
