@@ -255,7 +255,7 @@ def _template_builds(config: AenvConfig, manager: SandboxManager, base: Template
     on the accelerator its base template was built for."""
     vm, tc = config.vm, config.templates
     settings = BuildSettings(base_template=config.server.default_template,
-                             accel=base.accel,  # type: ignore[arg-type]  # Template.accel: "tcg"/"kvm" as a str
+                             accel=base.accel,
                              memory_mib=vm.memory_mib, vcpus=vm.vcpus, disk_mib=vm.disk_mib,
                              max_memory_mib=tc.max_memory_mib, max_vcpus=tc.max_vcpus,
                              headroom_mib=tc.disk_headroom_mib, step_timeout=tc.step_timeout,
