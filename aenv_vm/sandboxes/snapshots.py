@@ -170,7 +170,10 @@ def snapshot_meta(parent: TemplateMeta, of: str, parent_template: str, token: st
         parent, snapshot_of=of, parent_template=parent_template,
         # what the frozen envd demands (the memory image holds it anyway; restores need
         # it to re-key envd): the sandbox's token, not the parent template's secret
-        envd_token=token or None)
+        envd_token=token or None,
+        # the parent's own snapshot keys are not this snapshot's: a named snapshot of a
+        # fork child is not hidden, and what was mounted or set is this sandbox's
+        hidden=None, fork_node=None, metadata=None, volume_paths=None)
     if fork_node is not None:   # only its maker drops it (drop_unused)
         meta = dataclasses.replace(meta, hidden=HIDDEN_FORK, fork_node=fork_node)
     if rec is not None:

@@ -160,7 +160,13 @@ def test_a_snapshot_carries_its_templates_settings(store: Store, tmp_path: Path)
     # a fork's hidden snapshot of a sandbox with no token: not listed, and no token kept
     fork = snapshot_meta(snap.meta, "sbx-2", snap.id, None, None, "node-a")
     assert fork.hidden == HIDDEN_FORK and fork.fork_node == "node-a" and fork.envd_token is None
-    assert fork.to_meta()["metadata"] == '{"a": "1", "b": "2"}'    # none of its own: its parent's
+    assert "metadata" not in fork.to_meta() and "volume_paths" not in fork.to_meta()   # no record: none
+    # a named snapshot of a fork child is listed (not hidden like the fork's own snapshot)
+    # and shows its own sandbox's metadata, not what the snapshot it descends from had
+    child = SandboxRecord("sbx-3", "tpl-fork", SandboxState.RUNNING, 0.0, 0.0, metadata={"c": "3"})
+    named = snapshot_meta(fork, "sbx-3", "tpl-fork", "t", child, None)
+    assert named.hidden is None and named.fork_node is None and named.volume_paths is None
+    assert named.to_meta()["metadata"] == '{"c": "3"}'
 
 
 def test_records_written_before_snapshots_carried_settings_ask_their_parents(store: Store, tmp_path: Path) -> None:
