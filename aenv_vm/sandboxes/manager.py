@@ -140,7 +140,7 @@ class SandboxManager:
             log.warning("KSM not enabled: %s", why)
         records = self._records = RecordStore(run_root / "records")
         view = MappingProxyType(self._running)
-        self._paused = PausedSandboxes(self.rt, records, self._capturer, view, self._standby)
+        self._paused = PausedSandboxes(self.rt, records, self._capturer, view, self._standby, self.lock)
         self._forks = Forks(self.rt, self.snapshots, records, view)
         self._moves = Moves(self.rt, records)
         self._started = True

@@ -29,7 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.errors import StoreError
@@ -86,11 +86,15 @@ class PausedSandboxes:
     """This node's paused sandboxes: open disk images, standby QEMUs, background commits."""
 
     def __init__(self, rt: NodeRuntime, records: RecordStore, capturer: Capturer, running: Mapping[str, Sandbox],
-                 standby_limit: int = 4) -> None:
+                 standby_limit: int = 4, lock: Callable[[str], asyncio.Lock] | None = None) -> None:
+        """``lock``: the manager's lock of a sandbox (operations on one sandbox never
+        interleave); an eviction beyond the standby limit takes it too."""
         self.rt = rt
         self.records = records
         self.capturer = capturer
         self.running = running                  # the manager's table (read only here)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.lock = lock if lock is not None else (lambda sid: self._locks.setdefault(sid, asyncio.Lock()))
         # Paused sandboxes (most recent first) whose next QEMU is already started
         # (-incoming defer, base mapped, disk export kept): resume skips QEMU's start.
         self.standby_limit = standby_limit
@@ -156,10 +160,15 @@ class PausedSandboxes:
                 await (await task).kill()
 
     async def _evict(self, sid: str) -> None:
-        """Beyond the standby limit: stop the standby; free the rest once committed."""
-        await self._drop_standby(sid)
-        if sid not in self._commits:
-            await self.release(sid)
+        """Beyond the standby limit: stop the standby; free the rest once committed. Under
+        the sandbox's lock: a resume of it in the meantime took over its export, network
+        and uid, which a release beside it would tear away from the running sandbox."""
+        async with self.lock(sid):
+            if sid in self.running:     # resumed: nothing of the pause is left to evict
+                return
+            await self._drop_standby(sid)
+            if sid not in self._commits:
+                await self.release(sid)
 
     async def take_standby(self, sid: str, memory: Path) -> Standby | None:
         """The standby of ``sid`` for a resume (its QEMU and its disk image), if it has one
