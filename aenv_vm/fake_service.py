@@ -418,7 +418,8 @@ class FakeSandboxService:
         self._listeners.append(listener)
 
     async def adopt(self, sandbox_id: str, force: bool = False) -> SandboxInfo:
-        self._check(sandbox_id, Op.ADOPT)           # Conflict: this node holds it already
+        held_here = self._sandboxes.get(sandbox_id)
+        check(Phase.GONE if held_here is None else held_here.phase, Op.ADOPT, sandbox_id)   # Conflict: held here
         held = self.repository.paused.get(sandbox_id)
         if held is None:
             raise NotFound(f"the repository has no paused sandbox {sandbox_id!r}")
