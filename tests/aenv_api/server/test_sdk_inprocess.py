@@ -310,3 +310,47 @@ def test_lifecycle_option_refusals(api_env: InProcessServer) -> None:
                                                                 "autoPauseMemory": False,
                                                                 "autoResume": {"enabled": True}})
     assert status == 400 and "autoResume" in body["message"]
+
+
+# -- the async SDK and a plain aiohttp client ------------------------------------------------
+
+def test_async_flow_api_side(api_env: InProcessServer) -> None:
+    """test_sdk_async.py's flow as far as the API answers it (that module keeps the guest's
+    side: commands, files, concurrent streams), plus concurrent creates over one aiohttp
+    session."""
+    import aiohttp
+    from e2b import AsyncSandbox, SandboxQuery, SandboxState
+
+    async def flow() -> None:
+        a, b = await asyncio.gather(AsyncSandbox.create(metadata={"suite": "async", "n": "1"}),
+                                    AsyncSandbox.create(metadata={"suite": "async", "n": "2"}))
+        paginator = AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "async"}), limit=1)
+        ids = []
+        while paginator.has_next:
+            ids += [s.sandbox_id for s in await paginator.next_items()]
+        assert sorted(ids) == sorted([a.sandbox_id, b.sandbox_id])
+        only = await AsyncSandbox.list(query=SandboxQuery(metadata={"n": "2"})).next_items()
+        assert [s.sandbox_id for s in only] == [b.sandbox_id]
+        info = await a.get_info()
+        assert info.state == SandboxState.RUNNING and info.metadata == {"suite": "async", "n": "1"}
+        await a.set_timeout(77)
+        assert abs((await a.get_info()).end_at.timestamp() - time.time() - 77) < 30
+        assert await a.pause() is True and await a.pause() is False
+        assert (await AsyncSandbox.get_info(a.sandbox_id)).state == SandboxState.PAUSED
+        resumed = await AsyncSandbox.connect(a.sandbox_id)
+        assert (await resumed.get_info()).state == SandboxState.RUNNING and await resumed.is_running()
+        await a.kill()
+        await b.kill()
+        assert await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "async"})).next_items() == []
+        assert not await a.is_running()
+
+        async with aiohttp.ClientSession(headers={"X-API-Key": api_env.api_key}) as http:
+            async def make() -> tuple[int, dict[str, Any]]:
+                async with http.post(api_env.url + "/v2/sandboxes", json={"templateID": "base"}) as r:
+                    return r.status, await r.json()
+            made = await asyncio.gather(*(make() for _ in range(8)))
+            assert [status for status, _ in made] == [201] * 8
+            assert len({body["sandboxID"] for _, body in made}) == 8
+            async with http.get(api_env.url + "/v2/sandboxes?state=running") as r:
+                assert r.status == 200 and r.headers["X-Total-Running"] == "8"
+    asyncio.run(flow())
