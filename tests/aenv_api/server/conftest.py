@@ -87,8 +87,8 @@ class HttpClient:
 @dataclass
 class Server(HttpClient):
     """A real `aenv server` subprocess (and its QEMUs)."""
-    proc: subprocess.Popen = field(default=None)    # type: ignore[assignment]
-    stderr_path: Path = Path()
+    proc: subprocess.Popen
+    stderr_path: Path
     env: dict[str, str] = field(default_factory=dict)
 
     def log(self) -> str:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 from aiohttp import web
 
@@ -53,6 +54,7 @@ async def _echo(request: web.Request) -> web.Response:
 class InProcessServer(HttpClient):
     """The API over a fake, on ``url``; ``call`` runs a coroutine (or a function) on its loop."""
 
+    # set by ``start`` before anyone sees the server (a dataclass field needs a default here)
     fake: FakeSandboxService = field(default=None)          # type: ignore[assignment]
     lifecycle: Lifecycle = field(default=None)              # type: ignore[assignment]
     config: ServerConfig = field(default_factory=ServerConfig)
@@ -102,9 +104,11 @@ class InProcessServer(HttpClient):
         guest.router.add_get("/echo", _echo)
         self._guest = web.AppRunner(guest, access_log=None)
         await self._guest.setup()
-        site = web.TCPSite(self._guest, "127.0.0.1", 0)
-        await site.start()
-        guest_port = site._server.sockets[0].getsockname()[1]     # type: ignore[union-attr]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        guest_port = sock.getsockname()[1]
+        await web.SockSite(self._guest, sock).start()
         volumes = VolumeRegistry(self.data_dir / "volumes")
         self.fake = FakeSandboxService(max_sandboxes=self.config.max_sandboxes,
                                        default_timeout=self.config.default_timeout, volumes=volumes,
@@ -159,15 +163,15 @@ class InProcessServer(HttpClient):
         if self._store is not None:
             self._store.close()
 
-    def call(self, work: Awaitable[T] | Callable[[], T], timeout: float = 60.0) -> T:
-        """Run ``work`` (a coroutine, or a plain function) on the server's loop; its result."""
-        if not asyncio.iscoroutine(work):
-            fn = work
+    def call(self, work: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run coroutine ``work`` on the server's loop; its result."""
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)
 
-            async def wrapped() -> Any:
-                return fn()          # type: ignore[operator]
-            work = wrapped()
-        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)   # type: ignore[arg-type]
+    def do(self, fn: Callable[[], T], timeout: float = 60.0) -> T:
+        """Run ``fn`` on the server's loop (the fake and the lifecycle are not thread-safe)."""
+        async def work() -> T:
+            return fn()
+        return self.call(work(), timeout)
 
     def kill_all(self) -> int:
         """Kill every sandbox the fake holds (what a module leaves is not the next one's)."""

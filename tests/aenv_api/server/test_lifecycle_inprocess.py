@@ -87,7 +87,7 @@ def test_an_unresponsive_pause_resumes_only_by_reboot(fake_api: InProcessServer)
     api = fake_api
     sbx = create(api, autoResume={"enabled": True}, autoPause=True)
     sid, token = sbx["sandboxID"], sbx["envdAccessToken"]
-    api.call(lambda: api.fake.set_guest_responsive(sid, False))
+    api.do(lambda: api.fake.set_guest_responsive(sid, False))
     with pytest.raises(ServiceBusyException):
         Sandbox.pause(sid, strict=True)                  # 503, and the sandbox keeps running
     with pytest.raises(ServiceBusyException):
@@ -115,7 +115,7 @@ def test_an_unresponsive_pause_resumes_only_by_reboot(fake_api: InProcessServer)
 def test_a_lost_sandbox_is_not_shown_but_can_be_killed(fake_api: InProcessServer) -> None:
     api = fake_api
     sid = create(api, metadata={"suite": "lost"})["sandboxID"]
-    api.call(lambda: api.fake.lose(sid, "found dead at start with no committed pause to resume from"))
+    api.do(lambda: api.fake.lose(sid, "found dead at start with no committed pause to resume from"))
     status, _, body = api.request("GET", f"/sandboxes/{sid}")
     assert status == 404 and "its state is lost" in body["message"]
     assert api.request("GET", "/v2/sandboxes?metadata=suite%3Dlost")[2] == []
@@ -175,7 +175,7 @@ def test_concurrent_connects_of_a_paused_sandbox_both_succeed(fake_api: InProces
         async with lock:                       # a node's resume holds the sandbox's lock
             await asyncio.sleep(0.3)
             return await original(sandbox_id, timeout, memory)
-    fake.resume = slow_resume                   # type: ignore[method-assign]
+    fake.resume = slow_resume       # type: ignore[method-assign]  # a slower node, for this test only
     try:
         answers: list[int] = []
 
@@ -187,7 +187,7 @@ def test_concurrent_connects_of_a_paused_sandbox_both_succeed(fake_api: InProces
         for t in threads:
             t.join(30)
     finally:
-        fake.resume = original                  # type: ignore[method-assign]
+        fake.resume = original      # type: ignore[method-assign]  # as it was
     assert sorted(answers) == [200, 201], answers
     events = api.request("GET", f"/v2/sandboxes/{sid}/logs?level=error")[2]["logs"]
     assert events == []                          # the lost race is no failed resume
@@ -217,11 +217,11 @@ def test_sandbox_layer_errors_as_http(fake_api: InProcessServer) -> None:
     for error, want in ((Unsupported("no snapshots on this node"), 501), (VmError("disk full"), 500)):
         async def failing(*_a: Any, **_k: Any) -> Any:
             raise error
-        fake.snapshot = failing                                # type: ignore[method-assign]
+        fake.snapshot = failing     # type: ignore[method-assign]  # a failing node, for this case only
         try:
             status, headers, body = api.request("POST", f"/sandboxes/{sid}/snapshots", {})
         finally:
-            fake.snapshot = original                           # type: ignore[method-assign]
+            fake.snapshot = original    # type: ignore[method-assign]  # as it was
         assert status == want and body["code"] == want and str(error) in body["message"], body
         assert set(body) == {"code", "message"}
         assert headers.get("Should-Retry") == ("false" if want == 501 else None)
@@ -316,7 +316,7 @@ def test_extras_file_follows_the_sandboxes(fake_api: InProcessServer, tmp_path: 
     status, _, body = api.request("POST", f"/_aenv/cluster/sandboxes/{sid}/adopt")
     assert status == 409 and "already holds" in body["message"]
     # a restart keeps only the extras of sandboxes the service still has
-    api.call(lambda: api.lifecycle.extras.put("sbx-gone", api.lifecycle.extras.get(sid)))
+    api.do(lambda: api.lifecycle.extras.put("sbx-gone", api.lifecycle.extras.get(sid)))
     assert "sbx-gone" in extras_file(api)
 
     async def restart() -> None:
@@ -366,7 +366,7 @@ def test_list_pages_and_filters(fake_api: InProcessServer) -> None:
 def test_logs_shapes_and_console_lines(fake_api: InProcessServer) -> None:
     api = fake_api
     sid = create(api)["sandboxID"]
-    api.call(lambda: api.fake.write_console(sid, b"hello from the console\nhalf a li"))
+    api.do(lambda: api.fake.write_console(sid, b"hello from the console\nhalf a li"))
     v1 = api.request("GET", f"/sandboxes/{sid}/logs")[2]
     assert set(v1) == {"logs", "logEntries"}
     assert {"timestamp", "line"} == set(v1["logs"][0])
@@ -391,7 +391,7 @@ def test_metrics_shapes(fake_api: InProcessServer) -> None:
     assert set(samples[0]) == {"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct", "memUsed", "memTotal",
                                "memCache", "diskUsed", "diskTotal"}
     now = time.time()
-    api.call(lambda: api.fake.add_sample(sid, MetricSample(now + 10, 2, 50.0, 1, 2, 0, 1, 2)))
+    api.do(lambda: api.fake.add_sample(sid, MetricSample(now + 10, 2, 50.0, 1, 2, 0, 1, 2)))
     status, _, late = api.request("GET", f"/sandboxes/{sid}/metrics?start={int(now) + 5}")
     assert status == 200 and [m["cpuUsedPct"] for m in late] == [50.0]
     status, _, body = api.request("GET", f"/sandboxes/{sid}/metrics?start=20&end=10")

@@ -382,6 +382,7 @@ def test_fork(svc: Impl) -> None:
 def test_fork_results_carry_each_childs_error(svc: Impl) -> None:
     if svc.name == "node":
         pytest.skip("a node's child fails only on a fault (tests/aenv_vm/sandboxes/test_faults.py)")
+    # the observed wrapper's inner service (the protocol does not have it)
     fake = svc.service if isinstance(svc.service, FakeSandboxService) else svc.service.inner  # type: ignore[attr-defined]
 
     async def case() -> None:
