@@ -20,6 +20,11 @@ them); what the proxy applies (``allowPublicTraffic``, ``maskRequestHost``,
 ``httpsPorts``) is kept in the extras and handed to the proxy as
 ``ProxyRules``; the traffic access token is derived from the id
 (``traffic_token``), never stored.
+
+States: which operation a sandbox allows in which state is the pure table of
+aenv_vm/states.py, the one the service consults too. The API asks it before it calls
+the service (a refusal is answered with the table's message, word for word: E2B's
+where E2B has one), so a node, the gateway and the fake answer alike.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from aenv_vm.errors import (BadRequest, CapacityError, Conflict, GuestUnresponsi
                             UnresponsiveSnapshot, VmError)
 from aenv_vm.volumes.registry import VolumeNotFound
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
+from aenv_vm.states import PAUSED_PHASES, Op, Outcome, Phase, Verdict, phase_of, transition
 
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
@@ -65,6 +71,31 @@ GUEST_UNRESPONSIVE = "sandbox_snapshot_guest_agent_unresponsive"   # the service
 def random_envd_token(_sandbox_id: str) -> str:
     """Tokens of a Lifecycle given no deployment secret (library use, unit tests)."""
     return secrets.token_urlsafe(24)
+
+
+def view_phase(view: SandboxView) -> Phase:
+    """Where a sandbox the API shows is in the state table (aenv_vm/states.py)."""
+    return phase_of(view.state, view.cold_boot, view.envd_unresponsive)
+
+
+def info_phase(info: SandboxInfo) -> Phase:
+    return phase_of(info.state, info.cold_boot, info.envd_unresponsive)
+
+
+def guest_unresponsive(sid: str, e: VmError) -> ApiError:
+    """E2B's answer to a memory resume of a pause taken while envd did not answer."""
+    return ApiError(409, f"Sandbox '{sid}' cannot be resumed with its memory: {e}", error_code=GUEST_UNRESPONSIVE)
+
+
+def refused(sid: str, e: VmError) -> ApiError:
+    """The API answer to a refusal of the state table: the status its class maps to, and
+    its message word for word."""
+    if isinstance(e, UnresponsiveSnapshot):
+        return guest_unresponsive(sid, e)
+    err = api_error(e, "")
+    err.message = str(e)
+    err.args = (str(e),)
+    return err
 
 
 def api_error(e: VmError, what: str) -> ApiError:
@@ -126,7 +157,7 @@ class Lifecycle:
         kills."""
         self._closing = True
         for view in await self.list_views():
-            if view.state != SandboxState.RUNNING.value:
+            if transition(view_phase(view), Op.PAUSE).refused:     # only a running sandbox pauses
                 continue
             try:
                 if self.config.on_shutdown == "pause":
@@ -141,6 +172,15 @@ class Lifecycle:
                 log.warning("shutdown of %s failed: %s", view.sandbox_id, e)
 
     # --- views ---------------------------------------------------------------
+
+    @staticmethod
+    def _check(view: SandboxView, op: Op) -> Outcome:
+        """What ``op`` does to the sandbox ``view`` shows; the table's refusal as an ApiError."""
+        phase = view_phase(view)
+        outcome = transition(phase, op)
+        if outcome.refused:
+            raise refused(view.sandbox_id, outcome.refusal(view.sandbox_id, phase))
+        return outcome
 
     def _view(self, info: SandboxInfo) -> SandboxView:
         extra = self.extras.get(info.sandbox_id)
@@ -277,8 +317,7 @@ class Lifecycle:
         sandbox is 409, as E2B answers: the update is for a running sandbox, and resuming
         one behind its owner's back would restart its TTL and its costs."""
         policy = update_policy(body)
-        if (await self.get(sid)).state == SandboxState.PAUSED.value:
-            raise ApiError(409, f"sandbox {sid} is paused: resume it (connect) before updating its network")
+        self._check(await self.get(sid), Op.UPDATE_NETWORK)   # 409 for a paused one
         try:
             await self.service.update_network(sid, policy)
         except VmError as e:
@@ -303,7 +342,7 @@ class Lifecycle:
     # --- timeouts ------------------------------------------------------------
 
     async def set_timeout(self, sid: str, seconds: int) -> SandboxView:
-        await self.get(sid)
+        self._check(await self.get(sid), Op.SET_TIMEOUT)
         try:
             info = await self.service.set_timeout(sid, seconds)
         except VmError as e:
@@ -330,8 +369,7 @@ class Lifecycle:
         """E2B's pause; ``memory=False``: filesystem only (the next connect boots from the
         disk); ``require_healthy`` (the SDK's ``strict``) or ``memory=False``: 503 and the
         sandbox keeps running when its envd does not answer."""
-        if (await self.get(sid)).state == SandboxState.PAUSED.value:
-            raise ApiError(409, f"Error pausing sandbox - sandbox '{sid}' is already paused")
+        self._check(await self.get(sid), Op.PAUSE if memory else Op.PAUSE_FILESYSTEM)   # E2B's 409
         await self._capture_console(sid)   # its VM is about to go away
         t0 = time.monotonic()
         try:
@@ -348,31 +386,50 @@ class Lifecycle:
 
     async def resume(self, sid: str, timeout: int | None = None, memory: bool = True) -> SandboxView:
         """Resume a paused sandbox: from its memory, or (``memory=False``, the SDK's
-        ``on_resume="reboot"``, and always after a filesystem-only pause) booted from its disk."""
-        view = await self.get(sid)
-        if view.state == SandboxState.RUNNING.value:
-            raise ApiError(409, f"sandbox {sid} is already running")
+        ``on_resume="reboot"``, and always after a filesystem-only pause) booted from its
+        disk. 409 for a running one (E2B's deprecated ``/resume``)."""
+        op = Op.RESUME if memory else Op.RESUME_BOOT
+        outcome = self._check(await self.get(sid), op)
+        view = await self._resume(sid, timeout, memory, outcome)
+        if view is None:    # another call resumed it first
+            raise refused(sid, transition(Phase.RUNNING, op).refusal(sid, Phase.RUNNING))
+        return view
+
+    async def _resume(self, sid: str, timeout: int | None, memory: bool, outcome: Outcome) -> SandboxView | None:
+        """The resume the table allowed (``outcome``); None when another call resumed the
+        sandbox meanwhile (the service then refused: it is running)."""
         t0 = time.monotonic()
         try:
             info = await self.service.resume(sid, timeout, memory=memory)
         except UnresponsiveSnapshot as e:
-            raise ApiError(409, f"Sandbox '{sid}' cannot be resumed with its memory: {e}",
-                           error_code=GUEST_UNRESPONSIVE) from None
+            raise guest_unresponsive(sid, e) from None
         except VmError as e:
+            if isinstance(e, Conflict) and await self._running_now(sid):
+                return None
             self.logs.event(sid, "resume failed", level="error", error=str(e))
             raise api_error(e, f"resume of {sid}") from None
-        self.logs.event(sid, "sandbox resumed" if memory and not view.cold_boot else "sandbox booted from its disk",
+        self.logs.event(sid, "sandbox booted from its disk" if outcome.boot else "sandbox resumed",
                         seconds=f"{time.monotonic() - t0:.3f}")
         self._forget_ports(sid)  # a new VM: its port forwards are made afresh
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "resume"),))
         return self._view(info)
 
+    async def _running_now(self, sid: str) -> bool:
+        try:
+            return info_phase(await self.service.get(sid)) is Phase.RUNNING
+        except VmError:
+            return False
+
     async def connect(self, sid: str, timeout: int | None, memory: bool = True) -> tuple[SandboxView, bool]:
         """The sandbox, resumed if it was paused (``True``; ``memory=False``: booted from its
         disk); a running one's TTL is only extended."""
         view = await self.get(sid)
-        if view.state == SandboxState.PAUSED.value:
-            return await self.resume(sid, timeout, memory), True
+        outcome = self._check(view, Op.CONNECT if memory else Op.CONNECT_BOOT)
+        if outcome.verdict is Verdict.ALLOWED:
+            resumed = await self._resume(sid, timeout, memory, outcome)
+            if resumed is not None:
+                return resumed, True
+            view = await self.get(sid)      # another call resumed it: connect to the running one
         if timeout is not None and time.time() + timeout > view.end_at:
             view = await self.set_timeout(sid, timeout)
         return view, False
@@ -413,9 +470,7 @@ class Lifecycle:
             raise api_error(e, f"deleting snapshot {snapshot_id}") from None
 
     async def fork(self, sid: str, count: int, timeout: int | None) -> list[dict[str, Any]]:
-        parent = await self.get(sid)
-        if parent.state != SandboxState.RUNNING.value:
-            raise ApiError(409, f"sandbox {sid} is paused; only a running sandbox can be forked")
+        self._check(await self.get(sid), Op.FORK)      # 409 for a paused one
         t0 = time.monotonic()
         try:
             results = await self.service.fork(sid, count, timeout, access_token=self.envd_token)
@@ -450,7 +505,7 @@ class Lifecycle:
     async def sandbox_logs(self, sid: str, *, since_ms: int | None, limit: int, forward: bool = True,
                            min_level: str | None = None, search: str | None = None) -> list[LogEntry]:
         view = await self.get(sid)
-        if view.state == SandboxState.RUNNING.value:
+        if not transition(view_phase(view), Op.CONSOLE).refused:
             await self._capture_console(sid)
         return self.logs.query(sid, since_ms=since_ms, limit=limit, forward=forward, min_level=min_level,
                                search=search)
@@ -513,18 +568,17 @@ class Lifecycle:
             except NotFound:
                 raise ApiError(502, SANDBOX_NOT_FOUND, sandboxId=sid) from None
             view = self._view(info)
-            if view.state == SandboxState.PAUSED.value:
-                if not view.auto_resume:    # E2B's proxy answer, whoever asks
-                    raise ApiError(502, f"The sandbox {sid} was not found: it is paused and autoResume is off "
-                                        f"(connect to resume it)", sandboxId=sid)
-                if view.cold_boot or view.envd_unresponsive:   # traffic never reboots a sandbox
-                    raise ApiError(502, f"The sandbox {sid} was not found: its pause kept only its filesystem "
-                                        f"(or its guest agent was not responding), so it must be resumed "
-                                        f"explicitly (connect)", sandboxId=sid)
+            phase = view_phase(view)
+            if phase in PAUSED_PHASES and not view.auto_resume:    # E2B's proxy answer, whoever asks
+                raise ApiError(502, f"The sandbox {sid} was not found: it is paused and autoResume is off "
+                                    f"(connect to resume it)", sandboxId=sid)
+            outcome = transition(phase, Op.AUTO_RESUME)     # traffic never reboots a sandbox
+            if outcome.refused:
+                e = outcome.refusal(sid, phase)
+                raise ApiError(502, SANDBOX_NOT_FOUND if isinstance(e, NotFound) else str(e), sandboxId=sid)
+            if outcome.verdict is Verdict.ALLOWED:
                 self._check_envd_token(view.access_token, port, access_token, signed)
-                view = await self.resume(sid)
-            if view.state != SandboxState.RUNNING.value:
-                raise ApiError(502, SANDBOX_NOT_FOUND, sandboxId=sid)
+                await self._resume(sid, None, True, outcome)   # None: another request resumed it first
             self._tokens[sid] = view.access_token
         self._check_envd_token(self._tokens[sid], port, access_token, signed)
         try:

@@ -1,4 +1,5 @@
-"""The sandbox lifecycle of one node (the state machine is drawn in manager.py).
+"""The sandbox lifecycle of one node (its states and what each operation does in them:
+aenv_vm/states.py; the modules that move a sandbox are drawn in manager.py).
 
 manager.py    SandboxManager: the facade that sequences every operation
 node_service.py NodeSandboxService: the manager behind aenv_vm.service.SandboxService

@@ -10,6 +10,10 @@ The states and the module that moves a sandbox between them::
     running/paused --kill--> gone; running --TTL--> paused or gone (ttl.py)
     (server restart) running -> paused | lost   recovery.py
 
+Which operation a sandbox allows in which state, and where it leads, is the pure
+table of aenv_vm/states.py: every method here asks it (``check``) before it acts,
+and writes the record fields of the state it leads to.
+
 The manager holds the per-node state those modules share and that only it
 changes: the table of running sandboxes (the others get it read-only), the
 sandbox records (records.py, LMDB), one lock per sandbox (operations on one
@@ -36,12 +40,13 @@ from aenv_store.store import Store
 
 from ..blockimage.nbd_server import NbdServer
 from ..confine.policy import Confinement
-from ..errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, UnresponsiveSnapshot, VmError
+from ..errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, VmError
 from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
 from ..net.policy import NetworkPolicy, with_internet
 from ..net.networks import NodeNetworks
 from ..service import ExpiryListener, SnapshotInfo, TokenMinter
+from ..states import NOT_RUNNING, Op, Outcome, Phase, check, phase_of
 from ..templates.local import LocalTemplates
 from ..templates.template import Template, find_template
 from .capture import Capturer
@@ -66,6 +71,13 @@ from ..volumes.registry import VolumeRegistry
 log = logging.getLogger(__name__)
 
 HELD_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)   # what counts against max_sandboxes
+
+
+def record_phase(rec: SandboxRecord | None) -> Phase:
+    """A record's place in the state table (``GONE``: no record)."""
+    if rec is None:
+        return Phase.GONE
+    return phase_of(rec.state, rec.cold_boot, rec.envd_unresponsive)
 
 
 class SandboxManager:
@@ -251,9 +263,18 @@ class SandboxManager:
     def record(self, sid: str) -> SandboxRecord:
         """The sandbox's record: state (running/paused/lost), metadata, started/end times."""
         rec = self.records_store.get(sid)
-        if rec is None:
-            raise NotFound(f"unknown sandbox {sid!r}")
+        check(record_phase(rec), Op.GET, sid)     # NotFound
+        assert rec is not None
         return rec
+
+    def phase(self, sid: str) -> Phase:
+        """Where ``sid`` is in the state table (``GONE``: no record here)."""
+        return record_phase(self.records_store.get(sid))
+
+    def check(self, sid: str, op: Op) -> Outcome:
+        """What ``op`` does to ``sid`` now; its refusal raised (aenv_vm/states.py)."""
+        rec = self.records_store.get(sid)
+        return check(record_phase(rec), op, sid, note=rec.note if rec is not None else "")
 
     def records(self) -> list[SandboxRecord]:
         return self.records_store.all()
@@ -265,13 +286,12 @@ class SandboxManager:
         except KeyError:
             raise NotFound(f"unknown sandbox {sid!r}") from None
 
-    def _running_one(self, sid: str) -> Sandbox:
+    def _running_for(self, sid: str, op: Op) -> Sandbox:
+        """The running sandbox ``op`` acts on; the table's refusal otherwise."""
+        self.check(sid, op)
         sbx = self._running.get(sid)
-        if sbx is None:
-            rec = self.records_store.get(sid)
-            if rec is None:
-                raise NotFound(f"unknown sandbox {sid!r}")
-            raise Conflict(f"sandbox {sid} is not running (state: {rec.state.value})")
+        if sbx is None:     # recorded running, its VM not (or no longer) in the table
+            raise NOT_RUNNING.refusal(sid, Phase.RUNNING)
         return sbx
 
     def _check_capacity(self, more: int) -> None:
@@ -410,14 +430,14 @@ class SandboxManager:
     async def kill(self, sid: str) -> None:
         """Kill a running sandbox, or delete a paused or lost one."""
         async with self.lock(sid):
+            if sid not in self._running:
+                self.check(sid, Op.KILL)        # NotFound for an id this node does not hold
             sbx = self._running.pop(sid, None)
             rec = self.records_store.get(sid)
             await self.volumes.detach(sid)
             if rec is not None:
                 self.volumes.release(sid, rec.mounts)
             if sbx is None:
-                if rec is None:
-                    raise NotFound(f"unknown sandbox {sid!r}")
                 await self.paused.forget(sid)
             else:
                 await teardown_sandbox(self.rt, sbx)
@@ -436,7 +456,7 @@ class SandboxManager:
         if allow_internet_access is False:
             policy = with_internet(policy, False)
         async with self.lock(sid):
-            self._running_one(sid)
+            self._running_for(sid, Op.UPDATE_NETWORK)
             await self.rt.networks.apply(sid, policy)
             rec = self.record(sid).replace(network=policy.to_json(), allow_internet_access=(
                 allow_internet_access if allow_internet_access is not None else
@@ -448,6 +468,7 @@ class SandboxManager:
     async def set_timeout(self, sid: str, seconds: float) -> SandboxRecord:
         if seconds < 0:
             raise BadRequest(f"timeout must be >= 0, got {seconds}")
+        self.check(sid, Op.SET_TIMEOUT)
         rec = self.record(sid).replace(end_at=time.time() + seconds, timeout=seconds)
         self.records_store.put(rec)
         return rec
@@ -477,19 +498,21 @@ class SandboxManager:
         next resume boots from the disk: coldboot.py); ``require_healthy`` or ``memory=False``:
         GuestUnresponsive (and nothing done) when envd does not answer. A memory pause
         of a guest whose envd missed its last samples (or ``unresponsive``) is marked:
-        it resumes only by cold boot."""
+        it resumes only by cold boot. Conflict for a sandbox already paused (E2B's 409)."""
+        op = Op.PAUSE_FILESYSTEM if not memory else Op.PAUSE_UNRESPONSIVE if unresponsive else Op.PAUSE
         async with self.lock(sid):
+            sbx = self._running_for(sid, op)
             rec = self.record(sid)
-            if rec.state == SandboxState.PAUSED:
-                return rec
-            sbx = self._running_one(sid)
             await self.forks.wait_committed(sbx)
             await self.metrics.quiesce(sid)
             if require_healthy or not memory:
                 await prepare_pause(sbx, sync=not memory)
             await self.volumes.detach(sid)    # guest requests in flight wait for the resume
-            rec = rec.replace(cold_boot=not memory, envd_unresponsive=memory and (
-                unresponsive or self.metrics.unresponsive(sid)))
+            if op is Op.PAUSE and self.metrics.unresponsive(sid):
+                op = Op.PAUSE_UNRESPONSIVE
+            after = check(Phase.RUNNING, op, sid).next
+            rec = rec.replace(cold_boot=after is Phase.PAUSED_FILESYSTEM,
+                              envd_unresponsive=after is Phase.PAUSED_UNRESPONSIVE)
             try:
                 paused = await self.paused.pause(sbx, rec)
             except Exception:
@@ -506,17 +529,14 @@ class SandboxManager:
     async def resume(self, sid: str, timeout: float | None = None, *, memory: bool = True) -> Sandbox:
         """Run a paused sandbox again: from its memory (``memory``), or booted from its disk
         (``memory=False``, and always after a filesystem-only pause: coldboot.py).
-        UnresponsiveSnapshot for a memory resume of a pause marked envd-unresponsive."""
+        UnresponsiveSnapshot for a memory resume of a pause marked envd-unresponsive;
+        Conflict for a sandbox already running (E2B's 409)."""
         if timeout is not None and timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
         async with self.lock(sid):
+            outcome = self.check(sid, Op.RESUME if memory else Op.RESUME_BOOT)
             rec = self.record(sid)
-            if rec.state == SandboxState.RUNNING and sid in self._running:
-                return self._running[sid]
-            if memory and rec.envd_unresponsive and not rec.cold_boot:
-                raise UnresponsiveSnapshot(f"sandbox {sid} was paused while its guest agent (envd) was not "
-                                           f"responding: it resumes only by cold boot")
-            if rec.cold_boot or not memory:
+            if outcome.boot:
                 sbx, _ = await cold_boot(self.rt, self.paused, rec)
             else:
                 sbx, self.last_resume = await resume(self.rt, self.paused, rec)
@@ -536,15 +556,16 @@ class SandboxManager:
     async def adopt(self, sid: str, force: bool = False) -> SandboxRecord:
         """Take over a sandbox another node paused into the shared repository (resumed here next)."""
         async with self.lock(sid):
-            if self.records_store.get(sid) is None:
-                self._check_capacity(1)
+            self.check(sid, Op.ADOPT)           # Conflict: this node holds it already
+            self._check_capacity(1)
             assert self._moves is not None
             return await asyncio.to_thread(self._moves.adopt, sid, force)
 
     async def release(self, sid: str) -> None:
         """Forget a paused sandbox here, its pause kept in the repository for another node."""
         async with self.lock(sid):
-            check_releasable(self.record(sid), sid in self._running)
+            self.check(sid, Op.RELEASE)
+            check_releasable(self.record(sid), sid in self._running)   # and whether it can move
             await self.paused.settle(sid)
             assert self._moves is not None
             await asyncio.to_thread(self._moves.forget, sid)
@@ -558,7 +579,7 @@ class SandboxManager:
         if name is not None:
             self.snapshots.check_name_free(name)
         async with self.lock(sid):
-            sbx = self._running_one(sid)
+            sbx = self._running_for(sid, Op.SNAPSHOT)
             await self.forks.wait_committed(sbx)
             await self.metrics.quiesce(sid)
             local = await self.snapshots.take_local(sbx, self.records_store.get(sid), hidden=False)
@@ -584,7 +605,7 @@ class SandboxManager:
         try:
             t0 = time.monotonic()
             async with self.lock(sid):
-                sbx = self._running_one(sid)
+                sbx = self._running_for(sid, Op.FORK)
                 await self.forks.wait_committed(sbx)
                 await self.metrics.quiesce(sid)
                 local = await self.snapshots.take_local(sbx, parent, hidden=True)

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from aenv_store.errors import StoreError
 
-from ..errors import NotFound, VmError
+from ..errors import VmError
 from ..net.policy import NetworkPolicy
 from ..qemu.launcher import open_vm_file
 from ..service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, MetricSample, SandboxInfo,
                        SnapshotInfo, TokenMinter, Usage)
+from ..states import NOT_RUNNING_HERE, Op, Phase
 from ..templates.template import Template
 from .manager import SandboxManager
 from .records import SandboxRecord
@@ -66,11 +67,12 @@ class NodeSandboxService:
                            volume_mounts=tuple({"name": m.name, "path": m.path} for m in rec.mounts),
                            annotations=dict(rec.annotations))
 
-    def _running(self, sid: str) -> Sandbox:
+    def _running(self, sid: str, op: Op) -> Sandbox:
+        """The running VM ``op`` reads; the state table's refusal (NotFound) otherwise."""
+        self.manager.check(sid, op)
         sbx = self.manager.sandboxes.get(sid)
-        if sbx is None:
-            self.manager.record(sid)   # NotFound if there is no such sandbox at all
-            raise NotFound(f"sandbox {sid} is not running")
+        if sbx is None:     # recorded running, its VM not (or no longer) in the table
+            raise NOT_RUNNING_HERE.refusal(sid, Phase.RUNNING)
         return sbx
 
     # -- SandboxService -------------------------------------------------------------------
@@ -129,15 +131,15 @@ class NodeSandboxService:
         return out
 
     async def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
-        return await self._running(sandbox_id).endpoint(port)
+        return await self._running(sandbox_id, Op.ENDPOINT).endpoint(port)
 
     async def usage(self, sandbox_id: str) -> Usage:
-        sbx = self._running(sandbox_id)
+        sbx = self._running(sandbox_id, Op.USAGE)
         return await asyncio.to_thread(_usage, sbx.vm.pid, sbx.dir / "upper")
 
     async def metrics(self, sandbox_id: str, start: float | None = None,
                       end: float | None = None) -> list[MetricSample]:
-        self.manager.record(sandbox_id)     # NotFound for an unknown sandbox
+        self.manager.check(sandbox_id, Op.METRICS)     # NotFound for an unknown sandbox
         recorder = self.manager.metrics
         sbx = self.manager.sandboxes.get(sandbox_id)
         if sbx is not None and recorder.latest(sandbox_id) is None:
@@ -153,7 +155,7 @@ class NodeSandboxService:
         return out
 
     async def console(self, sandbox_id: str, source: str | None, offset: int, limit: int) -> ConsoleRead:
-        sbx = self._running(sandbox_id)
+        sbx = self._running(sandbox_id, Op.CONSOLE)
         name = f"qemu-{sbx.vm.pid}"
         return await asyncio.to_thread(read_console, sbx.serial_log, name, offset if source == name else 0, limit)
 

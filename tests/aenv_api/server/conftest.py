@@ -20,25 +20,27 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 import pytest
 
 from tests.aenv_vm.vm.procs import qemu_children
 from tests.support import free_port
 
+if TYPE_CHECKING:
+    from .inprocess import InProcessServer
+
 REPO = Path(__file__).resolve().parents[3]
+S = TypeVar("S", bound="HttpClient")
 AENV = [sys.executable, "-m", "aenv_cli.main"]
 
 
 @dataclass
-class Server:
+class HttpClient:
+    """What a test needs of a server it talks HTTP to: its URL, API key and data dir."""
     url: str
     api_key: str
-    proc: subprocess.Popen
     data_dir: Path
-    stderr_path: Path
-    env: dict[str, str] = field(default_factory=dict)
 
     def sdk_env(self) -> dict[str, str]:
         return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url,
@@ -58,9 +60,6 @@ class Server:
         key = hmac.new(secret, b"aenv traffic access token v1", hashlib.sha256).digest()
         mac = hmac.new(key, sandbox_id.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
-
-    def log(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
 
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                 key: str | None = "default", raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
@@ -82,6 +81,17 @@ class Server:
             status, rh, payload = e.code, dict(e.headers), e.read()
         ctype = rh.get("Content-Type", "")
         return status, rh, json.loads(payload) if payload and "json" in ctype else payload
+
+
+@dataclass
+class Server(HttpClient):
+    """A real `aenv server` subprocess (and its QEMUs)."""
+    proc: subprocess.Popen
+    stderr_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
 
     def kill_all(self) -> int:
         """Kill every sandbox the node holds, running or paused (a module's leftovers
@@ -154,7 +164,8 @@ def start_server(data_dir: Path, log_dir: Path, *, env: dict[str, str] | None = 
             raise AssertionError("aenv server did not start in time")
     proc.stdout.close()
     assert values["E2B_API_URL"] == values["E2B_SANDBOX_URL"] == f"http://127.0.0.1:{port}"
-    return Server(values["E2B_API_URL"], values["E2B_API_KEY"], proc, data_dir, stderr_path, full_env)
+    return Server(values["E2B_API_URL"], values["E2B_API_KEY"], data_dir, proc=proc, stderr_path=stderr_path,
+                  env=full_env)
 
 
 @contextlib.contextmanager
@@ -178,7 +189,7 @@ def server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield srv
 
 
-def use_sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+def use_sdk_env(server: S, monkeypatch: pytest.MonkeyPatch) -> S:
     """Point the E2B SDK at ``server`` through environment variables only, as a user would."""
     for name in [n for n in os.environ if n.startswith("E2B_")]:
         monkeypatch.delenv(name)
@@ -190,3 +201,28 @@ def use_sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
 @pytest.fixture
 def sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
     return use_sdk_env(server, monkeypatch)
+
+
+# -- the API in-process over a FakeSandboxService (inprocess.py): no QEMU -------------------
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator["InProcessServer"]:
+    """The API's semantics without a VM: one in-process server per module; each test
+    starts with no sandboxes (``api_env`` kills what the previous one left)."""
+    from .inprocess import InProcessServer
+
+    srv = InProcessServer.start(tmp_path_factory.mktemp("api-fake"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def api_env(api: "InProcessServer", monkeypatch: pytest.MonkeyPatch) -> Iterator["InProcessServer"]:
+    """``api`` with the E2B SDK pointed at it through environment variables only."""
+    use_sdk_env(api, monkeypatch)
+    try:
+        yield api
+    finally:
+        api.kill_all()

@@ -1,7 +1,11 @@
-"""Bad input against a running `aenv server`: schemathesis over every operation of
-the served OpenAPI document (valid and invalid bodies, queries, headers), and
-hypothesis-driven junk in the proxy's routing headers. Never a 5xx, always
-E2B's JSON error shape."""
+"""Bad input against the API server: schemathesis over every operation of the served
+OpenAPI document (valid and invalid bodies, queries, headers), and hypothesis-driven
+junk in the proxy's routing headers. Never a 5xx, always E2B's JSON error shape.
+
+The server is the real API in-process (inprocess.py: ApiServer, Lifecycle, the
+template and volume APIs) over a fake sandbox service: what is fuzzed is the API, and
+every sandbox a generated request creates, connects, forks or snapshots costs nothing
+(on a node those were VMs, minutes of the run)."""
 from __future__ import annotations
 
 import json
@@ -14,24 +18,22 @@ from typing import Iterator
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from .conftest import Server, serving
-
-pytestmark = pytest.mark.qemu
+from .conftest import HttpClient
+from .inprocess import InProcessServer
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
 
 @pytest.fixture(scope="module")
-def server(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """This module's server allows forks of up to 4 children: its OpenAPI document says
-    so (``count`` maximum), so schemathesis fuzzes every fork input against that bound
-    without starting up to 16 VMs per generated example (a fork of 16 is tested with
-    the SDK, tests/aenv_api/server/test_sdk_sync.py::test_fork)."""
-    with serving(node_data_dir, tmp_path_factory.mktemp("fuzz-logs"), env={"AENV_SERVER__MAX_FORKS": "4"}) as srv:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    srv = InProcessServer.start(tmp_path_factory.mktemp("fuzz"), templates=True)
+    try:
         yield srv
+    finally:
+        srv.stop()
 
 
-def _schemathesis(server: Server, key: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+def _schemathesis(server: HttpClient, key: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     seed = os.environ.get("AENV_FUZZ_SEED", "")
     # An invalid body over the server's 1 MiB control-plane limit is refused with 413
     # before it is parsed (schemathesis's defaults, 400/401/403/404/405/406/409/415/422/
@@ -45,15 +47,13 @@ def _schemathesis(server: Server, key: str, tmp_path: Path, *extra: str) -> subp
             "-H", f"X-API-Key: {key}",
             "--max-examples", os.environ.get("AENV_FUZZ_EXAMPLES", "25"), "--workers", "1",
             "--report", "junit", "--report-dir", str(tmp_path),
-            # a connect with memory=false cold-boots the sandbox (~15 s under TCG) and a
-            # fork of 16 takes seconds: beyond schemathesis's default 10 s per request
             "--request-timeout", "120", *extra]
     if seed:
         argv += ["--seed", seed]
     return subprocess.run(argv, capture_output=True, text=True, timeout=900)
 
 
-def test_schemathesis_every_operation(server: Server, tmp_path: Path) -> None:
+def test_schemathesis_every_operation(server: InProcessServer, tmp_path: Path) -> None:
     # positive_data_acceptance is left out on purpose: some valid-looking inputs depend on
     # server state or rules OpenAPI 3.0 cannot state (a nextToken this server issued,
     # no NUL in env var names), and 400 is the right answer for them.
@@ -70,7 +70,7 @@ def test_schemathesis_every_operation(server: Server, tmp_path: Path) -> None:
     assert "Traceback" not in server.log()
 
 
-def test_schemathesis_wrong_key_is_401_everywhere(server: Server, tmp_path: Path) -> None:
+def test_schemathesis_wrong_key_is_401_everywhere(server: InProcessServer, tmp_path: Path) -> None:
     done = _schemathesis(server, "e2b_" + "f" * 40, tmp_path, "--checks",
                          "not_a_server_error,status_code_conformance,content_type_conformance,"
                          "response_schema_conformance", "--max-examples", "5")
@@ -80,7 +80,7 @@ def test_schemathesis_wrong_key_is_401_everywhere(server: Server, tmp_path: Path
         assert status == 401 and body == {"code": 401, "message": body["message"]} and body["message"]
 
 
-def test_malformed_bodies(server: Server) -> None:
+def test_malformed_bodies(server: InProcessServer) -> None:
     cases = [b"{", b"[]", b"null", b'{"templateID": 5}', b'{"templateID": "base", "timeout": "5"}',
              b'{"templateID": "base", "timeout": -1}', b'{"templateID": "base", "timeout": 1e12}',
              b'{"templateID": "base", "metadata": {"a": 1}}', b'{"templateID": "base", "envVars": []}',
@@ -129,7 +129,7 @@ _header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), ma
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sid=_header_text, port=_header_text, token=_header_text, path=st.sampled_from(
     ["/health", "/files?path=/etc/hostname", "/process.Process/List", "/x/../../y"]))
-def test_proxy_routing_headers_fuzz(server: Server, sid: str, port: str, token: str, path: str) -> None:
+def test_proxy_routing_headers_fuzz(server: InProcessServer, sid: str, port: str, token: str, path: str) -> None:
     status, headers, body = server.request("POST" if "Process" in path else "GET", path, key=None,
                                            raw=b"{}" if "Process" in path else None,
                                            headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": port,
@@ -140,7 +140,7 @@ def test_proxy_routing_headers_fuzz(server: Server, sid: str, port: str, token: 
         assert "was not found" in body["message"]
 
 
-def test_empty_and_overlong_sandbox_ids(server: Server) -> None:
+def test_empty_and_overlong_sandbox_ids(server: InProcessServer) -> None:
     """Ids no sandbox can have (empty, or past the record store's key size) are a 400 or
     a not-found like any unknown id, never a 500 (an empty header once reached LMDB)."""
     for sid in ("", "   ", "x" * 600):
@@ -154,7 +154,7 @@ def test_empty_and_overlong_sandbox_ids(server: Server) -> None:
     assert status == 404 and body["code"] == 404, body
 
 
-def test_openapi_document_is_valid_and_matches_routes(server: Server) -> None:
+def test_openapi_document_is_valid_and_matches_routes(server: InProcessServer) -> None:
     from openapi_spec_validator import validate
 
     status, _, doc = server.request("GET", "/openapi.json", key=None)

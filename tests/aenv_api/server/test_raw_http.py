@@ -1,8 +1,9 @@
 """Requests that aiohttp's HTTP parser refuses by itself (malformed request line,
 NUL or invalid header bytes, oversize request line or header, too many headers,
-bad chunked framing, TLS on the plain port), sent over raw sockets to a running
-`aenv server`: every answer is E2B's JSON error shape with the status that says
-what was wrong, an X-Request-Id, and the connection is closed."""
+bad chunked framing, TLS on the plain port), sent over raw sockets to the API server
+(in-process over a fake sandbox service: none of this reaches a sandbox): every answer
+is E2B's JSON error shape with the status that says what was wrong, an X-Request-Id,
+and the connection is closed."""
 from __future__ import annotations
 
 import json
@@ -15,12 +16,16 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, TransferEncodin
 
 from aenv_api.server.rejects import MAX_FIELD, MAX_LINE, reject_status
 
-from .conftest import Server
+from .conftest import HttpClient
+from .inprocess import InProcessServer
 
-pytestmark = pytest.mark.qemu
+
+@pytest.fixture
+def server(api: InProcessServer) -> InProcessServer:
+    return api
 
 
-def exchange(server: Server, *parts: bytes, pause: float = 0.3) -> tuple[int, dict[str, str], bytes]:
+def exchange(server: HttpClient, *parts: bytes, pause: float = 0.3) -> tuple[int, dict[str, str], bytes]:
     """Send ``parts`` (``pause`` s apart) on one connection; read until the server closes it."""
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
@@ -63,12 +68,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_parser_rejections_are_json(server: Server, name: str) -> None:
+def test_parser_rejections_are_json(server: InProcessServer, name: str) -> None:
     raw, want = CASES[name]
     _assert_json_error(*exchange(server, raw), want)
 
 
-def test_bad_chunking_after_the_headers_is_json_400(server: Server) -> None:
+def test_bad_chunking_after_the_headers_is_json_400(server: InProcessServer) -> None:
     """The framing breaks once the handler already reads the body (control plane)."""
     head = (b"POST /sandboxes HTTP/1.1\r\nHost: x\r\nX-API-Key: " + server.api_key.encode()
             + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
@@ -77,7 +82,7 @@ def test_bad_chunking_after_the_headers_is_json_400(server: Server) -> None:
     assert "chunk" in got["message"] and headers.get("connection", "").lower() == "close"
 
 
-def test_rejections_are_logged_and_the_server_lives_on(server: Server) -> None:
+def test_rejections_are_logged_and_the_server_lives_on(server: InProcessServer) -> None:
     exchange(server, b"GARBAGE\r\n\r\n")
     status, _, _ = server.request("GET", "/health", key=None)
     assert status in (200, 204)
@@ -96,7 +101,7 @@ def test_reject_status_is_always_a_4xx_with_a_message(junk: bytes) -> None:
     assert reject_status(RuntimeError("x"), 500) == (500, "internal error")
 
 
-def test_ambiguous_credentials_are_401(server: Server) -> None:
+def test_ambiguous_credentials_are_401(server: InProcessServer) -> None:
     """Two API keys, or an API key with another Authorization, are refused; envd access
     tokens and traffic tokens never open the control plane."""
     key = server.api_key.encode()

@@ -94,15 +94,7 @@ def test_timeout_filesystem_and_strict_async(sdk_env: Server) -> None:
     from e2b import AsyncSandbox, GuestUnresponsiveException, SandboxState, ServiceBusyException
 
     async def flow() -> None:
-        # E2B's refusals of the lifecycle option
-        status, _, body = sdk_env.request("POST", "/v2/sandboxes", {"templateID": "base", "autoPause": False,
-                                                                  "autoPauseMemory": False})
-        assert status == 400 and "autoPauseMemory" in body["message"]
-        status, _, body = sdk_env.request("POST", "/v2/sandboxes", {"templateID": "base", "autoPause": True,
-                                                                  "autoPauseMemory": False,
-                                                                  "autoResume": {"enabled": True}})
-        assert status == 400 and "autoResume" in body["message"]
-
+        # (E2B's refusals of the lifecycle option: test_sdk_inprocess.py::test_lifecycle_option_refusals)
         # on_timeout filesystem-only: the TTL's pause keeps only the disk
         a = await AsyncSandbox.create(timeout=25, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
         try:

@@ -1,7 +1,9 @@
-"""The real e2b SDK (sync) against `aenv server`, configured only by E2B_* env vars."""
+"""The real e2b SDK (sync) against `aenv server`, configured only by E2B_* env vars: what
+looks into a guest or goes through the proxy to it. The API's own semantics (listing,
+filters and pages, get_info, timeouts, API keys, the proxy's answer for an unknown
+sandbox) are tested in-process (test_sdk_inprocess.py, test_lifecycle_inprocess.py)."""
 from __future__ import annotations
 
-import datetime
 import json
 import time
 
@@ -68,55 +70,6 @@ def test_background_process_and_stdin(sdk_env: Server, pair) -> None:  # type: i
     assert h.wait().stdout.strip() == "got:42"
 
 
-def test_list_filters_and_pagination(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
-    from e2b import Sandbox, SandboxQuery, SandboxState
-
-    a, b = pair
-    found = Sandbox.list(query=SandboxQuery(metadata={"who": "a b&c=d/é"})).next_items()
-    assert [s.sandbox_id for s in found] == [a.sandbox_id]
-    both = Sandbox.list(query=SandboxQuery(metadata={"suite": "api"})).next_items()
-    assert {s.sandbox_id for s in both} == {a.sandbox_id, b.sandbox_id}
-    assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"})).next_items() == []
-    # (ours: the node's data dir is shared by the modules, and may hold others' paused sandboxes)
-    assert Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED], metadata={"suite": "api"})).next_items() == []
-    running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING], metadata={"suite": "api"}))
-    assert {s.sandbox_id for s in running.next_items()} == {a.sandbox_id, b.sandbox_id}
-    pages = Sandbox.list(query=SandboxQuery(metadata={"suite": "api"}), limit=1)
-    ids = []
-    while pages.has_next:
-        items = pages.next_items()
-        assert len(items) == 1
-        ids.extend(s.sandbox_id for s in items)
-    assert sorted(ids) == sorted([a.sandbox_id, b.sandbox_id])  # two pages, then x-next-token stops
-    info = [s for s in both if s.sandbox_id == a.sandbox_id][0]
-    assert info.metadata == {"suite": "api", "who": "a b&c=d/é"}
-    assert info.state == SandboxState.RUNNING and info.cpu_count >= 1 and info.memory_mb >= 64
-
-
-def test_get_info_and_set_timeout(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
-    a, _ = pair
-    info = a.get_info()
-    assert info.sandbox_id == a.sandbox_id and info.name == "base" and info.template_id.startswith("tpl-")
-    assert info.envd_version and info.metadata["suite"] == "api"
-    now = datetime.datetime.now(datetime.timezone.utc)
-    assert abs((info.started_at - now).total_seconds()) < 900
-    a.set_timeout(1234)
-    end = a.get_info().end_at
-    assert abs((end - datetime.datetime.now(datetime.timezone.utc)).total_seconds() - 1234) < 30
-
-
-def test_timeout_expiry_kills(sdk_env: Server) -> None:
-    from e2b import Sandbox
-
-    s = Sandbox.create(timeout=600)
-    s.set_timeout(1)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and s.sandbox_id in [x.sandbox_id for x in Sandbox.list().next_items()]:
-        time.sleep(0.5)
-    assert s.sandbox_id not in [x.sandbox_id for x in Sandbox.list().next_items()]
-    assert not s.is_running()
-
-
 def test_envd_tokens(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
     a, b = pair
     server = sdk_env
@@ -161,16 +114,6 @@ def test_proxied_responses_carry_request_ids(sdk_env: Server, pair) -> None:  # 
             f"Transfer-Encoding: chunked\r\n\r\n2\r\nab\r\n").encode()
     status, headers, body = exchange(sdk_env, head, b"zz\r\n")
     assert status == 400 and json.loads(body)["code"] == 400 and "chunk" in json.loads(body)["message"]
-
-
-def test_unknown_sandbox_is_502_was_not_found(sdk_env: Server) -> None:
-    from e2b import Sandbox
-
-    status, _, body = sdk_env.request("GET", "/health", headers={"E2b-Sandbox-Id": "sbx-nope"}, key=None)
-    assert status == 502 and body["code"] == 502
-    assert body["message"] == "The sandbox was not found" and body["sandboxId"] == "sbx-nope"   # E2B's, word for word
-    with pytest.raises(Exception, match="not found"):
-        Sandbox.connect("sbx-nope")
 
 
 def test_other_guest_port_sse_websocket_and_host_routing(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
@@ -345,15 +288,3 @@ def test_node_endpoints(sdk_env: Server) -> None:
     assert 'aenv_ksm{stat="running"} 1' in text and 'aenv_ksm{stat="saved_bytes"}' in text
     status, _, _ = sdk_env.request("GET", "/metrics", key=None)
     assert status == 401
-
-
-def test_wrong_api_key(sdk_env: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    from e2b import AuthenticationException, Sandbox
-
-    status, _, body = sdk_env.request("GET", "/v2/sandboxes", key="e2b_" + "0" * 40)
-    assert status == 401 and body["code"] == 401 and body["message"]
-    status, _, body = sdk_env.request("GET", "/v2/sandboxes", key=None)
-    assert status == 401
-    monkeypatch.setenv("E2B_API_KEY", "e2b_" + "1" * 40)
-    with pytest.raises(AuthenticationException):
-        Sandbox.create()

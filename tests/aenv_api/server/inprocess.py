@@ -1,0 +1,200 @@
+"""An `aenv server` API in this process over a ``FakeSandboxService``: the real
+``ApiServer``, ``Lifecycle``, credentials, volume API and proxy, serving real HTTP on a
+loopback port from an event loop of its own (a thread), so the sync and async SDKs and
+plain HTTP clients drive it exactly as they drive a node -- with no VM behind it. What
+a test checks here is the API's semantics; anything that looks into a guest stays on
+the real server (conftest.py's ``server``).
+
+Sandbox traffic for any guest port goes to a stub "guest" on another loopback port:
+``GET /health`` answers 204 (envd's), ``GET /echo`` the request's headers as JSON, so
+the proxy's decisions (tokens, autoResume, routing) are observable without a guest.
+
+With ``templates``, E2B's template API is served too, over a real ``TemplateBuilds``
+on a store of its own and a node runtime that never starts anything (no guest image,
+NBD server or network is brought up: a build started there fails, as on a node that
+cannot boot a VM)."""
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Coroutine, TypeVar
+
+from aiohttp import web
+
+from aenv_api.server.app import ApiServer
+from aenv_api.server.auth import Credentials
+from aenv_api.server.lifecycle import Lifecycle
+from aenv_api.server.metrics import Metrics
+from aenv_api.server.settings import ServerConfig
+from aenv_api.server.templates_api import TemplateApi
+from aenv_api.server.volumes_api import VolumeApi
+from aenv_vm.fake_service import FakeSandboxService
+from aenv_vm.volumes.registry import VolumeRegistry
+
+from .conftest import HttpClient
+
+T = TypeVar("T")
+ACCESS_LOG = "aenv.server.access"
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=204)
+
+
+async def _echo(request: web.Request) -> web.Response:
+    return web.json_response(dict(request.headers))
+
+
+@dataclass
+class InProcessServer(HttpClient):
+    """The API over a fake, on ``url``; ``call`` runs a coroutine (or a function) on its loop."""
+
+    # set by ``start`` before anyone sees the server (a dataclass field needs a default here)
+    fake: FakeSandboxService = field(default=None)          # type: ignore[assignment]
+    lifecycle: Lifecycle = field(default=None)              # type: ignore[assignment]
+    config: ServerConfig = field(default_factory=ServerConfig)
+    _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+    _thread: threading.Thread | None = None
+    _server: ApiServer | None = None
+    _guest: web.AppRunner | None = None
+    _log: io.StringIO = field(default_factory=io.StringIO)
+    _handler: logging.Handler | None = None
+    _levels: dict[str, int] = field(default_factory=dict)
+    _builds: Any = None         # the template API's TemplateBuilds, if served
+    _store: Any = None
+
+    @classmethod
+    def start(cls, data_dir: Path, *, max_forks: int = 16, max_sandboxes: int = 64,
+              default_timeout: int = 300, templates: bool = False) -> "InProcessServer":
+        data_dir.mkdir(parents=True, exist_ok=True)
+        creds = Credentials.load(data_dir, environ={})
+        config = ServerConfig(domain="aenv.test", max_forks=max_forks, max_sandboxes=max_sandboxes,
+                              default_timeout=default_timeout)
+        srv = cls(url="", api_key=creds.api_key, data_dir=data_dir, config=config)
+        srv._thread = threading.Thread(target=srv._loop.run_forever, name="inprocess-api", daemon=True)
+        srv._thread.start()
+        srv._capture_logs()
+        try:
+            srv.call(srv._start(creds, templates))
+        except BaseException:
+            srv.stop()
+            raise
+        return srv
+
+    def _capture_logs(self) -> None:
+        """What `aenv server`'s stderr would hold (its logging set-up, aenv_cli/server.py):
+        the request log and every warning or error (with its traceback), for ``log()``."""
+        handler = logging.StreamHandler(self._log)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.addFilter(lambda r: r.levelno >= logging.WARNING or r.name == ACCESS_LOG)
+        self._handler = handler
+        logging.getLogger().addHandler(handler)
+        for name, level in ((ACCESS_LOG, logging.INFO), ("aiohttp.server", logging.CRITICAL)):
+            self._levels[name] = logging.getLogger(name).level
+            logging.getLogger(name).setLevel(level)
+
+    async def _start(self, creds: Credentials, templates: bool) -> None:
+        guest = web.Application()
+        guest.router.add_get("/health", _health)
+        guest.router.add_get("/echo", _echo)
+        self._guest = web.AppRunner(guest, access_log=None)
+        await self._guest.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        guest_port = sock.getsockname()[1]
+        await web.SockSite(self._guest, sock).start()
+        volumes = VolumeRegistry(self.data_dir / "volumes")
+        self.fake = FakeSandboxService(max_sandboxes=self.config.max_sandboxes,
+                                       default_timeout=self.config.default_timeout, volumes=volumes,
+                                       endpoint=lambda _sid, _port: ("127.0.0.1", guest_port))
+        await self.fake.start()
+        metrics = Metrics()
+        self.lifecycle = Lifecycle(self.fake, self.config, metrics, self.data_dir, creds.envd_token,
+                                   creds.traffic_token)
+        await self.lifecycle.start()
+        template_api = await self._template_api() if templates else None
+        self._server = ApiServer(self.lifecycle, creds, self.config, metrics, "0.0.0-test", template_api,
+                                 VolumeApi(volumes, self.config.volume_domain))
+        port = await self._server.start("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def _template_api(self) -> TemplateApi:
+        from aenv_store.store import Store
+        from aenv_vm.blockimage.nbd_server import NbdServer
+        from aenv_vm.builds.executor import BuildSettings
+        from aenv_vm.builds.template_builds import TemplateBuilds
+        from aenv_vm.confine.policy import Confinement
+        from aenv_vm.guest import GuestImage
+        from aenv_vm.net.networks import NodeNetworks
+        from aenv_vm.sandboxes.runtime import NodeRuntime
+        from aenv_vm.templates.local import LocalTemplates
+        from tests.aenv_vm.sandboxes.conftest import store_settings
+
+        root = self.data_dir / "templates-node"
+        self._store = store = Store.open(store_settings(root / "data"), create=True)
+        none = root / "no-guest"
+        guest = GuestImage(key="0" * 16, kernel=none, initrd=none, rootfs=none, kernel_release="", has_envd=True,
+                           info={})
+        run = root / "run"
+        rt = NodeRuntime(store=store, guest=guest, run_root=run, nbd=NbdServer(run / "nbd.sock"),
+                         networks=NodeNetworks("user", run), templates=LocalTemplates(store, guest.key, run / "tpl"),
+                         confinement=Confinement("off"))
+        self._builds = TemplateBuilds(rt, BuildSettings(base_template="base", accel="tcg", memory_mib=256, vcpus=1,
+                                                        disk_mib=0, data_dir=root),
+                                      root / "build-logs", lambda _tid: [])   # the fake's sandboxes use none
+        await self._builds.start()
+        return TemplateApi(self._builds, root / "uploads")
+
+    async def _stop(self) -> None:
+        if self._builds is not None:
+            await self._builds.close()
+        if self._server is not None:
+            await self._server.close()
+        if self.fake is not None:
+            await self.fake.close()
+        if self._guest is not None:
+            await self._guest.cleanup()
+        if self._store is not None:
+            self._store.close()
+
+    def call(self, work: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run coroutine ``work`` on the server's loop; its result."""
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout)
+
+    def do(self, fn: Callable[[], T], timeout: float = 60.0) -> T:
+        """Run ``fn`` on the server's loop (the fake and the lifecycle are not thread-safe)."""
+        async def work() -> T:
+            return fn()
+        return self.call(work(), timeout)
+
+    def kill_all(self) -> int:
+        """Kill every sandbox the fake holds (what a module leaves is not the next one's)."""
+        async def work() -> int:
+            infos = await self.fake.list_sandboxes()
+            for info in infos:
+                await self.lifecycle.kill(info.sandbox_id)
+            return len(infos)
+        return self.call(work())
+
+    def log(self) -> str:
+        return self._log.getvalue()
+
+    def stop(self) -> None:
+        try:
+            if self._loop.is_running():
+                self.call(self._stop())
+        finally:
+            if self._handler is not None:
+                logging.getLogger().removeHandler(self._handler)
+            for name, level in self._levels.items():
+                logging.getLogger(name).setLevel(level)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(10)
+            self._loop.close()
