@@ -305,7 +305,7 @@ async def _serve(cfg: AenvConfig, server_cfg: ServerConfig, creds: Credentials, 
         host = "127.0.0.1" if server_cfg.host in ("0.0.0.0", "", "::") else server_cfg.host
         url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
         if agent is not None:
-            await agent.start(url, [server_cfg.default_template, tpl.id])
+            await agent.start([server_cfg.default_template, tpl.id])
             say(f"cluster: node {agent.node_id!r} in the fleet at {cluster.redis_url}, "
                 f"advertised as {cluster.advertise_url}")
             if agent.peering is not None:

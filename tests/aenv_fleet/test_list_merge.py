@@ -9,15 +9,15 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aenv_api.server.schemas import iso
-from aenv_api.server.views import decode_token, encode_token
 from aenv_fleet.coord import Binding
-from aenv_fleet.gateway.list_merge import (BadToken, decode_cursor, encode_cursor, key_of, listed_from_binding,
-                                        merge, micros_of, page_after, shown_state)
+from aenv_fleet.gateway.list_merge import (decode_cursor, encode_cursor, key_of, listed_from_binding, merge,
+                                           page_after, shown_state)
+from aenv_wire.errors import BadToken
+from aenv_wire.listing import decode_token, encode_token, iso, micros_of
 
 
 def node_fetch(items: list[dict[str, Any]], desc: bool, limit: int):  # type: ignore[no-untyped-def]
-    """What a node answers (views.page): its own records after a node-format token."""
+    """What a node answers (aenv_api/server/views.py page): its own records after a node-format token."""
     ordered = sorted(items, key=lambda i: (i["_t"], i["sandboxID"]), reverse=desc)
 
     async def fetch(token: str | None) -> tuple[list[dict[str, Any]], str | None]:
@@ -79,5 +79,7 @@ def test_down_node_shows_paused_or_lost() -> None:
     assert shown_state(ran, False) == "lost"
     assert shown_state(Binding("sbx-1", "n1", "running", info, paused_at=1.7e9), False) == "paused"
     assert shown_state(Binding("sbx-1", "", "paused", info), False) == "paused"
+    # released, then an adopt found no pause of it in the repository: marked lost where it was
+    assert shown_state(Binding("sbx-1", "", "lost", info, note="gone"), False) == "lost"
     lost = listed_from_binding(ran, "lost")
     assert lost["state"] == "lost" and "n1" in lost["note"] and lost["metadata"] == {"k": "v"}
