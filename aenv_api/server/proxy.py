@@ -7,7 +7,8 @@ path prefix is taken off header-routed requests), by a host of the form
 ``<port>-<sandboxID>.<domain>`` when ``[server] domain`` is set, or, for a
 signed file URL naming no sandbox (``/files?…&signature=…``, what the SDK
 builds on ``E2B_SANDBOX_URL``), by the signature itself: it is made with one
-secured sandbox's envd token. Everything else is control plane.
+secured sandbox's envd token. Everything else is control plane. (The recognition
+itself is aenv_wire/routing.py's, shared with the fleet's gateway.)
 
 Both directions stream: request bodies (chunked ones too) are forwarded as
 they arrive, responses are written out piece by piece as they come from the
