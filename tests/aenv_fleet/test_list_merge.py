@@ -71,6 +71,15 @@ def test_cursor_round_trip_and_bad_tokens() -> None:
     assert micros_of("2026-01-01T00:00:00.000001Z") % 1_000_000 == 1
 
 
+@given(st.text(max_size=60))
+def test_any_gateway_token_is_a_cursor_or_a_bad_token(token: str) -> None:
+    try:
+        m, sid = decode_cursor(token)
+    except BadToken:
+        return
+    assert isinstance(m, int) and decode_cursor(encode_cursor((m, sid))) == (m, sid)
+
+
 def test_down_node_shows_paused_or_lost() -> None:
     info = {"templateID": "base", "startedAt": 1.7e9, "endAt": 1.7e9 + 300, "cpuCount": 1, "memoryMB": 256,
             "diskSizeMB": 1024, "metadata": {"k": "v"}}
