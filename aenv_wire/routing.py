@@ -15,7 +15,8 @@ Headers are given as a case-insensitive mapping (what the HTTP layer parsed).
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 from .errors import BadRoute
 from .headers import AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER
