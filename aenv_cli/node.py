@@ -161,7 +161,7 @@ class Node:
                 background.append(asyncio.ensure_future(manager.fill_pool(tpl.id)))
             url = local_url(server_cfg.host, port)
             if agent is not None:
-                await agent.start(url, [server_cfg.default_template, tpl.id])
+                await agent.start([server_cfg.default_template, tpl.id])
                 report(f"cluster: node {agent.node_id!r} in the fleet at {cluster.redis_url}, "
                        f"advertised as {cluster.advertise_url}")
                 if agent.peering is not None:

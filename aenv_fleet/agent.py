@@ -1,11 +1,12 @@
 """The node agent: what ``aenv server`` runs when ``[cluster] redis_url`` is set.
 
 It registers the node (its advertised URL, capacity, the templates its cache holds and
-the deployment's API key digest), heartbeats its lease, and keeps the sandbox -> node
-bindings in Redis as the node's sandboxes change. The hook into the server is one
-wrapper, ``ObservedService``: a ``SandboxService`` that passes every call to the node's
-own service and tells a ``SandboxListener`` what changed. With ``redis_url = ""`` the
-server never builds it, so the single-node path is untouched.
+the deployment's API key digest), heartbeats its lease, and keeps the bindings of the
+sandboxes its node holds in Redis as they change: it is their one writer (docs/cluster.md,
+"Who writes a binding"). The hook into the server is one wrapper, ``ObservedService``:
+a ``SandboxService`` that passes every call to the node's own service and tells a
+``SandboxListener`` what changed. With ``redis_url = ""`` the server never builds it, so
+the single-node path is untouched.
 
 Redis being unreachable never fails a sandbox operation: the agent logs it, marks
 itself out of sync, and the next heartbeat that reaches Redis reconciles every
@@ -24,18 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import aiohttp
-
-from aenv_vm.service import (CreateRequest, ExpiryListener, ForkResult, SandboxInfo, SandboxService,
-                             SandboxState, TokenMinter)
+from aenv_vm.errors import NotFound, VmError
+from aenv_vm.net.policy import NetworkPolicy
+from aenv_vm.service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, MetricSample, SandboxInfo,
+                             SandboxService, SandboxState, SnapshotInfo, TokenMinter, Usage)
 
 from .config import ClusterConfig
 from .coord import Capacity, CoordError, Coordinator
 from .peering import FleetPeering, PeerSync
 
 log = logging.getLogger(__name__)
-
-RELEASE_PATH = "/_aenv/cluster/sandboxes/{id}/release"
 
 
 def info_record(info: SandboxInfo) -> dict[str, Any]:
@@ -52,23 +51,30 @@ class SandboxListener(Protocol):
     """What the node's sandbox service tells the fleet (ObservedService calls it)."""
 
     async def bound(self, info: SandboxInfo, requested_template: str | None = None,
-                    paused_now: bool = False) -> None: ...
+                    paused_now: bool = False) -> None:
+        """The sandbox is on this node as ``info`` says (made, changed, or adopted here)."""
+        ...
 
-    async def gone(self, sandbox_id: str) -> None: ...
+    async def released(self, sandbox_id: str) -> None:
+        """The sandbox left this node paused, its pause kept in the repository for another node."""
+        ...
+
+    async def gone(self, sandbox_id: str) -> None:
+        """The sandbox was killed here."""
+        ...
 
 
 class ObservedService:
-    """A ``SandboxService`` that is the node's own, plus a listener told of every change."""
+    """A ``SandboxService`` that is the node's own, plus a listener told of every change
+    of a sandbox: each of the protocol's methods is spelled out (a method added to the
+    protocol must be added here: tests/aenv_fleet/test_agent_units.py checks)."""
 
     def __init__(self, inner: SandboxService, listener: SandboxListener) -> None:
         self.inner = inner
         self.listener = listener
         self._expiry: list[ExpiryListener] = []
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         inner.on_expiry(self._expired)
-
-    def __getattr__(self, name: str) -> Any:      # anything beyond the protocol: the node's own
-        return getattr(self.inner, name)
 
     def _expired(self, sid: str, action: str) -> None:
         for fn in self._expiry:
@@ -84,6 +90,14 @@ class ObservedService:
         with contextlib.suppress(Exception):
             await self.listener.bound(await self.inner.get(sid), paused_now=True)
 
+    async def _bound_now(self, sandbox_id: str) -> None:
+        """Tell the listener a running sandbox's record after an operation that briefly
+        paused it (snapshot, fork): it ran on."""
+        with contextlib.suppress(Exception):
+            await self.listener.bound(await self.inner.get(sandbox_id))
+
+    # --- changes: passed on, then told ------------------------------------------------------
+
     def on_expiry(self, listener: ExpiryListener) -> None:
         self._expiry.append(listener)
 
@@ -91,12 +105,6 @@ class ObservedService:
         info = await self.inner.create(req)
         await self.listener.bound(info, req.template)
         return info
-
-    async def get(self, sandbox_id: str) -> SandboxInfo:
-        return await self.inner.get(sandbox_id)
-
-    async def list_sandboxes(self) -> list[SandboxInfo]:
-        return await self.inner.list_sandboxes()
 
     async def kill(self, sandbox_id: str) -> None:
         await self.inner.kill(sandbox_id)
@@ -117,15 +125,63 @@ class ObservedService:
         await self.listener.bound(info)
         return info
 
+    async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        info = await self.inner.update_network(sandbox_id, policy)
+        await self.listener.bound(info)
+        return info
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotInfo:
+        snap = await self.inner.snapshot(sandbox_id, name)
+        await self._bound_now(sandbox_id)
+        return snap
+
     async def fork(self, sandbox_id: str, count: int, timeout: float | None = None,
                    access_token: TokenMinter | None = None) -> list[ForkResult]:
         results = await self.inner.fork(sandbox_id, count, timeout, access_token)
         for r in results:
             if isinstance(r, SandboxInfo):
                 await self.listener.bound(r)
-        with contextlib.suppress(Exception):      # the parent ran on after its brief pause
-            await self.listener.bound(await self.inner.get(sandbox_id))
+        await self._bound_now(sandbox_id)
         return results
+
+    async def adopt(self, sandbox_id: str, force: bool = False) -> SandboxInfo:
+        info = await self.inner.adopt(sandbox_id, force)
+        await self.listener.bound(info)
+        return info
+
+    async def release(self, sandbox_id: str) -> None:
+        await self.inner.release(sandbox_id)
+        await self.listener.released(sandbox_id)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self.inner.delete_snapshot(snapshot_id)     # changes no sandbox
+
+    # --- reads: passed on -------------------------------------------------------------------
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return await self.inner.get(sandbox_id)
+
+    async def list_sandboxes(self) -> list[SandboxInfo]:
+        return await self.inner.list_sandboxes()
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        return await self.inner.list_snapshots()
+
+    async def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        return await self.inner.endpoint(sandbox_id, port)
+
+    async def usage(self, sandbox_id: str) -> Usage:
+        return await self.inner.usage(sandbox_id)
+
+    async def metrics(self, sandbox_id: str, start: float | None = None,
+                      end: float | None = None) -> list[MetricSample]:
+        return await self.inner.metrics(sandbox_id, start, end)
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, MetricSample]:
+        return await self.inner.latest_metrics(sandbox_ids)
+
+    async def console(self, sandbox_id: str, source: str | None, offset: int, limit: int) -> ConsoleRead:
+        return await self.inner.console(sandbox_id, source, offset, limit)
 
 
 @dataclass(frozen=True)
@@ -160,13 +216,12 @@ class NodeAgent:
         self.sandbox_mem_mib = sandbox_mem_mib
         self.data_dir = data_dir
         self.version = version
-        self.service: SandboxService | None = None
-        self.local_url = ""             # this node's API as the agent itself reaches it
+        self.service: SandboxService | None = None     # the node's own (what ObservedService wraps)
         self._templates: set[str] = set()
         self._dirty = True              # bindings must be reconciled with the node's own list
-        self._task: asyncio.Task | None = None
+        self._releases: set[str] = set()   # released here while Redis did not take it: RELEASE at reconcile
+        self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
-        self._http: aiohttp.ClientSession | None = None
         # with [p2p] enabled: publish this node's ticket, peer with the other live nodes
         self.peering = FleetPeering(self.coord, self.node_id, p2p) if p2p is not None else None
 
@@ -179,6 +234,7 @@ class NodeAgent:
 
     async def bound(self, info: SandboxInfo, requested_template: str | None = None,
                     paused_now: bool = False) -> None:
+        self._releases.discard(info.sandbox_id)
         try:
             await self.coord.bind(info.sandbox_id, self.node_id, info.state.value, info_record(info),
                                   paused_at=time.time() if paused_now and info.state == SandboxState.PAUSED else None,
@@ -192,7 +248,17 @@ class NodeAgent:
                         info.sandbox_id, e)
             self._dirty = True
 
+    async def released(self, sandbox_id: str) -> None:
+        try:
+            await self.coord.release(sandbox_id, self.node_id)
+        except CoordError as e:
+            log.warning("cluster: release of %s not recorded (%s); reconciling at the next heartbeat",
+                        sandbox_id, e)
+            self._releases.add(sandbox_id)
+            self._dirty = True
+
     async def gone(self, sandbox_id: str) -> None:
+        self._releases.discard(sandbox_id)
         try:
             await self.coord.unbind(sandbox_id, self.node_id)
         except CoordError as e:
@@ -201,12 +267,10 @@ class NodeAgent:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    async def start(self, local_url: str, templates: list[str]) -> None:
+    async def start(self, templates: list[str]) -> None:
         """After the node's API listens: register, reconcile, then heartbeat every
         ``heartbeat_seconds``. A Redis that is down at start is retried by the loop."""
-        self.local_url = local_url
         self._templates |= {t for t in templates if t}
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
         try:
             await self.coord.add_api_key(self.api_key)
             await self.coord.add_templates(self.node_id, sorted(self._templates))
@@ -253,8 +317,8 @@ class NodeAgent:
 
     async def reconcile(self) -> None:
         """Make Redis agree with what this node holds: bind what it has (unless the
-        fleet moved it elsewhere: then a paused copy here is released), drop bindings
-        to this node of sandboxes it no longer has."""
+        fleet moved it elsewhere: then a paused copy here is released), record the
+        releases Redis missed, drop bindings to this node of sandboxes it no longer has."""
         assert self.service is not None
         async with self._lock:
             local = {i.sandbox_id: i for i in await self.service.list_sandboxes()}
@@ -263,34 +327,38 @@ class NodeAgent:
                 b = bindings.get(sid)
                 if b is not None and b.node_id != self.node_id and (b.node_id or sid in await self._released()):
                     if info.state == SandboxState.PAUSED:
-                        await self._release_local(sid, b.node_id or "the repository")
+                        await self._release_stale(sid, b.node_id or "the repository")
                     else:
                         log.warning("cluster: %s runs here but the fleet binds it to %r; left as it is",
                                     sid, b.node_id)
                     continue
                 await self.coord.bind(sid, self.node_id, info.state.value, info_record(info), note=info.note)
             for sid in await self.coord.node_sandbox_ids(self.node_id):
-                if sid not in local:
+                if sid in local:
+                    continue
+                if sid in self._releases:      # it left paused, kept in the repository
+                    await self.coord.release(sid, self.node_id)
+                else:
                     await self.coord.unbind(sid, self.node_id)
+            self._releases.clear()
             self._dirty = False
 
     async def _released(self) -> set[str]:
         return set(await self.coord.released_ids())
 
-    async def _release_local(self, sid: str, where: str) -> None:
-        """The fleet moved ``sid`` while this node was away: forget the paused copy here
-        (fleetmove's release endpoint; the repository keeps everything)."""
-        assert self._http is not None
-        url = self.local_url + RELEASE_PATH.format(id=sid)
+    async def _release_stale(self, sid: str, where: str) -> None:
+        """The fleet moved ``sid`` while this node was away: forget the paused copy here,
+        through the node's own service (the repository keeps everything; the binding is
+        the new holder's, so Redis is not written)."""
+        assert self.service is not None
         try:
-            async with self._http.post(url, headers={"X-API-Key": self.api_key}) as r:
-                if r.status not in (204, 404):
-                    log.warning("cluster: release of %s (moved to %s) answered %s: %s", sid, where, r.status,
-                                (await r.text())[:200])
-                else:
-                    log.info("cluster: released %s here: the fleet moved it to %s", sid, where)
-        except aiohttp.ClientError as e:
-            log.warning("cluster: release of %s failed: %s", sid, e)
+            await self.service.release(sid)
+        except NotFound:
+            return
+        except VmError as e:
+            log.warning("cluster: release of %s (moved to %s) failed: %s", sid, where, e)
+            return
+        log.info("cluster: released %s here: the fleet moved it to %s", sid, where)
 
     async def close(self) -> None:
         """The node stops on purpose: its lease ends now (gateways route around it at
@@ -302,7 +370,4 @@ class NodeAgent:
         with contextlib.suppress(CoordError):
             await self.reconcile()
             await self.coord.stop_node(self.node_id)
-        if self._http is not None:
-            await self._http.close()
         await self.coord.close()
-

@@ -1,6 +1,7 @@
 """The fleet's state in Redis, as typed calls: node registry and leases, capacity,
 bindings, API key digests, reservations, events (keys.py lists the keys, scripts.py
-the atomic updates). Used by the node agent and the gateway alike."""
+the atomic updates). Used by the node agent and the gateway alike; which of them
+writes what is docs/cluster.md's "Who writes a binding"."""
 from __future__ import annotations
 
 import hashlib
@@ -109,7 +110,7 @@ class Coordinator:
                                                  socket_connect_timeout=5, health_check_interval=10)
         self._scripts = {name: self.redis.register_script(getattr(scripts, name))
                          for name in ("HEARTBEAT", "STOP", "EXPIRE", "PLACE", "UNRESERVE", "BIND", "UNBIND",
-                                      "RELEASE", "DRAIN")}
+                                      "RELEASE", "LOST", "DRAIN")}
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -251,6 +252,11 @@ class Coordinator:
 
     async def release(self, sandbox_id: str, node_id: str) -> bool:
         return int(await self._run("RELEASE", sandbox_id, node_id, now_ms())) == 1
+
+    async def mark_lost(self, sandbox_id: str, note: str) -> bool:
+        """Show ``sandbox_id`` as lost, with ``note``, where it is bound now (False: no
+        binding). For a sandbox no live node holds (the gateway's write, docs/cluster.md)."""
+        return int(await self._run("LOST", sandbox_id, note, now_ms())) == 1
 
     async def binding(self, sandbox_id: str) -> Binding | None:
         try:

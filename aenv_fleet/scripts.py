@@ -164,6 +164,18 @@ event('sandbox-released', sid, old)
 return 1
 """
 
+# ARGV: sandbox, note, now_ms  (no node holds it and the repository has no pause of it:
+# shown lost where it is listed now, on its old node's set or among the released) -> 1, 0 unknown
+LOST = _LIB + """
+local sid = ARGV[1]
+local sk = P .. 'sbx:' .. sid
+if redis.call('EXISTS', sk) == 0 then return 0 end
+local prev = redis.call('HGET', sk, 'state')
+redis.call('HSET', sk, 'state', 'lost', 'note', ARGV[2], 'updated', ARGV[3])
+if prev ~= 'lost' then event('sandbox-lost', sid, redis.call('HGET', sk, 'node')) end
+return 1
+"""
+
 # ARGV: node, drained ('1' | '0'), now_ms
 DRAIN = _LIB + """
 local id = ARGV[1]

@@ -58,3 +58,29 @@ class Moved(Conflict):
     """The sandbox's latest pause in the shared repository was made, or taken over, by
     another node: what this node holds of it is stale and is neither resumed nor committed
     (release it; the other node resumes it)."""
+
+
+# Why a paused sandbox cannot move between nodes sharing one repository (handover.py);
+# the API gives each its code of the fleet's contract (aenv_wire/cluster.py).
+
+class NotCommitted(NotFound):
+    """The shared repository has no committed pause of the sandbox (none was made, or its
+    background commit has not finished, or the node making it died inside the commit)."""
+
+
+class AlreadyHeld(Conflict):
+    """This node holds the sandbox already: there is nothing to adopt."""
+
+
+class ResumedElsewhere(Conflict):
+    """The node that holds the sandbox resumed it after its last pause (it may be running
+    there): it moves only when that node is known to be gone (adopt with force)."""
+
+
+class NotMovable(Conflict):
+    """The sandbox cannot change nodes at all: volumes mounted (directories of one node),
+    a pause record this node cannot read, or its template gone."""
+
+
+class NotPaused(Conflict):
+    """Only a paused sandbox moves: this one is running here (or lost)."""

@@ -2,9 +2,10 @@
 
 ``SandboxService`` is everything the E2B-compatible API asks of the sandbox
 layer, in records that carry no VM internals (no run directories, QEMU pids or
-specs), so that one node (``aenv_vm.sandboxes.node_service.NodeSandboxService``)
-and a cluster gateway spreading sandboxes over many nodes can stand behind the
-same API. Errors are ``aenv_vm.errors`` classes: ``NotFound``, ``Conflict``,
+specs): one node (``aenv_vm.sandboxes.node_service.NodeSandboxService``), and on
+a fleet node the agent's wrapper of it (``aenv_fleet.agent.ObservedService``), stand
+behind the API. (A fleet's gateway implements no ``SandboxService``: it routes HTTP
+to the nodes' APIs, docs/cluster.md.) Errors are ``aenv_vm.errors`` classes: ``NotFound``, ``Conflict``,
 ``BadRequest``, ``Unsupported``, ``CapacityError``; anything else is a
 server-side failure.
 """

@@ -5,6 +5,10 @@
   API; ``envd`` (the in-guest daemon) imports only the standard library.
 * ``aenv_cli`` is the composition root: the only package that imports both the
   API and the fleet (the API does not import the fleet), and no package imports it.
+* The fleet (``aenv_fleet``) does not import the node's API (``aenv_api``): what the
+  two share is E2B's wire vocabulary (``aenv_wire``, which imports nothing of the
+  project's and nothing but the standard library) and the HTTP plumbing both serve
+  with (``aenv_http``, which of the project's imports only ``aenv_wire``).
 * No import cycle anywhere among the project's modules, counting imports
   inside functions and under ``TYPE_CHECKING`` (a cycle hidden that way is
   still a cycle in the design).
@@ -26,22 +30,21 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("aenv_store", "aenv_vm", "aenv_api", "aenv_fleet", "aenv_cli", "envd", "codeint")
+PACKAGES = ("aenv_store", "aenv_vm", "aenv_wire", "aenv_http", "aenv_api", "aenv_fleet", "aenv_cli", "envd",
+            "codeint")
 
 # (module, private name) pairs where a module uses a private name of something it does
 # not own, and why that is right there. All are third-party or standard-library names.
 _AIOHTTP_HANDLER = ("JsonErrorHandler subclasses aiohttp's RequestHandler (pinned version) to answer "
                     "requests its HTTP parser refuses in E2B's JSON shape: aiohttp has no public hook")
 PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
-    ("aenv_api.server.app", "_server"):
+    ("aenv_http.runner", "_server"):
         "aiohttp's TCPSite has no public way to read the port it bound when asked for port 0",
-    ("aenv_api.server.rejects", "_ErrInfo"): _AIOHTTP_HANDLER,
-    ("aenv_api.server.rejects", "_messages"): _AIOHTTP_HANDLER,
-    ("aenv_api.server.rejects", "_current_request"): _AIOHTTP_HANDLER,
-    ("aenv_api.server.rejects", "_loop"): _AIOHTTP_HANDLER,
-    ("aenv_api.server.rejects", "_kwargs"): _AIOHTTP_HANDLER,
-    ("aenv_fleet.gateway.app", "_server"):
-        "aiohttp's TCPSite has no public way to read the port it bound when asked for port 0",
+    ("aenv_http.runner", "_ErrInfo"): _AIOHTTP_HANDLER,
+    ("aenv_http.runner", "_messages"): _AIOHTTP_HANDLER,
+    ("aenv_http.runner", "_current_request"): _AIOHTTP_HANDLER,
+    ("aenv_http.runner", "_loop"): _AIOHTTP_HANDLER,
+    ("aenv_http.runner", "_kwargs"): _AIOHTTP_HANDLER,
     ("aenv_store.p2p._iroh_fast", "_reserve"):
         "replaces the iroh bindings' byte-at-a-time copy into their own receive buffer (docs/remote.md)",
     ("codeint.ipython_startup", "_buffer"):
@@ -182,8 +185,8 @@ def _cycle_path(g: dict[str, set[str]], comp: list[str]) -> str:
 
 
 @pytest.mark.parametrize("layer,forbidden", [
-    ("aenv_store", ("aenv_vm", "aenv_api", "aenv_fleet", "aenv_cli")),
-    ("aenv_vm", ("aenv_api", "aenv_fleet", "aenv_cli")),
+    ("aenv_store", ("aenv_vm", "aenv_api", "aenv_fleet", "aenv_cli", "aenv_http")),
+    ("aenv_vm", ("aenv_api", "aenv_fleet", "aenv_cli", "aenv_http")),
     ("aenv_api", ("aenv_fleet", "aenv_cli")),
     ("aenv_fleet", ("aenv_cli",)),
 ])
@@ -207,6 +210,27 @@ def test_the_composition_root_is_where_api_and_fleet_meet() -> None:
     together), so the rules above are about a real package, not an empty name."""
     targets = {name.split(".")[0] for mod in MODULES if mod.split(".")[0] == "aenv_cli" for name, _ in imports_of(mod)}
     assert {"aenv_api", "aenv_fleet", "aenv_vm", "aenv_store"} <= targets
+
+
+def test_the_fleet_does_not_import_the_api() -> None:
+    bad = [f"{mod}:{line} imports {name}" for mod in MODULES if mod.split(".")[0] == "aenv_fleet"
+           for name, line in imports_of(mod) if name.split(".")[0] == "aenv_api"]
+    assert not bad, ("aenv_fleet shares E2B's wire vocabulary with the node's API through aenv_wire and "
+                     "aenv_http, never aenv_api's internals:\n" + "\n".join(bad))
+
+
+def test_the_wire_package_imports_only_the_standard_library() -> None:
+    stdlib = set(sys.stdlib_module_names)
+    bad = [f"{mod}:{line} imports {name}" for mod in MODULES if mod.split(".")[0] == "aenv_wire"
+           for name, line in imports_of(mod) if name.split(".")[0] not in stdlib | {"aenv_wire"}]
+    assert not bad, "aenv_wire is sans-IO E2B vocabulary: the standard library and itself only:\n" + "\n".join(bad)
+
+
+def test_the_http_plumbing_imports_only_the_wire_package_of_the_project() -> None:
+    project = {m.split(".")[0] for m in MODULES}
+    bad = [f"{mod}:{line} imports {name}" for mod in MODULES if mod.split(".")[0] == "aenv_http"
+           for name, line in imports_of(mod) if name.split(".")[0] in project - {"aenv_http", "aenv_wire"}]
+    assert not bad, "aenv_http imports of the project's only aenv_wire:\n" + "\n".join(bad)
 
 
 def test_envd_imports_only_the_standard_library() -> None:

@@ -45,7 +45,6 @@ UNEXPLAINED_ALLOWED: dict[str, int] = {
     "aenv_api/dockerfile/context.py": 1,
     "aenv_api/server/app.py": 1,
     "aenv_api/server/proxy.py": 1,
-    "aenv_api/server/rejects.py": 2,
     "aenv_api/server/upstream.py": 1,
     "aenv_vm/blockimage/image.py": 2,
     "aenv_vm/blockimage/nbd_server.py": 3,

@@ -1,10 +1,14 @@
-"""The control-plane route table: E2B's sandbox-centric API (see
-reference/e2b-wire.md) plus /health, /openapi.json and /metrics."""
+"""The control-plane route table: E2B's sandbox-centric API plus /health,
+/openapi.json and /metrics, and the fleet's node routes (aenv_wire/cluster.py)."""
 from __future__ import annotations
 
 from typing import Any
 
 from aiohttp import web
+
+from aenv_wire.cluster import ADOPT_ROUTE, FORCE_PARAM, RELEASE_ROUTE
+from aenv_wire.headers import AGENTENV_ID_HEADER, NEXT_TOKEN_HEADER, TOTAL_RUNNING_HEADER
+from aenv_wire.listing import iso
 
 from . import idempotency
 from . import schemas as S
@@ -12,7 +16,6 @@ from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metric_series import sandbox_ids
 from .metrics import Metrics
-from .proxy import AGENTENV_ID_HEADER
 from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
@@ -28,7 +31,7 @@ SANDBOX_ID_PATH = r"/sandboxes/{sandboxID:(?!metrics$)[^{}/]+}"
 
 
 def _log_entry(e: "LogEntry") -> dict[str, Any]:
-    return {"timestamp": S.iso(e.timestamp_ms / 1000), "level": e.level, "message": e.message, "fields": e.fields}
+    return {"timestamp": iso(e.timestamp_ms / 1000), "level": e.level, "message": e.message, "fields": e.fields}
 
 
 class ControlPlane:
@@ -111,9 +114,9 @@ class ControlPlane:
         page, token = await self.lc.list_page(states=q["state"], metadata=q["metadata"], template=q["template"],
                                    started_after=q["started_after"], order=q["order"], limit=q["limit"],
                                    next_token=q["next_token"])
-        headers = {"X-Next-Token": token} if token else {}
+        headers = {NEXT_TOKEN_HEADER: token} if token else {}
         if not q["state"] or "running" in q["state"]:
-            headers["X-Total-Running"] = str((await self.lc.counts())["running"])
+            headers[TOTAL_RUNNING_HEADER] = str((await self.lc.counts())["running"])
         return json_response([r.listed() for r in page], headers=headers)
 
     async def connect(self, request: web.Request, call: Call) -> web.Response:
@@ -141,7 +144,7 @@ class ControlPlane:
         q = call.query
         page, token = await self.lc.list_snapshots(sandbox_id=q["sandbox_id"], name=q["name"], limit=q["limit"],
                                                    next_token=q["next_token"])
-        return json_response(page, headers={"X-Next-Token": token} if token else None)
+        return json_response(page, headers={NEXT_TOKEN_HEADER: token} if token else None)
 
     async def delete_template(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["templateID"]
@@ -155,7 +158,7 @@ class ControlPlane:
         return json_response(await self.lc.fork(call.path["sandboxID"], count, call.body.get("timeout")), 201)
 
     async def adopt(self, request: web.Request, call: Call) -> web.Response:
-        return json_response((await self.lc.adopt(call.path["sandboxID"], call.query["force"] is True)).listed())
+        return json_response((await self.lc.adopt(call.path["sandboxID"], call.query[FORCE_PARAM] is True)).listed())
 
     async def release(self, request: web.Request, call: Call) -> web.Response:
         await self.lc.release(call.path["sandboxID"])
@@ -172,7 +175,7 @@ class ControlPlane:
         q = call.query
         limit = 1000 if q["limit"] is None else q["limit"]
         entries = await self.lc.sandbox_logs(call.path["sandboxID"], since_ms=q["start"], limit=limit)
-        return json_response({"logs": [{"timestamp": S.iso(e.timestamp_ms / 1000), "line": e.message}
+        return json_response({"logs": [{"timestamp": iso(e.timestamp_ms / 1000), "line": e.message}
                                        for e in entries],
                               "logEntries": [_log_entry(e) for e in entries]})
 
@@ -263,14 +266,20 @@ class ControlPlane:
                   (Reply(200, "the logs", "SandboxLogsV2Response"), gone), query=S.LOGS_V2, tags=sbx),
             Route("GET", "/sandboxes/{sandboxID}/metrics", self.sandbox_metrics, "resource use of a sandbox",
                   (Reply(200, "samples", "SandboxMetric[]"), gone), query=S.METRICS_QUERY, tags=sbx),
-            # between the nodes of a fleet sharing one repository (docs/api.md "Moving sandboxes")
-            Route("POST", "/_aenv/cluster/sandboxes/{sandboxID}/adopt", self.adopt,
+            # between the nodes of a fleet sharing one repository (docs/api.md "Moving sandboxes"); a
+            # refusal carries its error_code (aenv_wire/cluster.py ClusterCode), which the gateway reads
+            Route("POST", ADOPT_ROUTE, self.adopt,
                   "take over a sandbox another node paused into the shared repository",
                   (Reply(200, "adopted: paused on this node", "ListedSandbox"),
-                   Reply(404, "no such paused sandbox in the repository", "Error"),
-                   Reply(409, "this node already holds it, it was resumed elsewhere (force), or it cannot move",
-                         "Error")), query=S.ADOPT, tags=("cluster",)),
-            Route("POST", "/_aenv/cluster/sandboxes/{sandboxID}/release", self.release,
+                   Reply(404, "no committed pause of it in the repository (sandbox_pause_not_committed)", "Error"),
+                   Reply(409, "this node already holds it (sandbox_already_held), it was resumed elsewhere "
+                              "(sandbox_resumed_elsewhere; force), or it cannot move (sandbox_not_movable)",
+                         "Error"),
+                   Reply(429, "this node is full (sandbox_capacity_unavailable)", "Error")),
+                  query=S.ADOPT, tags=("cluster",)),
+            Route("POST", RELEASE_ROUTE, self.release,
                   "forget a paused sandbox here, keeping it in the repository for another node",
-                  (nc("released"), gone, Reply(409, "running, or it cannot move", "Error")), tags=("cluster",)),
+                  (nc("released"), Reply(404, "this node does not hold it (sandbox_not_held)", "Error"),
+                   Reply(409, "not paused: running or lost (sandbox_not_paused), or it cannot move "
+                              "(sandbox_not_movable)", "Error")), tags=("cluster",)),
         ]

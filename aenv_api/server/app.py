@@ -26,19 +26,22 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from aenv_http.bodies import is_blank
+from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port, parser_reason
 from aenv_store.errors import ConfigError
+from aenv_wire.api_key import presented_api_key
+from aenv_wire.errors import error_body
+from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER, SHOULD_RETRY_HEADER
+from aenv_wire.routing import SandboxAddress, has_proxy_prefix, has_routing_header, is_unrouted_signed_url, parse_host
+from envd import ENVD_PORT
 
 from .api import ControlPlane
-from .responses import json_response
-from .auth import Credentials, presented_api_key
+from .auth import Credentials
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
-from envd import ENVD_PORT
-
-from .proxy import (SandboxProxy, has_proxy_prefix, has_routing_header, is_unrouted_signed_url, parse_host, route_of,
-                    signed_files)
-from .rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner, parser_reason
+from .proxy import SandboxProxy, route_of, signed_files
+from .responses import json_response
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
 from .templates_api import TemplateApi
@@ -52,7 +55,7 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 def error_response(e: ApiError) -> web.Response:
-    headers = {"Should-Retry": "false"} if e.retry is False else None
+    headers = {SHOULD_RETRY_HEADER: "false"} if e.retry is False else None
     return json_response(e.body(), e.status, headers=headers)
 
 
@@ -87,11 +90,6 @@ def _decoded(raw: bytes, encoding: str) -> bytes:
     return out
 
 
-# RFC 8259's whitespace; bytes.strip() would also take \x0b and \x0c, turning such a
-# body into "no body" instead of the invalid JSON it is
-JSON_WHITESPACE = b" \t\r\n"
-
-
 class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
                  version: str, templates: TemplateApi | None = None, volumes: VolumeApi | None = None) -> None:
@@ -114,12 +112,12 @@ class ApiServer:
     def _wrap(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
             if route.auth and not self.creds.check_api_key(presented_api_key(
-                    request.headers.getall("X-API-Key", []), request.headers.getall("Authorization", []))):
+                    request.headers.getall(API_KEY_HEADER, []), request.headers.getall(AUTHORIZATION_HEADER, []))):
                 raise ApiError(401, "Invalid API key: send the server's key, once, in the X-API-Key header")
             body: dict[str, Any] = {}
             if route.body is not None:
                 raw = _decoded(await request.read(), request.headers.get("Content-Encoding", ""))
-                if raw.strip(JSON_WHITESPACE):
+                if not is_blank(raw):
                     body = route.body.parse_body(_parse_json(raw))
                 elif route.body_required:
                     raise ApiError(400, "a JSON request body is required")
@@ -151,8 +149,8 @@ class ApiServer:
         domain = self.config.domain
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            if has_routing_header(request) or (domain and parse_host(request.host, domain)) or (
-                    is_unrouted_signed_url(request) or has_proxy_prefix(request.path)):
+            if has_routing_header(request.headers) or (domain and parse_host(request.host, domain)) or (
+                    is_unrouted_signed_url(request.path, request.query) or has_proxy_prefix(request.path)):
                 return await self._answer(request, app_handler)  # type: ignore[arg-type]
             return await app_handler(request)
         return handler
@@ -161,16 +159,16 @@ class ApiServer:
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Request id, routing (proxy or control plane), the JSON error shape, metrics, log line."""
         t0 = time.monotonic()
-        given = request.headers.get("X-Request-Id", "")
+        given = request.headers.get(REQUEST_ID_HEADER, "")
         rid = given if _REQUEST_ID.match(given) else secrets.token_hex(8)
         kind = "api"
         sandbox = None
         try:
             target = route_of(request, self.config.domain)
-            if target is None and is_unrouted_signed_url(request):
+            if target is None and is_unrouted_signed_url(request.path, request.query):
                 signed = signed_files(request)
                 assert signed is not None
-                target = (await self.lifecycle.signed_sandbox(signed), ENVD_PORT)
+                target = SandboxAddress(await self.lifecycle.signed_sandbox(signed), ENVD_PORT)
             if target is not None:
                 kind, sandbox = "proxy", target[0]
                 resp = await self.proxy.handle(request, *target, rid)
@@ -179,22 +177,21 @@ class ApiServer:
         except ApiError as e:
             resp = error_response(e)
         except HttpProcessingError as e:  # a body the parser found malformed while it was read (bad chunking)
-            resp = json_response({"code": 400, "message": f"malformed request body: {parser_reason(e)}"}, 400)
+            resp = json_response(error_body(400, f"malformed request body: {parser_reason(e)}"), 400)
             resp.force_close()  # where the next request would start is unknown
         except web.HTTPException as e:  # aiohttp's own: unknown path 404, wrong method 405, body too large 413
             if e.status < 400:
                 raise
-            resp = json_response({"code": e.status, "message": e.reason or "error"}, e.status)
+            resp = json_response(error_body(e.status, e.reason or "error"), e.status)
             if e.status == 405:
                 resp.headers["Allow"] = e.headers.get("Allow", "")
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:
             log.exception("request %s %s %s failed", rid, request.method, request.path)
-            resp = json_response({"code": 500, "message": f"internal error ({type(e).__name__}); request id {rid}"},
-                                 500)
+            resp = json_response(error_body(500, f"internal error ({type(e).__name__}); request id {rid}"), 500)
         if not resp.prepared:
-            resp.headers["X-Request-Id"] = rid
+            resp.headers[REQUEST_ID_HEADER] = rid
         elapsed = time.monotonic() - t0
         route = request.get("route", "proxy" if kind == "proxy" else "unmatched")
         self.metrics.inc("aenv_http_requests_total", (("kind", kind), ("route", route),
@@ -235,7 +232,7 @@ class ApiServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port`` 0 picks a free one)."""
-        # Requests the HTTP parser itself refuses are answered in JSON too (rejects.py).
+        # Requests the HTTP parser itself refuses are answered in JSON too (aenv_http/runner.py).
         # auto_decompress off: aiohttp would otherwise inflate a gzip request body and the
         # proxy would forward it inflated under its Content-Encoding: gzip header (envd then
         # fails to gunzip plain bytes). Control-plane bodies are inflated by _decoded.
@@ -249,13 +246,13 @@ class ApiServer:
         server.request_handler = self._pre_route(server.request_handler)  # read by each new connection
         self._site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await self._site.start()
-        self.port = _bound_port(self._site, port)
+        self.port = bound_port(self._site, port)
         if self.config.tls_cert:
             # the same application behind TLS: control plane and proxy (host-routed or not)
             self._tls_site = web.TCPSite(self._runner, host, self.config.tls_port, reuse_address=True,
                                          ssl_context=tls_context(self.config.tls_cert, self.config.tls_key))
             await self._tls_site.start()
-            self.tls_port = _bound_port(self._tls_site, self.config.tls_port)
+            self.tls_port = bound_port(self._tls_site, self.config.tls_port)
         return self.port
 
     async def stop_accepting(self) -> None:
@@ -270,11 +267,6 @@ class ApiServer:
             await self._runner.cleanup()
             self._runner = None
         await self.proxy.close()
-
-
-def _bound_port(site: web.TCPSite, asked: int) -> int:
-    sockets = getattr(site._server, "sockets", None) or []
-    return sockets[0].getsockname()[1] if sockets else asked
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:

@@ -125,20 +125,5 @@ class Credentials:
         return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
 
 
-def presented_api_key(api_keys: list[str], authorizations: list[str]) -> str | None:
-    """The API key a control-plane request presents, or None: none, more than one
-    ``X-API-Key``, or an ``Authorization`` that is not ``Bearer <that same key>`` (a
-    request naming two credentials is refused rather than guessed at). Envd access
-    tokens and traffic tokens travel in other headers and never count here."""
-    if len(api_keys) != 1 or len(authorizations) > 1:
-        return None
-    key = api_keys[0].strip()
-    if authorizations:
-        scheme, _, value = authorizations[0].strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), key.encode()):
-            return None
-    return key
-
-
 def check_token(expected: str, given: str | None) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())

@@ -6,8 +6,10 @@ env vars, start/end times, access token, TTL); this module turns its
 answers by class (``api_error``). What the API needs beyond the service's
 records -- the template alias the client asked for, ``autoResume`` -- is kept
 in ``ApiExtras``, a small JSON file in the data dir, so it survives restarts
-with the paused sandboxes it belongs to. The service may be one node or a
-cluster gateway: nothing here touches VM internals.
+with the paused sandboxes it belongs to. The service is one node's
+(``NodeSandboxService``, wrapped by the fleet agent's ``ObservedService`` on a fleet
+node): nothing here touches VM internals. A fleet's gateway is no service under
+this module: it routes HTTP to the nodes' APIs (docs/cluster.md).
 
 envd access tokens: derived from the sandbox id (``envd_token``, the
 deployment's HMAC, auth.py) and handed to the service as that function at
@@ -46,9 +48,13 @@ from aenv_vm.volumes.registry import VolumeNotFound
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
 from aenv_vm.states import PAUSED_PHASES, Op, Outcome, Phase, Verdict, phase_of, transition
 
+from aenv_wire.cluster import ClusterCode
+from aenv_wire.errors import GUEST_UNRESPONSIVE
+from aenv_wire.listing import FALLBACK_ENVD_VERSION, parse_metadata_filter, started_at_or_after
+
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
-from .errors import ApiError
+from .errors import ApiError, error_code
 from .extras import ANNOTATION, ApiExtras, Extra
 from .metric_series import MAX_SANDBOX_IDS, bucketed, metric_json
 from .metrics import Metrics
@@ -56,16 +62,13 @@ from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_
 from .sandbox_logs import MAX_CONSOLE_BYTES, LogEntry, SandboxLogs
 from .schemas import NewSandbox
 from .settings import ServerConfig
-from .views import FALLBACK_ENVD_VERSION, SandboxView, page, parse_metadata_filter, started_at_or_after
+from .views import SandboxView, page
 
 log = logging.getLogger(__name__)
 
 VISIBLE_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
 # E2B's proxy answer, word for word (its SDKs' tests compare it); the id is in sandboxId
 SANDBOX_NOT_FOUND = "The sandbox was not found"
-# E2B's error_code for a memory resume of a pause taken while envd did not answer (the
-# SDK raises GuestUnresponsiveException for it)
-GUEST_UNRESPONSIVE = "sandbox_snapshot_guest_agent_unresponsive"   # the service's "lost" is not an E2B state
 
 
 def random_envd_token(_sandbox_id: str) -> str:
@@ -99,17 +102,18 @@ def refused(sid: str, e: VmError) -> ApiError:
 
 
 def api_error(e: VmError, what: str) -> ApiError:
-    """The API answer to a sandbox-layer error, by its class (aenv_vm/errors.py)."""
+    """The API answer to a sandbox-layer error, by its class (aenv_vm/errors.py); the
+    ones a fleet's gateway acts on carry their code (errors.error_code)."""
     if isinstance(e, NotFound):
-        return ApiError(404, str(e))
+        return ApiError(404, str(e), **error_code(e))
     if isinstance(e, Conflict):
-        return ApiError(409, f"{what}: {e}")
+        return ApiError(409, f"{what}: {e}", **error_code(e))
     if isinstance(e, BadRequest):
         return ApiError(400, f"{what}: {e}")
     if isinstance(e, Unsupported):
         return ApiError(501, f"{what}: {e}", retry=False)
     if isinstance(e, CapacityError):
-        return ApiError(429, str(e), retry=False)
+        return ApiError(429, str(e), retry=False, **error_code(e))
     return ApiError(500, f"{what} failed: {e}")
 
 
@@ -291,6 +295,9 @@ class Lifecycle:
                         ANNOTATION, e)
             extra = Extra(disk_mb=info.disk_mib)
         self.extras.put(sid, extra)
+        # its log starts here: one of an earlier stay on this node may be left when that
+        # stay ended below the API (the fleet agent's release of a stale copy, aenv_fleet/agent.py)
+        self.logs.remove(sid)
         self.logs.event(sid, "sandbox adopted from another node", note=info.note or None)
         return self._view(info)
 
@@ -298,6 +305,8 @@ class Lifecycle:
         """Forget ``sid`` here (paused, kept in the repository) so that another node adopts it."""
         try:
             await self.service.release(sid)
+        except NotFound as e:       # this node does not hold it (the fleet's NOT_HELD)
+            raise ApiError(404, str(e), error_code=ClusterCode.NOT_HELD.value) from None
         except VmError as e:
             raise api_error(e, f"release of {sid}") from None
         self._forget_ports(sid)

@@ -13,8 +13,7 @@ from typing import Any
 
 from aenv_vm.sandboxes.metrics import merged
 from aenv_vm.service import MetricSample
-
-from .schemas import iso
+from aenv_wire.listing import iso
 
 MAX_SANDBOX_IDS = 100       # ids per GET /sandboxes/metrics, as E2B allows
 

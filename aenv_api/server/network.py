@@ -35,7 +35,6 @@ from envd import ENVD_PORT
 from .errors import bad_request
 from .extras import Extra
 
-TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
 PORT_PLACEHOLDER = "${PORT}"
 # A Host header value: a name or address, an optional port, ${PORT} anywhere (no spaces,
 # no control characters: the value goes into the request head as it is).

@@ -7,7 +7,8 @@ path prefix is taken off header-routed requests), by a host of the form
 ``<port>-<sandboxID>.<domain>`` when ``[server] domain`` is set, or, for a
 signed file URL naming no sandbox (``/files?…&signature=…``, what the SDK
 builds on ``E2B_SANDBOX_URL``), by the signature itself: it is made with one
-secured sandbox's envd token. Everything else is control plane.
+secured sandbox's envd token. Everything else is control plane. (The recognition
+itself is aenv_wire/routing.py's, shared with the fleet's gateway.)
 
 Both directions stream: request bodies (chunked ones too) are forwarded as
 they arrive, responses are written out piece by piece as they come from the
@@ -40,6 +41,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from aenv_http.wsbridge import HANDSHAKE_HEADERS, bridge, offered_protocols
+from aenv_wire.errors import BadRoute
+from aenv_wire.headers import (ACCESS_TOKEN_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, API_KEY_HEADER,
+                               SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER, TRAFFIC_TOKEN_HEADER)
+from aenv_wire.routing import FILES_PATH, PROXY_PREFIX, SandboxAddress, has_proxy_prefix, has_routing_header, sandbox_route
 from envd import ENVD_PORT, signing
 from envd.signing import SignedRequest
 
@@ -47,23 +53,14 @@ from .auth import check_token
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
-from .network import TRAFFIC_TOKEN_HEADER
 from .upstream import MAX_HEAD, ChunkedBody, ResponseHead, UpstreamConn, UpstreamError, Upstreams, parse_response_head
-from .wsbridge import HANDSHAKE_HEADERS, bridge, offered_protocols
 
 log = logging.getLogger(__name__)
 
-SANDBOX_ID_HEADER = "E2b-Sandbox-Id"
-SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
-# AgentENV's routing headers and path prefix, accepted as E2B's are (its own clients
-# send them): the id, the guest port, and ``/proxy/<path>`` forwarded as ``/<path>``.
-AGENTENV_ID_HEADER = "X-Agentenv-Sandbox-Id"
-AGENTENV_PORT_HEADER = "X-Agentenv-Target-Port"
-PROXY_PREFIX = "/proxy"
 # Never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the routing headers and the API key.
 _DROP_REQUEST = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
-    "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "X-API-Key", SANDBOX_ID_HEADER,
+    "Transfer-Encoding", "Upgrade", "Host", "Content-Length", API_KEY_HEADER, SANDBOX_ID_HEADER,
     SANDBOX_PORT_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, TRAFFIC_TOKEN_HEADER))
 _DROP_RESPONSE = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Trailer", "Transfer-Encoding", "Upgrade",
@@ -78,45 +75,19 @@ class _Stale(Exception):
     """A reused connection was closed by the sandbox before any answer."""
 
 
-def parse_host(host: str, domain: str) -> tuple[str, int] | None:
-    """``(sandbox id, port)`` of a ``<port>-<id>.<domain>[:p]`` host, else None."""
-    if not domain or not host:
-        return None
-    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    suffix = "." + domain.lower()
-    if not name.lower().endswith(suffix):
-        return None
-    label = name[: -len(suffix)]
-    port, sep, sid = label.partition("-")
-    if not sep or not sid or "." in sid or not port.isdigit():
-        return None
-    return sid, int(port)
-
-
-FILES_PATH = "/files"
-
-
-def has_routing_header(request: web.BaseRequest) -> bool:
-    return SANDBOX_ID_HEADER in request.headers or AGENTENV_ID_HEADER in request.headers
-
-
-def has_proxy_prefix(path: str) -> bool:
-    return path == PROXY_PREFIX or path.startswith(PROXY_PREFIX + "/")
-
-
 def forward_target(request: web.BaseRequest) -> str:
     """The request target sent into the sandbox: as the client sent it, but with
     AgentENV's ``/proxy`` prefix taken off a header-routed request (``/proxy`` alone is
     ``/``). Host-routed requests keep their path whole: a guest app may serve ``/proxy``."""
     raw = request.rel_url.raw_path_qs
-    if has_routing_header(request) and has_proxy_prefix(request.rel_url.raw_path):
+    if has_routing_header(request.headers) and has_proxy_prefix(request.rel_url.raw_path):
         rest = raw[len(PROXY_PREFIX):]
         return rest if rest.startswith("/") else "/" + rest
     return raw
 
 
 def _forward_path(request: web.BaseRequest) -> str:
-    if has_routing_header(request) and has_proxy_prefix(request.path):
+    if has_routing_header(request.headers) and has_proxy_prefix(request.path):
         return request.path[len(PROXY_PREFIX):] or "/"
     return request.path
 
@@ -132,32 +103,14 @@ def signed_files(request: web.BaseRequest) -> SignedRequest | None:
         raise ApiError(400, str(e)) from None
 
 
-def is_unrouted_signed_url(request: web.BaseRequest) -> bool:
-    """A signed file URL that names no sandbox (the SDK's ``download_url``/``upload_url``
-    on ``E2B_SANDBOX_URL``): ``/files`` with a ``signature`` query parameter. Its
-    signature says which sandbox it is for (``Lifecycle.signed_sandbox``)."""
-    return request.path == FILES_PATH and "signature" in request.query
-
-
-def route_of(request: web.Request, domain: str) -> tuple[str, int] | None:
-    """Where sandbox traffic goes, or None for control-plane requests. ApiError 400 on a bad
-    port, and on a ``/proxy`` path (AgentENV's prefix) that names no sandbox."""
-    sid = request.headers.get(SANDBOX_ID_HEADER)
-    if sid is None:
-        sid = request.headers.get(AGENTENV_ID_HEADER)
-    if sid is not None:
-        name = AGENTENV_PORT_HEADER if AGENTENV_PORT_HEADER in request.headers else SANDBOX_PORT_HEADER
-        raw = request.headers.get(name, str(ENVD_PORT))
-        if not raw.isdigit() or not 0 < int(raw) < 65536:
-            raise ApiError(400, f"{name} must be a port number, got {raw[:20]!r}")
-        if not sid.strip():
-            raise ApiError(400, "the sandbox routing header is empty: it names the sandbox the request is for")
-        return sid.strip(), int(raw)
-    route = parse_host(request.host, domain)
-    if route is None and has_proxy_prefix(request.path):
-        raise ApiError(400, f"missing sandbox routing header: {PROXY_PREFIX} paths need {AGENTENV_ID_HEADER} "
-                            f"(or {SANDBOX_ID_HEADER})")
-    return route
+def route_of(request: web.BaseRequest, domain: str) -> SandboxAddress | None:
+    """Where sandbox traffic goes, or None for control-plane requests (aenv_wire.routing).
+    ApiError 400 on a bad port, and on a ``/proxy`` path (AgentENV's prefix) that names no
+    sandbox."""
+    try:
+        return sandbox_route(request.headers, request.host, request.path, domain, ENVD_PORT)
+    except BadRoute as e:
+        raise ApiError(400, str(e)) from None
 
 
 class _RelayResponse(web.StreamResponse):
@@ -234,7 +187,7 @@ class SandboxProxy:
         if rules.traffic_token and port != ENVD_PORT:
             _check_traffic_token(rules.traffic_token, request, sid)
         signed = signed_files(request) if port == ENVD_PORT else None
-        host, host_port = await self.lifecycle.target(sid, port, request.headers.get("X-Access-Token"), signed)
+        host, host_port = await self.lifecycle.target(sid, port, request.headers.get(ACCESS_TOKEN_HEADER), signed)
         tls = port in rules.https_ports
         host_header = rules.host_header(port) or f"{host}:{host_port}"
         if request.headers.get("Upgrade", "").lower() == "websocket":

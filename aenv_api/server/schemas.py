@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from aenv_vm.net.policy import MAX_DNS_SERVERS, MAX_RULES
+from aenv_wire.cluster import FORCE_PARAM
+from aenv_wire.errors import ERROR_CODE_FIELD
 
 from .errors import bad_request
 
@@ -396,7 +398,7 @@ LOGS_V2 = Schema("SandboxLogsQueryV2", (
     Field("search", "string", max_length=256, description="case-sensitive substring of the message"),
 ))
 ADOPT = Schema("AdoptQuery", (
-    Field("force", "boolean", description="adopt even if its holder resumed it after its last pause (that node "
+    Field(FORCE_PARAM, "boolean", description="adopt even if its holder resumed it after its last pause (that node "
                                           "is known to be gone: the sandbox continues from that pause)"),))
 METRICS_QUERY = Schema("MetricsQuery", (Field("start", "integer", minimum=0, maximum=2**62),
                                         Field("end", "integer", minimum=0, maximum=2**62)))
@@ -407,7 +409,9 @@ METRICS_LIST = Schema("SandboxesMetricsQuery", (
 
 # --- response schemas (OpenAPI only) ----------------------------------------
 
-ERROR = Schema("Error", (Field("code", "integer", required=True), Field("message", "string", required=True)))
+ERROR = Schema("Error", (Field("code", "integer", required=True), Field("message", "string", required=True),
+                         Field(ERROR_CODE_FIELD, "string", description="machine-readable: E2B's codes, and the "
+                               "node <-> gateway codes of a fleet (aenv_wire.cluster.ClusterCode)")))
 _SANDBOX_CORE = (
     Field("templateID", "string", required=True), Field("sandboxID", "string", required=True),
     Field("alias", "string"), Field("clientID", "string", required=True),
@@ -451,23 +455,3 @@ LOGS_V2_RESPONSE = Schema("SandboxLogsV2Response", (Field("logs", "array", requi
 
 RESPONSE_SCHEMAS = (ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
                     LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)
-
-
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
-_US = datetime.timedelta(microseconds=1)
-
-
-def iso(ts: float) -> str:
-    """RFC 3339 UTC timestamp as E2B writes them, always with microseconds (isoformat
-    drops them on a whole second, and "...:03Z" sorts after "...:03.026000Z")."""
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(
-        timespec="microseconds").replace("+00:00", "Z")
-
-
-def micros(ts: float) -> int:
-    """``ts`` in whole microseconds, rounded exactly as ``iso`` shows it. Times a client
-    sends back (``startedAfter``) were read from ``iso``: they are compared with the
-    records at this precision, not with the unrounded float (which ``iso`` may have
-    rounded up, so a sandbox would seem to start after its own start time)."""
-    return (datetime.datetime.fromtimestamp(ts, datetime.timezone.utc) - _EPOCH) // _US
-

@@ -26,12 +26,15 @@ from aiohttp import web
 from aenv_vm.builds.log import LogEntry
 from aenv_vm.builds.template_builds import TemplateBuilds, TemplateView
 from aenv_vm.errors import BadRequest, VmError
+from aenv_wire.builds import BuildResources, parse_build_spec
+from aenv_wire.errors import MalformedBuild
+from aenv_wire.listing import iso
 
 from .responses import json_response, no_content
 from .errors import ApiError
 from .lifecycle import api_error
 from .routes import Call, Reply, Route
-from .schemas import Field, Schema, iso
+from .schemas import Field, Schema
 
 UPLOAD_PATH = "/_aenv/template-files/{hash}"
 # /templates/{templateID} for the router: never the literal /templates/tags (its own
@@ -98,7 +101,8 @@ class TemplateApi:
         if not name:
             raise ApiError(400, "name is required")
         try:
-            run = await self.builds.request(name, b["tags"], b["cpuCount"], b["memoryMB"], b["minFreeDiskMb"])
+            run = await self.builds.request(name, b["tags"], BuildResources(b["cpuCount"], b["memoryMB"],
+                                                                            b["minFreeDiskMb"]))
         except VmError as e:
             raise _error(e, f"template {name!r}") from None
         return json_response({"templateID": run.name, "buildID": run.build_id, "public": False,
@@ -155,9 +159,12 @@ class TemplateApi:
 
     async def start_build(self, request: web.Request, call: Call) -> web.Response:
         tid, bid = call.path["templateID"], call.path["buildID"]
-        body = {k: v for k, v in call.body.items() if v is not None}
         try:
-            await self.builds.start_build(tid, bid, body)
+            self.builds.startable(tid, bid)      # an unknown or started build: 404 / 409 before the body's 400
+            spec = parse_build_spec(call.body)
+            await self.builds.start_build(tid, bid, spec)
+        except MalformedBuild as e:
+            raise ApiError(400, f"build {bid}: {e}") from None
         except VmError as e:
             raise _error(e, f"build {bid}") from None
         return web.Response(status=202)

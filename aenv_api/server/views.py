@@ -1,23 +1,15 @@
 """What E2B's API shows of a sandbox (``SandboxView``), built from the sandbox
-service's ``SandboxInfo`` plus the API's own per-sandbox fields (extras.py),
-and the small pure helpers of the sandbox routes: the SDK's metadata filter
-and keyset pagination tokens."""
+service's ``SandboxInfo`` plus the API's own per-sandbox fields (extras.py), and
+the node's keyset pagination (its token format is aenv_wire.listing's)."""
 from __future__ import annotations
 
-import base64
-import json
-import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import bad_request
-from .schemas import iso, micros
+from aenv_wire.errors import BadToken
+from aenv_wire.listing import CLIENT_ID, FALLBACK_ENVD_VERSION, decode_token, encode_token, iso
 
-CLIENT_ID = "aenv"
-# envdVersion of a sandbox whose template recorded none: the oldest version whose
-# features the SDK needs (octet-stream uploads). Templates built since record the
-# version their guest's envd reports (aenv_vm/templates/base.py).
-FALLBACK_ENVD_VERSION = "0.5.7"
+from .errors import bad_request
 
 
 @dataclass(frozen=True)
@@ -91,39 +83,15 @@ class SandboxView:
         return out
 
 
-def parse_metadata_filter(raw: str) -> dict[str, str]:
-    """The SDK's metadata filter: a form whose keys and values are URL-encoded once more
-    (the HTTP layer has already decoded the query string itself once)."""
-    pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True)
-    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
-
-
-def started_at_or_after(started_at: float, after: float) -> bool:
-    """The list filter ``startedAfter``, compared at the microseconds the API shows: a
-    client that passes a sandbox's own ``startedAt`` back finds that sandbox."""
-    return micros(started_at) >= micros(after)
-
-
-def encode_token(started_at: float, sid: str) -> str:
-    return base64.urlsafe_b64encode(json.dumps([started_at, sid]).encode()).decode().rstrip("=")
-
-
-def decode_token(token: str) -> tuple[float, str]:
-    try:
-        started, sid = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-        if not isinstance(sid, str) or isinstance(started, bool) or not isinstance(started, (int, float)):
-            raise ValueError
-        return float(started), sid
-    except (ValueError, TypeError, UnicodeDecodeError):
-        raise bad_request("nextToken is not a token this server issued") from None
-
-
 def page(items: list[Any], key: Any, desc: bool, limit: int | None,
          next_token: str | None) -> tuple[list[Any], str | None]:
     """Keyset pagination over ``items`` sorted by ``key`` (a (float, str) pair)."""
     items = sorted(items, key=key, reverse=desc)
     if next_token:
-        cursor = decode_token(next_token)
+        try:
+            cursor = decode_token(next_token)
+        except BadToken as e:
+            raise bad_request(str(e)) from None
         items = [r for r in items if (key(r) < cursor if desc else key(r) > cursor)]
     limit = limit or 100
     out, rest = items[:limit], items[limit:]

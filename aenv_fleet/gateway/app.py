@@ -26,15 +26,17 @@ from typing import Any
 
 from aiohttp import web
 
-from aenv_api.server.app import JSON_WHITESPACE
-from aenv_api.server.auth import presented_api_key
-from aenv_api.server.proxy import (AGENTENV_ID_HEADER, SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER,
-                                   is_unrouted_signed_url, parse_host)
-from aenv_api.server.rejects import MAX_FIELD, MAX_LINE, JsonErrorRunner
+from aenv_http.bodies import is_blank
+from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port
+from aenv_wire.api_key import presented_api_key
+from aenv_wire.errors import error_body
+from aenv_wire.headers import (AGENTENV_ID_HEADER, API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER,
+                               SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER)
+from aenv_wire.routing import is_unrouted_signed_url, parse_host
 
 from ..config import GatewayConfig
 from ..coord import Binding, CoordError, Coordinator
-from .errors import GatewayError
+from .errors import GatewayError, SandboxLost
 from .forward import NodeClient, NodeFailed, NodeRefused, NodeUnreachable, forwarded_headers
 from .list_merge import listed_from_binding, lost_note, shown_state
 from .list_routes import Lists
@@ -55,7 +57,7 @@ _NODE_OP = re.compile(r"^/nodes/([^/]+)/(drain|undrain)$")
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
-    return web.Response(status=status, text=json.dumps({"code": status, "message": message, **extra}),
+    return web.Response(status=status, text=json.dumps(error_body(status, message, **extra)),
                         content_type="application/json", headers=headers)
 
 
@@ -86,8 +88,7 @@ class Gateway:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()
-        socks = getattr(site._server, "sockets", None) or []
-        self.port = socks[0].getsockname()[1] if socks else port
+        self.port = bound_port(site, port)
         return self.port
 
     async def close(self) -> None:
@@ -101,7 +102,7 @@ class Gateway:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
-        rid = request.headers.get("X-Request-Id") or secrets.token_hex(8)
+        rid = request.headers.get(REQUEST_ID_HEADER) or secrets.token_hex(8)
         try:
             resp = await self._dispatch(request)
         except GatewayError as e:
@@ -122,7 +123,7 @@ class Gateway:
             log.exception("gateway request %s %s %s failed", rid, request.method, request.path)
             resp = error(500, f"internal error ({type(e).__name__}); request id {rid}")
         if not resp.prepared:
-            resp.headers["X-Request-Id"] = rid
+            resp.headers[REQUEST_ID_HEADER] = rid
         if access_log.isEnabledFor(logging.INFO):
             access_log.info("%s %s %s -> %s %.1f ms", rid, request.method, request.path, resp.status,
                             (time.monotonic() - t0) * 1000)
@@ -140,7 +141,8 @@ class Gateway:
         return None
 
     async def _authorized(self, request: web.Request) -> None:
-        key = presented_api_key(request.headers.getall("X-API-Key", []), request.headers.getall("Authorization", []))
+        key = presented_api_key(request.headers.getall(API_KEY_HEADER, []),
+                                request.headers.getall(AUTHORIZATION_HEADER, []))
         if not await self.fleet.check_key(key):
             raise GatewayError(401, "Invalid API key: send the deployment's key, once, in the X-API-Key header")
 
@@ -149,7 +151,7 @@ class Gateway:
         if target is not None:
             return await self._proxy(request, *target)
         path, method = request.path, request.method
-        if is_unrouted_signed_url(request):
+        if is_unrouted_signed_url(request.path, request.query):
             return await self._signed_file(request)
         if path == "/health" and method == "GET":
             return web.Response(status=204) if self.fleet.redis_ok else error(503, "redis unreachable")
@@ -199,7 +201,8 @@ class Gateway:
         if b.node_id and self.fleet.is_alive(b.node_id):
             resp = await self._to_node(request, b.node_id, self.fleet.url(b.node_id) + request.rel_url.raw_path_qs)
             if request.method == "DELETE" and rest == "" and resp.status == 404:
-                await self.coord.unbind(sid, b.node_id)      # the node no longer has it: neither does the fleet
+                # the node does not hold it: a binding no live node holds is the gateway's to remove
+                await self.coord.unbind(sid, b.node_id)
             return resp
         return await self._orphan(request, b, rest)
 
@@ -214,8 +217,7 @@ class Gateway:
                 return web.Response(status=204)
             return await self.moves.kill_orphan(b, _key_headers(request))
         if state == "lost":
-            return error(410, f"sandbox {b.sandbox_id} was lost: {lost_note(b)}", sandboxId=b.sandbox_id,
-                         state="lost")
+            raise SandboxLost(b.sandbox_id, lost_note(b))
         if request.method == "GET" and rest == "":
             detail = listed_from_binding(b, state)
             detail.update({"domain": None, "lifecycle": {"autoResume": False,
@@ -307,7 +309,7 @@ class Gateway:
 
 
 def _parse(body: bytes) -> Any:
-    if not body.strip(JSON_WHITESPACE):
+    if is_blank(body):
         return None
     try:
         return json.loads(body)
@@ -316,5 +318,5 @@ def _parse(body: bytes) -> Any:
 
 
 def _key_headers(request: web.Request) -> dict[str, str]:
-    key = request.headers.get("X-API-Key")
-    return {"X-API-Key": key} if key else {}
+    key = request.headers.get(API_KEY_HEADER)
+    return {API_KEY_HEADER: key} if key else {}

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from aenv_api.server.wsbridge import HANDSHAKE_HEADERS, bridge, offered_protocols
+from aenv_http.wsbridge import HANDSHAKE_HEADERS, bridge, offered_protocols
 
 _HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",

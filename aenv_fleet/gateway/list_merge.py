@@ -13,28 +13,16 @@ repeated whatever the page sizes.
 from __future__ import annotations
 
 import base64
-import datetime
 import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from aenv_api.server.schemas import iso
-from aenv_api.server.views import CLIENT_ID, FALLBACK_ENVD_VERSION, encode_token
+from aenv_wire.errors import BadToken
+from aenv_wire.listing import CLIENT_ID, FALLBACK_ENVD_VERSION, encode_token, iso, micros_of
 
 from ..coord import Binding
 
 Key = tuple[int, str]
-
-
-class BadToken(ValueError):
-    pass
-
-
-def micros_of(stamp: str) -> int:
-    """Whole microseconds of an E2B ``startedAt`` (RFC 3339, ``Z``)."""
-    dt = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    delta = dt - datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def key_of(item: dict[str, Any]) -> Key:
@@ -51,7 +39,7 @@ def decode_cursor(token: str) -> Key:
         if tag != "g" or not isinstance(m, int) or isinstance(m, bool) or not isinstance(sid, str):
             raise ValueError
         return m, sid
-    except (ValueError, TypeError, UnicodeDecodeError):
+    except (ValueError, TypeError, RecursionError):
         raise BadToken("nextToken is not a token this gateway issued") from None
 
 
@@ -123,9 +111,10 @@ def merge(pages: list[NodePage], extra: list[dict[str, Any]], cursor: Key | None
 def shown_state(b: Binding, node_alive: bool) -> str:
     """What a sandbox Redis holds is shown as: on a live node, its binding's state; on a
     node that is down, ``paused`` when a pause of it was committed (another node can
-    adopt it), else ``lost``; released to the repository: ``paused``."""
+    adopt it), else ``lost``; released to the repository: ``paused`` (``lost`` once an
+    adopt found no pause of it there)."""
     if not b.node_id:
-        return "paused"
+        return "lost" if b.state == "lost" else "paused"
     if node_alive or b.state in ("paused", "lost"):
         return b.state
     return "paused" if b.paused_at is not None else "lost"

@@ -14,12 +14,13 @@ from typing import Any
 
 from aiohttp import web
 
-from aenv_api.server.views import parse_metadata_filter
+from aenv_wire.errors import BadToken, error_body
+from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER, NEXT_TOKEN_HEADER, TOTAL_RUNNING_HEADER
+from aenv_wire.listing import micros_of, parse_metadata_filter
 
 from ..coord import Binding
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable
-from .list_merge import (BadToken, NodePage, decode_cursor, listed_from_binding, matches, merge, micros_of, page_after,
-                      shown_state)
+from .list_merge import NodePage, decode_cursor, listed_from_binding, matches, merge, page_after, shown_state
 from .state import FleetView
 
 LIST_TIMEOUT = 10.0
@@ -29,8 +30,13 @@ DOWN_HEADER = "X-Aenv-Down-Nodes"
 
 
 def _bad(message: str) -> web.Response:
-    return web.Response(status=400, text=json.dumps({"code": 400, "message": message}),
-                        content_type="application/json")
+    return web.Response(status=400, text=json.dumps(error_body(400, message)), content_type="application/json")
+
+
+def _key_headers(request: web.Request) -> dict[str, str]:
+    """The credentials of ``request``, which the nodes check again."""
+    wanted = (API_KEY_HEADER.lower(), AUTHORIZATION_HEADER.lower())
+    return {k: v for k, v in request.headers.items() if k.lower() in wanted}
 
 
 class Lists:
@@ -74,7 +80,7 @@ class Lists:
 
     async def list_sandboxes(self, request: web.Request, v2: bool) -> web.Response:
         q = request.query
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("x-api-key", "authorization")}
+        headers = _key_headers(request)
         raw_states = [s for part in q.getall("state", []) for s in part.split(",") if s]
         if any(s not in STATES for s in raw_states):
             return _bad(f"state must be among {', '.join(STATES)}")
@@ -132,7 +138,7 @@ class Lists:
                     items = a.json()
                     if a.status != 200 or not isinstance(items, list):
                         raise NodeFailed(f"{nid} answered {a.status}")
-                    return items, a.headers.get("X-Next-Token") or None
+                    return items, a.headers.get(NEXT_TOKEN_HEADER) or None
                 try:
                     return await page_after(fetch, cursor if v2 else None, desc)
                 except (NodeUnreachable, NodeFailed):
@@ -150,9 +156,9 @@ class Lists:
         out, token = merge(pages, extra, cursor, desc, limit if v2 else 10**9)
         h = self._headers(missing, [d for d in down if await self.fleet.coord.node_sandbox_ids(d)])
         if token:
-            h["X-Next-Token"] = token
+            h[NEXT_TOKEN_HEADER] = token
         if v2 and (not states or "running" in states):
-            h["X-Total-Running"] = str(sum(n.running for n in self.fleet.nodes.values() if n.node_id in alive))
+            h[TOTAL_RUNNING_HEADER] = str(sum(n.running for n in self.fleet.nodes.values() if n.node_id in alive))
         return web.Response(status=200, text=json.dumps(out), content_type="application/json", headers=h)
 
     async def _lost_on_live_nodes(self, alive: list[str], metadata: dict[str, str], template: str | None,
@@ -167,7 +173,7 @@ class Lists:
                                                                         started_after)]
 
     async def latest_metrics(self, request: web.Request) -> web.Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("x-api-key", "authorization")}
+        headers = _key_headers(request)
         pq = request.rel_url.raw_path_qs
         answers, missing = await self._ask_all({n.node_id: pq for n in self.fleet.alive()}, headers)
         merged: dict[str, Any] = {}

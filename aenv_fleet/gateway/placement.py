@@ -7,9 +7,12 @@ cache holds the template, and an atomic slot reservation in Redis that the creat
 end releases (scripts.py). A node that answers 429 (full after all) or cannot be
 connected to is excluded and the next best one tried.
 
-Moving a paused sandbox uses the nodes' fleetmove endpoints (docs/cluster.md):
-``release`` on the node that holds it (when it is up), ``adopt`` on the new one, and
-the binding moved in Redis by the gateway; the normal connect then resumes it there.
+Moving a paused sandbox uses the nodes' cluster routes (aenv_wire/cluster.py,
+docs/cluster.md): ``release`` on the node that holds it (when it is up), ``adopt`` on
+the new one; each node's agent moves the binding in Redis as its node changes, and
+the normal connect then resumes it there. What a node answered is read by its
+``ClusterCode``, never by its message. The gateway writes a binding only when no live
+node holds the sandbox (docs/cluster.md, "Who writes a binding").
 """
 from __future__ import annotations
 
@@ -21,16 +24,18 @@ from typing import Any
 
 from aiohttp import web
 
+from aenv_wire.cluster import ClusterCode, adopt_path, answer_code, release_path
+from aenv_wire.errors import error_body
+from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER
+
 from ..coord import Binding, CoordError
-from .errors import GatewayError
+from .errors import GatewayError, SandboxLost
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
 from .list_merge import lost_note, shown_state
 from .state import FleetView
 
 log = logging.getLogger(__name__)
 
-ADOPT = "/_aenv/cluster/sandboxes/{id}/adopt"
-RELEASE = "/_aenv/cluster/sandboxes/{id}/release"
 PLACE_ATTEMPTS = 4
 FORKS_PER_NODE = 16          # AgentENV's (and a node's default [server] max_forks)
 NODE_HEADER = "X-Aenv-Node"
@@ -39,7 +44,7 @@ COMMIT_WAIT = 120.0         # how long a fork snapshot's or a pause's background
 
 
 def _err(status: int, message: str, **extra: Any) -> web.Response:
-    return web.Response(status=status, text=json.dumps({"code": status, "message": message, **extra}),
+    return web.Response(status=status, text=json.dumps(error_body(status, message, **extra)),
                         content_type="application/json")
 
 
@@ -82,13 +87,13 @@ class Moves:
                 continue
             finally:
                 await self.fleet.coord.unreserve(node, rid)
-            if a.status == 429 or (a.status == 503 and "starting" in a.body.decode(errors="replace")):
+            if answer_code(a.body) is ClusterCode.FULL:
                 tried.append(node)
                 continue
             return node, a
         up = len(self.fleet.alive())
         return _err(429, f"no node has room for a sandbox ({up} node(s) up; full, drained, or tried: "
-                         f"{', '.join(tried) or 'none'})", retry=False)
+                         f"{', '.join(tried) or 'none'})", error_code=ClusterCode.FULL.value, retry=False)
 
     async def create(self, request: web.Request, body: bytes) -> web.Response:
         req = _json(body)
@@ -137,17 +142,19 @@ class Moves:
             fits = not n.drained and n.mem_avail_mib >= max(n.sandbox_mem_mib, 1)
             if b.state == "running" or fits:
                 a = await self.nodes.call("POST", n.url + path, body, headers)
-                if a.status not in (429, 503) or b.state == "running":
+                if answer_code(a.body) is not ClusterCode.FULL or b.state == "running":
                     return _relay(a, old)
-            # full or drained: hand it to another node
-            r = await self.nodes.call("POST", n.url + RELEASE.format(id=sid), None, _keys(headers))
-            if r.status == 409:      # running after all: it stays
+            # full or drained: hand it to another node (its agent records the release)
+            r = await self.nodes.call("POST", n.url + release_path(sid), None, _keys(headers))
+            code = answer_code(r.body)
+            if code in (ClusterCode.NOT_PAUSED, ClusterCode.NOT_MOVABLE):     # running after all: it stays
                 return _relay(await self.nodes.call("POST", n.url + path, body, headers), old)
-            if r.status not in (204, 404):
+            if code is ClusterCode.NOT_HELD:   # the node has no copy: nobody holds it, the gateway records it
+                await self.fleet.coord.release(sid, old)
+            elif r.status != 204:
                 return _relay(r, old)
-            await self.fleet.coord.release(sid, old)
         elif shown_state(b, False) == "lost":
-            return _err(410, f"sandbox {sid} was lost: {lost_note(b)}", sandboxId=sid, state="lost")
+            raise SandboxLost(sid, lost_note(b))
         return await self._adopt_and_connect(b, path, body, headers)
 
     async def _adopt_and_connect(self, b: Binding, path: str, body: bytes,
@@ -159,54 +166,55 @@ class Moves:
 
     async def kill_orphan(self, b: Binding, headers: dict[str, str]) -> web.Response:
         """Kill a paused sandbox no live node holds (released, or its node is down): a node
-        adopts it and kills it, so its pause record leaves the repository too."""
-        got = await self.adopt(b, headers)
+        adopts it and kills it, so its pause record leaves the repository too (and that
+        node's agent its binding)."""
+        try:
+            got = await self.adopt(b, headers)
+        except SandboxLost:     # nothing in the repository to remove: only its binding goes
+            await self.fleet.coord.unbind(b.sandbox_id)
+            self.fleet.forget(b.sandbox_id)
+            return web.Response(status=204)
         if isinstance(got, web.Response):
-            if got.status == 410:       # lost: nothing in the repository to remove
-                await self.fleet.coord.unbind(b.sandbox_id)
-                self.fleet.forget(b.sandbox_id)
-                return web.Response(status=204)
             return got
         a = await self.nodes.call("DELETE", self.fleet.url(got) + f"/sandboxes/{b.sandbox_id}", None,
                                   _keys(headers))
+        if a.status == 404:      # the adopter does not hold it after all: nobody does
+            await self.fleet.coord.unbind(b.sandbox_id, got)
         if a.status in (204, 404):
-            await self.fleet.coord.unbind(b.sandbox_id)
             self.fleet.forget(b.sandbox_id)
         return _relay(a, got)
 
     async def adopt(self, b: Binding, headers: dict[str, str]) -> str | web.Response:
-        """A node that adopted ``b`` from the repository (the binding moved there), or the
-        answer saying why none could."""
+        """A node that adopted ``b`` from the repository (its agent bound it there), or the
+        answer saying why none could; SandboxLost when the repository has no pause of it
+        (then marked lost in Redis)."""
         sid = b.sandbox_id
         template = str(b.info.get("templateID", ""))
         exclude = (b.node_id,) if b.node_id else ()
         # its node is gone (not released by it): the repository's pause record may say it
         # was resumed there since; the fleet knows that copy is dead, so the last pause wins
-        force = "?force=true" if b.node_id and not self.fleet.is_alive(b.node_id) else ""
+        force = bool(b.node_id) and not self.fleet.is_alive(b.node_id)
         # a pause is committed to the repository in the background: until then adopt is
         # 404, so a recent pause is waited for (a node that died inside the commit never
         # finishes it: then the wait ends and the sandbox is lost)
         wait_until = (b.paused_at or 0) + COMMIT_WAIT
         while True:
-            got = await self.place_and_call(template, "POST", ADOPT.format(id=sid) + force, b"", _keys(headers),
+            got = await self.place_and_call(template, "POST", adopt_path(sid, force), b"", _keys(headers),
                                             exclude)
             if isinstance(got, web.Response):
                 return got
             node, a = got
-            if a.status != 404 or time.time() > wait_until:
+            code = answer_code(a.body)
+            if code is not ClusterCode.NOT_COMMITTED or time.time() > wait_until:
                 break
             await asyncio.sleep(1.0)
-        if a.status == 404:
+        if code is ClusterCode.NOT_COMMITTED:
             note = (f"its node {b.node_id or '?'} is gone and the repository holds no committed pause of it "
                     f"(adopt by {node}: {a.body.decode(errors='replace')[:200]})")
-            await self.fleet.coord.bind(sid, b.node_id or node, "lost", b.info, note=note)
-            return _err(410, f"sandbox {sid} was lost: {note}", sandboxId=sid, state="lost")
-        if a.status == 409 and "already" not in a.body.decode(errors="replace"):
+            await self.fleet.coord.mark_lost(sid, note)
+            raise SandboxLost(sid, note)
+        if a.status != 200 and code is not ClusterCode.ALREADY_HELD:
             return _relay(a, node)      # cannot move (volume mounts, template gone, ...): the node says why
-        if a.status not in (200, 409):
-            return _relay(a, node)
-        info = dict(b.info, state="paused")
-        await self.fleet.coord.bind(sid, node, "paused", info, paused_at=b.paused_at)
         self.fleet.forget(sid)
         log.info("gateway: %s adopted by %s (was on %s)", sid, node, b.node_id or "the repository")
         return node
@@ -250,7 +258,7 @@ class Moves:
             # (a fork child's template), committed by the parent's node in the background
             a = await self.nodes.call_json("POST", parent.url + f"/sandboxes/{sid}/fork", dict(req, count=here),
                                            headers)
-            if a.status == 429:
+            if answer_code(a.body) is ClusterCode.FULL:
                 log.info("gateway: fork of %s: its node %s has no room for %d, all %d children go elsewhere",
                          sid, parent.node_id, here, count)
                 here = 0
@@ -323,11 +331,12 @@ class Moves:
                     if a.status not in (204, 409):
                         out["failed"].append({"sandboxID": sid, "error": a.body.decode(errors="replace")[:300]})
                         continue
-                r = await self.nodes.call("POST", n.url + RELEASE.format(id=sid), None, headers)
-                if r.status not in (204, 404):
+                r = await self.nodes.call("POST", n.url + release_path(sid), None, headers)
+                if answer_code(r.body) is ClusterCode.NOT_HELD:     # no copy there: the gateway records it
+                    await self.fleet.coord.release(sid, node_id)
+                elif r.status != 204:
                     out["failed"].append({"sandboxID": sid, "error": r.body.decode(errors="replace")[:300]})
                     continue
-                await self.fleet.coord.release(sid, node_id)
                 self.fleet.forget(sid)
                 out["migrated"].append(sid)
             except (NodeUnreachable, NodeFailed) as e:
@@ -336,4 +345,5 @@ class Moves:
 
 
 def _keys(headers: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() in ("x-api-key", "authorization")}
+    wanted = (API_KEY_HEADER.lower(), AUTHORIZATION_HEADER.lower())
+    return {k: v for k, v in headers.items() if k.lower() in wanted}

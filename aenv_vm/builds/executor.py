@@ -27,6 +27,7 @@ from pathlib import Path
 
 from aenv_store.errors import ConfigError
 from aenv_store.formats.ids import Digest
+from aenv_wire.builds import BuildResources, BuildSpec, Step, StepKind
 
 from ..envd_client import EnvdError, ProcessRequest, stream_process
 from ..errors import BadRequest, NotFound, VmError
@@ -41,7 +42,7 @@ from ..templates.trust import CaBundle, ca_env, install_ca_certificates
 from . import records
 from .copy import check_tar, copy_script, plain_tar
 from .log import BuildLog
-from .steps import BuildSpec, Step, StepState
+from .steps import StepState, next_state
 from .vm import BuildVm, VmShape
 
 E2B_BASE_IMAGE = re.compile(r"(docker\.io/)?e2bdev/base(:[\w.-]+)?\Z")
@@ -86,9 +87,7 @@ class BuildJob:
     name: str
     build_id: str
     spec: BuildSpec
-    cpu_count: int | None = None
-    memory_mb: int | None = None
-    min_free_disk_mb: int | None = None
+    resources: BuildResources = BuildResources()
 
 
 @dataclass(frozen=True)
@@ -160,16 +159,16 @@ class Build:
         return _Base(img.layer_id, StepState().with_envs(envs), img.size // MiB, 0)
 
     def _shape(self, base: _Base) -> VmShape:
-        st, job = self.settings, self.job
-        vcpus = job.cpu_count or st.vcpus
-        memory = job.memory_mb or st.memory_mib
+        st, asked = self.settings, self.job.resources
+        vcpus = asked.cpu_count or st.vcpus
+        memory = asked.memory_mb or st.memory_mib
         if not 1 <= vcpus <= st.max_vcpus:
             raise BadRequest(f"cpuCount must be 1..{st.max_vcpus}, got {vcpus}")
         if not 128 <= memory <= st.max_memory_mib:
             raise BadRequest(f"memoryMB must be 128..{st.max_memory_mib}, got {memory}")
         disk = max(base.disk_mib, st.disk_mib or 0, base.size_mib + st.headroom_mib)
-        if job.min_free_disk_mb:
-            disk = max(disk, base.size_mib + job.min_free_disk_mb)
+        if asked.min_free_disk_mb:
+            disk = max(disk, base.size_mib + asked.min_free_disk_mb)
         return VmShape(memory, vcpus, disk, st.accel)
 
     # ------------------------------------------------------------------ VM
@@ -199,12 +198,12 @@ class Build:
 
     async def _run_step(self, vm: BuildVm, step: Step, state: StepState) -> None:
         label = step.label
-        if step.kind == "RUN":
+        if step.kind == StepKind.RUN:
             user = step.args[1] if len(step.args) > 1 and step.args[1] else state.user
             req = ProcessRequest("/bin/bash", ("-l", "-c", step.args[0]), user=user, cwd=state.workdir,
                                  envs=state.env_dict())
             await self._checked(vm, req, label, what=f"RUN {step.args[0][:200]}")
-        elif step.kind == "COPY":
+        elif step.kind == StepKind.COPY:
             src, dest = step.args[0], step.args[1]
             owner = step.args[2] if len(step.args) > 2 and step.args[2] else None
             mode = step.args[3] if len(step.args) > 3 and step.args[3] else None
@@ -222,15 +221,15 @@ class Build:
             script = copy_script(stage, src, dest, state, owner, mode)
             await self._checked(vm, ProcessRequest("/bin/sh", ("-c", script), user="root", cwd="/"), label,
                                 what=f"COPY {src} {dest}")
-        elif step.kind == "WORKDIR":
-            path = step.next_state(state).workdir
+        elif step.kind == StepKind.WORKDIR:
+            path = next_state(step, state).workdir
             script = (f"mkdir -p -- '{path}' 2>/dev/null || /.aenv/bin/busybox mkdir -p -- '{path}'; "
                       f"[ '{state.user}' = root ] || chown '{state.user}:' '{path}' 2>/dev/null || true")
             if "'" in path or "'" in state.user:
                 raise BuildFailed(f"WORKDIR {path!r}: quotes are not allowed in paths here", label)
             await self._checked(vm, ProcessRequest("/bin/sh", ("-c", script), user="root", cwd="/"), label,
                                 what=f"WORKDIR {path}")
-        elif step.kind == "USER":
+        elif step.kind == StepKind.USER:
             code, out = await vm.sh(f"id -u -- '{step.args[0].split(':', 1)[0]}'", timeout=60.0)
             if code != 0:
                 raise BuildFailed(f"USER {step.args[0]}: no such user in the image", label)
@@ -280,7 +279,7 @@ class Build:
                 continue
             self.log.info(f"[{label}/{len(spec.steps)}] {step.describe()}", label)
             t0 = time.monotonic()
-            new_state = step.next_state(state)
+            new_state = next_state(step, state)
             if step.changes_disk:
                 vm = await self._ensure_vm(layer, shape, label)
                 await self._run_step(vm, step, state)
@@ -288,7 +287,7 @@ class Build:
                     layer = await vm.commit_layer({"build": self.job.build_id, "step": label})
                 except VmError as e:
                     raise BuildFailed(f"committing the disk after {step.describe()} failed: {e}", label) from None
-            elif step.kind == "USER" and self.vm is not None:
+            elif step.kind == StepKind.USER and self.vm is not None:
                 await self._run_step(self.vm, step, state)
             state = new_state
             await asyncio.to_thread(records.put_step, store, key, layer, state, step.describe())
@@ -299,8 +298,10 @@ class Build:
     async def _finalize(self, layer: Digest, state: StepState, shape: VmShape, parent: str,
                         forced: bool) -> BuildResult:
         spec, store = self.job.spec, self.rt.store
+        start_cmd = spec.start.cmd if spec.start is not None else None
+        ready_cmd = spec.start.ready_cmd if spec.start is not None else None
         key = records.cache_key(parent, {"layer": bytes(layer).hex(), "state": state.to_json(),
-                                         "start": spec.start_cmd, "ready": spec.ready_cmd,
+                                         "start": start_cmd, "ready": ready_cmd,
                                          "vcpus": shape.vcpus, "memory_mib": shape.memory_mib,
                                          "disk_mib": shape.disk_mib, "accel": shape.accel,
                                          "guest": self.rt.guest.key})
@@ -317,11 +318,11 @@ class Build:
         except VmError as e:
             raise BuildFailed(f"configuring envd failed: {e}", "finalize") from None
         follower = None
-        if spec.start_cmd:
-            follower = await self._start(vm, state, spec.start_cmd)
+        if start_cmd:
+            follower = await self._start(vm, state, start_cmd)
         try:
-            if spec.ready_cmd:
-                await self._wait_ready(vm, state, spec.ready_cmd, follower)
+            if ready_cmd:
+                await self._wait_ready(vm, state, ready_cmd, follower)
             elif follower is not None:
                 await asyncio.sleep(START_SETTLE)
                 self._check_alive(follower)
@@ -336,7 +337,7 @@ class Build:
         self.log.info(f"snapshotting the running VM as {tid}", "finalize")
         meta = dataclasses.replace(vm.template_meta(), build_state=state.to_json(), build_id=self.job.build_id,
                                    e2b_template=self.job.name, default_user=state.user,
-                                   start_cmd=spec.start_cmd or None, ready_cmd=spec.ready_cmd or None)
+                                   start_cmd=start_cmd or None, ready_cmd=ready_cmd or None)
         try:
             await vm.freeze(tid, meta)
         except VmError as e:

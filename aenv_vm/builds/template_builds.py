@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from aenv_store.errors import StoreError
+from aenv_wire.builds import BuildResources, BuildSpec, StepKind
 
 from ..errors import BadRequest, Conflict, NotFound, VmError
 from ..sandboxes.runtime import NodeRuntime
@@ -26,7 +27,6 @@ from . import records
 from .executor import Build, BuildFailed, BuildJob, BuildSettings
 from .log import BuildLog, LogEntry
 from .records import DEFAULT_TAG, BuildEntry, TemplateDef
-from .steps import parse_build
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,7 @@ class BuildRun:
     name: str
     build_id: str
     tags: tuple[str, ...]
-    cpu_count: int | None
-    memory_mb: int | None
-    min_free_disk_mb: int | None
+    resources: BuildResources
     created: float = field(default_factory=time.time)
     status: str = "waiting"                 # waiting | building | ready | error
     log: BuildLog = field(default_factory=BuildLog)
@@ -114,8 +112,7 @@ class TemplateBuilds:
 
     # ------------------------------------------------------------------ request
 
-    async def request(self, ref: str, tags: list[str] | None, cpu_count: int | None, memory_mb: int | None,
-                      min_free_disk_mb: int | None) -> BuildRun:
+    async def request(self, ref: str, tags: list[str] | None, resources: BuildResources) -> BuildRun:
         if self._closing:
             raise Conflict("the node is shutting down")
         name, tag = records.split_name(ref)
@@ -127,19 +124,20 @@ class TemplateBuilds:
         if name == self.settings.base_template or name == "base":
             raise Conflict(f"{name!r} is this node's base template, built by `aenv template build`: "
                            f"choose another name")
-        for value, what, lo, hi in ((cpu_count, "cpuCount", 1, self.settings.max_vcpus),
-                                    (memory_mb, "memoryMB", 128, self.settings.max_memory_mib)):
+        for value, what, lo, hi in ((resources.cpu_count, "cpuCount", 1, self.settings.max_vcpus),
+                                    (resources.memory_mb, "memoryMB", 128, self.settings.max_memory_mib)):
             if value is not None and not lo <= value <= hi:
                 raise BadRequest(f"{what} must be {lo}..{hi}, got {value}")
-        if min_free_disk_mb is not None and not 0 <= min_free_disk_mb <= 1 << 20:
-            raise BadRequest(f"minFreeDiskMB must be 0..{1 << 20}, got {min_free_disk_mb}")
-        run = BuildRun(name, str(uuid.uuid4()), tuple(wanted), cpu_count, memory_mb, min_free_disk_mb)
+        disk = resources.min_free_disk_mb
+        if disk is not None and not 0 <= disk <= 1 << 20:
+            raise BadRequest(f"minFreeDiskMB must be 0..{1 << 20}, got {disk}")
+        run = BuildRun(name, str(uuid.uuid4()), tuple(wanted), resources)
         async with self._lock:
             def put() -> None:
                 now = time.time()
                 tdef = records.load_def(self.store, name) or TemplateDef(name, now, now)
-                entry = BuildEntry(run.build_id, None, "waiting", now, cpu_count=cpu_count or 0,
-                                   memory_mb=memory_mb or 0)
+                entry = BuildEntry(run.build_id, None, "waiting", now, cpu_count=resources.cpu_count or 0,
+                                   memory_mb=resources.memory_mb or 0)
                 records.save_def(self.store, replace(tdef, updated=now, builds=tdef.builds + (entry,)))
             await asyncio.to_thread(put)
         self._runs[run.build_id] = run
@@ -166,16 +164,23 @@ class TemplateBuilds:
             raise NotFound(f"no build {build_id} of template {template_id}")
         return run
 
-    async def start_build(self, template_id: str, build_id: str, body: dict[str, Any]) -> None:
+    def startable(self, template_id: str, build_id: str) -> BuildRun:
+        """The requested build ``build_id`` of ``template_id``, not started yet (NotFound:
+        no such build; Conflict: it was started already)."""
         run = self._run_of(template_id, build_id)
         if run.status != "waiting":
             raise Conflict(f"build {build_id} was already started")
-        spec = parse_build(body)
+        return run
+
+    async def start_build(self, template_id: str, build_id: str, spec: BuildSpec) -> None:
+        """Start a requested build of ``spec`` (E2B's step list, parsed by aenv_wire.builds)
+        in the background. BadRequest when a COPY's files were not uploaded."""
+        run = self.startable(template_id, build_id)
         for step in spec.steps:
-            if step.kind == "COPY" and step.files_hash and not self.files_present(step.files_hash):
+            if step.kind == StepKind.COPY and step.files_hash and not self.files_present(step.files_hash):
                 raise BadRequest(f"step {step.index}: the files of COPY {step.args[0]} were not uploaded "
                                  f"(GET /templates/{template_id}/files/{step.files_hash} first)")
-        job = BuildJob(run.name, run.build_id, spec, run.cpu_count, run.memory_mb, run.min_free_disk_mb)
+        job = BuildJob(run.name, run.build_id, spec, run.resources)
         run.status = "building"
         run.task = asyncio.ensure_future(self._execute(run, job))
 
@@ -275,7 +280,7 @@ class TemplateBuilds:
         entry = tdef.build(build_id) if tdef else None
         if entry is None:
             raise NotFound(f"no build {build_id} of template {name}")
-        run = BuildRun(name, build_id, (), None, None, None, created=entry.created, status=entry.status)
+        run = BuildRun(name, build_id, (), BuildResources(), created=entry.created, status=entry.status)
         try:
             doc = json.loads((self.log_dir / f"{build_id}.json").read_text())
             run.log.entries = [LogEntry(float(t), str(lv), str(m), s) for t, lv, m, s in doc.get("entries", [])]

@@ -48,7 +48,7 @@ from aenv_store.errors import StoreNotFound
 from aenv_store.formats.catalog import CatalogRecord, check_name
 from aenv_store.store import Store
 
-from ..errors import Conflict, Moved, NotFound, SnapshotError, VmError
+from ..errors import AlreadyHeld, Moved, NotCommitted, NotMovable, NotPaused, ResumedElsewhere, SnapshotError, VmError
 from .records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from .runtime import NodeRuntime
 
@@ -245,37 +245,38 @@ class Moves:
 
     def adopt(self, sid: str, force: bool = False) -> SandboxRecord:
         """Take over sandbox ``sid`` that another node paused and committed (worker thread):
-        NotFound if the repository has no pause of it, Conflict if this node already holds
-        it or it cannot move (volume mounts, an older record format, its template gone), or
-        if its holder resumed it after that pause, unless ``force`` (the caller knows that
-        node is gone: the sandbox then continues from that pause)."""
+        NotCommitted if the repository has no pause of it, AlreadyHeld if this node holds
+        it, NotMovable if it cannot move (volume mounts, an older record format, its
+        template gone), ResumedElsewhere if its holder resumed it after that pause, unless
+        ``force`` (the caller knows that node is gone: the sandbox then continues from that
+        pause)."""
         held = self.records.get(sid)
         if held is not None:
-            raise Conflict(f"this node already holds sandbox {sid} ({held.state.value})")
+            raise AlreadyHeld(f"this node already holds sandbox {sid} ({held.state.value})")
         cp = read_committed(self.rt, sid)
         if cp is None:
-            raise NotFound(f"the repository has no paused sandbox {sid!r}")
+            raise NotCommitted(f"the repository has no paused sandbox {sid!r}")
         meta = cp.record.meta_dict()
         if META_RECORD not in meta:
-            raise Conflict(f"sandbox {sid} was paused by a node that did not commit its sandbox record "
+            raise NotMovable(f"sandbox {sid} was paused by a node that did not commit its sandbox record "
                            f"(no {META_VERSION} in its pause): it can only be resumed where it was paused")
         try:
             body = parse_portable(meta[META_RECORD])
         except SnapshotError as e:      # a newer (or broken) format: the node that wrote it resumes it
-            raise Conflict(f"sandbox {sid} cannot be adopted here: {e}") from None
+            raise NotMovable(f"sandbox {sid} cannot be adopted here: {e}") from None
         running = meta.pop(META_RUNNING, None)
         if running is not None and not force:
-            raise Conflict(f"sandbox {sid} was resumed on node {running} after its pause {cp.seq} and may be "
+            raise ResumedElsewhere(f"sandbox {sid} was resumed on node {running} after its pause {cp.seq} and may be "
                            f"running there; adopt it with force only if that node is gone (it then continues "
                            f"from pause {cp.seq})")
         if body["volume_mounts"]:
             paths = ", ".join(sorted(m.get("path", "?") for m in body["volume_mounts"]))
-            raise Conflict(f"sandbox {sid} has volumes mounted ({paths}); volumes are directories of the node "
+            raise NotMovable(f"sandbox {sid} has volumes mounted ({paths}); volumes are directories of the node "
                            f"that made them (docs/volumes.md), so it cannot move to another node")
         try:
             tpl = self.rt.templates.resolve(body["template"])
         except VmError as e:
-            raise Conflict(f"sandbox {sid} cannot be adopted: its template {body['template']}: {e}") from None
+            raise NotMovable(f"sandbox {sid} cannot be adopted: its template {body['template']}: {e}") from None
         if tpl.hidden_fork_node is not None:   # a fork child moving: its snapshot outlives its node's children
             mark_shared(self.rt.store, tpl.id)
         try:
@@ -319,11 +320,11 @@ class Moves:
 
 
 def check_releasable(rec: SandboxRecord, running: bool) -> None:
-    """Conflict unless ``rec`` is a paused sandbox that another node could adopt."""
+    """NotPaused or NotMovable unless ``rec`` is a paused sandbox another node could adopt."""
     if running or rec.state == SandboxState.RUNNING:
-        raise Conflict(f"sandbox {rec.id} is running: pause it before releasing it")
+        raise NotPaused(f"sandbox {rec.id} is running: pause it before releasing it")
     if rec.state != SandboxState.PAUSED or rec.snapshot is None:
-        raise Conflict(f"sandbox {rec.id} is {rec.state.value}: only a paused sandbox can be released")
+        raise NotPaused(f"sandbox {rec.id} is {rec.state.value}: only a paused sandbox can be released")
     if rec.volume_mounts:
-        raise Conflict(f"sandbox {rec.id} has volumes mounted; volumes are directories of this node "
+        raise NotMovable(f"sandbox {rec.id} has volumes mounted; volumes are directories of this node "
                        f"(docs/volumes.md), so it cannot move to another node")

@@ -148,6 +148,33 @@ def test_bind_moves_and_releases_keep_slots_exact(fresh: RedisServer) -> None:
     run(main())
 
 
+def test_marking_lost_keeps_where_the_sandbox_is_listed(fresh: RedisServer) -> None:
+    """The gateway's write for a sandbox no live node holds: its state and note change,
+    its holder and the sets it is listed by (its old node's, or the released) do not."""
+    async def main() -> None:
+        c = Coordinator(fresh.url)
+        await c.heartbeat("a", cap(3), 30)
+        await c.bind("on-a", "a", "running", {"templateID": "t"}, paused_at=1.0)
+        await c.bind("released", "a", "paused", {"templateID": "t"})
+        assert await c.release("released", "a")
+        assert await c.mark_lost("on-a", "its node a is gone") and await c.mark_lost("released", "gone")
+        lost = await c.binding("on-a")
+        assert lost is not None and (lost.node_id, lost.state, lost.note, lost.paused_at) == (
+            "a", "lost", "its node a is gone", 1.0)
+        assert lost.info == {"templateID": "t"}
+        gone = await c.binding("released")
+        assert gone is not None and (gone.node_id, gone.state) == ("", "lost")
+        assert await c.node_sandbox_ids("a") == ["on-a"] and await c.released_ids() == ["released"]
+        assert {n.node_id: n.free_slots for n in await c.nodes()} == {"a": 2}       # slots unchanged
+        assert await c.mark_lost("nobody", "x") is False and await c.binding("nobody") is None
+        kinds = [(e["type"], e["id"]) for e in await c.events()]
+        assert ("sandbox-lost", "on-a") in kinds and ("sandbox-lost", "released") in kinds
+        assert await c.unbind("released") and await c.released_ids() == []          # DELETE of a lost one
+        await c.close()
+
+    run(main())
+
+
 def test_redis_sigkill_and_restart_loses_nothing(fresh: RedisServer) -> None:
     async def fill() -> None:
         c = Coordinator(fresh.url)

@@ -22,6 +22,8 @@ import pytest
 import redis
 from e2b import Sandbox, SandboxQuery
 
+from aenv_wire.cluster import ClusterCode
+
 from tests.guest_servers import GUEST_SERVER
 from .cluster import GATEWAY_PORTS, HOST_IP, REPO, Fleet, http, make_fleet
 from tests.support import require
@@ -449,7 +451,7 @@ def test_node_sigkill_paused_resume_elsewhere_running_reported_lost(fleet: Fleet
     lost = {x["sandboxID"]: x for x in body}
     assert running.sandbox_id in lost and victim.node_id in lost[running.sandbox_id]["note"]
     status, _, body = http("GET", fleet.gateways[1].url + f"/sandboxes/{running.sandbox_id}", key=fleet.api_key)
-    assert status == 410 and body["state"] == "lost", body
+    assert status == 410 and body["state"] == "lost" and body["error_code"] == ClusterCode.LOST, body
     assert http("GET", fleet.gateways[1].url + f"/sandboxes/{paused.sandbox_id}", key=fleet.api_key)[0] == 200
     c = Sandbox.connect(paused.sandbox_id, **gw(fleet, 1))
     assert binding_node(fleet, paused.sandbox_id) not in ("", victim.node_id)

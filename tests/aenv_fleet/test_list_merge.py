@@ -9,15 +9,15 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aenv_api.server.schemas import iso
-from aenv_api.server.views import decode_token, encode_token
 from aenv_fleet.coord import Binding
-from aenv_fleet.gateway.list_merge import (BadToken, decode_cursor, encode_cursor, key_of, listed_from_binding,
-                                        merge, micros_of, page_after, shown_state)
+from aenv_fleet.gateway.list_merge import (decode_cursor, encode_cursor, key_of, listed_from_binding, merge,
+                                           page_after, shown_state)
+from aenv_wire.errors import BadToken
+from aenv_wire.listing import decode_token, encode_token, iso, micros_of
 
 
 def node_fetch(items: list[dict[str, Any]], desc: bool, limit: int):  # type: ignore[no-untyped-def]
-    """What a node answers (views.page): its own records after a node-format token."""
+    """What a node answers (aenv_api/server/views.py page): its own records after a node-format token."""
     ordered = sorted(items, key=lambda i: (i["_t"], i["sandboxID"]), reverse=desc)
 
     async def fetch(token: str | None) -> tuple[list[dict[str, Any]], str | None]:
@@ -71,6 +71,15 @@ def test_cursor_round_trip_and_bad_tokens() -> None:
     assert micros_of("2026-01-01T00:00:00.000001Z") % 1_000_000 == 1
 
 
+@given(st.text(max_size=60))
+def test_any_gateway_token_is_a_cursor_or_a_bad_token(token: str) -> None:
+    try:
+        m, sid = decode_cursor(token)
+    except BadToken:
+        return
+    assert isinstance(m, int) and decode_cursor(encode_cursor((m, sid))) == (m, sid)
+
+
 def test_down_node_shows_paused_or_lost() -> None:
     info = {"templateID": "base", "startedAt": 1.7e9, "endAt": 1.7e9 + 300, "cpuCount": 1, "memoryMB": 256,
             "diskSizeMB": 1024, "metadata": {"k": "v"}}
@@ -79,5 +88,7 @@ def test_down_node_shows_paused_or_lost() -> None:
     assert shown_state(ran, False) == "lost"
     assert shown_state(Binding("sbx-1", "n1", "running", info, paused_at=1.7e9), False) == "paused"
     assert shown_state(Binding("sbx-1", "", "paused", info), False) == "paused"
+    # released, then an adopt found no pause of it in the repository: marked lost where it was
+    assert shown_state(Binding("sbx-1", "", "lost", info, note="gone"), False) == "lost"
     lost = listed_from_binding(ran, "lost")
     assert lost["state"] == "lost" and "n1" in lost["note"] and lost["metadata"] == {"k": "v"}

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from aenv_wire.cluster import ClusterCode, adopt_path, release_path
 from tests.aenv_store.backends.motoserver import MotoServer
 from .conftest import AENV, REPO, Server, start_server
 from tests.support import require
@@ -64,8 +65,7 @@ def traffic_token(node: Server, sid: str) -> str:
 
 
 def adopt(node: Server, sid: str, key: str | None = "default", force: bool = False) -> tuple[int, Any]:
-    status, _, body = node.request("POST", f"/_aenv/cluster/sandboxes/{sid}/adopt" + ("?force=true" if force else ""),
-                                   key=key)
+    status, _, body = node.request("POST", adopt_path(sid, force), key=key)
     return status, body
 
 
@@ -81,7 +81,7 @@ def adopt_committed(node: Server, sid: str, force: bool = False) -> tuple[int, A
 
 
 def release(node: Server, sid: str, key: str | None = "default") -> tuple[int, Any]:
-    status, _, body = node.request("POST", f"/_aenv/cluster/sandboxes/{sid}/release", key=key)
+    status, _, body = node.request("POST", release_path(sid), key=key)
     return status, body
 
 
@@ -128,7 +128,8 @@ def test_pause_release_adopt_connect_continues_on_the_other_node(pair: Pair) -> 
         status, body = release(a, sid)
         assert status == 204, body
         assert a.request("GET", f"/sandboxes/{sid}")[0] == 404           # A forgot it
-        assert release(a, sid)[0] == 404
+        status, body = release(a, sid)
+        assert status == 404 and body["error_code"] == ClusterCode.NOT_HELD, body
         # gc while nobody holds it: the repository keeps everything the pause needs
         gc = pair.aenv(a, "repo", "gc", "--grace", "0")
         assert gc.returncode == 0, gc.stderr[-3000:]
@@ -138,6 +139,7 @@ def test_pause_release_adopt_connect_continues_on_the_other_node(pair: Pair) -> 
         assert body["sandboxID"] == sid and body["state"] == "paused" and body["metadata"] == {"suite": "moves"}
         status, again = adopt(b, sid)
         assert status == 409 and again["code"] == 409 and "already holds" in again["message"], again
+        assert again["error_code"] == ClusterCode.ALREADY_HELD, again
         status, _, listed = b.request("GET", "/v2/sandboxes?state=paused")
         assert status == 200, listed
         assert sid in [x["sandboxID"] for x in listed]
@@ -162,6 +164,7 @@ def test_pause_release_adopt_connect_continues_on_the_other_node(pair: Pair) -> 
         assert t.commands.run(f"kill -0 {h.pid} && echo alive").stdout.strip() == "alive"
         status, body = release(b, sid)
         assert status == 409 and "running" in body["message"], body           # release of a running one
+        assert body["error_code"] == ClusterCode.NOT_PAUSED, body
     finally:
         Sandbox.kill(sid, **pair.sdk(b if moved else a))
     assert b.request("GET", f"/sandboxes/{sid}")[0] == 404
@@ -182,6 +185,7 @@ def test_a_stale_copy_does_not_resume_nor_delete_the_moved_sandbox(pair: Pair) -
         assert status == 200, body
         status, _, body = a.request("POST", f"/v2/sandboxes/{sid}/connect", body={"timeout": 300})
         assert status == 409 and "moved" in body["message"] and "holds it now" in body["message"], body
+        assert body["error_code"] == ClusterCode.MOVED, body
         assert a.request("DELETE", f"/sandboxes/{sid}")[0] == 204     # forgets the stale copy only
         t = Sandbox.connect(sid, timeout=600, **pair.sdk(b))
         assert t.files.read("/home/user/f.txt") == "one"
@@ -206,6 +210,7 @@ def test_adopt_refuses_a_sandbox_resumed_after_its_pause_unless_forced(pair: Pai
         s.files.write("/home/user/f.txt", "after the pause, on A")
         status, body = adopt_committed(b, sid)
         assert status == 409 and "was resumed on node" in body["message"], body
+        assert body["error_code"] == ClusterCode.RESUMED_ELSEWHERE, body
         assert b.request("GET", f"/sandboxes/{sid}")[0] == 404
         status, body = adopt(b, sid, force=True)
         assert status == 200 and body["state"] == "paused", body
@@ -264,8 +269,9 @@ def test_snapshot_and_fork_snapshot_of_a_create_sandboxes_on_b(pair: Pair) -> No
 def test_bad_input(pair: Pair) -> None:
     a, b = pair.a, pair.b
     status, body = adopt(b, "sbx-0000000000000000")
-    assert status == 404 and body["code"] == 404, body
-    assert release(b, "sbx-0000000000000000")[0] == 404
+    assert status == 404 and body["code"] == 404 and body["error_code"] == ClusterCode.NOT_COMMITTED, body
+    status, body = release(b, "sbx-0000000000000000")
+    assert status == 404 and body["error_code"] == ClusterCode.NOT_HELD, body
     for node in (a, b):   # the deployment's API key, like every control-plane call
         for call in (adopt, release):
             status, body = call(node, "sbx-0000000000000000", key=None)
@@ -273,7 +279,7 @@ def test_bad_input(pair: Pair) -> None:
             assert call(node, "sbx-0000000000000000", key="wrong")[0] == 401
     status, _, body = b.request("POST", "/_aenv/cluster/sandboxes/sbx-0000000000000000/adopt?force=maybe")
     assert status == 400 and "force" in body["message"], body
-    assert adopt(b, "sbx-%21")[0] == 404      # "!" cannot be in a record name: no such sandbox
+    assert adopt(b, "sbx-!")[0] == 404      # "!" cannot be in a record name: no such sandbox
 
 
 def test_a_sandbox_with_volumes_cannot_move(pair: Pair) -> None:
@@ -288,9 +294,9 @@ def test_a_sandbox_with_volumes_cannot_move(pair: Pair) -> None:
     try:
         s.pause()
         status, body = release(a, s.sandbox_id)
-        assert status == 409 and "volumes" in body["message"], body
+        assert status == 409 and "volumes" in body["message"] and body["error_code"] == ClusterCode.NOT_MOVABLE, body
         status, body = adopt_committed(b, s.sandbox_id)
-        assert status == 409 and "volumes" in body["message"], body
+        assert status == 409 and "volumes" in body["message"] and body["error_code"] == ClusterCode.NOT_MOVABLE, body
         assert b.request("GET", f"/sandboxes/{s.sandbox_id}")[0] == 404       # nothing left on B
     finally:
         s.kill()

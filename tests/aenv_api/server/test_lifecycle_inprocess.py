@@ -207,7 +207,8 @@ def test_sandbox_layer_errors_as_http(fake_api: InProcessServer) -> None:
     full, fake.max_sandboxes = fake.max_sandboxes, 1
     try:
         status, headers, body = api.request("POST", "/v2/sandboxes", {"templateID": "base"})
-        assert (status, body) == (429, {"code": 429, "message": "this node holds its maximum of 1 sandboxes"})
+        assert (status, body) == (429, {"code": 429, "message": "this node holds its maximum of 1 sandboxes",
+                                        "error_code": "sandbox_capacity_unavailable"})
         assert headers["Should-Retry"] == "false"                # the SDK must not retry it
         status, headers, body = api.request("POST", f"/sandboxes/{sid}/fork", {"count": 2})
         assert status == 429 and "2 forks would exceed" in body["message"]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, TransferEncodingError
 
-from aenv_api.server.rejects import MAX_FIELD, MAX_LINE, reject_status
+from aenv_http.runner import MAX_FIELD, MAX_LINE, reject_status
 
 from .conftest import HttpClient
 from .inprocess import InProcessServer

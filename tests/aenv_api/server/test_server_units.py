@@ -1,10 +1,10 @@
-"""Pure parts of the API server: schemas, the metadata filter, pagination tokens,
-host routing, credentials, metrics text, the generated OpenAPI document."""
+"""Pure parts of the API server: schemas, pagination, routing of sandbox traffic,
+credentials, metrics text, the generated OpenAPI document (the wire vocabulary they
+use has its own tests, tests/aenv_wire)."""
 from __future__ import annotations
 
 import os
 import stat
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,11 @@ from aenv_api.server.auth import Credentials, check_token
 from aenv_api.server.errors import ApiError
 from aenv_api.server.lifecycle import api_error
 from aenv_api.server.metrics import Metrics
-from aenv_api.server.proxy import parse_host
 from aenv_api.server.schemas import LIST_V2, NewSandbox, new_sandbox_schema
-from aenv_api.server.views import decode_token, encode_token, page, parse_metadata_filter
-from aenv_vm.errors import BadRequest, CapacityError, Conflict, NotFound, SnapshotError, Unsupported, VmError
+from aenv_api.server.views import page
+from aenv_vm.errors import (AlreadyHeld, BadRequest, CapacityError, Conflict, Moved, NotCommitted, NotFound,
+                            NotMovable, NotPaused, ResumedElsewhere, SnapshotError, Unsupported, VmError)
+from aenv_wire.cluster import ClusterCode
 
 NEW = new_sandbox_schema(86400)
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
@@ -67,27 +68,13 @@ def test_query_parse_never_crashes(raw: dict[str, list[str]]) -> None:
         assert e.status == 400
 
 
-@given(st.dictionaries(st.text(min_size=1, max_size=20), st.text(max_size=20), min_size=1, max_size=5))
-def test_metadata_filter_decodes_what_the_sdk_encodes(metadata: dict[str, str]) -> None:
-    # e2b's paginator: quote keys and values, urlencode the pairs; the HTTP client
-    # then encodes that value once more in the query string, which aiohttp decodes.
-    sent = urllib.parse.urlencode({urllib.parse.quote(k): urllib.parse.quote(v) for k, v in metadata.items()})
-    wire = urllib.parse.urlencode({"metadata": sent})
-    received = urllib.parse.parse_qs(wire)["metadata"][0]
-    assert parse_metadata_filter(received) == metadata
-
-
-@given(st.floats(min_value=0, max_value=2e9), st.text(max_size=30))
-def test_page_token_round_trip(started: float, sid: str) -> None:
-    assert decode_token(encode_token(started, sid)) == (started, sid)
-
-
 @given(st.text(max_size=60))
 def test_bad_page_tokens_are_400(token: str) -> None:
+    items = [(1.0, "s1"), (2.0, "s2")]
     try:
-        decode_token(token)
+        page(items, lambda x: x, True, 1, token)
     except ApiError as e:
-        assert e.status == 400
+        assert e.status == 400 and e.message == "nextToken is not a token this server issued"
 
 
 def test_keyset_pagination_walks_everything_once() -> None:
@@ -101,15 +88,6 @@ def test_keyset_pagination_walks_everything_once() -> None:
             break
     assert sorted(seen) == sorted(items) and len(seen) == len(set(seen))
     assert seen == sorted(items, reverse=True)
-
-
-@pytest.mark.parametrize("host, expected", [
-    ("49983-sbx-1.aenv.local", ("sbx-1", 49983)), ("8080-sbx-2.AENV.local:8000", ("sbx-2", 8080)),
-    ("sbx-1.aenv.local", None), ("49983-.aenv.local", None), ("x-sbx.aenv.local", None),
-    ("49983-sbx-1.other.local", None), ("49983-a.b.aenv.local", None), ("", None)])
-def test_parse_host(host: str, expected: tuple[str, int] | None) -> None:
-    assert parse_host(host, "aenv.local") == expected
-    assert parse_host(host, "") is None
 
 
 def test_api_key_generated_once_with_mode_0600(tmp_path: Path) -> None:
@@ -238,6 +216,17 @@ def test_vm_errors_map_to_status_by_class(cls: type, status: int) -> None:
         assert e.retry is (False if status in (429, 501) else None)   # the SDK must not retry those
 
 
+@pytest.mark.parametrize("cls,status,code", [
+    (CapacityError, 429, ClusterCode.FULL), (NotCommitted, 404, ClusterCode.NOT_COMMITTED),
+    (AlreadyHeld, 409, ClusterCode.ALREADY_HELD), (ResumedElsewhere, 409, ClusterCode.RESUMED_ELSEWHERE),
+    (NotMovable, 409, ClusterCode.NOT_MOVABLE), (NotPaused, 409, ClusterCode.NOT_PAUSED),
+    (Moved, 409, ClusterCode.MOVED), (NotFound, 404, None), (Conflict, 409, None), (SnapshotError, 500, None)])
+def test_errors_the_gateway_acts_on_carry_their_code(cls: type, status: int, code: ClusterCode | None) -> None:
+    """The fleet's contract (aenv_wire/cluster.py): the code comes from the class, whatever the message."""
+    e = api_error(cls("anything"), "op")
+    assert e.status == status and e.body().get("error_code") == (code.value if code else None)
+
+
 def test_console_is_read_in_complete_lines_across_calls(tmp_path: Path) -> None:
     from aenv_api.server.sandbox_logs import MAX_CONSOLE_BYTES, SandboxLogs
     from aenv_vm.sandboxes.node_service import read_console
@@ -267,16 +256,6 @@ def test_console_is_read_in_complete_lines_across_calls(tmp_path: Path) -> None:
     assert lines()[-1] == "last" and warned and "skipped" in warned[0]
 
 
-def test_presented_api_key_refuses_two_credentials() -> None:
-    from aenv_api.server.auth import presented_api_key
-
-    assert presented_api_key(["k"], []) == "k"
-    assert presented_api_key(["k"], ["Bearer k"]) == "k" and presented_api_key(["k"], ["bearer  k "]) == "k"
-    for keys, auth in (([], []), (["k", "k"], []), (["k", "j"], []), (["k"], ["Bearer j"]), (["k"], ["Basic k"]),
-                       (["k"], ["Bearer k", "Bearer k"]), ([], ["Bearer k"])):
-        assert presented_api_key(keys, auth) is None, (keys, auth)
-
-
 @given(st.floats(min_value=1.5e9, max_value=4.0e9, allow_nan=False))
 def test_started_after_its_own_start_time_finds_the_sandbox(started: float) -> None:
     """The SDK's round trip of ``Sandbox.list(query={"started_after": info.started_at})``:
@@ -288,8 +267,7 @@ def test_started_after_its_own_start_time_finds_the_sandbox(started: float) -> N
 
     from dateutil.parser import isoparse
 
-    from aenv_api.server.schemas import iso
-    from aenv_api.server.views import started_at_or_after
+    from aenv_wire.listing import iso, started_at_or_after
 
     shown = isoparse(iso(started))
     for sent, found in ((shown, True), (shown + datetime.timedelta(microseconds=1), False)):

@@ -1,4 +1,5 @@
-"""E2B's JSON error shape for requests aiohttp's HTTP parser rejects itself.
+"""Serving with aiohttp: E2B's JSON error shape for requests aiohttp's HTTP parser
+rejects itself (``JsonErrorRunner``), and the port a site bound (``bound_port``).
 
 A malformed request line, a NUL or otherwise invalid header, an oversize
 request line or header, too many headers: aiohttp answers those before any
@@ -34,6 +35,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_request import BaseRequest
+
+from aenv_wire.errors import error_body
+from aenv_wire.headers import REQUEST_ID_HEADER
 
 # Request lines up to 64 KiB (the list filters' own limits then answer in JSON, schemas.py);
 # header lines one byte less: the limit a LineTooLong reports then tells which one overflowed.
@@ -85,8 +89,8 @@ class JsonErrorHandler(RequestHandler):
             raise ConnectionError("response already started, cannot send an error response")
         code, text = reject_status(exc, status)
         rid = secrets.token_hex(8)
-        resp = web.Response(status=code, text=json.dumps({"code": code, "message": text}),
-                            content_type="application/json", headers={"X-Request-Id": rid})
+        resp = web.Response(status=code, text=json.dumps(error_body(code, text)),
+                            content_type="application/json", headers={REQUEST_ID_HEADER: rid})
         resp.force_close()  # the stream position after a framing error is unknown
         if self.on_reject is not None:
             self.on_reject(rid, code, text)
@@ -106,11 +110,18 @@ class JsonErrorRunner(web.AppRunner):
     """``web.AppRunner`` whose connections answer parser rejections in JSON."""
 
     def __init__(self, app: web.Application, *, on_reject: RejectLog | None = None, **kwargs: object) -> None:
-        super().__init__(app, **kwargs)  # type: ignore[arg-type]
+        super().__init__(app, **kwargs)  # type: ignore[arg-type]  # AppRunner's keyword options, passed on as given
         self._on_reject = on_reject
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer
-        server.on_reject = self._on_reject  # type: ignore[attr-defined]
+        server.on_reject = self._on_reject  # type: ignore[attr-defined]  # the class was swapped on the line above
         return server
+
+
+def bound_port(site: web.TCPSite, asked: int) -> int:
+    """The port ``site`` listens on (``asked`` 0 picks a free one; aiohttp's TCPSite has
+    no public way to read it)."""
+    sockets = getattr(site._server, "sockets", None) or []
+    return sockets[0].getsockname()[1] if sockets else asked

@@ -1,0 +1,234 @@
+"""The node agent without Redis or VMs (aenv_fleet/agent.py): ``ObservedService`` spells
+out every ``SandboxService`` method, passes each call on and tells its listener of every
+change; the agent releases a stale copy through the node's own service, and a release
+Redis did not take is recorded at the next reconcile (not unbound)."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aenv_fleet.agent import NodeAgent, ObservedService
+from aenv_fleet.config import ClusterConfig
+from aenv_fleet.coord import Binding, CoordError
+from aenv_vm.errors import NotFound
+from aenv_vm.net.policy import NetworkPolicy
+from aenv_vm.service import (ConsoleRead, CreateRequest, MetricSample, SandboxInfo, SandboxService, SandboxState,
+                             SnapshotInfo, Usage)
+
+
+def info(sid: str = "sbx-1", state: SandboxState = SandboxState.RUNNING) -> SandboxInfo:
+    return SandboxInfo(sandbox_id=sid, template_id="tpl-1", state=state, started_at=1.7e9, end_at=1.7e9 + 300,
+                       vcpus=1, memory_mib=256, disk_mib=1024, auto_pause=True, timeout=300.0, metadata={},
+                       access_token=None, allow_internet_access=None, envd_version="0.5.7")
+
+
+SNAP = SnapshotInfo("snap-1", ("n",), "sbx-1", 1.7e9)
+SAMPLE = MetricSample(1.7e9, 1, 1.0, 1, 2, 0, 1, 2)
+# what the node's service answers, by method
+ANSWERS: dict[str, Any] = {
+    "create": info(), "get": info(), "list_sandboxes": [info()], "kill": None, "pause": info(state=SandboxState.PAUSED),
+    "resume": info(), "set_timeout": info(), "update_network": info(), "snapshot": SNAP, "list_snapshots": [SNAP],
+    "delete_snapshot": None, "fork": [info("sbx-2"), NotFound("x")], "endpoint": ("10.0.0.1", 49983),
+    "usage": Usage(1, 1.0, 1), "metrics": [SAMPLE], "latest_metrics": {"sbx-1": SAMPLE},
+    "console": ConsoleRead("qemu-1", 0, b""), "adopt": info(state=SandboxState.PAUSED), "release": None}
+# the arguments each method is called with here
+CALLS: dict[str, tuple[Any, ...]] = {
+    "create": (CreateRequest(template="base"),), "get": ("sbx-1",), "list_sandboxes": (), "kill": ("sbx-1",),
+    "pause": ("sbx-1", False, True), "resume": ("sbx-1", 60.0, False), "set_timeout": ("sbx-1", 60.0),
+    "update_network": ("sbx-1", NetworkPolicy()), "snapshot": ("sbx-1", "n"), "list_snapshots": (),
+    "delete_snapshot": ("snap-1",), "fork": ("sbx-1", 2, 60.0, None), "endpoint": ("sbx-1", 8080),
+    "usage": ("sbx-1",), "metrics": ("sbx-1", 1.0, 2.0), "latest_metrics": (["sbx-1"],),
+    "console": ("sbx-1", "qemu-1", 0, 100), "adopt": ("sbx-1", True), "release": ("sbx-1",)}
+# what the listener hears of each (reads: nothing)
+TOLD: dict[str, list[tuple[Any, ...]]] = {
+    "create": [("bound", "sbx-1", "base", False)], "kill": [("gone", "sbx-1")],
+    "pause": [("bound", "sbx-1", None, True)], "resume": [("bound", "sbx-1", None, False)],
+    "set_timeout": [("bound", "sbx-1", None, False)], "update_network": [("bound", "sbx-1", None, False)],
+    "snapshot": [("bound", "sbx-1", None, False)],
+    "fork": [("bound", "sbx-2", None, False), ("bound", "sbx-1", None, False)],
+    "adopt": [("bound", "sbx-1", None, False)], "release": [("released", "sbx-1")]}
+
+
+def protocol_methods() -> list[str]:
+    return sorted(n for n, v in vars(SandboxService).items() if inspect.isfunction(v) and not n.startswith("_"))
+
+
+class NodeService:
+    """The node's own service as a test double: records calls, answers ANSWERS."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.expiry: list[Any] = []
+
+    def on_expiry(self, listener: Any) -> None:
+        self.expiry.append(listener)
+
+    def __getattr__(self, name: str) -> Any:
+        async def call(*args: Any) -> Any:
+            self.calls.append((name, args))
+            return ANSWERS[name]
+        return call
+
+
+class Listener:
+    def __init__(self) -> None:
+        self.heard: list[tuple[Any, ...]] = []
+
+    async def bound(self, info: SandboxInfo, requested_template: str | None = None, paused_now: bool = False) -> None:
+        self.heard.append(("bound", info.sandbox_id, requested_template, paused_now))
+
+    async def released(self, sandbox_id: str) -> None:
+        self.heard.append(("released", sandbox_id))
+
+    async def gone(self, sandbox_id: str) -> None:
+        self.heard.append(("gone", sandbox_id))
+
+
+def test_every_protocol_method_is_spelled_out() -> None:
+    methods = protocol_methods()
+    assert len(methods) == 20 and set(CALLS) | {"on_expiry"} == set(methods)
+    assert "__getattr__" not in vars(ObservedService)
+    for name in methods:
+        mine, theirs = vars(ObservedService).get(name), vars(SandboxService)[name]
+        assert mine is not None, f"ObservedService does not define {name}"
+        assert inspect.signature(mine) == inspect.signature(theirs), name
+        assert inspect.iscoroutinefunction(mine) == inspect.iscoroutinefunction(theirs), name
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_each_call_is_passed_on_and_every_change_told(name: str) -> None:
+    async def main() -> None:
+        node, listener = NodeService(), Listener()
+        observed = ObservedService(node, listener)     # type: ignore[arg-type]
+        got = await getattr(observed, name)(*CALLS[name])
+        assert got == ANSWERS[name]
+        assert node.calls[0] == (name, CALLS[name])
+        assert listener.heard == TOLD.get(name, [])
+    asyncio.run(main())
+
+
+def test_expiry_is_passed_on_and_told() -> None:
+    async def main() -> None:
+        node, listener = NodeService(), Listener()
+        observed = ObservedService(node, listener)     # type: ignore[arg-type]
+        api_heard: list[tuple[str, str]] = []
+        observed.on_expiry(lambda sid, action: api_heard.append((sid, action)))
+        node.expiry[0]("sbx-1", "paused")
+        node.expiry[0]("sbx-3", "killed")
+        await asyncio.sleep(0.05)
+        assert api_heard == [("sbx-1", "paused"), ("sbx-3", "killed")]
+        assert sorted(listener.heard) == [("bound", "sbx-1", None, True), ("gone", "sbx-3")]
+    asyncio.run(main())
+
+
+class Redis:
+    """The Coordinator calls the agent makes, in memory; ``down`` makes them fail."""
+
+    def __init__(self) -> None:
+        self.bound: dict[str, Binding] = {}
+        self.released_set: set[str] = set()
+        self.down = False
+        self.writes: list[tuple[str, str]] = []
+
+    def _check(self) -> None:
+        if self.down:
+            raise CoordError("redis is down")
+
+    async def bind(self, sid: str, node: str, state: str, info: dict[str, Any], paused_at: float | None = None,
+                   note: str = "") -> None:
+        self._check()
+        self.writes.append(("bind", sid))
+        self.bound[sid] = Binding(sid, node, state, info, note, paused_at)
+        self.released_set.discard(sid)
+
+    async def unbind(self, sid: str, node: str = "") -> bool:
+        self._check()
+        b = self.bound.get(sid)
+        if b is None or (node and b.node_id != node):
+            return False
+        self.writes.append(("unbind", sid))
+        del self.bound[sid]
+        return True
+
+    async def release(self, sid: str, node: str) -> bool:
+        self._check()
+        b = self.bound.get(sid)
+        if b is None or b.node_id != node:
+            return False
+        self.writes.append(("release", sid))
+        self.bound[sid] = Binding(sid, "", "paused", b.info)
+        self.released_set.add(sid)
+        return True
+
+    async def add_templates(self, node: str, templates: list[str]) -> None:
+        self._check()
+
+    async def bindings(self, sids: list[str]) -> list[Binding]:
+        self._check()
+        return [self.bound[s] for s in sids if s in self.bound]
+
+    async def node_sandbox_ids(self, node: str) -> list[str]:
+        self._check()
+        return sorted(s for s, b in self.bound.items() if b.node_id == node)
+
+    async def released_ids(self) -> list[str]:
+        self._check()
+        return sorted(self.released_set)
+
+
+class Held:
+    """A node's own service holding ``sandboxes``; release forgets one."""
+
+    def __init__(self, *sandboxes: SandboxInfo) -> None:
+        self.sandboxes = {i.sandbox_id: i for i in sandboxes}
+        self.releases: list[str] = []
+
+    def on_expiry(self, listener: Any) -> None:
+        pass
+
+    async def list_sandboxes(self) -> list[SandboxInfo]:
+        return list(self.sandboxes.values())
+
+    async def release(self, sid: str) -> None:
+        if sid not in self.sandboxes:
+            raise NotFound(sid)
+        self.releases.append(sid)
+        del self.sandboxes[sid]
+
+
+def agent(redis: Redis, node: Held) -> tuple[NodeAgent, ObservedService]:
+    cfg = ClusterConfig(redis_url="redis://unused", node_id="n1", advertise_url="http://n1:8000")
+    a = NodeAgent(cfg, "key", 4, 256, Path("/"), coord=redis)     # type: ignore[arg-type]
+    return a, a.observe(node)     # type: ignore[arg-type]
+
+
+def test_a_release_redis_missed_is_recorded_at_the_reconcile_not_unbound() -> None:
+    async def main() -> None:
+        redis, node = Redis(), Held(info(state=SandboxState.PAUSED))
+        a, observed = agent(redis, node)
+        await a.reconcile()
+        assert redis.bound["sbx-1"].node_id == "n1"
+        redis.down = True
+        await observed.release("sbx-1")            # the node released it; Redis did not hear
+        redis.down = False
+        await a.reconcile()
+        assert redis.bound["sbx-1"].node_id == "" and "sbx-1" in redis.released_set   # released, kept
+        assert ("unbind", "sbx-1") not in redis.writes
+    asyncio.run(main())
+
+
+def test_a_stale_copy_is_released_through_the_service_and_redis_left_to_its_holder() -> None:
+    async def main() -> None:
+        redis, node = Redis(), Held(info("sbx-moved", SandboxState.PAUSED), info("sbx-mine"))
+        redis.bound["sbx-moved"] = Binding("sbx-moved", "n2", "paused", {})     # the fleet moved it to n2
+        a, _ = agent(redis, node)
+        await a.reconcile()
+        assert node.releases == ["sbx-moved"]
+        assert redis.bound["sbx-moved"].node_id == "n2"          # n2's agent's binding, untouched
+        assert redis.bound["sbx-mine"].node_id == "n1"
+        assert redis.writes == [("bind", "sbx-mine")]
+    asyncio.run(main())
