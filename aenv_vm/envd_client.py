@@ -3,7 +3,7 @@
 What the node itself asks of envd: ``/health`` (with the version envd
 reports), ``/init`` (identity, clock, env vars, access token), moving a file
 and running a command the way the E2B SDK does (to warm pooled clones and to
-build templates). The wire format is E2B's (reference/e2b-wire.md): Connect
+build templates). The wire format is E2B envd's (docs/envd.md): Connect
 over HTTP/1.1 with the JSON codec; a server-streaming response is a sequence
 of ``[flags u8][length u32 BE][JSON]`` frames ending with a frame whose flags
 have bit 0x02 set.
