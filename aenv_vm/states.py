@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .errors import Conflict, NotFound, UnresponsiveSnapshot, VmError
+from .errors import AlreadyHeld, Conflict, NotFound, NotPaused, UnresponsiveSnapshot, VmError
 
 __all__ = ["Phase", "PAUSED_PHASES", "Op", "Verdict", "Outcome", "TABLE", "phase_of", "coarse", "transition",
            "check"]
@@ -146,9 +146,9 @@ NETWORK_OF_PAUSED = _no(Conflict, "sandbox {sid} is paused: resume it (connect) 
 FORK_OF_PAUSED = _no(Conflict, "sandbox {sid} is paused; only a running sandbox can be forked")
 TRAFFIC_NEVER_BOOTS = _no(Conflict, "The sandbox {sid} was not found: its pause kept only its filesystem (or its "
                                     "guest agent was not responding), so it must be resumed explicitly (connect)")
-HELD = _no(Conflict, "this node already holds sandbox {sid} ({state})")
-RELEASE_RUNNING = _no(Conflict, "sandbox {sid} is running: pause it before releasing it")
-RELEASE_NOT_PAUSED = _no(Conflict, "sandbox {sid} is {state}: only a paused sandbox can be released")
+HELD = _no(AlreadyHeld, "this node already holds sandbox {sid} ({state})")   # the fleet acts on these classes
+RELEASE_RUNNING = _no(NotPaused, "sandbox {sid} is running: pause it before releasing it")
+RELEASE_NOT_PAUSED = _no(NotPaused, "sandbox {sid} is {state}: only a paused sandbox can be released")
 EXISTS = _no(Conflict, "sandbox {sid} already exists")
 
 

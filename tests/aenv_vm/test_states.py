@@ -8,7 +8,7 @@ import itertools
 import pytest
 from hypothesis import given, strategies as st
 
-from aenv_vm.errors import Conflict, NotFound, UnresponsiveSnapshot, VmError
+from aenv_vm.errors import AlreadyHeld, Conflict, NotFound, NotPaused, UnresponsiveSnapshot, VmError
 from aenv_vm.states import (PAUSED_PHASES, TABLE, Op, Outcome, Phase, Verdict, check, coarse, phase_of,
                             transition)
 
@@ -134,11 +134,14 @@ def test_what_a_paused_sandbox_refuses_and_allows() -> None:
         assert transition(phase, Op.RELEASE).next is Phase.GONE
 
 
-def test_adopt_and_release_refusals_say_already_and_running() -> None:
+def test_adopt_and_release_refusals_are_the_classes_the_fleet_acts_on() -> None:
+    """The gateway decides by the code the node's API derives from the error class
+    (aenv_wire/cluster.py): an adopt of a sandbox held here is AlreadyHeld, a release of
+    one not paused here NotPaused (a plain Conflict would carry no code)."""
     for phase in (Phase.RUNNING, Phase.PAUSED, Phase.LOST):
-        with pytest.raises(Conflict, match=f"already holds sandbox sbx-1 \\({coarse(phase)}\\)"):
-            check(phase, Op.ADOPT, "sbx-1")     # the gateway matches "already"
-    with pytest.raises(Conflict, match="is running: pause it"):
+        with pytest.raises(AlreadyHeld, match=f"already holds sandbox sbx-1 \\({coarse(phase)}\\)"):
+            check(phase, Op.ADOPT, "sbx-1")
+    with pytest.raises(NotPaused, match="is running: pause it"):
         check(Phase.RUNNING, Op.RELEASE, "sbx-1")
-    with pytest.raises(Conflict, match="is lost: only a paused sandbox"):
+    with pytest.raises(NotPaused, match="is lost: only a paused sandbox"):
         check(Phase.LOST, Op.RELEASE, "sbx-1")

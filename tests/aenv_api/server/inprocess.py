@@ -65,6 +65,7 @@ class InProcessServer(HttpClient):
     _log: io.StringIO = field(default_factory=io.StringIO)
     _handler: logging.Handler | None = None
     _levels: dict[str, int] = field(default_factory=dict)
+    _propagate: bool = True
     _builds: Any = None         # the template API's TemplateBuilds, if served
     _store: Any = None
 
@@ -97,6 +98,11 @@ class InProcessServer(HttpClient):
         for name, level in ((ACCESS_LOG, logging.INFO), ("aiohttp.server", logging.CRITICAL)):
             self._levels[name] = logging.getLogger(name).level
             logging.getLogger(name).setLevel(level)
+        # `aenv server` run in this process before (a CLI test) turned the request log's
+        # propagation off for its own handler: the records must reach ours
+        access = logging.getLogger(ACCESS_LOG)
+        self._propagate = access.propagate
+        access.propagate = True
 
     async def _start(self, creds: Credentials, templates: bool) -> None:
         guest = web.Application()
@@ -194,6 +200,7 @@ class InProcessServer(HttpClient):
                 logging.getLogger().removeHandler(self._handler)
             for name, level in self._levels.items():
                 logging.getLogger(name).setLevel(level)
+            logging.getLogger(ACCESS_LOG).propagate = self._propagate
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
                 self._thread.join(10)

@@ -230,8 +230,14 @@ def test_ksm_whole_qemu(guest: GuestImage, built: Built, tmp_path: Path) -> None
             assert len(heaps) == 2 and heaps[0] == heaps[1]   # same layout in both clones
             assert "ksm_merge_any: no" in Path(f"/proc/{c.vm.pid}/ksm_stat").read_text()
             assert not int(Path(f"/proc/{c.vm.pid}/personality").read_text(), 16) & ksm.ADDR_NO_RANDOMIZE
-            assert await ksm.wait_full_scans(2, timeout=120) >= 2
-            merged = [_ksm_kib_outside_guest_ram(s.vm.pid) for s in (a, b, c)]
+            # pages merge on the second scan that finds them unchanged; a clone still warming
+            # up under load (the suite's other worker) changes its pages for longer: more
+            # scans, never a smaller bound
+            for _ in range(6):
+                assert await ksm.wait_full_scans(2, timeout=120) >= 2
+                merged = [_ksm_kib_outside_guest_ram(s.vm.pid) for s in (a, b, c)]
+                if min(merged[:2]) >= 1024:
+                    break
             print(f"\n[vm] KSM-merged KiB outside guest RAM: clones {merged[:2]}, plain QEMU {merged[2]}")
             # QEMU itself marks only its RAM blocks mergeable (a few ROM pages beside guest RAM)
             assert min(merged[:2]) >= 1024 and merged[2] < 512
