@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from .config import AenvConfig, load_config, resolve_data_dir
 
@@ -148,8 +148,3 @@ class Progress:
         self.out.flush()
 
 
-def progress_iter(items: Iterable[Any], label: str, total: int) -> Iterable[Any]:
-    with Progress(label, total) as p:
-        for item in items:
-            yield item
-            p.advance()

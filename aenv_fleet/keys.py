@@ -32,11 +32,6 @@ def node_templates(node_id: str) -> str:
     return f"{PREFIX}node:{node_id}:tpl"
 
 
-def node_reservations(node_id: str) -> str:
-    """ZSET: reservation id -> expiry (unix ms) of creates placed on the node, in flight."""
-    return f"{PREFIX}node:{node_id}:resv"
-
-
 def template_nodes(template: str) -> str:
     """SET: nodes whose cache holds ``template`` (the reverse of node_templates)."""
     return f"{PREFIX}tpl:{template}"

@@ -28,7 +28,6 @@ import blake3
 import zstandard
 
 from .config import StoreConfig
-from .durable import write_all
 from .errors import AlreadyExists, StoreNotFound, StoreError
 from .formats import pack as packfmt
 from .formats.catalog import CatalogRecord
@@ -265,7 +264,7 @@ class Workspace(AbstractContextManager["Workspace"]):
 
     def put_chunk(self, data: bytes) -> Digest:
         """Stage one chunk and return its id. All-zero data is not stored: use a
-        zero extent for it in manifests (``is_zero_chunk`` tells)."""
+        zero extent for it in manifests (the id returned is then ``zero_digest(len(data))``)."""
         cid = self.stage(data)
         return cid if cid is not None else Digest(zero_digest(len(data)))
 
@@ -318,9 +317,6 @@ class Workspace(AbstractContextManager["Workspace"]):
         mid = manifest.id
         self._manifests.setdefault(bytes(mid), manifest)
         return mid
-
-    def staged_manifest(self, mid: bytes) -> Manifest | None:
-        return self._manifests.get(bytes(mid))
 
     # -- commit / abort ----------------------------------------------------------
 
@@ -398,10 +394,6 @@ class Workspace(AbstractContextManager["Workspace"]):
                 self.abort()
             except Exception:  # interpreter shutdown: the next open cleans the dir
                 pass
-
-
-def is_zero_chunk(data: bytes | memoryview) -> bool:
-    return blake3.blake3(data).digest() == zero_digest(len(data))
 
 
 class BlobWriter:

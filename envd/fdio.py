@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 
 
@@ -20,20 +19,6 @@ async def _wait(fd: int, writable: bool) -> None:
         await fut
     finally:
         (loop.remove_writer if writable else loop.remove_reader)(fd)
-
-
-async def read_fd(fd: int, size: int = 65536) -> bytes:
-    """Next bytes from ``fd`` (non-blocking), b"" at EOF. A PTY master reports
-    the slave side closing as EIO, which is EOF here."""
-    while True:
-        try:
-            return os.read(fd, size)
-        except BlockingIOError:
-            await _wait(fd, writable=False)
-        except OSError as e:
-            if e.errno == errno.EIO:
-                return b""
-            raise
 
 
 async def write_all(fd: int, data: bytes) -> None:

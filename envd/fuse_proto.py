@@ -123,12 +123,6 @@ def error(unique: int, errno: int) -> bytes:
     return OUT_HEADER.pack(OUT_HEADER.size, -errno, unique)
 
 
-def notify_inval_inode(ino: int) -> bytes:
-    """Drop the kernel's cached attributes of ``ino`` (offset -1: no page is touched)."""
-    body = INVAL_INODE_OUT.pack(ino, -1, 0)
-    return OUT_HEADER.pack(OUT_HEADER.size + len(body), NOTIFY_INVAL_INODE, 0) + body
-
-
 def cstrings(body: bytes, n: int) -> list[bytes]:
     """The first ``n`` NUL-terminated strings of ``body``."""
     parts = body.split(b"\0")

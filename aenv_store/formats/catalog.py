@@ -61,10 +61,6 @@ class CatalogRecord:
         if self.target is not None:
             check_name(self.target)
 
-    @property
-    def manifest_ids(self) -> list[Digest]:
-        return [Digest(m) for _, m in self.manifests]
-
     def manifest(self, role: str) -> Digest:
         for r, m in self.manifests:
             if r == role:

@@ -28,10 +28,6 @@ class Digest(bytes):
             raise ValueError(f"not a hex digest: {text!r}") from None
         return cls(raw)
 
-    @property
-    def hex_(self) -> str:
-        return self.hex()
-
     def __str__(self) -> str:
         return self.hex()
 

@@ -258,10 +258,5 @@ class PackWriter:
         self.path.unlink(missing_ok=True)
 
 
-def check_pack_id(data: bytes, expected: Digest) -> None:
-    if blake3.blake3(data).digest() != expected:
-        raise CorruptData(f"pack {expected.hex()}: content does not match its id")
-
-
 __all__ = ["PackEntry", "PackWriter", "PackReader", "read_trailer", "parse_pack", "decode_payload", "encode_payload",
            "encode_trailer", "decode_footer", "decode_table", "DIGEST_SIZE"]

@@ -358,12 +358,6 @@ class Repository:
             raise CorruptData(f"manifest {bytes(mid).hex()}: content does not match its id")
         return Manifest.decode(data)
 
-    def list_manifests(self) -> Iterator[Digest]:
-        for info in self.backend.list(MANIFESTS):
-            mid = id_from_key(info.key)
-            if mid is not None:
-                yield mid
-
     # -- catalog -----------------------------------------------------------------
 
     def put_record(self, record: CatalogRecord, exclusive: bool = True) -> None:
@@ -445,11 +439,6 @@ def coalesce(entries: Iterable[IndexEntry], max_gap: int = 64 << 10,
             end = max(end, e.offset + e.length)
         runs.append(run)
     return runs
-
-
-def iter_chunks_of(manifests: Iterable[Manifest]) -> Iterator[Digest]:
-    for m in manifests:
-        yield from m.chunks
 
 
 def _split(run: list[IndexEntry], part_bytes: int) -> list[list[IndexEntry]]:

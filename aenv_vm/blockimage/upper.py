@@ -196,9 +196,6 @@ class UpperLayer:
     def touched(self) -> bool:
         return bool(self.states.any())
 
-    def written_bytes(self) -> int:
-        return int(np.count_nonzero(self.states)) * BLOCK
-
     def close(self, remove: bool = False) -> None:
         if self.fd >= 0:
             os.close(self.fd)

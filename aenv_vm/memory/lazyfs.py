@@ -36,7 +36,6 @@ import ctypes
 import errno
 import logging
 import os
-import stat
 import struct
 import threading
 import time
@@ -495,9 +494,3 @@ class MemoryFs:
         return [F.reply_header(req.unique, len(data)), data]
 
 
-def is_lazy_path(path: Path, root: Path) -> bool:
-    """Whether ``path`` is a file of a lazy memory mount below ``root``."""
-    try:
-        return Path(path).resolve().is_relative_to(root.resolve()) and stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False

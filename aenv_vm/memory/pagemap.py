@@ -110,25 +110,6 @@ def _io_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
     return out
 
 
-def read_pages(pid: int, mapping: RamMapping, pages: np.ndarray) -> bytearray:
-    """The current bytes of ``pages`` (sorted guest page numbers) in pid's RAM mapping."""
-    out = bytearray(len(pages) * PAGE)
-    view = memoryview(out)
-    base = mapping.start - mapping.file_offset
-    try:
-        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-    except OSError as e:
-        raise PagemapError(f"cannot open the memory of pid {pid}: {e}") from None
-    try:
-        for p, n, i in _io_runs(pages):
-            got = os.preadv(fd, [view[i * PAGE:(i + n) * PAGE]], base + p * PAGE)
-            if got != n * PAGE:
-                raise PagemapError(f"short read of guest pages {p}..{p + n} from pid {pid}")
-    finally:
-        os.close(fd)
-    return out
-
-
 _IOV_MAX = 1024
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.process_vm_readv.restype = ctypes.c_ssize_t
@@ -162,7 +143,8 @@ def _vm_readv(pid: int, mapping: RamMapping, pages: np.ndarray, view: memoryview
 
 def read_and_hash(pid: int, mapping: RamMapping, pages: np.ndarray,
                   buffer: bytearray | None = None) -> tuple[memoryview, np.ndarray]:
-    """The current bytes of ``pages`` (as ``read_pages``) and each page's xxh3.
+    """The current bytes of ``pages`` (sorted guest page numbers) in pid's RAM mapping, and
+    each page's xxh3.
 
     The bytes land in ``buffer`` when it is large enough (callers keep it across
     pauses: a fresh buffer costs a page fault per 4 KiB on first touch, 26 MiB

@@ -97,9 +97,6 @@ class Reference:
         host = self.registry.rsplit(":", 1)[0] if not self.registry.endswith("]") else self.registry
         return host in LOOPBACK_HOSTS or host.startswith("127.")
 
-    def with_digest(self, digest: str) -> "Reference":
-        return Reference(self.registry, self.repository, self.tag, digest)
-
     def __str__(self) -> str:
         """The canonical, fully qualified form (``docker.io/library/alpine:latest``)."""
         out = self.name

@@ -225,11 +225,6 @@ class MetricsRecorder:
         if self._inflight.get(sid) is task:
             del self._inflight[sid]
 
-    async def sample_due(self) -> int:
-        """Sample every sandbox that is due and wait; how many answered (tests, benchmarks)."""
-        got = await asyncio.gather(*self.start_due(), return_exceptions=True)
-        return sum(1 for s in got if isinstance(s, MetricSample))
-
     def stop(self) -> None:
         self._stop.set()
 

@@ -59,10 +59,6 @@ class RetryPolicy:
                 sleep(delay)
 
 
-def is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, BackendError) and not isinstance(exc, PermanentError)
-
-
 class RetryBackend(Backend):
     """Wraps a backend; every call is retried per ``policy``.
 
