@@ -88,9 +88,7 @@ class Store:
                     raise
                 repo = Repository.init(backend, settings.store.chunk_size, where)
             clean_stale_workspaces(settings.paths.workspace)
-            cleanup = getattr(backend, "cleanup_tmp", None)
-            if cleanup is not None:
-                cleanup()
+            backend.cleanup_tmp()
             cache = _open_cache(settings)
         except BaseException:
             backend.close()

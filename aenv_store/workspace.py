@@ -337,15 +337,11 @@ class Workspace(AbstractContextManager["Workspace"]):
         if not self._published:
             self._finish_pack()
             entries: list[IndexEntry] = []
-            # posix_fs can rename a finished pack into the repository instead of copying it
-            move = getattr(repo.backend, "move_file", None)
             for staged in self._packs:
                 assert staged.pack_id is not None
                 if not repo.has_pack(staged.pack_id):
-                    if move is not None:
-                        move(pack_key(staged.pack_id), staged.path)
-                    else:
-                        repo.backend.put_file(pack_key(staged.pack_id), staged.path)
+                    # a finished pack is never touched again: posix_fs renames it into place
+                    repo.backend.move_file(pack_key(staged.pack_id), staged.path)
                     packs_added += 1
             for raw, (pack_no, e) in self._staged.items():
                 pid = self._packs[pack_no].pack_id

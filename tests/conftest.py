@@ -9,6 +9,7 @@ from typing import Iterator
 import pytest
 
 from .aenv_store.backends.motoserver import MotoServer
+from .seed import BaseSeed, seed_root
 from .support import require
 
 
@@ -41,9 +42,19 @@ def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
 
 
 @pytest.fixture(scope="session")
-def node_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def node_data_dir(tmp_path_factory: pytest.TempPathFactory, base_seed: BaseSeed) -> Path:
     """One node data dir for the session's servers and in-process nodes (tests/aenv_api/server,
-    tests/aenv_cli): the first start builds the ``base`` template into it, later ones find it."""
+    tests/aenv_cli), its repository holding the run's ``base`` (tests/seed.py). A first
+    start that builds ``base`` itself is the isolation, fleet and cluster tests' (their
+    nodes start on empty data dirs)."""
+    d = tmp_path_factory.mktemp("api-node")
+    base_seed.fill(d, {})
+    return d
+
+
+@pytest.fixture(scope="session")
+def base_seed(tmp_path_factory: pytest.TempPathFactory) -> BaseSeed:
+    """The run's ``base`` template for fresh node data dirs (tests/seed.py), built on first use."""
     require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
     require(os.geteuid() == 0, "building the guest image needs root")
-    return tmp_path_factory.mktemp("api-node")
+    return BaseSeed(seed_root(tmp_path_factory.getbasetemp()))

@@ -21,7 +21,7 @@ import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from . import DockerfileError
 from .convert import CopySource
@@ -189,7 +189,8 @@ class BuildContext:
                 found.append(rel)
         return found
 
-    def _walk(self, top: str, copy: CopySource, check: bool = True, prune=None) -> list[str]:  # type: ignore[no-untyped-def]
+    def _walk(self, top: str, copy: CopySource, check: bool = True,
+              prune: Callable[[str], bool] | None = None) -> list[str]:
         """Paths under ``top`` (not following links), without the ignored ones."""
         out: list[str] = []
         stack = [top]

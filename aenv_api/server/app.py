@@ -151,6 +151,7 @@ class ApiServer:
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
             if has_routing_header(request.headers) or (domain and parse_host(request.host, domain)) or (
                     is_unrouted_signed_url(request.path, request.query) or has_proxy_prefix(request.path)):
+                # aiohttp's low-level handler is typed for BaseRequest; the app's server hands it a Request
                 return await self._answer(request, app_handler)  # type: ignore[arg-type]
             return await app_handler(request)
         return handler

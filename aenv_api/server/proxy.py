@@ -284,8 +284,8 @@ class SandboxProxy:
         reading = asyncio.ensure_future(self._read_head(conn, method))
         try:
             await asyncio.wait({reading, sender}, return_when=asyncio.FIRST_COMPLETED)
-            if not reading.done() and sender.exception() is not None:
-                raise sender.exception()  # type: ignore[misc]
+            if not reading.done() and (failed := sender.exception()) is not None:
+                raise failed
             return await reading
         finally:
             if not reading.done():

@@ -171,7 +171,8 @@ class UpstreamConn(asyncio.Protocol):
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        assert isinstance(transport, asyncio.Transport)     # a stream connection's
+        self.transport = transport
 
     def data_received(self, data: bytes) -> None:
         self._buf += data

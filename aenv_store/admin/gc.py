@@ -367,9 +367,7 @@ class Collector:
                 for info in plan.manifests:
                     self.backend.delete(info.key)
                     bar.advance(1)
-            cleanup = getattr(self.backend, "cleanup_tmp", None)
-            if callable(cleanup):  # posix_fs: temp files of crashed writers
-                cleanup(older_than=max(self.grace, 600.0))
+            self.backend.cleanup_tmp(older_than=max(self.grace, 600.0))   # temp files of crashed writers
         return GcReport(
             dry_run=self.dry_run, records=nrecords, live_manifests=len(live_manifests) - len(self.young_roots),
             live_chunks=len(live_chunks),

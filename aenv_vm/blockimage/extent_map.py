@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Extent
 
 ZERO = -1   # ``src`` of a zero segment
 
@@ -38,13 +39,9 @@ class Segment:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class LayerExtent:
-    """One extent of a layer manifest (gaps between extents mean "from below")."""
-
-    offset: int
-    length: int
-    chunk: Digest | None
+# One extent of a layer manifest (gaps between extents mean "from below"): the store's
+# own record, not a copy of it
+LayerExtent = Extent
 
 
 def overlay(lower: Sequence[Segment], upper: Sequence[Segment]) -> list[Segment]:

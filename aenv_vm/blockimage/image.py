@@ -112,14 +112,17 @@ class BlockImage:
     # --- opening -------------------------------------------------------
     @classmethod
     def open(cls, store: "Store", top: Digest | None, name: str, upper_dir: Path | None = None,
-             size: int | None = None, **kwargs: object) -> "BlockImage":
-        """An image whose top committed layer is ``top`` (None: an empty disk of ``size``)."""
+             size: int | None = None, *, memory_bytes: int = 64 << 20, chunk_size: int | None = None,
+             fresh_upper: bool = False, min_free_disk: int = 0) -> "BlockImage":
+        """An image whose top committed layer is ``top`` (None: an empty disk of ``size``);
+        the rest as ``__init__`` takes them."""
         layers = load_stack(store, top) if top is not None else []
         if size is None:
             if not layers:
                 raise ImageError("an image without layers needs a size")
             size = layers[-1].size
-        return cls(name, store, layers, size, upper_dir, **kwargs)  # type: ignore[arg-type]
+        return cls(name, store, layers, size, upper_dir, memory_bytes=memory_bytes, chunk_size=chunk_size,
+                   fresh_upper=fresh_upper, min_free_disk=min_free_disk)
 
     @property
     def info(self) -> ExportInfo:
@@ -195,13 +198,13 @@ class BlockImage:
 
     def _read_lower(self, m: ExtentMap, offset: int, length: int, nowait: bool) -> bytes | None:
         pieces = m.lookup(offset, length)
-        out = []
-        got: dict[Digest, bytes] = {}
+        out: list[bytes] = []
+        got: dict[Digest, bytes | mmap.mmap] = {}
         for _pos, n, cid, coff in pieces:
             if cid is None:
                 out.append(bytes(n))
                 continue
-            data = got.get(cid) or self.memory.get(cid)  # type: ignore[assignment]
+            data = got.get(cid) or self.memory.get(cid)
             if data is None:
                 if nowait:
                     return None

@@ -21,7 +21,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol, TypeVar
 
 from .nbd_protocol import (EINVAL, EIO, ENOSPC, EPERM, NEED_DATA, Closed, Cmd, ExportDirectory, ExportInfo,
                            ExportSelected, NbdServerConnection, Request)
@@ -344,13 +344,16 @@ class NbdServer:
         return len(self._connections)
 
 
+T = TypeVar("T")
+
+
 class BackgroundNbdServer:
     """An NbdServer on its own event-loop thread (CLI `serve`, tests with
     subprocess clients). Use as a context manager."""
 
     def __init__(self, socket_path: str | Path, exports: list[BlockExport] | tuple[BlockExport, ...] = (),
-                 **kwargs: object) -> None:
-        self.server = NbdServer(socket_path, **kwargs)  # type: ignore[arg-type]
+                 *, max_inflight: int = 64, workers: int = 8) -> None:
+        self.server = NbdServer(socket_path, max_inflight=max_inflight, workers=workers)
         for e in exports:
             self.server.add_export(e)
         self._loop = asyncio.new_event_loop()
@@ -364,9 +367,9 @@ class BackgroundNbdServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def call(self, fn, *args):  # type: ignore[no-untyped-def]
+    def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the loop thread (e.g. add_export while serving)."""
-        async def _c():  # type: ignore[no-untyped-def]
+        async def _c() -> T:
             return fn(*args)
         return asyncio.run_coroutine_threadsafe(_c(), self._loop).result(10)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Extent, Manifest
+from aenv_store.store import Store
+from aenv_store.workspace import Workspace
 
 from .extent_map import ExtentMap
 from .layer import DISK_LAYER, coalesce, load_stack
@@ -20,7 +22,7 @@ from .layer import DISK_LAYER, coalesce, load_stack
 MAX_DISK_CHAIN = 32
 
 
-def squash(store, ws, top: Digest, meta: dict[str, str]) -> tuple[Digest, int]:  # type: ignore[no-untyped-def]
+def squash(store: Store, ws: Workspace, top: Digest, meta: dict[str, str]) -> tuple[Digest, int]:
     """Stage (in workspace ``ws``) one parentless layer with the content of the stack
     under ``top``; returns its id and how many bytes had to be restaged."""
     layers = load_stack(store, top)
@@ -30,7 +32,7 @@ def squash(store, ws, top: Digest, meta: dict[str, str]) -> tuple[Digest, int]: 
         for e in m.extents:
             if e.chunk is not None:
                 chunk_len[e.chunk] = e.length
-    flat = ExtentMap.from_layers(size, [m.extents for m in layers])  # type: ignore[misc]
+    flat = ExtentMap.from_layers(size, [m.extents for m in layers])
     extents: list[Extent] = []
     restaged = 0
     for seg in flat.segments():

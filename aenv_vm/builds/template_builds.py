@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from aenv_store.errors import StoreError
+from aenv_store.store import Store
 from aenv_wire.builds import BuildResources, BuildSpec, StepKind
 
 from ..errors import BadRequest, Conflict, NotFound, VmError
@@ -85,7 +86,7 @@ class TemplateBuilds:
         self._closing = False
 
     @property
-    def store(self):  # type: ignore[no-untyped-def]
+    def store(self) -> Store:
         return self.rt.store
 
     async def start(self) -> None:

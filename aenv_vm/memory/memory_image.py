@@ -54,6 +54,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import xxhash
@@ -62,6 +63,7 @@ from aenv_store.errors import StoreError
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Extent, Manifest
 from aenv_store.store import Store
+from aenv_store.workspace import Workspace
 
 from ..errors import VmError
 from .pagemap import PAGE, runs
@@ -133,7 +135,7 @@ def read_index(path: Path) -> DeltaIndex | None:
                       np.frombuffer(idx[8 * n:], dtype="<u8").astype(np.uint64))
 
 
-def _open_tmp(path: Path, spare: Path | None):  # type: ignore[no-untyped-def]
+def _open_tmp(path: Path, spare: Path | None) -> tuple[Path, BinaryIO]:
     """The tmp file a delta is written to before its rename: ``spare`` (an old delta
     of the same sandbox, no longer referenced) taken over when there is one.
     Overwriting a file whose pages are in the page cache skips allocating them:
@@ -239,7 +241,7 @@ def parent_seq(path: Path) -> int | None:
         return int(_HEAD2_EXTRA.unpack(f.read(_HEAD2_EXTRA.size))[1])
 
 
-def _read_incremental(path: Path, f, size: int, mem_size: int, base: bytes, n: int) -> Delta:  # type: ignore[no-untyped-def]
+def _read_incremental(path: Path, f: BinaryIO, size: int, mem_size: int, base: bytes, n: int) -> Delta:
     """A version-2 delta with its parent's pages filled in (one contiguous copy)."""
     extra = f.read(_HEAD2_EXTRA.size)
     if len(extra) < _HEAD2_EXTRA.size:
@@ -322,7 +324,7 @@ class CommitStats:
     staged: int         # pages hashed with BLAKE3 and staged (changed since the previous pause)
 
 
-def stage_delta(ws, delta: Delta, previous: tuple[Delta, Manifest] | None,  # type: ignore[no-untyped-def]
+def stage_delta(ws: Workspace, delta: Delta, previous: tuple[Delta, Manifest] | None,
                 meta: dict[str, str]) -> tuple[Digest, CommitStats]:
     """Stage ``delta`` as a delta manifest in workspace ``ws``. Pages whose xxh3 equals
     the previous pause's (same page number) reuse its chunk without being read."""

@@ -31,6 +31,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -133,7 +134,7 @@ class Recorder:
     """Records the first seconds of one lazily exposed image, then saves them (a thread)."""
 
     def __init__(self, store: Store, memory: Digest, memory_size: int, unit: int,
-                 touched, seconds: float = RECORD_SECONDS) -> None:  # type: ignore[no-untyped-def]
+                 touched: Callable[[], Iterable[int]], seconds: float = RECORD_SECONDS) -> None:
         self.store = store
         self.memory = memory
         self.memory_size = memory_size

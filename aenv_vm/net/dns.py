@@ -121,7 +121,8 @@ class UdpServer(asyncio.DatagramProtocol):
         self._tasks: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        assert isinstance(transport, asyncio.DatagramTransport)     # a datagram endpoint's
+        self.transport = transport
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         task = asyncio.get_running_loop().create_task(self._reply(data, addr))

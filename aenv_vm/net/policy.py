@@ -89,10 +89,9 @@ class NetworkPolicy:
 
     @classmethod
     def from_json(cls, raw: dict[str, object] | None) -> "NetworkPolicy":
+        """From ``to_json``'s form (a record's JSON: parse_policy checks every value)."""
         raw = raw or {}
-        dns = raw.get("dns_servers")
-        return parse_policy(raw.get("allow_out") or [], raw.get("deny_out") or [],
-                            None if dns is None else dns)   # type: ignore[arg-type]
+        return parse_policy(raw.get("allow_out") or [], raw.get("deny_out") or [], raw.get("dns_servers"))
 
     def decide_ip(self, addr: ipaddress.IPv4Address) -> Decision:
         """Where a connection to ``addr`` (no hostname known) may go: an explicit allow

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class LayerCache:
         os.utime(p)
         return p
 
-    def prune(self, keep: set[str] = frozenset(), now: float | None = None) -> CacheStats:  # type: ignore[assignment]
+    def prune(self, keep: AbstractSet[str] = frozenset(), now: float | None = None) -> CacheStats:
         now = time.time() if now is None else now
         entries = []
         removed = 0

@@ -28,9 +28,12 @@ import stat
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, BinaryIO, Callable, Iterable
+from typing import IO, TYPE_CHECKING, BinaryIO, Callable, Iterable
 
 from .errors import BadImage, OciError
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -71,10 +74,11 @@ class _HashingReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buf: bytearray | memoryview) -> int:  # type: ignore[override]
-        data = self.inner.read(len(buf))
+    def readinto(self, buf: WriteableBuffer) -> int:
+        view = memoryview(buf).cast("B")
+        data = self.inner.read(len(view))
         n = len(data)
-        buf[:n] = data
+        view[:n] = data
         self.sha.update(data)
         return n
 

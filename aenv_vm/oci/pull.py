@@ -202,6 +202,10 @@ class Puller:
         return files
 
 
-def pull_image(store: "Store", config: OciConfig, data_dir: Path, reference: str, **kwargs: object) -> PullResult:
-    """Pull ``reference`` into the store (see ``Puller`` for the keyword arguments)."""
-    return Puller(store, config, data_dir, reference, **kwargs).run()  # type: ignore[arg-type]
+def pull_image(store: "Store", config: OciConfig, data_dir: Path, reference: str, *,
+               credentials: Credentials | None = None, platform: str = DEFAULT_PLATFORM, name: str | None = None,
+               size: int | None = None, replace: bool = False, progress: ProgressFactory = no_progress,
+               log_line: Callable[[str], None] | None = None, tools: ToolsTree | None = None) -> PullResult:
+    """Pull ``reference`` into the store (the keyword arguments are ``Puller``'s)."""
+    return Puller(store, config, data_dir, reference, credentials=credentials, platform=platform, name=name,
+                  size=size, replace=replace, progress=progress, log_line=log_line, tools=tools).run()

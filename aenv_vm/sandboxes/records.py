@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
+from typing import Any
 
 from ..errors import VmError
 from ..net.policy import NetworkPolicy
@@ -95,8 +96,8 @@ class SandboxRecord:
     def policy(self) -> NetworkPolicy:
         return NetworkPolicy.from_json(self.network)
 
-    def replace(self, **changes: object) -> "SandboxRecord":
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+    def replace(self, **changes: Any) -> "SandboxRecord":
+        return dataclasses.replace(self, **changes)
 
     def remaining(self, now: float | None = None) -> float:
         return self.end_at - (time.time() if now is None else now)

@@ -32,6 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aenv_store.durable import fsync_dir, write_file_durable
 
@@ -85,8 +86,8 @@ class VolumeRecord:
         return {"volume_id": self.volume_id, "name": self.name, "token": self.token, "created_at": self.created_at}
 
     @classmethod
-    def from_json(cls, d: dict[str, object]) -> "VolumeRecord":
-        rec = cls(str(d["volume_id"]), str(d["name"]), str(d["token"]), float(d["created_at"]))  # type: ignore[arg-type]
+    def from_json(cls, d: dict[str, Any]) -> "VolumeRecord":
+        rec = cls(str(d["volume_id"]), str(d["name"]), str(d["token"]), float(d["created_at"]))
         if not is_volume_id(rec.volume_id) or not NAME.fullmatch(rec.name) or not rec.token:
             raise ValueError("malformed volume record")
         return rec

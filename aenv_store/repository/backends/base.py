@@ -38,6 +38,18 @@ class Backend(abc.ABC):
     def put_file(self, key: str, path: Path) -> None:
         """Like ``put`` with the bytes of a local file (large packs: streamed or multipart)."""
 
+    def move_file(self, key: str, path: Path) -> None:
+        """Like ``put_file``, for a local file the caller will not touch again: a backend
+        may take it instead of copying it (posix_fs renames it into place when it is on
+        the repository's filesystem). This default copies it and leaves it."""
+        self.put_file(key, path)
+
+    def cleanup_tmp(self, older_than: float = 3600.0) -> int:
+        """Remove what writers that crashed left behind (temporary objects older than
+        ``older_than`` seconds); returns how many. This default: a backend whose writes
+        leave nothing behind (S3's puts are atomic) has nothing to remove."""
+        return 0
+
     @abc.abstractmethod
     def create(self, key: str, data: bytes) -> None:
         """Atomically create ``key``; raise ``AlreadyExists`` if it exists. Two

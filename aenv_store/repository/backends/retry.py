@@ -82,6 +82,14 @@ class RetryBackend(Backend):
     def put_file(self, key: str, path: Path) -> None:
         self._call(f"put_file {key}", lambda: self.inner.put_file(key, path))
 
+    def move_file(self, key: str, path: Path) -> None:
+        # a move that took the file and then failed is not repeated: the retry's copy
+        # would find no file (StoreNotFound passes straight through)
+        self._call(f"move_file {key}", lambda: self.inner.move_file(key, path))
+
+    def cleanup_tmp(self, older_than: float = 3600.0) -> int:
+        return self._call("cleanup_tmp", lambda: self.inner.cleanup_tmp(older_than))
+
     def create(self, key: str, data: bytes) -> None:
         tries = 0
 

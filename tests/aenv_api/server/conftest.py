@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 import pytest
 
 from tests.aenv_vm.vm.procs import qemu_children
+from tests.seed import BaseSeed, clean_env
 from tests.support import free_port
 
 if TYPE_CHECKING:
@@ -134,14 +135,16 @@ class Server(HttpClient):
 
 
 def start_server(data_dir: Path, log_dir: Path, *, env: dict[str, str] | None = None, timeout: float = 900.0,
-                 extra_args: tuple[str, ...] = ()) -> Server:
+                 extra_args: tuple[str, ...] = (), seed: BaseSeed | None = None) -> Server:
+    """``aenv server`` on ``data_dir``; ``seed``: a fresh data dir gets the run's ``base``
+    template instead of building its own (tests/seed.py)."""
     port = free_port()
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
-    if os.environ.get("AENV_GUEST_CACHE"):
-        full_env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
+    full_env = clean_env()
     full_env["AENV_VM__POOL_SIZE"] = "1"
     full_env["AENV_SERVER__DOMAIN"] = "aenv.test"  # host-routed sandbox traffic is tested too
     full_env.update(env or {})
+    if seed is not None:
+        seed.fill(data_dir, full_env)
     log_dir.mkdir(parents=True, exist_ok=True)
     stderr_path = log_dir / f"server-{port}.log"
     with open(stderr_path, "wb") as err:

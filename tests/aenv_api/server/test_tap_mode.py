@@ -17,6 +17,7 @@ from typing import Iterator
 import pytest
 
 from .conftest import Server, start_server, use_sdk_env
+from tests.seed import BaseSeed
 from tests.support import require
 
 pytestmark = pytest.mark.qemu
@@ -224,7 +225,7 @@ def test_allow_internet_access_kept_across_pause(sdk: Server, outside: tuple[str
 
 def test_restart_removes_orphans_and_keeps_egress(tmp_path_factory: pytest.TempPathFactory,
                                                    outside: tuple[str, int, Path],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                   monkeypatch: pytest.MonkeyPatch, base_seed: BaseSeed) -> None:
     """SIGKILL of the server leaves namespaces behind (a paused sandbox's standby one, the
     pool's); the next start removes them, and the paused sandbox resumes into a new
     namespace with its egress setting from the record."""
@@ -238,7 +239,7 @@ def test_restart_removes_orphans_and_keeps_egress(tmp_path_factory: pytest.TempP
         for name, value in srv.sdk_env().items():
             monkeypatch.setenv(name, value)
 
-    srv = start_server(data, logs, env={"AENV_VM__NETWORK": "tap"})
+    srv = start_server(data, logs, env={"AENV_VM__NETWORK": "tap"}, seed=base_seed)
     try:
         use(srv)
         off = Sandbox.create(timeout=600, allow_internet_access=False)

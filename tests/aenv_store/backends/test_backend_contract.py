@@ -112,6 +112,19 @@ def test_put_file(backend: Backend, tmp_path: Path) -> None:
     assert backend.get("packs/ab/p") == data
 
 
+def test_move_file_and_cleanup_are_part_of_every_backend(backend: Backend, tmp_path: Path) -> None:
+    """No capability probing: every backend moves a file in (posix_fs by renaming it,
+    the others by copying) and cleans up after crashed writers (nothing to do on S3)."""
+    src = tmp_path / "pack"
+    data = os.urandom(1024 * 1024 + 7)
+    src.write_bytes(data)
+    backend.move_file("packs/cd/moved", src)
+    assert backend.get("packs/cd/moved") == data
+    removed = backend.cleanup_tmp(older_than=0.0)
+    assert isinstance(removed, int) and removed >= 0
+    assert backend.get("packs/cd/moved") == data        # a finished object is not a temp file
+
+
 def test_invalid_keys_rejected(backend: Backend) -> None:
     for bad in ("", "/abs", "a//b", "a/../b", ".hidden", "a/.tmp", "sp ace"):
         with pytest.raises(ValueError):

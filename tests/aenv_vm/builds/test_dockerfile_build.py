@@ -28,6 +28,7 @@ import pytest
 from e2b import Sandbox, Template, TemplateClass, wait_for_port
 
 from tests.aenv_api.server.conftest import Server
+from tests.seed import BaseSeed
 
 from .conftest import AENV, REPO, template_server
 
@@ -137,10 +138,10 @@ def counts_in(text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tpl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def tpl_server(tmp_path_factory: pytest.TempPathFactory, base_seed: BaseSeed) -> Iterator[Server]:
     """This module's server waits longer for a ready command: the SDK's for a Dockerfile
     CMD is E2B's `sleep 20`."""
-    with template_server(tmp_path_factory, ready_timeout=45) as srv:
+    with template_server(tmp_path_factory, ready_timeout=45, seed=base_seed) as srv:
         yield srv
 
 

@@ -13,6 +13,7 @@ from e2b import Sandbox, Template
 
 from tests.aenv_api.server.conftest import Server, use_sdk_env
 from tests.aenv_vm.oci.registryproc import Registry
+from tests.seed import BaseSeed
 
 from .conftest import template_server
 from .images import push_tiny_image
@@ -91,13 +92,14 @@ def test_mini_swe_agent_flow(sdk: Server, image: str) -> None:
 
 
 def test_docker_hub_names_resolve_through_a_mirror(tmp_path_factory: pytest.TempPathFactory,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                   monkeypatch: pytest.MonkeyPatch, base_seed: BaseSeed) -> None:
     """A node that reaches only a mirror ([oci] registry_mirrors, Docker's sense) builds
     from_debian_image(), i.e. docker.io/library/debian:stable, from the mirror."""
     reg = Registry.start(tmp_path_factory.mktemp("mirror"))
     try:
         push_tiny_image(reg, tmp_path_factory.mktemp("layout"), dest="library/debian:stable")
-        with template_server(tmp_path_factory, env={"AENV_OCI__REGISTRY_MIRRORS": f'["http://{reg.host}"]'}) as srv:
+        with template_server(tmp_path_factory, env={"AENV_OCI__REGISTRY_MIRRORS": f'["http://{reg.host}"]'},
+                             seed=base_seed) as srv:
             use_sdk_env(srv, monkeypatch)
             lines: list[str] = []
             Template.build(Template().from_debian_image().run_cmd("echo from-mirror > note"), "hub-name",

@@ -10,16 +10,17 @@ from typing import Iterator
 import pytest
 
 from tests.aenv_api.server.conftest import Server, start_server, use_sdk_env
+from tests.seed import BaseSeed
 
 
 @pytest.fixture(scope="module")
-def vol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def vol_server(tmp_path_factory: pytest.TempPathFactory, base_seed: BaseSeed) -> Iterator[Server]:
     if os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None:
         if os.environ.get("CI"):
             pytest.fail("the volume API tests need root and qemu-system-x86_64 (required in CI)")
         pytest.skip("aenv server needs root and qemu-system-x86_64")
     srv = start_server(tmp_path_factory.mktemp("vol-node"), tmp_path_factory.mktemp("vol-logs"),
-                       env={"AENV_VM__POOL_SIZE": "0"})
+                       env={"AENV_VM__POOL_SIZE": "0"}, seed=base_seed)
     try:
         yield srv
     finally:
