@@ -23,6 +23,7 @@ import asyncio
 import ssl
 import time
 from dataclasses import dataclass
+from typing import cast
 
 MAX_HEAD = 64 << 10          # response head bytes at most
 _READ_HIGH = 256 << 10       # buffered bytes at which reading from the sandbox pauses
@@ -171,8 +172,7 @@ class UpstreamConn(asyncio.Protocol):
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)     # a stream connection's
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)     # a stream connection's
 
     def data_received(self, data: bytes) -> None:
         self._buf += data

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import struct
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,9 @@ class UdpServer(asyncio.DatagramProtocol):
         self._tasks: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)     # a datagram endpoint's
-        self.transport = transport
+        # a datagram endpoint's transport (CPython 3.11's selector transport is not a
+        # DatagramTransport subclass, so no isinstance narrowing here)
+        self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         task = asyncio.get_running_loop().create_task(self._reply(data, addr))
