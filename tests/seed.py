@@ -77,10 +77,15 @@ class Seed:
             return False
         if any(k in env for k in TEMPLATE_SETTINGS) or any(k.startswith("AENV_REPOSITORY__") for k in env):
             return False
-        self._ensure()
-        data_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cp", "-al", str(self.data_dir / "repo"), str(data_dir / "repo")], check=True)
+        self.copy_repository(data_dir / "repo")
         return True
+
+    def copy_repository(self, dest: Path) -> None:
+        """The seed's repository, hard-linked at ``dest`` (which must not exist), for a test
+        that opens a store itself."""
+        self._ensure()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-al", str(self.data_dir / "repo"), str(dest)], check=True)
 
 
 @dataclass(frozen=True)

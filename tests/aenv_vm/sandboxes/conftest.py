@@ -5,10 +5,8 @@ Tests marked ``qemu`` skip on a developer machine without QEMU or root, never in
 CI (CI=true), where that is a failure."""
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +17,8 @@ from tests.aenv_vm.vm.procs import qemu_children
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
 from aenv_store.store import Store
 from aenv_vm.guest import GuestImage, ensure_guest
-from aenv_vm.templates.base import build_template
-from aenv_vm.templates.template import Template
+from aenv_vm.templates.template import Template, find_template
+from tests.seed import BaseSeed
 from tests.support import require
 
 
@@ -39,17 +37,18 @@ def store_settings(data: Path) -> StoreSettings:
 
 
 @pytest.fixture(scope="session")
-def env(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def env(tmp_path_factory: pytest.TempPathFactory, base_seed: BaseSeed):  # type: ignore[no-untyped-def]
+    """A store holding the run's ``base`` (tests/seed.py; built like a node's first start,
+    256 MiB) for in-process managers."""
     require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
     require(os.geteuid() == 0, "building the guest image and reading /proc/PID/mem need root")
     guest = ensure_guest(quiet=True)
     root = tmp_path_factory.mktemp("snap")
     settings = store_settings(root / "data")
-    store = Store.open(settings, create=True)
+    base_seed.copy_repository(root / "data" / "repo")
+    store = Store.open(settings)
     try:
-        t0 = time.monotonic()
-        tpl = asyncio.run(build_template(store, guest, root / "work", alias="base", memory_mib=256))
-        print(f"\n[snapshot] template build {time.monotonic() - t0:.1f} s")
+        tpl = find_template(store, "base")
         yield Env(guest, settings, store, tpl, root)
     finally:
         store.close()

@@ -25,8 +25,8 @@ from aenv_vm.memory import workingset
 from aenv_vm.memory.lazyfs import LazyMemoryError, mounts_under
 from aenv_vm.sandboxes.manager import SandboxManager
 from aenv_vm.sandboxes.sandbox import Sandbox
-from aenv_vm.templates.base import build_template
 from aenv_vm.templates.template import Template, find_template
+from tests.seed import BaseSeed
 
 pytestmark = pytest.mark.qemu
 
@@ -56,14 +56,14 @@ def run(sbx: Sandbox, cmd: str, timeout: float = 60.0) -> str:
 
 
 @pytest.fixture(scope="module")
-def made(guest: GuestImage, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """Node A: a template, a sandbox that fills /dev/shm and runs a process holding a
-    value, a named snapshot of it committed to the shared repository."""
+def made(guest: GuestImage, tmp_path_factory: pytest.TempPathFactory, base_seed: BaseSeed):  # type: ignore[no-untyped-def]
+    """Node A: the run's ``base`` (tests/seed.py), a sandbox that fills /dev/shm and runs a
+    process holding a value, a named snapshot of it committed to the shared repository."""
     root = tmp_path_factory.mktemp("lazymem")
     repo = root / "repo"
-    store = Store.open(node_settings(root / "a", repo), create=True)
+    base_seed.copy_repository(repo)
+    store = Store.open(node_settings(root / "a", repo))
     try:
-        asyncio.run(build_template(store, guest, root / "work", alias="base", memory_mib=256))
 
         async def make() -> tuple[Template, str]:
             async with SandboxManager(store, guest, root / "run-a") as mgr:
