@@ -97,11 +97,14 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         cfg = moto.repository_config(moto.new_bucket())
         repo_env = {f"AENV_REPOSITORY__{k.upper()}": str(v) for k, v in cfg.items()}
     else:
+        # the run's base (tests/seed.py) in the shared repository; the oss pair's first node
+        # builds it there itself
+        request.getfixturevalue("base_seed").copy_repository(root / "shared-repo")
         repo_env = {"AENV_REPOSITORY__BACKEND": "posix_fs", "AENV_REPOSITORY__PATH": str(root / "shared-repo")}
     # one deployment: the API key and the envd secret are shared by every node
     env = {**repo_env, "AENV_API_KEY": "moves-" + secrets.token_hex(8), "AENV_ENVD_SECRET": secrets.token_hex(32),
            "AENV_VM__POOL_SIZE": "0", "AENV_VM__MEMORY_MIB": "256"}
-    a = start_server(root / "node-a", root / "logs", env=env)   # builds the base template into the repository
+    a = start_server(root / "node-a", root / "logs", env=env)   # oss: builds the base template into the repository
     b = None
     try:
         b = start_server(root / "node-b", root / "logs", env=env)   # finds it there
