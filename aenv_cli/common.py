@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 import time
@@ -148,3 +149,14 @@ class Progress:
         self.out.flush()
 
 
+def request_log_to_stderr(logger: str, *, quiet: bool) -> None:
+    """A server's request log (``logger``) as plain lines on stderr (``quiet``: warnings only).
+    aiohttp's own log of requests its HTTP parser rejects (NUL in a header, ...) is silenced:
+    the client already got its 400, and every handler error is logged by the app itself."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger(logger)
+    access.addHandler(handler)
+    access.propagate = False
+    access.setLevel(logging.WARNING if quiet else logging.INFO)
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)

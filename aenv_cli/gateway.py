@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import signal
 import sys
 from typing import TYPE_CHECKING
 
-from .common import CliError, Subcommands, common_options, config_from_args
+from .common import CliError, Subcommands, common_options, config_from_args, request_log_to_stderr
 
 if TYPE_CHECKING:
     from aenv_fleet.config import GatewayConfig
@@ -39,13 +38,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in 0..65535, got {args.port}")
     gw = dataclasses.replace(cfg.gateway, **changes)
-    access = logging.getLogger("aenv.gateway.access")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access.addHandler(handler)
-    access.propagate = False
-    access.setLevel(logging.WARNING if args.quiet else logging.INFO)
-    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    request_log_to_stderr("aenv.gateway.access", quiet=args.quiet)
     return asyncio.run(_serve(gw))
 
 

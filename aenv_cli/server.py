@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import signal
 import sys
 from typing import Any
 
-from .common import CliError, Subcommands, common_options, config_from_args
+from .common import CliError, Subcommands, common_options, config_from_args, request_log_to_stderr
 from .config import AenvConfig
 
 
@@ -52,15 +51,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     if args.log_format is not None:
         changes["log_format"] = args.log_format
     cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **changes))
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access = logging.getLogger("aenv.server.access")
-    access.addHandler(handler)
-    access.propagate = False
-    access.setLevel(logging.WARNING if args.quiet else logging.INFO)
-    # aiohttp logs requests its HTTP parser rejects (NUL in a header, ...) with a traceback;
-    # the client already got its 400, and every handler error is logged by the app itself.
-    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    request_log_to_stderr("aenv.server.access", quiet=args.quiet)
     return asyncio.run(_serve(cfg))
 
 
