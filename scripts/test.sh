@@ -5,7 +5,7 @@
 # Two workers (AENV_TEST_WORKERS), a test file per worker at a time (--dist loadfile: a
 # file's module fixtures, its servers and clusters, stay in one process). Half of a
 # serial run's CPU time is waiting (guest boots, leases, timeouts), so two workers
-# take ~23 min where one takes ~40 on a 2-CPU machine. The base temp dir is short:
+# take ~19 min where one takes ~40 on a 2-CPU machine. The base temp dir is short:
 # QEMU's Unix sockets live under the tests' temp dirs and must fit 107 bytes. A
 # passing test's tmp_path goes when it ends (pyproject), the rest after a green run.
 set -euo pipefail
