@@ -40,6 +40,7 @@ from aenv_vm.builds.template_builds import TemplateBuilds
 from aenv_vm.confine.policy import Confinement
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage, ensure_guest
+from aenv_vm.machine.admission import Admission
 from aenv_vm.net.netns import NetError
 from aenv_vm.sandboxes.manager import SandboxManager
 from aenv_vm.sandboxes.node_service import NodeSandboxService
@@ -52,7 +53,7 @@ from .base_template import build_base_template, choose_accel
 from .common import StartError, local_url
 from .config import AenvConfig
 from .main import package_version
-from .node_gauges import register_gauges
+from .node_gauges import AdmissionMetrics, register_admission_gauges, register_gauges
 
 log = logging.getLogger("aenv.node")
 
@@ -125,17 +126,19 @@ class Node:
             except VmError as e:
                 raise StartError(str(e)) from None
             volumes = VolumeRegistry(config.data_dir / "volumes")   # one registry: the API's and the mounts'
+            metrics = Metrics()
+            admission = Admission(vm.admission_limits(), AdmissionMetrics(metrics))
+            register_admission_gauges(metrics, admission)
             manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                      tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,
                                      ksm=vm.ksm_settings(), network=vm.network,
                                      max_sandboxes=server_cfg.max_sandboxes, readahead=vm.readahead_mib << 20,
                                      isolation=vm.isolation, confine=confinement, volumes=volumes,
-                                     lazy_memory=vm.lazy_memory)
+                                     lazy_memory=vm.lazy_memory, admission=admission)
             try:
                 await manager.start()
             except NetError as e:   # [vm] network = "tap" on a host that cannot do it
                 raise StartError(str(e)) from None
-            metrics = Metrics()
             service: SandboxService = NodeSandboxService(manager)
             cluster = config.cluster
             if cluster.redis_url:   # a fleet node: the agent observes every sandbox change (aenv_fleet/agent.py)

@@ -1,5 +1,6 @@
 """The node's /metrics gauges that no single part owns: sandboxes by state, the node
-cache, the repository's size and the host's KSM (docs/api.md, `GET /metrics`).
+cache, the repository's size, the host's KSM and the restore queue (docs/api.md,
+`GET /metrics`).
 
 ``register_gauges`` adds them to the API's ``Metrics`` and returns the coroutine that
 keeps the values read asynchronously up to date (the node runs it as a background task
@@ -13,6 +14,7 @@ from aenv_api.server.lifecycle import Lifecycle
 from aenv_api.server.metrics import Labels, Metrics
 from aenv_store.store import Store
 from aenv_vm import ksm
+from aenv_vm.machine.admission import Admission
 from aenv_vm.sandboxes.manager import SandboxManager
 
 Samples = list[tuple[Labels, float]]
@@ -71,3 +73,32 @@ def register_gauges(metrics: Metrics, lifecycle: Lifecycle, manager: SandboxMana
     metrics.gauge("aenv_ksm", ksm_stats, "kernel samepage merging on this host ([vm] ksm): bytes saved, full scans, "
                                           "whether ksmd runs")
     return refresh
+
+
+class AdmissionMetrics:
+    """The restore queue's waits and refusals as the node's metrics (an ``AdmissionObserver``)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def waited(self, seconds: float, background: bool) -> None:
+        self.metrics.observe("aenv_restore_wait_seconds", seconds,
+                             (("priority", "background" if background else "foreground"),),
+                             "time restores waited for an admission slot (background: pool refills)")
+
+    def refused(self, reason: str) -> None:
+        self.metrics.inc("aenv_restore_refused_total", (("reason", reason),),
+                         help="restores answered 429 at once by reason: queue (restore_queue waiting), "
+                              "wait (estimated wait beyond restore_max_wait)")
+
+
+def register_admission_gauges(metrics: Metrics, admission: Admission) -> None:
+    def restores() -> Samples:
+        st = admission.stats()
+        return [((("stat", "slots"),), float(st.slots)), ((("stat", "in_flight"),), float(st.in_flight)),
+                ((("stat", "queued"),), float(st.queued)),
+                ((("stat", "queued_background"),), float(st.queued_background)),
+                ((("stat", "mean_restore_seconds"),), st.restore_seconds)]
+
+    metrics.gauge("aenv_restores", restores, "the restore queue ([vm] restore_slots): slots, restores in flight, "
+                                             "foreground and background restores waiting, the mean restore time")

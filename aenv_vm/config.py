@@ -10,6 +10,7 @@ from aenv_store.errors import ConfigError
 if TYPE_CHECKING:
     from .confine.policy import Confinement
     from .ksm import KsmSettings
+    from .machine.admission import AdmissionLimits
     from .templates.trust import CaBundle
 
 
@@ -85,6 +86,14 @@ class VmConfig:
     # nothing (the guest has the same public CAs), and behind such a proxy HTTPS (pip, npm,
     # git, curl) fails in every guest without it. Off: guests trust their distribution only.
     trust_host_ca: bool = True
+    # Admission of restores (aenv_vm/machine/admission.py): at most restore_slots restores
+    # (creates that find no pooled clone, pool refills, resumes, fork children) run at once
+    # (0: one per CPU), the rest wait in arrival order, pool refills last. A create, resume
+    # or fork child that would find restore_queue restores waiting, or expect to wait more
+    # than restore_max_wait seconds, is answered 429 with Retry-After at once.
+    restore_slots: int = 0
+    restore_queue: int = 256
+    restore_max_wait: float = 30.0
     # PEM bundle of those certificates ("": the host's system bundle, the first of
     # /etc/ssl/certs/ca-certificates.crt, /etc/pki/tls/certs/ca-bundle.crt, ... that exists).
     host_ca_bundle: str = ""
@@ -94,6 +103,10 @@ class VmConfig:
         if not self.ksm:
             return None
         return KsmSettings(self.ksm_fixed_layout, self.ksm_pages_to_scan, self.ksm_sleep_ms)
+
+    def admission_limits(self) -> "AdmissionLimits":
+        from .machine.admission import AdmissionLimits, auto_slots
+        return AdmissionLimits(self.restore_slots or auto_slots(), self.restore_queue, self.restore_max_wait)
 
     def confinement(self) -> "Confinement":
         """The node's confinement policy (not started: ``Confinement.start`` probes)."""
@@ -126,6 +139,10 @@ class VmConfig:
             raise ConfigError("vm.pool_size and vm.tcg_tb_mib must be >= 0 and vm.ready_timeout > 0")
         if not 1 <= self.ksm_pages_to_scan <= 100_000 or not 1 <= self.ksm_sleep_ms <= 60_000:
             raise ConfigError("vm.ksm_pages_to_scan must be in 1..100000 and vm.ksm_sleep_ms in 1..60000")
+        if not 0 <= self.restore_slots <= 1024 or not 0 <= self.restore_queue <= 100_000 or \
+                not 0 < self.restore_max_wait <= 3600:
+            raise ConfigError("vm.restore_slots must be in 0..1024, vm.restore_queue in 0..100000 and "
+                              "vm.restore_max_wait in (0, 3600]")
         if self.confine not in ("auto", "required", "off"):
             raise ConfigError(f"vm.confine must be auto, required or off, got {self.confine!r}")
         if self.confine_uid_base < 1000 or self.confine_uid_count < 1 or \

@@ -36,6 +36,16 @@ class CapacityError(VmError):
     """The node is full: no more sandboxes fit now (try another node or later)."""
 
 
+class AdmissionRefused(CapacityError):
+    """The node's restore queue cannot take another restore now (aenv_vm/machine/
+    admission.py): retry after ``retry_after`` seconds, here or on another node."""
+
+    def __init__(self, message: str, *, reason: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.reason = reason                # "queue" (max_queue) or "wait" (max_wait)
+        self.retry_after = retry_after      # whole seconds, at least 1
+
+
 class VmTimeout(VmError):
     """A VM did not reach the awaited state in time."""
 

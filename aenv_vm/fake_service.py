@@ -5,7 +5,8 @@ one node's ``NodeSandboxService`` does for everything the API can observe: the s
 state table (states.py) and so the same refusals with the same error classes and
 messages, ids of the same form, TTL expiry that pauses or kills by ``auto_pause`` and
 tells the ``on_expiry`` listeners, snapshots that are templates, forks with one result
-per child, capacity (``CapacityError`` past ``max_sandboxes``), volumes resolved by
+per child, capacity (``CapacityError`` past ``max_sandboxes``; a fork's children beyond
+the room one each), volumes resolved by
 name, network rules kept across pause, resume and fork, and endpoint, console, usage
 and metrics answers of the right types. tests/aenv_vm/test_service_contract.py runs the
 same cases against it, the observed wrapper and the real node, so it cannot drift.
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from .errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, VmError
+from .machine.admission import Admission
 from .net.policy import NetworkPolicy, with_internet
 from .sandboxes.fork import MAX_FORK
 from .service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, MetricSample, SandboxInfo,
@@ -110,9 +112,12 @@ class FakeSandboxService:
                  default_timeout: float = 300.0, clock: Callable[[], float] = time.time,
                  volumes: VolumeRegistry | None = None, endpoint: Endpoint | None = None,
                  repository: FakeRepository | None = None, node_id: str = "fake-node",
-                 ttl_interval: float = 0.1) -> None:
+                 ttl_interval: float = 0.1, admission: Admission | None = None,
+                 restore_seconds: float = 0.0) -> None:
         """``endpoint``: where a running sandbox's guest port is reached (default: a port
-        nothing listens on, as a guest port no server is bound to)."""
+        nothing listens on, as a guest port no server is bound to). ``admission``: the
+        node's restore gate (aenv_vm/machine/admission.py), which every create, resume and
+        fork child passes as on a node, each holding its slot ``restore_seconds``."""
         self.templates: dict[str, FakeTemplate] = {t.template_id: t for t in templates}
         self.max_sandboxes = max_sandboxes
         self.default_timeout = default_timeout
@@ -127,6 +132,9 @@ class FakeSandboxService:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._listeners: list[ExpiryListener] = []
         self._ttl_task: asyncio.Task[None] | None = None
+        self.admission = admission
+        self.restore_seconds = restore_seconds
+        self._creating = 0
 
     # -- test controls ---------------------------------------------------------------------
 
@@ -217,14 +225,28 @@ class FakeSandboxService:
                 return tpl
         raise NotFound(f"unknown template {ref!r}")
 
-    def _check_capacity(self, more: int) -> None:
+    def _room(self) -> int | None:
         if self.max_sandboxes is None:
-            return
+            return None
         held = sum(1 for s in self._sandboxes.values() if s.phase is not Phase.LOST)
-        if held + more > self.max_sandboxes:
-            raise CapacityError(f"this node holds its maximum of {self.max_sandboxes} sandboxes"
-                                if more == 1 else
-                                f"{more} forks would exceed this node's {self.max_sandboxes} sandboxes")
+        return self.max_sandboxes - held - self._creating
+
+    def _full(self) -> CapacityError:
+        return CapacityError(f"this node holds its maximum of {self.max_sandboxes} sandboxes")
+
+    def _check_capacity(self) -> None:
+        room = self._room()
+        if room is not None and room < 1:
+            raise self._full()
+
+    async def _restore(self) -> None:
+        """What stands for a node's restore: the admission gate, then the restore's time."""
+        if self.admission is None:
+            if self.restore_seconds:
+                await asyncio.sleep(self.restore_seconds)
+            return
+        async with self.admission.slot():
+            await asyncio.sleep(self.restore_seconds)
 
     # -- SandboxService --------------------------------------------------------------------
 
@@ -232,10 +254,15 @@ class FakeSandboxService:
         if req.timeout is not None and req.timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {req.timeout}")
         mounts = resolve_mounts(self.volumes, req.volume_mounts)     # VolumeNotFound, BadRequest
-        self._check_capacity(1)
+        self._check_capacity()
         tpl = self._template(req.template)
         sid = _new_id("sbx-")
         check(Phase.GONE, Op.CREATE, sid)
+        self._creating += 1
+        try:
+            await self._restore()
+        finally:
+            self._creating -= 1
         policy = req.network
         if req.allow_internet_access is False:
             policy = with_internet(policy, False)
@@ -281,7 +308,9 @@ class FakeSandboxService:
         if timeout is not None and timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
         op = Op.RESUME if memory else Op.RESUME_BOOT
-        s = self._check(sandbox_id, op)
+        self._check(sandbox_id, op)
+        await self._restore()
+        s = self._check(sandbox_id, op)     # again: it may have changed while it waited
         outcome = transition(s.phase, op)
         # as on a node: a sandbox whose timeout was set to 0 ("expire now") gets the default
         t = timeout if timeout is not None else s.info.timeout if s.info.timeout > 0 else self.default_timeout
@@ -353,13 +382,25 @@ class FakeSandboxService:
         if timeout is not None and timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
         parent = self._held(sandbox_id)
-        self._check_capacity(count)
+        room = self._room()
+        fits = count if room is None else min(count, room)   # the rest: CapacityError each
+        if fits < 1:
+            raise self._full()
         self._check(sandbox_id, Op.FORK)
         tpl = self._snapshot_of(parent, (), hidden=True)
         mint = access_token or (lambda _sid: secrets.token_urlsafe(24))
+        self._creating += fits
+        try:    # the children restore side by side, each through the gate
+            restored = await asyncio.gather(*(self._restore() for _ in range(fits)), return_exceptions=True)
+        finally:
+            self._creating -= fits
         out: list[ForkResult] = []
-        for _ in range(count):
+        for gate in restored:
             failure = self.fork_failures.pop(0) if self.fork_failures else None
+            if isinstance(gate, BaseException):
+                if not isinstance(gate, VmError):
+                    raise gate
+                failure = gate
             if failure is not None:
                 out.append(failure)
                 continue
@@ -373,7 +414,7 @@ class FakeSandboxService:
                 cold_boot=False, envd_unresponsive=False, annotations=dict(parent.info.annotations))
             self._sandboxes[cid] = _Sandbox(info, dict(parent.env_vars))
             out.append(info)
-        return out
+        return out + [self._full() for _ in range(count - fits)]    # beyond the node's room
 
     async def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
         self._check(sandbox_id, Op.ENDPOINT)
@@ -423,7 +464,7 @@ class FakeSandboxService:
         held = self.repository.paused.get(sandbox_id)
         if held is None:
             raise NotFound(f"the repository has no paused sandbox {sandbox_id!r}")
-        self._check_capacity(1)
+        self._check_capacity()
         holder, moved = held
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
         sbx = dataclasses.replace(moved, info=dataclasses.replace(

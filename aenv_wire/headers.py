@@ -26,3 +26,5 @@ TOTAL_RUNNING_HEADER = "X-Total-Running"
 REQUEST_ID_HEADER = "X-Request-Id"
 # "false": the SDK does not retry this 429/502/503/504
 SHOULD_RETRY_HEADER = "Should-Retry"
+# whole seconds to wait before retrying a 429 (the SDK waits that long before its retry)
+RETRY_AFTER_HEADER = "Retry-After"

@@ -31,7 +31,8 @@ from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port, p
 from aenv_store.errors import ConfigError
 from aenv_wire.api_key import presented_api_key
 from aenv_wire.errors import error_body
-from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER, SHOULD_RETRY_HEADER
+from aenv_wire.headers import (API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER, RETRY_AFTER_HEADER,
+                               SHOULD_RETRY_HEADER)
 from aenv_wire.routing import SandboxAddress, has_proxy_prefix, has_routing_header, is_unrouted_signed_url, parse_host
 from envd import ENVD_PORT
 
@@ -55,8 +56,12 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 def error_response(e: ApiError) -> web.Response:
-    headers = {SHOULD_RETRY_HEADER: "false"} if e.retry is False else None
-    return json_response(e.body(), e.status, headers=headers)
+    headers: dict[str, str] = {}
+    if e.retry is not None:
+        headers[SHOULD_RETRY_HEADER] = "true" if e.retry else "false"
+    if e.retry_after is not None:
+        headers[RETRY_AFTER_HEADER] = str(e.retry_after)
+    return json_response(e.body(), e.status, headers=headers or None)
 
 
 def _parse_json(raw: bytes) -> Any:

@@ -24,6 +24,8 @@ class ApiError(Exception):
         self.extra = extra
         # 429/502/503/504 are retried by the SDK unless told otherwise.
         self.retry = extra.pop("retry", None)
+        # whole seconds after which a retry may succeed (a Retry-After header; the SDK waits that long)
+        self.retry_after: int | None = extra.pop("retry_after", None)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, **self.extra)

@@ -42,7 +42,7 @@ from envd import ENVD_PORT
 from envd.signing import SignedRequest
 from envd import signing
 
-from aenv_vm.errors import (BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, Unsupported,
+from aenv_vm.errors import (AdmissionRefused, BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, Unsupported,
                             UnresponsiveSnapshot, VmError)
 from aenv_vm.volumes.registry import VolumeNotFound
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
@@ -67,6 +67,9 @@ from .views import SandboxView, page
 log = logging.getLogger(__name__)
 
 VISIBLE_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
+# Retry-After of a full node's 429 (max_sandboxes): room comes when somebody kills a
+# sandbox, which nothing here can foresee; a harness polling this often is cheap to answer.
+FULL_RETRY_AFTER = 5
 # E2B's proxy answer, word for word (its SDKs' tests compare it); the id is in sandboxId
 SANDBOX_NOT_FOUND = "The sandbox was not found"
 
@@ -112,8 +115,10 @@ def api_error(e: VmError, what: str) -> ApiError:
         return ApiError(400, f"{what}: {e}")
     if isinstance(e, Unsupported):
         return ApiError(501, f"{what}: {e}", retry=False)
-    if isinstance(e, CapacityError):
-        return ApiError(429, str(e), retry=False, **error_code(e))
+    if isinstance(e, AdmissionRefused):   # the restore queue is long: retry as told
+        return ApiError(429, str(e), retry=True, retry_after=e.retry_after, **error_code(e))
+    if isinstance(e, CapacityError):      # the node is full: no retry by the SDK, a harness may
+        return ApiError(429, str(e), retry=False, retry_after=FULL_RETRY_AFTER, **error_code(e))
     return ApiError(500, f"{what} failed: {e}")
 
 
@@ -490,8 +495,10 @@ class Lifecycle:
         out: list[dict[str, Any]] = []
         children = [c for c in results if isinstance(c, SandboxInfo)]
         for child in results:
-            if not isinstance(child, SandboxInfo):
-                out.append({"error": {"code": 500, "message": str(child) or type(child).__name__}})
+            if not isinstance(child, SandboxInfo):   # E2B's Error, its code the status the error has alone
+                err = api_error(child, "fork child") if isinstance(child, VmError) else None
+                out.append({"error": {"code": err.status if err else 500,
+                                      "message": str(child) or type(child).__name__}})
                 continue
             self.extras.put(child.sandbox_id, parent_extra)
             self.logs.event(child.sandbox_id, "sandbox forked", parent=sid)

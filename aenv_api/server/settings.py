@@ -34,8 +34,10 @@ class ServerConfig:
     max_timeout: int = 86400
     # Most sandboxes (running + paused) this node holds; create answers 429 beyond it.
     max_sandboxes: int = 64
-    # Most children of one fork request (AgentENV: 16 per node).
-    max_forks: int = 16
+    # Most children of one fork request (E2B's API: 100; AgentENV's: 16). The node restores
+    # them through its admission gate ([vm] restore_slots); children beyond its room or its
+    # restore queue fail alone, 429 each in the answer's list.
+    max_forks: int = 100
     # Log format of the server's request log on stderr: "text" or "json" (JSON lines).
     log_format: str = "text"
     # What a shutdown does with running sandboxes: "pause" (they come back paused on the

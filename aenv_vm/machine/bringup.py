@@ -20,6 +20,10 @@ In this order, for every mode of ``MachinePlan`` (plan.py):
    answers fails naming what did not boot), then ``/init`` (a restore's with
    ``closeConnections``; a fork child's posted until it answers, without /health).
 
+A restore first takes one of the host's admission slots (admission.py: at most so many
+restores at once, the rest wait in arrival order or are refused at once with
+``AdmissionRefused``) and holds it until its envd has answered (or it failed).
+
 A restore may bring a ``Standby`` instead of 2-6: the QEMU a pause started in
 advance (``start_standby``, waiting in ``-incoming defer``) with the disk image kept
 open. Any failure tears the half-made machine down (machine.py ``teardown``); a
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 from ..blockimage.image import BlockImage
 from ..blockimage.prefetch import Prefetcher
 from ..envd_client import EnvdClient
-from ..errors import VmError
+from ..errors import AdmissionRefused, VmError
 from ..memory.lazyfs import LazyMemoryError
 from ..memory.pagemap import ram_mapping, write_pages
 from ..net.netns import SandboxNet
@@ -104,6 +108,19 @@ def _fresh_dirs(host: Host, plan: MachinePlan) -> None:
 
 async def bring_up(host: Host, plan: MachinePlan, standby: Standby | None = None) -> tuple[Machine, BringUpTiming]:
     """Machine ``plan`` running on ``host``, its envd greeted (see the module doc)."""
+    gate = host.admission
+    if gate is None or not isinstance(plan.start, Restore):
+        return await _bring_up(host, plan, standby)
+    try:
+        async with gate.slot(background=plan.background):
+            return await _bring_up(host, plan, standby)
+    except AdmissionRefused:
+        if standby is not None:     # never started: its QEMU and disk go as a failed restore's would
+            await teardown(host, plan.name, standby.vm, standby.image, plan.work, plan.keep_work)
+        raise
+
+
+async def _bring_up(host: Host, plan: MachinePlan, standby: Standby | None) -> tuple[Machine, BringUpTiming]:
     name = plan.name
     image: BlockImage | None = standby.image if standby is not None else None
     vm: QemuProcess | None = standby.vm if standby is not None else None

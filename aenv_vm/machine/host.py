@@ -20,6 +20,7 @@ from ..confine.policy import Confinement
 from ..guest import GuestImage
 from ..memory.lazyfs import LazyImage
 from ..net.networks import NodeNetworks
+from .admission import Admission
 
 
 class Host(Protocol):
@@ -55,6 +56,9 @@ class Host(Protocol):
     @property
     def fixed_layout(self) -> bool: ...        # a clone's QEMU without ASLR, so identical clones merge further
 
+    @property
+    def admission(self) -> Admission | None: ...   # the gate every restore passes (None: restores start at once)
+
     def vm_dir(self, name: str) -> Path:
         """Machine ``name``'s QEMU run dir (QMP socket, console, its disk's NBD socket)."""
         ...
@@ -78,7 +82,7 @@ class StandaloneHost:
     of its own, QEMU's user-mode network on the host's 127.0.0.1 without a namespace or
     ``restrict=on`` (the guest reaches the host's loopback, as the template boot always
     has), no read-ahead (its disk is a layer of the local store), no disk floor, QEMU's
-    own TCG cache, no KSM."""
+    own TCG cache, no KSM, no admission gate (it boots; it restores nothing)."""
     store: Store
     guest: GuestImage
     nbd: NbdServer
@@ -90,6 +94,7 @@ class StandaloneHost:
     tcg_tb_mib: int | None = None
     merge_memory: bool = False
     fixed_layout: bool = False
+    admission: Admission | None = None
 
     def vm_dir(self, name: str) -> Path:
         return self.run_dir

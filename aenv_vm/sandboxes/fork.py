@@ -29,7 +29,9 @@ from .runtime import NodeRuntime
 from .sandbox import CreateTiming, Sandbox
 from .snapshots import LocalSnapshot, NamedSnapshots
 
-MAX_FORK = 16
+# children per fork request: E2B's bound; the admission gate (aenv_vm/machine/admission.py) paces
+# their restores, and a child beyond the node's room or queue fails alone (429 each)
+MAX_FORK = 100
 log = logging.getLogger(__name__)
 
 

@@ -43,6 +43,7 @@ from ..confine.policy import Confinement
 from ..errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, VmError
 from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
+from ..machine.admission import Admission
 from ..net.policy import NetworkPolicy, with_internet
 from ..net.networks import NodeNetworks
 from ..service import ExpiryListener, SnapshotInfo, TokenMinter
@@ -89,14 +90,16 @@ class SandboxManager:
                  ksm: KsmSettings | None = None, network: str = "user", standby: int = 4,
                  max_sandboxes: int | None = None, readahead: int = 4 << 20, isolation: str = "auto",
                  confine: Confinement | str = "auto", min_free_disk: int | None = None,
-                 volumes: VolumeRegistry | None = None, lazy_memory: bool = True) -> None:
+                 volumes: VolumeRegistry | None = None, lazy_memory: bool = True,
+                 admission: Admission | None = None) -> None:
         """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
         "required", "off") for a policy of the manager's own, or a shared ``Confinement``
         (started and closed by its owner). ``min_free_disk``: the free space guests' disk
         writes leave on the run root's filesystem (None: the node cache's floor).
         ``lazy_memory``: restore templates whose memory image is not on this node from a
         FUSE file that fetches pages on demand (lazymem.py; falls back to fetching the
-        image whole where the host has no FUSE or the node is not root)."""
+        image whole where the host has no FUSE or the node is not root). ``admission``: the
+        gate every restore passes (aenv_vm/machine/admission.py; None: restores start at once)."""
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self._own_confinement = not isinstance(confine, Confinement)
         confinement = confine if isinstance(confine, Confinement) else Confinement(confine)
@@ -108,7 +111,7 @@ class SandboxManager:
                               fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead,
                               min_free_disk=min_free_disk if min_free_disk is not None else
                               store.cache.config.min_free_disk if store.cache is not None else 0,
-                              node_id=node_identity(run_root))
+                              node_id=node_identity(run_root), admission=admission)
         self.lazy_memory = lazy_memory
         self.default_timeout = default_timeout
         self.volumes = SandboxVolumes(volumes, self.rt.min_free_disk)   # volume channels of running sandboxes
@@ -294,14 +297,20 @@ class SandboxManager:
             raise NOT_RUNNING.refusal(sid, Phase.RUNNING)
         return sbx
 
-    def _check_capacity(self, more: int) -> None:
+    def _room(self) -> int | None:
+        """How many more sandboxes this node may hold now (None: no bound)."""
         if self.max_sandboxes is None:
-            return
+            return None
         held = sum(1 for r in self.records_store.all() if r.state in HELD_STATES)
-        if held + self._creating + more > self.max_sandboxes:
-            raise CapacityError(f"this node holds its maximum of {self.max_sandboxes} sandboxes"
-                                if more == 1 else
-                                f"{more} forks would exceed this node's {self.max_sandboxes} sandboxes")
+        return self.max_sandboxes - held - self._creating
+
+    def _full(self) -> CapacityError:
+        return CapacityError(f"this node holds its maximum of {self.max_sandboxes} sandboxes")
+
+    def _check_capacity(self) -> None:
+        room = self._room()
+        if room is not None and room < 1:
+            raise self._full()
 
     async def wait_committed(self, sid: str) -> None:
         """Wait for the background commit of ``sid``'s last pause (tests, benchmarks)."""
@@ -326,7 +335,7 @@ class SandboxManager:
         if timeout is not None and timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
         mounts = self.volumes.resolve(volume_mounts or [])     # VolumeNotFound, BadRequest
-        self._check_capacity(1)
+        self._check_capacity()
         self._creating += 1
         try:
             policy = network or NetworkPolicy()
@@ -557,7 +566,7 @@ class SandboxManager:
         """Take over a sandbox another node paused into the shared repository (resumed here next)."""
         async with self.lock(sid):
             self.check(sid, Op.ADOPT)           # Conflict: this node holds it already
-            self._check_capacity(1)
+            self._check_capacity()
             assert self._moves is not None
             return await asyncio.to_thread(self._moves.adopt, sid, force)
 
@@ -600,8 +609,11 @@ class SandboxManager:
         if timeout is not None and timeout < 0:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
         parent = self.record(sid)
-        self._check_capacity(count)
-        self._creating += count
+        room = self._room()
+        fits = count if room is None else min(count, room)   # the rest: CapacityError each
+        if fits < 1:
+            raise self._full()
+        self._creating += fits
         try:
             t0 = time.monotonic()
             async with self.lock(sid):
@@ -610,9 +622,9 @@ class SandboxManager:
                 await self.metrics.quiesce(sid)
                 local = await self.snapshots.take_local(sbx, parent, hidden=True)
             self.last_fork_snapshot = time.monotonic() - t0
-            children = await self.forks.restore_children(local, parent, count, access_token)
+            children = await self.forks.restore_children(local, parent, fits, access_token)
         finally:
-            self._creating -= count
+            self._creating -= fits
         out: list[Sandbox | Exception] = []
         for child in children:
             if not isinstance(child, Child):
@@ -635,7 +647,7 @@ class SandboxManager:
                     out.append(e)
                     continue
             out.append(k)
-        return out
+        return out + [self._full() for _ in range(count - fits)]    # beyond the node's room
 
     async def list_snapshots(self) -> list[SnapshotInfo]:
         return await asyncio.to_thread(self.snapshots.listed)

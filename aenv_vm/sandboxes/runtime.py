@@ -32,6 +32,7 @@ from aenv_store.store import Store
 from ..blockimage.nbd_server import NbdServer
 from ..confine.policy import Confinement
 from ..guest import GuestImage
+from ..machine.admission import Admission
 from ..memory.lazyfs import LazyImage
 from ..net.networks import NodeNetworks
 from ..templates.local import LocalTemplates
@@ -56,6 +57,7 @@ class NodeRuntime:
     readahead: int = 4 << 20            # bytes read ahead of a sandbox's sequential disk reads (0: off)
     min_free_disk: int = 0              # a guest's disk writes fail rather than leave less free here
     node_id: str = ""                   # this node as the holder of pauses in a shared repository (handover.py)
+    admission: Admission | None = None  # the gate every restore passes (None: restores start at once)
 
     def __post_init__(self) -> None:
         # every QEMU's sockets live in its run dir: a run root too long for them would

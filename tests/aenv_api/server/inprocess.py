@@ -33,7 +33,9 @@ from aenv_api.server.metrics import Metrics
 from aenv_api.server.settings import ServerConfig
 from aenv_api.server.templates_api import TemplateApi
 from aenv_api.server.volumes_api import VolumeApi
+from aenv_cli.node_gauges import AdmissionMetrics, register_admission_gauges
 from aenv_vm.fake_service import FakeSandboxService
+from aenv_vm.machine.admission import Admission, AdmissionLimits
 from aenv_vm.volumes.registry import VolumeRegistry
 
 from .conftest import HttpClient
@@ -68,15 +70,21 @@ class InProcessServer(HttpClient):
     _propagate: bool = True
     _builds: Any = None         # the template API's TemplateBuilds, if served
     _store: Any = None
+    _admission: AdmissionLimits | None = None
+    _restore_seconds: float = 0.0
 
     @classmethod
-    def start(cls, data_dir: Path, *, max_forks: int = 16, max_sandboxes: int = 64,
-              default_timeout: int = 300, templates: bool = False) -> "InProcessServer":
+    def start(cls, data_dir: Path, *, max_forks: int = 100, max_sandboxes: int = 64,
+              default_timeout: int = 300, templates: bool = False, admission: AdmissionLimits | None = None,
+              restore_seconds: float = 0.0) -> "InProcessServer":
+        """``admission``: the fake's restores pass a real restore gate with these limits
+        (its waits and refusals in /metrics as on a node), each taking ``restore_seconds``."""
         data_dir.mkdir(parents=True, exist_ok=True)
         creds = Credentials.load(data_dir, environ={})
         config = ServerConfig(domain="aenv.test", max_forks=max_forks, max_sandboxes=max_sandboxes,
                               default_timeout=default_timeout)
         srv = cls(url="", api_key=creds.api_key, data_dir=data_dir, config=config)
+        srv._admission, srv._restore_seconds = admission, restore_seconds
         srv._thread = threading.Thread(target=srv._loop.run_forever, name="inprocess-api", daemon=True)
         srv._thread.start()
         srv._capture_logs()
@@ -116,11 +124,17 @@ class InProcessServer(HttpClient):
         guest_port = sock.getsockname()[1]
         await web.SockSite(self._guest, sock).start()
         volumes = VolumeRegistry(self.data_dir / "volumes")
+        metrics = Metrics()
+        gate = None
+        if self._admission is not None:     # wired as aenv_cli/node.py does
+            gate = Admission(self._admission, AdmissionMetrics(metrics),
+                             initial_restore_seconds=self._restore_seconds or 0.1)
+            register_admission_gauges(metrics, gate)
         self.fake = FakeSandboxService(max_sandboxes=self.config.max_sandboxes,
                                        default_timeout=self.config.default_timeout, volumes=volumes,
-                                       endpoint=lambda _sid, _port: ("127.0.0.1", guest_port))
+                                       endpoint=lambda _sid, _port: ("127.0.0.1", guest_port),
+                                       admission=gate, restore_seconds=self._restore_seconds)
         await self.fake.start()
-        metrics = Metrics()
         self.lifecycle = Lifecycle(self.fake, self.config, metrics, self.data_dir, creds.envd_token,
                                    creds.traffic_token)
         await self.lifecycle.start()

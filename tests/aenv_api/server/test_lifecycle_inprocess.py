@@ -210,8 +210,14 @@ def test_sandbox_layer_errors_as_http(fake_api: InProcessServer) -> None:
         assert (status, body) == (429, {"code": 429, "message": "this node holds its maximum of 1 sandboxes",
                                         "error_code": "sandbox_capacity_unavailable"})
         assert headers["Should-Retry"] == "false"                # the SDK must not retry it
+        assert headers["Retry-After"] == "5"
         status, headers, body = api.request("POST", f"/sandboxes/{sid}/fork", {"count": 2})
-        assert status == 429 and "2 forks would exceed" in body["message"]
+        assert status == 429 and "holds its maximum of 1 sandboxes" in body["message"]
+        fake.max_sandboxes = 2      # room for one of two children: the other fails alone, 429
+        status, _, body = api.request("POST", f"/sandboxes/{sid}/fork", {"count": 2})
+        assert status == 201 and "sandbox" in body[0]
+        assert body[1] == {"error": {"code": 429, "message": "this node holds its maximum of 2 sandboxes"}}
+        api.request("DELETE", f"/sandboxes/{body[0]['sandbox']['sandboxID']}")
     finally:
         fake.max_sandboxes = full
     original = fake.snapshot
@@ -260,7 +266,7 @@ def test_fork_results_per_child(fake_api: InProcessServer) -> None:
     kids = Sandbox.fork(sid, count=2)
     assert isinstance(kids[1], SandboxException) and "child 1 did not restore" in str(kids[1])
     assert not isinstance(kids[0], Exception) and kids[0].get_info().metadata["forked_from"] == sid
-    status, _, body = api.request("POST", f"/sandboxes/{sid}/fork", {"count": 17})
+    status, _, body = api.request("POST", f"/sandboxes/{sid}/fork", {"count": 101})
     assert status == 400 and body["code"] == 400
 
 

@@ -254,7 +254,7 @@ def test_snapshot_create_from_it_list_and_delete(sdk_env: Server, pair) -> None:
 def test_fork(sdk_env: Server, pair) -> None:  # type: ignore[no-untyped-def]
     a, _ = pair
     a.files.write("/home/user/fork.txt", "from the parent")
-    children = a.fork(count=16)    # the most a node forks at once ([server] max_forks)
+    children = a.fork(count=16)
     try:
         assert len(children) == 16 and all(not isinstance(c, Exception) for c in children), children
         ids = {c.sandbox_id for c in children}

@@ -365,8 +365,8 @@ def test_fork(svc: Impl) -> None:
             assert k.access_token == mint(k.sandbox_id)
             assert (await s.get(k.sandbox_id)).state == SandboxState.RUNNING
         assert (await s.get(a.sandbox_id)).state == SandboxState.RUNNING
-        for bad in (0, 17):
-            await _refused(s.fork(a.sandbox_id, bad), BadRequest, "fork count must be 1..16")
+        for bad in (0, 101):
+            await _refused(s.fork(a.sandbox_id, bad), BadRequest, "fork count must be 1..100")
         await _refused(s.fork(a.sandbox_id, 1, timeout=-1), BadRequest, "timeout must be >= 0")
         await s.kill(kids[1].sandbox_id)
         unsecured = await s.fork(kids[0].sandbox_id, 1, timeout=42)
@@ -414,10 +414,16 @@ def test_capacity(svc: Impl) -> None:
     async def case() -> None:
         s = svc.service
         held = [await _create(svc, timeout=600) for _ in range(MAX_SANDBOXES - 1)]
-        await _refused(s.fork(held[0].sandbox_id, 2), CapacityError, f"2 forks would exceed this node's {MAX_SANDBOXES}")
+        # room for one child: it starts, the other fails alone, after it
+        kids = await s.fork(held[0].sandbox_id, 2)
+        assert isinstance(kids[0], SandboxInfo) and isinstance(kids[1], CapacityError)
+        assert f"holds its maximum of {MAX_SANDBOXES} sandboxes" in str(kids[1])
+        await s.kill(kids[0].sandbox_id)
         await s.pause(held[1].sandbox_id)          # a paused sandbox still counts
         third = await _create(svc)
         await _refused(_create(svc), CapacityError, f"holds its maximum of {MAX_SANDBOXES} sandboxes")
+        # no room at all: the whole fork is refused
+        await _refused(s.fork(held[0].sandbox_id, 2), CapacityError, f"holds its maximum of {MAX_SANDBOXES}")
         await s.kill(third.sandbox_id)
         await _create(svc)
     svc.run(case())

@@ -1,0 +1,168 @@
+"""Admission of restores: at most ``slots`` run at once, the rest wait in arrival order.
+
+Why: a restore (a create that found no pooled clone, a pool refill, a resume, an
+adoption, each fork child) is CPU-bound from its QEMU's start until its envd answers
+(under TCG every page of guest code is translated again). N restores started at once
+share the CPUs, so each takes about N times as long and no sandbox is usable until
+nearly all are. Run ``slots`` at a time instead: the first sandbox answers after one
+restore's time, the rest follow in arrival order, and the whole burst takes no longer.
+
+* Foreground restores (a client waits for them) are served before background ones
+  (pool refills), which are never refused: they only wait.
+* A foreground restore is refused at once, with ``AdmissionRefused`` (a
+  ``CapacityError`` carrying ``retry_after``), when ``max_queue`` foreground restores
+  already wait, or when its estimated wait exceeds ``max_wait``. The estimate is the
+  number of waves ahead of it (restores waiting, and itself, over ``slots``) times the
+  recent restore time, an exponentially weighted mean of the restores that ran.
+  ``retry_after`` is when that estimate would fall back within the bound.
+* A waiter that is cancelled (its client went away) leaves the queue; a slot granted
+  to it in the same moment is handed on.
+
+The gate holds no lock across awaits and keeps no per-restore state beyond the
+queue's futures: everything is on the node's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from ..errors import AdmissionRefused
+
+# Until restores have run, one is assumed to take this long (a TCG restore here: ~1-2 s).
+INITIAL_RESTORE_SECONDS = 2.0
+# Weight of the newest restore in the mean restore time.
+EWMA_WEIGHT = 0.2
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    slots: int                  # restores running at once
+    max_queue: int = 256        # foreground restores waiting; the next one is refused
+    max_wait: float = 30.0      # seconds a new foreground restore may expect to wait
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"admission slots must be at least 1, not {self.slots}")
+        if self.max_queue < 0:
+            raise ValueError(f"admission max_queue must be at least 0, not {self.max_queue}")
+        if not self.max_wait > 0:
+            raise ValueError(f"admission max_wait must be above 0, not {self.max_wait}")
+
+
+def auto_slots() -> int:
+    """Restores at once by default: one per CPU this process may run on (a restore keeps
+    about one CPU busy until its envd answers)."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass(frozen=True)
+class AdmissionStats:
+    slots: int
+    in_flight: int                  # restores holding a slot
+    queued: int                     # foreground restores waiting
+    queued_background: int          # pool refills waiting
+    restore_seconds: float          # the mean restore time the estimate uses
+
+
+class AdmissionObserver(Protocol):
+    """Told of each admission's wait and each refusal (the node's metrics)."""
+
+    def waited(self, seconds: float, background: bool) -> None: ...
+
+    def refused(self, reason: str) -> None: ...
+
+
+class Admission:
+    """The node-wide gate every restore passes (see the module doc)."""
+
+    def __init__(self, limits: AdmissionLimits, observer: AdmissionObserver | None = None,
+                 initial_restore_seconds: float = INITIAL_RESTORE_SECONDS) -> None:
+        self.limits = limits
+        self.observer = observer
+        self._mean = initial_restore_seconds
+        self._in_flight = 0
+        self._foreground: deque[asyncio.Future[None]] = deque()
+        self._background: deque[asyncio.Future[None]] = deque()
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(self.limits.slots, self._in_flight, len(self._foreground),
+                              len(self._background), self._mean)
+
+    def estimated_wait(self) -> float:
+        """Seconds a foreground restore arriving now would wait for its slot."""
+        if self._in_flight < self.limits.slots and not self._foreground:
+            return 0.0
+        return math.ceil((len(self._foreground) + 1) / self.limits.slots) * self._mean
+
+    def _check(self) -> None:
+        lim = self.limits
+        waiting = len(self._foreground)
+        if waiting >= lim.max_queue:
+            # when enough of the queue has drained for one more to fit
+            behind = waiting - lim.max_queue + 1
+            self._refuse("queue", f"{waiting} restores are already waiting on this node",
+                         behind / lim.slots * self._mean)
+        wait = self.estimated_wait()
+        if wait > lim.max_wait:
+            self._refuse("wait", f"a restore would wait about {wait:.1f} s on this node "
+                                 f"(more than {lim.max_wait:g} s)", wait - lim.max_wait)
+
+    def _refuse(self, reason: str, why: str, retry_after: float) -> None:
+        if self.observer is not None:
+            self.observer.refused(reason)
+        seconds = max(1, math.ceil(retry_after))
+        raise AdmissionRefused(f"{why}: retry after {seconds} s", reason=reason, retry_after=seconds)
+
+    async def _acquire(self, background: bool) -> None:
+        free = self._in_flight < self.limits.slots
+        if free and not self._foreground and (not background or not self._background):
+            self._in_flight += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._background if background else self._foreground
+        queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release(None)     # granted as it was cancelled: hand the slot on
+            else:
+                with contextlib.suppress(ValueError):
+                    queue.remove(fut)
+            raise
+
+    def _release(self, seconds: float | None) -> None:
+        self._in_flight -= 1
+        if seconds is not None:
+            self._mean += EWMA_WEIGHT * (seconds - self._mean)
+        while self._in_flight < self.limits.slots:
+            queue = self._foreground or self._background
+            if not queue:
+                return
+            fut = queue.popleft()
+            if fut.done():      # cancelled while waiting
+                continue
+            self._in_flight += 1
+            fut.set_result(None)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, *, background: bool = False) -> AsyncIterator[None]:
+        """Hold one of the node's restore slots for the body: wait for it in arrival
+        order, or (foreground only) be refused at once with ``AdmissionRefused``."""
+        if not background:
+            self._check()
+        t0 = time.monotonic()
+        await self._acquire(background)
+        t1 = time.monotonic()
+        if self.observer is not None:
+            self.observer.waited(t1 - t0, background)
+        try:
+            yield
+        finally:
+            self._release(time.monotonic() - t1)
