@@ -175,6 +175,8 @@ class Node:
             report(f"listening on {url} (template {server_cfg.default_template!r} = {tpl.id}, "
                    f"pool {vm.pool_size}, API key {creds.api_key_source}, data dir {config.data_dir})")
             report(f"network: {manager.rt.networks.describe()}")
+            lim = admission.limits
+            report(f"restores: {lim.slots} at once ([vm] restore_slots), then up to {lim.restore_queue_text()}")
             if server.tls_port is not None:
                 report(f"TLS on port {server.tls_port}: https://<port>-<sandbox id>."
                        f"{server_cfg.domain or '<domain>'}" + ("" if server.tls_port == 443 else f":{server.tls_port}"))

@@ -37,6 +37,12 @@ def adopt_path(sandbox_id: str, force: bool = False) -> str:
 def release_path(sandbox_id: str) -> str:
     return RELEASE_ROUTE.format(sandboxID=urllib.parse.quote(sandbox_id, safe=""))
 
+# Retry-After (seconds) of a full node's 429, and of the gateway's when every node is full
+# (``Should-Retry: false``): room comes when somebody kills a sandbox, which nothing can
+# foresee; a harness that polls this often is cheap to answer. A node whose restore queue
+# is long says instead when a restore would fit (``Should-Retry: true``).
+FULL_RETRY_AFTER = 5
+
 
 class ClusterCode(enum.StrEnum):
     """What a node's (or the gateway's) refusal means, in E2B's ``error_code`` field.

@@ -48,7 +48,7 @@ from aenv_vm.volumes.registry import VolumeNotFound
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
 from aenv_vm.states import PAUSED_PHASES, Op, Outcome, Phase, Verdict, phase_of, transition
 
-from aenv_wire.cluster import ClusterCode
+from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode
 from aenv_wire.errors import GUEST_UNRESPONSIVE
 from aenv_wire.listing import FALLBACK_ENVD_VERSION, parse_metadata_filter, started_at_or_after
 
@@ -67,9 +67,6 @@ from .views import SandboxView, page
 log = logging.getLogger(__name__)
 
 VISIBLE_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
-# Retry-After of a full node's 429 (max_sandboxes): room comes when somebody kills a
-# sandbox, which nothing here can foresee; a harness polling this often is cheap to answer.
-FULL_RETRY_AFTER = 5
 # E2B's proxy answer, word for word (its SDKs' tests compare it); the id is in sandboxId
 SANDBOX_NOT_FOUND = "The sandbox was not found"
 

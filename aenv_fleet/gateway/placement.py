@@ -24,9 +24,9 @@ from typing import Any
 
 from aiohttp import web
 
-from aenv_wire.cluster import ClusterCode, adopt_path, answer_code, release_path
+from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode, adopt_path, answer_code, release_path
 from aenv_wire.errors import error_body
-from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER
+from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER
 
 from ..coord import Binding, CoordError
 from .errors import GatewayError, SandboxLost
@@ -43,9 +43,29 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 COMMIT_WAIT = 120.0         # how long a fork snapshot's or a pause's background commit is waited for
 
 
-def _err(status: int, message: str, **extra: Any) -> web.Response:
+def _err(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
     return web.Response(status=status, text=json.dumps(error_body(status, message, **extra)),
-                        content_type="application/json")
+                        content_type="application/json", headers=headers)
+
+
+def _retry_after(a: Answer) -> int | None:
+    """A node's 429 that asks to be retried (its restore queue was long): after how long."""
+    headers = {k.lower(): v for k, v in a.headers.items()}
+    if headers.get(SHOULD_RETRY_HEADER.lower(), "").strip().lower() != "true":
+        return None
+    value = headers.get(RETRY_AFTER_HEADER.lower(), "").strip()
+    return int(value) if value.isdecimal() and len(value) < 6 else None
+
+
+def no_room(message: str, queued_retry_after: int | None) -> web.Response:
+    """The gateway's 429 when no node took a sandbox: retried by the SDK after the soonest
+    ``Retry-After`` of a node whose queue was long; not retried when every node was full
+    (room comes only when somebody kills a sandbox), with a hint for harnesses that poll."""
+    if queued_retry_after is not None:
+        headers = {SHOULD_RETRY_HEADER: "true", RETRY_AFTER_HEADER: str(queued_retry_after)}
+    else:
+        headers = {SHOULD_RETRY_HEADER: "false", RETRY_AFTER_HEADER: str(FULL_RETRY_AFTER)}
+    return _err(429, message, headers, error_code=ClusterCode.FULL.value)
 
 
 def _relay(a: Answer, node_id: str) -> web.Response:
@@ -75,6 +95,7 @@ class Moves:
         """Reserve a node, call it, release the reservation; next node on 429 or when
         it cannot be reached."""
         tried = list(exclude)
+        soonest: int | None = None      # the soonest Retry-After of a node whose restore queue was long
         for _ in range(PLACE_ATTEMPTS):
             got = await self.fleet.coord.place(template, 0, tuple(tried))
             if got is None:
@@ -89,11 +110,14 @@ class Moves:
                 await self.fleet.coord.unreserve(node, rid)
             if answer_code(a.body) is ClusterCode.FULL:
                 tried.append(node)
+                after = _retry_after(a)
+                if after is not None:
+                    soonest = after if soonest is None else min(soonest, after)
                 continue
             return node, a
         up = len(self.fleet.alive())
-        return _err(429, f"no node has room for a sandbox ({up} node(s) up; full, drained, or tried: "
-                         f"{', '.join(tried) or 'none'})", error_code=ClusterCode.FULL.value, retry=False)
+        return no_room(f"no node has room for a sandbox ({up} node(s) up; full, busy, drained, or tried: "
+                       f"{', '.join(tried) or 'none'})", soonest)
 
     async def create(self, request: web.Request, body: bytes) -> web.Response:
         req = _json(body)

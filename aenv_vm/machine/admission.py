@@ -54,6 +54,10 @@ class AdmissionLimits:
         if not self.max_wait > 0:
             raise ValueError(f"admission max_wait must be above 0, not {self.max_wait}")
 
+    def restore_queue_text(self) -> str:
+        return (f"{self.max_queue} waiting in arrival order, each expecting at most {self.max_wait:g} s; "
+                f"beyond that 429 with Retry-After")
+
 
 def auto_slots() -> int:
     """Restores at once by default: one per CPU this process may run on (a restore keeps

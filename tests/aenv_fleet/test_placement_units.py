@@ -160,6 +160,33 @@ def test_no_room_anywhere_is_429_full() -> None:
     m, _ = moves(fleet, {("POST", "http://n1/v2/sandboxes"): [refusal(429, ClusterCode.FULL)]})
     got = run(m.place_and_call("base", "POST", "/v2/sandboxes", b"{}", {}))
     assert status(got) == 429 and body_of(got)["error_code"] == ClusterCode.FULL.value
+    assert isinstance(got, web.Response) and "retry" not in body_of(got)
+    # every node full: the SDK does not retry; a harness may after the hint
+    assert got.headers["Should-Retry"] == "false" and got.headers["Retry-After"] == "5"
+
+
+def test_busy_nodes_are_passed_over_and_the_soonest_retry_after_is_the_answer() -> None:
+    """A node whose restore queue is long answers 429 FULL with Should-Retry: true and
+    Retry-After: the next node is tried; when none takes it, the client is told to retry
+    after the soonest of those delays (a full node's hint does not count)."""
+    busy = lambda after: Answer(429, {"should-retry": "true", "Retry-After": after},  # noqa: E731
+                                refusal(429, ClusterCode.FULL).body)
+    full = Answer(429, {"Should-Retry": "false", "Retry-After": "5"}, refusal(429, ClusterCode.FULL).body)
+    fleet = Fleet(node("n1"), node("n2"), node("n3"))
+    m, nodes = moves(fleet, {("POST", "http://n1/v2/sandboxes"): [busy("7")],
+                             ("POST", "http://n2/v2/sandboxes"): [full],
+                             ("POST", "http://n3/v2/sandboxes"): [busy("3")]})
+    got = run(m.place_and_call("base", "POST", "/v2/sandboxes", b"{}", {}))
+    assert [u for _, u in nodes.calls] == [f"http://n{i}/v2/sandboxes" for i in (1, 2, 3)]
+    assert isinstance(got, web.Response) and status(got) == 429
+    assert got.headers["Should-Retry"] == "true" and got.headers["Retry-After"] == "3"
+    assert body_of(got)["error_code"] == ClusterCode.FULL.value
+    # and a busy node next to one with room: the one with room takes it
+    fleet = Fleet(node("n1"), node("n2"))
+    m, _ = moves(fleet, {("POST", "http://n1/v2/sandboxes"): [busy("2")],
+                         ("POST", "http://n2/v2/sandboxes"): [Answer(201, {}, b"{}")]})
+    got = run(m.place_and_call("base", "POST", "/v2/sandboxes", b"{}", {}))
+    assert not isinstance(got, web.Response) and got[0] == "n2"
 
 
 # --- adopt --------------------------------------------------------------------------------------------
