@@ -1,13 +1,15 @@
-"""`aenv snapshot ls|rm`: snapshots known to a running `aenv server` (through its
+"""`aenv snapshot ls|rm|fork`: snapshots known to a running `aenv server` (through its
 E2B API; see apiclient.py for --url / --api-key). Snapshots are made with
-`aenv sandbox snapshot` and used as templates by `aenv sandbox create SNAPSHOT`."""
+`aenv sandbox snapshot` and used as templates by `aenv sandbox create SNAPSHOT`;
+`aenv snapshot fork SNAPSHOT -n N` starts N sandboxes from one at once (its sandbox
+may be gone), as `aenv sandbox fork` does from a running sandbox."""
 from __future__ import annotations
 
 import argparse
 import urllib.parse
 
 from .apiclient import ApiClient, client_options, emit
-from .common import Subcommands
+from .common import CliError, Subcommands
 
 
 def register(subparsers: Subcommands) -> None:
@@ -20,6 +22,13 @@ def register(subparsers: Subcommands) -> None:
     rm = sub.add_parser("rm", parents=[client_options()], help="delete a snapshot")
     rm.add_argument("snapshot")
     rm.set_defaults(handler=cmd_rm)
+    f = sub.add_parser("fork", parents=[client_options()], help="start N sandboxes from a snapshot at once")
+    f.add_argument("snapshot", help="its id or name")
+    f.add_argument("--count", "-n", type=int, default=1)
+    f.add_argument("--timeout", type=int, default=None, help="the sandboxes' time to live in seconds")
+    f.add_argument("--metadata", "-m", action="append", default=[], metavar="KEY=VALUE",
+                   help="metadata of every new sandbox (repeatable)")
+    f.set_defaults(handler=cmd_fork)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -43,3 +52,22 @@ def cmd_rm(args: argparse.Namespace) -> int:
                                    expect=(204,))
     emit(args, {"snapshotID": args.snapshot, "deleted": True}, text=f"deleted {args.snapshot}")
     return 0
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    if args.count < 1:
+        raise CliError("--count must be >= 1")
+    body: dict = {"count": args.count}
+    if args.timeout is not None:
+        body["timeout"] = args.timeout
+    if args.metadata:
+        pairs = [m.partition("=") for m in args.metadata]
+        if any(not k or not sep for k, sep, _ in pairs):
+            raise CliError("--metadata takes KEY=VALUE")
+        body["metadata"] = {k: v for k, _, v in pairs}
+    results = ApiClient.from_args(args).call(
+        "POST", f"/snapshots/{urllib.parse.quote(args.snapshot, safe='')}/fork", body, expect=(201,))
+    rows = [{"sandboxID": r["sandbox"]["sandboxID"], "error": ""} if "sandbox" in r
+            else {"sandboxID": "", "error": r["error"]["message"]} for r in results]
+    emit(args, results, rows=rows, columns=["sandboxID", "error"])
+    return 0 if all("sandbox" in r for r in results) else 1

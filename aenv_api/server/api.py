@@ -157,6 +157,11 @@ class ControlPlane:
         count = call.body.get("count") or 1
         return json_response(await self.lc.fork(call.path["sandboxID"], count, call.body.get("timeout")), 201)
 
+    async def fork_snapshot(self, request: web.Request, call: Call) -> web.Response:
+        b = call.body
+        return json_response(await self.lc.fork_snapshot(call.path["snapshotID"], b.get("count") or 1,
+                                                         b.get("timeout"), b.get("metadata")), 201)
+
     async def adopt(self, request: web.Request, call: Call) -> web.Response:
         return json_response((await self.lc.adopt(call.path["sandboxID"], call.query[FORCE_PARAM] is True)).listed())
 
@@ -250,6 +255,11 @@ class ControlPlane:
                   (nc("paused"), gone, Reply(409, "already paused", "Error")), body=S.PAUSE, tags=sbx),
             Route("POST", "/sandboxes/{sandboxID}/snapshots", self.snapshot, "snapshot a running sandbox",
                   (Reply(201, "the snapshot", "SnapshotInfo"), gone), body=S.SNAPSHOT, tags=sbx),
+            Route("POST", "/snapshots/{snapshotID}/fork", self.fork_snapshot,
+                  "count new sandboxes from a named snapshot, whether or not its sandbox still exists",
+                  (Reply(201, "one result per sandbox", "SandboxForkResult[]"),
+                   Reply(404, "no such snapshot", "Error")), body=S.snapshot_fork_schema(mt, mf),
+                  tags=("snapshots",)),
             Route("GET", "/snapshots", self.list_snapshots, "list snapshots",
                   (Reply(200, "snapshots", "SnapshotInfo[]", ("X-Next-Token",)),), query=S.SNAPSHOT_LIST,
                   tags=("snapshots",)),

@@ -30,6 +30,7 @@ where E2B has one), so a node, the gateway and the fake answer alike.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -479,6 +480,35 @@ class Lifecycle:
             raise ApiError(400, f"{e}: it is not deleted through this API") from None
         except VmError as e:
             raise api_error(e, f"deleting snapshot {snapshot_id}") from None
+
+    async def fork_snapshot(self, snapshot_id: str, count: int, timeout: int | None,
+                            metadata: dict[str, str] | None) -> list[dict[str, Any]]:
+        """``count`` sandboxes from named snapshot ``snapshot_id`` (its id or a name), side by
+        side, each a create of its own (so each passes capacity and the restore gate, and
+        fails alone): E2B's RFC ``POST /snapshots/{snapshotID}/fork``. A snapshot outlives
+        the sandbox it was taken of, so the batch does not need it."""
+        try:
+            snaps = await self.service.list_snapshots()
+        except VmError as e:
+            raise api_error(e, "listing snapshots") from None
+        found = [s for s in snaps if snapshot_id == s.snapshot_id or snapshot_id in s.names]
+        if not found:
+            raise ApiError(404, f"snapshot {snapshot_id!r} not found (a paused sandbox's pause is not a "
+                                f"snapshot: take one with POST /sandboxes/{{sandboxID}}/snapshots)")
+        req = NewSandbox(template_id=found[0].snapshot_id, timeout=timeout, metadata=metadata, secure=True)
+        results = await asyncio.gather(*(self.create(req, v2=True) for _ in range(count)), return_exceptions=True)
+        out: list[dict[str, Any]] = []
+        for r in results:
+            if isinstance(r, SandboxView):
+                out.append({"sandbox": r.sandbox(self.config.domain)})
+            elif isinstance(r, ApiError):
+                out.append({"error": {"code": r.status, "message": r.message}})
+            elif isinstance(r, Exception):
+                log.error("a sandbox from snapshot %s failed: %r", snapshot_id, r)
+                out.append({"error": {"code": 500, "message": f"sandbox create failed: {r}"}})
+            else:
+                raise r
+        return out
 
     async def fork(self, sid: str, count: int, timeout: int | None) -> list[dict[str, Any]]:
         self._check(await self.get(sid), Op.FORK)      # 409 for a paused one

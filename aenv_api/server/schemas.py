@@ -362,6 +362,15 @@ def fork_schema(max_timeout: int, max_forks: int) -> Schema:
     ))
 
 
+def snapshot_fork_schema(max_timeout: int, max_forks: int) -> Schema:
+    """E2B's RFC (infra #3424): a batch of sandboxes from a named snapshot."""
+    return Schema("SnapshotForkRequest", (
+        timeout_field(max_timeout, description="time to live of the new sandboxes in seconds"),
+        Field("count", "integer", minimum=1, maximum=max_forks, description="number of sandboxes"),
+        Field("metadata", "strmap", description="metadata of every new sandbox"),
+    ))
+
+
 PAUSE = Schema("SandboxPauseRequest", (Field("memory", "boolean"), Field("requireHealthyGuest", "boolean",
                                                                           attr="require_healthy_guest")))
 SNAPSHOT = Schema("SandboxSnapshotRequest", (

@@ -59,6 +59,16 @@ def test_sandbox_lifecycle_through_the_cli(server: Server, tmp_path: Path) -> No
         snap = aenv(server, "sandbox", "snapshot", sid_text).stdout.decode().strip()
         listed = json.loads(aenv(server, "snapshot", "ls", "-o", "json").stdout)
         assert snap in [s["snapshotID"] for s in listed]
+        batch = json.loads(aenv(server, "snapshot", "fork", snap, "-n", "2", "-m", "rollout=7", "-o", "json").stdout)
+        kids = [r["sandbox"]["sandboxID"] for r in batch]
+        assert len(set(kids)) == 2
+        for kid in kids:     # the snapshot's files, the request's metadata
+            assert aenv(server, "sandbox", "exec", kid, "--", "wc -c < /home/user/in.bin").stdout == b"25600\n"
+            assert json.loads(aenv(server, "sandbox", "info", kid, "-o", "json").stdout)["metadata"] == \
+                {"rollout": "7"}
+            aenv(server, "sandbox", "kill", kid)
+        bad = aenv(server, "snapshot", "fork", snap, "-m", "novalue", ok=False)
+        assert bad.returncode != 0 and b"--metadata takes KEY=VALUE" in bad.stderr
         aenv(server, "snapshot", "rm", snap)
         assert snap not in [s["snapshotID"] for s in json.loads(aenv(server, "snapshot", "ls", "-o", "json").stdout)]
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -426,3 +427,44 @@ def test_shutdown_pauses_running_sandboxes(tmp_path: Path) -> None:
         assert (status, body["message"]) == (503, "the node is shutting down")
     finally:
         api.stop()
+
+
+def test_a_batch_from_a_named_snapshot_after_its_sandbox_is_gone(api: InProcessServer) -> None:
+    """E2B's RFC ``POST /snapshots/{snapshotID}/fork``: count sandboxes from a named
+    snapshot (by id or name), each with the request's timeout and metadata, each its own
+    result; the snapshot's sandbox may be gone; capacity fails the extra ones alone."""
+    sid = create(api, metadata={"role": "task"})["sandboxID"]
+    status, _, snap = api.request("POST", f"/sandboxes/{sid}/snapshots", {"name": "prepared-task"})
+    assert status == 201, snap
+    assert api.request("DELETE", f"/sandboxes/{sid}")[0] == 204
+    for ref in ("prepared-task", snap["snapshotID"]):
+        status, _, body = api.request("POST", f"/snapshots/{ref}/fork",
+                                      {"count": 3, "timeout": 120, "metadata": {"rollout": "a"}})
+        assert status == 201 and len(body) == 3, body
+        ids = {r["sandbox"]["sandboxID"] for r in body}
+        assert len(ids) == 3 and sid not in ids
+        for r in body:
+            s = r["sandbox"]
+            assert s["templateID"] == snap["snapshotID"] and s["envdAccessToken"]
+            shown = detail(api, s["sandboxID"])
+            assert shown["metadata"] == {"rollout": "a"} and shown["state"] == "running"
+            ttl = datetime.fromisoformat(shown["endAt"]) - datetime.fromisoformat(shown["startedAt"])
+            assert abs(ttl.total_seconds() - 120) < 5
+            assert api.request("DELETE", f"/sandboxes/{s['sandboxID']}")[0] == 204
+    status, _, body = api.request("POST", "/snapshots/no-such/fork", {"count": 1})
+    assert status == 404 and "snapshot 'no-such' not found" in body["message"]
+    for bad in ({"count": 0}, {"count": 101}, {"count": 1, "timeout": -1}, {"count": 1, "metadata": {"a": 1}}):
+        assert api.request("POST", "/snapshots/prepared-task/fork", bad)[0] == 400, bad
+    fake = api.fake
+    full, fake.max_sandboxes = fake.max_sandboxes, 2
+    try:
+        status, _, body = api.request("POST", "/snapshots/prepared-task/fork", {"count": 3})
+        assert status == 201
+        assert sum("sandbox" in r for r in body) == 2
+        assert [r["error"]["code"] for r in body if "error" in r] == [429]
+        for r in body:
+            if "sandbox" in r:
+                api.request("DELETE", f"/sandboxes/{r['sandbox']['sandboxID']}")
+    finally:
+        fake.max_sandboxes = full
+    api.request("DELETE", f"/templates/{snap['snapshotID']}")
