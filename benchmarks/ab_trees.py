@@ -1,7 +1,8 @@
 """One benchmark, two source trees, back to back in one run: before/after figures.
 
     .venv/bin/python benchmarks/ab_trees.py --before ../aenv-before --after . [--rounds 3]
-        [--metrics REGEX] [--guest-cache DIR] [--stdout-json] -- snapshot_bench.py --fork 16 ...
+        [--metrics REGEX] [--guest-cache DIR] [--stdout-json] [--keep DIR] -- snapshot_bench.py --fork 16 ...
+    .venv/bin/python benchmarks/ab_trees.py --report DIR [--metrics REGEX]    # the table of a kept run
 
 Each round runs ``benchmarks/<BENCH>`` of both trees, the order alternating (A B, B A,
 ...) so a drift of the machine over the run (page cache, ksmd, thermal) falls on both
@@ -13,7 +14,8 @@ each other's guest image.
 
 The benchmark writes its results as JSON (``--json FILE`` is appended, or with
 ``--stdout-json`` the last JSON object it prints is taken). Every numeric leaf of that
-JSON is a metric; a list of numbers counts as its median. The table shows, per metric,
+JSON is a metric; a list of numbers counts as its median, a list of objects (one per
+sample) as each field's median over the samples. The table shows, per metric,
 the median over rounds for each tree, the ratio after/before, and the spread of the
 before rounds (min..max), which is the noise an "after" figure is judged against.
 """
@@ -39,7 +41,9 @@ class Tree:
 
 
 def flatten(obj: object, prefix: str = "") -> dict[str, float]:
-    """Numeric leaves of a JSON value by dotted path; a list of numbers is its median."""
+    """Numeric leaves of a JSON value by dotted path. A list of numbers is its median; a
+    list of objects (one per sample: a create, a resume) is each path's median over the
+    samples that have it (``path[*].field``)."""
     out: dict[str, float] = {}
     if isinstance(obj, bool):
         return out
@@ -52,6 +56,12 @@ def flatten(obj: object, prefix: str = "") -> dict[str, float]:
         nums = [x for x in obj if isinstance(x, (int, float)) and not isinstance(x, bool)]
         if nums and len(nums) == len(obj):
             out[prefix] = float(statistics.median(nums))
+        elif obj and all(isinstance(x, dict) for x in obj):
+            samples: dict[str, list[float]] = {}
+            for x in obj:
+                for k, v in flatten(x, f"{prefix}[*]").items():
+                    samples.setdefault(k, []).append(v)
+            out.update({k: float(statistics.median(v)) for k, v in samples.items()})
         else:
             for i, v in enumerate(obj):
                 out.update(flatten(v, f"{prefix}[{i}]"))
@@ -112,11 +122,32 @@ def table(a: Tree, b: Tree, pattern: re.Pattern[str]) -> str:
     return "\n".join(lines)
 
 
+def report(kept: Path, labels: list[str], pattern: re.Pattern[str]) -> int:
+    """The table of a kept run: ``<label>-<round>.json``, else the last JSON object of
+    ``<label>-<round>.out`` (a benchmark that printed its JSON)."""
+    trees = [Tree(label, kept) for label in labels]
+    for tree in trees:
+        n = 0
+        while True:
+            js, out = kept / f"{tree.label}-{n}.json", kept / f"{tree.label}-{n}.out"
+            if js.is_file():
+                tree.rounds.append(flatten(json.loads(js.read_text())))
+            elif out.is_file():
+                tree.rounds.append(flatten(last_json_object(out.read_text())))
+            else:
+                break
+            n += 1
+        if not tree.rounds:
+            raise SystemExit(f"no rounds of {tree.label!r} kept in {kept}")
+    print(table(trees[0], trees[1], pattern))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", type=Path, required=True, help="the tree measured first in round 0")
-    ap.add_argument("--after", type=Path, required=True)
+    ap.add_argument("--before", type=Path, help="the tree measured first in round 0")
+    ap.add_argument("--after", type=Path)
     ap.add_argument("--labels", nargs=2, default=["before", "after"], metavar=("A", "B"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--metrics", default="", help="only metrics whose path matches this regex")
@@ -125,17 +156,23 @@ def main() -> int:
     ap.add_argument("--stdout-json", action="store_true",
                     help="the benchmark prints its JSON (template_bench.py --json) instead of writing --json FILE")
     ap.add_argument("--keep", type=Path, default=None, help="keep every round's JSON and output here")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="no runs: the table of the rounds kept in this directory (--keep of an earlier run)")
     ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- BENCH.py [its arguments]")
     args = ap.parse_args()
-    bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
-    if not bench:
-        ap.error("name the benchmark after --, e.g. -- snapshot_bench.py --fork 16")
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
     try:
         pattern = re.compile(args.metrics)
     except re.error as e:
         ap.error(f"--metrics: {e}")
+    if args.report is not None:
+        return report(args.report, args.labels, pattern)
+    bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    if args.before is None or args.after is None:
+        ap.error("name both trees: --before DIR --after DIR (or --report DIR)")
+    if not bench:
+        ap.error("name the benchmark after --, e.g. -- snapshot_bench.py --fork 16")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     a = Tree(args.labels[0], args.before.resolve())
     b = Tree(args.labels[1], args.after.resolve())
     work = args.keep or Path(tempfile.mkdtemp(prefix="aenv-ab-"))

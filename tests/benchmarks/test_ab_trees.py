@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, strategies as st
 
 from tests.support import REPO
 
@@ -92,6 +92,14 @@ def test_flatten_keeps_every_number_once(value: object) -> None:
                 return 1
             return sum(numbers(x) for x in v)
         return 0
+
+    def has_samples(v: object) -> bool:     # a list of objects: merged by path (the test below)
+        if isinstance(v, dict):
+            return any(has_samples(x) for x in v.values())
+        if isinstance(v, list):
+            return (bool(v) and all(isinstance(x, dict) for x in v)) or any(has_samples(x) for x in v)
+        return False
+    assume(not has_samples(value))
     assert len(flat) == numbers(value)
     assert all(isinstance(x, float) for x in flat.values())
 
@@ -100,3 +108,18 @@ def test_flatten_keeps_every_number_once(value: object) -> None:
 def test_last_json_object_is_found_after_any_output(value: object, noise: str) -> None:
     text = noise + "\n" + json.dumps({"first": 1}) + "\nprogress...\n" + json.dumps(value, indent=2) + "\n"
     assert ab_trees.last_json_object(text) == value
+
+
+def test_a_list_of_samples_is_each_fields_median() -> None:
+    flat = ab_trees.flatten({"creates": [{"total": 1.0, "x": {"y": 5}}, {"total": 3.0}, {"total": 2.0, "x": {"y": 7}}]})
+    assert flat == {"creates[*].total": 2.0, "creates[*].x.y": 6.0}
+
+
+def test_report_reads_a_kept_run(tmp_path: Path) -> None:
+    (tmp_path / "before-0.json").write_text(json.dumps({"t": 1.0}))
+    (tmp_path / "before-1.json").write_text(json.dumps({"t": 3.0}))
+    (tmp_path / "after-0.out").write_text("log line\n" + json.dumps({"t": 4.0}))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ab_trees.py"), "--report", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "| t | 2 | 4 | 2.00 | 1..3 |" in proc.stdout
