@@ -20,7 +20,7 @@ config but ``max_sandboxes`` 200), the way an RL harness drives it:
 
 ``--configs``: ``gated`` is the node's default restore gate ([vm] restore_slots = one
 per CPU); ``ungated`` sets restore_slots to 1024 (every restore at once, as before the
-gate). The peer: Debian's Docker engine (``docker.io``; its own ``dockerd`` with its own
+gate); ``slots=N`` sets N. The peer: Debian's Docker engine (``docker.io``; its own ``dockerd`` with its own
 data root, no bridge, no iptables), with an image of the guest's own root filesystem:
 ``docker run -d`` + ``docker exec true`` bursts, ``docker commit`` + N ``docker run`` as
 its fork, idle memory per container (``sleep infinity``).
@@ -338,7 +338,8 @@ def main() -> int:
     ap.add_argument("--forks", type=int, nargs="*", default=[16, 20])
     ap.add_argument("--idle", type=int, default=32)
     ap.add_argument("--sequential", type=int, default=10)
-    ap.add_argument("--configs", nargs="+", choices=("gated", "ungated"), default=["gated", "ungated"])
+    ap.add_argument("--configs", nargs="+", default=["gated", "ungated"],
+                    help="gated (the default restore gate), ungated (restore_slots 1024), or slots=N")
     ap.add_argument("--peer", choices=("docker", "none"), default="docker")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -349,7 +350,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="aenv-rl-") as tmp:
         work = Path(tmp)
         for config in args.configs:
-            with aenv_server(work / config, None if config == "gated" else 1024) as srv:
+            if config not in ("gated", "ungated") and not re.fullmatch(r"slots=[1-9][0-9]*", config):
+                ap.error(f"--configs: {config!r} is none of gated, ungated, slots=N")
+            slots = None if config == "gated" else 1024 if config == "ungated" else int(config[6:])
+            with aenv_server(work / config, slots) as srv:
                 asyncio.run(run_parts(f"aenv {config}", parts_of(
                     args, functools.partial(aenv_burst, srv.url), aenv_fork, aenv_idle, aenv_sequential), results))
         if args.peer == "docker":
