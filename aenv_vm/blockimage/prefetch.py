@@ -1,8 +1,8 @@
 """Read-ahead for block images: after two reads in a row that continue where
 the previous one ended, the chunks of the next ``window`` bytes are fetched in
 the background (into the image's chunk memory and the node cache), so a
-sequential reader finds them local. Every disk a node's machine opens has one
-(aenv_vm/machine/bringup.py, ``[vm] readahead_mib``).
+sequential reader finds them local. Every sandbox disk a node opens has one
+(aenv_vm/machine/bringup.py, ``[vm] readahead_mib``; a build VM's has none).
 
 Trace prefetch (record the chunks a restored sandbox reads first, replay the
 list on the next restore) was measured and removed: docs/block-image.md says why.

@@ -5,9 +5,10 @@ In this order, for every mode of ``MachinePlan`` (plan.py):
 1. the machine's dirs made afresh (its work dir, its QEMU's run dir);
 2. **disk**: ``BlockImage.open`` over the store (in a worker thread: 20-50 ms of the
    event loop otherwise, 16 at once in a fork), with the host's ``min_free_disk``.
-   Every disk gets the read-ahead ``Prefetcher`` when the host's ``readahead`` is
-   above 0 (a node's ``[vm] readahead_mib``: sandboxes, cold boots and build VMs
-   alike; the base template's standalone host has none);
+   A sandbox's disk gets the read-ahead ``Prefetcher`` when the host's ``readahead``
+   is above 0 (a node's ``[vm] readahead_mib``: restores and cold boots; not a build
+   VM, whose layer is local, ``MachinePlan.readahead``; the base template's standalone
+   host has none);
 3. the disk's **NBD export**, listening on a socket of the machine's own in its run
    dir, owned by its jail's uid;
 4. the **jail** (the host's confinement; its uid is the machine's until teardown);
@@ -134,7 +135,7 @@ async def _bring_up(host: Host, plan: MachinePlan, standby: Standby | None) -> t
                 BlockImage.open, host.store, disk.top, name, upper_dir=plan.work / UPPER,
                 size=None if disk.size_mib is None else disk.size_mib << 20, fresh_upper=disk.fresh_upper,
                 min_free_disk=host.min_free_disk)
-            if host.readahead > 0:   # sequential guest reads of a cold disk find the next chunks fetched
+            if host.readahead > 0 and plan.readahead:   # sequential reads of a cold disk find the next chunks fetched
                 Prefetcher(image, window=host.readahead)
             host.nbd.add_export(image)
             jail = host.confinement.jail(name)

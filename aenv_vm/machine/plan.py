@@ -115,6 +115,10 @@ class MachinePlan:
     user_mode: bool = False         # QEMU's user-mode network even on a tap node
     background: bool = False        # QEMU at a low CPU priority (pool refills, until handed out)
     keep_work: bool = False         # ``work`` is the caller's: teardown removes only the machine's files in it
+    # the host's read-ahead on its disk: a sandbox's (restored or cold-booted) disk may be
+    # cold on this node; a build VM's layer was just written here, and read-ahead only
+    # costs it CPU (its builds ran ~7 % slower with it, benchmarks/ab_trees.py)
+    readahead: bool = True
 
     @classmethod
     def restore(cls, name: str, work: Path, shape: Shape, memory: Path, state: Restore, disk: Disk,
@@ -131,7 +135,8 @@ class MachinePlan:
     def build(cls, name: str, work: Path, layer: Digest, *, disk_mib: int, memory_mib: int, vcpus: int,
               accel: Accel, greeting: Greeting, failure: str, keep_work: bool = False) -> "MachinePlan":
         return cls(name, work, Shape(memory_mib, vcpus, accel, boot_cmdline(accel)), None,
-                   Disk(layer, size_mib=disk_mib), Boot(failure), greeting, user_mode=True, keep_work=keep_work)
+                   Disk(layer, size_mib=disk_mib), Boot(failure), greeting, user_mode=True, keep_work=keep_work,
+                   readahead=False)
 
     @property
     def memory_file(self) -> Path:

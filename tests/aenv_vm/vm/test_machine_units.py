@@ -71,6 +71,7 @@ def test_a_restore_waits_for_its_state_over_the_templates_memory(tmp_path: Path)
     h = host(tmp_path)
     plan = MachinePlan.restore("sbx-1", tmp_path / "sandboxes" / "sbx-1", SHAPE, tmp_path / "tpl" / "memory",
                                Restore(tmp_path / "tpl" / "device-state"), Disk(LAYER), greeting())
+    assert plan.readahead           # a sandbox's disk may be cold on this node
     spec = machine_spec(h, plan, Attachment(host_port=4000, restrict=True), None)
     assert spec.incoming_defer and not spec.mem_share and spec.mem_path == tmp_path / "tpl" / "memory"
     assert spec.merge_memory and spec.fixed_layout and spec.tcg_tb_mib == 64     # a clone: the node's KSM
@@ -85,6 +86,7 @@ def test_a_cold_boot_boots_the_clones_machine(tmp_path: Path) -> None:
     h = host(tmp_path)
     plan = MachinePlan.cold_boot("sbx-1", tmp_path / "sbx-1", SHAPE, tmp_path / "memory", Disk(LAYER, True),
                                  greeting(), "sandbox sbx-1 did not boot from its disk")
+    assert plan.readahead
     net = SandboxNet("aenv-ab-1", 1, "veth", "10.0.0.1", "10.0.0.2", tap=True)
     spec = machine_spec(h, plan, Attachment(host_port=None, netns=net.name, tap=True, net=net), None)
     assert not spec.incoming_defer and not spec.mem_share and spec.merge_memory
@@ -98,6 +100,7 @@ def test_a_build_vm_boots_with_ram_of_its_own(tmp_path: Path) -> None:
     plan = MachinePlan.build("build-1", tmp_path / "builds" / "build-1", LAYER, disk_mib=4096, memory_mib=1024,
                              vcpus=2, accel="tcg", greeting=greeting(), failure="the build VM did not boot")
     assert plan.user_mode and plan.disk == Disk(LAYER, size_mib=4096) and not plan.clone
+    assert not plan.readahead       # its layer is local: read-ahead only cost builds time
     spec = machine_spec(h, plan, Attachment(host_port=5000), None)
     assert spec.mem_share and spec.mem_path == tmp_path / "builds" / "build-1" / "memory"
     assert not spec.merge_memory and not spec.fixed_layout and not spec.incoming_defer
