@@ -13,7 +13,8 @@ restore's time, the rest follow in arrival order, and the whole burst takes no l
   ``CapacityError`` carrying ``retry_after``), when ``max_queue`` foreground restores
   already wait, or when its estimated wait exceeds ``max_wait``. The estimate is the
   number of waves ahead of it (restores waiting, and itself, over ``slots``) times the
-  recent restore time, an exponentially weighted mean of the restores that ran.
+  recent restore time, an exponentially weighted mean of the restores that ran (until
+  one has, a guess).
   ``retry_after`` is when that estimate would fall back within the bound.
 * A waiter that is cancelled (its client went away) leaves the queue; a slot granted
   to it in the same moment is handed on.
@@ -90,6 +91,7 @@ class Admission:
         self.limits = limits
         self.observer = observer
         self._mean = initial_restore_seconds
+        self._measured = False
         self._in_flight = 0
         self._foreground: deque[asyncio.Future[None]] = deque()
         self._background: deque[asyncio.Future[None]] = deque()
@@ -143,8 +145,9 @@ class Admission:
 
     def _release(self, seconds: float | None) -> None:
         self._in_flight -= 1
-        if seconds is not None:
-            self._mean += EWMA_WEIGHT * (seconds - self._mean)
+        if seconds is not None:     # the first restore replaces the guess; later ones move the mean
+            self._mean = seconds if not self._measured else self._mean + EWMA_WEIGHT * (seconds - self._mean)
+            self._measured = True
         while self._in_flight < self.limits.slots:
             queue = self._foreground or self._background
             if not queue:
