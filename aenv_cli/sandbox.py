@@ -189,6 +189,11 @@ def cmd_fork(args: argparse.Namespace) -> int:
     if args.timeout is not None:
         body["timeout"] = args.timeout
     results = ApiClient.from_args(args).call("POST", f"/sandboxes/{_sid(args.sandbox)}/fork", body, expect=(201,))
+    return emit_fork_results(args, results)
+
+
+def emit_fork_results(args: argparse.Namespace, results: list[dict]) -> int:
+    """A fork's answer (E2B's SandboxForkResult list) as rows; exit status 1 if any failed."""
     rows = [{"sandboxID": r["sandbox"]["sandboxID"], "error": ""} if "sandbox" in r
             else {"sandboxID": "", "error": r["error"]["message"]} for r in results]
     emit(args, results, rows=rows, columns=["sandboxID", "error"])

@@ -10,6 +10,7 @@ import urllib.parse
 
 from .apiclient import ApiClient, client_options, emit
 from .common import CliError, Subcommands
+from .sandbox import emit_fork_results
 
 
 def register(subparsers: Subcommands) -> None:
@@ -67,7 +68,4 @@ def cmd_fork(args: argparse.Namespace) -> int:
         body["metadata"] = {k: v for k, _, v in pairs}
     results = ApiClient.from_args(args).call(
         "POST", f"/snapshots/{urllib.parse.quote(args.snapshot, safe='')}/fork", body, expect=(201,))
-    rows = [{"sandboxID": r["sandbox"]["sandboxID"], "error": ""} if "sandbox" in r
-            else {"sandboxID": "", "error": r["error"]["message"]} for r in results]
-    emit(args, results, rows=rows, columns=["sandboxID", "error"])
-    return 0 if all("sandbox" in r for r in results) else 1
+    return emit_fork_results(args, results)

@@ -164,17 +164,10 @@ def aenv_server(work: Path, slots: int | None) -> Iterator[Any]:
     if slots is not None:
         env["AENV_VM__RESTORE_SLOTS"] = str(slots)
     srv = start_server(work / "node", work / "logs", env=env)
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
-    os.environ.update({"E2B_API_URL": srv.url, "E2B_SANDBOX_URL": srv.url, "E2B_API_KEY": srv.api_key})
-    os.environ.pop("E2B_DOMAIN", None)
     try:
-        yield srv
+        with temp_env(**srv.sdk_env()):     # the SDK finds the node as a user's would: env vars only
+            yield srv
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         srv.stop()
 
 
