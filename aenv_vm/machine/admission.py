@@ -106,8 +106,12 @@ class Admission:
             return 0.0
         return math.ceil((len(self._foreground) + 1) / self.limits.slots) * self._mean
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Refuse now (``AdmissionRefused``) what ``slot`` would refuse for a foreground
+        restore arriving now: for callers with work to do before their restore."""
         lim = self.limits
+        if self._in_flight < lim.slots and not self._foreground:
+            return      # it runs at once
         waiting = len(self._foreground)
         if waiting >= lim.max_queue:
             # when enough of the queue has drained for one more to fit
@@ -163,7 +167,7 @@ class Admission:
         """Hold one of the node's restore slots for the body: wait for it in arrival
         order, or (foreground only) be refused at once with ``AdmissionRefused``."""
         if not background:
-            self._check()
+            self.check()
         t0 = time.monotonic()
         await self._acquire(background)
         t1 = time.monotonic()

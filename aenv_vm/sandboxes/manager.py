@@ -548,6 +548,9 @@ class SandboxManager:
             if outcome.boot:
                 sbx, _ = await cold_boot(self.rt, self.paused, rec)
             else:
+                if self.rt.admission is not None:
+                    # refused before the resume marks the pause running or takes its standby
+                    self.rt.admission.check()
                 sbx, self.last_resume = await resume(self.rt, self.paused, rec)
             self._running[sid] = sbx
             rec = self.records_store.get(sid) or rec     # the resume may have committed a pending pause

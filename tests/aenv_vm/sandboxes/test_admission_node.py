@@ -71,12 +71,21 @@ def test_restores_pass_one_slot_in_arrival_order(env: Env, tmp_path: Path) -> No
             # the mean now is a real restore's time: the same create is admitted
             assert gate.stats().restore_seconds < 200
             assert await ash(a, "echo ok") == "ok"
-            # a resume and fork children pass the same gate, one at a time
+            # a resume refused while the node is busy: refused before it touched the pause,
+            # so the sandbox is paused as it was and resumes once there is room
             await mgr.pause(b.id)
-            await mgr.resume(b.id)
+            gate.limits = AdmissionLimits(1, max_queue=0, max_wait=1500)
+            async with gate.slot():
+                with pytest.raises(AdmissionRefused):
+                    await mgr.resume(b.id)
+            assert mgr.record(b.id).state.value == "paused"
+            gate.limits = AdmissionLimits(1, max_queue=100, max_wait=1500)
+            # a resume and fork children pass the same gate, one at a time
+            back = await mgr.resume(b.id)
+            assert await ash(back, "echo back") == "back"
             kids = await mgr.fork(a.id, 3)
             assert all(isinstance(k, Sandbox) for k in kids), kids
-            assert len(watch.waits) == 2 + 1 + 3
+            assert len(watch.waits) == 2 + 1 + 1 + 3      # creates, the test's own slot, resume, children
             assert watch.most == 1 and gate.stats().in_flight == 0
             sampler.cancel()
             for k in kids:

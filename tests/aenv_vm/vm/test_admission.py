@@ -224,3 +224,14 @@ def test_any_sequence_keeps_the_invariants(slots: int, steps: list[tuple[str, in
             granted = [i for i in order if arrivals[i] is bg]
             assert granted == sorted(granted)
     asyncio.run(case())
+
+
+def test_a_free_slot_admits_even_with_no_queue_allowed() -> None:
+    async def case() -> None:
+        gate = Admission(AdmissionLimits(1, max_queue=0, max_wait=0.001), initial_restore_seconds=50)
+        async with gate.slot():         # free: runs at once, whatever the bounds
+            with pytest.raises(AdmissionRefused) as e:     # busy, and nobody may wait
+                gate.check()
+            assert e.value.reason == "queue"
+        gate.check()
+    asyncio.run(case())
