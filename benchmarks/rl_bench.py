@@ -46,7 +46,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import ensure_debian_packages, machine_info, percentile, print_table
+from _common import (
+    ensure_debian_packages,
+    machine_info,
+    percentile,
+    print_table,
+    temp_env,
+)
 
 HARNESS_RETRIES = 20        # a create the SDK gave up on is retried this often, a second apart
 
