@@ -77,7 +77,8 @@ def stats(ttis: list[float], wall: float, ok: int, n: int, **extra: Any) -> dict
 
 def refused_total(url: str) -> float:
     import urllib.request
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+    req = urllib.request.Request(f"{url}/metrics", headers={"X-API-Key": os.environ["E2B_API_KEY"]})
+    with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     return sum(float(m.group(1)) for m in re.finditer(r'^aenv_restore_refused_total\{[^}]*\} (\S+)$', text, re.MULTILINE))
 
