@@ -15,7 +15,8 @@ from .common import CliError, Subcommands
 COLUMNS = ["sandboxID", "alias", "templateID", "state", "startedAt", "endAt", "cpuCount", "memoryMB", "metadata"]
 
 
-def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
+def key_values(values: list[str] | None, what: str) -> dict[str, str]:
+    """Repeated KEY=VALUE options as a dict; CliError naming the option otherwise."""
     out: dict[str, str] = {}
     for v in values or []:
         key, sep, value = v.partition("=")
@@ -101,8 +102,8 @@ def _row(s: dict) -> dict:
 
 def cmd_create(args: argparse.Namespace) -> int:
     api = ApiClient.from_args(args)
-    body: dict = {"templateID": args.template, "metadata": _pairs(args.metadata, "--metadata"),
-                  "envVars": _pairs(args.env, "--env")}
+    body: dict = {"templateID": args.template, "metadata": key_values(args.metadata, "--metadata"),
+                  "envVars": key_values(args.env, "--env")}
     if args.timeout is not None:
         body["timeout"] = args.timeout
     if args.auto_pause:
@@ -119,7 +120,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     query: dict[str, str] = {}
     if args.state:
         query["state"] = ",".join(args.state)
-    meta = _pairs(args.metadata, "--metadata")
+    meta = key_values(args.metadata, "--metadata")
     if meta:
         query["metadata"] = urllib.parse.urlencode({urllib.parse.quote(k): urllib.parse.quote(v)
                                                     for k, v in meta.items()})
@@ -212,7 +213,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     api = ApiClient.from_args(args)
     out: dict = {"stdout": b"", "stderr": b""}
     code = 1
-    for kind, value in api.run(args.sandbox, command, user=args.user, cwd=args.cwd, env=_pairs(args.env, "--env")):
+    for kind, value in api.run(args.sandbox, command, user=args.user, cwd=args.cwd, env=key_values(args.env, "--env")):
         if kind == "exit":
             code = value
         elif args.output == "json":

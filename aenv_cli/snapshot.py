@@ -10,7 +10,7 @@ import urllib.parse
 
 from .apiclient import ApiClient, client_options, emit
 from .common import CliError, Subcommands
-from .sandbox import emit_fork_results
+from .sandbox import emit_fork_results, key_values
 
 
 def register(subparsers: Subcommands) -> None:
@@ -62,10 +62,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
     if args.timeout is not None:
         body["timeout"] = args.timeout
     if args.metadata:
-        pairs = [m.partition("=") for m in args.metadata]
-        if any(not k or not sep for k, sep, _ in pairs):
-            raise CliError("--metadata takes KEY=VALUE")
-        body["metadata"] = {k: v for k, _, v in pairs}
+        body["metadata"] = key_values(args.metadata, "--metadata")
     results = ApiClient.from_args(args).call(
         "POST", f"/snapshots/{urllib.parse.quote(args.snapshot, safe='')}/fork", body, expect=(201,))
     return emit_fork_results(args, results)

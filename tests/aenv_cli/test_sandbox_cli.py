@@ -68,7 +68,7 @@ def test_sandbox_lifecycle_through_the_cli(server: Server, tmp_path: Path) -> No
                 {"rollout": "7"}
             aenv(server, "sandbox", "kill", kid)
         bad = aenv(server, "snapshot", "fork", snap, "-m", "novalue", ok=False)
-        assert bad.returncode != 0 and b"--metadata takes KEY=VALUE" in bad.stderr
+        assert bad.returncode != 0 and b"--metadata must be KEY=VALUE, got 'novalue'" in bad.stderr
         aenv(server, "snapshot", "rm", snap)
         assert snap not in [s["snapshotID"] for s in json.loads(aenv(server, "snapshot", "ls", "-o", "json").stdout)]
 
