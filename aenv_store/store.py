@@ -18,6 +18,7 @@ from .errors import ConfigError, StoreNotFound, RepositoryError, StoreError
 from .formats.catalog import ALIAS, CatalogRecord
 from .formats.ids import Digest
 from .formats.manifest import Extent, Manifest, check_chunk_size
+from .manifest_cache import ManifestCache
 from .repository.backends.base import Backend
 from .repository.backends.factory import open_backend_for, repository_path
 from .repository.repository import Repository
@@ -60,6 +61,7 @@ class Store:
         self.chunks = ChunkChain(repository, cache)
         # New artifacts use the repository's chunk size (fixed at `aenv repo init`).
         self.chunk_size = repository.config.chunk_size
+        self.manifests = ManifestCache()
         self._cpool: ThreadPoolExecutor | None = None
         self._apool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -209,7 +211,9 @@ class Store:
             self.cache.put_many(chunks)
 
     def load_manifest(self, mid: Digest) -> Manifest:
-        return self.repository.get_manifest(mid)
+        """The manifest ``mid`` (verified against its id), decoded once per process while
+        it is in use (manifest_cache.py)."""
+        return self.manifests.get(mid, self.repository.get_manifest)
 
     def open_blob(self, mid: Digest | Manifest, cache: bool = True) -> "BlobReader":
         """A reader over a manifest. ``cache=False`` for one-pass bulk reads (export,

@@ -6,7 +6,7 @@ Five named databases in one LMDB environment:
              segment id u64, offset in the segment u64)
 ``lru``      last access ns (u64 big-endian) + digest -> b""   (cursor order = least recent first);
              holds exactly the entries that are NOT pinned, so eviction never walks past pins
-``pins``     digest -> pin count u32 (a digest may be pinned before it is cached)
+``pins``     digest -> how many NodeCache instances pin it, u32 (a digest may be pinned before it is cached)
 ``members``  segment id (u64 big-endian) + digest -> b"": the entries each segment file holds
              (a segment is unlinked when its last member goes)
 ``meta``     format marker, byte/entry totals, lifetime counters, clean flag, boot id

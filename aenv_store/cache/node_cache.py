@@ -224,8 +224,8 @@ class NodeCache:
         try:
             gate.exclusive()
             with self._env.begin(write=True) as txn:
-                for digest, n in mine.items():
-                    self._db.add_pin(txn, digest, -n)
+                for digest in mine:
+                    self._db.add_pin(txn, digest, -1)
                 self._db.add_u64(txn, OPEN_COUNT, -1)
                 # Clean only if we are the last user and every other user closed properly:
                 # a user that crashed may have left orphan files or stale entries.
@@ -536,27 +536,43 @@ class NodeCache:
         Pins of this instance are released by unpin() or close(); after a crash they
         are dropped when the next first user opens the directory."""
         self._check_open()
-        todo = [bytes(d) for d in digests]
-        if not todo:
-            return
-        with self._env.begin(write=True) as txn:
-            for digest in todo:
-                self._db.add_pin(txn, digest, 1)
+        # The shared table counts users (instances), not pins: only this instance's first
+        # pin of a digest writes it, so the hundredth sandbox of a template pins its tens of
+        # thousands of chunks with a Counter update, not an LMDB write per chunk.
         with self._lock:
-            self._my_pins.update(todo)
+            mine = self._my_pins
+            first = []
+            for d in digests:
+                digest = bytes(d)
+                if not mine[digest]:
+                    first.append(digest)
+                mine[digest] += 1
+        if first:
+            try:
+                with self._env.begin(write=True) as txn:
+                    for digest in first:
+                        self._db.add_pin(txn, digest, 1)
+            except BaseException:
+                with self._lock:
+                    for digest in first:
+                        self._my_pins[digest] -= 1
+                        if not self._my_pins[digest]:
+                            del self._my_pins[digest]
+                raise
 
     def unpin(self, digests: Iterable[Digest]) -> None:
         """Release pins taken by this instance; extra unpins are ignored."""
         self._check_open()
         release: list[bytes] = []
         with self._lock:
+            mine = self._my_pins
             for d in digests:
                 digest = bytes(d)
-                if self._my_pins[digest] > 0:
-                    self._my_pins[digest] -= 1
-                    if not self._my_pins[digest]:
-                        del self._my_pins[digest]
-                    release.append(digest)
+                if mine.get(digest, 0) > 0:
+                    mine[digest] -= 1
+                    if not mine[digest]:
+                        del mine[digest]
+                        release.append(digest)     # this instance's last pin of it
         if release:
             with self._env.begin(write=True) as txn:
                 for digest in release:

@@ -134,11 +134,16 @@ class Manifest:
         return bytes(out)
 
     @classmethod
-    def decode(cls, data: bytes) -> "Manifest":
+    def decode(cls, data: bytes, stored_as: Digest | None = None) -> "Manifest":
+        """``stored_as``: the id the caller found ``data`` under and checked against it
+        (the repository does), so ``id`` need not encode and hash the manifest again."""
         try:
-            return _decode(memoryview(data))
+            m = _decode(memoryview(data))
         except (struct.error, UnicodeDecodeError, ValueError) as e:
             raise CorruptData(f"bad manifest: {e}") from None
+        if stored_as is not None:
+            m.__dict__["id"] = stored_as     # what the cached_property would hold
+        return m
 
     @cached_property
     def id(self) -> Digest:

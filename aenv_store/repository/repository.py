@@ -356,7 +356,7 @@ class Repository:
             raise StoreNotFound(f"manifest {bytes(mid).hex()} not found") from None
         if blake3.blake3(data).digest() != mid:
             raise CorruptData(f"manifest {bytes(mid).hex()}: content does not match its id")
-        return Manifest.decode(data)
+        return Manifest.decode(data, stored_as=Digest(mid))
 
     # -- catalog -----------------------------------------------------------------
 

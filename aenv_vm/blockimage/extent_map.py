@@ -13,6 +13,8 @@ enough: one entry per chunk-sized extent).
 from __future__ import annotations
 
 import bisect
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -101,7 +103,7 @@ def layer_segments(extents: Iterable[LayerExtent], layer: int, size: int) -> lis
 class ExtentMap:
     """An immutable flattened map (a new one is built on commit)."""
 
-    __slots__ = ("size", "_starts", "_ends", "_chunks", "_offs", "_layers")
+    __slots__ = ("size", "_starts", "_ends", "_chunks", "_offs", "_layers", "_chunk_set")
 
     def __init__(self, size: int, segments: Sequence[Segment]) -> None:
         self.size = size
@@ -111,6 +113,7 @@ class ExtentMap:
         self._chunks: list[Digest | None] = [s.chunk for s in segs]
         self._offs = [s.chunk_offset for s in segs]
         self._layers = [s.layer for s in segs]
+        self._chunk_set: frozenset[Digest] | None = None
 
     @classmethod
     def empty(cls, size: int) -> "ExtentMap":
@@ -154,8 +157,11 @@ class ExtentMap:
             i += 1
         return out
 
-    def chunks(self) -> set[Digest]:
-        return {c for c in self._chunks if c is not None}
+    def chunks(self) -> frozenset[Digest]:
+        """Every chunk the map reads (computed once: the map is immutable)."""
+        if self._chunk_set is None:
+            self._chunk_set = frozenset(c for c in self._chunks if c is not None)
+        return self._chunk_set
 
     def chunks_in(self, offset: int, length: int) -> list[Digest]:
         """Distinct chunks touched by a range, in address order."""
@@ -189,3 +195,40 @@ def _normalise(size: int, segments: Sequence[Segment]) -> list[Segment]:
     if pos < size:
         out.append(Segment(pos, size, None))
     return _coalesce_zeros(out)
+
+
+class StackMaps:
+    """Flattened maps of committed stacks, least recently used out, at most
+    ``max_segments`` segments in all (~80 bytes each). A stack is named by its layers'
+    manifest ids, which are content addresses, so a map built once serves every image
+    opened on that stack: the hundredth sandbox of a template does not merge its tens of
+    thousands of extents again."""
+
+    def __init__(self, max_segments: int = 1 << 18) -> None:
+        self.max_segments = max_segments
+        self._maps: OrderedDict[tuple[int, tuple[Digest, ...]], ExtentMap] = OrderedDict()
+        self._segments = 0
+        self._lock = threading.Lock()
+
+    def get(self, size: int, stack: Sequence[tuple[Digest, Sequence[LayerExtent]]]) -> ExtentMap:
+        """The map of ``stack`` ((manifest id, extents) per layer, bottom first) at ``size``."""
+        key = (size, tuple(mid for mid, _ in stack))
+        with self._lock:
+            m = self._maps.get(key)
+            if m is not None:
+                self._maps.move_to_end(key)
+                return m
+        m = ExtentMap.from_layers(size, [extents for _, extents in stack])
+        if len(m) > self.max_segments:
+            return m
+        with self._lock:
+            if key not in self._maps:
+                self._maps[key] = m
+                self._segments += len(m)
+                while self._segments > self.max_segments:
+                    _, old = self._maps.popitem(last=False)
+                    self._segments -= len(old)
+        return m
+
+    def __len__(self) -> int:
+        return len(self._maps)

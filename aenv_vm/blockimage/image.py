@@ -21,14 +21,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Protocol, Sequence
 
 from aenv_store.export import write_file
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Extent, Manifest
 
 from .chunk_memory import ChunkMemory
-from .extent_map import ExtentMap
+from .extent_map import ExtentMap, StackMaps
 from .layer import DISK_LAYER, MAX_LAYERS, ImageError, coalesce, image_record, load_stack
 from .nbd_protocol import ExportInfo
 from .upper import ABSENT, BLOCK, DATA, ZERO, UpperLayer
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 # up to this size (a page-cache pread); larger ones go to the thread pool.
 NOWAIT_UPPER_BYTES = 256 * 1024
 COMMIT_BATCH = 64   # chunks staged per stage_many call at commit (4 MiB at 64 KiB chunks)
+# The flattened maps of the stacks images are opened on, shared by every image of the
+# process (a template's sandboxes all open the same stack).
+STACK_MAPS = StackMaps()
 
 
 class ImageObserver(Protocol):
@@ -96,7 +99,7 @@ class BlockImage:
         self._retired: list[UpperLayer] = []
         self._seeders: list[threading.Thread] = []
         self._pinned: set[Digest] = set()
-        flat = ExtentMap.from_layers(size, [m.extents for m in layers])
+        flat = STACK_MAPS.get(size, [(m.id, m.extents) for m in layers])
         upper = None
         if upper_dir is not None:
             top = layers[-1].id if layers else None
@@ -145,7 +148,7 @@ class BlockImage:
     def upper(self) -> UpperLayer | None:
         return self._view.upper
 
-    def _pin(self, chunks: set[Digest]) -> None:
+    def _pin(self, chunks: AbstractSet[Digest]) -> None:
         new = chunks - self._pinned
         if new:
             self.store.pin_chunks(new)
