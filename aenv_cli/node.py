@@ -32,7 +32,7 @@ from aenv_api.server.lifecycle import Lifecycle
 from aenv_api.server.metrics import Metrics
 from aenv_api.server.templates_api import TemplateApi
 from aenv_api.server.volumes_api import VolumeApi
-from aenv_fleet.agent import NodeAgent
+from aenv_fleet.agent import NodeAgent, RestoreLoad
 from aenv_store.assembly import open_node_store, peer_source
 from aenv_store.store import Store
 from aenv_vm.builds.executor import BuildSettings
@@ -143,7 +143,7 @@ class Node:
             cluster = config.cluster
             if cluster.redis_url:   # a fleet node: the agent observes every sandbox change (aenv_fleet/agent.py)
                 agent = NodeAgent(cluster, creds.api_key, server_cfg.max_sandboxes, vm.memory_mib, config.data_dir,
-                                  package_version(), p2p=peer_source(store))
+                                  package_version(), p2p=peer_source(store), restore_load=restore_load(admission))
                 service = agent.observe(service)
             lifecycle = Lifecycle(service, server_cfg, metrics, config.data_dir, creds.envd_token,
                                   creds.traffic_token)
@@ -219,6 +219,14 @@ def node_run_root(data_dir: Path) -> Path:
         link.unlink(missing_ok=True)
         link.symlink_to(root, target_is_directory=True)
     return link
+
+
+def restore_load(admission: Admission) -> RestoreLoad:
+    """What the node's agent reports of its restore gate at each heartbeat."""
+    def load() -> tuple[int, int]:
+        s = admission.stats()
+        return s.slots, s.in_flight + s.queued + s.queued_background
+    return load
 
 
 async def _prepare_template(store: Store, guest: GuestImage, config: AenvConfig, confinement: Confinement,

@@ -23,7 +23,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.net.policy import NetworkPolicy
@@ -184,6 +184,10 @@ class ObservedService:
         return await self.inner.console(sandbox_id, source, offset, limit)
 
 
+# the node's restore gate now: (slots, restores holding a slot or queued for one)
+RestoreLoad = Callable[[], tuple[int, int]]
+
+
 @dataclass(frozen=True)
 class HostFacts:
     vcpus: int
@@ -207,7 +211,9 @@ class NodeAgent:
 
     def __init__(self, config: ClusterConfig, api_key: str, max_sandboxes: int, sandbox_mem_mib: int,
                  data_dir: Path, version: str = "", coord: Coordinator | None = None,
-                 p2p: PeerSync | None = None) -> None:
+                 p2p: PeerSync | None = None, restore_load: RestoreLoad | None = None) -> None:
+        """``restore_load``: the node's restore gate as (slots, restores running or queued),
+        reported at each heartbeat so placement can spread a burst by queue length."""
         self.config = config
         self.node_id = config.node_id or socket.gethostname()
         self.coord = coord or Coordinator(config.redis_url)
@@ -216,6 +222,7 @@ class NodeAgent:
         self.sandbox_mem_mib = sandbox_mem_mib
         self.data_dir = data_dir
         self.version = version
+        self.restore_load = restore_load
         self.service: SandboxService | None = None     # the node's own (what ObservedService wraps)
         self._templates: set[str] = set()
         self._dirty = True              # bindings must be reconciled with the node's own list
@@ -296,12 +303,14 @@ class NodeAgent:
         assert self.service is not None
         infos = await self.service.list_sandboxes()
         facts = await asyncio.to_thread(host_facts, self.data_dir)
+        slots, restoring = self.restore_load() if self.restore_load is not None else (0, 0)
         return Capacity(url=self.config.advertise_url, max_sandboxes=self.max_sandboxes, vcpus=facts.vcpus,
                         mem_total_mib=facts.mem_total_mib, mem_avail_mib=facts.mem_avail_mib,
                         disk_free_mib=facts.disk_free_mib, sandbox_mem_mib=self.sandbox_mem_mib,
                         running=sum(i.state == SandboxState.RUNNING for i in infos),
                         paused=sum(i.state == SandboxState.PAUSED for i in infos), version=self.version,
-                        p2p=self.peering.ticket if self.peering is not None else "")
+                        p2p=self.peering.ticket if self.peering is not None else "",
+                        restore_slots=slots, restoring=restoring)
 
     async def tick(self) -> None:
         if self._dirty:

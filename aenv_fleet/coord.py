@@ -49,6 +49,8 @@ class NodeRecord:
     heartbeat_at: float
     templates: tuple[str, ...] = ()
     p2p_ticket: str = ""        # the node's P2P endpoint ticket ("" = P2P off); only meant while alive
+    restore_slots: int = 0      # restores the node runs at once (0: not reported)
+    restoring: int = 0          # restores running or queued there at its last heartbeat
 
     def view(self) -> dict[str, Any]:
         return {"nodeID": self.node_id, "url": self.url, "state": "up" if self.alive else self.state,
@@ -57,7 +59,8 @@ class NodeRecord:
                 "vcpus": self.vcpus, "memTotalMiB": self.mem_total_mib, "memAvailableMiB": self.mem_avail_mib,
                 "diskFreeMiB": self.disk_free_mib, "sandboxMemoryMiB": self.sandbox_mem_mib,
                 "leaseDeadline": self.lease_deadline, "heartbeatAt": self.heartbeat_at,
-                "templates": list(self.templates), "p2pTicket": self.p2p_ticket}
+                "templates": list(self.templates), "p2pTicket": self.p2p_ticket,
+                "restoreSlots": self.restore_slots, "restoring": self.restoring}
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,13 @@ class Capacity:
     paused: int
     version: str = ""
     p2p: str = ""               # this node's P2P endpoint ticket, "" = P2P off
+    restore_slots: int = 0      # its restore gate's slots (aenv_vm/machine/admission.py); 0: unknown
+    restoring: int = 0          # restores holding a slot or queued for one, now
 
     def fields(self) -> list[str]:
         out: list[str] = []
         for k in ("url", "vcpus", "mem_total_mib", "mem_avail_mib", "disk_free_mib", "sandbox_mem_mib",
-                  "running", "paused", "version", "p2p"):
+                  "running", "paused", "version", "p2p", "restore_slots", "restoring"):
             out += [k, str(getattr(self, k))]
         return out
 
@@ -192,7 +197,8 @@ class Coordinator:
                 mem_total_mib=_int(h.get("mem_total_mib")), mem_avail_mib=_int(h.get("mem_avail_mib")),
                 disk_free_mib=_int(h.get("disk_free_mib")), sandbox_mem_mib=_int(h.get("sandbox_mem_mib")),
                 heartbeat_at=_int(h.get("heartbeat_at")) / 1000, templates=tuple(sorted(tpls)),
-                p2p_ticket=h.get("p2p", "")))
+                p2p_ticket=h.get("p2p", ""), restore_slots=_int(h.get("restore_slots")),
+                restoring=_int(h.get("restoring"))))
         return out
 
     # --- placement -----------------------------------------------------------------------

@@ -5,6 +5,11 @@ moment, or a heartbeat racing a bind, see each other's effects whole: that is wh
 keeps a node's slot count exact without locks. They name keys beyond KEYS[] (the
 fleet runs on one Redis, not a Redis Cluster; docs/cluster.md).
 
+Placement (``PLACE``) scores each candidate with room by its free fraction, +1 when its
+cache holds the template, minus its restore queue over twice its restore slots (the
+creates placed there still running, or what its last heartbeat reported restoring):
+a burst spreads once one node's queue outweighs its cached template.
+
 Slot accounting (``aenv:free``): a placeable node's score is
 ``max_sandboxes - bound sandboxes - live reservations``. A heartbeat recomputes it
 from scratch (so a gateway that died between reserving and finishing leaks a slot only
@@ -88,7 +93,7 @@ local list = redis.call('ZREVRANGEBYSCORE', P .. 'free', '+inf', '1', 'LIMIT', 0
 if tpl ~= '' then
   for _, n in ipairs(redis.call('SRANDMEMBER', P .. 'tpl:' .. tpl, k)) do list[#list + 1] = n end
 end
-local seen, best, bestscore = {}, nil, -1
+local seen, best, bestscore = {}, nil, nil
 for _, n in ipairs(list) do
   if not seen[n] and not excl[n] then
     seen[n] = true
@@ -98,7 +103,8 @@ for _, n in ipairs(list) do
       redis.call('ZREM', P .. 'free', n)
     elseif free >= 1 then
       local nk = P .. 'node:' .. n
-      local h = redis.call('HMGET', nk, 'max_sandboxes', 'mem_avail_mib', 'sandbox_mem_mib')
+      local h = redis.call('HMGET', nk, 'max_sandboxes', 'mem_avail_mib', 'sandbox_mem_mib', 'restore_slots',
+                           'vcpus', 'restoring')
       local max = tonumber(h[1]) or 1
       local per = tonumber(h[3]) or mem
       local need = mem > 0 and mem or per
@@ -106,7 +112,14 @@ for _, n in ipairs(list) do
       if (tonumber(h[2]) or 0) - inflight * per >= need then
         local score = free / max
         if tpl ~= '' and redis.call('SISMEMBER', nk .. ':tpl', tpl) == 1 then score = score + 1 end
-        if score > bestscore then best, bestscore = n, score end
+        -- its restore queue: the creates placed there and still running (live), or what it
+        -- reported restoring at its last heartbeat (forks, direct creates), whichever is more;
+        -- 2 * slots of them in line weigh as much as holding the template
+        local slots = tonumber(h[4]) or 0
+        if slots < 1 then slots = tonumber(h[5]) or 1 end
+        if slots < 1 then slots = 1 end
+        score = score - math.max(inflight, tonumber(h[6]) or 0) / (2 * slots)
+        if bestscore == nil or score > bestscore then best, bestscore = n, score end
       end
     end
   end

@@ -52,6 +52,7 @@ SIGNED_BODY_MAX = 256 << 20     # a signed upload is buffered to be offered to e
 _CREATE = re.compile(r"^/(?:v2/)?sandboxes/?$")
 _CONNECT = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)/(connect|resume)$")
 _FORK = re.compile(r"^/sandboxes/([^/]+)/fork$")
+_SNAPSHOT_FORK = re.compile(r"^/snapshots/([^/]+)/fork$")
 _SANDBOX = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)(/.*)?$")
 _NODE_OP = re.compile(r"^/nodes/([^/]+)/(drain|undrain)$")
 
@@ -182,6 +183,9 @@ class Gateway:
         m = _FORK.match(path)
         if m and method == "POST":
             return await self.moves.fork(request, m.group(1), await self._body(request))
+        m = _SNAPSHOT_FORK.match(path)
+        if m and method == "POST":
+            return await self.moves.fork_snapshot(request, m.group(1), await self._body(request))
         m = _SANDBOX.match(path)
         if m and m.group(1) != "metrics":
             return await self._routed(request, m.group(1), m.group(2) or "")

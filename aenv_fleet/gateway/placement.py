@@ -37,7 +37,8 @@ from .state import FleetView
 log = logging.getLogger(__name__)
 
 PLACE_ATTEMPTS = 4
-FORKS_PER_NODE = 16          # AgentENV's (and a node's default [server] max_forks)
+MAX_FORK = 100               # children per fork call: E2B's bound on count
+FORK_CREATES = 16            # children from a snapshot being created at once, over the fleet
 NODE_HEADER = "X-Aenv-Node"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 COMMIT_WAIT = 120.0         # how long a fork snapshot's or a pause's background commit is waited for
@@ -249,32 +250,26 @@ class Moves:
         req = _json(body)
         if not isinstance(req, dict):
             return _err(400, "request body must be a JSON object")
-        count = req.get("count", 1)
-        if count is None:
-            count = 1
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            return _err(400, "count must be a positive integer")
+        count = _fork_count(req)
+        if isinstance(count, web.Response):
+            return count
         b = await self.fleet.binding(sid)
         if b is None:
             return _err(404, f"sandbox {sid} not found", sandboxId=sid)
         if not (b.node_id and self.fleet.is_alive(b.node_id)):
             return _err(409, f"sandbox {sid} is not running on a node that is up; only a running sandbox is forked")
         parent = self.fleet.nodes[b.node_id]
-        alive = self.fleet.alive()
-        if count > FORKS_PER_NODE * len(alive):
-            return _err(400, f"count {count} is more than the fleet forks at once ({FORKS_PER_NODE} per node "
-                             f"that is up: {FORKS_PER_NODE * len(alive)})")
         headers = forwarded_headers(request)
-        # on the parent's node as many as it has room for (up to 16): they share its
-        # memory; the rest start elsewhere from a snapshot. Its room is read from Redis
-        # now (the cached view is as old as the last refresh, and misses e.g. the parent
-        # itself when it was just made); the node stays the judge: a 429 from it sends
-        # every child the snapshot way.
+        # on the parent's node as many as it has room for: they share its memory; the rest
+        # (and those its restore queue refused, 429 each) start elsewhere from the fork's
+        # snapshot. Its room is read from Redis now (the cached view is as old as the last
+        # refresh, and misses e.g. the parent itself when it was just made); the node stays
+        # the judge: a 429 from it sends every child the snapshot way.
         try:
             free = await self.fleet.coord.free_slots(parent.node_id)
         except CoordError:
             free = parent.free_slots
-        here = min(count, FORKS_PER_NODE, max(free or 0, 0))
+        here = min(count, max(free or 0, 0))
         results: list[dict[str, Any]] = []
         snapshot_id: str | None = None
         if here > 0:
@@ -285,13 +280,15 @@ class Moves:
             if answer_code(a.body) is ClusterCode.FULL:
                 log.info("gateway: fork of %s: its node %s has no room for %d, all %d children go elsewhere",
                          sid, parent.node_id, here, count)
-                here = 0
-            elif a.status != 201 or here == count:
+            elif a.status != 201:
                 return _relay(a, parent.node_id)
             else:
-                results += a.json() or []
+                answered = a.json() or []
+                results += [r for r in answered if not _refused_child(r)]
+                if len(results) == count:
+                    return _relay(a, parent.node_id)
                 snapshot_id = next((r["sandbox"].get("templateID") for r in results if "sandbox" in r), None)
-        rest = count - here
+        rest = count - len(results)
         if snapshot_id is None:
             # no room on the parent's node (or every fork there failed): a snapshot of the parent
             snap = await self.nodes.call_json("POST", parent.url + f"/sandboxes/{sid}/snapshots", {},
@@ -303,8 +300,7 @@ class Moves:
         if req.get("timeout") is not None:
             create["timeout"] = req["timeout"]
         create_body = json.dumps(create).encode()
-        sem = asyncio.Semaphore(4)
-
+        sem = asyncio.Semaphore(FORK_CREATES)
         snap_id = snapshot_id
 
         async def child() -> dict[str, Any]:
@@ -313,7 +309,8 @@ class Moves:
                 while True:
                     try:
                         got = await self.place_and_call(snap_id, "POST", "/v2/sandboxes", create_body,
-                                                        {**_keys(headers), "Content-Type": "application/json"})
+                                                        {**_keys(headers), "Content-Type": "application/json"},
+                                                        exclude=(parent.node_id,) if here else ())
                     except NodeFailed as e:
                         return {"error": {"code": 502, "message": f"node failed: {e}"}}
                     if isinstance(got, web.Response):
@@ -331,6 +328,68 @@ class Moves:
         results += await asyncio.gather(*(child() for _ in range(rest)))
         return web.Response(status=201, text=json.dumps(results), content_type="application/json",
                             headers={NODE_HEADER: parent.node_id, "X-Aenv-Fork-Snapshot": snapshot_id})
+
+    async def fork_snapshot(self, request: web.Request, snapshot_id: str, body: bytes) -> web.Response:
+        """``POST /snapshots/{snapshotID}/fork`` over the fleet: the batch is split over the
+        live nodes with room (by free slots), each node creating its share from the shared
+        repository; children a node refused (429: full, or its restore queue long) are
+        offered to the others. The first node's answer to a bad request (400, 404) is the
+        fleet's."""
+        req = _json(body)
+        if not isinstance(req, dict):
+            return _err(400, "request body must be a JSON object")
+        count = _fork_count(req)
+        if isinstance(count, web.Response):
+            return count
+        headers = forwarded_headers(request)
+        path = request.rel_url.raw_path_qs
+        results: list[dict[str, Any]] = []
+        refused: dict[str, Any] | None = None        # the last child refusal, for children nobody took
+        tried: set[str] = set()
+        for _ in range(PLACE_ATTEMPTS):
+            pending = count - len(results)
+            if pending <= 0:
+                break
+            await self.fleet.refresh()
+            nodes = sorted((n for n in self.fleet.alive() if n.node_id not in tried and not n.drained
+                            and (n.free_slots or 0) > 0), key=lambda n: -(n.free_slots or 0))
+            if not nodes:
+                break
+            shares: list[tuple[Any, int]] = []
+            left = pending
+            for i, n in enumerate(nodes):
+                share = min(left, n.free_slots or 0, -(-left // (len(nodes) - i)))
+                if share > 0:
+                    shares.append((n, share))
+                    left -= share
+            answers = await asyncio.gather(*(self.nodes.call_json("POST", n.url + path, dict(req, count=share),
+                                                                  headers)
+                                             for n, share in shares), return_exceptions=True)
+            for (n, share), a in zip(shares, answers):
+                if isinstance(a, BaseException):
+                    if not isinstance(a, (NodeUnreachable, NodeFailed)):
+                        raise a
+                    tried.add(n.node_id)
+                    continue
+                if answer_code(a.body) is ClusterCode.FULL:
+                    tried.add(n.node_id)
+                    continue
+                if a.status != 201:
+                    if not results:
+                        return _relay(a, n.node_id)      # the request itself is wrong (or not found)
+                    tried.add(n.node_id)
+                    continue
+                for r in a.json() or []:
+                    if _refused_child(r):
+                        refused = r
+                        tried.add(n.node_id)
+                    else:
+                        results.append(r)
+        missing = count - len(results)
+        if missing > 0:
+            why = refused or {"error": {"code": 429, "message": "no node had room for this child"}}
+            results += [why] * missing
+        return web.Response(status=201, text=json.dumps(results), content_type="application/json")
 
     # --- drain ---------------------------------------------------------------------------
 
@@ -366,6 +425,20 @@ class Moves:
             except (NodeUnreachable, NodeFailed) as e:
                 out["failed"].append({"sandboxID": sid, "error": str(e)})
         return out
+
+
+def _fork_count(req: dict[str, Any]) -> int | web.Response:
+    count = req.get("count", 1)
+    if count is None:
+        count = 1
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_FORK:
+        return _err(400, f"count must be an integer in [1, {MAX_FORK}]")
+    return count
+
+
+def _refused_child(r: Any) -> bool:
+    """A fork's child the node refused for want of room or queue (429): another node may take it."""
+    return isinstance(r, dict) and isinstance(r.get("error"), dict) and r["error"].get("code") == 429
 
 
 def _keys(headers: dict[str, str]) -> dict[str, str]:

@@ -4,6 +4,7 @@ preference, and a Redis SIGKILL + restart losing nothing (AOF)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -88,6 +89,40 @@ def test_spread_by_free_capacity_and_template_preference(fresh: RedisServer) -> 
         got = await c.place("tpl-x", 256)
         assert got is not None and got[0] == "big"
         assert await c.set_drained("nope", True) is False
+        await c.close()
+
+    run(main())
+
+
+def test_a_burst_spreads_by_restore_queue_over_the_cached_template(fresh: RedisServer) -> None:
+    """A node whose cache holds the template wins until its restore queue (the creates
+    placed there and still running, or what it reported restoring) outweighs that; then
+    the burst goes to the idle node."""
+    async def main() -> None:
+        c = Coordinator(fresh.url)
+        await c.heartbeat("warm", dataclasses.replace(cap(100), restore_slots=2), 30)
+        await c.heartbeat("cold", dataclasses.replace(cap(100), restore_slots=2), 30)
+        await c.add_templates("warm", ["tpl-x"])
+        placed = []
+        for _ in range(12):          # a burst: every create still running when the next is placed
+            got = await c.place("tpl-x", 256)
+            assert got is not None
+            placed.append(got[0])
+        # the template's node takes the first ones, then its queue of 4 (= 2 * 2 slots)
+        # weighs as much as the template: from then on the two alternate
+        assert placed == ["warm"] * 4 + ["cold", "warm"] * 4, placed
+        # a queue reported at the heartbeat (a fork's children, direct creates) counts too
+        await c.heartbeat("warm2", dataclasses.replace(cap(100), restore_slots=2, restoring=8), 30)
+        await c.add_templates("warm2", ["tpl-y"])
+        await c.heartbeat("idle", dataclasses.replace(cap(100), restore_slots=2), 30)
+        got = await c.place("tpl-y", 256, exclude=("warm", "cold"))
+        assert got is not None and got[0] == "idle"
+        await c.heartbeat("warm2", dataclasses.replace(cap(100), restore_slots=2, restoring=0), 30)
+        got = await c.place("tpl-y", 256, exclude=("warm", "cold"))
+        assert got is not None and got[0] == "warm2"
+        nodes = {n.node_id: n for n in await c.nodes()}
+        assert (nodes["warm2"].restore_slots, nodes["warm2"].restoring) == (2, 0)
+        assert nodes["warm2"].view()["restoreSlots"] == 2
         await c.close()
 
     run(main())

@@ -97,6 +97,9 @@ class Fleet:
     async def binding(self, sid: str, cached: bool = False) -> Binding | None:
         return self.bindings.get(sid)
 
+    async def refresh(self) -> None:
+        pass
+
 
 class Nodes:
     """NodeClient with scripted answers: (method, url) -> a list of answers, one per call."""
@@ -104,10 +107,12 @@ class Nodes:
     def __init__(self, script: dict[tuple[str, str], list[Answer]]) -> None:
         self.script = script
         self.calls: list[tuple[str, str]] = []
+        self.bodies: list[Any] = []
 
     async def call(self, method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
                    timeout: float | None = None) -> Answer:
         self.calls.append((method, url))
+        self.bodies.append(json.loads(body) if body else None)
         answers = self.script[(method, url)]
         return answers.pop(0) if len(answers) > 1 else answers[0]
 
@@ -362,3 +367,83 @@ def test_a_fork_on_a_full_node_goes_the_snapshot_way() -> None:
 
 async def _no_sleep(_seconds: float) -> None:
     return None
+
+
+def _answer(items: list[dict[str, Any]]) -> Answer:
+    return Answer(201, {}, json.dumps(items).encode())
+
+
+def _sandboxes(*ids: str) -> list[dict[str, Any]]:
+    return [{"sandbox": {"sandboxID": i, "templateID": "snap-1"}} for i in ids]
+
+
+BUSY = {"error": {"code": 429, "message": "restore queue full: retry after 3 s"}}
+
+
+def test_fork_children_the_parents_node_refused_start_on_another_node() -> None:
+    """Children of one fork that the parent's restore queue refused (429 each) are
+    created elsewhere from the fork's snapshot, not reported as failures; the parent's
+    node is not asked again."""
+    fleet = Fleet(node("n1"), node("n2"))
+    fleet.bindings["sbx-1"] = Binding("sbx-1", "n1", "running", INFO)
+    elsewhere = {"sandboxID": "sbx-9", "templateID": "snap-1"}
+    m, nodes = moves(fleet, {("POST", "http://n1/sandboxes/sbx-1/fork"): [_answer(_sandboxes("sbx-2") + [BUSY] * 2)],
+                             ("POST", "http://n2/v2/sandboxes"): [Answer(201, {}, json.dumps(elsewhere).encode())]})
+    req = make_mocked_request("POST", "/sandboxes/sbx-1/fork", headers={"X-API-Key": "k"})
+    got = run(m.fork(req, "sbx-1", json.dumps({"count": 3}).encode()))
+    assert status(got) == 201
+    assert body_of(got) == _sandboxes("sbx-2") + [{"sandbox": elsewhere}] * 2
+    assert nodes.calls.count(("POST", "http://n2/v2/sandboxes")) == 2
+    assert ("POST", "http://n1/v2/sandboxes") not in nodes.calls
+    assert nodes.bodies[0]["count"] == 3                        # the parent's node had room for all three
+    assert nodes.bodies[1]["templateID"] == "snap-1"            # the others start from the fork's snapshot
+
+
+@pytest.mark.parametrize("count", [0, 101, "3", True])
+def test_fork_count_is_e2bs_1_to_100(count: Any) -> None:
+    fleet = Fleet(node("n1"))
+    fleet.bindings["sbx-1"] = Binding("sbx-1", "n1", "running", INFO)
+    m, nodes = moves(fleet, {})
+    for path, call in (("/sandboxes/sbx-1/fork", lambda r, b: m.fork(r, "sbx-1", b)),
+                       ("/snapshots/snap-1/fork", lambda r, b: m.fork_snapshot(r, "snap-1", b))):
+        req = make_mocked_request("POST", path, headers={"X-API-Key": "k"})
+        got = run(call(req, json.dumps({"count": count}).encode()))
+        assert status(got) == 400 and "[1, 100]" in body_of(got)["message"]
+    assert nodes.calls == []
+
+
+def test_a_snapshot_batch_is_split_over_the_nodes_and_refused_children_go_to_another() -> None:
+    fleet = Fleet(node("n1"), node("n2"))
+    path = "/snapshots/snap-1/fork"
+    m, nodes = moves(fleet, {("POST", "http://n1" + path): [_answer(_sandboxes("a", "b", "c")),
+                                                            _answer(_sandboxes("f", "g"))],
+                             ("POST", "http://n2" + path): [_answer(_sandboxes("d") + [BUSY] * 2)]})
+    req = make_mocked_request("POST", path, headers={"X-API-Key": "k"})
+    got = run(m.fork_snapshot(req, "snap-1", json.dumps({"count": 6, "timeout": 60}).encode()))
+    assert status(got) == 201
+    ids = sorted(r["sandbox"]["sandboxID"] for r in body_of(got))  # type: ignore[attr-defined]
+    assert ids == ["a", "b", "c", "d", "f", "g"]
+    # 3 + 3 over two nodes with 4 free slots each; then the 2 n2 refused go to n1
+    sent = [(url, body["count"]) for (_, url), body in zip(nodes.calls, nodes.bodies)]
+    assert sorted(sent[:2]) == [("http://n1" + path, 3), ("http://n2" + path, 3)]
+    assert sent[2:] == [("http://n1" + path, 2)]
+    assert all(b["timeout"] == 60 for b in nodes.bodies)      # the rest of the request goes as it came
+
+
+def test_a_snapshot_batch_nobody_has_room_for_is_429_per_child() -> None:
+    fleet = Fleet(node("n1"))
+    path = "/snapshots/snap-1/fork"
+    m, _ = moves(fleet, {("POST", "http://n1" + path): [_answer(_sandboxes("a") + [BUSY])]})
+    req = make_mocked_request("POST", path, headers={"X-API-Key": "k"})
+    got = run(m.fork_snapshot(req, "snap-1", json.dumps({"count": 2}).encode()))
+    assert status(got) == 201 and body_of(got) == _sandboxes("a") + [BUSY]   # type: ignore[comparison-overlap]
+
+
+def test_a_snapshot_batch_of_a_missing_snapshot_is_the_nodes_404() -> None:
+    fleet = Fleet(node("n1"), node("n2"))
+    path = "/snapshots/nope/fork"
+    m, _ = moves(fleet, {("POST", "http://n1" + path): [refusal(404, None, "snapshot 'nope' not found")],
+                         ("POST", "http://n2" + path): [refusal(404, None, "snapshot 'nope' not found")]})
+    req = make_mocked_request("POST", path, headers={"X-API-Key": "k"})
+    got = run(m.fork_snapshot(req, "nope", json.dumps({"count": 4}).encode()))
+    assert status(got) == 404 and "not found" in body_of(got)["message"]
