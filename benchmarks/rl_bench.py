@@ -1,7 +1,8 @@
 """How an RL harness loads a node (issue 27), aenv beside Docker in one run.
 
-    sudo .venv/bin/python benchmarks/rl_bench.py [--bursts 16 48] [--forks 16 20] [--idle 32]
-        [--sequential 10] [--configs gated ungated] [--peer docker|none] [--json out.json]
+    sudo .venv/bin/python benchmarks/rl_bench.py [--bursts 16 48] [--forks 16 20] [--idle 32 64]
+        [--sequential 10] [--staggered 50] [--snapshot-batches 32] [--rollouts 8 8 10]
+        [--breakdown 8] [--configs gated ungated] [--peer docker|none] [--json out.json]
 
 Every aenv figure is measured through the real E2B SDK against `aenv server` (default
 config but ``max_sandboxes`` 200), the way an RL harness drives it:
@@ -16,20 +17,31 @@ config but ``max_sandboxes`` 200), the way an RL harness drives it:
   call, then every child's first command (reading the prepared file) done;
 * **idle memory**: N sandboxes of ``base`` created one after another, each idle after
   one command; (MemTotal − MemAvailable after − before) / N;
-* **sequential**: create → first command, one after another.
+* **sequential**: create → first command, one after another;
+* **staggered N**: a create → first command every 200 ms, each timed from its own start;
+* **N from a snapshot**: a prepared sandbox (a file, a background ``sleep``) snapshotted
+  and killed, then ``POST /snapshots/{id}/fork {count: N}``: the call, then every
+  sandbox connected and answering with the file and the process;
+* **rollouts T F C**: an RL step: T tasks at once, each a prepared sandbox forked into F
+  rollouts of C commands each: rollouts per minute;
+* **breakdown N** (aenv only): N creates one at a time (no pool): the QEMU's CPU until
+  the create answered, for the first and a second command, the node's CPU per create;
+  then the CPU those N idle sandboxes cost per second.
 
 ``--configs``: ``gated`` is the node's default restore gate ([vm] restore_slots = one
 per CPU); ``ungated`` sets restore_slots to 1024 (every restore at once, as before the
 gate); ``slots=N`` sets N. The peer: Debian's Docker engine (``docker.io``; its own ``dockerd`` with its own
 data root, no bridge, no iptables), with an image of the guest's own root filesystem:
 ``docker run -d`` + ``docker exec true`` bursts, ``docker commit`` + N ``docker run`` as
-its fork, idle memory per container (``sleep infinity``).
+its fork (and, with the source removed, its "N from a snapshot"; a commit holds files,
+not processes), idle memory per container (``sleep infinity``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -164,10 +176,142 @@ async def aenv_sequential(n: int) -> dict[str, Any]:
     return stats(ttis, time.monotonic() - t_all, n, n)
 
 
+async def aenv_staggered(n: int, every: float = 0.2) -> dict[str, Any]:
+    """One create → first command every ``every`` seconds, each timed from its own start."""
+    retried = [0]
+
+    async def one(i: int) -> tuple[Any, float]:
+        await asyncio.sleep(i * every)
+        return await aenv_interactive(time.monotonic(), retried)
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    wall = time.monotonic() - t0
+    good = [r for r in results if not isinstance(r, BaseException)]
+    await kill_all([s for s, _ in good])
+    return stats([t for _, t in good], wall, len(good), n, harness_retries=retried[0])
+
+
+def _post_json(path: str, body: dict[str, Any]) -> Any:
+    import urllib.request
+    req = urllib.request.Request(os.environ["E2B_API_URL"] + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"X-API-Key": os.environ["E2B_API_KEY"], "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+async def aenv_snapshot_batch(n: int) -> dict[str, Any]:
+    """A prepared sandbox (a file, a background process) snapshotted then killed; ``n``
+    sandboxes from the snapshot in one call (POST /snapshots/{id}/fork), each then
+    answering with the file and the process."""
+    from e2b import AsyncSandbox
+    src = await AsyncSandbox.create(timeout=600)
+    await src.files.write("/home/user/prepared", "state")
+    await src.commands.run("sleep 100000", background=True)
+    snap = await src.create_snapshot()
+    await src.kill()
+    t0 = time.monotonic()
+    answered = await asyncio.to_thread(_post_json, f"/snapshots/{snap.snapshot_id}/fork", {"count": n})
+    call = time.monotonic() - t0
+    ids = [a["sandbox"]["sandboxID"] for a in answered if "sandbox" in a]
+
+    async def first(sid: str) -> tuple[Any, float]:
+        c = await AsyncSandbox.connect(sid)
+        r = await c.commands.run("cat /home/user/prepared; echo; pgrep -x sleep >/dev/null && echo running")
+        assert r.stdout.split() == ["state", "running"], r.stdout
+        return c, time.monotonic() - t0
+    got = await asyncio.gather(*(first(i) for i in ids), return_exceptions=True)
+    good = [g for g in got if not isinstance(g, BaseException)]
+    wall = time.monotonic() - t0
+    await kill_all([c for c, _ in good])
+    with contextlib.suppress(Exception):
+        await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+    return stats([t for _, t in good], wall, len(good), n, call=call,
+                 errors=sorted({str(a.get("error"))[:120] for a in answered if "error" in a}
+                               | {str(g)[:120] for g in got if isinstance(g, BaseException)})[:5])
+
+
+async def aenv_rollouts(tasks: int, forks: int, commands: int) -> dict[str, Any]:
+    """An RL step: ``tasks`` prepared sandboxes (one per task), each forked into ``forks``
+    rollouts that run ``commands`` commands each; all tasks at once."""
+    from e2b import AsyncSandbox
+
+    async def task(i: int) -> int:
+        parent = await AsyncSandbox.create(timeout=600)
+        await parent.files.write("/home/user/task", f"task {i}")
+        kids = [c for c in await parent.fork(count=forks) if not isinstance(c, BaseException)]
+
+        async def rollout(c: Any) -> None:
+            for k in range(commands):
+                r = await c.commands.run(f"echo step {k} >> /home/user/log; cat /home/user/task")
+                assert r.stdout.strip() == f"task {i}", r.stdout
+        done = await asyncio.gather(*(rollout(c) for c in kids), return_exceptions=True)
+        await kill_all([*kids, parent])
+        return sum(1 for d in done if not isinstance(d, BaseException))
+    t0 = time.monotonic()
+    done = await asyncio.gather(*(task(i) for i in range(tasks)), return_exceptions=True)
+    wall = time.monotonic() - t0
+    ok = sum(d for d in done if isinstance(d, int))
+    return {"n": tasks * forks, "ok": ok, "wall": wall, "rollouts_per_min": ok / wall * 60,
+            "errors": sorted({str(d)[:120] for d in done if isinstance(d, BaseException)})[:5]}
+
+
+def _cpu_seconds(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _qemu_children(pid: int) -> set[int]:
+    out = set()
+    for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{c}/comm").read_text().startswith("qemu"):
+                out.add(int(c))
+    return out
+
+
+async def aenv_breakdown(server_pid: int, n: int) -> dict[str, Any]:
+    """Where a restored sandbox's CPU goes, one sandbox at a time (no pool): the QEMU's
+    CPU until the create answered (its start, the state load, the guest's resume and
+    /init), for its first command, for a second one; the node's own CPU per create;
+    then the CPU of n idle sandboxes per second (guest timers, the node's metrics
+    sampling every 5 s)."""
+    from e2b import AsyncSandbox
+    rows: dict[str, list[float]] = {"create_ms": [], "qemu_create_ms": [], "node_create_ms": [],
+                                    "qemu_first_cmd_ms": [], "qemu_second_cmd_ms": []}
+    boxes = []
+    for _ in range(n):
+        before = _qemu_children(server_pid)
+        n0, t0 = _cpu_seconds(server_pid), time.monotonic()
+        s = await AsyncSandbox.create(timeout=600)
+        t1, n1 = time.monotonic(), _cpu_seconds(server_pid)
+        q = next(iter(_qemu_children(server_pid) - before))
+        c1 = _cpu_seconds(q)
+        await s.commands.run("true")
+        c2 = _cpu_seconds(q)
+        await s.commands.run("true")
+        c3 = _cpu_seconds(q)
+        for k, v in (("create_ms", t1 - t0), ("qemu_create_ms", c1), ("node_create_ms", n1 - n0),
+                     ("qemu_first_cmd_ms", c2 - c1), ("qemu_second_cmd_ms", c3 - c2)):
+            rows[k].append(v * 1000)
+        boxes.append((s, q))
+    await asyncio.sleep(6)
+    q0 = sum(_cpu_seconds(q) for _, q in boxes)
+    n0, t0 = _cpu_seconds(server_pid), time.monotonic()
+    await asyncio.sleep(30)
+    idle = (sum(_cpu_seconds(q) for _, q in boxes) - q0) / (time.monotonic() - t0) / n * 1000
+    node_idle = (_cpu_seconds(server_pid) - n0) / (time.monotonic() - t0) * 1000
+    await kill_all([s for s, _ in boxes])
+    out: dict[str, Any] = {k: percentile(v, 50) for k, v in rows.items()}
+    out.update({"n": n, "qemu_idle_ms_per_s": idle, "node_idle_ms_per_s": node_idle})
+    return out
+
+
 @contextlib.contextmanager
-def aenv_server(work: Path, slots: int | None) -> Iterator[Any]:
+def aenv_server(work: Path, slots: int | None, pool: int | None = None) -> Iterator[Any]:
     from tests.aenv_api.server.conftest import start_server
     env = {"AENV_SERVER__MAX_SANDBOXES": "200"}
+    if pool is not None:
+        env["AENV_VM__POOL_SIZE"] = str(pool)
     if slots is not None:
         env["AENV_VM__RESTORE_SLOTS"] = str(slots)
     srv = start_server(work / "node", work / "logs", env=env)
@@ -304,23 +448,102 @@ async def docker_sequential(d: Docker, image: str, n: int) -> dict[str, Any]:
     return stats(ttis, time.monotonic() - t_all, n, n)
 
 
+async def docker_staggered(d: Docker, image: str, n: int, every: float = 0.2) -> dict[str, Any]:
+    async def one(i: int) -> tuple[str, float]:
+        await asyncio.sleep(i * every)
+        return await docker_interactive(d, image, time.monotonic())
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    wall = time.monotonic() - t0
+    good = [r for r in results if not isinstance(r, BaseException)]
+    if good:
+        await d.acli("rm", "-f", *[c for c, _ in good])
+    return stats([t for _, t in good], wall, len(good), n)
+
+
+async def docker_snapshot_batch(d: Docker, image: str, n: int) -> dict[str, Any]:
+    """Docker's nearest: ``docker commit`` of a prepared container, which is then removed,
+    and ``n`` ``docker run`` of the image (files only: a container's processes are not
+    in a commit, so the sleep is started again)."""
+    src = await d.acli("run", "-d", "--network", "none", image, "sleep", "infinity")
+    await d.acli("exec", src, "sh", "-c", "echo state > /prepared")
+    await d.acli("commit", src, "rl-bench-snap:latest")
+    await d.acli("rm", "-f", src)
+    t0 = time.monotonic()
+
+    async def child() -> tuple[str, float]:
+        cid = await d.acli("run", "-d", "--network", "none", "rl-bench-snap:latest", "sleep", "infinity")
+        out = await d.acli("exec", cid, "cat", "/prepared")
+        assert out == "state", out
+        return cid, time.monotonic() - t0
+    results = await asyncio.gather(*(child() for _ in range(n)), return_exceptions=True)
+    wall = time.monotonic() - t0
+    good = [r for r in results if not isinstance(r, BaseException)]
+    if good:
+        await d.acli("rm", "-f", *[c for c, _ in good])
+    return stats([t for _, t in good], wall, len(good), n)
+
+
+async def docker_rollouts(d: Docker, image: str, tasks: int, forks: int, commands: int) -> dict[str, Any]:
+    async def task(i: int) -> int:
+        src = await d.acli("run", "-d", "--network", "none", image, "sleep", "infinity")
+        await d.acli("exec", src, "sh", "-c", f"echo task {i} > /task")
+        tag = f"rl-bench-task{i}:latest"
+        await d.acli("commit", src, tag)
+
+        async def rollout() -> str:
+            cid = await d.acli("run", "-d", "--network", "none", tag, "sleep", "infinity")
+            for k in range(commands):
+                out = await d.acli("exec", cid, "sh", "-c", f"echo step {k} >> /log; cat /task")
+                assert out == f"task {i}", out
+            return cid
+        done = await asyncio.gather(*(rollout() for _ in range(forks)), return_exceptions=True)
+        cids = [c for c in done if isinstance(c, str)]
+        await d.acli("rm", "-f", src, *cids)
+        return len(cids)
+    t0 = time.monotonic()
+    done = await asyncio.gather(*(task(i) for i in range(tasks)), return_exceptions=True)
+    wall = time.monotonic() - t0
+    ok = sum(x for x in done if isinstance(x, int))
+    return {"n": tasks * forks, "ok": ok, "wall": wall, "rollouts_per_min": ok / wall * 60,
+            "errors": sorted({str(x)[:120] for x in done if isinstance(x, BaseException)})[:5]}
+
+
 # --------------------------------------------------------------------------------- main
 
 Part = Callable[[], Awaitable[dict[str, Any]]]
+Sized = Callable[[int], Awaitable[dict[str, Any]]]
 
 
-def parts_of(args: argparse.Namespace, burst: Callable[[int], Awaitable[dict[str, Any]]],
-             fork: Callable[[int], Awaitable[dict[str, Any]]], idle: Callable[[int], Awaitable[dict[str, Any]]],
-             sequential: Callable[[int], Awaitable[dict[str, Any]]]) -> list[tuple[str, Part]]:
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """One system's way of doing each part (aenv through the SDK, Docker through its CLI)."""
+    burst: Sized
+    fork: Sized
+    idle: Sized
+    sequential: Sized
+    staggered: Sized
+    snapshot_batch: Sized
+    rollouts: Callable[[int, int, int], Awaitable[dict[str, Any]]]
+
+
+def parts_of(args: argparse.Namespace, sub: Subject) -> list[tuple[str, Part]]:
     out: list[tuple[str, Part]] = []
     if args.sequential:
-        out.append((f"sequential x{args.sequential}", lambda: sequential(args.sequential)))
+        out.append((f"sequential x{args.sequential}", functools.partial(sub.sequential, args.sequential)))
+    if args.staggered:
+        out.append((f"staggered x{args.staggered} (one per 200 ms)", functools.partial(sub.staggered, args.staggered)))
     for n in args.bursts:
-        out.append((f"burst {n}", functools.partial(burst, n)))
+        out.append((f"burst {n}", functools.partial(sub.burst, n)))
     for n in args.forks:
-        out.append((f"fork {n}", functools.partial(fork, n)))
-    if args.idle:
-        out.append((f"idle {args.idle}", lambda: idle(args.idle)))
+        out.append((f"fork {n}", functools.partial(sub.fork, n)))
+    for n in args.snapshot_batches:
+        out.append((f"{n} from a snapshot", functools.partial(sub.snapshot_batch, n)))
+    if args.rollouts:
+        t, f, c = args.rollouts
+        out.append((f"rollouts {t} tasks x {f} forks x {c} cmds", functools.partial(sub.rollouts, t, f, c)))
+    for n in args.idle:
+        out.append((f"idle {n}", functools.partial(sub.idle, n)))
     return out
 
 
@@ -336,8 +559,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bursts", type=int, nargs="*", default=[16, 48])
     ap.add_argument("--forks", type=int, nargs="*", default=[16, 20])
-    ap.add_argument("--idle", type=int, default=32)
+    ap.add_argument("--idle", type=int, nargs="*", default=[32])
     ap.add_argument("--sequential", type=int, default=10)
+    ap.add_argument("--staggered", type=int, default=0, help="creates one every 200 ms (0: none)")
+    ap.add_argument("--snapshot-batches", type=int, nargs="*", default=[],
+                    help="sandboxes from one snapshot in one call (its sandbox killed first)")
+    ap.add_argument("--rollouts", type=int, nargs=3, default=None, metavar=("TASKS", "FORKS", "CMDS"),
+                    help="an RL step: TASKS prepared sandboxes, each forked into FORKS rollouts of CMDS commands")
+    ap.add_argument("--breakdown", type=int, default=0,
+                    help="aenv only: CPU per phase of N sequential creates, then their idle CPU")
     ap.add_argument("--configs", nargs="+", default=["gated", "ungated"],
                     help="gated (the default restore gate), ungated (restore_slots 1024), or slots=N")
     ap.add_argument("--peer", choices=("docker", "none"), default="docker")
@@ -354,8 +584,14 @@ def main() -> int:
                 ap.error(f"--configs: {config!r} is none of gated, ungated, slots=N")
             slots = None if config == "gated" else 1024 if config == "ungated" else int(config[6:])
             with aenv_server(work / config, slots) as srv:
-                asyncio.run(run_parts(f"aenv {config}", parts_of(
-                    args, functools.partial(aenv_burst, srv.url), aenv_fork, aenv_idle, aenv_sequential), results))
+                sub = Subject(functools.partial(aenv_burst, srv.url), aenv_fork, aenv_idle, aenv_sequential,
+                              aenv_staggered, aenv_snapshot_batch, aenv_rollouts)
+                asyncio.run(run_parts(f"aenv {config}", parts_of(args, sub), results))
+        if args.breakdown:
+            # its own node without a pool: every create is a restore whose QEMU is the new one
+            with aenv_server(work / "breakdown", None, pool=0) as srv:
+                asyncio.run(run_parts("aenv (no pool)", [(f"breakdown x{args.breakdown}", functools.partial(
+                    aenv_breakdown, srv.proc.pid, args.breakdown))], results))
         if args.peer == "docker":
             from aenv_vm.guest import ensure_guest
             d = Docker(work / "docker")
@@ -364,10 +600,10 @@ def main() -> int:
                 d.start()
                 d.import_rootfs(ensure_guest(quiet=True).rootfs, "rl-bench-rootfs:latest")
                 image = "rl-bench-rootfs:latest"
-                asyncio.run(run_parts("docker", parts_of(
-                    args, functools.partial(docker_burst, d, image), functools.partial(docker_fork, d, image),
-                    functools.partial(docker_idle, d, image), functools.partial(docker_sequential, d, image)),
-                    results))
+                sub = Subject(*(functools.partial(f, d, image) for f in (
+                    docker_burst, docker_fork, docker_idle, docker_sequential, docker_staggered,
+                    docker_snapshot_batch, docker_rollouts)))
+                asyncio.run(run_parts("docker", parts_of(args, sub), results))
             finally:
                 d.stop()
     rows = []
@@ -376,9 +612,16 @@ def main() -> int:
         if "mib_per_sandbox" in r:
             rows.append([name, "", "", "", "", "", f"{r['mib_per_sandbox']:.1f} MiB each", ""])
             continue
+        if "rollouts_per_min" in r:
+            rows.append([name, f"{r['ok']}/{r['n']}", "", "", "", "", f(r["wall"]),
+                         f"{r['rollouts_per_min']:.0f} rollouts/min"])
+            continue
+        if "qemu_create_ms" in r:
+            rows.append([name, "", "", "", "", "", "", " ".join(f"{k}={v:.0f}" for k, v in r.items() if k != "n")])
+            continue
         rows.append([name, f"{r['ok']}/{r['n']}", f(r["first"]), f(r["p50"]), f(r["p95"]), f(r["p99"]),
                      f(r["wall"]), f"{r.get('node_429', '')}"])
-    print_table(rows, ["part", "ok", "first s", "p50 s", "p95 s", "p99 s", "wall s", "429s"])
+    print_table(rows, ["part", "ok", "first s", "p50 s", "p95 s", "p99 s", "wall s", "429s / notes"])
     print(json.dumps(machine_info()))
     if args.json:
         args.json.write_text(json.dumps({"machine": machine_info(), "results": results}, indent=1, default=str))
