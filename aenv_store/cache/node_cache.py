@@ -560,6 +560,11 @@ class NodeCache:
                             del self._my_pins[digest]
                 raise
 
+    def pins_held(self, digest: Digest) -> int:
+        """How many pins of ``digest`` this instance holds."""
+        with self._lock:
+            return self._my_pins.get(bytes(digest), 0)
+
     def unpin(self, digests: Iterable[Digest]) -> None:
         """Release pins taken by this instance; extra unpins are ignored."""
         self._check_open()

@@ -47,6 +47,46 @@ COMMIT_BATCH = 64   # chunks staged per stage_many call at commit (4 MiB at 64 K
 STACK_MAPS = StackMaps()
 
 
+class MapPins:
+    """The chunks of a shared stack map, pinned in a store's node cache once while any
+    image opened on that map is open (the hundredth sandbox of a template takes a count,
+    not tens of thousands of pins)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (id(store), id(map)) -> (store, map, users): the objects are held, so ids stay theirs
+        self._users: dict[tuple[int, int], tuple["Store", ExtentMap, int]] = {}
+
+    def acquire(self, store: "Store", m: ExtentMap) -> None:
+        key = (id(store), id(m))
+        with self._lock:
+            got = self._users.get(key)
+            if got is None:
+                store.pin_chunks(m.chunks())
+                self._users[key] = (store, m, 1)
+            else:
+                self._users[key] = (store, m, got[2] + 1)
+
+    def release(self, store: "Store", m: ExtentMap) -> None:
+        key = (id(store), id(m))
+        with self._lock:
+            got = self._users.get(key)
+            if got is None:
+                return
+            if got[2] > 1:
+                self._users[key] = (store, m, got[2] - 1)
+                return
+            del self._users[key]
+            store.unpin_chunks(m.chunks())
+
+    def users(self, store: "Store", m: ExtentMap) -> int:
+        got = self._users.get((id(store), id(m)))
+        return 0 if got is None else got[2]
+
+
+MAP_PINS = MapPins()
+
+
 class ImageObserver(Protocol):
     """Watches an image's reads (BlockImage.add_observer); called on the reading thread,
     so it must be quick (hand work to a thread of its own)."""
@@ -106,7 +146,8 @@ class BlockImage:
             upper = UpperLayer(upper_dir, size, top, create=fresh_upper or not (upper_dir / "upper.map").exists(),
                                min_free=min_free_disk)
         self._view = _View(tuple(layers), flat, upper)
-        self._pin(flat.chunks())
+        self._base_map: ExtentMap | None = flat
+        MAP_PINS.acquire(store, flat)      # the chunks committed since are pinned by _pin
         self._info = ExportInfo(name=name, size=size, read_only=upper is None,
                                 # every connection shares this object and flush covers all of it
                                 can_multi_conn=True, description=f"aenv image {name}")
@@ -424,6 +465,9 @@ class BlockImage:
         if self._pinned:
             self.store.unpin_chunks(self._pinned)
             self._pinned = set()
+        if self._base_map is not None:
+            MAP_PINS.release(self.store, self._base_map)
+            self._base_map = None
         self.memory.clear()
 
     def __enter__(self) -> "BlockImage":

@@ -64,3 +64,24 @@ def test_overlapping_input_rejected() -> None:
     from aenv_vm.blockimage.extent_map import Segment
     with pytest.raises(ValueError):
         ExtentMap(100, [Segment(0, 50, None), Segment(40, 60, None)])
+
+
+def test_stack_maps_build_each_stack_once_and_stay_bounded() -> None:
+    from aenv_store.formats.ids import Digest
+    from aenv_store.formats.manifest import Extent
+    from aenv_vm.blockimage.extent_map import ExtentMap, StackMaps
+
+    def layer(i: int, n: int) -> tuple[Digest, list[Extent]]:
+        return Digest.of(b"layer %d" % i), [Extent(k * 4096, 4096, Digest.of(b"%d/%d" % (i, k))) for k in range(n)]
+    maps = StackMaps(max_segments=25)
+    a, b, c = layer(1, 8), layer(2, 8), layer(3, 30)
+    first = maps.get(1 << 20, [a])
+    assert maps.get(1 << 20, [a]) is first                      # built once
+    assert maps.get(1 << 20, [a, b]) is not first               # another stack, another map
+    want = ExtentMap.from_layers(1 << 20, [a[1], b[1]])
+    assert list(maps.get(1 << 20, [a, b]).segments()) == list(want.segments())
+    assert maps.get(2 << 20, [a]) is not first                  # the size is part of the name
+    assert len(maps) == 2                                       # [a] fell out: 9 + 9 + 9 > 25
+    big = maps.get(1 << 20, [c])                                # bigger than the bound: never kept
+    assert maps.get(1 << 20, [c]) is not big and len(maps) == 2
+    assert first.chunks() is first.chunks() and len(first.chunks()) == 8

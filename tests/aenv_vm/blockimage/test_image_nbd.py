@@ -193,6 +193,34 @@ def test_lazy_fetch_only_touched_chunks(tmp_path: Path) -> None:
         assert node.cache.stats().pinned == 0            # unpinned on close
 
 
+def test_images_on_one_stack_share_its_map_and_one_set_of_pins(tmp_path: Path) -> None:
+    """The hundredth sandbox of a template neither rebuilds the stack's map nor pins its
+    chunks again: images on one stack share the map and one pin of each chunk, held
+    until the last of them closes; a commit's new chunks are pinned by their image."""
+    src = tmp_path / "src.raw"
+    data = _disk(src, 4 * MiB)
+    with Store.open(store_settings(tmp_path / "node"), create=True) as node:
+        top = import_raw(node, src, "base").layer_id
+        assert node.load_manifest(top) is node.load_manifest(top)      # decoded once
+        a = BlockImage.open(node, top, "a", upper_dir=tmp_path / "ua")
+        b = BlockImage.open(node, top, "b", upper_dir=tmp_path / "ub")
+        chunks = a.extent_map.chunks()
+        assert b.extent_map is a.extent_map and chunks
+        assert node.cache is not None
+        held = node.cache.pins_held
+        assert all(held(c) == 1 for c in chunks)           # one pin for both images
+        b.write(0, b"\x01" * 4096)
+        b.commit("b-1")
+        fresh = b.extent_map.chunks() - chunks
+        assert fresh and all(held(c) == 1 for c in fresh)
+        b.close()
+        assert all(held(c) == 1 for c in chunks)           # a still reads them
+        assert not any(held(c) for c in fresh)             # b's own went with it
+        assert a.read(0, 4096) == data[:4096]
+        a.close()
+        assert not any(held(c) for c in chunks)
+
+
 def test_readahead_fetches_ahead_of_sequential_reads(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     src = tmp_path / "src.raw"
