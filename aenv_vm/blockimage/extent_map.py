@@ -209,26 +209,39 @@ class StackMaps:
         self._maps: OrderedDict[tuple[int, tuple[Digest, ...]], ExtentMap] = OrderedDict()
         self._segments = 0
         self._lock = threading.Lock()
+        self._building: dict[tuple[int, tuple[Digest, ...]], threading.Lock] = {}
 
     def get(self, size: int, stack: Sequence[tuple[Digest, Sequence[LayerExtent]]]) -> ExtentMap:
         """The map of ``stack`` ((manifest id, extents) per layer, bottom first) at ``size``."""
         key = (size, tuple(mid for mid, _ in stack))
-        with self._lock:
-            m = self._maps.get(key)
-            if m is not None:
-                self._maps.move_to_end(key)
-                return m
-        m = ExtentMap.from_layers(size, [extents for _, extents in stack])
-        if len(m) > self.max_segments:
+        while True:
+            with self._lock:
+                m = self._maps.get(key)
+                if m is not None:
+                    self._maps.move_to_end(key)
+                    return m
+                building = self._building.get(key)
+                if building is None:        # this thread builds it
+                    building = self._building[key] = threading.Lock()
+                    building.acquire()
+                    break
+            # one build per stack: a fork's sixteen children opening at once wait for the first
+            with building:
+                pass
+        try:
+            m = ExtentMap.from_layers(size, [extents for _, extents in stack])
+            with self._lock:
+                if len(m) <= self.max_segments and key not in self._maps:
+                    self._maps[key] = m
+                    self._segments += len(m)
+                    while self._segments > self.max_segments:
+                        _, old = self._maps.popitem(last=False)
+                        self._segments -= len(old)
             return m
-        with self._lock:
-            if key not in self._maps:
-                self._maps[key] = m
-                self._segments += len(m)
-                while self._segments > self.max_segments:
-                    _, old = self._maps.popitem(last=False)
-                    self._segments -= len(old)
-        return m
+        finally:
+            with self._lock:
+                del self._building[key]
+            building.release()
 
     def __len__(self) -> int:
         return len(self._maps)

@@ -85,3 +85,32 @@ def test_stack_maps_build_each_stack_once_and_stay_bounded() -> None:
     big = maps.get(1 << 20, [c])                                # bigger than the bound: never kept
     assert maps.get(1 << 20, [c]) is not big and len(maps) == 2
     assert first.chunks() is first.chunks() and len(first.chunks()) == 8
+
+
+def test_stack_maps_build_a_stack_once_when_many_open_it_at_once() -> None:
+    import threading
+
+    from aenv_store.formats.ids import Digest
+    from aenv_store.formats.manifest import Extent
+    from aenv_vm.blockimage import extent_map
+    from aenv_vm.blockimage.extent_map import StackMaps
+
+    builds = []
+    real = extent_map.ExtentMap.from_layers
+
+    def counted(size, layers):  # type: ignore[no-untyped-def]
+        builds.append(size)
+        return real(size, layers)
+    stack = [(Digest.of(b"l"), [Extent(k * 4096, 4096, Digest.of(b"%d" % k)) for k in range(2000)])]
+    maps = StackMaps()
+    got: list[object] = []
+    extent_map.ExtentMap.from_layers = counted  # type: ignore[method-assign]
+    try:
+        threads = [threading.Thread(target=lambda: got.append(maps.get(1 << 30, stack))) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        extent_map.ExtentMap.from_layers = real  # type: ignore[method-assign]
+    assert len(builds) == 1 and len(got) == 16 and all(g is got[0] for g in got)
