@@ -346,6 +346,7 @@ class Moves:
         results: list[dict[str, Any]] = []
         refused: dict[str, Any] | None = None        # the last child refusal, for children nobody took
         tried: set[str] = set()
+        wrong: tuple[Answer, str] | None = None     # a node's answer that was not a list of children
         for _ in range(PLACE_ATTEMPTS):
             pending = count - len(results)
             if pending <= 0:
@@ -375,8 +376,7 @@ class Moves:
                     tried.add(n.node_id)
                     continue
                 if a.status != 201:
-                    if not results:
-                        return _relay(a, n.node_id)      # the request itself is wrong (or not found)
+                    wrong = wrong or (a, n.node_id)
                     tried.add(n.node_id)
                     continue
                 for r in a.json() or []:
@@ -385,6 +385,8 @@ class Moves:
                         tried.add(n.node_id)
                     else:
                         results.append(r)
+            if wrong is not None and not results:
+                return _relay(*wrong)       # the request itself is wrong (or not found): every node says so
         missing = count - len(results)
         if missing > 0:
             why = refused or {"error": {"code": 429, "message": "no node had room for this child"}}

@@ -447,3 +447,15 @@ def test_a_snapshot_batch_of_a_missing_snapshot_is_the_nodes_404() -> None:
     req = make_mocked_request("POST", path, headers={"X-API-Key": "k"})
     got = run(m.fork_snapshot(req, "nope", json.dumps({"count": 4}).encode()))
     assert status(got) == 404 and "not found" in body_of(got)["message"]
+
+
+def test_a_snapshot_batch_keeps_what_one_node_made_when_another_refuses_the_request() -> None:
+    """Shares go out at once: a node's odd refusal must not hide (and leak) the children
+    another node already made."""
+    fleet = Fleet(node("n1"), node("n2"))
+    path = "/snapshots/snap-1/fork"
+    m, _ = moves(fleet, {("POST", "http://n1" + path): [refusal(500, None, "disk trouble")],
+                         ("POST", "http://n2" + path): [_answer(_sandboxes("a", "b")), _answer(_sandboxes("c", "d"))]})
+    req = make_mocked_request("POST", path, headers={"X-API-Key": "k"})
+    got = run(m.fork_snapshot(req, "snap-1", json.dumps({"count": 4}).encode()))
+    assert status(got) == 201 and body_of(got) == _sandboxes("a", "b", "c", "d")   # type: ignore[comparison-overlap]
