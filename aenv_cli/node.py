@@ -40,7 +40,7 @@ from aenv_vm.builds.template_builds import TemplateBuilds
 from aenv_vm.confine.policy import Confinement
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage, ensure_guest
-from aenv_vm.machine.admission import Admission
+from aenv_vm.machine.admission import Admission, Headroom
 from aenv_vm.net.netns import NetError
 from aenv_vm.sandboxes.manager import SandboxManager
 from aenv_vm.sandboxes.node_service import NodeSandboxService
@@ -127,7 +127,8 @@ class Node:
                 raise StartError(str(e)) from None
             volumes = VolumeRegistry(config.data_dir / "volumes")   # one registry: the API's and the mounts'
             metrics = Metrics()
-            admission = Admission(vm.admission_limits(), AdmissionMetrics(metrics))
+            headroom = Headroom(vm.min_free_memory_mib << 20, config.cache.min_free_disk, run_root)
+            admission = Admission(vm.admission_limits(), AdmissionMetrics(metrics), headroom=headroom.shortage)
             register_admission_gauges(metrics, admission)
             manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
                                      tcg_tb_mib=vm.tcg_tb_mib or None, default_timeout=server_cfg.default_timeout,

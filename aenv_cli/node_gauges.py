@@ -89,7 +89,8 @@ class AdmissionMetrics:
     def refused(self, reason: str) -> None:
         self.metrics.inc("aenv_restore_refused_total", (("reason", reason),),
                          help="restores answered 429 at once by reason: queue (restore_queue waiting), "
-                              "wait (estimated wait beyond restore_max_wait)")
+                              "wait (estimated wait beyond restore_max_wait), memory / disk (the host below "
+                              "what the node keeps free)")
 
 
 def register_admission_gauges(metrics: Metrics, admission: Admission) -> None:

@@ -94,6 +94,10 @@ class VmConfig:
     restore_slots: int = 0
     restore_queue: int = 256
     restore_max_wait: float = 30.0
+    # A create, resume or fork child is answered 429 (the node is full for now) while the
+    # host's available memory is below this (0: no bound), or the data dir's free disk
+    # below [cache] min_free_disk: a burst stops before the host runs out, not after.
+    min_free_memory_mib: int = 512
     # PEM bundle of those certificates ("": the host's system bundle, the first of
     # /etc/ssl/certs/ca-certificates.crt, /etc/pki/tls/certs/ca-bundle.crt, ... that exists).
     host_ca_bundle: str = ""
@@ -139,6 +143,8 @@ class VmConfig:
             raise ConfigError("vm.pool_size and vm.tcg_tb_mib must be >= 0 and vm.ready_timeout > 0")
         if not 1 <= self.ksm_pages_to_scan <= 100_000 or not 1 <= self.ksm_sleep_ms <= 60_000:
             raise ConfigError("vm.ksm_pages_to_scan must be in 1..100000 and vm.ksm_sleep_ms in 1..60000")
+        if self.min_free_memory_mib < 0:
+            raise ConfigError("vm.min_free_memory_mib must be >= 0")
         if not 0 <= self.restore_slots <= 1024 or not 0 <= self.restore_queue <= 100_000 or \
                 not 0 < self.restore_max_wait <= 3600:
             raise ConfigError("vm.restore_slots must be in 0..1024, vm.restore_queue in 0..100000 and "

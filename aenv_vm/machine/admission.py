@@ -18,6 +18,10 @@ restore's time, the rest follow in arrival order, and the whole burst takes no l
   ``retry_after`` is when that estimate would fall back within the bound.
 * A waiter that is cancelled (its client went away) leaves the queue; a slot granted
   to it in the same moment is handed on.
+* A foreground restore is also refused (a plain ``CapacityError``: the node is full
+  for now) when the host is short of what the node keeps free (``Headroom``: available
+  memory, disk), checked on arrival and again when its slot comes: a burst queued
+  while memory lasted does not start restores the host can no longer hold.
 
 The gate holds no lock across awaits and keeps no per-restore state beyond the
 queue's futures: everything is on the node's event loop.
@@ -31,9 +35,10 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from pathlib import Path
+from typing import AsyncIterator, Callable, Protocol
 
-from ..errors import AdmissionRefused
+from ..errors import AdmissionRefused, CapacityError
 
 # Until restores have run, one is assumed to take this long (a TCG restore here: ~1-2 s).
 INITIAL_RESTORE_SECONDS = 2.0
@@ -66,6 +71,45 @@ def auto_slots() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
+def mem_available() -> int:
+    """The host's MemAvailable, bytes (0 when /proc/meminfo cannot be read)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """What the node keeps free for itself and the sandboxes it runs: a foreground
+    restore that would start below it is refused. 0 turns a bound off."""
+    min_free_memory: int = 0            # bytes of the host's MemAvailable
+    min_free_disk: int = 0              # bytes free on disk_path's filesystem
+    disk_path: Path | None = None       # where sandboxes' upper layers and pauses grow
+
+    def shortage(self) -> tuple[str, str] | None:
+        """(reason, message) when the host is below a bound now, else None."""
+        if self.min_free_memory:
+            avail = mem_available()
+            if avail < self.min_free_memory:
+                return "memory", (f"the host has {avail >> 20} MiB of memory available, below the "
+                                  f"{self.min_free_memory >> 20} MiB this node keeps free ([vm] min_free_memory_mib)")
+        if self.min_free_disk and self.disk_path is not None:
+            try:
+                st = os.statvfs(self.disk_path)
+            except OSError:
+                return None
+            free = st.f_bavail * st.f_frsize
+            if free < self.min_free_disk:
+                return "disk", (f"{self.disk_path} has {free >> 20} MiB free, below the "
+                                f"{self.min_free_disk >> 20} MiB this node keeps free ([cache] min_free_disk)")
+        return None
+
+
 @dataclass(frozen=True)
 class AdmissionStats:
     slots: int
@@ -87,9 +131,13 @@ class Admission:
     """The node-wide gate every restore passes (see the module doc)."""
 
     def __init__(self, limits: AdmissionLimits, observer: AdmissionObserver | None = None,
-                 initial_restore_seconds: float = INITIAL_RESTORE_SECONDS) -> None:
+                 initial_restore_seconds: float = INITIAL_RESTORE_SECONDS,
+                 headroom: Callable[[], tuple[str, str] | None] | None = None) -> None:
+        """``headroom``: (reason, message) when the host is short of what the node keeps
+        free (``Headroom.shortage``); None: no such bound."""
         self.limits = limits
         self.observer = observer
+        self.headroom = headroom
         self._mean = initial_restore_seconds
         self._measured = False
         self._in_flight = 0
@@ -109,6 +157,7 @@ class Admission:
     def check(self) -> None:
         """Refuse now (``AdmissionRefused``) what ``slot`` would refuse for a foreground
         restore arriving now: for callers with work to do before their restore."""
+        self._check_headroom()
         lim = self.limits
         if self._in_flight < lim.slots and not self._foreground:
             return      # it runs at once
@@ -122,6 +171,14 @@ class Admission:
         if wait > lim.max_wait:
             self._refuse("wait", f"a restore would wait about {wait:.1f} s on this node "
                                  f"(more than {lim.max_wait:g} s)", wait - lim.max_wait)
+
+    def _check_headroom(self) -> None:
+        short = self.headroom() if self.headroom is not None else None
+        if short is not None:
+            reason, message = short
+            if self.observer is not None:
+                self.observer.refused(reason)
+            raise CapacityError(message)
 
     def _refuse(self, reason: str, why: str, retry_after: float) -> None:
         if self.observer is not None:
@@ -173,6 +230,12 @@ class Admission:
         t1 = time.monotonic()
         if self.observer is not None:
             self.observer.waited(t1 - t0, background)
+        if not background and t1 - t0 > 0.05:
+            try:        # it waited: the host may have filled up meanwhile
+                self._check_headroom()
+            except CapacityError:
+                self._release(None)
+                raise
         try:
             yield
         finally:

@@ -123,3 +123,28 @@ def test_fork_children_beyond_the_queue_fail_alone_with_429(gated_env: InProcess
     assert errors and all(e["code"] == 429 and "retry after" in e["message"] for e in errors)
     status, _, body = gated_env.request("POST", f"/sandboxes/{parent.sandbox_id}/fork", {"count": 101})
     assert status == 400
+
+
+def test_a_host_below_its_memory_floor_answers_full_at_once(gated_env: InProcessServer) -> None:
+    """The node's memory floor ([vm] min_free_memory_mib): a create is 429 with E2B's
+    capacity code and ``Should-Retry: false`` (room comes when sandboxes end, not after a
+    wait), counted by reason; the SDK raises its rate-limit error."""
+    from e2b import Sandbox
+    from e2b.exceptions import RateLimitException
+
+    assert gated_env.fake is not None and gated_env.fake.admission is not None
+    gate = gated_env.fake.admission
+    before = _metric(_metrics(gated_env), "aenv_restore_refused_total", '{reason="memory"}')
+    gate.headroom = lambda: ("memory", "the host has 100 MiB of memory available, below the 512 MiB "
+                                       "this node keeps free ([vm] min_free_memory_mib)")
+    try:
+        got = asyncio.run(_burst(gated_env, 3))
+        for status, headers, body in got:
+            assert status == 429 and body["code"] == 429 and "min_free_memory_mib" in body["message"]
+            assert headers.get("Should-Retry") == "false" and headers.get("Retry-After", "").isdecimal()
+        with pytest.raises(RateLimitException):
+            Sandbox.create()
+        assert _metric(_metrics(gated_env), "aenv_restore_refused_total", '{reason="memory"}') == before + 4
+    finally:
+        gate.headroom = None
+    Sandbox.create().kill()         # room again

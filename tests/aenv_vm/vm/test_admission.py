@@ -235,3 +235,69 @@ def test_a_free_slot_admits_even_with_no_queue_allowed() -> None:
             assert e.value.reason == "queue"
         gate.check()
     asyncio.run(case())
+
+
+def test_a_host_short_of_headroom_refuses_foreground_restores_as_full() -> None:
+    """Below the memory or disk the node keeps free, a create is answered "full" at once
+    (a CapacityError, not a retryable queue refusal), counted by reason; pool refills
+    still only wait. A restore that waited is checked again when its slot comes."""
+    from pathlib import Path
+
+    from aenv_vm.errors import AdmissionRefused, CapacityError
+    from aenv_vm.machine.admission import Admission, AdmissionLimits, Headroom
+
+    class Seen:
+        def __init__(self) -> None:
+            self.reasons: list[str] = []
+
+        def waited(self, seconds: float, background: bool) -> None:
+            pass
+
+        def refused(self, reason: str) -> None:
+            self.reasons.append(reason)
+
+    short: list[tuple[str, str] | None] = [None]
+    seen = Seen()
+    gate = Admission(AdmissionLimits(slots=1), seen, headroom=lambda: short[0])
+
+    async def main() -> None:
+        async with gate.slot():
+            pass
+        short[0] = ("memory", "the host has 100 MiB of memory available, below the 512 MiB ...")
+        with pytest.raises(CapacityError) as e:
+            async with gate.slot():
+                pass
+        assert not isinstance(e.value, AdmissionRefused) and "512 MiB" in str(e.value)
+        async with gate.slot(background=True):     # a pool refill is never refused
+            pass
+        # queued while there was room; the host fills up before its slot comes
+        short[0] = None
+        release = asyncio.Event()
+
+        async def holder() -> None:
+            async with gate.slot():
+                await release.wait()
+        h = asyncio.ensure_future(holder())
+        await asyncio.sleep(0)
+
+        async def waiter() -> None:
+            async with gate.slot():
+                pass
+        w = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0.1)
+        short[0] = ("disk", "no disk")
+        release.set()
+        await h
+        with pytest.raises(CapacityError):
+            await w
+        assert gate.stats().in_flight == 0          # its slot went back
+        short[0] = None
+        async with gate.slot():
+            pass
+
+    asyncio.run(main())
+    assert seen.reasons == ["memory", "disk"]
+    # the real bounds: a floor above any host's memory, a disk floor above any disk
+    assert Headroom(min_free_memory=1 << 62).shortage()[0] == "memory"      # type: ignore[index]
+    assert Headroom(min_free_disk=1 << 62, disk_path=Path("/")).shortage()[0] == "disk"   # type: ignore[index]
+    assert Headroom(min_free_memory=1 << 20, min_free_disk=1 << 20, disk_path=Path("/")).shortage() is None
