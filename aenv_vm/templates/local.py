@@ -29,9 +29,10 @@ from ..errors import VmError
 from ..memory.device_state import template_config
 from ..memory.lazyfs import LazyImage, MemoryFs
 from ..memory.memory_image import Delta, fetch_delta, read_delta, write_delta
-from .template import DEVICE_STATE, MAX_PARENTS, MEMORY_IMAGE, Template, TemplateError, find_template
+from .template import DEVICE_STATE, MEMORY_IMAGE, Template, TemplateError, find_template
 
 DELTA_FILE = "memory.delta"     # a pause's snapshot: its pages (aenv_vm/memory/memory_image.py, version 1)
+MAX_DONORS = 8                  # templates walked for the memory file of a pause's snapshot
 
 
 def _write_blob(store: Store, mid: Digest, path: Path, media: str, tid: str) -> None:
@@ -151,7 +152,7 @@ class LocalTemplates:
         chain) whose memory image is the one ``tpl`` maps; None: none is left (the image is
         then fetched into ``tpl``'s own directory)."""
         ref = tpl.meta.parent_template
-        for _ in range(MAX_PARENTS):
+        for _ in range(MAX_DONORS):
             if ref is None:
                 return None
             try:

@@ -425,6 +425,16 @@ def test_sandboxes_from_a_paused_sandboxs_pause(svc: Impl) -> None:
         await s.resume(b.sandbox_id)
         await s.pause(b.sandbox_id, memory=False)
         await _refused(_enter(s.pause_snapshot(b.sandbox_id)), Conflict, "paused without its memory")
+        # a paused sandbox this node does not hold: its pause is read from the shared repository
+        c = await _create(svc, timeout=600)
+        await s.pause(c.sandbox_id)
+        await s.release(c.sandbox_id)
+        async with s.pause_snapshot(c.sandbox_id) as moved:
+            assert moved.sandbox_id == c.sandbox_id
+            elsewhere = await _create(svc, template=moved.snapshot_id)
+        assert elsewhere.template_id == moved.snapshot_id and elsewhere.state == SandboxState.RUNNING
+        await s.kill(elsewhere.sandbox_id)
+        assert (await s.adopt(c.sandbox_id)).state == SandboxState.PAUSED
     svc.run(case())
 
 
