@@ -2,7 +2,8 @@
 E2B API; see apiclient.py for --url / --api-key). Snapshots are made with
 `aenv sandbox snapshot` and used as templates by `aenv sandbox create SNAPSHOT`;
 `aenv snapshot fork SNAPSHOT -n N` starts N sandboxes from one at once (its sandbox
-may be gone), as `aenv sandbox fork` does from a running sandbox."""
+may be gone), as `aenv sandbox fork` does from a running sandbox; given a paused
+sandbox's id instead, from that sandbox's last pause (it stays paused)."""
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,12 @@ def register(subparsers: Subcommands) -> None:
     rm = sub.add_parser("rm", parents=[client_options()], help="delete a snapshot")
     rm.add_argument("snapshot")
     rm.set_defaults(handler=cmd_rm)
-    f = sub.add_parser("fork", parents=[client_options()], help="start N sandboxes from a snapshot at once")
-    f.add_argument("snapshot", help="its id or name")
+    f = sub.add_parser("fork", parents=[client_options()],
+                       help="start N sandboxes from a snapshot, or from a paused sandbox's last pause, at once",
+                       description="Start N sandboxes at once from a named snapshot (its sandbox may be gone) "
+                                   "or from the last pause of a paused sandbox: its files and processes, each "
+                                   "new sandbox with its own id and token; the paused sandbox stays paused.")
+    f.add_argument("snapshot", help="a snapshot's id or name, or a paused sandbox's id")
     f.add_argument("--count", "-n", type=int, default=1)
     f.add_argument("--timeout", type=int, default=None, help="the sandboxes' time to live in seconds")
     f.add_argument("--metadata", "-m", action="append", default=[], metavar="KEY=VALUE",

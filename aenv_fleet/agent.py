@@ -21,6 +21,7 @@ import os
 import shutil
 import socket
 import time
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -155,6 +156,9 @@ class ObservedService:
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self.inner.delete_snapshot(snapshot_id)     # changes no sandbox
+
+    def pause_snapshot(self, sandbox_id: str) -> AbstractAsyncContextManager[SnapshotInfo]:
+        return self.inner.pause_snapshot(sandbox_id)     # changes no sandbox (its batch: ``create``)
 
     # --- reads: passed on -------------------------------------------------------------------
 

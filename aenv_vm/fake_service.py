@@ -6,7 +6,8 @@ state table (states.py) and so the same refusals with the same error classes and
 messages, ids of the same form, TTL expiry that pauses or kills by ``auto_pause`` and
 tells the ``on_expiry`` listeners, snapshots that are templates, forks with one result
 per child, capacity (``CapacityError`` past ``max_sandboxes``; a fork's children beyond
-the room one each), volumes resolved by
+the room one each), a paused sandbox's pause held as a hidden snapshot for a batch (and
+hidden snapshots dropped once nothing uses or holds them), volumes resolved by
 name, network rules kept across pause, resume and fork, and endpoint, console, usage
 and metrics answers of the right types. tests/aenv_vm/test_service_contract.py runs the
 same cases against it, the observed wrapper and the real node, so it cannot drift.
@@ -28,6 +29,8 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -56,7 +59,7 @@ class FakeTemplate:
     disk_mib: int = 2048
     envd_version: str | None = "0.5.7"
     snapshot_of: str | None = None      # the sandbox a snapshot was taken of
-    hidden: bool = False                # a fork's snapshot: not listed
+    hidden: bool = False                # a fork's or a pause's snapshot: not listed, dropped when unused
     created: float = 0.0
 
 
@@ -135,6 +138,8 @@ class FakeSandboxService:
         self.admission = admission
         self.restore_seconds = restore_seconds
         self._creating = 0
+        self._holds: Counter[str] = Counter()    # hidden snapshot id -> batches and creates under way from it
+        self._shared: set[str] = set()          # hidden snapshots a sandbox moved away from: kept
 
     # -- test controls ---------------------------------------------------------------------
 
@@ -259,10 +264,12 @@ class FakeSandboxService:
         sid = _new_id("sbx-")
         check(Phase.GONE, Op.CREATE, sid)
         self._creating += 1
+        self._holds[tpl.template_id] += 1
         try:
             await self._restore()
         finally:
             self._creating -= 1
+            self._release_hold(tpl.template_id)
         policy = req.network
         if req.allow_internet_access is False:
             policy = with_internet(policy, False)
@@ -287,7 +294,23 @@ class FakeSandboxService:
 
     async def kill(self, sandbox_id: str) -> None:
         self._check(sandbox_id, Op.KILL)
-        del self._sandboxes[sandbox_id]
+        gone = self._sandboxes.pop(sandbox_id)
+        self._drop_unused(gone.info.template_id)
+
+    def _drop_unused(self, tid: str) -> None:
+        """A hidden snapshot lives while a sandbox uses it or something holds it, as on a node."""
+        tpl = self.templates.get(tid)
+        if tpl is None or not tpl.hidden or tid in self._holds or tid in self._shared:
+            return
+        if any(s.info.template_id == tid for s in self._sandboxes.values()):
+            return
+        del self.templates[tid]
+
+    def _release_hold(self, tid: str) -> None:
+        self._holds[tid] -= 1
+        if self._holds[tid] <= 0:
+            del self._holds[tid]
+            self._drop_unused(tid)
 
     async def pause(self, sandbox_id: str, memory: bool = True, require_healthy: bool = False) -> SandboxInfo:
         op = Op.PAUSE if memory else Op.PAUSE_FILESYSTEM
@@ -416,6 +439,23 @@ class FakeSandboxService:
             out.append(info)
         return out + [self._full() for _ in range(count - fits)]    # beyond the node's room
 
+    @contextlib.asynccontextmanager
+    async def pause_snapshot(self, sandbox_id: str) -> AsyncIterator[SnapshotInfo]:
+        sbx = self._sandboxes.get(sandbox_id)
+        if sbx is None:
+            check(Phase.GONE, Op.FORK_PAUSE, sandbox_id)    # allowed: the repository is asked
+            held = self.repository.paused.get(sandbox_id)
+            if held is None:
+                raise NotFound(f"unknown sandbox {sandbox_id!r}")
+            sbx = held[1]
+        check(sbx.phase, Op.FORK_PAUSE, sandbox_id, note=sbx.info.note)
+        tpl = self._snapshot_of(sbx, (), hidden=True)
+        self._holds[tpl.template_id] += 1
+        try:
+            yield SnapshotInfo(tpl.template_id, (), sandbox_id, tpl.created)
+        finally:
+            self._release_hold(tpl.template_id)
+
     async def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
         self._check(sandbox_id, Op.ENDPOINT)
         return self.endpoint_of(sandbox_id, port)
@@ -479,3 +519,5 @@ class FakeSandboxService:
                            f"(docs/volumes.md), so it cannot move to another node")
         self.repository.paused[sandbox_id] = (self.node_id, sbx)
         del self._sandboxes[sandbox_id]
+        if self.templates.get(sbx.info.template_id, BASE).hidden:   # used beyond this node now: kept
+            self._shared.add(sbx.info.template_id)

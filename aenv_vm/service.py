@@ -12,6 +12,7 @@ server-side failure.
 from __future__ import annotations
 
 import enum
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Union
 
@@ -152,6 +153,18 @@ class SandboxService(Protocol):
 
     async def fork(self, sandbox_id: str, count: int, timeout: float | None = None,
                    access_token: TokenMinter | None = None) -> list[ForkResult]: ...
+
+    def pause_snapshot(self, sandbox_id: str) -> AbstractAsyncContextManager[SnapshotInfo]:
+        """A hidden snapshot of paused sandbox ``sandbox_id``'s last pause, held for the
+        ``async with`` block: ``create`` from its id makes sandboxes that start from that
+        pause (its files and its processes), each with its own id, identity and token, while
+        the paused sandbox stays as it is. A sandbox this node does not hold is looked for
+        in the shared repository (paused by another node, or released). The snapshot lives
+        while the block runs or a sandbox made from it exists, whether or not its source
+        does. On entry: NotFound (no such paused sandbox: never made, or killed), Conflict
+        (running, lost, or paused without its memory), UnresponsiveSnapshot (paused while
+        its envd did not answer)."""
+        ...
 
     async def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
         """``(host, port)`` where this process reaches guest TCP ``port`` of a running sandbox."""

@@ -65,6 +65,7 @@ class Op(str, enum.Enum):
     UPDATE_NETWORK = "update-network"
     SNAPSHOT = "snapshot"
     FORK = "fork"
+    FORK_PAUSE = "fork-pause"               # new sandboxes from its last pause (it stays paused)
     ENDPOINT = "endpoint"                   # where a guest port is reached (the proxy)
     USAGE = "usage"                         # host-side resource use of its VM
     CONSOLE = "console"
@@ -150,6 +151,13 @@ HELD = _no(AlreadyHeld, "this node already holds sandbox {sid} ({state})")   # t
 RELEASE_RUNNING = _no(NotPaused, "sandbox {sid} is running: pause it before releasing it")
 RELEASE_NOT_PAUSED = _no(NotPaused, "sandbox {sid} is {state}: only a paused sandbox can be released")
 EXISTS = _no(Conflict, "sandbox {sid} already exists")
+BATCH_OF_RUNNING = _no(Conflict, "sandbox {sid} is running: only a paused sandbox's last pause starts sandboxes "
+                                 "from its id (fork the running sandbox instead)")
+BATCH_WITHOUT_MEMORY = _no(Conflict, "sandbox {sid} was paused without its memory: its pause holds no processes "
+                                     "to start sandboxes from (resume it, then fork it)")
+BATCH_UNRESPONSIVE = _no(UnresponsiveSnapshot, "sandbox {sid} was paused while its guest agent (envd) was not "
+                                               "responding: no sandbox starts from that pause")
+BATCH_NO_PAUSE = _no(Conflict, "sandbox {sid} has no pause to start sandboxes from (state {state}{note})")
 
 
 def _build() -> dict[tuple[Phase, Op], Outcome]:
@@ -182,6 +190,9 @@ def _build() -> dict[tuple[Phase, Op], Outcome]:
     row(Op.UPDATE_NETWORK, _ok(R), NETWORK_OF_PAUSED, NETWORK_OF_PAUSED, NETWORK_OF_PAUSED, NOT_RUNNING)
     row(Op.SNAPSHOT, _ok(R), NOT_RUNNING, NOT_RUNNING, NOT_RUNNING, NOT_RUNNING)
     row(Op.FORK, _ok(R), FORK_OF_PAUSED, FORK_OF_PAUSED, FORK_OF_PAUSED, NOT_RUNNING)
+    # a batch from a paused sandbox's last pause leaves it paused; one this node does not
+    # hold may be paused in the shared repository (another node's, or released): asked there
+    row(Op.FORK_PAUSE, BATCH_OF_RUNNING, _ok(P), BATCH_WITHOUT_MEMORY, BATCH_UNRESPONSIVE, BATCH_NO_PAUSE, gone=_ok(G))
     for op in (Op.ENDPOINT, Op.USAGE, Op.CONSOLE):
         row(op, _ok(R), NOT_RUNNING_HERE, NOT_RUNNING_HERE, NOT_RUNNING_HERE, NOT_RUNNING_HERE)
     row(Op.METRICS, _ok(R), _ok(P), _ok(PF), _ok(PU), _ok(L))

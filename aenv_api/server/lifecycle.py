@@ -483,19 +483,40 @@ class Lifecycle:
 
     async def fork_snapshot(self, snapshot_id: str, count: int, timeout: int | None,
                             metadata: dict[str, str] | None) -> list[dict[str, Any]]:
-        """``count`` sandboxes from named snapshot ``snapshot_id`` (its id or a name), side by
-        side, each a create of its own (so each passes capacity and the restore gate, and
-        fails alone): E2B's RFC ``POST /snapshots/{snapshotID}/fork``. A snapshot outlives
-        the sandbox it was taken of, so the batch does not need it."""
+        """``count`` sandboxes from named snapshot ``snapshot_id`` (its id or a name), or from
+        the last pause of paused sandbox ``snapshot_id``, side by side, each a create of its
+        own (so each passes capacity and the restore gate, and fails alone): E2B's RFC
+        ``POST /snapshots/{snapshotID}/fork``. A snapshot outlives the sandbox it was taken
+        of, so the batch does not need it; a paused sandbox stays paused and untouched, and
+        its pause is named as a hidden snapshot for the batch (the service's
+        ``pause_snapshot``) that lives on with the new sandboxes, whatever becomes of it."""
         try:
             snaps = await self.service.list_snapshots()
         except VmError as e:
             raise api_error(e, "listing snapshots") from None
         found = [s for s in snaps if snapshot_id == s.snapshot_id or snapshot_id in s.names]
-        if not found:
-            raise ApiError(404, f"snapshot {snapshot_id!r} not found (a paused sandbox's pause is not a "
-                                f"snapshot: take one with POST /sandboxes/{{sandboxID}}/snapshots)")
-        req = NewSandbox(template_id=found[0].snapshot_id, timeout=timeout, metadata=metadata, secure=True)
+        if found:
+            return await self._batch(found[0].snapshot_id, count, timeout, metadata, snapshot_id)
+        try:
+            async with self.service.pause_snapshot(snapshot_id) as snap:
+                out = await self._batch(snap.snapshot_id, count, timeout, metadata, snapshot_id)
+        except NotFound:
+            raise ApiError(404, f"snapshot {snapshot_id!r} not found (neither a snapshot's id or name nor a "
+                                f"paused sandbox's id)") from None
+        except UnresponsiveSnapshot as e:
+            raise guest_unresponsive(snapshot_id, e) from None
+        except VmError as e:
+            raise api_error(e, f"sandboxes from the pause of {snapshot_id}") from None
+        made = [r["sandbox"]["sandboxID"] for r in out if "sandbox" in r]
+        if self.extras.find(snapshot_id) is not None:   # a paused sandbox of this node: its log says so
+            self.logs.event(snapshot_id, "sandboxes started from its pause", children=",".join(made) or None,
+                            failed=(len(out) - len(made)) or None)
+        return out
+
+    async def _batch(self, template_id: str, count: int, timeout: int | None, metadata: dict[str, str] | None,
+                     source: str) -> list[dict[str, Any]]:
+        """``count`` v2 creates from ``template_id`` at once, one result each."""
+        req = NewSandbox(template_id=template_id, timeout=timeout, metadata=metadata, secure=True)
         results = await asyncio.gather(*(self.create(req, v2=True) for _ in range(count)), return_exceptions=True)
         out: list[dict[str, Any]] = []
         for r in results:
@@ -504,7 +525,7 @@ class Lifecycle:
             elif isinstance(r, ApiError):
                 out.append({"error": {"code": r.status, "message": r.message}})
             elif isinstance(r, Exception):
-                log.error("a sandbox from snapshot %s failed: %r", snapshot_id, r)
+                log.error("a sandbox from snapshot %s failed: %r", source, r)
                 out.append({"error": {"code": 500, "message": f"sandbox create failed: {r}"}})
             else:
                 raise r

@@ -363,7 +363,8 @@ def fork_schema(max_timeout: int, max_forks: int) -> Schema:
 
 
 def snapshot_fork_schema(max_timeout: int, max_forks: int) -> Schema:
-    """E2B's RFC (infra #3424): a batch of sandboxes from a named snapshot."""
+    """E2B's RFC (infra #3424): a batch of sandboxes from a named snapshot (or a paused
+    sandbox's last pause)."""
     return Schema("SnapshotForkRequest", (
         timeout_field(max_timeout, description="time to live of the new sandboxes in seconds"),
         Field("count", "integer", minimum=1, maximum=max_forks, description="number of sandboxes"),

@@ -9,6 +9,10 @@ does not compete with them for the CPU); its ids are needed only from a
 child's first pause or snapshot on, which wait for that commit
 (``wait_committed``). The hidden snapshot lives while a child (running or
 paused) uses it.
+
+``Forks`` also keeps the node's other hidden snapshots, a paused sandbox's pause
+named for a batch (pausefork.py), alive the same way: while a sandbox uses it, or
+something holds it (``hold``: the batch being made, a create from it under way).
 """
 from __future__ import annotations
 
@@ -17,12 +21,17 @@ import logging
 import secrets
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..errors import SnapshotError
+from aenv_store.errors import StoreError
+
+from ..errors import SnapshotError, VmError
 from ..machine.plan import identity
 from ..service import TokenMinter
+from ..templates.meta import HIDDEN_PAUSE
+from ..templates.template import find_template
 from .records import RecordStore, SandboxRecord
 from .restore import RestorePlan, greeting, new_sandbox_id, restore, teardown_sandbox
 from .runtime import NodeRuntime
@@ -51,6 +60,7 @@ class Forks:
         self.records = records
         self.running = running                  # the manager's table (read only here)
         self._commits: dict[str, asyncio.Task[None]] = {}   # fork snapshot id → its background commit
+        self._holds: Counter[str] = Counter()   # template id → creates (or a batch) under way from it
         self.last_snapshot: float | None = None             # seconds the fork's snapshot took (until restorable)
         self.last_timing: dict[str, float] | None = None
 
@@ -141,14 +151,41 @@ class Forks:
                 raise SnapshotError(f"sandbox {sbx.id}: its fork snapshot {sbx.template.id} was not committed "
                                     f"to the store ({e}): it cannot be paused or snapshotted") from None
 
+    def hold(self, tid: str) -> None:
+        """Keep template ``tid`` while something not yet recorded is made from it."""
+        self._holds[tid] += 1
+
+    def release(self, tid: str, hidden: bool = True) -> None:
+        """Undo one ``hold``; a hidden snapshot nothing uses any more is dropped (``hidden``
+        False: ``tid`` is known not to be one, nothing to look up)."""
+        self._holds[tid] -= 1
+        if self._holds[tid] <= 0:
+            del self._holds[tid]
+            if hidden:
+                self.drop_unused(tid)
+
     def drop_unused(self, tid: str) -> None:
-        """A fork's hidden snapshot lives while a child (running or paused) uses it."""
-        if tid in self._commits or not self.snapshots.is_hidden_fork(tid):
+        """A hidden snapshot (a fork's, a pause's) lives while a sandbox (running or paused)
+        uses it or something holds it."""
+        if tid in self._commits or tid in self._holds or not self.snapshots.is_hidden_fork(tid):
             return
         if any(r.template == tid for r in self.records.all()) or any(
                 s.template.id == tid for s in self.running.values()):
             return
         self.snapshots.drop(tid)
+
+    def sweep(self) -> None:
+        """At start: drop the pauses' hidden snapshots this node made that nothing uses
+        any more (a batch cut short by a crash), found by their local directories (worker
+        thread). A fork's needs none: its children are recorded before its commit."""
+        root = self.rt.templates.root
+        for d in sorted(root.iterdir()) if root.is_dir() else []:
+            try:
+                meta = find_template(self.rt.store, d.name).meta
+            except (VmError, StoreError):   # not a template's (any more), or the store cannot tell
+                continue
+            if meta.hidden == HIDDEN_PAUSE and meta.fork_node == self.rt.node_id:
+                self.drop_unused(d.name)
 
     async def close(self) -> None:
         for task in list(self._commits.values()):

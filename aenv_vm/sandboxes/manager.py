@@ -7,6 +7,7 @@ The states and the module that moves a sandbox between them::
                     +-- pool.py (warm clones)
     running --snapshot--> (a new template)   snapshots.py
     running --fork------> N running children fork.py (+ a hidden snapshot)
+    paused  --pause_snapshot--> a hidden snapshot of its pause   pausefork.py
     running/paused --kill--> gone; running --TTL--> paused or gone (ttl.py)
     (server restart) running -> paused | lost   recovery.py
 
@@ -30,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import shutil
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
@@ -57,6 +60,7 @@ from .fork import MAX_FORK, Child, Forks
 from .metrics import MetricsRecorder
 from .handover import Moves, check_releasable, mark_shared, node_identity
 from .pause import PausedSandboxes, PauseTiming
+from .pausefork import committed_source, held_source, make_pause_snapshot
 from .pool import REFILL_DELAY, WarmPool
 from .records import RecordStore, SandboxRecord, SandboxState
 from .recovery import recover
@@ -160,6 +164,7 @@ class SandboxManager:
         self._moves = Moves(self.rt, records)
         self._started = True
         changed = await recover(self.rt, records, self._paused)
+        await asyncio.to_thread(self._forks.sweep)      # hidden snapshots a crash left unused
         for rec in records.all():       # a paused sandbox's volumes stay in use (cannot be deleted)
             self.volumes.mark(rec.id, rec.mounts)
         self._ttl = TtlWatcher(records, lambda sid: sid in self._running, self._expire)
@@ -336,12 +341,15 @@ class SandboxManager:
             raise BadRequest(f"timeout must be >= 0, got {timeout}")
         mounts = self.volumes.resolve(volume_mounts or [])     # VolumeNotFound, BadRequest
         self._check_capacity()
+        tpl = self.template(template)
         self._creating += 1
+        # a hidden snapshot (a fork's, a pause's) is kept until this sandbox is recorded
+        self.forks.hold(tpl.id)
         try:
             policy = network or NetworkPolicy()
             if allow_internet_access is False:
                 policy = with_internet(policy, False)
-            sbx = await self._create(template, env_vars, access_token, timeout, metadata, auto_pause,
+            sbx = await self._create(tpl, env_vars, access_token, timeout, metadata, auto_pause,
                                      allow_internet_access, policy, annotations)
             if not pause_memory:
                 self.records_store.put(self.record(sbx.id).replace(pause_memory=False))
@@ -356,6 +364,7 @@ class SandboxManager:
             return sbx
         finally:
             self._creating -= 1
+            self.forks.release(tpl.id, tpl.hidden_fork_node is not None)
 
     async def _mount(self, sbx: Sandbox, mounts: list[VolumeMount]) -> None:
         """Mount (or re-attach) ``mounts`` in ``sbx`` and keep them in its record."""
@@ -372,14 +381,13 @@ class SandboxManager:
                 log.error("sandbox %s: volumes not mounted again: %s", sbx.id, e)
                 self.records_store.put(self.record(sbx.id).replace(note=f"volumes not mounted: {e}"[:300]))
 
-    async def _create(self, template: str, env_vars: dict[str, str] | None, access_token: str | TokenMinter | None,
+    async def _create(self, tpl: Template, env_vars: dict[str, str] | None, access_token: str | TokenMinter | None,
                       timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
                       allow_internet_access: bool | None, policy: NetworkPolicy,
                       annotations: dict[str, str] | None) -> Sandbox:
         t0 = time.monotonic()
-        tpl = self.template(template)
         if tpl.hidden_fork_node is not None and tpl.hidden_fork_node != self.rt.node_id:
-            await asyncio.to_thread(mark_shared, self.rt.store, tpl.id)   # a fork child beyond its node
+            await asyncio.to_thread(mark_shared, self.rt.store, tpl.id)   # a hidden snapshot's user beyond its node
         sbx = await self.pool.take(tpl, policy)
         from_pool = sbx is not None
         if sbx is None:
@@ -651,6 +659,36 @@ class SandboxManager:
                     continue
             out.append(k)
         return out + [self._full() for _ in range(count - fits)]    # beyond the node's room
+
+    @contextlib.asynccontextmanager
+    async def pause_snapshot(self, sid: str) -> AsyncIterator[Template]:
+        """Paused sandbox ``sid``'s last pause as a hidden snapshot, held for the block:
+        ``create`` from its id starts sandboxes from that pause; the paused sandbox is left
+        as it is (pausefork.py). One this node does not hold is looked for in the shared
+        repository. NotFound, Conflict, UnresponsiveSnapshot: the state table's
+        (``Op.FORK_PAUSE``)."""
+        if not self._started:
+            raise Conflict("SandboxManager.start() was not called")
+        tid = f"tpl-{secrets.token_hex(6)}"
+        self.forks.hold(tid)
+        try:
+            if self.records_store.get(sid) is None:
+                self.check(sid, Op.FORK_PAUSE)      # allowed: the repository is asked
+                source = await asyncio.to_thread(committed_source, self.rt, sid)
+                tpl = await asyncio.to_thread(make_pause_snapshot, self.rt, tid, source)
+            else:
+                async with self.lock(sid):          # no resume, kill or commit of it meanwhile
+                    self.check(sid, Op.FORK_PAUSE)
+                    await self.paused.committed(sid)
+                    rec = self.record(sid)
+                    if rec.snapshot is not None and not rec.snapshot.committed:
+                        await self.paused.commit_pending(rec)   # an earlier commit failed
+                        rec = self.record(sid)
+                    source = await asyncio.to_thread(held_source, self.rt, rec)
+                    tpl = await asyncio.to_thread(make_pause_snapshot, self.rt, tid, source)
+            yield tpl
+        finally:
+            self.forks.release(tid)     # dropped now unless a sandbox was made from it
 
     async def list_snapshots(self) -> list[SnapshotInfo]:
         return await asyncio.to_thread(self.snapshots.listed)

@@ -6,8 +6,10 @@ running VM (resource use, console) without handing out its internals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aenv_store.errors import StoreError
@@ -129,6 +131,11 @@ class NodeSandboxService:
             else:   # an OSError or the like from one child's restore
                 out.append(VmError(f"{type(child).__name__}: {child}"))
         return out
+
+    @contextlib.asynccontextmanager
+    async def pause_snapshot(self, sandbox_id: str) -> AsyncIterator[SnapshotInfo]:
+        async with self.manager.pause_snapshot(sandbox_id) as tpl:
+            yield SnapshotInfo(tpl.id, (), sandbox_id, tpl.created)
 
     async def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
         return await self._running(sandbox_id, Op.ENDPOINT).endpoint(port)

@@ -70,7 +70,7 @@ class WarmPool:
         return sbx
 
     def schedule_refill(self, tpl: Template, delay: float = 0.0) -> None:
-        if self.size <= 0:
+        if self.size <= 0 or tpl.delta is not None:   # a pause's snapshot serves one batch: no pool
             return
         task = self._refills.get(tpl.id)
         if task is None or task.done():

@@ -55,7 +55,7 @@ class RestorePlan:
     disk_top: Digest | None         # the committed layer the sandbox's disk sits on
     greeting: Greeting
     fresh_upper: bool = False       # a new, empty upper layer even if one is on disk (resume)
-    delta: Delta | None = None      # pages written over the memory before the state loads (resume)
+    delta: Delta | None = None      # pages written over the memory before the state loads (resume, a pause's snapshot)
     policy: NetworkPolicy = NetworkPolicy()   # what the guest may open connections to
     background: bool = False        # pool refills: QEMU at a low CPU priority until handed out
 
@@ -86,14 +86,16 @@ def sandbox_of(tpl: Template, machine: Machine) -> Sandbox:
 async def restore_from_template(rt: NodeRuntime, tpl: Template, *, policy: NetworkPolicy = NetworkPolicy(),
                                 background: bool = False) -> Sandbox:
     """A new sandbox restored from template (or snapshot) ``tpl``, with its own identity
-    (a create that found no pooled clone, and every pool refill)."""
+    (a create that found no pooled clone, and every pool refill). A pause's snapshot's
+    pages are written over the memory first, as a resume writes its pause's."""
     memory, state = await rt.templates.files(tpl)
+    delta = await rt.templates.delta(tpl) if tpl.delta is not None else None
     sid = new_sandbox_id()
     # a secret of this clone's own from its first request on: until it is handed out
     # (and re-keyed to the sandbox's token) nobody else can talk to its envd
     body = {**identity(sid), "accessToken": secrets.token_urlsafe(24)}
     plan = RestorePlan(sid, tpl, memory, state, tpl.disk, greeting(rt, body, rt.templates.envd_token(tpl)),
-                       policy=policy, background=background)
+                       delta=delta, policy=policy, background=background)
     sbx, t = await restore(rt, plan)
     sbx.timing = CreateTiming(t.qemu_start, t.state_load, t.first_answer, t.init, 0.0, t.total, False)
     return sbx

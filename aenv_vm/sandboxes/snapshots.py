@@ -31,7 +31,7 @@ from ..errors import BadRequest, Conflict, NotFound, VmError
 from ..memory.memory_image import consolidate
 from ..service import SnapshotInfo
 from ..templates.freeze import freeze
-from ..templates.meta import HIDDEN_FORK, TemplateMeta
+from ..templates.meta import HIDDEN_FORK, HIDDEN_KINDS, TemplateMeta
 from ..templates.template import ALIAS_PREFIX, Template, find_template, list_templates, remove_template
 from .capture import Capturer
 from .handover import PAUSED_KIND, shared_mark
@@ -136,14 +136,15 @@ class NamedSnapshots:
         self.rt.templates.forget(tpl.id)
 
     def is_hidden_fork(self, tid: str) -> bool:
-        """A fork's hidden snapshot that this node may drop with its last child: made here,
-        never used elsewhere (``mark_shared``)."""
+        """A hidden snapshot (a fork's, or a pause's made for a batch: pausefork.py) that
+        this node may drop with its last user: made here, never used elsewhere
+        (``mark_shared``)."""
         store = self.rt.store
         try:
             meta = TemplateMeta.from_meta(store.get_record(tid).meta_dict())
         except (StoreError, ValueError):  # no such record, or the store cannot tell: not ours to drop
             return False
-        if meta.hidden != HIDDEN_FORK or (meta.fork_node or "") not in ("", self.rt.node_id):
+        if meta.hidden not in HIDDEN_KINDS or (meta.fork_node or "") not in ("", self.rt.node_id):
             return False
         try:
             store.get_record(shared_mark(tid))
@@ -154,18 +155,18 @@ class NamedSnapshots:
         return False
 
     def drop(self, tid: str) -> None:
-        """Remove a hidden fork snapshot nothing uses any more (store and local files)."""
+        """Remove a hidden snapshot nothing uses any more (store and local files)."""
         with contextlib.suppress(StoreError, VmError):   # already gone, or the store is away (gc finds it)
             remove_template(self.rt.store, tid)
         self.rt.templates.forget(tid)
 
 
 def snapshot_meta(parent: TemplateMeta, of: str, parent_template: str, token: str | None,
-                  rec: SandboxRecord | None, fork_node: str | None) -> TemplateMeta:
+                  rec: SandboxRecord | None, fork_node: str | None, hidden: str = HIDDEN_FORK) -> TemplateMeta:
     """The meta of a snapshot of sandbox ``of`` (running ``parent_template``, whose meta is
     ``parent``: the machine, and a build's settings and start command, which a cold boot of
     the snapshot's sandboxes needs) with the snapshot's own keys set. ``token``: what its
-    envd demands now; ``fork_node``: a fork's hidden snapshot made on that node."""
+    envd demands now; ``fork_node``: a hidden snapshot (of kind ``hidden``) made on that node."""
     meta = dataclasses.replace(
         parent, snapshot_of=of, parent_template=parent_template,
         # what the frozen envd demands (the memory image holds it anyway; restores need
@@ -175,7 +176,7 @@ def snapshot_meta(parent: TemplateMeta, of: str, parent_template: str, token: st
         # fork child is not hidden, and what was mounted or set is this sandbox's
         hidden=None, fork_node=None, metadata=None, volume_paths=None)
     if fork_node is not None:   # only its maker drops it (drop_unused)
-        meta = dataclasses.replace(meta, hidden=HIDDEN_FORK, fork_node=fork_node)
+        meta = dataclasses.replace(meta, hidden=hidden, fork_node=fork_node)
     if rec is not None:
         meta = dataclasses.replace(meta, metadata=tuple(sorted(rec.metadata.items())))
         if rec.volume_mounts:   # mounted in the frozen guest: a create from it must drop them

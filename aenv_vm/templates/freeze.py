@@ -1,7 +1,8 @@
 """Freezing: a stopped guest's disk layer, memory image and device state committed as
 one template record. The one way a template record is made: the base template
 (base.py), a template build's VM (aenv_vm/builds/vm.py) and named and fork snapshots
-(aenv_vm/sandboxes/snapshots.py) all commit through ``freeze``.
+(aenv_vm/sandboxes/snapshots.py) all commit through ``freeze``; a paused sandbox's
+pause, already committed, is named as a template by ``freeze_pause`` (nothing staged).
 
 Each caller brings what it has: a booted machine its disk image, whose upper layer
 is sealed here; a snapshot the layer it sealed while its sandbox was stopped (the
@@ -40,3 +41,15 @@ def freeze(store: Store, tid: str, *, disk: BlockImage | Digest, memory: Path, d
         ws.commit(template_record(tid, layer, mem, state, meta, time.time()))
     if alias:
         put_alias(store, alias, tid, time.time(), exclusive=exclusive_alias)
+
+
+def freeze_pause(store: Store, tid: str, *, disk: Digest, base: Digest, delta: Digest, device_state: Digest,
+                 meta: TemplateMeta) -> None:
+    """Template ``tid`` naming a committed pause's manifests (worker thread): its disk
+    layer, its memory ``delta`` over full image ``base``, its device state. Nothing is
+    staged or copied; the record is written through a workspace so that it holds the
+    repository's shared lock: a gc (exclusive) runs wholly before it, and then the check
+    that every manifest still exists fails cleanly (StoreNotFound), or wholly after it, and
+    then the record is a root of its marks."""
+    with store.workspace() as ws:
+        ws.commit(template_record(tid, disk, base, device_state, meta, time.time(), delta=delta))

@@ -7,6 +7,11 @@ file ``share=off``, so they share its pages in the host page cache.
 template this node can run (its guest build must be the node's), the local
 files (one writer at a time), the configuration section of its device state (a
 capture needs it), and the envd access token its frozen guest still holds.
+
+A pause's snapshot (``Template.delta`` set: template.py) keeps only its device state
+and its delta (``memory.delta``) in its own directory; the memory file its clones map
+is the one of the template it was paused over (its ``parent_template`` chain), so no
+image is written twice and its clones share that template's page cache.
 """
 from __future__ import annotations
 
@@ -20,9 +25,14 @@ from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Manifest
 from aenv_store.store import Store
 
+from ..errors import VmError
 from ..memory.device_state import template_config
 from ..memory.lazyfs import LazyImage, MemoryFs
+from ..memory.memory_image import Delta, fetch_delta, read_delta, write_delta
 from .template import DEVICE_STATE, MEMORY_IMAGE, Template, TemplateError, find_template
+
+DELTA_FILE = "memory.delta"     # a pause's snapshot: its pages (aenv_vm/memory/memory_image.py, version 1)
+MAX_DONORS = 8                  # templates walked for the memory file of a pause's snapshot
 
 
 def _write_blob(store: Store, mid: Digest, path: Path, media: str, tid: str) -> None:
@@ -124,20 +134,75 @@ class LocalTemplates:
         if the node has it or its whole image is in the node cache, else (with ``lazy``)
         a file of the lazy memory mount that fetches pages as the guest touches them."""
         async with self._lock:
-            return await asyncio.to_thread(self._files, tpl)
+            return await asyncio.to_thread(self._files, tpl, False)
 
-    def _files(self, tpl: Template) -> tuple[Path, Path]:
-        if self.lazy is not None and self.lazy.mounted:
+    def _files(self, tpl: Template, local: bool) -> tuple[Path, Path]:
+        if tpl.delta is not None:
+            donor = self._donor(tpl)
+            if donor is not None:      # its memory file is that template's; the device state its own
+                return self._files(donor, local)[0], self._state(tpl)
+        if not local and self.lazy is not None and self.lazy.mounted:
             got = lazy_files(self.store, tpl, self.root, self.lazy)
             if got is not None:
                 return got
         return materialize(self.store, tpl, self.root)
 
+    def _donor(self, tpl: Template) -> Template | None:
+        """The template a pause's snapshot was paused over (up its ``parent_template``
+        chain) whose memory image is the one ``tpl`` maps; None: none is left (the image is
+        then fetched into ``tpl``'s own directory)."""
+        ref = tpl.meta.parent_template
+        for _ in range(MAX_DONORS):
+            if ref is None:
+                return None
+            try:
+                parent = find_template(self.store, ref)
+            except (VmError, StoreError):   # gone: the walk ends here
+                return None
+            if parent.memory != tpl.memory:
+                return None
+            if parent.delta is None:
+                return parent
+            ref = parent.meta.parent_template
+        return None
+
+    def _state(self, tpl: Template) -> Path:
+        d = self.root / tpl.id
+        state = d / "device-state"
+        if not state.is_file():
+            d.mkdir(parents=True, exist_ok=True)
+            try:
+                _write_blob(self.store, tpl.device_state, state, DEVICE_STATE, tpl.id)
+            except StoreError as e:
+                raise TemplateError(f"template {tpl.id} cannot be read from the store: {e}") from None
+        return state
+
     async def full_files(self, tpl: Template) -> tuple[Path, Path]:
         """Like ``files``, but the memory file is always local (what a consolidation reads
         whole anyway)."""
         async with self._lock:
-            return await asyncio.to_thread(materialize, self.store, tpl, self.root)
+            return await asyncio.to_thread(self._files, tpl, True)
+
+    async def delta(self, tpl: Template) -> Delta:
+        """The pages of a pause's snapshot (``tpl.delta``), from its local ``memory.delta``,
+        fetched from the store the first time (node cache → peers → repository). Version 1,
+        memory-mapped: its clones read one page cache."""
+        assert tpl.delta is not None, f"template {tpl.id} is not a pause's snapshot"
+        async with self._lock:
+            return await asyncio.to_thread(self._delta, tpl)
+
+    def _delta(self, tpl: Template) -> Delta:
+        path = self.root / tpl.id / DELTA_FILE
+        if not path.is_file():
+            assert tpl.delta is not None
+            fetched, _ = fetch_delta(self.store, tpl.delta)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_delta(path, fetched)
+        delta = read_delta(path)
+        if delta.base != tpl.memory:
+            raise TemplateError(f"template {tpl.id}: its memory delta is over {delta.base.short()}, "
+                                f"not its memory image {tpl.memory.short()}")
+        return delta
 
     def lazy_image(self, memory: Path) -> LazyImage | None:
         """The lazy image behind memory file ``memory`` (None: a local file)."""

@@ -28,6 +28,10 @@ from aenv_store.formats.ids import Digest
 from ..qemu.launcher import Accel
 
 HIDDEN_FORK = "fork"    # ``hidden`` of a fork's snapshot: not listed, dropped with its last child
+# ``hidden`` of a paused sandbox's pause named as a snapshot (a batch from its id): not
+# listed, dropped once the batch is made and its last sandbox is gone
+HIDDEN_PAUSE = "pause"
+HIDDEN_KINDS = (HIDDEN_FORK, HIDDEN_PAUSE)   # a node's hidden snapshots (``fork_node`` made it)
 
 
 class MetaError(ValueError):
@@ -59,8 +63,8 @@ class TemplateMeta:
     # -- a snapshot (sandboxes/snapshots.py) --------------------------------------------
     snapshot_of: str | None = None      # the sandbox it was taken of
     parent_template: str | None = None  # the template (or snapshot) that sandbox ran
-    hidden: str | None = None           # HIDDEN_FORK: a fork's snapshot
-    fork_node: str | None = None        # the node that made a fork's snapshot ("": before nodes were named)
+    hidden: str | None = None           # HIDDEN_FORK: a fork's snapshot; HIDDEN_PAUSE: a pause's
+    fork_node: str | None = None        # the node that made a hidden snapshot ("": before nodes were named)
     metadata: tuple[tuple[str, str], ...] | None = None   # the sandbox's metadata, sorted by key
     volume_paths: tuple[str, ...] | None = None           # volumes mounted in the frozen guest
     # -- keys this version does not know, kept as they are (sorted) ---------------------

@@ -7,6 +7,13 @@ build or a snapshot adds). ``template.<alias>`` is an alias record to it. Named
 snapshots and forks' hidden snapshots are template records too
 (aenv_vm/sandboxes/snapshots.py).
 
+A paused sandbox's pause named as a snapshot (aenv_vm/sandboxes/pausefork.py) is one
+that copies nothing: its record names the pause's manifests, the memory a **delta**
+(``memory`` role, a memory-delta manifest whose parent is ``base``) over the full image
+``base`` that its clones map; a restore writes the delta's pages into that mapping
+before the device state loads, as a resume does. ``Template.memory`` is always the full
+image a clone maps (the ``base`` role of such a record), ``Template.delta`` the delta.
+
 How a record is committed: freeze.py (the base template: base.py; template
 builds: aenv_vm/builds/; snapshots). How a node keeps its local copy: local.py.
 """
@@ -30,12 +37,13 @@ from ..machine.plan import Shape
 from ..memory.workingset import record_name as working_set_record
 from ..errors import NotFound, VmError
 from ..qemu.launcher import Accel
-from .meta import HIDDEN_FORK, NO_SETTINGS, GuestSettings, TemplateMeta
+from .meta import HIDDEN_KINDS, NO_SETTINGS, GuestSettings, TemplateMeta
 
 TEMPLATE_KIND = "template"
 MEMORY_IMAGE = "application/vnd.aenv.memory-image"
 DEVICE_STATE = "application/vnd.aenv.device-state"
 ALIAS_PREFIX = "template."
+BASE_ROLE = "base"        # a pause's snapshot: the full image its ``memory`` (a delta) is over
 MAX_DISK_MIB = 1 << 20    # 1 TiB: the upper layer and NBD export are sparse; this bounds typos
 MAX_PARENTS = 8           # records walked for a build's guest settings (``guest_settings``)
 
@@ -49,19 +57,25 @@ class Template:
     """A template record this node can name: its three artifacts and its meta."""
     id: str
     disk: Digest
-    memory: Digest
+    memory: Digest                  # the full memory image its clones map
     device_state: Digest
     created: float
     meta: TemplateMeta
+    delta: Digest | None = None     # a pause's snapshot: its pages, written over ``memory`` at restore
 
     @classmethod
     def from_record(cls, rec: CatalogRecord) -> "Template":
         if rec.kind != TEMPLATE_KIND:
             raise TemplateError(f"{rec.name} is a {rec.kind} record, not a template")
         try:
-            return cls(id=rec.name, disk=rec.manifest(DISK_ROLE), memory=rec.manifest("memory"),
+            roles = dict(rec.manifests)
+            if BASE_ROLE in roles:      # a pause's snapshot: its memory is a delta over the base image
+                memory, delta = roles[BASE_ROLE], roles["memory"]
+            else:
+                memory, delta = rec.manifest("memory"), None
+            return cls(id=rec.name, disk=rec.manifest(DISK_ROLE), memory=memory,
                        device_state=rec.manifest("state"), created=rec.created,
-                       meta=TemplateMeta.from_meta(rec.meta_dict()))
+                       meta=TemplateMeta.from_meta(rec.meta_dict()), delta=delta)
         except (KeyError, ValueError) as e:
             raise TemplateError(f"template record {rec.name} is incomplete: {e}") from None
 
@@ -117,9 +131,9 @@ class Template:
 
     @property
     def hidden_fork_node(self) -> str | None:
-        """A fork's hidden snapshot: the node that made it ("" before nodes were named);
-        None: not one."""
-        return (self.meta.fork_node or "") if self.meta.hidden == HIDDEN_FORK else None
+        """A hidden snapshot (a fork's, or a pause's made for a batch): the node that made it
+        ("" before nodes were named); None: not one."""
+        return (self.meta.fork_node or "") if self.meta.hidden in HIDDEN_KINDS else None
 
 
 def tag_alias_name(name: str, tag: str) -> str:
@@ -147,10 +161,12 @@ def find_template(store: Store, ref: str) -> Template:
 
 
 def template_record(tid: str, disk: Digest, memory: Digest, state: Digest, meta: TemplateMeta,
-                    created: float) -> CatalogRecord:
-    """The catalog record of a template (or snapshot) whose three artifacts are staged."""
-    return CatalogRecord(name=tid, kind=TEMPLATE_KIND, manifests=((DISK_ROLE, disk), ("memory", memory),
-                                                                  ("state", state)),
+                    created: float, delta: Digest | None = None) -> CatalogRecord:
+    """The catalog record of a template (or snapshot) whose three artifacts are staged;
+    ``delta``: a pause's snapshot, its memory role that delta over full image ``memory``."""
+    mem: tuple[tuple[str, Digest], ...] = (("memory", memory),) if delta is None else (
+        ("memory", delta), (BASE_ROLE, memory))
+    return CatalogRecord(name=tid, kind=TEMPLATE_KIND, manifests=((DISK_ROLE, disk), *mem, ("state", state)),
                          meta=tuple(sorted(meta.to_meta().items())), created=created)
 
 
@@ -198,6 +214,8 @@ def remove_template(store: Store, ref: str) -> Template:
         if rec.target == tpl.id and rec.name.startswith(ALIAS_PREFIX):
             store.delete_record(rec.name)
     store.delete_record(tpl.id)
+    if tpl.delta is not None:   # a pause's snapshot: its memory image is its source template's
+        return tpl
     try:   # the working set recorded for its memory image (aenv_vm/memory/workingset.py), if any
         store.delete_record(working_set_record(tpl.memory))
     except StoreNotFound:

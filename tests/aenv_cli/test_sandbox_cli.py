@@ -52,6 +52,13 @@ def test_sandbox_lifecycle_through_the_cli(server: Server, tmp_path: Path) -> No
 
         aenv(server, "sandbox", "pause", sid_text)
         assert json.loads(aenv(server, "sandbox", "info", sid_text, "-o", "json").stdout)["state"] == "paused"
+        # a batch from its pause: its files; it stays paused
+        batch = json.loads(aenv(server, "snapshot", "fork", sid_text, "-n", "1", "-o", "json").stdout)
+        kid = batch[0]["sandbox"]["sandboxID"]
+        assert kid != sid_text
+        assert aenv(server, "sandbox", "exec", kid, "--", "wc -c < /home/user/in.bin").stdout == b"25600\n"
+        aenv(server, "sandbox", "kill", kid)
+        assert json.loads(aenv(server, "sandbox", "info", sid_text, "-o", "json").stdout)["state"] == "paused"
         aenv(server, "sandbox", "resume", sid_text)
         run = aenv(server, "sandbox", "exec", sid_text, "--", "cat /home/user/in.bin | wc -c")
         assert run.stdout.decode().strip() == "25600"

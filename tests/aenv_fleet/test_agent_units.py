@@ -5,7 +5,9 @@ Redis did not take is recorded at the next reconcile (not unbound)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +92,7 @@ class Listener:
 
 def test_every_protocol_method_is_spelled_out() -> None:
     methods = protocol_methods()
-    assert len(methods) == 20 and set(CALLS) | {"on_expiry"} == set(methods)
+    assert len(methods) == 21 and set(CALLS) | {"on_expiry", "pause_snapshot"} == set(methods)
     assert "__getattr__" not in vars(ObservedService)
     for name in methods:
         mine, theirs = vars(ObservedService).get(name), vars(SandboxService)[name]
@@ -108,6 +110,29 @@ def test_each_call_is_passed_on_and_every_change_told(name: str) -> None:
         assert got == ANSWERS[name]
         assert node.calls[0] == (name, CALLS[name])
         assert listener.heard == TOLD.get(name, [])
+    asyncio.run(main())
+
+
+def test_a_pause_snapshot_is_passed_on_and_tells_nothing() -> None:
+    """``pause_snapshot`` changes no sandbox (the batch's sandboxes are creates, told as such)."""
+    held: list[str] = []
+
+    class Node:
+        def on_expiry(self, listener: Any) -> None:
+            pass
+
+        @contextlib.asynccontextmanager
+        async def pause_snapshot(self, sandbox_id: str) -> AsyncIterator[SnapshotInfo]:
+            held.append(sandbox_id)
+            yield SNAP
+            held.append("released")
+
+    async def main() -> None:
+        listener = Listener()
+        observed = ObservedService(Node(), listener)     # type: ignore[arg-type]  # only the method used
+        async with observed.pause_snapshot("sbx-1") as snap:
+            assert snap == SNAP and held == ["sbx-1"]
+        assert held == ["sbx-1", "released"] and listener.heard == []
     asyncio.run(main())
 
 

@@ -28,10 +28,10 @@ def test_every_pair_has_exactly_one_outcome() -> None:
         assert not outcome.boot or (outcome.next is Phase.RUNNING and phase in PAUSED_PHASES), (phase, op)
 
 
-def test_an_unknown_sandbox_is_not_found_except_to_create_and_adopt() -> None:
+def test_an_unknown_sandbox_is_not_found_except_to_create_adopt_and_fork_its_pause() -> None:
     for op in Op:
         outcome = transition(Phase.GONE, op)
-        if op in (Op.CREATE, Op.ADOPT):
+        if op in (Op.CREATE, Op.ADOPT, Op.FORK_PAUSE):    # the last two ask the shared repository
             assert outcome.verdict is Verdict.ALLOWED
         else:
             assert outcome.refused and outcome.error is NotFound, op
@@ -132,6 +132,20 @@ def test_what_a_paused_sandbox_refuses_and_allows() -> None:
             assert not transition(phase, op).refused, (phase, op)
         assert transition(phase, Op.KILL).next is Phase.GONE
         assert transition(phase, Op.RELEASE).next is Phase.GONE
+
+
+def test_only_a_pause_with_memory_starts_a_batch() -> None:
+    """``POST /snapshots/{id}/fork`` with a sandbox's id: its last pause, if it kept the
+    processes (and their envd answered); the sandbox stays where it is."""
+    assert transition(Phase.PAUSED, Op.FORK_PAUSE).next is Phase.PAUSED
+    assert transition(Phase.GONE, Op.FORK_PAUSE).next is Phase.GONE
+    for phase, cls, match in ((Phase.RUNNING, Conflict, "is running: only a paused sandbox"),
+                              (Phase.PAUSED_FILESYSTEM, Conflict, "paused without its memory"),
+                              (Phase.PAUSED_UNRESPONSIVE, UnresponsiveSnapshot, "was not responding"),
+                              (Phase.LOST, Conflict, r"has no pause .* \(state lost: found dead\)")):
+        with pytest.raises(cls, match=match):
+            check(phase, Op.FORK_PAUSE, "sbx-1", note="found dead")
+    assert issubclass(UnresponsiveSnapshot, Conflict)
 
 
 def test_adopt_and_release_refusals_are_the_classes_the_fleet_acts_on() -> None:

@@ -468,3 +468,45 @@ def test_a_batch_from_a_named_snapshot_after_its_sandbox_is_gone(api: InProcessS
     finally:
         fake.max_sandboxes = full
     api.request("DELETE", f"/templates/{snap['snapshotID']}")
+
+
+def test_a_batch_from_a_paused_sandboxs_last_pause(api: InProcessServer) -> None:
+    """``POST /snapshots/{id}/fork`` with a paused sandbox's id: its last pause as a hidden
+    snapshot, each new sandbox its own id and token, the request's timeout and metadata;
+    the paused sandbox stays paused (and resumes); the batch outlives it; a killed or
+    never-made sandbox is a 404, a running one or one paused without memory a 409."""
+    sid = create(api, metadata={"role": "source"})["sandboxID"]
+    status, _, body = api.request("POST", f"/snapshots/{sid}/fork", {"count": 1})
+    assert status == 409 and "is running: only a paused sandbox" in body["message"], body
+    assert api.request("POST", f"/sandboxes/{sid}/pause")[0] == 204
+    status, _, body = api.request("POST", f"/snapshots/{sid}/fork",
+                                  {"count": 3, "timeout": 120, "metadata": {"rollout": "b"}})
+    assert status == 201 and len(body) == 3, body
+    kids = [r["sandbox"] for r in body]
+    assert len({k["sandboxID"] for k in kids} | {sid}) == 4
+    assert len({k["envdAccessToken"] for k in kids}) == 3
+    hidden = {k["templateID"] for k in kids}
+    assert len(hidden) == 1 and hidden.pop().startswith("tpl-")
+    for k in kids:
+        shown = detail(api, k["sandboxID"])
+        assert shown["state"] == "running" and shown["metadata"] == {"rollout": "b"}
+    status, _, listed = api.request("GET", "/snapshots")
+    assert status == 200 and kids[0]["templateID"] not in {s["snapshotID"] for s in listed}   # hidden
+    source = detail(api, sid)
+    assert source["state"] == "paused" and source["metadata"] == {"role": "source"}
+    assert api.request("POST", f"/sandboxes/{sid}/connect", {"timeout": 60})[0] == 201
+    assert api.request("POST", f"/sandboxes/{sid}/pause")[0] == 204
+    assert api.request("DELETE", f"/sandboxes/{sid}")[0] == 204
+    status, _, body = api.request("POST", f"/snapshots/{sid}/fork", {"count": 1})
+    assert status == 404 and f"snapshot {sid!r} not found" in body["message"], body
+    for k in kids:      # the batch outlives its source: paused and resumed
+        assert api.request("POST", f"/sandboxes/{k['sandboxID']}/pause")[0] == 204
+        assert api.request("POST", f"/sandboxes/{k['sandboxID']}/connect", {"timeout": 60})[0] == 201
+        assert api.request("DELETE", f"/sandboxes/{k['sandboxID']}")[0] == 204
+    status, _, body = api.request("POST", "/v2/sandboxes", {"templateID": kids[0]["templateID"]})
+    assert status == 404, body      # dropped with its last sandbox
+    other = create(api)["sandboxID"]
+    assert api.request("POST", f"/sandboxes/{other}/pause", {"memory": False})[0] == 204
+    status, _, body = api.request("POST", f"/snapshots/{other}/fork", {"count": 1})
+    assert status == 409 and "paused without its memory" in body["message"], body
+    api.request("DELETE", f"/sandboxes/{other}")

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import re
 import time
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Iterator, TypeVar
@@ -371,6 +372,69 @@ def test_fork(svc: Impl) -> None:
         await s.kill(kids[1].sandbox_id)
         unsecured = await s.fork(kids[0].sandbox_id, 1, timeout=42)
         assert isinstance(unsecured[0], SandboxInfo) and unsecured[0].timeout == 42
+    svc.run(case())
+
+
+async def _enter(cm: AbstractAsyncContextManager[SnapshotInfo]) -> None:
+    async with cm:
+        pass
+
+
+def test_sandboxes_from_a_paused_sandboxs_pause(svc: Impl) -> None:
+    """``pause_snapshot``: a paused sandbox's last pause as a hidden snapshot that sandboxes
+    are created from; the paused sandbox stays as it is; the snapshot outlives it while a
+    sandbox made from it lives, and is dropped with the last one (or, made for nothing,
+    when the block ends)."""
+    async def case() -> None:
+        s = svc.service
+        a = await _create(svc, timeout=600, metadata={"k": "v"}, access_token=mint)
+        await _refused(_enter(s.pause_snapshot(a.sandbox_id)), Conflict, "is running: only a paused sandbox")
+        await _refused(_enter(s.pause_snapshot("sbx-0000000000000000")), NotFound, "unknown sandbox")
+        await s.pause(a.sandbox_id)
+        async with s.pause_snapshot(a.sandbox_id) as snap:
+            assert isinstance(snap, SnapshotInfo) and snap.snapshot_id.startswith("tpl-")
+            assert snap.sandbox_id == a.sandbox_id and snap.names == ()
+            kids = [await _create(svc, template=snap.snapshot_id, access_token=mint, metadata={"batch": "1"})
+                    for _ in range(2)]
+        assert snap.snapshot_id not in {x.snapshot_id for x in await s.list_snapshots()}     # hidden
+        assert len({k.sandbox_id for k in kids} | {a.sandbox_id}) == 3
+        for k in kids:
+            assert ID.match(k.sandbox_id) and k.state == SandboxState.RUNNING and k.template_id == snap.snapshot_id
+            assert k.access_token == mint(k.sandbox_id) and k.metadata == {"batch": "1"}
+        source = await s.get(a.sandbox_id)
+        assert source.state == SandboxState.PAUSED and source.metadata == {"k": "v"}    # untouched
+        assert (await s.resume(a.sandbox_id)).state == SandboxState.RUNNING
+        await s.pause(a.sandbox_id)
+        # the source goes; its pause can no longer be asked for, the batch's snapshot stays
+        await s.kill(a.sandbox_id)
+        await _refused(_enter(s.pause_snapshot(a.sandbox_id)), NotFound, f"unknown sandbox '{a.sandbox_id}'")
+        paused = await s.pause(kids[0].sandbox_id)
+        assert paused.state == SandboxState.PAUSED
+        assert (await s.resume(kids[0].sandbox_id)).state == SandboxState.RUNNING
+        await s.kill(kids[1].sandbox_id)
+        late = await _create(svc, template=snap.snapshot_id)      # still used by kids[0]: still there
+        await s.kill(late.sandbox_id)
+        await s.kill(kids[0].sandbox_id)
+        await _refused(_create(svc, template=snap.snapshot_id), NotFound, "unknown template")   # dropped
+        # a snapshot held for a batch that made nothing is dropped when the block ends
+        b = await _create(svc, timeout=600)
+        await s.pause(b.sandbox_id)
+        async with s.pause_snapshot(b.sandbox_id) as unused:
+            pass
+        await _refused(_create(svc, template=unused.snapshot_id), NotFound, "unknown template")
+        await s.resume(b.sandbox_id)
+        await s.pause(b.sandbox_id, memory=False)
+        await _refused(_enter(s.pause_snapshot(b.sandbox_id)), Conflict, "paused without its memory")
+        # a paused sandbox this node does not hold: its pause is read from the shared repository
+        c = await _create(svc, timeout=600)
+        await s.pause(c.sandbox_id)
+        await s.release(c.sandbox_id)
+        async with s.pause_snapshot(c.sandbox_id) as moved:
+            assert moved.sandbox_id == c.sandbox_id
+            elsewhere = await _create(svc, template=moved.snapshot_id)
+        assert elsewhere.template_id == moved.snapshot_id and elsewhere.state == SandboxState.RUNNING
+        await s.kill(elsewhere.sandbox_id)
+        assert (await s.adopt(c.sandbox_id)).state == SandboxState.PAUSED
     svc.run(case())
 
 

@@ -90,3 +90,46 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
             assert not (tmp_path / "node" / "templates" / fork_tpl).exists()
     asyncio.run(run())
     assert not qemu_children()
+
+
+def test_a_batch_from_a_pause_and_a_crash_mid_batch(env: Env, tmp_path: Path) -> None:
+    """A paused sandbox's pause as a hidden snapshot (pausefork.py): a sandbox created from
+    it continues the paused guest's process (its 8 MiB of memory, its pid) on the base
+    template's own memory file (no image copied), with only the pause's device state and
+    delta kept locally; the snapshot goes with its last sandbox; one a crash left without
+    any is dropped at the next start, and the paused sandbox resumes afterwards."""
+    async def run() -> None:
+        root = tmp_path / "node"
+        templates = env.store.list_records
+        async with SandboxManager(env.store, env.guest, root) as mgr:
+            src = await mgr.create("base", access_token="tok-src")
+            _, digest, pid = await start_worker(src, "tok-src")
+            await mgr.pause(src.id)
+            async with mgr.pause_snapshot(src.id) as tpl:
+                assert tpl.delta is not None and tpl.memory == env.template.memory
+                assert tpl.meta.hidden == "pause" and tpl.meta.snapshot_of == src.id
+                kid = await mgr.create(tpl.id, access_token="tok-kid")
+            c0, kd, kp = await read_counter(kid, "tok-kid")
+            assert (kd, kp) == (digest, pid)
+            await asyncio.sleep(0.5)
+            assert (await read_counter(kid, "tok-kid"))[0] > c0          # it runs on from the pause
+            assert await ash(kid, "hostname", "tok-kid") == kid.id
+            base_memory, _ = await mgr.rt.templates.files(env.template)
+            assert kid.vm.spec.mem_path == base_memory
+            local = root / "templates" / tpl.id
+            assert sorted(p.name for p in local.iterdir()) == ["device-state", "memory.delta"]
+            assert mgr.record(src.id).state.value == "paused"
+            await mgr.kill(kid.id)
+            assert tpl.id not in {r.name for r in templates("template")} and not local.exists()
+            # a crash between the hidden record and the batch's first sandbox
+            from aenv_vm.sandboxes.pausefork import held_source, make_pause_snapshot
+            source = held_source(mgr.rt, mgr.record(src.id))
+            orphan = make_pause_snapshot(mgr.rt, "tpl-0123456789ab", source)
+        assert orphan.id in {r.name for r in templates("template")}
+        async with SandboxManager(env.store, env.guest, root) as mgr:
+            assert orphan.id not in {r.name for r in templates("template")}     # swept at start
+            back = await mgr.resume(src.id)
+            assert (await read_counter(back, "tok-src"))[1:] == (digest, pid)
+            await mgr.kill(src.id)
+    asyncio.run(run())
+    assert not qemu_children()
