@@ -347,13 +347,21 @@ class Moves:
         refused: dict[str, Any] | None = None        # the last child refusal, for children nobody took
         tried: set[str] = set()
         wrong: tuple[Answer, str] | None = None     # a node's answer that was not a list of children
+        # a paused sandbox's id: its node goes first and alone (it waits for the pause's
+        # background commit; the others see only what the repository holds so far)
+        b = await self.fleet.binding(snapshot_id)
+        first = b.node_id if b is not None and b.node_id and self.fleet.is_alive(b.node_id) else None
         for _ in range(PLACE_ATTEMPTS):
             pending = count - len(results)
             if pending <= 0:
                 break
             await self.fleet.refresh()
             nodes = sorted((n for n in self.fleet.alive() if n.node_id not in tried and not n.drained
-                            and (n.free_slots or 0) > 0), key=lambda n: -(n.free_slots or 0))
+                            and (n.free_slots or 0) > 0
+                            and (first is None or n.node_id == first)), key=lambda n: -(n.free_slots or 0))
+            if first is not None:
+                tried.add(first)
+                first = None
             if not nodes:
                 break
             shares: list[tuple[Any, int]] = []

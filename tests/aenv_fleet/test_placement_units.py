@@ -459,3 +459,18 @@ def test_a_snapshot_batch_keeps_what_one_node_made_when_another_refuses_the_requ
     req = make_mocked_request("POST", path, headers={"X-API-Key": "k"})
     got = run(m.fork_snapshot(req, "snap-1", json.dumps({"count": 4}).encode()))
     assert status(got) == 201 and body_of(got) == _sandboxes("a", "b", "c", "d")   # type: ignore[comparison-overlap]
+
+
+def test_a_batch_from_a_paused_sandbox_starts_on_its_node_alone() -> None:
+    """Its node waits for the pause's commit; the others read only the repository, so
+    they get the rest only after it answered."""
+    fleet = Fleet(node("n1"), node("n2"))
+    fleet.bindings["sbx-p"] = Binding("sbx-p", "n2", "paused", INFO)
+    path = "/snapshots/sbx-p/fork"
+    m, nodes = moves(fleet, {("POST", "http://n2" + path): [_answer(_sandboxes("a", "b", "c") + [BUSY])],
+                             ("POST", "http://n1" + path): [_answer(_sandboxes("d", "e"))]})
+    req = make_mocked_request("POST", path, headers={"X-API-Key": "k"})
+    got = run(m.fork_snapshot(req, "sbx-p", json.dumps({"count": 5}).encode()))
+    assert status(got) == 201 and len(body_of(got)) == 5
+    sent = [(url, body["count"]) for (_, url), body in zip(nodes.calls, nodes.bodies)]
+    assert sent == [("http://n2" + path, 4), ("http://n1" + path, 2)], sent
