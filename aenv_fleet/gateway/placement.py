@@ -362,6 +362,8 @@ class Moves:
             if first is not None:
                 tried.add(first)
                 first = None
+                if not nodes:       # no room on its node: the others read the repository
+                    continue
             if not nodes:
                 break
             shares: list[tuple[Any, int]] = []
