@@ -18,6 +18,10 @@ holding only the files ``jail_view`` lists, and a cgroup made here for this
 process and removed when it is gone. The child-side order is in
 aenv_vm/confine/jail.py (``enter``). Files such a QEMU could have replaced
 (its console log) are read with ``open_vm_file`` (no symlinks followed).
+
+A VM whose RAM is a copy-on-write mapping (``mem_share`` off: a clone of a
+template) gets, confined or not, the seccomp filter that keeps QEMU's RAM
+discards out of the shared file (aenv_vm/confine/discard.py).
 """
 from __future__ import annotations
 
@@ -392,7 +396,7 @@ class QemuProcess:
             cap_last=jail.cap_last if jail is not None else -1,
             file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
             merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
-            core_dumps=jail is None)
+            core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share)
         try:
             with open(spec.stderr_log, "wb") as err:
                 try:
