@@ -52,6 +52,17 @@ def rss(pid: int) -> int:
     raise AssertionError(f"no Rss in /proc/{pid}/smaps_rollup")
 
 
+def cgroup_memory(box: Sandbox) -> tuple[int, str] | None:
+    """(usage in bytes, limit) of the QEMU's own memory cgroup (v2 or v1); None: not in one."""
+    if box.vm.cgroup is None:
+        return None
+    for d in box.vm.cgroup.dirs:
+        for usage, limit in (("memory.current", "memory.max"), ("memory.usage_in_bytes", "memory.limit_in_bytes")):
+            if (d / usage).is_file():
+                return int((d / usage).read_text()), (d / limit).read_text().strip()
+    return None
+
+
 def node_used() -> int:
     """MemTotal - MemAvailable of the node, in bytes (shown, not asserted: other work moves it)."""
     info = {k: int(v.split()[0]) * 1024 for k, v in
@@ -96,21 +107,27 @@ def test_freed_guest_memory_returns_to_the_host(env: Env, tmp_path: Path) -> Non
                            "nohup python3 /root/alloc.py >/root/alloc.log 2>&1 &")
             before = rss(pid)
             await wait_file(box, "/tmp/held")
-            held, node_held = rss(pid), node_used()
+            held, node_held, cg_held = rss(pid), node_used(), cgroup_memory(box)
             await ash(box, "touch /tmp/release")
             t0 = time.monotonic()
             await wait_file(box, "/tmp/freed")
             freed_after = time.monotonic() - t0
             back, took = await returned_within(pid, held, int(RETURN_SHARE * ALLOC_MIB * MiB),
                                                RETURN_SECONDS - freed_after)
-            after, node_after = rss(pid), node_used()
+            after, node_after, cg_after = rss(pid), node_used(), cgroup_memory(box)
             print(f"\n[balloon] QEMU RSS: restored {before / MiB:.0f} MiB, {ALLOC_MIB} MiB held "
                   f"{held / MiB:.0f} MiB, freed {after / MiB:.0f} MiB: {back / MiB:.0f} MiB "
                   f"({back / (ALLOC_MIB * MiB):.0%} of {ALLOC_MIB}) back {freed_after + took:.1f} s after the free; "
-                  f"node MemTotal-MemAvailable {(node_held - node_after) / MiB:+.0f} MiB lower")
+                  f"node MemTotal-MemAvailable meanwhile {(node_after - node_held) / MiB:+.0f} MiB")
             assert held - before >= ALLOC_MIB * MiB * 0.9, (before, held)    # the guest did hold it
             assert back >= RETURN_SHARE * ALLOC_MIB * MiB, (before, held, after)
             assert freed_after + took <= RETURN_SECONDS
+            if cg_held is not None and cg_after is not None:
+                # a confined QEMU's cgroup: the pages are uncharged with it, its bound stays
+                print(f"[balloon] its memory cgroup: {cg_held[0] / MiB:.0f} -> {cg_after[0] / MiB:.0f} MiB "
+                      f"used, limit {cg_after[1]}")
+                assert cg_after[1] == cg_held[1]
+                assert cg_held[0] - cg_after[0] >= RETURN_SHARE * ALLOC_MIB * MiB
             # the guest goes on as before, its memory usable again
             assert await ash(box, "python3 -c 'print(len(bytearray(150 << 20)) >> 20)'") == "150"
             await mgr.kill(box.id)
