@@ -29,8 +29,11 @@ value is precomputed in ``ChildPlan``), in this order and for these reasons:
    died while the signal was unset);
 9. KSM's PR_SET_MEMORY_MERGE and ADDR_NO_RANDOMIZE (both unprivileged, both
    kept across exec);
-10. PR_SET_NO_NEW_PRIVS last (it also lets QEMU install its seccomp filter,
-    ``-sandbox``, without privileges).
+10. PR_SET_NO_NEW_PRIVS (it also lets QEMU install its seccomp filter,
+    ``-sandbox``, without privileges);
+11. a QEMU whose RAM is a copy-on-write mapping of a shared file: the filter that
+    keeps its RAM discards out of the file (discard.py; needs 10 or root, so a
+    QEMU that is otherwise unconfined gets no_new_privs for it too).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from . import discard
 from .cgroups import CgroupTree, Limits
 from .errors import ConfinementError
 from .romem import ReadonlyRam
@@ -237,6 +241,7 @@ class ChildPlan:
     merge_memory: bool = False
     fixed_layout: bool = False
     no_new_privs: bool = False
+    private_discard: bool = False                       # discard.py's filter (copy-on-write RAM)
 
 
 def _flags(access: Access) -> int:
@@ -255,9 +260,10 @@ def _ancestors(p: Path) -> list[Path]:
 def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_ROOT, cgroup_procs: Iterable[Path] = (),
                netns_fd: int = -1, uid: int | None = None, gid: int | None = None, cap_last: int = -1,
                file_size: int = -1, merge_memory: bool = False, fixed_layout: bool = False,
-               no_new_privs: bool = True, core_dumps: bool = False) -> ChildPlan:
+               no_new_privs: bool = True, core_dumps: bool = False, private_discard: bool = False) -> ChildPlan:
     """The ``ChildPlan`` of a QEMU: with ``view`` a mount namespace rooted at a tmpfs on
-    ``root`` holding exactly that view. ``core_dumps``: leave RLIMIT_CORE as it is."""
+    ``root`` holding exactly that view. ``core_dumps``: leave RLIMIT_CORE as it is.
+    ``private_discard``: its RAM is a copy-on-write file mapping (discard.py)."""
     dirs: list[bytes] = []
     files: list[bytes] = []
     binds: list[tuple[bytes, bytes, int]] = []
@@ -285,7 +291,7 @@ def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_R
         devices=tuple(devs), links=tuple((r + b"/" + os.fsencode(n), os.fsencode(t)) for n, t in view.links)
         if view is not None else (), core_zero=not core_dumps, file_size=file_size, cap_last=cap_last,
         uid=-1 if uid is None else uid, gid=-1 if gid is None else gid, merge_memory=merge_memory,
-        fixed_layout=fixed_layout, no_new_privs=no_new_privs)
+        fixed_layout=fixed_layout, no_new_privs=no_new_privs, private_discard=private_discard)
 
 
 def _fail(step: bytes, err: int = 0) -> None:
@@ -384,8 +390,12 @@ def enter(plan: ChildPlan) -> None:
         current = _personality(0xFFFFFFFF)
         if current != -1:
             _personality(current | ADDR_NO_RANDOMIZE)
-    if plan.no_new_privs:
+    if plan.no_new_privs or plan.private_discard:
         _ok(_prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), b"PR_SET_NO_NEW_PRIVS")
+    if plan.private_discard:
+        err = discard.install()
+        if err:
+            _fail(b"seccomp filter for copy-on-write RAM discards (aenv_vm/confine/discard.py)", err)
 
 
 def probe_mount_namespace(root: Path) -> str | None:

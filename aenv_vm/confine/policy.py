@@ -91,15 +91,18 @@ def probe_host(qemu: Path, state_dir: Path = STATE_DIR) -> HostSupport:
         mount_ns = probe_mount_namespace(jail_root)
     else:
         mount_ns = "needs root (mount namespaces are made by the node)"
+    # The shim first, on every QEMU: QEMU >= 8.2's readonly=on,rom=off also keeps the file
+    # read-only, but QEMU then refuses to discard that RAM at all, and a clone's guest
+    # could no longer give memory back (free page reporting, romem.py).
     shim: Path | None = None
-    if qemu_version(qemu) >= ROM_OFF_QEMU:
-        readonly = ReadonlyRam.ROM_OFF
-        user = None
-    else:
-        try:
-            shim = build_shim(state_dir / "lib")
-            readonly, user = ReadonlyRam.PRELOAD, None
-        except (ConfinementError, OSError) as e:
+    user: str | None = None
+    try:
+        shim = build_shim(state_dir / "lib")
+        readonly = ReadonlyRam.PRELOAD
+    except (ConfinementError, OSError) as e:
+        if qemu_version(qemu) >= ROM_OFF_QEMU:
+            readonly = ReadonlyRam.ROM_OFF
+        else:
             readonly = ReadonlyRam.NONE
             user = f"QEMU < 8.2 opens the template memory file read-write and the read-only shim is missing: {e}"
     if not root:
@@ -170,8 +173,8 @@ class Confinement:
             raise ConfinementError("Confinement.start() was not called")
         user_on = s.user is None
         first = self._leases.first
-        ram = {ReadonlyRam.ROM_OFF: "memory files mapped readonly=on,rom=off",
-               ReadonlyRam.PRELOAD: "template memory opened read-only (LD_PRELOAD shim, QEMU < 8.2)",
+        ram = {ReadonlyRam.ROM_OFF: "memory files mapped readonly=on,rom=off (no shim: clones return no memory)",
+               ReadonlyRam.PRELOAD: "template memory opened read-only (LD_PRELOAD shim)",
                ReadonlyRam.NONE: ""}[s.readonly_ram]
         parts = [
             Part("user", user_on, f"one uid per sandbox from {first} ({self._leases.count} leasable); {ram}"

@@ -1,13 +1,16 @@
 /*
- * LD_PRELOAD shim for QEMU < 8.2 (aenv_vm/confine/romem.py).
+ * LD_PRELOAD shim for a QEMU mapping a template's RAM copy-on-write
+ * (aenv_vm/confine/romem.py).
  *
  * QEMU 7.2 opens a memory-backend-file O_RDWR even with share=off, where the
  * mapping is MAP_PRIVATE and the kernel needs only read access to the file.
  * A confined QEMU must not be able to write the template memory file every
  * clone of the template maps, so for the one path named by AENV_READONLY_RAM
  * this turns that open into O_RDONLY: the mapping stays writable copy-on-write,
- * a write(2) or fallocate(2) on the file fails (EBADF). QEMU 8.2's
- * "readonly=on,rom=off" does the same natively.
+ * a write(2) on the file fails (EBADF). QEMU 8.2's "readonly=on,rom=off" does
+ * the same natively, but then also refuses to discard the RAM (free page
+ * reporting); QEMU does not know of this one, and its hole punch never reaches
+ * the file (a seccomp filter answers it: aenv_vm/confine/discard.py).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -2,13 +2,17 @@
 
 Every clone maps its template's memory file ``share=off`` (MAP_PRIVATE): the
 kernel needs read access only, and the file must stay unwritable for a
-confined QEMU (all clones of the template share it). QEMU 8.2 says so with
-``memory-backend-file,readonly=on,rom=off``. QEMU 7.2 (Debian 12) has no
-``rom=`` and opens the file O_RDWR, so a read-only bind mount makes it fail
-(EROFS). There a small ``LD_PRELOAD`` library (romem.c, built here once per
+confined QEMU (all clones of the template share it). QEMU 7.2 (Debian 12) has
+no way to say so and opens the file O_RDWR, so a read-only bind mount makes it
+fail (EROFS). A small ``LD_PRELOAD`` library (romem.c, built here once per
 host with the system C compiler) turns that one open into O_RDONLY; the
-mapping is still writable copy-on-write. Without either, a confined QEMU
-cannot map a template read-only and the uid layer is off (``probe_host``).
+mapping is still writable copy-on-write, and QEMU, which does not know, still
+discards RAM the guest frees (free page reporting: MADV_DONTNEED, its hole
+punch a no-op, discard.py). QEMU 8.2 can say it with
+``memory-backend-file,readonly=on,rom=off``, but then refuses every discard
+of that RAM: the shim is preferred on every QEMU, ``rom=off`` is what a QEMU
+>= 8.2 gets without a compiler. Without either, a confined QEMU cannot map a
+template read-only and the uid layer is off (``probe_host``).
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ ROM_OFF_QEMU = (8, 2, 0)        # first QEMU with memory-backend-file rom=off
 
 
 class ReadonlyRam(enum.Enum):
-    ROM_OFF = "rom=off"         # QEMU >= 8.2: readonly=on,rom=off
-    PRELOAD = "preload"         # QEMU 7.2: the LD_PRELOAD shim
+    ROM_OFF = "rom=off"         # QEMU >= 8.2 without the shim: readonly=on,rom=off (no discards)
+    PRELOAD = "preload"         # the LD_PRELOAD shim (any QEMU)
     NONE = "none"               # neither: the QEMU must be able to write the file
 
 
@@ -45,7 +49,7 @@ def build_shim(directory: Path) -> Path:
         return out
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise ConfinementError("no C compiler (cc) to build the read-only RAM shim for QEMU < 8.2 "
+        raise ConfinementError("no C compiler (cc) to build the read-only RAM shim "
                                "(apt-get install gcc libc6-dev)")
     directory.mkdir(parents=True, exist_ok=True, mode=0o755)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")

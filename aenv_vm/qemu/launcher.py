@@ -18,6 +18,10 @@ holding only the files ``jail_view`` lists, and a cgroup made here for this
 process and removed when it is gone. The child-side order is in
 aenv_vm/confine/jail.py (``enter``). Files such a QEMU could have replaced
 (its console log) are read with ``open_vm_file`` (no symlinks followed).
+
+A VM whose RAM is a copy-on-write mapping (``mem_share`` off: a clone of a
+template) gets, confined or not, the seccomp filter that keeps QEMU's RAM
+discards out of the shared file (aenv_vm/confine/discard.py).
 """
 from __future__ import annotations
 
@@ -57,6 +61,15 @@ Accel = Literal["tcg", "kvm"]
 # never goes tickless and takes 250 timer interrupts a second while idle,
 # which under TCG cost ~50 ms of host CPU per second per idle VM (~12 with it).
 TCG_CPU = "qemu64,+arat"
+# Free page reporting: the guest's virtio_balloon driver hands the host the 2-4 MiB
+# blocks its page allocator has free, QEMU discards them (MADV_DONTNEED, a clone's hole
+# punch made a no-op: aenv_vm/confine/discard.py), so memory a guest frees goes back to
+# the host within seconds (docs/guest.md). page-poison=off: the guest reports only if
+# it expects nothing of a reported page's content (a discarded page of a copy-on-write
+# clone reads as the template's page again, not as zeroes). No stats polling and no
+# inflation: the node never asks the guest anything through it. Every VM has it, so a
+# template's device state and its clones' devices match.
+BALLOON_DEVICE = "virtio-balloon-device,free-page-reporting=on,page-poison=off"
 
 
 # ---------------------------------------------------------------- disks
@@ -116,7 +129,8 @@ class VmSpec:
     """Everything that defines one QEMU microVM process.
 
     Fields that must match between a template and its clones (or migration
-    fails): memory_mib, vcpus, accel, the device set (disk/net present or not)."""
+    fails): memory_mib, vcpus, accel, the device set (disk/net present or not;
+    the rng and balloon devices every VM has)."""
     name: str
     kernel: Path
     initrd: Path
@@ -205,6 +219,7 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
         argv += ["-netdev", f"user,id=net0,{'restrict=on,' if spec.net_restrict else ''}"
                             f"hostfwd=tcp:{spec.hostfwd_host}:{spec.host_port}-{GUEST_IP}:{spec.guest_port}",
                  "-device", f"virtio-net-device,netdev=net0,mac={spec.mac}"]
+    argv += ["-device", BALLOON_DEVICE]
     if spec.incoming_defer:
         argv += ["-incoming", "defer"]
     return argv + list(spec.extra_args)
@@ -392,7 +407,7 @@ class QemuProcess:
             cap_last=jail.cap_last if jail is not None else -1,
             file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
             merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
-            core_dumps=jail is None)
+            core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share)
         try:
             with open(spec.stderr_log, "wb") as err:
                 try:

@@ -223,6 +223,36 @@ def test_the_shim_opens_only_the_named_file_read_only(tmp_path: Path) -> None:
     assert ram.read_bytes() == b"a" * 4096 and other.read_bytes()[:1] == b"w"
 
 
+PUNCH_PROBE = (
+    "import ctypes, os, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+    "r = libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(8192))\n"     # PUNCH_HOLE | KEEP_SIZE
+    "print(r, ctypes.get_errno())\n"
+    "r = libc.fallocate(fd, 0, ctypes.c_long(0), ctypes.c_long(16384))\n"    # plain: still the kernel's
+    "print(r, os.fstat(fd).st_size)\n")
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+def test_a_copy_on_write_qemu_punches_no_holes(tmp_path: Path, filtered: bool) -> None:
+    """The child side of a QEMU whose RAM is a copy-on-write file mapping: its hole punches
+    succeed without touching the file (aenv_vm/confine/discard.py); every other fallocate
+    is the kernel's. Unfiltered (control), the same punch zeroes the file's pages."""
+    from aenv_vm.confine import discard
+    from aenv_vm.confine.jail import enter
+    if not discard.supported():
+        pytest.skip("no filter for this host architecture")
+    f = tmp_path / "memory"
+    f.write_bytes(b"t" * 8192)
+    plan = child_plan(None, parent_pid=os.getpid(), no_new_privs=False, core_dumps=True, private_discard=filtered)
+    out = subprocess.run([sys.executable, "-c", PUNCH_PROBE, str(f)], preexec_fn=lambda: enter(plan),
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "0 0" and out[1] == "0 16384"
+    data = f.read_bytes()
+    assert len(data) == 16384 and data[8192:] == bytes(8192)
+    assert data[:8192] == (b"t" * 8192 if filtered else bytes(8192))
+
+
 def test_sweep_removes_only_groups_nobody_holds(tmp_path: Path) -> None:
     from aenv_vm.confine.cgroups import CgroupTree, vm_group_uid
     assert vm_group_uid("vm-1900000001-abcdef") == 1_900_000_001

@@ -49,6 +49,16 @@ def test_clone_maps_memory_private_and_waits_for_incoming(tmp_path: Path) -> Non
     assert "virtio-net-device,netdev=net0,mac=52:54:00:12:34:56" in opt(argv, "-device")
 
 
+@pytest.mark.parametrize("kw", [{}, {"mem_path": Path("/m"), "mem_share": False, "incoming_defer": True},
+                                {"accel": "kvm", "host_port": 40001}])
+def test_every_vm_has_the_reporting_balloon(tmp_path: Path, kw: dict) -> None:
+    """Builds, cold boots and restores alike (a template's device state must find it in
+    its clones), with free page reporting and without page poisoning or stats polling."""
+    devices = opt(build_command(spec(tmp_path, **kw), "qemu"), "-device")
+    assert [d for d in devices if d.startswith("virtio-balloon")] == [
+        "virtio-balloon-device,free-page-reporting=on,page-poison=off"]
+
+
 def test_kvm_uses_host_cpu(tmp_path: Path) -> None:
     argv = build_command(spec(tmp_path, accel="kvm"), "qemu")
     assert opt(argv, "-accel") == ["kvm"] and opt(argv, "-cpu") == ["host"]
