@@ -346,6 +346,9 @@ class SandboxManager:
         # a hidden snapshot (a fork's, a pause's) is kept until this sandbox is recorded
         self.forks.hold(tpl.id)
         try:
+            # Its place is taken: let the creates that arrived with this one get theirs, or
+            # their refusal (429 at once), before this one's setup work runs on the loop.
+            await asyncio.sleep(0)
             policy = network or NetworkPolicy()
             if allow_internet_access is False:
                 policy = with_internet(policy, False)
