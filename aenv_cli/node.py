@@ -82,6 +82,7 @@ class Node:
     metrics: Metrics
     server: ApiServer
     agent: NodeAgent | None      # the fleet agent ([cluster] redis_url), else None
+    warmed: asyncio.Future[None]  # done when the warm pool's first fill has ended (at once: no pool)
 
     def sdk_env(self) -> dict[str, str]:
         """The variables an E2B SDK client sets to use this node (what `aenv server` prints)."""
@@ -161,8 +162,12 @@ class Node:
             except OSError as e:
                 tls = f" (or TLS port {server_cfg.tls_port})" if server_cfg.tls_cert else ""
                 raise StartError(f"cannot listen on {server_cfg.host}:{server_cfg.port}{tls}: {e}") from None
+            warmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             if vm.pool_size > 0:
                 background.append(asyncio.ensure_future(manager.fill_pool(tpl.id)))
+                warmed = background[-1]
+            else:
+                warmed.set_result(None)
             url = local_url(server_cfg.host, port)
             if agent is not None:
                 await agent.start([server_cfg.default_template, tpl.id])
@@ -183,7 +188,7 @@ class Node:
                        f"{server_cfg.domain or '<domain>'}" + ("" if server.tls_port == 443 else f":{server.tls_port}"))
             yield cls(config=config, credentials=creds, url=url, port=port, tls_port=server.tls_port, store=store,
                       manager=manager, service=service, lifecycle=lifecycle, template=tpl, builds=builds,
-                      volumes=volumes, metrics=metrics, server=server, agent=agent)
+                      volumes=volumes, metrics=metrics, server=server, agent=agent, warmed=warmed)
         finally:
             for task in background:
                 task.cancel()

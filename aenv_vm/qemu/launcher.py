@@ -9,8 +9,9 @@ between fork and exec, so it dies with the process that started it, even on
 SIGKILL of that process (no orphans). A VM with ``netns`` set (tap networking,
 aenv_vm/net) joins that network namespace in the same place, before exec,
 and gets a tap netdev instead of user-mode networking. Linux delivers the death signal when the
-*thread* that forked exits, so start VMs from a long-lived thread (the event
-loop's), not from a short-lived worker thread.
+*thread* that forked exits, so VMs are forked from one long-lived thread of this
+module's (``_spawner``), never from a short-lived worker thread, nor from the event
+loop, which would wait for each child to reach exec.
 
 A VM with ``jail`` set (aenv_vm/confine) is confined: its own uid, no
 capabilities, no_new_privs, QEMU's seccomp filter, its own mount namespace
@@ -26,6 +27,7 @@ discards out of the shared file (aenv_vm/confine/discard.py).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -349,6 +351,94 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
+_spawner_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+
+def _spawner() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread this process forks every QEMU from. Linux sends a QEMU its death
+    signal (PR_SET_PDEATHSIG) when the *thread* that forked it exits, so that thread must
+    live as long as the process: this one does (one worker, never shut down; a forked
+    child process makes its own). Spawning here instead of on the event loop keeps the
+    loop serving while a child sets itself up before exec (its jail, namespaces,
+    cgroup): Popen returns only once the child has exec'd, 10-100 ms under a burst of
+    restores on a busy host, and making the cgroup (mkdir and limit writes in cgroupfs)
+    takes ~10 ms more."""
+    global _spawner_pool
+    if _spawner_pool is None or _spawner_pool[0] != os.getpid():
+        _spawner_pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="aenv-qemu-spawn"))
+    return _spawner_pool[1]
+
+
+def _spawn(spec: VmSpec, binary: Path, argv: list[str]) -> tuple[subprocess.Popen, VmCgroup | None, bool]:
+    """QEMU of ``spec`` forked and exec'd (on the ``_spawner`` thread): its process, its cgroup
+    (confined) and whether it is still to be moved into it (``late``)."""
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    spec.qmp_socket.unlink(missing_ok=True)
+    jail = spec.jail
+    env: dict[str, str] | None = None
+    view: FileView | None = None
+    cgroup: VmCgroup | None = None
+    if jail is not None:
+        _give_to_jail(spec)
+        view = jail_view(spec, binary) if jail.mount_ns else None
+        if _preload(spec):
+            assert jail.shim is not None and spec.mem_path is not None
+            env = {**os.environ, "LD_PRELOAD": str(jail.shim), READONLY_RAM_ENV: str(spec.mem_path)}
+        if jail.cgroups is not None:
+            cgroup = jail.cgroups.create(jail.uid if jail.uid is not None else os.getuid(),
+                                         jail.limits(spec.memory_mib, spec.vcpus, tcg_buffer_mib(spec) or 0))
+    netns_fd = -1
+    if spec.netns is not None:
+        try:
+            netns_fd = os.open(NETNS_DIR / spec.netns, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            if cgroup is not None:
+                cgroup.remove(wait=0)
+            raise VmError(f"network namespace {spec.netns} of {spec.name} cannot be opened: {e}") from None
+    # Joining a cgroup costs a RCU grace period (~13 ms here, cgroup v1's threadgroup
+    # lock): a QEMU that waits for its state (-incoming defer) runs no guest code before
+    # start() returns, so it is moved in from there while it initialises; one that boots
+    # joins before exec.
+    late_cgroup = cgroup is not None and spec.incoming_defer
+    plan = child_plan(
+        view, parent_pid=os.getpid(), root=jail.root_dir if jail is not None else Path("/"),
+        cgroup_procs=cgroup.procs_files if cgroup is not None and not late_cgroup else (), netns_fd=netns_fd,
+        uid=jail.uid if jail is not None else None, gid=jail.gid if jail is not None else None,
+        cap_last=jail.cap_last if jail is not None else -1,
+        file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
+        merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
+        core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share)
+    try:
+        with open(spec.stderr_log, "wb") as err:
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
+                                        close_fds=True, preexec_fn=lambda: enter(plan))
+            except OSError as e:
+                if cgroup is not None:
+                    cgroup.remove(wait=0)
+                raise QemuNotFound(f"cannot start {binary}: {e}") from None
+    finally:
+        if netns_fd >= 0:
+            os.close(netns_fd)
+    return proc, cgroup, late_cgroup
+
+
+def _kill_unclaimed(spawned: asyncio.Future[tuple[subprocess.Popen, VmCgroup | None, bool]]) -> None:
+    """A QEMU whose start was cancelled while it was being spawned: killed, its cgroup removed."""
+    if spawned.cancelled() or spawned.exception() is not None:
+        return
+    proc, cgroup, _ = spawned.result()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    def reap() -> None:
+        proc.wait()
+        if cgroup is not None:
+            cgroup.remove()
+    _spawner().submit(reap)
+
+
 class QemuProcess:
     """One running QEMU: its process, its QMP connection and its run files."""
 
@@ -372,54 +462,14 @@ class QemuProcess:
         carries the tail of QEMU's stderr and of the serial console."""
         binary = qemu or find_qemu()
         argv = build_command(spec, binary)
-        spec.run_dir.mkdir(parents=True, exist_ok=True)
-        spec.qmp_socket.unlink(missing_ok=True)
-        jail = spec.jail
-        env: dict[str, str] | None = None
-        view: FileView | None = None
-        cgroup: VmCgroup | None = None
-        if jail is not None:
-            _give_to_jail(spec)
-            view = jail_view(spec, binary) if jail.mount_ns else None
-            if _preload(spec):
-                assert jail.shim is not None and spec.mem_path is not None
-                env = {**os.environ, "LD_PRELOAD": str(jail.shim), READONLY_RAM_ENV: str(spec.mem_path)}
-            if jail.cgroups is not None:
-                cgroup = jail.cgroups.create(jail.uid if jail.uid is not None else os.getuid(),
-                                             jail.limits(spec.memory_mib, spec.vcpus, tcg_buffer_mib(spec) or 0))
-        netns_fd = -1
-        if spec.netns is not None:
-            try:
-                netns_fd = os.open(NETNS_DIR / spec.netns, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
-                if cgroup is not None:
-                    cgroup.remove(wait=0)
-                raise VmError(f"network namespace {spec.netns} of {spec.name} cannot be opened: {e}") from None
-        # Joining a cgroup costs a RCU grace period (~13 ms here, cgroup v1's threadgroup
-        # lock): a QEMU that waits for its state (-incoming defer) runs no guest code before
-        # start() returns, so it is moved in from here while it initialises; one that boots
-        # joins before exec.
-        late_cgroup = cgroup is not None and spec.incoming_defer
-        plan = child_plan(
-            view, parent_pid=os.getpid(), root=jail.root_dir if jail is not None else Path("/"),
-            cgroup_procs=cgroup.procs_files if cgroup is not None and not late_cgroup else (), netns_fd=netns_fd,
-            uid=jail.uid if jail is not None else None, gid=jail.gid if jail is not None else None,
-            cap_last=jail.cap_last if jail is not None else -1,
-            file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
-            merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
-            core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share)
+        # Forked and exec'd on the spawner thread (see ``_spawn``): the event loop goes on
+        # serving while the child sets itself up.
+        spawned = asyncio.get_running_loop().run_in_executor(_spawner(), _spawn, spec, binary, argv)
         try:
-            with open(spec.stderr_log, "wb") as err:
-                try:
-                    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
-                                            close_fds=True, preexec_fn=lambda: enter(plan))
-                except OSError as e:
-                    if cgroup is not None:
-                        cgroup.remove(wait=0)
-                    raise QemuNotFound(f"cannot start {binary}: {e}") from None
-        finally:
-            if netns_fd >= 0:
-                os.close(netns_fd)
+            proc, cgroup, late_cgroup = await asyncio.shield(spawned)
+        except asyncio.CancelledError:
+            spawned.add_done_callback(_kill_unclaimed)     # it runs on: its QEMU must not outlive this
+            raise
         vm = cls(spec, proc, argv)
         vm.cgroup = cgroup
         joined = asyncio.ensure_future(asyncio.to_thread(cgroup.attach, proc.pid)) \

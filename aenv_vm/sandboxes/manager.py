@@ -346,13 +346,14 @@ class SandboxManager:
         # a hidden snapshot (a fork's, a pause's) is kept until this sandbox is recorded
         self.forks.hold(tpl.id)
         try:
+            # Its place is taken: let the creates that arrived with this one get theirs, or
+            # their refusal (429 at once), before this one's setup work runs on the loop.
+            await asyncio.sleep(0)
             policy = network or NetworkPolicy()
             if allow_internet_access is False:
                 policy = with_internet(policy, False)
             sbx = await self._create(tpl, env_vars, access_token, timeout, metadata, auto_pause,
-                                     allow_internet_access, policy, annotations)
-            if not pause_memory:
-                self.records_store.put(self.record(sbx.id).replace(pause_memory=False))
+                                     allow_internet_access, policy, annotations, pause_memory)
             stale = [p for p in sbx.template.volume_paths if p not in {m.path for m in mounts}]
             if mounts or stale:
                 try:
@@ -384,7 +385,7 @@ class SandboxManager:
     async def _create(self, tpl: Template, env_vars: dict[str, str] | None, access_token: str | TokenMinter | None,
                       timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
                       allow_internet_access: bool | None, policy: NetworkPolicy,
-                      annotations: dict[str, str] | None) -> Sandbox:
+                      annotations: dict[str, str] | None, pause_memory: bool) -> Sandbox:
         t0 = time.monotonic()
         if tpl.hidden_fork_node is not None and tpl.hidden_fork_node != self.rt.node_id:
             await asyncio.to_thread(mark_shared, self.rt.store, tpl.id)   # a hidden snapshot's user beyond its node
@@ -418,23 +419,31 @@ class SandboxManager:
                                   done - ti, done - t0, from_pool)
         sbx.created = time.time()
         self._running[sbx.id] = sbx
-        self._put_new(sbx, timeout=timeout, metadata=metadata, auto_pause=auto_pause, env_vars=env_vars,
-                      access_token=token, allow_internet_access=allow_internet_access, policy=policy,
-                      annotations=annotations)
+        await self._put_records([self._new_record(
+            sbx, timeout=timeout, metadata=metadata, auto_pause=auto_pause, env_vars=env_vars, access_token=token,
+            allow_internet_access=allow_internet_access, policy=policy, annotations=annotations,
+            pause_memory=pause_memory)])
         return sbx
 
-    def _put_new(self, sbx: Sandbox, *, timeout: float | None, metadata: dict[str, str] | None, auto_pause: bool,
-                 env_vars: dict[str, str] | None, access_token: str | None,
-                 allow_internet_access: bool | None, policy: NetworkPolicy,
-                 annotations: dict[str, str] | None = None) -> None:
+    def _new_record(self, sbx: Sandbox, *, timeout: float | None, metadata: dict[str, str] | None,
+                    auto_pause: bool, env_vars: dict[str, str] | None, access_token: str | None,
+                    allow_internet_access: bool | None, policy: NetworkPolicy,
+                    annotations: dict[str, str] | None = None, pause_memory: bool = True) -> SandboxRecord:
         now = time.time()
         t = self.default_timeout if timeout is None else timeout
-        self.records_store.put(SandboxRecord(
+        return SandboxRecord(
             id=sbx.id, template=sbx.template.id, state=SandboxState.RUNNING, started_at=now, end_at=now + t,
             auto_pause=auto_pause, metadata=dict(metadata or {}), env_vars=dict(env_vars or {}),
             access_token=access_token, allow_internet_access=allow_internet_access, network=policy.to_json(),
             memory_mib=sbx.template.memory_mib, vcpus=sbx.template.vcpus, envd_port=sbx.envd_port, timeout=t,
-            annotations=dict(annotations or {})))
+            annotations=dict(annotations or {}), pause_memory=pause_memory)
+
+    async def _put_records(self, recs: list[SandboxRecord]) -> None:
+        """Write new sandboxes' records in one transaction, on a worker thread: the write
+        is synced to disk (records.py), which under a burst of restores on a busy disk
+        takes tens of milliseconds, too long to hold the event loop. The caller still
+        counts them in ``_creating`` until this returns (capacity stays exact)."""
+        await asyncio.to_thread(self.records_store.put_many, recs)
 
     async def fill_pool(self, template: str) -> None:
         """Fill the pool of ``template`` now (e.g. at server start) and wait for it."""
@@ -459,7 +468,8 @@ class SandboxManager:
             else:
                 await teardown_sandbox(self.rt, sbx)
                 self.paused.drop_files(sid)
-            self.records_store.delete(sid)
+            # synced to disk (records.py): not on the event loop
+            await asyncio.to_thread(self.records_store.delete, sid)
             self.metrics.forget(sid)
             if rec is not None:
                 self.forks.drop_unused(rec.template)
@@ -634,6 +644,15 @@ class SandboxManager:
                 local = await self.snapshots.take_local(sbx, parent, hidden=True)
             self.last_fork_snapshot = time.monotonic() - t0
             children = await self.forks.restore_children(local, parent, fits, access_token)
+            born = [c for c in children if isinstance(c, Child)]
+            for kid in born:
+                self._running[kid.sandbox.id] = kid.sandbox
+            await self._put_records([self._new_record(
+                kid.sandbox, timeout=parent.timeout if timeout is None else timeout,
+                metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
+                env_vars=parent.env_vars, access_token=kid.access_token,
+                allow_internet_access=parent.allow_internet_access, policy=parent.policy,
+                annotations=parent.annotations, pause_memory=parent.pause_memory) for kid in born])
         finally:
             self._creating -= fits
         out: list[Sandbox | Exception] = []
@@ -642,14 +661,6 @@ class SandboxManager:
                 out.append(child)
                 continue
             k = child.sandbox
-            self._running[k.id] = k
-            self._put_new(k, timeout=parent.timeout if timeout is None else timeout,
-                          metadata={**parent.metadata, "forked_from": sid}, auto_pause=parent.auto_pause,
-                          env_vars=parent.env_vars, access_token=child.access_token,
-                          allow_internet_access=parent.allow_internet_access, policy=parent.policy,
-                          annotations=parent.annotations)
-            if not parent.pause_memory:
-                self.records_store.put(self.record(k.id).replace(pause_memory=False))
             if parent.volume_mounts:     # each child dials its own channels to the same volumes
                 try:
                     await self._mount(k, parent.mounts)

@@ -17,6 +17,8 @@ from aenv_vm.qemu.accel import kvm_usable, probe_accel
 from aenv_vm.qemu.errors import QemuExited, QmpError
 from aenv_vm.qemu.launcher import QemuProcess, VmSpec
 
+from .procs import qemu_children
+
 pytestmark = pytest.mark.qemu
 
 
@@ -64,6 +66,37 @@ def test_startup_failure_reports_qemu_stderr(guest: GuestImage, tmp_path: Path) 
             await QemuProcess.start(bare_spec(guest, tmp_path, kernel=tmp_path / "no-such-vmlinuz"))
         assert "no-such-vmlinuz" in str(err.value)
         assert "exited with code" in str(err.value)
+
+    asyncio.run(run())
+
+
+def test_a_start_cancelled_while_its_qemu_is_spawned_leaves_no_qemu(guest: GuestImage, tmp_path: Path) -> None:
+    """QEMU is forked on the launcher's spawner thread while the event loop goes on; a
+    start cancelled meanwhile (its client went away) kills that QEMU once it exists."""
+    async def run() -> None:
+        loop_ran = False
+
+        async def beside() -> None:
+            nonlocal loop_ran
+            loop_ran = True
+
+        start = asyncio.ensure_future(QemuProcess.start(bare_spec(guest, tmp_path / "a", incoming_defer=True)))
+        await asyncio.sleep(0)          # the spawn is under way on its thread
+        await beside()
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert loop_ran
+        # VMs are spawned one after another: once the next one has started, the cancelled
+        # one was forked, and killed
+        other = await QemuProcess.start(bare_spec(guest, tmp_path / "b", name="other", incoming_defer=True))
+        try:
+            deadline = time.monotonic() + 10
+            while qemu_children() != [other.pid] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert qemu_children() == [other.pid]
+        finally:
+            await other.stop()
 
     asyncio.run(run())
 
