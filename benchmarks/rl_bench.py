@@ -252,13 +252,17 @@ async def aenv_rollouts(tasks: int, forks: int, commands: int) -> dict[str, Any]
                 assert r.stdout.strip() == f"task {i}", r.stdout
         done = await asyncio.gather(*(rollout(c) for c in kids), return_exceptions=True)
         await kill_all([*kids, parent])
+        failed.extend(f"{type(d).__name__}: {d}"[:160] for d in done if isinstance(d, BaseException))
+        failed.extend(["a fork child was not made"] * (forks - len(kids)))
         return sum(1 for d in done if not isinstance(d, BaseException))
+    failed: list[str] = []
     t0 = time.monotonic()
     done = await asyncio.gather(*(task(i) for i in range(tasks)), return_exceptions=True)
     wall = time.monotonic() - t0
     ok = sum(d for d in done if isinstance(d, int))
+    failed += [f"{type(d).__name__}: {d}"[:160] for d in done if isinstance(d, BaseException)]
     return {"n": tasks * forks, "ok": ok, "wall": wall, "rollouts_per_min": ok / wall * 60,
-            "errors": sorted({str(d)[:120] for d in done if isinstance(d, BaseException)})[:5]}
+            "errors": sorted(set(failed))[:5]}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -267,11 +271,14 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _qemu_children(pid: int) -> set[int]:
+    """The node's QEMUs: children of any of its threads (it spawns them on a thread of its own)."""
     out = set()
-    for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+    for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
-            if Path(f"/proc/{c}/comm").read_text().startswith("qemu"):
-                out.add(int(c))
+            for c in (task / "children").read_text().split():
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{c}/comm").read_text().startswith("qemu"):
+                        out.add(int(c))
     return out
 
 
