@@ -247,12 +247,10 @@ class Moves:
     # --- fork ----------------------------------------------------------------------------
 
     async def fork(self, request: web.Request, sid: str, body: bytes) -> web.Response:
-        req = _json(body)
-        if not isinstance(req, dict):
-            return _err(400, "request body must be a JSON object")
-        count = _fork_count(req)
-        if isinstance(count, web.Response):
-            return count
+        parsed = _fork_request(body)
+        if isinstance(parsed, web.Response):
+            return parsed
+        req, count = parsed
         b = await self.fleet.binding(sid)
         if b is None:
             return _err(404, f"sandbox {sid} not found", sandboxId=sid)
@@ -335,12 +333,10 @@ class Moves:
         repository; children a node refused (429: full, or its restore queue long) are
         offered to the others. The first node's answer to a bad request (400, 404) is the
         fleet's."""
-        req = _json(body)
-        if not isinstance(req, dict):
-            return _err(400, "request body must be a JSON object")
-        count = _fork_count(req)
-        if isinstance(count, web.Response):
-            return count
+        parsed = _fork_request(body)
+        if isinstance(parsed, web.Response):
+            return parsed
+        req, count = parsed
         headers = forwarded_headers(request)
         path = request.rel_url.raw_path_qs
         results: list[dict[str, Any]] = []
@@ -439,13 +435,17 @@ class Moves:
         return out
 
 
-def _fork_count(req: dict[str, Any]) -> int | web.Response:
+def _fork_request(body: bytes) -> tuple[dict[str, Any], int] | web.Response:
+    """A fork's body and its ``count`` (E2B's 1-100), or the 400 saying what is wrong."""
+    req = _json(body)
+    if not isinstance(req, dict):
+        return _err(400, "request body must be a JSON object")
     count = req.get("count", 1)
     if count is None:
         count = 1
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_FORK:
         return _err(400, f"count must be an integer in [1, {MAX_FORK}]")
-    return count
+    return req, count
 
 
 def _refused_child(r: Any) -> bool:
