@@ -374,8 +374,10 @@ def fetch_delta(store: Store, mid: Digest) -> tuple[Delta, Manifest]:
     return Delta(manifest.parent, manifest.size, pages, page_hashes(data), memoryview(data)), manifest
 
 
-def consolidate(base_file: Path, delta: Delta, out: Path) -> None:
-    """A full memory file: the base (holes kept) with the delta's pages written over it."""
+def consolidate(base_file: Path, delta: Delta, out: Path, sync: bool = True) -> None:
+    """A full memory file: the base (holes kept) with the delta's pages written over it.
+    ``sync`` False: not flushed to disk (the caller syncs it, ``sync_file``, before
+    anything that outlives a crash names it)."""
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     size = os.path.getsize(base_file)
     if size != delta.memory_size:
@@ -399,7 +401,8 @@ def consolidate(base_file: Path, delta: Delta, out: Path) -> None:
         for p, n, i in zip(first.tolist(), length.tolist(), at.tolist()):
             os.pwrite(dst.fileno(), delta.data[i * PAGE:(i + n) * PAGE], p * PAGE)
         dst.flush()
-        os.fsync(dst.fileno())
+        if sync:
+            os.fsync(dst.fileno())
     os.replace(tmp, out)
 
 

@@ -10,6 +10,11 @@ child's first pause or snapshot on, which wait for that commit
 (``wait_committed``). The hidden snapshot lives while a child (running or
 paused) uses it.
 
+The commit (hashing and compressing the memory image: CPU seconds) waits until the
+host's CPUs have room (``cpu_busy``), so that it does not slow the children's first
+commands, which is what a fork is for; at most ``COMMIT_DEFER_MAX`` seconds, and not at
+all once something needs it (``wait_committed``: a child's pause or snapshot).
+
 ``Forks`` also keeps the node's other hidden snapshots, a paused sandbox's pause
 named for a batch (pausefork.py), alive the same way: while a sandbox uses it, or
 something holds it (``hold``: the batch being made, a create from it under way).
@@ -41,7 +46,35 @@ from .snapshots import LocalSnapshot, NamedSnapshots
 # children per fork request: E2B's bound; the admission gate (aenv_vm/machine/admission.py) paces
 # their restores, and a child beyond the node's room or queue fails alone (429 each)
 MAX_FORK = 100
+# how long a fork's commit waits for idle CPU at most (a fleet's children beyond the
+# parent's node start from the committed snapshot: they wait as long, polling for it)
+COMMIT_DEFER_MAX = 5.0
+COMMIT_IDLE = 0.5           # the host counts as having room with this share of its CPU time idle ...
+COMMIT_IDLE_OVER = 0.5      # ... over this many seconds
 log = logging.getLogger(__name__)
+
+
+def cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of the host's CPUs since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])   # idle + iowait; guest time is in user
+
+
+async def wait_for_idle_cpu(until: asyncio.Event, deadline: float) -> None:
+    """Return once the host's CPUs were idle ``COMMIT_IDLE`` of the last ``COMMIT_IDLE_OVER``
+    seconds, ``until`` is set, or ``deadline`` (monotonic) has passed."""
+    idle0, total0 = cpu_times()
+    while time.monotonic() < deadline and not until.is_set():
+        try:
+            await asyncio.wait_for(until.wait(), COMMIT_IDLE_OVER)
+            return
+        except asyncio.TimeoutError:
+            pass
+        idle1, total1 = cpu_times()
+        if total1 > total0 and (idle1 - idle0) / (total1 - total0) >= COMMIT_IDLE:
+            return
+        idle0, total0 = idle1, total1
 
 
 @dataclass(frozen=True)
@@ -60,6 +93,7 @@ class Forks:
         self.records = records
         self.running = running                  # the manager's table (read only here)
         self._commits: dict[str, asyncio.Task[None]] = {}   # fork snapshot id → its background commit
+        self._needed: dict[str, asyncio.Event] = {}         # fork snapshot id → set: commit now
         self._holds: Counter[str] = Counter()   # template id → creates (or a batch) under way from it
         self.last_snapshot: float | None = None             # seconds the fork's snapshot took (until restorable)
         self.last_timing: dict[str, float] | None = None
@@ -125,6 +159,8 @@ class Forks:
         """A fork's hidden snapshot to the store (background); then its children carry
         the committed template. On failure the task keeps the error: their pauses fail
         with it (there is no memory image in the store to take a delta over)."""
+        needed = self._needed.setdefault(local.tid, asyncio.Event())
+        await wait_for_idle_cpu(needed, time.monotonic() + COMMIT_DEFER_MAX)
         tc = time.monotonic()
         try:
             await asyncio.to_thread(self.snapshots.commit, local, None)
@@ -136,6 +172,7 @@ class Forks:
             if sbx.template.id == local.tid:
                 sbx.template = tpl
         self._commits.pop(local.tid, None)
+        self._needed.pop(local.tid, None)
         if self.last_timing is not None:
             self.last_timing["commit (background)"] = time.monotonic() - tc
         self.drop_unused(local.tid)   # its children may all be gone already
@@ -145,6 +182,7 @@ class Forks:
         after the fork); ``sbx.template`` is then the committed one."""
         pending = self._commits.get(sbx.template.id)
         if pending is not None:
+            self._needed.setdefault(sbx.template.id, asyncio.Event()).set()
             try:
                 await asyncio.shield(pending)
             except Exception as e:
@@ -188,6 +226,8 @@ class Forks:
                 self.drop_unused(d.name)
 
     async def close(self) -> None:
+        for needed in self._needed.values():   # no reason to wait for idle CPU any more
+            needed.set()
         for task in list(self._commits.values()):
             try:
                 await task

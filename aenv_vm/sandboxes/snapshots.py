@@ -28,7 +28,7 @@ from aenv_store.formats.catalog import check_name
 from aenv_store.formats.ids import Digest
 
 from ..errors import BadRequest, Conflict, NotFound, VmError
-from ..memory.memory_image import consolidate
+from ..memory.memory_image import consolidate, sync_file
 from ..service import SnapshotInfo
 from ..templates.freeze import freeze
 from ..templates.meta import HIDDEN_FORK, HIDDEN_KINDS, TemplateMeta
@@ -86,10 +86,13 @@ class NamedSnapshots:
                 if sbx.vm.alive() and sbx.vm.qmp is not None:
                     await sbx.vm.qmp.execute("cont")
             t2 = time.monotonic()
-            # a local base (never the lazy file): consolidation reads it whole, holes kept
+            # a local base (never the lazy file): consolidation reads it whole, holes kept.
+            # Not synced here: restores from it need only the page cache, and writing
+            # 256 MiB out would hold the fork's children back; ``commit`` syncs it before
+            # the store names it (a local memory file the store names is trusted as is)
             base, _ = await self.rt.templates.full_files(tpl)
             try:
-                await asyncio.to_thread(consolidate, base, cap.delta, d / "memory")
+                await asyncio.to_thread(consolidate, base, cap.delta, d / "memory", False)
             finally:
                 self.capturer.give_back(cap.delta.data)
             t3 = time.monotonic()
@@ -107,6 +110,8 @@ class NamedSnapshots:
 
     def commit(self, local: LocalSnapshot, name: str | None) -> None:
         """Commit a local snapshot to the store as a template record (worker thread)."""
+        sync_file(local.dir / "memory")     # take_local left it to the page cache
+        sync_file(local.dir)
         freeze(self.rt.store, local.tid, disk=local.layer, memory=local.dir / "memory",
                device_state=local.dir / "device-state", meta=local.meta, alias=name, exclusive_alias=True)
 
