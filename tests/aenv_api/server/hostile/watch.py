@@ -12,10 +12,14 @@ ends; ``Harm.check()`` holds the node to the issue's bounds:
 * the neighbour keeps working: every one of its commands succeeds.
 
 The neighbour's p50 against its idle p50 is reported (``Harm.summary``), not asserted:
-a time ratio is a benchmark's (benchmarks/hostile_bench.py), not a unit test's.
+a time ratio is a benchmark's (benchmarks/hostile_bench.py runs this suite and tables
+what each offence cost: with ``HOSTILE_BENCH_REPORT`` set to a file, ``check`` appends a
+JSON line per offence to it), not a unit test's.
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import threading
 import time
@@ -76,8 +80,21 @@ class Harm:
                 f"{statistics.median(self.neighbour_idle or [0]) * 1000:.0f} ms, x{self.neighbour_ratio:.2f}) "
                 f"over {len(self.neighbour)} commands")
 
+    def record(self, what: str) -> dict[str, object]:
+        return {"offence": what, "seconds": round(self.seconds, 2),
+                "rss_growth_mib": round(self.rss_growth / 2**20, 1),
+                "health_p99_ms": round(self.health_p99 * 1000, 1), "health_polls": len(self.health),
+                "neighbour_p50_ms": round(statistics.median(self.neighbour or [0]) * 1000, 1),
+                "neighbour_idle_p50_ms": round(statistics.median(self.neighbour_idle or [0]) * 1000, 1),
+                "neighbour_ratio": round(self.neighbour_ratio, 2), "neighbour_commands": len(self.neighbour),
+                "neighbour_errors": len(self.neighbour_errors)}
+
     def check(self, what: str = "offence") -> None:
         print("\n" + self.summary(what))
+        report = os.environ.get("HOSTILE_BENCH_REPORT")
+        if report:
+            with open(report, "a") as f:
+                f.write(json.dumps(self.record(what)) + "\n")
         assert not self.health_errors, self.health_errors[:3]
         assert not self.neighbour_errors, self.neighbour_errors[:3]
         assert self.neighbour, "the neighbour ran no command during the offence"
