@@ -138,7 +138,8 @@ class Build:
             size = self.rt.store.load_manifest(tpl.disk).size // MiB
             self.log.info(f"base: template {ref} ({tpl.id})", "base")
             meta = tpl.meta
-            start = (BaseStart(meta.start_cmd, meta.ready_cmd, state.user, state.workdir, f"template {ref}")
+            start = (BaseStart(meta.start_cmd, meta.ready_cmd, meta.start_user or state.user,
+                               meta.start_workdir or state.workdir, f"template {ref}")
                      if meta.start_cmd or meta.ready_cmd else None)
             return _Base(tpl.disk, state, size, tpl.disk_mib or size, start)
         assert spec.from_image is not None
@@ -355,7 +356,9 @@ class Build:
         self.log.info(f"snapshotting the running VM as {tid}", "finalize")
         meta = dataclasses.replace(vm.template_meta(), build_state=state.to_json(), build_id=self.job.build_id,
                                    e2b_template=self.job.name, default_user=state.user,
-                                   start_cmd=start_cmd or None, ready_cmd=ready_cmd or None)
+                                   start_cmd=start_cmd or None, ready_cmd=ready_cmd or None,
+                                   start_user=plan.user if start_cmd else None,
+                                   start_workdir=plan.workdir if start_cmd else None)
         try:
             await vm.freeze(tid, meta)
         except VmError as e:
