@@ -30,6 +30,7 @@ from aenv_api.server.app import ApiServer
 from aenv_api.server.auth import Credentials
 from aenv_api.server.lifecycle import Lifecycle
 from aenv_api.server.metrics import Metrics
+from aenv_api.server.nodes_api import NodeApi
 from aenv_api.server.templates_api import TemplateApi
 from aenv_api.server.volumes_api import VolumeApi
 from aenv_fleet.agent import NodeAgent, RestoreLoad
@@ -156,7 +157,10 @@ class Node:
             server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                                TemplateApi(builds, config.data_dir / "template-uploads",
                                            config.templates.max_upload_mib << 20),
-                               VolumeApi(volumes, server_cfg.volume_domain))
+                               VolumeApi(volumes, server_cfg.volume_domain),
+                               # E2B's /nodes: this node, named as its fleet knows it, else by its run dir
+                               NodeApi(agent.node_id if agent is not None else manager.rt.node_id, lifecycle,
+                                       metrics, config.data_dir, package_version()))
             try:
                 port = await server.start(server_cfg.host, server_cfg.port)
             except OSError as e:

@@ -15,7 +15,9 @@ share these names instead of importing each other's internals:
   ``clientID`` and the fallback ``envdVersion``;
 * ``cluster``: the node <-> gateway contract (the ``/_aenv/cluster`` routes and the
   machine-readable codes of their answers);
-* ``builds``: E2B's template build request (``TemplateBuildStartV2``) as a typed ``BuildSpec``.
+* ``builds``: E2B's template build request (``TemplateBuildStartV2``) as a typed ``BuildSpec``;
+* ``nodes``: E2B's node admin records (``Node``, ``NodeDetail``, ``NodeStatusChange``),
+  one shape for a node's own ``/nodes`` and a fleet gateway's.
 
 tests/test_imports.py keeps this package free of every other project import.
 """

@@ -83,8 +83,9 @@ class Registry:
 @dataclass(frozen=True)
 class StartCommand:
     """``startCmd``, left running in every sandbox of the template, and ``readyCmd``,
-    polled until it exits 0 before the template is frozen."""
-    cmd: str
+    polled until it exits 0 before the template is frozen. A ready command alone
+    (``cmd`` None) checks what the base starts: aenv_vm/builds/start.py."""
+    cmd: str | None
     ready_cmd: str | None = None
 
 
@@ -206,7 +207,5 @@ def parse_build_spec(body: Any) -> BuildSpec:
     force = body.get("force") or False
     if not isinstance(force, bool):
         raise MalformedBuild("force must be a boolean")
-    if ready_cmd and not start_cmd:
-        raise MalformedBuild("readyCmd needs a startCmd")
-    start = StartCommand(start_cmd, ready_cmd) if start_cmd else None
+    start = StartCommand(start_cmd, ready_cmd) if (start_cmd or ready_cmd) else None
     return BuildSpec(from_image, from_template, registry, steps, start, force)

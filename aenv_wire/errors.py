@@ -37,6 +37,10 @@ class MalformedBuild(WireError):
     """A template build request (steps, base, commands) that cannot be built."""
 
 
+class BadNodeChange(WireError):
+    """A ``NodeStatusChange`` that is not one (unknown status, a bad cluster id)."""
+
+
 def error_body(status: int, message: str, error_code: str | None = None, **extra: Any) -> dict[str, Any]:
     """E2B's ``Error``: ``{"code", "message"}``, ``error_code`` when given, then ``extra``
     (aenv adds e.g. ``sandboxId``, ``state``)."""

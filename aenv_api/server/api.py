@@ -16,12 +16,15 @@ from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metric_series import sandbox_ids
 from .metrics import Metrics
+from .nodes_api import NodeApi
 from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
+from .templates_legacy import LegacyTemplateApi
 from .unsupported import not_supported, reject_unsupported
+from .views import SandboxView
 from .volumes_api import VolumeApi
 
 # /sandboxes/{sandboxID} is not /sandboxes/metrics (whose only method is GET)
@@ -38,8 +41,10 @@ class ControlPlane:
     """Handlers bound to one node's lifecycle; ``routes()`` is the served table."""
 
     def __init__(self, lifecycle: Lifecycle, metrics: Metrics, config: ServerConfig,
-                 templates: TemplateApi | None = None, volumes: VolumeApi | None = None) -> None:
+                 templates: TemplateApi | None = None, volumes: VolumeApi | None = None,
+                 nodes: NodeApi | None = None) -> None:
         self.lc = lifecycle
+        self.nodes = nodes
         self.templates = templates
         self.volumes = volumes
         self.metrics = metrics
@@ -59,18 +64,31 @@ class ControlPlane:
     async def create_v2(self, request: web.Request, call: Call) -> web.Response:
         return await self._create(request, call, v2=True)
 
+    def _refuse_new(self) -> None:
+        """While an operator drains this node (nodes_api.py), it makes no new sandboxes."""
+        if self.nodes is not None:
+            self.nodes.refuse_new()
+
     async def _create(self, request: web.Request, call: Call, v2: bool) -> web.Response:
         req = S.NewSandbox(**call.body)
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
+
+        async def create() -> SandboxView:
+            if self.nodes is None:
+                return await self.lc.create(req, v2=v2)
+            self.nodes.refuse_new()
+            with self.nodes.creating():
+                return await self.lc.create(req, v2=v2)
+
         if key is None:
-            rec = await self.lc.create(req, v2=v2)
+            rec = await create()
             return json_response(rec.sandbox(self.domain), 201, headers={AGENTENV_ID_HEADER: rec.sandbox_id})
 
-        async def create() -> str:
-            return (await self.lc.create(req, v2=v2)).sandbox_id
+        async def create_id() -> str:
+            return (await create()).sandbox_id
 
-        sid, replayed = await self.creates.run(key, idempotency.fingerprint(request.path, call.body), create)
+        sid, replayed = await self.creates.run(key, idempotency.fingerprint(request.path, call.body), create_id)
         try:
             rec = await self.lc.get(sid)
         except ApiError as e:
@@ -154,15 +172,18 @@ class ControlPlane:
         return no_content()
 
     async def fork(self, request: web.Request, call: Call) -> web.Response:
+        self._refuse_new()
         count = call.body.get("count") or 1
         return json_response(await self.lc.fork(call.path["sandboxID"], count, call.body.get("timeout")), 201)
 
     async def fork_snapshot(self, request: web.Request, call: Call) -> web.Response:
+        self._refuse_new()
         b = call.body
         return json_response(await self.lc.fork_snapshot(call.path["snapshotID"], b.get("count") or 1,
                                                          b.get("timeout"), b.get("metadata")), 201)
 
     async def adopt(self, request: web.Request, call: Call) -> web.Response:
+        self._refuse_new()
         return json_response((await self.lc.adopt(call.path["sandboxID"], call.query[FORCE_PARAM] is True)).listed())
 
     async def release(self, request: web.Request, call: Call) -> web.Response:
@@ -212,7 +233,10 @@ class ControlPlane:
         nc = lambda d: Reply(204, d)  # noqa: E731
         sbx = ("sandboxes",)
         # the template API first: its literal paths (/templates/tags) before /templates/{templateID}
-        return (self.templates.routes() if self.templates is not None else []) + (
+        templates = [] if self.templates is None else (
+            self.templates.routes() + LegacyTemplateApi(self.templates.builds).routes())
+        nodes = self.nodes.routes() if self.nodes is not None else []
+        return templates + nodes + (
             self.volumes.routes() if self.volumes is not None else []) + [
             Route("GET", "/health", self.health, "health check (no auth)", (nc("healthy"),), auth=False),
             Route("GET", "/openapi.json", self.openapi, "this API's OpenAPI document (no auth)",

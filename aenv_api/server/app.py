@@ -41,6 +41,7 @@ from .auth import Credentials
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .nodes_api import NodeApi
 from .proxy import SandboxProxy, route_of, signed_files
 from .responses import json_response
 from .routes import Call, Route, openapi
@@ -97,14 +98,15 @@ def _decoded(raw: bytes, encoding: str) -> bytes:
 
 class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
-                 version: str, templates: TemplateApi | None = None, volumes: VolumeApi | None = None) -> None:
+                 version: str, templates: TemplateApi | None = None, volumes: VolumeApi | None = None,
+                 nodes: NodeApi | None = None) -> None:
         self.lifecycle = lifecycle
         self.creds = creds
         self.config = config
         self.metrics = metrics
         self.version = version
         self.proxy = SandboxProxy(lifecycle, metrics)
-        self.control = ControlPlane(lifecycle, metrics, config, templates, volumes)
+        self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
         self.routes = self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None

@@ -2,8 +2,10 @@
 the SDK (2.63) calls it: request a build (``POST /v3/templates``, 202), the COPY
 contexts (``GET /templates/{id}/files/{hash}`` → present, or an upload URL this server
 serves), start it (``POST /v2/templates/{id}/builds/{buildID}``, 202), its status and
-log (``…/status?logsOffset=``, ``…/logs``), templates (list, get, delete), aliases and
-tags.
+log (``…/status?logsOffset=``, ``…/logs``), templates (list, paged list, get, delete,
+update: ``public``), aliases and tags. The deprecated request flows of older SDKs and
+CLIs (``POST /templates`` with a Dockerfile, ``POST /v2/templates``) are
+templates_legacy.py's.
 
 The upload URL carries its own authorisation (the SDK PUTs there without the API
 key, as to an S3 presigned URL): an HMAC of the hash and an expiry under a key of
@@ -28,6 +30,7 @@ from aenv_vm.builds.template_builds import TemplateBuilds, TemplateView
 from aenv_vm.errors import BadRequest, VmError
 from aenv_wire.builds import BuildResources, parse_build_spec
 from aenv_wire.errors import MalformedBuild
+from aenv_wire.headers import NEXT_TOKEN_HEADER
 from aenv_wire.listing import iso
 
 from .responses import json_response, no_content
@@ -35,6 +38,7 @@ from .errors import ApiError
 from .lifecycle import api_error
 from .routes import Call, Reply, Route
 from .schemas import Field, Schema
+from .views import page
 
 UPLOAD_PATH = "/_aenv/template-files/{hash}"
 # /templates/{templateID} for the router: never the literal /templates/tags (its own
@@ -68,6 +72,11 @@ LOGS_QUERY = Schema("BuildLogsQuery", (Field("cursor", "integer", minimum=0, max
                                        Field("direction", "string", enum=("forward", "backward")),
                                        Field("level", "string", enum=("debug", "info", "warn", "error")),
                                        Field("source", "string", max_length=32)))
+LIST_V2_QUERY = Schema("TemplateListV2Query", (
+    # one tenant: every template is the caller's team's (the teams issue makes it filter)
+    Field("teamID", "string", attr="team_id", max_length=128),
+    Field("limit", "integer", minimum=1, maximum=100), Field("nextToken", "string", attr="next_token", max_length=512)))
+UPDATE_REQUEST = Schema("TemplateUpdateRequest", (Field("public", "boolean"),))
 UPLOAD_QUERY = Schema("UploadQuery", (Field("expires", "integer", required=True, minimum=0, maximum=2**62),
                                       Field("signature", "string", required=True, max_length=128)))
 
@@ -235,13 +244,47 @@ class TemplateApi:
                              for x in v.builds]
         return out
 
-    async def list_templates(self, request: web.Request, call: Call) -> web.Response:
-        out = [self._view(v) for v in self.builds.list_templates() if v.build is not None]
+    def _listed(self) -> list[tuple[float, dict[str, Any]]]:
+        """Every template with a finished build, the node's base first: (created, Template)."""
+        out = [(v.created, self._view(v)) for v in self.builds.list_templates() if v.build is not None]
         base = self._base_view()
-        if base is not None:
+        tpl = self.builds.base_template()
+        if base is not None and tpl is not None:
             base.pop("builds")
-            out.insert(0, base)
-        return json_response(out)
+            out.insert(0, (tpl.created, base))
+        return out
+
+    async def list_templates(self, request: web.Request, call: Call) -> web.Response:
+        return json_response([t for _, t in self._listed()])
+
+    async def list_templates_v2(self, request: web.Request, call: Call) -> web.Response:
+        """``GET /v2/templates``: the same templates, oldest first, in pages of ``limit``
+        (100) continued by ``X-Next-Token`` (the node's keyset token, as its other lists)."""
+        q = call.query
+        items, token = page(self._listed(), lambda t: (t[0], t[1]["templateID"]), False, q["limit"],
+                            q["next_token"])
+        return json_response([t for _, t in items], headers={NEXT_TOKEN_HEADER: token} if token else None)
+
+    async def _update(self, call: Call) -> list[str]:
+        """Set ``public`` (absent: nothing changes, as E2B); the template's names."""
+        tid, public = call.path["templateID"], call.body["public"]
+        if tid in ("base", self.builds.settings.base_template):
+            if public is False:
+                raise ApiError(409, "the node's base template is always public: every caller of this node "
+                                    "creates sandboxes from it")
+            return ["base"]
+        try:
+            view = self.builds.get(tid) if public is None else await self.builds.set_public(tid, public)
+        except VmError as e:
+            raise _error(e, f"template {tid!r}") from None
+        return list(view.names)
+
+    async def update_template(self, request: web.Request, call: Call) -> web.Response:
+        await self._update(call)
+        return json_response(None)      # E2B's v1 answer: 200 with a JSON null
+
+    async def update_template_v2(self, request: web.Request, call: Call) -> web.Response:
+        return json_response({"names": await self._update(call)})
 
     async def get_template(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["templateID"]
@@ -272,7 +315,11 @@ class TemplateApi:
             raise ApiError(404, f"no template named {call.path['alias'][:128]!r}") from None
         except VmError as e:
             raise _error(e, "alias") from None
-        return json_response({"templateID": tid, "public": tid == "base"})
+        try:
+            public = tid == "base" or self.builds.get(tid).public
+        except VmError as e:
+            raise _error(e, "alias") from None
+        return json_response({"templateID": tid, "public": public})
 
     # ------------------------------------------------------------------ tags
 
@@ -322,6 +369,19 @@ class TemplateApi:
                   (Reply(200, "the log", None), Reply(404, "unknown build", "Error")), query=LOGS_QUERY, tags=t),
             Route("GET", "/templates", self.list_templates, "templates with a finished build",
                   (Reply(200, "the templates", None),), tags=t),
+            Route("GET", "/v2/templates", self.list_templates_v2, "templates with a finished build, paged",
+                  (Reply(200, "the templates; the next page's token in X-Next-Token", None, ("X-Next-Token",)),
+                   Reply(400, "bad limit or nextToken", "Error")), query=LIST_V2_QUERY, tags=t),
+            Route("PATCH", "/templates/{templateID}", self.update_template, "make a template public or not (v1)",
+                  (Reply(200, "updated (a JSON null)", None), Reply(400, "bad body", "Error"),
+                   Reply(404, "unknown template", "Error"), Reply(409, "the base template is always public",
+                                                                  "Error")),
+                  body=UPDATE_REQUEST, body_required=True, tags=t, router_path=TEMPLATE_ID_PATH),
+            Route("PATCH", "/v2/templates/{templateID}", self.update_template_v2, "make a template public or not",
+                  (Reply(200, "updated: the template's names", None), Reply(400, "bad body", "Error"),
+                   Reply(404, "unknown template", "Error"), Reply(409, "the base template is always public",
+                                                                  "Error")),
+                  body=UPDATE_REQUEST, body_required=True, tags=t),
             Route("GET", "/templates/{templateID}", self.get_template, "a template and its builds",
                   (Reply(200, "the template", None), Reply(404, "unknown template", "Error")), tags=t,
                   router_path=TEMPLATE_ID_PATH),

@@ -10,7 +10,8 @@
    and cached). ``force`` (the SDK's ``skip_cache``) or a step's own ``force`` turn
    hits into misses from that step on.
 3. **finalize**: the start command started (as the state's user, in its workdir, with
-   its envs), the ready command polled until it exits 0, envd given the template's
+   its envs; which command, and whether a parent's or an image's start is run instead:
+   start.py), the ready command polled until it exits 0, envd given the template's
    defaults, and the running VM frozen into a ``tpl-…`` record. An unchanged rebuild
    (same last layer, state, commands and shape) reuses the template the earlier one
    made, without booting anything.
@@ -42,6 +43,7 @@ from ..templates.trust import CaBundle, ca_env, install_ca_certificates
 from . import records
 from .copy import check_tar, copy_script, plain_tar
 from .log import BuildLog
+from .start import BaseStart, StartPlan, image_start, plan_start
 from .steps import StepState, next_state
 from .vm import BuildVm, VmShape
 
@@ -105,6 +107,7 @@ class _Base:
     state: StepState
     size_mib: int
     disk_mib: int                   # the base template's disk (0 for an image)
+    start: BaseStart | None = None  # what the base starts (start.py)
 
 
 class Build:
@@ -134,7 +137,11 @@ class Build:
             state = StepState.from_json(built) if built is not None else StepState()
             size = self.rt.store.load_manifest(tpl.disk).size // MiB
             self.log.info(f"base: template {ref} ({tpl.id})", "base")
-            return _Base(tpl.disk, state, size, tpl.disk_mib or size)
+            meta = tpl.meta
+            start = (BaseStart(meta.start_cmd, meta.ready_cmd, meta.start_user or state.user,
+                               meta.start_workdir or state.workdir, f"template {ref}")
+                     if meta.start_cmd or meta.ready_cmd else None)
+            return _Base(tpl.disk, state, size, tpl.disk_mib or size, start)
         assert spec.from_image is not None
         if st.oci is None or st.data_dir is None:
             raise BuildFailed("this node pulls no images (no [oci] configuration)", "base")
@@ -156,7 +163,8 @@ class Build:
                 envs[k] = v
         self.log.info(f"base: image {pulled.reference} ({pulled.digest[:19]}, {pulled.layers} layers, "
                       f"{pulled.downloaded_bytes} bytes downloaded)", "base")
-        return _Base(img.layer_id, StepState().with_envs(envs), img.size // MiB, 0)
+        return _Base(img.layer_id, StepState().with_envs(envs), img.size // MiB, 0,
+                     image_start(img.runtime, spec.from_image))
 
     def _shape(self, base: _Base) -> VmShape:
         st, asked = self.settings, self.job.resources
@@ -293,15 +301,18 @@ class Build:
             await asyncio.to_thread(records.put_step, store, key, layer, state, step.describe())
             self.log.info(f"done in {time.monotonic() - t0:.1f} s", label)
             parent = key
-        return await self._finalize(layer, state, shape, parent, forced)
+        return await self._finalize(layer, state, shape, parent, forced, plan_start(spec, base.start))
 
     async def _finalize(self, layer: Digest, state: StepState, shape: VmShape, parent: str,
-                        forced: bool) -> BuildResult:
-        spec, store = self.job.spec, self.rt.store
-        start_cmd = spec.start.cmd if spec.start is not None else None
-        ready_cmd = spec.start.ready_cmd if spec.start is not None else None
+                        forced: bool, plan: StartPlan) -> BuildResult:
+        store = self.rt.store
+        start_cmd, ready_cmd = plan.cmd, plan.ready_cmd
+        # an inherited start's user and directory are part of what is frozen (the request's
+        # own start runs with ``state``, which the key has already)
+        start_key: list[str | None] | str | None = (
+            [start_cmd, plan.user, plan.workdir] if plan.inherited and start_cmd else start_cmd)
         key = records.cache_key(parent, {"layer": bytes(layer).hex(), "state": state.to_json(),
-                                         "start": start_cmd, "ready": ready_cmd,
+                                         "start": start_key, "ready": ready_cmd,
                                          "vcpus": shape.vcpus, "memory_mib": shape.memory_mib,
                                          "disk_mib": shape.disk_mib, "accel": shape.accel,
                                          "guest": self.rt.guest.key})
@@ -319,15 +330,23 @@ class Build:
             raise BuildFailed(f"configuring envd failed: {e}", "finalize") from None
         follower = None
         if start_cmd:
-            follower = await self._start(vm, state, start_cmd)
+            if plan.inherited:
+                self.log.info(f"no start command was given: starting the {plan.source}'s "
+                              f"(as {plan.user}, in {plan.workdir})", "finalize")
+            follower = await self._start(vm, state, start_cmd, plan.user, plan.workdir)
+        # an inherited start that ends is not a failure of this build (start.py): the ready
+        # command decides
+        watched = follower if plan.required else None
         try:
             if ready_cmd:
-                await self._wait_ready(vm, state, ready_cmd, follower)
+                await self._wait_ready(vm, state, ready_cmd, watched)
             elif follower is not None:
                 await asyncio.sleep(START_SETTLE)
-                self._check_alive(follower)
-            if follower is not None:
-                self._check_alive(follower)
+                self._check_alive(watched)
+            self._check_alive(watched)
+            if follower is not None and watched is None and follower.done():
+                self.log.add("warn", f"the {plan.source}'s start command ended before the template was frozen "
+                              f"({self._ending(follower)}): sandboxes of this template do not run it", "finalize")
         finally:
             if follower is not None:
                 follower.cancel()     # the stream closes; the start command runs on
@@ -337,7 +356,9 @@ class Build:
         self.log.info(f"snapshotting the running VM as {tid}", "finalize")
         meta = dataclasses.replace(vm.template_meta(), build_state=state.to_json(), build_id=self.job.build_id,
                                    e2b_template=self.job.name, default_user=state.user,
-                                   start_cmd=start_cmd or None, ready_cmd=ready_cmd or None)
+                                   start_cmd=start_cmd or None, ready_cmd=ready_cmd or None,
+                                   start_user=plan.user if start_cmd else None,
+                                   start_workdir=plan.workdir if start_cmd else None)
         try:
             await vm.freeze(tid, meta)
         except VmError as e:
@@ -345,9 +366,10 @@ class Build:
         await asyncio.to_thread(records.put_snapshot, store, key, tid)
         return BuildResult(tid, False, shape, vm.envd_version, state)
 
-    async def _start(self, vm: BuildVm, state: StepState, cmd: str) -> "asyncio.Task[int]":
+    async def _start(self, vm: BuildVm, state: StepState, cmd: str, user: str | None = None,
+                     workdir: str | None = None) -> "asyncio.Task[int]":
         self.log.info(f"start command: {cmd}", "finalize")
-        req = ProcessRequest("/bin/bash", ("-l", "-c", cmd), user=state.user, cwd=state.workdir,
+        req = ProcessRequest("/bin/bash", ("-l", "-c", cmd), user=user or state.user, cwd=workdir or state.workdir,
                              envs=state.env_dict())
         task = asyncio.ensure_future(stream_process(vm.envd, req, timeout=None,
                                                     on_output=lambda s, d: self.log.output("finalize", s, d)))
@@ -355,16 +377,21 @@ class Build:
         return task
 
     @staticmethod
-    def _check_alive(follower: "asyncio.Task[int]") -> None:
+    def _ending(follower: "asyncio.Task[int]") -> str:
+        exc = follower.exception()
+        return f"failed: {exc}" if exc else f"exited with code {follower.result()}"
+
+    @classmethod
+    def _check_alive(cls, follower: "asyncio.Task[int] | None") -> None:
         """A start command that failed fails the build; one that finished with exit
         code 0 does not (E2B's finalize: a start command may be a one-shot setup,
-        and the ready command still decides when the template is ready)."""
-        if follower.done():
-            exc = follower.exception()
-            if exc is None and follower.result() == 0:
+        and the ready command still decides when the template is ready). None: no
+        start command whose end matters."""
+        if follower is not None and follower.done():
+            if follower.exception() is None and follower.result() == 0:
                 return
-            detail = f"failed: {exc}" if exc else f"exited with code {follower.result()}"
-            raise BuildFailed(f"the start command {detail} before the template was ready", "finalize")
+            raise BuildFailed(f"the start command {cls._ending(follower)} before the template was ready",
+                              "finalize")
 
     async def _wait_ready(self, vm: BuildVm, state: StepState, cmd: str,
                           follower: "asyncio.Task[int] | None") -> None:

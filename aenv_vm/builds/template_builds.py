@@ -45,6 +45,9 @@ class BuildRun:
     reason: tuple[str, str | None] | None = None   # (message, step) of a failure
     finished: float | None = None
     task: "asyncio.Task[None] | None" = None
+    # the steps a request made from a Dockerfile (E2B's legacy ``POST /templates``), started
+    # by ``start_requested``; None: the start request brings them (``start_build``)
+    requested_spec: BuildSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,11 @@ class TemplateBuilds:
 
     # ------------------------------------------------------------------ request
 
-    async def request(self, ref: str, tags: list[str] | None, resources: BuildResources) -> BuildRun:
+    async def request(self, ref: str, tags: list[str] | None, resources: BuildResources,
+                      spec: BuildSpec | None = None, notes: tuple[str, ...] = ()) -> BuildRun:
+        """A build of ``ref`` (``name`` or ``name:tag``), waiting to be started; ``spec``:
+        its steps, when the request already has them (``start_requested`` starts it);
+        ``notes``: lines for its log (warnings about the request)."""
         if self._closing:
             raise Conflict("the node is shutting down")
         name, tag = records.split_name(ref)
@@ -132,7 +139,9 @@ class TemplateBuilds:
         disk = resources.min_free_disk_mb
         if disk is not None and not 0 <= disk <= 1 << 20:
             raise BadRequest(f"minFreeDiskMB must be 0..{1 << 20}, got {disk}")
-        run = BuildRun(name, str(uuid.uuid4()), tuple(wanted), resources)
+        run = BuildRun(name, str(uuid.uuid4()), tuple(wanted), resources, requested_spec=spec)
+        for note in notes:
+            run.log.add("warn", note, "base")
         async with self._lock:
             def put() -> None:
                 now = time.time()
@@ -172,6 +181,18 @@ class TemplateBuilds:
         if run.status != "waiting":
             raise Conflict(f"build {build_id} was already started")
         return run
+
+    async def start_requested(self, template_id: str, build_id: str) -> None:
+        """Start a build whose steps came with its request (E2B's legacy flow). BadRequest:
+        it came without (it is started with its steps, ``start_build``), or it is not
+        waiting (E2B's legacy answer is a 400 there, not a 409)."""
+        run = self._run_of(template_id, build_id)
+        if run.status != "waiting":
+            raise BadRequest(f"build {build_id} is not in waiting state (it is {run.status})")
+        if run.requested_spec is None:
+            raise BadRequest(f"build {build_id} was requested without a Dockerfile: start it with "
+                             f"POST /v2/templates/{template_id}/builds/{build_id} and its steps")
+        await self.start_build(template_id, build_id, run.requested_spec)
 
     async def start_build(self, template_id: str, build_id: str, spec: BuildSpec) -> None:
         """Start a requested build of ``spec`` (E2B's step list, parsed by aenv_wire.builds)
@@ -307,6 +328,19 @@ class TemplateBuilds:
         tdef = records.load_def(self.store, name)
         if tdef is None:
             raise NotFound(f"unknown template {template_id!r}")
+        return self._view(tdef)
+
+    async def set_public(self, template_id: str, public: bool) -> TemplateView:
+        """Record whether the template is public (E2B's ``TemplateUpdateRequest``; what it
+        changes: docs/api.md "Templates")."""
+        name, _ = records.split_name(template_id)
+        async with self._lock:
+            tdef = records.load_def(self.store, name)
+            if tdef is None:
+                raise NotFound(f"unknown template {template_id!r}")
+            if tdef.public != public:
+                tdef = replace(tdef, public=public, updated=time.time())
+                await asyncio.to_thread(records.save_def, self.store, tdef)
         return self._view(tdef)
 
     def base_template(self) -> Template | None:

@@ -121,8 +121,9 @@ async def _start_again(sbx: Sandbox, settings: GuestSettings) -> None:
     the background, as at build). A command that fails to start is logged, not fatal:
     the sandbox itself is up."""
     assert settings.start_cmd is not None
-    req = ProcessRequest("/bin/bash", ("-l", "-c", settings.start_cmd), user=settings.user or "root",
-                         cwd=settings.workdir, envs=dict(settings.env_vars))
+    req = ProcessRequest("/bin/bash", ("-l", "-c", settings.start_cmd),
+                         user=settings.start_user or settings.user or "root",
+                         cwd=settings.start_workdir or settings.workdir, envs=dict(settings.env_vars))
     try:
         await stream_process(sbx.envd.with_token(sbx.guest_token), req, timeout=60.0, detach=True)
     except (VmError, OSError, asyncio.TimeoutError) as e:

@@ -60,6 +60,8 @@ class TemplateMeta:
     default_user: str | None = None
     start_cmd: str | None = None
     ready_cmd: str | None = None
+    start_user: str | None = None       # who the start command runs as (None: the build state's user)
+    start_workdir: str | None = None    # where (None: the build state's workdir)
     # -- a snapshot (sandboxes/snapshots.py) --------------------------------------------
     snapshot_of: str | None = None      # the sandbox it was taken of
     parent_template: str | None = None  # the template (or snapshot) that sandbox ran
@@ -107,6 +109,8 @@ class GuestSettings:
     user: str | None
     workdir: str | None
     start_cmd: str | None
+    start_user: str | None = None       # the start command's own user and workdir (an image's start)
+    start_workdir: str | None = None
 
     @classmethod
     def of(cls, meta: TemplateMeta) -> "GuestSettings | None":
@@ -116,7 +120,7 @@ class GuestSettings:
             return None
         state = json.loads(meta.build_state) if meta.build_state is not None else {}
         return cls({str(k): str(v) for k, v in state.get("envs", {}).items()}, state.get("user"),
-                   state.get("workdir"), meta.start_cmd)
+                   state.get("workdir"), meta.start_cmd, meta.start_user, meta.start_workdir)
 
 
 NO_SETTINGS = GuestSettings({}, None, None, None)

@@ -30,6 +30,7 @@ from aenv_api.server.app import ApiServer
 from aenv_api.server.auth import Credentials
 from aenv_api.server.lifecycle import Lifecycle
 from aenv_api.server.metrics import Metrics
+from aenv_api.server.nodes_api import NodeApi
 from aenv_api.server.settings import ServerConfig
 from aenv_api.server.templates_api import TemplateApi
 from aenv_api.server.volumes_api import VolumeApi
@@ -59,6 +60,7 @@ class InProcessServer(HttpClient):
     # set by ``start`` before anyone sees the server (a dataclass field needs a default here)
     fake: FakeSandboxService = field(default=None)          # type: ignore[assignment]
     lifecycle: Lifecycle = field(default=None)              # type: ignore[assignment]
+    nodes: NodeApi = field(default=None)                    # type: ignore[assignment]
     config: ServerConfig = field(default_factory=ServerConfig)
     _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     _thread: threading.Thread | None = None
@@ -139,8 +141,9 @@ class InProcessServer(HttpClient):
                                    creds.traffic_token)
         await self.lifecycle.start()
         template_api = await self._template_api() if templates else None
+        self.nodes = NodeApi("inprocess-node", self.lifecycle, metrics, self.data_dir, "0.0.0-test")
         self._server = ApiServer(self.lifecycle, creds, self.config, metrics, "0.0.0-test", template_api,
-                                 VolumeApi(volumes, self.config.volume_domain))
+                                 VolumeApi(volumes, self.config.volume_domain), self.nodes)
         port = await self._server.start("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{port}"
 
