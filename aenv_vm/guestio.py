@@ -59,7 +59,3 @@ async def on_guest_loop(coro: Coroutine[Any, Any, T]) -> T:
         return await coro
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
-
-def in_guest_loop(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-    """Run ``coro`` on the guest-facing loop from a thread that is not it, blocking."""
-    return asyncio.run_coroutine_threadsafe(coro, guest_loop()).result(timeout)
