@@ -54,7 +54,7 @@ from .base_template import build_base_template, choose_accel
 from .common import StartError, local_url
 from .config import AenvConfig
 from .main import package_version
-from .node_gauges import AdmissionMetrics, register_admission_gauges, register_gauges
+from .node_gauges import AdmissionMetrics, register_admission_gauges, register_gauges, register_guest_drops
 
 log = logging.getLogger("aenv.node")
 
@@ -137,7 +137,9 @@ class Node:
                                      ksm=vm.ksm_settings(), network=vm.network,
                                      max_sandboxes=server_cfg.max_sandboxes, readahead=vm.readahead_mib << 20,
                                      isolation=vm.isolation, confine=confinement, volumes=volumes,
-                                     lazy_memory=vm.lazy_memory, admission=admission)
+                                     lazy_memory=vm.lazy_memory, admission=admission,
+                                     egress_limits=vm.egress_limits(), console_bytes=vm.console_kib << 10)
+            register_guest_drops(metrics, manager.rt.networks.drops)
             try:
                 await manager.start()
             except NetError as e:   # [vm] network = "tap" on a host that cannot do it

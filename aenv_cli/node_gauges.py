@@ -15,6 +15,7 @@ from aenv_api.server.metrics import Labels, Metrics
 from aenv_store.store import Store
 from aenv_vm import ksm
 from aenv_vm.machine.admission import Admission
+from aenv_vm.net.bounds import Drops
 from aenv_vm.sandboxes.manager import SandboxManager
 
 Samples = list[tuple[Labels, float]]
@@ -103,3 +104,10 @@ def register_admission_gauges(metrics: Metrics, admission: Admission) -> None:
 
     metrics.gauge("aenv_restores", restores, "the restore queue ([vm] restore_slots): slots, restores in flight, "
                                              "foreground and background restores waiting, the mean restore time")
+
+
+def register_guest_drops(metrics: Metrics, drops: Drops) -> None:
+    metrics.counter("aenv_guest_dropped_total", drops.samples,
+                    "what the node's egress services turned away, all sandboxes: DNS queries over a "
+                    "sandbox's rate ([vm] dns_rate, dns_burst) or beyond its outstanding queries (dns_queue), "
+                    "connections beyond its open ones (egress_connections)")

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from .confine.policy import Confinement
     from .ksm import KsmSettings
     from .machine.admission import AdmissionLimits
+    from .net.bounds import EgressLimits
     from .templates.trust import CaBundle
 
 
@@ -98,6 +99,23 @@ class VmConfig:
     # host's available memory is below this (0: no bound), or the data dir's free disk
     # below [cache] min_free_disk: a burst stops before the host runs out, not after.
     min_free_memory_mib: int = 512
+    # What one sandbox may ask of the node's DNS forwarder and egress proxy (aenv_vm/net/
+    # bounds.py, docs/security.md): dns_rate queries a second sustained, dns_burst at once,
+    # dns_queue outstanding upstream; beyond them a query is dropped like a lost datagram
+    # (its resolver retries). A resolver asks a few names a second; 200/s is far above any
+    # real workload and ~1/30 of what one TCG guest floods (90,000 in 15 s).
+    dns_rate: float = 200.0
+    dns_burst: int = 400
+    dns_queue: int = 64
+    # Connections of one sandbox open at once to the egress proxy and DNS over TCP (one
+    # more is closed when accepted), and the bytes each relay holds per direction, about:
+    # 64 x 2 x 2 x 32 KiB = 8 MiB of node memory at most per sandbox.
+    egress_connections: int = 64
+    egress_buffer_kib: int = 32
+    # The newest KiB of each QEMU's serial console the node keeps (aenv_vm/qemu/console.py:
+    # a ring file in its run dir). Kernel messages, aenv-init and envd's stderr: a boot's
+    # whole console is ~20 KiB; the logs API reads it at every query and before a pause.
+    console_kib: int = 1024
     # PEM bundle of those certificates ("": the host's system bundle, the first of
     # /etc/ssl/certs/ca-certificates.crt, /etc/pki/tls/certs/ca-bundle.crt, ... that exists).
     host_ca_bundle: str = ""
@@ -111,6 +129,11 @@ class VmConfig:
     def admission_limits(self) -> "AdmissionLimits":
         from .machine.admission import AdmissionLimits, auto_slots
         return AdmissionLimits(self.restore_slots or auto_slots(), self.restore_queue, self.restore_max_wait)
+
+    def egress_limits(self) -> "EgressLimits":
+        from .net.bounds import EgressLimits
+        return EgressLimits(self.dns_rate, self.dns_burst, self.dns_queue, self.egress_connections,
+                            self.egress_buffer_kib << 10)
 
     def confinement(self) -> "Confinement":
         """The node's confinement policy (not started: ``Confinement.start`` probes)."""
@@ -149,6 +172,9 @@ class VmConfig:
                 not 0 < self.restore_max_wait <= 3600:
             raise ConfigError("vm.restore_slots must be in 0..1024, vm.restore_queue in 0..100000 and "
                               "vm.restore_max_wait in (0, 3600]")
+        self.egress_limits()     # ConfigError naming the field when one is out of range
+        if not 128 <= self.console_kib <= 1 << 20:
+            raise ConfigError(f"vm.console_kib must be in 128..1048576, got {self.console_kib}")
         if self.confine not in ("auto", "required", "off"):
             raise ConfigError(f"vm.confine must be auto, required or off, got {self.confine!r}")
         if self.confine_uid_base < 1000 or self.confine_uid_count < 1 or \

@@ -134,7 +134,7 @@ class Lifecycle:
         self.config = config
         self.metrics = metrics
         self.extras = ApiExtras(data_dir / "api-sandboxes.json")
-        self.logs = SandboxLogs(data_dir / "sandbox-logs")
+        self.logs = SandboxLogs(data_dir / "sandbox-logs", config.sandbox_log_mib << 20)
         # Hot path of the proxy: a running sandbox's envd token (immutable per sandbox)
         # and the (host, port) reaching each guest port, until it pauses or goes.
         self._ports: dict[tuple[str, int], tuple[str, int]] = {}
@@ -571,8 +571,9 @@ class Lifecycle:
         view = await self.get(sid)
         if not transition(view_phase(view), Op.CONSOLE).refused:
             await self._capture_console(sid)
-        return self.logs.query(sid, since_ms=since_ms, limit=limit, forward=forward, min_level=min_level,
-                               search=search)
+        # off the loop: a query streams up to [server] sandbox_log_mib of files
+        return await asyncio.to_thread(self.logs.query, sid, since_ms=since_ms, limit=limit, forward=forward,
+                                       min_level=min_level, search=search)
 
     # --- metrics and proxy targets ------------------------------------------
 

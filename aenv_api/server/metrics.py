@@ -60,6 +60,8 @@ class Metrics:
     help: dict[str, str] = field(default_factory=dict)
     # name -> callback returning (labels, value) samples, evaluated at scrape time
     gauges: dict[str, Callable[[], Iterable[tuple[Labels, float]]]] = field(default_factory=dict)
+    # name -> callback returning (labels, value) of a counter kept elsewhere (another thread's)
+    counter_sources: dict[str, Callable[[], Iterable[tuple[Labels, float]]]] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
     def inc(self, name: str, labels: Labels = (), value: float = 1.0, help: str = "") -> None:
@@ -79,6 +81,12 @@ class Metrics:
 
     def gauge(self, name: str, fn: Callable[[], Iterable[tuple[Labels, float]]], help: str = "") -> None:
         self.gauges[name] = fn
+        if help:
+            self.help[name] = help
+
+    def counter(self, name: str, fn: Callable[[], Iterable[tuple[Labels, float]]], help: str = "") -> None:
+        """A counter whose values ``fn`` reads at scrape time (it only ever grows)."""
+        self.counter_sources[name] = fn
         if help:
             self.help[name] = help
 
@@ -106,13 +114,14 @@ class Metrics:
                     lines.append(f"{name}_bucket{_labels(labels, (('le', _num(bound)),))} {acc}")
                 lines.append(f"{name}_sum{_labels(labels)} {_num(h.total)}")
                 lines.append(f"{name}_count{_labels(labels)} {h.n}")
-        for name, fn in sorted(self.gauges.items()):
-            try:
-                samples = list(fn())
-            except Exception as e:  # a broken source must not break the scrape
-                lines.append(f"# {name} unavailable: {_escape(str(e))[:200]}")
-                continue
-            head(name, "gauge")
-            for labels, v in samples:
-                lines.append(f"{name}{_labels(labels)} {_num(v)}")
+        for kind, sources in (("counter", self.counter_sources), ("gauge", self.gauges)):
+            for name, fn in sorted(sources.items()):
+                try:
+                    samples = list(fn())
+                except Exception as e:  # a broken source must not break the scrape
+                    lines.append(f"# {name} unavailable: {_escape(str(e))[:200]}")
+                    continue
+                head(name, kind)
+                for labels, v in samples:
+                    lines.append(f"{name}{_labels(labels)} {_num(v)}")
         return "\n".join(lines) + "\n"

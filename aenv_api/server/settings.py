@@ -51,7 +51,15 @@ class ServerConfig:
     # The AENV_ENVD_SECRET environment variable, when set, is the secret itself.
     envd_secret_file: str = ""
 
+    # The most one sandbox's log (lifecycle events and its captured console lines, GET
+    # /sandboxes/{id}/logs) keeps, in MiB: two files of half this each, the oldest
+    # entries dropped first (aenv_api/server/sandbox_logs.py). 8 MiB is ~60,000 console
+    # lines; a guest printing without end keeps only its newest ones.
+    sandbox_log_mib: int = 8
+
     def __post_init__(self) -> None:
+        if not 1 <= self.sandbox_log_mib <= 4096:
+            raise ConfigError(f"server.sandbox_log_mib must be in 1..4096, got {self.sandbox_log_mib}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in 0..65535, got {self.port}")
         if self.log_format not in ("text", "json"):

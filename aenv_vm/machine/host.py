@@ -20,6 +20,7 @@ from ..confine.policy import Confinement
 from ..guest import GuestImage
 from ..memory.lazyfs import LazyImage
 from ..net.networks import NodeNetworks
+from ..qemu.console import CONSOLE_BYTES
 from .admission import Admission
 
 
@@ -49,6 +50,9 @@ class Host(Protocol):
 
     @property
     def tcg_tb_mib(self) -> int | None: ...    # TCG translation cache (None: QEMU's, or the jail's)
+
+    @property
+    def console_bytes(self) -> int: ...        # the most of each QEMU's serial console kept (qemu/console.py)
 
     @property
     def merge_memory(self) -> bool: ...        # KSM over a clone's whole QEMU process (aenv_vm/ksm.py)
@@ -92,6 +96,7 @@ class StandaloneHost:
     readahead: int = 0
     min_free_disk: int = 0
     tcg_tb_mib: int | None = None
+    console_bytes: int = CONSOLE_BYTES
     merge_memory: bool = False
     fixed_layout: bool = False
     admission: Admission | None = None

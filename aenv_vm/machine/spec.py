@@ -20,7 +20,7 @@ def machine_spec(host: Host, plan: MachinePlan, network: Attachment, jail: Jail 
         name=name, kernel=host.guest.kernel, initrd=host.guest.initrd, kernel_cmdline=shape.kernel_cmdline,
         run_dir=host.vm_dir(name), memory_mib=shape.memory_mib, vcpus=shape.vcpus, accel=shape.accel,
         mem_path=plan.memory_file, mem_share=not clone, disk=NbdDisk(host.nbd.socket_of(name), name),
-        incoming_defer=isinstance(plan.start, Restore), tcg_tb_mib=host.tcg_tb_mib,
+        incoming_defer=isinstance(plan.start, Restore), tcg_tb_mib=host.tcg_tb_mib, console_bytes=host.console_bytes,
         merge_memory=clone and host.merge_memory, fixed_layout=clone and host.fixed_layout, jail=jail))
 
 

@@ -10,8 +10,10 @@ ranges still resolves names without reaching the host's (often private)
 resolver itself, and ``dns_servers: []`` means no DNS at all (REFUSED).
 
 The message handling is pure (``refused``, ``well_formed``); the asyncio
-parts only move bytes. A guest cannot make the node hold much: queries per
-sandbox in flight are bounded, and every upstream exchange times out.
+parts only move bytes, on the node's guest-facing loop (aenv_vm/guestio.py). A
+guest cannot make the node do or hold much (bounds.py): a datagram over its
+sandbox's query rate or beyond its outstanding queries is dropped before any task
+or socket is made for it (counted in ``Drops``), and every upstream exchange times out.
 """
 from __future__ import annotations
 
@@ -19,14 +21,17 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 from pathlib import Path
 from typing import Callable, Sequence, cast
+
+from .bounds import Drops, EgressLimits, TokenBucket
 
 log = logging.getLogger(__name__)
 
 DNS_PORT = 53
 UPSTREAM_TIMEOUT = 2.0      # seconds per upstream server and query
-MAX_IN_FLIGHT = 64          # queries of one sandbox being answered at once
+TCP_IDLE = 10.0             # seconds a DNS-over-TCP connection may wait for its next query
 MAX_MESSAGE = 65535
 
 
@@ -93,24 +98,44 @@ async def ask_tcp(server: str, query: bytes, timeout: float = UPSTREAM_TIMEOUT) 
 
 
 class Forwarder:
-    """One sandbox's forwarder: ``servers()`` says where its queries go now."""
+    """One sandbox's forwarder: ``servers()`` says where its queries go now. ``admit``
+    first: a query it refuses is dropped (and counted in ``drops``)."""
 
-    def __init__(self, servers: Callable[[], Sequence[str]]) -> None:
+    def __init__(self, servers: Callable[[], Sequence[str]], limits: EgressLimits = EgressLimits(),
+                 drops: Drops | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.servers = servers
-        self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.limits = limits
+        self.drops = drops if drops is not None else Drops()
+        self.clock = clock
+        self._bucket = TokenBucket(limits.dns_rate, limits.dns_burst, clock())
+        self.outstanding = 0        # queries admitted and not answered (or given up) yet
+
+    def admit(self) -> bool:
+        """Whether one more query may be worked on now (its rate, then its queue)."""
+        if self.outstanding >= self.limits.dns_queue:
+            self.drops.count("dns_queue")
+            return False
+        if not self._bucket.take(self.clock()):
+            self.drops.count("dns_rate")
+            return False
+        return True
 
     async def answer(self, query: bytes, tcp: bool) -> bytes | None:
+        """The answer to an admitted ``query`` (None: none, as for a lost packet)."""
         if not well_formed(query):
             return None
         servers = list(self.servers())
         if not servers:
             return refused(query)
-        async with self._in_flight:
+        self.outstanding += 1
+        try:
             for server in servers:
                 try:
                     return await (ask_tcp if tcp else ask_udp)(server, query)
                 except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
                     log.debug("dns: %s did not answer: %s", server, e)
+        finally:
+            self.outstanding -= 1
         return None     # the guest's resolver retries or gives up, as with a lost packet
 
 
@@ -126,6 +151,9 @@ class UdpServer(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        # checked before anything is made for the datagram: a flood costs a counter each
+        if not well_formed(data) or not self.forwarder.admit():
+            return
         task = asyncio.get_running_loop().create_task(self._reply(data, addr))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -143,11 +171,14 @@ class UdpServer(asyncio.DatagramProtocol):
 
 
 async def serve_tcp(forwarder: Forwarder, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """DNS over TCP: length-prefixed messages until the client closes (or is idle 10 s)."""
+    """DNS over TCP: length-prefixed messages until the client closes (or is idle 10 s).
+    A query the forwarder does not admit closes the connection."""
     try:
         while True:
-            (n,) = struct.unpack(">H", await asyncio.wait_for(reader.readexactly(2), 10.0))
-            query = await reader.readexactly(n)
+            (n,) = struct.unpack(">H", await asyncio.wait_for(reader.readexactly(2), TCP_IDLE))
+            query = await asyncio.wait_for(reader.readexactly(n), TCP_IDLE)
+            if not well_formed(query) or not forwarder.admit():
+                break
             answer = await forwarder.answer(query, tcp=True)
             if answer is None:
                 break

@@ -16,6 +16,13 @@ the proxy reads the first bytes (sniff.py: TLS SNI or HTTP Host), then:
 
 Upstream connections leave from the node's own namespace. Nothing here ever
 connects to the node's own addresses or a sandbox network (``never``).
+
+Everything here runs on the node's guest-facing loop (aenv_vm/guestio.py), never on
+the API's: the public methods may be awaited from any loop. Per sandbox, at most
+``EgressLimits.connections`` connections (proxy and DNS over TCP) are open at once --
+one more is closed as soon as it is accepted -- and each relay holds about
+``EgressLimits.buffer`` bytes per direction: a side's read-ahead pauses its socket at
+``buffer``, a chunk of half that is in hand, its write buffer drains at half (bounds.py).
 """
 from __future__ import annotations
 
@@ -24,11 +31,14 @@ import contextlib
 import ipaddress
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
-from typing import Any, Coroutine, Sequence
+from typing import Any, Callable, Coroutine, Sequence
 
+from ..guestio import on_guest_loop
 from . import dns as dnsfwd
 from . import nsock
+from .bounds import Drops, EgressLimits
 from .policy import SPECIAL_RANGES, NetworkPolicy
 from .rules import SANDBOX_NETS, Ports
 from .sniff import MAX_SNIFF, NEED_MORE, Name, sniff
@@ -43,7 +53,7 @@ def egress_ports() -> Ports:
     return PORTS
 SNIFF_TIMEOUT = 5.0         # seconds a redirected connection has to say where it goes
 CONNECT_TIMEOUT = 10.0
-RELAY_CHUNK = 64 << 10
+REFUSAL_LOG_EVERY = 10.0    # seconds between two log lines of one sandbox's refused connections
 
 
 @dataclass
@@ -53,6 +63,8 @@ class _Sandbox:
     servers: list[asyncio.AbstractServer] = field(default_factory=list)
     udp: dnsfwd.UdpServer | None = None
     conns: set[asyncio.Task[None]] = field(default_factory=set)
+    refused: int = 0                # its connections the proxy refused
+    refusal_logged: float = -REFUSAL_LOG_EVERY
 
 
 @dataclass(frozen=True)
@@ -88,27 +100,36 @@ def dns_servers_for(policy: NetworkPolicy, upstream: Sequence[str],
 
 
 class EgressService:
-    """Proxy and DNS listeners of this node's sandbox namespaces. Use within one event loop."""
+    """Proxy and DNS listeners of this node's sandbox namespaces, served on the node's
+    guest-facing loop; its methods may be awaited from any loop."""
 
-    def __init__(self, upstream_dns: Sequence[str], never: Sequence[ipaddress.IPv4Network] = ()) -> None:
+    def __init__(self, upstream_dns: Sequence[str], never: Sequence[ipaddress.IPv4Network] = (),
+                 limits: EgressLimits = EgressLimits(), drops: Drops | None = None) -> None:
         self.upstream_dns = list(upstream_dns)
         self.never = (SANDBOX_NETS, *never)
+        self.limits = limits
+        self.drops = drops if drops is not None else Drops()
         self._sandboxes: dict[str, _Sandbox] = {}
         self.refused = 0        # connections refused (all sandboxes), for tests and metrics
 
     async def attach(self, sid: str, namespace: str, bind: str, policy: NetworkPolicy) -> Ports:
         """Listen in ``namespace`` on ``bind`` (127.0.0.1 in user mode, 0.0.0.0 in tap mode)."""
-        await self.detach(sid)
-        box = _Sandbox(policy, dnsfwd.Forwarder(lambda: self._dns_servers(sid)))
+        return await on_guest_loop(self._attach(sid, namespace, bind, policy))
+
+    async def _attach(self, sid: str, namespace: str, bind: str, policy: NetworkPolicy) -> Ports:
+        await self._detach(sid)
+        box = _Sandbox(policy, dnsfwd.Forwarder(lambda: self._dns_servers(sid), self.limits, self.drops))
         loop = asyncio.get_running_loop()
+        buf = self.limits.buffer // 2     # a StreamReader pauses its socket at twice its limit
         try:
             tcp_proxy, tcp_dns, udp_dns = await asyncio.to_thread(nsock.listeners, namespace, [
                 (socket.SOCK_STREAM, (bind, PORTS.proxy)), (socket.SOCK_STREAM, (bind, PORTS.dns)),
                 (socket.SOCK_DGRAM, (bind, PORTS.dns))])
             box.servers.append(await asyncio.start_server(
-                lambda r, w: self._track(box, self._proxy(sid, r, w)), sock=tcp_proxy))
+                lambda r, w: self._track(box, w, lambda: self._proxy(sid, r, w)), sock=tcp_proxy, limit=buf))
             box.servers.append(await asyncio.start_server(
-                lambda r, w: self._track(box, dnsfwd.serve_tcp(box.forwarder, r, w)), sock=tcp_dns))
+                lambda r, w: self._track(box, w, lambda: dnsfwd.serve_tcp(box.forwarder, r, w)), sock=tcp_dns,
+                limit=buf))
             _, box.udp = await loop.create_datagram_endpoint(lambda: dnsfwd.UdpServer(box.forwarder), sock=udp_dns)
         except BaseException:
             await self._close(box)
@@ -117,18 +138,25 @@ class EgressService:
         return PORTS
 
     def update(self, sid: str, policy: NetworkPolicy) -> None:
+        """``policy`` in force for ``sid``'s next connections and queries (an attribute
+        the guest loop reads: set at once, from any thread)."""
         box = self._sandboxes.get(sid)
         if box is not None:
             box.policy = policy
 
     async def detach(self, sid: str) -> None:
+        await on_guest_loop(self._detach(sid))
+
+    async def _detach(self, sid: str) -> None:
         box = self._sandboxes.pop(sid, None)
         if box is not None:
             await self._close(box)
 
     async def close(self) -> None:
-        for sid in list(self._sandboxes):
-            await self.detach(sid)
+        async def all_of_them() -> None:
+            for sid in list(self._sandboxes):
+                await self._detach(sid)
+        await on_guest_loop(all_of_them())
 
     @staticmethod
     async def _close(box: _Sandbox) -> None:
@@ -142,8 +170,16 @@ class EgressService:
             with contextlib.suppress(Exception):
                 await server.wait_closed()
 
-    def _track(self, box: _Sandbox, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def _track(self, box: _Sandbox, writer: asyncio.StreamWriter,
+               work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Serve one accepted connection of ``box``, unless it has its bound of them open:
+        then it is closed at once (``work`` is never made into a coroutine)."""
+        if len(box.conns) >= self.limits.connections:
+            self.drops.count("connections")
+            writer.transport.abort()
+            return
+        writer.transport.set_write_buffer_limits(high=self.limits.buffer // 2)
+        task = asyncio.get_running_loop().create_task(work())
         box.conns.add(task)
         task.add_done_callback(box.conns.discard)
 
@@ -195,13 +231,19 @@ class EgressService:
             verdict = await self.decide(box.policy, original, name)
             if verdict.host is None:
                 self.refused += 1
-                log.info("egress of %s refused: %s", sid, verdict.why)
+                box.refused += 1
+                now = time.monotonic()
+                if now - box.refusal_logged >= REFUSAL_LOG_EVERY:   # a guest may refuse itself in a loop
+                    log.info("egress of %s refused: %s (%d refused so far)", sid, verdict.why, box.refused)
+                    box.refusal_logged = now
                 return
-            up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(verdict.host, verdict.port),
-                                                          CONNECT_TIMEOUT)
+            buf = self.limits.buffer // 2
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection(verdict.host, verdict.port, limit=buf), CONNECT_TIMEOUT)
             upstream = up_writer
+            up_writer.transport.set_write_buffer_limits(high=buf)
             up_writer.write(head)
-            await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+            await asyncio.gather(_pump(reader, up_writer, buf), _pump(up_reader, writer, buf))
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             log.debug("egress of %s: %s", sid, e)
         finally:
@@ -210,9 +252,11 @@ class EgressService:
                     w.close()
 
 
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, chunk: int) -> None:
+    """``src`` to ``dst`` until EOF; at most ``chunk`` bytes read ahead (``src``'s limit
+    pauses its socket beyond that) plus ``dst``'s write buffer, whose drain waits."""
     try:
-        while data := await src.read(RELAY_CHUNK):
+        while data := await src.read(chunk):
             dst.write(data)
             await dst.drain()
     except (OSError, asyncio.IncompleteReadError):

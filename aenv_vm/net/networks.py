@@ -44,6 +44,7 @@ from envd import ENVD_PORT
 from ..errors import Unsupported
 from ..qemu.launcher import VmSpec, free_port
 from . import dns, netns, rules
+from .bounds import Drops, EgressLimits
 from .egress import EgressService, egress_ports
 from .netns import NetError, SandboxNet
 from .policy import NetworkPolicy
@@ -201,7 +202,8 @@ class NodeNetworks:
     ``restrict=on`` (no egress at all) unless isolation is "off" (the guest then
     reaches every TCP port on the host's 127.0.0.1: development hosts only)."""
 
-    def __init__(self, mode: str, run_root: Path, isolation: str = "auto") -> None:
+    def __init__(self, mode: str, run_root: Path, isolation: str = "auto",
+                 limits: EgressLimits = EgressLimits()) -> None:
         if mode not in MODES:
             raise NetError(f"network mode must be one of {', '.join(MODES)}, got {mode!r}")
         if isolation not in ISOLATIONS:
@@ -215,6 +217,8 @@ class NodeNetworks:
         self.isolated = False
         self.why_not: list[str] = []        # what keeps a user-mode node from isolating its sandboxes
         self.egress: EgressService | None = None
+        self.limits = limits                # per sandbox, of the egress services (bounds.py)
+        self.drops = Drops()                # what they turned away (the node's metrics)
         self._never: list[ipaddress.IPv4Network] = []
 
     @property
@@ -237,7 +241,7 @@ class NodeNetworks:
         upstream = dns.nameservers()
         if not upstream:
             log.warning("no IPv4 nameserver in /etc/resolv.conf: sandboxes will have no DNS")
-        self.egress = EgressService(upstream, self._never)
+        self.egress = EgressService(upstream, self._never, self.limits, self.drops)
 
     def can_apply(self, policy: NetworkPolicy) -> bool:
         """Whether a running sandbox of this node can be switched to ``policy`` (a pooled

@@ -13,12 +13,15 @@ and gets a tap netdev instead of user-mode networking. Linux delivers the death 
 module's (``_spawner``), never from a short-lived worker thread, nor from the event
 loop, which would wait for each child to reach exec.
 
+Its serial console is a socket whose other end the node reads into a bounded ring
+(console.py): ``serial.log`` in its run dir holds the newest ``console_bytes`` of it.
+
 A VM with ``jail`` set (aenv_vm/confine) is confined: its own uid, no
 capabilities, no_new_privs, QEMU's seccomp filter, its own mount namespace
 holding only the files ``jail_view`` lists, and a cgroup made here for this
 process and removed when it is gone. The child-side order is in
 aenv_vm/confine/jail.py (``enter``). Files such a QEMU could have replaced
-(its console log) are read with ``open_vm_file`` (no symlinks followed).
+(its run dir's files) are read with ``open_vm_file`` (no symlinks followed).
 
 A VM whose RAM is a copy-on-write mapping (``mem_share`` off: a clone of a
 template) gets, confined or not, the seccomp filter that keeps QEMU's RAM
@@ -49,6 +52,7 @@ from ..confine.jail import BASE_DEVICES, SECCOMP, FileView, Jail, child_plan, en
 from ..confine.romem import ENV as READONLY_RAM_ENV
 from ..confine.romem import ReadonlyRam
 from ..errors import VmError, VmTimeout
+from .console import CONSOLE_BYTES, ConsoleReader, ConsoleRing
 from .binary import MIN_QEMU_VERSION, QEMU_BINARY, find_qemu, qemu_version
 from .errors import QemuExited, QemuNotFound
 from .qmp import QmpClient
@@ -159,6 +163,7 @@ class VmSpec:
     merge_memory: bool = False
     fixed_layout: bool = False
     jail: Jail | None = None        # confined (aenv_vm/confine); None: runs as the node does
+    console_bytes: int = CONSOLE_BYTES  # the most of its serial console the node keeps (console.py)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -174,7 +179,9 @@ class VmSpec:
         return self.run_dir / "qemu.log"
 
 
-def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
+def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY, *, console_fd: int) -> list[str]:
+    """QEMU's command line for ``spec``; its serial console is the connected socket
+    ``console_fd`` (inherited by QEMU; the node reads the other end, console.py)."""
     if spec.memory_mib < 64:
         raise VmError(f"memory_mib must be >= 64, got {spec.memory_mib}")
     if spec.vcpus < 1:
@@ -204,7 +211,7 @@ def build_command(spec: VmSpec, qemu: Path | str = QEMU_BINARY) -> list[str]:
         # A VM that loads saved state never boots: with -kernel QEMU would keep the
         # kernel image in its own memory (~14 MiB private per clone) for nothing.
         argv += ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline]
-    argv += ["-chardev", f"file,id=serial0,path={_opt(spec.serial_log)}", "-serial", "chardev:serial0",
+    argv += ["-chardev", f"socket,id=serial0,fd={console_fd}", "-serial", "chardev:serial0",
              "-qmp", f"unix:{_opt(spec.qmp_socket)},server=on,wait=off",
              "-object", "rng-random,id=rng0,filename=/dev/urandom", "-device", "virtio-rng-device,rng=rng0"]
     if spec.disk is not None:
@@ -370,9 +377,21 @@ def _spawner() -> concurrent.futures.ThreadPoolExecutor:
     return _spawner_pool[1]
 
 
-def _spawn(spec: VmSpec, binary: Path, argv: list[str]) -> tuple[subprocess.Popen, VmCgroup | None, bool]:
+Spawned = tuple[subprocess.Popen, VmCgroup | None, bool, ConsoleReader]
+
+
+def _spawn(spec: VmSpec, binary: Path, argv: list[str], console: ConsoleReader) -> Spawned:
     """QEMU of ``spec`` forked and exec'd (on the ``_spawner`` thread): its process, its cgroup
-    (confined) and whether it is still to be moved into it (``late``)."""
+    (confined), whether it is still to be moved into it (``late``) and its console, whose
+    ring file is made once the run dir is the QEMU's (the node's file in it)."""
+    try:
+        return _spawn_qemu(spec, binary, argv, console)
+    except BaseException:
+        console.discard()
+        raise
+
+
+def _spawn_qemu(spec: VmSpec, binary: Path, argv: list[str], console: ConsoleReader) -> Spawned:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     spec.qmp_socket.unlink(missing_ok=True)
     jail = spec.jail
@@ -410,30 +429,35 @@ def _spawn(spec: VmSpec, binary: Path, argv: list[str]) -> tuple[subprocess.Pope
         merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
         core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share)
     try:
+        ring = ConsoleRing(spec.serial_log, spec.console_bytes)
         with open(spec.stderr_log, "wb") as err:
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
-                                        close_fds=True, preexec_fn=lambda: enter(plan))
+                                        close_fds=True, pass_fds=(console.qemu_fd,), preexec_fn=lambda: enter(plan))
             except OSError as e:
+                ring.close()
                 if cgroup is not None:
                     cgroup.remove(wait=0)
                 raise QemuNotFound(f"cannot start {binary}: {e}") from None
     finally:
         if netns_fd >= 0:
             os.close(netns_fd)
-    return proc, cgroup, late_cgroup
+    console.handed_over(ring)
+    return proc, cgroup, late_cgroup, console
 
 
-def _kill_unclaimed(spawned: asyncio.Future[tuple[subprocess.Popen, VmCgroup | None, bool]]) -> None:
-    """A QEMU whose start was cancelled while it was being spawned: killed, its cgroup removed."""
+def _kill_unclaimed(spawned: asyncio.Future[Spawned]) -> None:
+    """A QEMU whose start was cancelled while it was being spawned: killed, its cgroup
+    removed, its console closed."""
     if spawned.cancelled() or spawned.exception() is not None:
         return
-    proc, cgroup, _ = spawned.result()
+    proc, cgroup, _, console = spawned.result()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
 
     def reap() -> None:
         proc.wait()
+        console.discard()
         if cgroup is not None:
             cgroup.remove()
     _spawner().submit(reap)
@@ -442,10 +466,11 @@ def _kill_unclaimed(spawned: asyncio.Future[tuple[subprocess.Popen, VmCgroup | N
 class QemuProcess:
     """One running QEMU: its process, its QMP connection and its run files."""
 
-    def __init__(self, spec: VmSpec, proc: subprocess.Popen, argv: list[str]) -> None:
+    def __init__(self, spec: VmSpec, proc: subprocess.Popen, argv: list[str], console: ConsoleReader) -> None:
         self.spec = spec
         self.proc = proc
         self.argv = argv
+        self.console = console          # its serial console's reader and ring (console.py)
         self.qmp: QmpClient | None = None
         self.started_at = time.monotonic()
         self.cgroup: VmCgroup | None = None     # its own cgroup (confined), removed with it
@@ -461,20 +486,26 @@ class QemuProcess:
         """Launch QEMU and connect QMP. On any failure QEMU is killed and the error
         carries the tail of QEMU's stderr and of the serial console."""
         binary = qemu or find_qemu()
-        argv = build_command(spec, binary)
+        console = ConsoleReader()
+        try:
+            argv = build_command(spec, binary, console_fd=console.qemu_fd)
+        except BaseException:
+            console.discard()
+            raise
         # Forked and exec'd on the spawner thread (see ``_spawn``): the event loop goes on
         # serving while the child sets itself up.
-        spawned = asyncio.get_running_loop().run_in_executor(_spawner(), _spawn, spec, binary, argv)
+        spawned = asyncio.get_running_loop().run_in_executor(_spawner(), _spawn, spec, binary, argv, console)
         try:
-            proc, cgroup, late_cgroup = await asyncio.shield(spawned)
+            proc, cgroup, late_cgroup, _ = await asyncio.shield(spawned)
         except asyncio.CancelledError:
             spawned.add_done_callback(_kill_unclaimed)     # it runs on: its QEMU must not outlive this
             raise
-        vm = cls(spec, proc, argv)
+        vm = cls(spec, proc, argv, console)
         vm.cgroup = cgroup
         joined = asyncio.ensure_future(asyncio.to_thread(cgroup.attach, proc.pid)) \
             if cgroup is not None and late_cgroup else None
         try:
+            await console.start()
             vm.qmp = await QmpClient.connect(spec.qmp_socket, timeout=qmp_timeout,
                                              alive=lambda: proc.poll() is None)
             if joined is not None:
@@ -548,6 +579,7 @@ class QemuProcess:
             self.proc.wait()
         if self.qmp is not None:
             await self.qmp.close()
+        await self.console.close()      # after the exit: what QEMU left in the socket is kept
         if self._pidfd >= 0:
             if self._exited is not None and not self._exited.done():
                 with contextlib.suppress(Exception):

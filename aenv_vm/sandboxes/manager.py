@@ -48,7 +48,9 @@ from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
 from ..machine.admission import Admission
 from ..net.policy import NetworkPolicy, with_internet
+from ..net.bounds import EgressLimits
 from ..net.networks import NodeNetworks
+from ..qemu.console import CONSOLE_BYTES
 from ..service import ExpiryListener, SnapshotInfo, TokenMinter
 from ..states import NOT_RUNNING, Op, Outcome, Phase, check, phase_of
 from ..templates.local import LocalTemplates
@@ -95,7 +97,8 @@ class SandboxManager:
                  max_sandboxes: int | None = None, readahead: int = 4 << 20, isolation: str = "auto",
                  confine: Confinement | str = "auto", min_free_disk: int | None = None,
                  volumes: VolumeRegistry | None = None, lazy_memory: bool = True,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, egress_limits: EgressLimits = EgressLimits(),
+                 console_bytes: int = CONSOLE_BYTES) -> None:
         """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
         "required", "off") for a policy of the manager's own, or a shared ``Confinement``
         (started and closed by its owner). ``min_free_disk``: the free space guests' disk
@@ -103,15 +106,18 @@ class SandboxManager:
         ``lazy_memory``: restore templates whose memory image is not on this node from a
         FUSE file that fetches pages on demand (lazymem.py; falls back to fetching the
         image whole where the host has no FUSE or the node is not root). ``admission``: the
-        gate every restore passes (aenv_vm/machine/admission.py; None: restores start at once)."""
+        gate every restore passes (aenv_vm/machine/admission.py; None: restores start at once).
+        ``egress_limits``: what one sandbox may ask of the node's DNS forwarder and egress
+        proxy (aenv_vm/net/bounds.py). ``console_bytes``: the most of each QEMU's serial
+        console the node keeps (aenv_vm/qemu/console.py)."""
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self._own_confinement = not isinstance(confine, Confinement)
         confinement = confine if isinstance(confine, Confinement) else Confinement(confine)
         self.rt = NodeRuntime(store=store, guest=guest, run_root=run_root, nbd=NbdServer(run_root / "nbd.sock"),
-                              networks=NodeNetworks(network, run_root, isolation),   # "user" or "tap" (root)
+                              networks=NodeNetworks(network, run_root, isolation, egress_limits),   # "user" or "tap" (root)
                               templates=LocalTemplates(store, guest.key, run_root / "templates"),
                               confinement=confinement,
-                              ready_timeout=ready_timeout, tcg_tb_mib=tcg_tb_mib, merge_memory=ksm is not None,
+                              ready_timeout=ready_timeout, tcg_tb_mib=tcg_tb_mib, console_bytes=console_bytes, merge_memory=ksm is not None,
                               fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead,
                               min_free_disk=min_free_disk if min_free_disk is not None else
                               store.cache.config.min_free_disk if store.cache is not None else 0,

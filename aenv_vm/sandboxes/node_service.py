@@ -164,7 +164,11 @@ class NodeSandboxService:
     async def console(self, sandbox_id: str, source: str | None, offset: int, limit: int) -> ConsoleRead:
         sbx = self._running(sandbox_id, Op.CONSOLE)
         name = f"qemu-{sbx.vm.pid}"
-        return await asyncio.to_thread(read_console, sbx.serial_log, name, offset if source == name else 0, limit)
+        ring = sbx.vm.console.ring
+        if ring is None:
+            return ConsoleRead(name, 0, b"")
+        got = await asyncio.to_thread(ring.read, offset if source == name else 0, limit)
+        return ConsoleRead(name, got.start, got.data, got.skipped)
 
     def on_expiry(self, listener: ExpiryListener) -> None:
         self.manager.on_expiry(listener)
@@ -198,8 +202,9 @@ def _usage(pid: int, upper: Path) -> Usage:
 
 
 def read_console(path: Path, source: str, offset: int, limit: int) -> ConsoleRead:
-    """Up to ``limit`` bytes of a console file from ``offset``; when more than ``limit``
-    was written since, the oldest part is skipped (and counted)."""
+    """Up to ``limit`` bytes of a console file from ``offset`` (of the file, not of all the
+    guest wrote: the node's own reads go through the QEMU's ``ConsoleRing``); when more
+    than ``limit`` was written since, the oldest part is skipped (and counted)."""
     try:
         with open(open_vm_file(path), "rb") as f:   # a confined QEMU owns the file's directory
             size = os.fstat(f.fileno()).st_size

@@ -35,6 +35,7 @@ from ..guest import GuestImage
 from ..machine.admission import Admission
 from ..memory.lazyfs import LazyImage
 from ..net.networks import NodeNetworks
+from ..qemu.console import CONSOLE_BYTES
 from ..templates.local import LocalTemplates
 
 UNIX_PATH_MAX = 107     # sockaddr_un.sun_path holds 108 bytes, the last a NUL
@@ -52,6 +53,7 @@ class NodeRuntime:
     confinement: Confinement            # how its QEMUs are confined (aenv_vm/confine)
     ready_timeout: float = 60.0         # seconds a restored sandbox's envd may take to answer
     tcg_tb_mib: int | None = None       # TCG translation cache of every sandbox QEMU (None: QEMU's)
+    console_bytes: int = CONSOLE_BYTES  # the most of each QEMU's serial console kept (qemu/console.py)
     merge_memory: bool = False          # KSM over the whole QEMU process (aenv_vm/ksm.py)
     fixed_layout: bool = False          # QEMU without ASLR, so identical clones merge further
     readahead: int = 4 << 20            # bytes read ahead of a sandbox's sequential disk reads (0: off)

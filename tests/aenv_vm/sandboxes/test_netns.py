@@ -215,19 +215,19 @@ def test_remove_orphans(tmp_path: Path) -> None:
 
 def test_command_line_per_network_mode(tmp_path: Path) -> None:
     base = dict(name="x", kernel=tmp_path / "k", initrd=tmp_path / "i", kernel_cmdline="", run_dir=tmp_path)
-    user = " ".join(build_command(VmSpec(**base, host_port=4000)))  # type: ignore[arg-type]
+    user = " ".join(build_command(VmSpec(**base, host_port=4000), console_fd=9))  # type: ignore[arg-type]
     assert "user,id=net0,hostfwd=tcp:127.0.0.1:4000-10.0.2.15:49983" in user and "restrict" not in user
-    closed = " ".join(build_command(VmSpec(**base, host_port=4000, net_restrict=True)))  # type: ignore[arg-type]
+    closed = " ".join(build_command(VmSpec(**base, host_port=4000, net_restrict=True), console_fd=9))  # type: ignore[arg-type]
     assert "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:4000-10.0.2.15:49983" in closed
-    tap = " ".join(build_command(VmSpec(**base, netns="aenv-ab-123", tap=True)))  # type: ignore[arg-type]
+    tap = " ".join(build_command(VmSpec(**base, netns="aenv-ab-123", tap=True), console_fd=9))  # type: ignore[arg-type]
     assert "-netdev tap,id=net0,ifname=tap0,script=no,downscript=no" in tap and "hostfwd" not in tap
     assert "virtio-net-device,netdev=net0,mac=52:54:00:12:34:56" in tap
     # isolated user mode: QEMU in the sandbox's namespace, host forwards on its address
     inside = " ".join(build_command(VmSpec(**base, netns="aenv-ab-123", host_port=49983,  # type: ignore[arg-type]
-                                           hostfwd_host="10.201.0.2")))
+                                           hostfwd_host="10.201.0.2"), console_fd=9))
     assert "user,id=net0,hostfwd=tcp:10.201.0.2:49983-10.0.2.15:49983" in inside and "tap" not in inside
     with pytest.raises(VmError, match="namespace"):
-        build_command(VmSpec(**base, tap=True))  # type: ignore[arg-type]
+        build_command(VmSpec(**base, tap=True), console_fd=9)  # type: ignore[arg-type]
 
 
 def test_device_state_for_tap_is_made_once(env: Env, tmp_path: Path) -> None:
