@@ -29,6 +29,7 @@ from typing import AsyncIterator
 
 from .cgroups import CgroupTree, Layout, host_layout
 from .errors import ConfinementError
+from ..childenv import ChildKind, child_env
 from ..qemu.binary import find_qemu, qemu_version
 from .jail import DEFAULT_ROOT, SECCOMP, Jail, probe_mount_namespace
 from .romem import ROM_OFF_QEMU, ReadonlyRam, build_shim
@@ -70,7 +71,7 @@ def _qemu_seccomp(qemu: str, mtime_ns: int) -> str | None:
     try:
         done = subprocess.run([qemu, "-sandbox", SECCOMP, "-machine", "none", "-nodefaults", "-display", "none",
                                "-qmp", "stdio"], input=b'{"execute":"qmp_capabilities"}\n{"execute":"quit"}\n',
-                              capture_output=True, timeout=20)
+                              capture_output=True, timeout=20, env=child_env(ChildKind.QEMU))
     except (OSError, subprocess.SubprocessError) as e:
         return f"{qemu} could not be run: {e}"
     if done.returncode != 0:
