@@ -2,7 +2,7 @@
 node's own.
 
 The node's environment is the operator's: it may hold the API key, the envd token
-secret, S3 credentials (aenv_cli/secrets.py removes those it loads, but an operator's
+secret, S3 credentials (aenv_cli/node_secrets.py removes those it loads, but an operator's
 shell or unit may hold others the node knows nothing of). A child inherits none of it.
 QEMU above all: it runs the guest, and a guest that escapes into it reads
 ``/proc/self/environ``. Each kind of child gets the variables it needs and no more:

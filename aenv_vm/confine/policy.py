@@ -165,6 +165,13 @@ class Confinement:
     def enabled(self) -> bool:
         return self.level is not Level.OFF
 
+    @property
+    def qemu_walks_host_paths(self) -> bool:
+        """QEMUs run under uids of their own but without a mount namespace: they reach
+        their files through the host's own directories (the data dir must let them pass)."""
+        s = self.support
+        return self.enabled and s is not None and s.user is None and s.mount_ns is not None
+
     def parts(self) -> list[Part]:
         """Each part of confinement: on here or not, and why."""
         if self.level is Level.OFF:
