@@ -26,6 +26,8 @@ from aenv_vm.oci.config import OciConfig
 from aenv_api.server.settings import ServerConfig
 from aenv_fleet.config import ClusterConfig, GatewayConfig
 
+from .node_secrets import repository_secrets
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -143,7 +145,14 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict[str, 
 
 
 def load_config(data_dir: Path, config_file: Path | None = None,
-                overrides: dict[str, dict[str, Any]] | None = None) -> AenvConfig:
+                overrides: dict[str, dict[str, Any]] | None = None,
+                environ: Mapping[str, str] | None = None) -> AenvConfig:
+    """The config of ``config_file`` (default ``<data_dir>/config.toml``) with the
+    AENV_<SECTION>__<KEY> overrides of ``environ`` (default: this process's) or the
+    given ``overrides`` (then no environment is read), secrets resolved from their
+    files and, without those, the environment's AWS_* (aenv_cli/node_secrets.py)."""
+    if environ is None and overrides is None:
+        environ = os.environ
     path = config_file or (data_dir / "config.toml")
     raw: dict[str, Any] = {}
     if config_file is not None and not path.exists():
@@ -153,10 +162,11 @@ def load_config(data_dir: Path, config_file: Path | None = None,
             raw = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    for section, values in (overrides if overrides is not None else env_overrides()).items():
+    for section, values in (overrides if overrides is not None else env_overrides(dict(environ or {}))).items():
         raw.setdefault(section, {}).update(values)
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"unknown config section [{unknown[0]}] (known: {', '.join(sorted(SECTIONS))})")
     built: dict[str, Any] = {name: build_section(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
+    built["repository"] = repository_secrets(built["repository"], data_dir, environ or {})
     return AenvConfig(data_dir=data_dir, **built)

@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .common import CliError, Subcommands, common_options, config_from_args, request_log_to_stderr
+from .node_secrets import forget_secret_env
 
 if TYPE_CHECKING:
     from aenv_fleet.config import GatewayConfig
@@ -38,6 +39,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in 0..65535, got {args.port}")
     gw = dataclasses.replace(cfg.gateway, **changes)
+    forgotten = forget_secret_env()     # everything is read: no secret stays in the environment
+    if forgotten:
+        say(f"secrets removed from the environment: {', '.join(forgotten)}")
     request_log_to_stderr("aenv.gateway.access", quiet=args.quiet)
     return asyncio.run(_serve(gw))
 

@@ -53,6 +53,7 @@ from aenv_vm.volumes.registry import VolumeRegistry
 from .base_template import build_base_template, choose_accel
 from .common import StartError, local_url
 from .config import AenvConfig
+from .node_secrets import private_data_dir
 from .main import package_version
 from .node_gauges import AdmissionMetrics, register_admission_gauges, register_gauges, register_guest_drops
 
@@ -96,14 +97,15 @@ class Node:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, config: AenvConfig, *, report: Report = log.info) -> AsyncIterator[Node]:
+    async def open(cls, config: AenvConfig, *, report: Report = log.info,
+                   credentials: Credentials | None = None) -> AsyncIterator[Node]:
         """Bring the node up (see the module doc); leaving the block tears it down.
+        ``credentials``: as ``node_credentials(config)`` gave them before the caller
+        removed the secrets from its environment (default: loaded here).
         Raises ``StartError`` (and ``ConfigError``, ``StoreError``) when it cannot start."""
         server_cfg, vm = config.server, config.vm
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        # a relative envd_secret_file is relative to the data dir (an absolute one stays as it is)
-        secret_file = config.data_dir / server_cfg.envd_secret_file if server_cfg.envd_secret_file else None
-        creds = Credentials.load(config.data_dir, envd_secret_file=secret_file)
+        private_data_dir(config.data_dir)
+        creds = credentials or node_credentials(config)
         host_ca = vm.host_ca()     # a bad bundle stops the start here, before anything runs
         store = await asyncio.to_thread(open_node_store, config.store_settings(), True)
         manager: SandboxManager | None = None
@@ -120,6 +122,8 @@ class Node:
                 # template build, sandboxes (docs/security.md)
                 await asyncio.to_thread(confinement.start)
                 report(f"QEMU confinement: {confinement.summary()}")
+                if confinement.qemu_walks_host_paths:   # its QEMUs' uids pass through to their run dirs
+                    private_data_dir(config.data_dir, traversable=True)
                 report("host CA certificates: " + (
                     f"guests trust the {len(host_ca.certificates)} of {host_ca.source} ([vm] trust_host_ca)"
                     if host_ca is not None else "guests trust their distribution's only ([vm] trust_host_ca)"))
@@ -213,6 +217,18 @@ class Node:
             confinement.close()
             await asyncio.to_thread(store.close)
             report("stopped")
+
+
+def node_credentials(config: AenvConfig) -> Credentials:
+    """The node's API key and envd secret: from the environment, else their files (a
+    relative path is relative to the data dir; an absolute one stays as it is), else
+    generated into the data dir."""
+    server_cfg = config.server
+
+    def in_data_dir(name: str) -> Path | None:
+        return config.data_dir / name if name else None
+    return Credentials.load(config.data_dir, envd_secret_file=in_data_dir(server_cfg.envd_secret_file),
+                            api_key_file=in_data_dir(server_cfg.api_key_file))
 
 
 def node_run_root(data_dir: Path) -> Path:

@@ -20,10 +20,14 @@ import dataclasses
 import gc
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import CliError, Subcommands, common_options, config_from_args, request_log_to_stderr
 from .config import AenvConfig
+from .node_secrets import private_data_dir
+
+if TYPE_CHECKING:
+    from aenv_api.server.auth import Credentials
 
 
 def register(subparsers: Subcommands) -> None:
@@ -54,17 +58,27 @@ def cmd_server(args: argparse.Namespace) -> int:
         changes["log_format"] = args.log_format
     cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **changes))
     request_log_to_stderr("aenv.server.access", quiet=args.quiet)
-    return asyncio.run(_serve(cfg))
+    from .node import node_credentials
+    from .node_secrets import forget_secret_env
+    # every secret is in ``cfg`` and ``creds`` now: none stays in this process's
+    # environment (nor in /proc/<pid>/environ), before any thread or child starts
+    private_data_dir(cfg.data_dir)
+    creds = node_credentials(cfg)
+    forgotten = forget_secret_env()
+    if forgotten:
+        say(f"secrets read from the environment and removed from it: {', '.join(forgotten)} "
+            "(give them as files: docs/config.md)")
+    return asyncio.run(_serve(cfg, creds))
 
 
-async def _serve(cfg: AenvConfig) -> int:
+async def _serve(cfg: AenvConfig, creds: Credentials) -> int:
     from .node import Node   # the node's parts are imported when it starts (the CLI starts fast)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):   # from the start: a signal during the start stops after it
         loop.add_signal_handler(sig, stop.set)
-    async with Node.open(cfg, report=say) as node:
+    async with Node.open(cfg, report=say, credentials=creds) as node:
         # one write (PYTHONUNBUFFERED would make print's end a second one): a reader that
         # stops after the lines it wants and closes the pipe never breaks a later write
         sys.stdout.write("".join(f"export {name}={value}\n" for name, value in node.sdk_env().items()))

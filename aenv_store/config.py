@@ -28,8 +28,18 @@ class RepositoryConfig:
     region: str = ""
     addressing_style: str = "auto"
     profile: str = ""
-    access_key_id: str = ""
-    secret_access_key: str = ""
+    access_key_id: str = field(default="", repr=False)
+    secret_access_key: str = field(default="", repr=False)
+    # A temporary credential's session token (with the two keys above).
+    session_token: str = field(default="", repr=False)
+    # The same three read from files (a Kubernetes secret volume, compose `secrets:`,
+    # systemd LoadCredential=), relative to the data dir unless absolute; "" = not. A key
+    # and its file are exclusive. With neither and no profile, the node takes
+    # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN from its environment
+    # once at start and removes them there (aenv_cli/node_secrets.py).
+    access_key_id_file: str = ""
+    secret_access_key_file: str = ""
+    session_token_file: str = ""
     # Upload concurrency (parts of a multipart pack upload in flight).
     max_concurrency: int = 8
 

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .childenv import ChildKind, child_env
 from .errors import VmError
 from .tools.tree import ToolsTree
 
@@ -97,7 +98,7 @@ def ensure_guest(cache: Path | None = None, *, quiet: bool = False, timeout: flo
     argv = [sys.executable, str(BUILD_SCRIPT), "--json", "--cache", str(cache or guest_cache_root())]
     try:
         done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=timeout,
-                              stderr=subprocess.PIPE if quiet else None)
+                              stderr=subprocess.PIPE if quiet else None, env=child_env(ChildKind.BUILD))
     except subprocess.TimeoutExpired:
         raise GuestBuildError(f"guest build did not finish within {timeout} s") from None
     if done.returncode != 0:

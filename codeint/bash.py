@@ -71,9 +71,10 @@ class BashContext(CodeContext):
         cell = self._dir / "cell.sh"
         cell.write_text(code + "\n")
         lines = []
-        if global_envs and not self._global_envs_applied:
+        if global_envs is not None and not self._global_envs_applied:
+            # applied once really fetched (see PythonContext.execute)
             lines += [f"export {k}={_quote(v)}" for k, v in global_envs.items()]
-        self._global_envs_applied = True
+            self._global_envs_applied = True
         # per-cell envs: a subshell would lose the cell's own state, so save and restore
         saved = f"__codeint_saved_{marker[:8]}"
         if env_vars:

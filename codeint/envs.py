@@ -1,21 +1,41 @@
 """The sandbox's own environment variables (``Sandbox.create(envs=…)``), which envd
-holds: kernels started when the template was built cannot have inherited them, so each
-context takes them from envd's ``GET /envs`` before its first cell, with the access
-token the SDK sent (a secured sandbox's envd demands it)."""
+holds, and the check of the envd access token that comes with them.
+
+Kernels started when the template was built cannot have inherited the sandbox's envs,
+so each context takes them from envd's ``GET /envs`` before its first cell, with the
+access token the SDK sent. The same call is the token check of ``/execute``: envd is
+the one holder of the sandbox's token (the node re-keys it at every restore through
+``/init``), and it answers ``/envs`` 401 to a wrong or missing token exactly when it
+guards its own API, so the code interpreter refuses what envd would refuse."""
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
+from dataclasses import dataclass
 
 from . import ENVD_PORT
 
-log = logging.getLogger(__name__)
+MAX_ENVS_BODY = 4 << 20
 
 
-async def fetch_envs(access_token: str | None, port: int = ENVD_PORT, timeout: float = 10.0) -> dict[str, str]:
-    """envd's envs; {} when envd is not there or refuses (logged). The answer is read by
-    its own framing (Content-Length or chunked): envd keeps connections open."""
+class EnvdUnreachable(Exception):
+    """envd did not answer ``/envs`` (not running, timed out, a malformed answer)."""
+
+
+@dataclass(frozen=True)
+class EnvsAnswer:
+    status: int                     # envd's HTTP status
+    envs: dict[str, str] | None     # the sandbox's envs when status is 200, else None
+
+    @property
+    def refused(self) -> bool:
+        return self.status in (401, 403)
+
+
+async def fetch_envs(access_token: str | None, port: int = ENVD_PORT, timeout: float = 10.0) -> EnvsAnswer:
+    """envd's answer to ``GET /envs`` with ``access_token``; EnvdUnreachable when there is
+    none. The answer is read by its own framing (Content-Length or chunked): envd keeps
+    connections open."""
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -27,21 +47,18 @@ async def fetch_envs(access_token: str | None, port: int = ENVD_PORT, timeout: f
                 status, body = await _read_response(reader)
             finally:
                 writer.close()
-    except (OSError, TimeoutError, UnicodeEncodeError, ValueError, asyncio.IncompleteReadError) as e:
-        log.warning("envd /envs unreachable: %s", e)
-        return {}
+    except (OSError, TimeoutError, UnicodeEncodeError, ValueError, IndexError, asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError) as e:
+        raise EnvdUnreachable(str(e) or type(e).__name__) from None
     if status != 200:
-        log.warning("envd /envs answered %d", status)
-        return {}
+        return EnvsAnswer(status, None)
     try:
         value = json.loads(body)
     except ValueError:
-        return {}
-    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)} \
+        value = None
+    envs = {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)} \
         if isinstance(value, dict) else {}
-
-
-MAX_ENVS_BODY = 4 << 20
+    return EnvsAnswer(status, envs)
 
 
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:

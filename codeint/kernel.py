@@ -163,8 +163,11 @@ class PythonContext(CodeContext):
         except ContextError as e:
             yield protocol.error_event("ContextError", str(e), "")
             return
-        envs = global_envs if global_envs and not self._global_envs_applied else None
-        self._global_envs_applied = True
+        # applied only once they were really fetched (an unauthenticated first call
+        # fetches none, and must not keep the owner's from reaching this kernel)
+        envs = global_envs if global_envs is not None and not self._global_envs_applied else None
+        if envs is not None:
+            self._global_envs_applied = True
         self._send(code, silent=False, envs=envs, cell_envs=env_vars)
         async for ev in self._events():
             yield ev

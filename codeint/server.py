@@ -14,8 +14,11 @@ Errors are JSON ``{"error", "code"}`` with 400 (bad body, unknown language), 404
 
 Who may call: the port is reached only through aenv's proxy, which routes by sandbox
 id and demands the sandbox's traffic token when the sandbox was created without public
-traffic (docs/code-interpreter.md); the ``X-Access-Token`` the SDK sends with
-``/execute`` is passed to envd for the sandbox's envs."""
+traffic (docs/code-interpreter.md). ``/execute`` runs code, so it demands what envd
+demands: the ``X-Access-Token`` the SDK sends with it is checked by envd itself (its
+``GET /envs``, which also gives the sandbox's envs: envs.py) before anything else is
+done; a secured sandbox answers 401 without it. The context calls carry no token (the
+SDK sends none with them) and run no code."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +30,7 @@ from typing import Any, AsyncIterator
 from . import protocol
 from .context import INTERRUPT_GRACE_SECONDS, CodeContext, ContextError
 from .contexts import Contexts, UnknownContext
-from .envs import fetch_envs
+from .envs import EnvdUnreachable, fetch_envs
 from .http import MAX_HEAD, Connection, HttpError, Request, serve_connection
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,10 @@ class CodeInterpreterServer:
         # so a template's ready command cannot freeze a kernel halfway through its warm-up
         self.ready = asyncio.Event()
         self.port = 0
+        # the local addresses of this server's own rehearsal connections: the one caller
+        # that needs no token (it runs in this process; a pooled clone's envd already has
+        # a token no one here knows). Not a secret: a socket address nobody else can own.
+        self._rehearsals: set[tuple[str, int]] = set()
 
     async def start(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._client, host, port, limit=MAX_HEAD, reuse_address=True)
@@ -62,12 +69,15 @@ class CodeInterpreterServer:
         body = json.dumps({"code": "1"}).encode()
         async with asyncio.timeout(120.0):
             reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            own = tuple(writer.get_extra_info("sockname")[:2])
+            self._rehearsals.add(own)
             try:
                 writer.write(b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
                 answer = await reader.read()
             finally:
                 writer.close()
+                self._rehearsals.discard(own)
         if b"end_of_execution" not in answer:
             raise OSError(f"the rehearsal cell did not finish: {answer[:200]!r}")
         async with py.lock:
@@ -166,7 +176,33 @@ class CodeInterpreterServer:
         except UnknownContext:
             raise HttpError(404, f"Context {cid[:80]} not found") from None
 
+    async def _authorize(self, conn: Connection, req: Request) -> dict[str, str] | None:
+        """The sandbox's envs when envd accepts the request's access token (None when there
+        is no envd, or for this server's own rehearsal when envd refuses it); HttpError 401
+        when envd refuses the token, 503 when envd cannot be asked (fail closed)."""
+        if self.envd_port is None:
+            return None
+        token = req.headers.get("x-access-token")
+        own = tuple(conn.writer.get_extra_info("peername") or ())[:2] in self._rehearsals
+        try:
+            answer = await fetch_envs(token, self.envd_port)
+        except EnvdUnreachable as e:
+            if own:
+                return None
+            raise HttpError(503, f"cannot check the access token: envd does not answer ({e})") from None
+        if answer.status == 200:
+            return answer.envs
+        if own:
+            return None
+        if answer.refused:
+            log.warning("/execute refused: %s access token", "no" if token is None else "a wrong")
+            raise HttpError(401, "unauthorized access, please provide a valid access token" if token is None
+                            else "invalid access token")
+        raise HttpError(503, f"cannot check the access token: envd answered {answer.status}")
+
     async def _execute(self, conn: Connection, req: Request) -> None:
+        # first, before a body is parsed or a kernel started for it
+        envs = await self._authorize(conn, req)
         spec = protocol.parse_execute(req.json())
         if spec.context_id is not None:
             ctx = self._context(spec.context_id)
@@ -176,11 +212,10 @@ class CodeInterpreterServer:
             except ContextError as e:
                 raise HttpError(500, str(e)) from None
         async with ctx.lock:
-            envs = None
-            if self.envd_port is not None and ctx.needs_global_envs:
-                envs = await fetch_envs(req.headers.get("x-access-token"), self.envd_port)
             ctx.cells_started += 1
-            events = ctx.execute(spec.code, spec.env_vars, envs)
+            # the sandbox's envs, fetched with a token envd accepted, for a context that
+            # has not had them yet; the context marks them applied only when it got them
+            events = ctx.execute(spec.code, spec.env_vars, envs if ctx.needs_global_envs else None)
             gone = asyncio.ensure_future(conn.wait_closed_by_peer())
             try:
                 await conn.stream(_lines(ctx, events, gone))

@@ -1,9 +1,11 @@
 """Credentials of one deployment.
 
 - The **API key** (header ``X-API-KEY``) guards the control plane. It comes
-  from ``AENV_API_KEY``, else ``<data-dir>/api-key``, else is generated on
-  first start (``e2b_`` + 40 hex digits, so the SDK's format checks pass) and
-  written there with mode 0600.
+  from ``AENV_API_KEY``, else the file ``[server] api_key_file`` (default
+  ``<data-dir>/api-key``), else is generated on first start (``e2b_`` + 40 hex
+  digits, so the SDK's format checks pass) and written there with mode 0600.
+  ``aenv server`` removes both variables from its environment once read
+  (aenv_cli/node_secrets.py); deployments give the secrets as files.
 - A sandbox's ``envdAccessToken`` is ``base64url(HMAC-SHA256(secret, sandbox
   id))`` (unpadded), the secret being per deployment: ``AENV_ENVD_SECRET``,
   else the file ``[server] envd_secret_file`` (default ``<data-dir>/envd-secret``),
@@ -31,6 +33,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from aenv_store.errors import ConfigError
 
@@ -52,20 +55,25 @@ def _read_or_create(path: Path, make: str) -> str:
         pass
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, (make + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)  # never replaces a key another process wrote meanwhile
-    except FileExistsError:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)    # whatever the umask
+            os.write(fd, (make + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # never replaces a key another process wrote meanwhile
+        except FileExistsError:
+            tmp.unlink()
+            return path.read_text().strip()
         tmp.unlink()
-        return path.read_text().strip()
-    tmp.unlink()
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write a new secret to {path}: {e}") from None
     return make
 
 
@@ -94,11 +102,12 @@ class Credentials:
     envd_secret: bytes = field(default=b"", repr=False)
 
     @classmethod
-    def load(cls, data_dir: Path, environ: dict[str, str] | None = None,
-             envd_secret_file: Path | None = None) -> "Credentials":
-        """``envd_secret_file``: where the envd token secret lives (default ``<data_dir>/envd-secret``)."""
+    def load(cls, data_dir: Path, environ: Mapping[str, str] | None = None,
+             envd_secret_file: Path | None = None, api_key_file: Path | None = None) -> "Credentials":
+        """``envd_secret_file``, ``api_key_file``: where the envd token secret and the API
+        key live (default ``<data_dir>/envd-secret``, ``<data_dir>/api-key``)."""
         env = os.environ if environ is None else environ
-        key_file = data_dir / API_KEY_FILE
+        key_file = api_key_file or data_dir / API_KEY_FILE
         if env.get(API_KEY_ENV):
             key, source = env[API_KEY_ENV].strip(), "env"
         else:

@@ -48,8 +48,13 @@ class ServerConfig:
     # File holding the secret envd access tokens are derived from (HMAC-SHA256 of the
     # sandbox id); generated on first start, mode 0600. "" = <data-dir>/envd-secret; a
     # relative path is relative to the data dir.
-    # The AENV_ENVD_SECRET environment variable, when set, is the secret itself.
+    # The AENV_ENVD_SECRET environment variable, when set, is the secret itself (read
+    # once at start, then removed from the node's environment; files are preferred).
     envd_secret_file: str = ""
+    # File holding the API key (X-API-KEY); generated on first start, mode 0600. "" =
+    # <data-dir>/api-key; a relative path is relative to the data dir. AENV_API_KEY, when
+    # set, is the key itself (read once, then removed from the environment).
+    api_key_file: str = ""
 
     # The most one sandbox's log (lifecycle events and its captured console lines, GET
     # /sandboxes/{id}/logs) keeps, in MiB: two files of half this each, the oldest

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 from aenv_store.formats.ids import Digest
 from aenv_store.formats.manifest import Extent, Manifest
 
+from ..childenv import child_env
 from .image import BlockImage, flatten_to
 from .layer import DISK_LAYER, LAYER_ALIGN, ImageError, coalesce, image_record
 
@@ -151,7 +152,7 @@ def import_tree(store: "Store", directory: Path, name: str, size: int | None = N
         with open(img, "wb") as f:
             f.truncate(size)
         proc = subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "root_owner=0:0", "-d", str(directory), str(img)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=child_env())
         if proc.returncode != 0:
             raise ImageError(f"mkfs.ext4 -d {directory} failed: {proc.stderr.strip() or proc.stdout.strip()}")
         return import_raw(store, img, name, {"source": directory.name or "tree", "fs": "ext4", **(meta or {})},

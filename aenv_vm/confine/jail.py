@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from ..childenv import child_env
 from . import discard
 from .cgroups import CgroupTree, Limits
 from .errors import ConfinementError
@@ -407,7 +408,7 @@ def probe_mount_namespace(root: Path) -> str | None:
         if _unshare(CLONE_NEWNS) != 0 or _mount(b"tmpfs", os.fsencode(root), b"tmpfs", 0, b"size=4k") != 0:
             os._exit(3)
     try:
-        done = subprocess.run(["true"], preexec_fn=child, timeout=10)
+        done = subprocess.run(["true"], preexec_fn=child, timeout=10, env=child_env())
     except (OSError, subprocess.SubprocessError) as e:
         return f"a child could not make a mount namespace: {e}"
     return None if done.returncode == 0 else "unshare(CLONE_NEWNS) or mounting a tmpfs is not permitted here"

@@ -29,6 +29,7 @@ from typing import AsyncIterator
 
 from .cgroups import CgroupTree, Layout, host_layout
 from .errors import ConfinementError
+from ..childenv import ChildKind, child_env
 from ..qemu.binary import find_qemu, qemu_version
 from .jail import DEFAULT_ROOT, SECCOMP, Jail, probe_mount_namespace
 from .romem import ROM_OFF_QEMU, ReadonlyRam, build_shim
@@ -70,7 +71,7 @@ def _qemu_seccomp(qemu: str, mtime_ns: int) -> str | None:
     try:
         done = subprocess.run([qemu, "-sandbox", SECCOMP, "-machine", "none", "-nodefaults", "-display", "none",
                                "-qmp", "stdio"], input=b'{"execute":"qmp_capabilities"}\n{"execute":"quit"}\n',
-                              capture_output=True, timeout=20)
+                              capture_output=True, timeout=20, env=child_env(ChildKind.QEMU))
     except (OSError, subprocess.SubprocessError) as e:
         return f"{qemu} could not be run: {e}"
     if done.returncode != 0:
@@ -163,6 +164,13 @@ class Confinement:
     @property
     def enabled(self) -> bool:
         return self.level is not Level.OFF
+
+    @property
+    def qemu_walks_host_paths(self) -> bool:
+        """QEMUs run under uids of their own but without a mount namespace: they reach
+        their files through the host's own directories (the data dir must let them pass)."""
+        s = self.support
+        return self.enabled and s is not None and s.user is None and s.mount_ns is not None
 
     def parts(self) -> list[Part]:
         """Each part of confinement: on here or not, and why."""

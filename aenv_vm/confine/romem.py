@@ -23,6 +23,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..childenv import child_env
 from .errors import ConfinementError
 
 SOURCE = Path(__file__).with_name("romem.c")
@@ -54,7 +55,7 @@ def build_shim(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True, mode=0o755)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     done = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp), str(SOURCE), "-ldl"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=child_env())
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise ConfinementError(f"building the read-only RAM shim failed: {done.stderr.strip()[:500]}")

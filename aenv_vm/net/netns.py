@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..childenv import child_env
 from ..errors import VmError
 from ..qemu.launcher import GUEST_IP, GUEST_MAC
 
@@ -86,7 +87,8 @@ def addresses(index: int) -> tuple[str, str]:
 
 def _run(argv: list[str], stdin: str, failure: str, pass_fds: tuple[int, ...] = ()) -> None:
     """Run ``argv`` with ``stdin``; NetError ``failure: <its stderr>`` if it fails."""
-    done = subprocess.run(argv, input=stdin, text=True, capture_output=True, timeout=30, pass_fds=pass_fds)
+    done = subprocess.run(argv, input=stdin, text=True, capture_output=True, timeout=30, pass_fds=pass_fds,
+                          env=child_env())
     if done.returncode != 0:
         raise NetError(f"{failure}: {done.stderr.strip()}")
 
@@ -212,7 +214,7 @@ def destroy(net: SandboxNet | str) -> None:
         abort_host_sockets(net.ns_ip)
     # one ip(8) process in the namespace; netns del works on /run/netns, from any namespace
     done = subprocess.run(["ip", "-n", name, "-force", "-batch", "-"], input=f"link del dev eth0\nnetns del {name}\n",
-                          text=True, capture_output=True, timeout=30)
+                          text=True, capture_output=True, timeout=30, env=child_env())
     failed = [line for line in done.stderr.splitlines()
               if line.strip() and "Cannot find device" not in line and "Command failed" not in line
               and "Cannot open network namespace" not in line]   # removed meanwhile
@@ -229,7 +231,7 @@ def abort_host_sockets(ns_ip: str) -> None:
     or hung request. ``ss -K`` (sock_destroy) closes them now. Best
     effort: a kernel without CONFIG_INET_DIAG_DESTROY leaves them to the keep-alive timeout."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(["ss", "-K", "-t", "dst", ns_ip], capture_output=True, timeout=10)
+        subprocess.run(["ss", "-K", "-t", "dst", ns_ip], capture_output=True, timeout=10, env=child_env())
 
 
 def list_namespaces(tag: str) -> list[str]:

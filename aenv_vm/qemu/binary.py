@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..childenv import child_env
 from .errors import QemuNotFound
 
 QEMU_BINARY = "qemu-system-x86_64"
@@ -24,7 +25,8 @@ def find_qemu(binary: str | None = None) -> Path:
 
 def qemu_version(binary: Path) -> tuple[int, int, int]:
     try:
-        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=10,
+                             env=child_env()).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise QemuNotFound(f"{binary} --version failed: {e}") from None
     m = re.search(r"version (\d+)\.(\d+)\.(\d+)", out)

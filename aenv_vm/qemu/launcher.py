@@ -46,6 +46,7 @@ from typing import Literal, Union
 
 from envd import ENVD_PORT
 
+from ..childenv import ChildKind, child_env
 from ..confine.cgroups import VmCgroup
 from ..confine.errors import ConfinementError
 from ..confine.jail import BASE_DEVICES, SECCOMP, FileView, Jail, child_plan, enter, file_view
@@ -122,7 +123,7 @@ def create_overlay(backing: Path, overlay: Path, backing_format: str = "raw",
     if not shutil.which(qemu_img):
         raise QemuNotFound(f"{qemu_img} not found: install Debian's qemu-utils")
     done = subprocess.run([qemu_img, "create", "-q", "-f", "qcow2", "-b", str(Path(backing).resolve()),
-                           "-F", backing_format, str(overlay)], capture_output=True, text=True)
+                           "-F", backing_format, str(overlay)], capture_output=True, text=True, env=child_env())
     if done.returncode != 0:
         raise VmError(f"qemu-img create {overlay} failed: {done.stderr.strip()}")
     return QcowDisk(Path(overlay))
@@ -395,7 +396,8 @@ def _spawn_qemu(spec: VmSpec, binary: Path, argv: list[str], console: ConsoleRea
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     spec.qmp_socket.unlink(missing_ok=True)
     jail = spec.jail
-    env: dict[str, str] | None = None
+    # never the node's environment (its secrets): what QEMU needs, and the shim's below
+    env = child_env(ChildKind.QEMU)
     view: FileView | None = None
     cgroup: VmCgroup | None = None
     if jail is not None:
@@ -403,7 +405,7 @@ def _spawn_qemu(spec: VmSpec, binary: Path, argv: list[str], console: ConsoleRea
         view = jail_view(spec, binary) if jail.mount_ns else None
         if _preload(spec):
             assert jail.shim is not None and spec.mem_path is not None
-            env = {**os.environ, "LD_PRELOAD": str(jail.shim), READONLY_RAM_ENV: str(spec.mem_path)}
+            env.update({"LD_PRELOAD": str(jail.shim), READONLY_RAM_ENV: str(spec.mem_path)})
         if jail.cgroups is not None:
             cgroup = jail.cgroups.create(jail.uid if jail.uid is not None else os.getuid(),
                                          jail.limits(spec.memory_mib, spec.vcpus, tcg_buffer_mib(spec) or 0))

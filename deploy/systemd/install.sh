@@ -5,8 +5,11 @@
 #                                packages QEMU and the guest build need)
 #   /etc/aenv/node.toml          example configs, installed only when absent (yours are kept)
 #   /etc/aenv/gateway.toml
-#   /etc/aenv/aenv.env           AENV_API_KEY, AENV_ENVD_SECRET, S3 credentials; mode 0600;
-#                                generated once (or taken from the environment), then kept
+#   /etc/aenv/credentials/       the node's secrets, one file each (mode 0600, the directory
+#                                0700): api-key, envd-secret, s3-access-key-id,
+#                                s3-secret-access-key; generated once (or taken from the
+#                                environment), then kept. The unit hands them to the node as
+#                                systemd credentials (LoadCredential=), never as environment
 #   /etc/systemd/system/aenv-node.service, aenv-gateway.service
 # then `systemctl daemon-reload`. Idempotent: a second run updates /opt/aenv and the units
 # and keeps configs and secrets. Nothing is enabled or started: that is the operator's
@@ -23,8 +26,9 @@
 #   --dry-run      print what would be done, change nothing
 #
 # A fleet shares one API key and envd secret: install the first host, then copy its
-# /etc/aenv/aenv.env to the others before their first start (or export AENV_API_KEY and
-# AENV_ENVD_SECRET when running this script there).
+# /etc/aenv/credentials/ to the others before their first start (or export AENV_API_KEY,
+# AENV_ENVD_SECRET, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY when running this script
+# there).
 set -euo pipefail
 
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -127,33 +131,33 @@ for r in "${roles[@]}"; do
   fi
 done
 
-# 4. the secrets file, mode 0600, generated once. Values given in the environment win on
-# creation; an existing file is never rewritten (changing the envd secret changes new
-# sandboxes' tokens, the API key every client's).
-ENVF="$ETC/aenv.env"
+# 4. the secrets, one file each (0600, in a 0700 directory), generated once. Values given
+# in the environment win on creation; an existing file is never rewritten (changing the
+# envd secret changes new sandboxes' tokens, the API key every client's). The S3
+# credentials are the operator's to fill in when the environment gives none.
+CRED="$ETC/credentials"
 hex() { od -An -N"$1" -tx1 /dev/urandom | tr -d ' \n'; }
-if [[ -e "$ENVF" ]]; then
-  say "kept $ENVF"
-  run chmod 0600 "$ENVF"
-elif ((DRY)); then
-  echo "would create: $ENVF (mode 0600: AENV_API_KEY, AENV_ENVD_SECRET, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)"
-else
-  api_key=${AENV_API_KEY:-e2b_$(hex 20)}
-  envd_secret=${AENV_ENVD_SECRET:-$(hex 32)}
-  (umask 077
-   cat > "$ENVF.tmp" <<EOF
-# aenv secrets, read by aenv-node.service and aenv-gateway.service (EnvironmentFile=).
-# The same file on every node and gateway of a fleet. Mode 0600, owner root.
-AENV_API_KEY=$api_key
-AENV_ENVD_SECRET=$envd_secret
-# Credentials of the shared S3-compatible repository ([repository] backend = "oss").
-AWS_ACCESS_KEY_ID=${AWS_ACCESS_KEY_ID:-}
-AWS_SECRET_ACCESS_KEY=${AWS_SECRET_ACCESS_KEY:-}
-EOF
-  )
-  chmod 0600 "$ENVF.tmp"
-  mv "$ENVF.tmp" "$ENVF"
-  say "created $ENVF (mode 0600)"
+secret() {   # NAME VALUE
+  local f="$CRED/$1"
+  if [[ -e "$f" ]]; then
+    say "kept $f"
+    run chmod 0600 "$f"
+  elif ((DRY)); then
+    echo "would create: $f (mode 0600)"
+  else
+    (umask 077; printf '%s\n' "$2" > "$f.tmp")
+    chmod 0600 "$f.tmp"
+    mv "$f.tmp" "$f"
+    say "created $f (mode 0600)"
+  fi
+}
+if [[ " ${roles[*]} " == *" node "* ]]; then
+  run install -d -m 0700 "$CRED"
+  ((DRY)) || chmod 0700 "$CRED"
+  secret api-key "${AENV_API_KEY:-e2b_$(hex 20)}"
+  secret envd-secret "${AENV_ENVD_SECRET:-$(hex 32)}"
+  secret s3-access-key-id "${AWS_ACCESS_KEY_ID:-}"
+  secret s3-secret-access-key "${AWS_SECRET_ACCESS_KEY:-}"
 fi
 
 # 5. the units (ours: always replaced).

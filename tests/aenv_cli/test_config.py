@@ -114,7 +114,7 @@ def test_unknown_section_lists_the_known_ones(data_dir: Path) -> None:
     assert str(e.value) == ("unknown config section [nope] (known: cache, cluster, gateway, oci, p2p, repository, "
                             "server, store, templates, vm)")
     (data_dir / "config.toml").unlink()
-    with pytest.raises(ConfigError, match=r"unknown config key server\.nope \(known: build_template, "):
+    with pytest.raises(ConfigError, match=r"unknown config key server\.nope \(known: api_key_file, build_template, "):
         load_config(data_dir, overrides={"server": {"nope": 1}})
     with pytest.raises(ConfigError, match=r"config key gateway\.port: expected int, got 'x'"):
         load_config(data_dir, overrides={"gateway": {"port": "x"}})

@@ -168,3 +168,30 @@ def test_bad_input(ci: Server, sbx: Sandbox) -> None:
     t0 = time.monotonic()
     assert sbx.run_code("'alive'").text == "alive"
     assert time.monotonic() - t0 < 120
+
+
+def test_execute_without_the_token_is_refused_and_envs_still_arrive(ci: Server) -> None:
+    """Issue 28, acceptance 3: through the node's proxy, a raw /execute without the envd
+    access token (the sandbox id is all it knows) is 401 and runs nothing; the owner's
+    first cell afterwards, through the SDK, finds the sandbox's envs in the kernel."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    s = Sandbox.create(envs={"OWNER_ONLY": "from-create"})
+    try:
+        for token in (None, "wrong-token"):
+            headers = {"Content-Type": "application/json", "E2b-Sandbox-Id": s.sandbox_id,
+                       "E2b-Sandbox-Port": "49999"}
+            if token:
+                headers["X-Access-Token"] = token
+            req = urllib.request.Request(f"{ci.url}/execute", method="POST", headers=headers,
+                                         data=json.dumps({"code": "open('/tmp/intruder', 'w').close()"}).encode())
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            assert e.value.code == 401
+            assert json.loads(e.value.read())["code"] == 401
+        r = s.run_code("import os; (os.environ.get('OWNER_ONLY'), os.path.exists('/tmp/intruder'))")
+        assert r.error is None and r.text == "('from-create', False)", r
+    finally:
+        s.kill()

@@ -2,6 +2,7 @@
 `aenv gateway` do, and reading systemd unit files."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -11,9 +12,19 @@ from aenv_cli.config import AenvConfig, env_overrides, load_config
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 
-def load_toml_config(text: str, tmp: Path, env: Mapping[str, str] | None = None) -> AenvConfig:
+def load_toml_config(text: str, tmp: Path, env: Mapping[str, str] | None = None,
+                     secret_files: bool = False) -> AenvConfig:
     """``text`` as the --config file, with ``env``'s AENV_<SECTION>__<KEY> overrides (and no
-    other environment), through aenv's own loader."""
+    other environment), through aenv's own loader. ``secret_files``: every absolute
+    ``*_file`` it names (a mounted secret, a systemd credential) is made under ``tmp``
+    with a value of its own, and the config pointed there."""
+    if secret_files:
+        def made(m: re.Match[str]) -> str:
+            path = tmp / "secrets" / m.group(2).lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"value-of-{path.name}\n")
+            return f'{m.group(1)} = "{path}"'
+        text = re.sub(r'(\w+_file) = "(/[^"]+)"', made, text)
     path = tmp / "config.toml"
     path.write_text(text)
     return load_config(tmp / "data", path, overrides=env_overrides(dict(env or {})))

@@ -29,8 +29,9 @@ COMPOSE = DEPLOY / "compose" / "compose.yaml"
 SCHEMA = Path(__file__).with_name("compose-spec.json")
 SCHEMA_SHA256 = "56bab44c85c0ce8affb74474950293f37d510673283a243bcd7eeadb900fa35c"
 NODES = ("node1", "node2", "node3")
-ENV = {"AENV_API_KEY": "e2b_" + "0" * 40, "AENV_ENVD_SECRET": "1" * 64,
-       "S3_ACCESS_KEY": "minio-user", "S3_SECRET_KEY": "minio-secret"}
+ENV: dict[str, str] = {}      # nothing the file needs comes from .env: secrets are files
+NODE_SECRETS = {"aenv_api_key", "aenv_envd_secret", "s3_access_key", "s3_secret_key"}
+SECRET_NAMES = ("API_KEY", "ENVD_SECRET", "SECRET_KEY", "ACCESS_KEY", "PASSWORD")
 
 
 def compose() -> dict[str, Any]:
@@ -107,24 +108,38 @@ def test_pieces_fit_together() -> None:
         assert "./node.toml:/etc/aenv/node.toml:ro" in svc["volumes"]
     bases = [int(e["AENV_VM__CONFINE_UID_BASE"]) for e in envs]
     assert all(b - a >= 65536 for a, b in zip(bases, bases[1:])), "uid ranges of nodes on one kernel overlap"
-    # one secret for all: every node and the gateway get the same key and envd secret
-    for key in ("AENV_API_KEY", "AENV_ENVD_SECRET"):
-        assert {e[key] for e in envs} | {service_env("gateway")[key]} == {ENV[key]}
+    # secrets as files (compose `secrets:` under /run/secrets/), in no service's environment;
+    # every node the same four, each a file beside compose.yaml; the gateway none
+    for n in NODES:
+        assert set(services[n]["secrets"]) == NODE_SECRETS
+    assert "secrets" not in services["gateway"]
+    assert set(c["secrets"]) == NODE_SECRETS
+    for name, spec in c["secrets"].items():
+        assert spec["file"].startswith("./secrets/"), name
+    for name, svc in services.items():
+        for key, value in svc.get("environment", {}).items():
+            assert not key.endswith(SECRET_NAMES) or value.startswith("/run/secrets/"), (name, key)
+        for ref in svc.get("secrets", []):
+            assert ref in c["secrets"], (name, ref)
+    node_toml = (COMPOSE.parent / "node.toml").read_text()
+    assert set(re.findall(r'_file = "/run/secrets/(\w+)"', node_toml)) == NODE_SECRETS
+    s3 = service_env("s3")
+    assert (s3["MINIO_ROOT_USER_FILE"], s3["MINIO_ROOT_PASSWORD_FILE"]) == (
+        "/run/secrets/s3_access_key", "/run/secrets/s3_secret_key")
     gateway = services["gateway"]
     assert gateway["user"] != "0" and gateway["cap_drop"] == ["ALL"] and gateway["read_only"] is True
     assert "./gateway.toml:/etc/aenv/gateway.toml:ro" in gateway["volumes"]
-    with pytest.raises(KeyError, match="AENV_API_KEY"):
-        service_env("node1", {})
 
 
 def test_configs_load_with_the_compose_environment(tmp_path: Path) -> None:
     node_toml = (COMPOSE.parent / "node.toml").read_text()
     for n in NODES:
-        cfg = load_toml_config(node_toml, tmp_path, service_env(n))
+        cfg = load_toml_config(node_toml, tmp_path, service_env(n), secret_files=True)
         assert cfg.cluster.node_id == n
         assert cfg.cluster.advertise_url == f"http://{n}:8000"
         assert cfg.cluster.redis_url == "redis://redis:6379/0"
         assert cfg.repository.endpoint_url == "http://s3:9000" and cfg.repository.bucket == "aenv"
+        assert cfg.repository.secret_access_key == "value-of-s3_secret_key"
     gw = load_toml_config((COMPOSE.parent / "gateway.toml").read_text(), tmp_path, service_env("gateway"))
     assert gw.gateway.port == 8080
 
@@ -136,20 +151,27 @@ def test_node_env_keys_are_config_keys(tmp_path: Path) -> None:
     assert cfg.vm.confine_uid_base == 1900065536
 
 
-def test_s3_init_makes_the_bucket(moto: Any) -> None:
+def test_s3_init_makes_the_bucket(moto: Any, tmp_path: Path) -> None:
     """The one-shot's script, run as compose runs it but against a real moto S3 server."""
     svc = compose()["services"]["s3-init"]
     assert svc["entrypoint"][:1] == ["/opt/aenv/.venv/bin/python"] and svc["entrypoint"][1] == "-c"
     bucket = f"aenv-compose-{os.getpid()}"     # the session's moto is shared: a bucket of our own
     script = svc["command"][0]
     assert 'Bucket="aenv"' in script and "http://s3:9000" in script
+    assert svc["secrets"] == ["s3_access_key", "s3_secret_key"] and "/run/secrets/" in script
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "s3_access_key").write_text("minio-user\n")
+    (secrets / "s3_secret_key").write_text("minio-secret\n")
     script = script.replace("http://s3:9000", moto.endpoint).replace('Bucket="aenv"', f'Bucket="{bucket}"')
-    env = {**os.environ, **service_env("s3-init")}
+    script = script.replace("/run/secrets/", f"{secrets}/")
+    # no credential from the environment: the script's own files are what it uses
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     for _ in range(2):      # idempotent: a second `compose up` finds the bucket
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == 0 and "bucket aenv ready" in done.stdout, done.stderr
     import boto3
     s3 = boto3.client("s3", endpoint_url=moto.endpoint, region_name="us-east-1",
-                      aws_access_key_id=ENV["S3_ACCESS_KEY"], aws_secret_access_key=ENV["S3_SECRET_KEY"])
+                      aws_access_key_id="minio-user", aws_secret_access_key="minio-secret")
     assert bucket in {b["Name"] for b in s3.list_buckets()["Buckets"]}
     s3.delete_bucket(Bucket=bucket)

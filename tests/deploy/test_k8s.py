@@ -19,7 +19,7 @@ from .common import DEPLOY, load_toml_config
 
 K8S = DEPLOY / "k8s"
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-SECRET_KEYS = {"AENV_API_KEY", "AENV_ENVD_SECRET", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+SECRET_KEYS = {"api-key", "envd-secret", "s3-access-key-id", "s3-secret-access-key"}
 
 
 class _Response:
@@ -152,10 +152,15 @@ def test_workloads_fit_together(kind: str, name: str) -> None:
             assert vol["configMap"]["name"] == "aenv-config"
             for item in vol["configMap"]["items"]:
                 assert item["key"] in config["data"]
+    assert set(secret["stringData"]) == SECRET_KEYS
+    for vol in spec.get("volumes", []):
+        if "secret" in vol:
+            assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+            assert vol["secret"]["defaultMode"] == 0o400
     for c in spec["containers"]:
-        for ref in c.get("envFrom", []):
-            assert ref["secretRef"]["name"] == secret["metadata"]["name"]
-            assert set(secret["stringData"]) == SECRET_KEYS
+        # secrets as files only: no secret in any container's environment
+        assert not [ref for ref in c.get("envFrom", []) if "secretRef" in ref]
+        assert not [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
         mounts = {m["name"] for m in c.get("volumeMounts", [])}
         assert mounts <= {v["name"] for v in spec.get("volumes", [])} | {
             t["metadata"]["name"] for t in doc["spec"].get("volumeClaimTemplates", [])}
@@ -194,7 +199,14 @@ def node_env(pod_ip: str, node_name: str) -> dict[str, str]:
 
 def test_configmap_configs_load(tmp_path: Path) -> None:
     data = by_kind()[("ConfigMap", "aenv-config")]["data"]
-    node = load_toml_config(data["node.toml"], tmp_path, node_env("10.244.1.7", "worker-1"))
+    node = load_toml_config(data["node.toml"], tmp_path, node_env("10.244.1.7", "worker-1"), secret_files=True)
+    # every file it names is a key of the Secret, mounted where it says
+    named = set(re.findall(r'_file = "/run/secrets/aenv/([a-z0-9-]+)"', data["node.toml"]))
+    assert named == SECRET_KEYS
+    ds = pod_spec("DaemonSet", "aenv-node")
+    mount = next(m for m in ds["containers"][0]["volumeMounts"] if m["name"] == "secrets")
+    assert mount["mountPath"] == "/run/secrets/aenv" and mount["readOnly"] is True
+    assert node.repository.access_key_id == "value-of-s3-access-key-id"
     cluster = node.cluster
     assert (cluster.node_id, cluster.advertise_url) == ("worker-1", "http://10.244.1.7:8000")
     assert cluster.redis_url == "redis://aenv-redis:6379/0"

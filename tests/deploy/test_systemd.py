@@ -76,12 +76,28 @@ def test_staged_tree(stage: Path) -> None:
         unit = stage / f"etc/systemd/system/aenv-{r}.service"
         assert unit.read_text() == (DEPLOY / f"systemd/aenv-{r}.service").read_text()
         assert stat.S_IMODE(unit.stat().st_mode) == 0o644
-    env = stage / "etc/aenv/aenv.env"
-    assert stat.S_IMODE(env.stat().st_mode) == 0o600
-    values = dict(line.split("=", 1) for line in env.read_text().splitlines() if line and not line.startswith("#"))
-    assert re.fullmatch(r"e2b_[0-9a-f]{40}", values["AENV_API_KEY"])
-    assert re.fullmatch(r"[0-9a-f]{64}", values["AENV_ENVD_SECRET"])
-    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(values)
+    values = credentials(stage)
+    assert re.fullmatch(r"e2b_[0-9a-f]{40}", values["api-key"])
+    assert re.fullmatch(r"[0-9a-f]{64}", values["envd-secret"])
+    assert {"s3-access-key-id", "s3-secret-access-key"} <= set(values)
+    # the unit hands each to the node as a credential, where node.toml names it
+    unit = parse_unit((DEPLOY / "systemd/aenv-node.service").read_text())
+    loaded = dict(v.split(":", 1) for v in unit_values(unit, "Service", "LoadCredential"))
+    assert loaded == {name: f"/etc/aenv/credentials/{name}" for name in values}
+    node = (DEPLOY / "config/node.toml").read_text()
+    named = set(re.findall(r'_file = "/run/credentials/aenv-node.service/([a-z0-9-]+)"', node))
+    assert named == set(values), named
+
+
+def credentials(stage: Path) -> dict[str, str]:
+    """The secrets the script made: one file each, 0600, in a 0700 directory."""
+    cred = stage / "etc/aenv/credentials"
+    assert stat.S_IMODE(cred.stat().st_mode) == 0o700
+    out = {}
+    for f in sorted(cred.iterdir()):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+        out[f.name] = f.read_text().strip()
+    return out
 
 
 def test_units_verify(stage: Path) -> None:
@@ -128,7 +144,14 @@ def test_node_unit_stops_by_pausing() -> None:
     assert unit_value(unit, svc, "Delegate") == "yes"
     assert unit_value(unit, svc, "Restart") == "on-failure"
     assert unit_value(unit, svc, "ExecStart") == "/opt/aenv/.venv/bin/aenv server --config /etc/aenv/node.toml"
-    assert unit_value(unit, svc, "EnvironmentFile") == "/etc/aenv/aenv.env"
+    # no secret in the node's environment: files handed over as credentials
+    assert not unit_values(unit, svc, "EnvironmentFile")
+    assert not [v for v in unit_values(unit, svc, "Environment") if "SECRET" in v or "KEY" in v]
+    assert {v.split(":", 1)[0] for v in unit_values(unit, svc, "LoadCredential")} == {
+        "api-key", "envd-secret", "s3-access-key-id", "s3-secret-access-key"}
+    for name in ("aenv-node.service", "aenv-gateway.service"):
+        text = (DEPLOY / "systemd" / name).read_text()
+        assert "EnvironmentFile" not in text and "AENV_API_KEY" not in text, name
     import tomllib
     node = tomllib.loads((DEPLOY / "config/node.toml").read_text())["server"]
     assert node["on_shutdown"] == "pause"
@@ -142,8 +165,8 @@ def test_node_unit_stops_by_pausing() -> None:
 
 
 def test_install_is_idempotent(stage: Path) -> None:
-    env = stage / "etc/aenv/aenv.env"
-    secrets_before = env.read_text()
+    env = stage / "etc/aenv/credentials/api-key"
+    secrets_before = credentials(stage)
     node_toml = stage / "etc/aenv/node.toml"
     node_toml.write_text(node_toml.read_text() + "\n# edited by the operator\n")
     unit = stage / "etc/systemd/system/aenv-node.service"
@@ -155,7 +178,7 @@ def test_install_is_idempotent(stage: Path) -> None:
     env.chmod(0o644)
     done = run_install("--prefix", str(stage), "--deps-from", deps_venv())
     assert done.returncode == 0, done.stdout + done.stderr
-    assert env.read_text() == secrets_before and stat.S_IMODE(env.stat().st_mode) == 0o600
+    assert credentials(stage) == secrets_before and stat.S_IMODE(env.stat().st_mode) == 0o600
     assert node_toml.read_text().endswith("# edited by the operator\n")
     assert unit.read_text() == (DEPLOY / "systemd/aenv-node.service").read_text()
     assert not stale.exists()
@@ -170,22 +193,21 @@ def test_roles_and_dry_run(tmp_path: Path) -> None:
     plan = done.stdout
     assert "aenv-gateway.service" in plan and "gateway.toml" in plan
     assert "aenv-node.service" not in plan and "node.toml" not in plan
-    assert "would create: " + str(tmp_path / "etc/aenv/aenv.env") in plan
+    assert "would create: " not in plan, "a gateway needs no secret"
+    done = run_install("--prefix", str(tmp_path), "--role", "node", "--dry-run")
+    assert "would create: " + str(tmp_path / "etc/aenv/credentials/api-key") in done.stdout
     assert not any(tmp_path.iterdir()), "a dry run changes nothing"
 
 
 def test_secrets_from_environment(stage: Path) -> None:
     """A second host of a fleet gets the first one's secrets (the file is made only once)."""
-    env_file = stage / "etc/aenv/aenv.env"
-    env_file.unlink()
+    shutil.rmtree(stage / "etc/aenv/credentials")
     key, secret = "e2b_" + "ab" * 20, "cd" * 32
     done = run_install("--prefix", str(stage), "--deps-from", deps_venv(),
                        env={"AENV_API_KEY": key, "AENV_ENVD_SECRET": secret, "AWS_ACCESS_KEY_ID": "minio"})
     assert done.returncode == 0, done.stdout + done.stderr
-    text = env_file.read_text()
-    assert f"AENV_API_KEY={key}\n" in text and f"AENV_ENVD_SECRET={secret}\n" in text
-    assert "AWS_ACCESS_KEY_ID=minio\n" in text
-    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    values = credentials(stage)
+    assert (values["api-key"], values["envd-secret"], values["s3-access-key-id"]) == (key, secret, "minio")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -201,8 +223,10 @@ def test_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
 
 
 def test_example_configs_load(tmp_path: Path) -> None:
-    """The configs the script installs are what `aenv server` / `aenv gateway` accept."""
-    node = load_toml_config((DEPLOY / "config/node.toml").read_text(), tmp_path)
+    """The configs the script installs are what `aenv server` / `aenv gateway` accept (the
+    credentials they name given as files, as systemd gives them)."""
+    node = load_toml_config((DEPLOY / "config/node.toml").read_text(), tmp_path, secret_files=True)
+    assert node.repository.access_key_id and node.server.api_key_file.endswith("/api-key")
     assert node.cluster.redis_url == "redis://10.0.0.1:6379/0"
     assert node.cluster.advertise_url == "http://10.0.0.2:8000"
     assert node.repository.backend == "oss" and node.repository.bucket == "aenv"

@@ -138,6 +138,8 @@ class OssBackend(Backend):
         if cfg.access_key_id:
             self._client_kwargs["aws_access_key_id"] = cfg.access_key_id
             self._client_kwargs["aws_secret_access_key"] = cfg.secret_access_key
+            if cfg.session_token:
+                self._client_kwargs["aws_session_token"] = cfg.session_token
         self._botocfg = Config(
             region_name=cfg.region,
             s3={"addressing_style": cfg.addressing_style},
