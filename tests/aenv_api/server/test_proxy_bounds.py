@@ -168,6 +168,7 @@ def test_connections_beyond_the_cap_are_429_and_other_sandboxes_are_untouched(bo
             async def get(path: str, who: str) -> tuple[int, Any, float]:
                 t0 = time.monotonic()
                 async with s.get(bounded.url + path, headers=routed(who)) as r:
+                    assert r.status != 429 or r.headers["Retry-After"] == "1"
                     return r.status, await r.json(), time.monotonic() - t0
             held = [asyncio.ensure_future(get("/hang", sid)) for _ in range(MAX_CONNECTIONS)]
             await asyncio.sleep(0.3)
