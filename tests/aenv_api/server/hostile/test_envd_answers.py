@@ -123,6 +123,10 @@ def warm_up(node: Server) -> None:
 
     benign = Sandbox.create(timeout=300)
     try:
+        # as busy as the offender, whose init restarts envd every second (and fails: the
+        # port is taken): a pause or fork snapshot reads the pages a guest dirtied
+        benign.commands.run("setsid sh -c 'while :; do python3 -c pass; sleep 1; done' >/dev/null 2>&1 </dev/null &",
+                            user="root", timeout=60)
         for _ in range(2):
             status, _, forks = node.request("POST", f"/sandboxes/{benign.sandbox_id}/fork", {"count": FORKS})
             assert status == 201, forks
