@@ -47,10 +47,16 @@ class GatewayConfig:
     # How long a request to a node may take before the gateway gives up (create and resume
     # restore a VM: minutes under TCG).
     node_timeout: float = 600.0
+    # Largest WebSocket message the gateway relays either way (as [server]
+    # websocket_max_message on a node; compressed ones bounded as they inflate).
+    websocket_max_message: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"gateway.port must be in 0..65535, got {self.port}")
+        if not 1024 <= self.websocket_max_message <= 1 << 30:
+            raise ConfigError(f"gateway.websocket_max_message must be in 1024..1073741824 bytes, "
+                              f"got {self.websocket_max_message}")
         if not self.redis_url:
             raise ConfigError("gateway.redis_url is required")
         _check_redis_url(self.redis_url, "gateway.redis_url")

@@ -17,6 +17,17 @@ children must not queue behind a shared pool's limit. Under user-mode
 networking QEMU accepts a connection itself while nothing listens in the
 guest, and closes it: "connected" is not "answered", only an HTTP status
 counts (``NoAnswer`` otherwise).
+
+A guest decides what its envd answers, and a guest may be hostile (it can replace
+envd with anything listening on its port): every answer is read under a byte bound
+and a deadline. A whole answer (``http_request``) is at most ``MAX_HEAD`` plus its
+bound (``MAX_ANSWER`` unless the call says more: ``MAX_COMMAND_ANSWER`` for a
+command's output, the caller's for a file); a streamed one (``stream_process``) is
+decoded as it arrives, each Connect frame at most ``MAX_FRAME`` (envd_stream.py).
+Beyond a bound the read stops and the call raises ``EnvdError``: the operation
+fails, the node holds no more than the bound. Every exchange runs under
+``asyncio.wait_for`` of its whole length (a resume's greeting: ``[vm]
+ready_timeout``), so an envd answering a byte a minute holds nothing longer than that.
 """
 from __future__ import annotations
 
@@ -33,11 +44,19 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from envd import ENVD_PORT, VERSION_HEADER
 
+from .envd_stream import MAX_FRAME, ConnectStream, StreamError
 from .errors import VmError, VmTimeout
 
 END_STREAM = 0x02
 RETRY_PAUSE = 0.02          # seconds between attempts while a guest is not answering yet
-MAX_HEAD = 64 << 10
+MAX_HEAD = 64 << 10         # response head bytes at most
+# Body bytes of an answer read whole, unless the call says otherwise: /health and /init
+# answer nothing, /metrics a few hundred bytes, a file upload a short JSON list.
+MAX_ANSWER = 64 << 10
+# ... of a command run whole (``EnvdClient.run``: warm-up, ready and sync commands whose
+# output the node only checks), as Connect frames of base64 text (4/3 of the output).
+MAX_COMMAND_ANSWER = 4 << 20
+READ_PIECE = 1 << 16        # bytes asked of the socket at a time
 
 T = TypeVar("T")
 
@@ -80,6 +99,8 @@ def decode_envelopes(data: bytes) -> list[tuple[int, dict]]:
             raise EnvdError("truncated Connect frame header")
         flags, length = struct.unpack_from(">BI", data, pos)
         pos += 5
+        if length > MAX_FRAME:
+            raise EnvdError(f"a Connect frame of {length} bytes (at most {MAX_FRAME})")
         if len(data) - pos < length:
             raise EnvdError("truncated Connect frame")
         try:
@@ -158,24 +179,23 @@ def format_request(method: str, host: str, path: str, headers: dict[str, str], b
 
 async def http_request(host: str, port: int, method: str, path: str, *, body: bytes = b"",
                        headers: dict[str, str] | None = None, timeout: float = 2.0,
-                       max_bytes: int | None = None) -> HttpAnswer:
-    """One HTTP exchange with a guest port. Raises OSError / asyncio.TimeoutError /
-    NoAnswer (nothing answered) or EnvdError (an answer that is not valid HTTP, or
-    longer than ``max_bytes``: the guest decides how much it sends)."""
+                       max_bytes: int = MAX_ANSWER) -> HttpAnswer:
+    """One HTTP exchange with a guest port, all of it within ``timeout`` seconds. Raises
+    OSError / asyncio.TimeoutError / NoAnswer (nothing answered) or EnvdError (an answer
+    that is not valid HTTP, or longer than its head and ``max_bytes``: the guest decides
+    how much it sends, the read stops there)."""
     async def go() -> HttpAnswer:
         reader, writer = await asyncio.open_connection(host, port)
         try:
             writer.write(format_request(method, host, path, headers or {}, body))
             await writer.drain()
-            if max_bytes is None:
-                data = await reader.read()
-            else:
-                buf = bytearray()
-                while chunk := await reader.read(1 << 16):
-                    buf += chunk
-                    if len(buf) > max_bytes + MAX_HEAD:
-                        raise EnvdError(f"{method} {path}: answer larger than {max_bytes} bytes")
-                data = bytes(buf)
+            buf = bytearray()
+            while chunk := await reader.read(READ_PIECE):
+                buf += chunk
+                if len(buf) > max_bytes + MAX_HEAD:
+                    raise EnvdError(f"{host}:{port} {method} {path}: answer larger than {max_bytes} bytes "
+                                    f"(the bound on it)")
+            data = bytes(buf)
         finally:
             writer.close()
             with contextlib.suppress(OSError):
@@ -244,12 +264,15 @@ class EnvdClient:
         return headers
 
     async def _call(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
-                    timeout: float = 30.0, max_bytes: int | None = None) -> HttpAnswer:
+                    timeout: float = 30.0, max_bytes: int = MAX_ANSWER) -> HttpAnswer:
         try:
             return await http_request(self.host, self.port, method, path, body=body, headers=headers,
                                       timeout=timeout, max_bytes=max_bytes)
-        except (OSError, asyncio.TimeoutError, NoAnswer) as e:
-            raise EnvdError(f"envd at {self.host}:{self.port}: {method} {path}: {e or type(e).__name__}") from None
+        except asyncio.TimeoutError:
+            raise EnvdError(f"envd at {self.host}:{self.port}: {method} {path}: no whole answer within "
+                            f"{timeout} s") from None
+        except (OSError, NoAnswer) as e:
+            raise EnvdError(f"envd at {self.host}:{self.port}: {method} {path}: {str(e) or type(e).__name__}") from None
 
     # -- health and /init ---------------------------------------------------------
 
@@ -325,7 +348,7 @@ class EnvdClient:
             raise EnvdError(f"envd file upload to {path} answered HTTP {answer.status}: {answer.body[:200]!r}")
 
     async def read_file(self, path: str, *, user: str | None = None, timeout: float = 30.0,
-                        max_bytes: int | None = None) -> bytes:
+                        max_bytes: int = MAX_ANSWER) -> bytes:
         """``GET /files`` as the SDK's ``files.read`` does; EnvdError beyond ``max_bytes``."""
         query = urllib.parse.urlencode({"path": path, **({"username": user} if user else {})})
         answer = await self._call("GET", f"/files?{query}", b"", self._headers(), timeout, max_bytes)
@@ -349,7 +372,7 @@ class EnvdClient:
         headers = self._headers(user, {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                                        "Keepalive-Ping-Interval": "50",
                                        "Connect-Timeout-Ms": str(int(timeout * 1000))})
-        answer = await self._call("POST", "/process.Process/Start", body, headers, timeout)
+        answer = await self._call("POST", "/process.Process/Start", body, headers, timeout, MAX_COMMAND_ANSWER)
         if answer.status != 200:
             raise EnvdError(f"envd process start answered HTTP {answer.status}: {answer.body[:200]!r}")
         return command_result(answer.body)
@@ -399,7 +422,8 @@ OutputSink = Callable[[str, bytes], None]     # ("stdout" | "stderr", bytes)
 
 
 async def _read_head(reader: asyncio.StreamReader) -> HttpAnswer:
-    """Status and headers of a response whose body is still to be read (body empty)."""
+    """Status and headers of a response whose body is still to be read (body empty). The
+    reader's limit (``MAX_HEAD``) bounds the head."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
@@ -409,39 +433,22 @@ async def _read_head(reader: asyncio.StreamReader) -> HttpAnswer:
 
 
 async def _frames(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[tuple[int, dict]]:
-    """Connect frames of a streamed body as they arrive (chunked or close-delimited)."""
-    buf = bytearray()
-
-    async def more() -> bool:
-        if not chunked:
-            data = await reader.read(1 << 16)
-            buf.extend(data)
-            return bool(data)
-        line = await reader.readline()
-        try:
-            size = int(line.split(b";", 1)[0].strip() or b"0", 16)
-        except ValueError:
-            raise EnvdError(f"bad chunk size {line[:20]!r}") from None
-        if size == 0:
-            return False
-        buf.extend(await reader.readexactly(size))
-        await reader.readexactly(2)
-        return True
-
+    """Connect frames of a streamed body as they arrive (chunked or close-delimited), each
+    at most ``MAX_FRAME`` bytes (envd_stream.py)."""
+    stream = ConnectStream(chunked)
     while True:
-        while len(buf) >= 5:
-            flags, length = struct.unpack_from(">BI", buf, 0)
-            if len(buf) < 5 + length:
-                break
-            try:
-                msg = json.loads(bytes(buf[5:5 + length]) or b"{}")
-            except ValueError as e:
-                raise EnvdError(f"bad JSON in Connect frame: {e}") from None
-            del buf[:5 + length]
-            yield flags, msg if isinstance(msg, dict) else {}
-        if not await more():
-            if buf:
-                raise EnvdError("process stream ended inside a frame")
+        data = await reader.read(READ_PIECE)
+        try:
+            if data:
+                frames = stream.feed(data)
+            else:
+                stream.finish()
+                frames = []
+        except StreamError as e:
+            raise EnvdError(f"envd process stream: {e}") from None
+        for frame in frames:
+            yield frame
+        if not data or stream.done:
             return
 
 
@@ -460,7 +467,7 @@ async def stream_process(client: "EnvdClient", req: ProcessRequest, *, timeout: 
     headers = client._headers(req.user, extra)
 
     async def go() -> int:
-        reader, writer = await asyncio.open_connection(client.host, client.port, limit=1 << 20)
+        reader, writer = await asyncio.open_connection(client.host, client.port, limit=MAX_HEAD)
         try:
             writer.write(format_request("POST", client.host, "/process.Process/Start", headers, req.body()))
             await writer.drain()
@@ -498,4 +505,4 @@ async def stream_process(client: "EnvdClient", req: ProcessRequest, *, timeout: 
     except asyncio.TimeoutError:
         raise VmTimeout(f"{req.cmd} {' '.join(req.args)[:80]} did not finish in {timeout:.0f} s") from None
     except (OSError, NoAnswer, asyncio.IncompleteReadError) as e:
-        raise EnvdError(f"envd at {client.host}:{client.port}: process stream: {e or type(e).__name__}") from None
+        raise EnvdError(f"envd at {client.host}:{client.port}: process stream: {str(e) or type(e).__name__}") from None

@@ -42,7 +42,7 @@ from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .nodes_api import NodeApi
-from .proxy import SandboxProxy, route_of, signed_files
+from .proxy import ProxyLimits, SandboxProxy, route_of, signed_files
 from .responses import json_response
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
@@ -105,7 +105,7 @@ class ApiServer:
         self.config = config
         self.metrics = metrics
         self.version = version
-        self.proxy = SandboxProxy(lifecycle, metrics)
+        self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config))
         self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
         self.routes = self.control.routes()
         self._runner: JsonErrorRunner | None = None

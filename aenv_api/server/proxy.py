@@ -29,6 +29,15 @@ else, so a request without it never resumes a paused sandbox), answered 403
 as E2B's proxy does. The API key, the traffic token and the routing headers
 are never forwarded into the sandbox. ``maskRequestHost`` sets the Host
 header the guest sees; ``httpsPorts`` are reached over TLS (upstream.py).
+
+Bounds (``ProxyLimits``, from ``[server]``; docs/security.md): a sandbox has at
+most ``max_connections`` proxied requests and WebSocket sessions open at once
+(beyond: 429 JSON, before anything is sent to it); the wait for its response head
+(or its WebSocket handshake answer) ends after ``head_timeout`` seconds without it,
+counted from the last byte of the request sent upstream (504 JSON); a WebSocket
+message is at most ``websocket_max_message`` bytes either way (aenv_http/wsbridge.py).
+A guest that never answers thus holds a bounded number of connections for a bounded
+time, and none of another sandbox's.
 """
 from __future__ import annotations
 
@@ -36,12 +45,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from aenv_http.wsbridge import HANDSHAKE_HEADERS, bridge, offered_protocols
+from aenv_http.wsbridge import HANDSHAKE_HEADERS, MAX_MESSAGE, bridge, offered_protocols
 from aenv_wire.errors import BadRoute
 from aenv_wire.headers import (ACCESS_TOKEN_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, API_KEY_HEADER,
                                SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER, TRAFFIC_TOKEN_HEADER)
@@ -53,6 +64,7 @@ from .auth import check_token
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .settings import ServerConfig
 from .upstream import MAX_HEAD, ChunkedBody, ResponseHead, UpstreamConn, UpstreamError, Upstreams, parse_response_head
 
 log = logging.getLogger(__name__)
@@ -69,6 +81,18 @@ _DROP_RESPONSE = frozenset(h.lower() for h in (
 _SMALL_BODY = 64 << 10
 # How long a chunked request body may take to complete before it is relayed piece by piece.
 _BODY_WAIT = 0.005
+
+
+@dataclass(frozen=True)
+class ProxyLimits:
+    """What one sandbox may hold of the proxy ([server] proxy_*, websocket_max_message)."""
+    head_timeout: float = 300.0             # seconds without the response head, after the request went up
+    max_connections: int = 512              # proxied requests and WebSocket sessions open per sandbox
+    websocket_max_message: int = MAX_MESSAGE
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> "ProxyLimits":
+        return cls(config.proxy_head_timeout, config.proxy_max_connections, config.websocket_max_message)
 
 
 class _Stale(Exception):
@@ -161,9 +185,11 @@ def _check_traffic_token(expected: str, request: web.Request, sid: str) -> None:
 
 
 class SandboxProxy:
-    def __init__(self, lifecycle: Lifecycle, metrics: Metrics) -> None:
+    def __init__(self, lifecycle: Lifecycle, metrics: Metrics, limits: ProxyLimits = ProxyLimits()) -> None:
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.limits = limits
+        self.open: Counter[str] = Counter()     # sandbox id → its proxied requests and sessions open
         self.upstreams = Upstreams()
         self._session: aiohttp.ClientSession | None = None   # WebSocket bridging only
 
@@ -181,7 +207,31 @@ class SandboxProxy:
             await self._session.close()
 
     async def handle(self, request: web.Request, sid: str, port: int, rid: str = "") -> web.StreamResponse:
-        """Forward ``request`` to ``sid``'s guest ``port``; the answer carries ``X-Request-Id: rid``."""
+        """Forward ``request`` to ``sid``'s guest ``port``; the answer carries ``X-Request-Id: rid``.
+        429 when the sandbox has ``max_connections`` open already."""
+        if self.open[sid] >= self.limits.max_connections:
+            self._refused("connections")
+            raise ApiError(429, f"The sandbox {sid} has {self.open[sid]} proxied connections open, the most one "
+                                f"sandbox may have ([server] proxy_max_connections): retry when some have ended",
+                           sandboxId=sid, port=port, retry_after=1)
+        self.open[sid] += 1
+        try:
+            return await self._handle(request, sid, port, rid)
+        finally:
+            self.open[sid] -= 1
+            if not self.open[sid]:
+                del self.open[sid]
+
+    def _refused(self, reason: str) -> None:
+        self.metrics.inc("aenv_proxy_refused_total", (("reason", reason),),
+                         help="proxied requests refused by a bound (connections per sandbox, head timeout)")
+
+    def _head_timeout(self, sid: str, port: int) -> ApiError:
+        self._refused("head_timeout")
+        return ApiError(504, f"The sandbox {sid} did not answer on port {port} within "
+                             f"{self.limits.head_timeout:g} s ([server] proxy_head_timeout)", sandboxId=sid, port=port)
+
+    async def _handle(self, request: web.Request, sid: str, port: int, rid: str) -> web.StreamResponse:
         t0 = time.monotonic()
         rules = self.lifecycle.proxy_rules(sid)
         if rules.traffic_token and port != ENVD_PORT:
@@ -237,7 +287,7 @@ class SandboxProxy:
                 else:
                     conn.write(head + body if body else head)
                 try:
-                    resp_head, rest = await self._answer(conn, request.method, sender)
+                    resp_head, rest = await self._answer(conn, request.method, sender, sid, port)
                     break
                 except _Stale:
                     # A kept-alive connection the sandbox had closed: nothing was answered, so
@@ -263,7 +313,10 @@ class SandboxProxy:
                 with contextlib.suppress(BaseException):
                     await sender
             if conn is not None and not conn.in_pool:
-                conn.close()
+                if conn.closed:
+                    conn.close()
+                else:           # given up on mid-exchange: nothing more is owed to the sandbox
+                    conn.abort()
 
     @staticmethod
     async def _send_body(request: web.Request, conn: UpstreamConn, chunk: bool) -> None:
@@ -275,17 +328,33 @@ class SandboxProxy:
         if chunk:
             conn.write(b"0\r\n\r\n")
 
-    async def _answer(self, conn: UpstreamConn, method: str,
-                      sender: asyncio.Future[None] | None) -> tuple[ResponseHead, bytes]:
+    async def _answer(self, conn: UpstreamConn, method: str, sender: asyncio.Future[None] | None,
+                      sid: str, port: int) -> tuple[ResponseHead, bytes]:
         """The sandbox's response head; while a request body still streams, a failure to
-        read that body (the client's framing broke: 400) ends the wait too."""
+        read that body (the client's framing broke: 400) ends the wait too. 504 after
+        ``head_timeout`` without it and without a byte of the body going up meanwhile."""
+        wait = self.limits.head_timeout
         if sender is None:
-            return await self._read_head(conn, method)
+            try:
+                async with asyncio.timeout(wait):   # no extra task, unlike wait_for
+                    return await self._read_head(conn, method)
+            except TimeoutError:
+                raise self._head_timeout(sid, port) from None
         reading = asyncio.ensure_future(self._read_head(conn, method))
         try:
-            await asyncio.wait({reading, sender}, return_when=asyncio.FIRST_COMPLETED)
-            if not reading.done() and (failed := sender.exception()) is not None:
-                raise failed
+            sent = conn.written
+            while not reading.done():
+                pending = {reading} if sender.done() else {reading, sender}
+                done, _ = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if reading.done():
+                    break
+                if sender in done:
+                    if (failed := sender.exception()) is not None:
+                        raise failed
+                    continue        # the whole request is up: the wait for the head starts now
+                if not done and (sender.done() or conn.written == sent):
+                    raise self._head_timeout(sid, port)
+                sent = conn.written     # the sandbox still takes the body: no answer is due yet
             return await reading
         finally:
             if not reading.done():
@@ -390,13 +459,18 @@ class SandboxProxy:
         fwd = [(k, v) for k, v in headers if k.lower() not in HANDSHAKE_HEADERS]
         protocols = offered_protocols(request)
         url = f"{'wss' if tls else 'ws'}://{upstream}{forward_target(request)}"
+        cap = self.limits.websocket_max_message
+        handshake = asyncio.timeout(self.limits.head_timeout)
         try:
-            up = await self._client().ws_connect(url, headers=fwd, protocols=protocols, autoping=False,
-                                                 max_msg_size=0, ssl=False)  # ssl=False: TLS, unverified
+            async with handshake:
+                up = await self._client().ws_connect(url, headers=fwd, protocols=protocols, autoping=False,
+                                                     max_msg_size=cap, ssl=False)  # ssl=False: TLS, unverified
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            if handshake.expired():
+                raise self._head_timeout(sid, port) from None
             raise ApiError(502, f"The sandbox {sid} is running but port {port} is not open ({e})",
                            sandboxId=sid, port=port) from None
-        down = web.WebSocketResponse(protocols=protocols, autoping=False, max_msg_size=0)
+        down = web.WebSocketResponse(protocols=protocols, autoping=False, max_msg_size=cap)
         if rid:
             down.headers["X-Request-Id"] = rid
         await down.prepare(request)

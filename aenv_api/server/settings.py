@@ -62,6 +62,19 @@ class ServerConfig:
     # lines; a guest printing without end keeps only its newest ones.
     sandbox_log_mib: int = 8
 
+    # The sandbox proxy's bounds (docs/security.md, "What a guest can feed the node").
+    # Seconds the proxy waits for a guest's response head (or WebSocket handshake answer)
+    # once the request is sent, and while the guest takes none of its body: then 504. Long
+    # enough for a guest app that thinks before it answers (a model call); what it bounds is
+    # how long a guest that never answers holds a connection.
+    proxy_head_timeout: float = 300.0
+    # Proxied requests and WebSocket sessions one sandbox may have open at once; beyond, 429.
+    # Above what one E2B SDK client opens to a sandbox (200 connections) with room for more.
+    proxy_max_connections: int = 512
+    # Largest WebSocket message relayed either way (client and guest), compressed ones
+    # bounded as they inflate (deflate bombs); beyond it the session is closed with 1009.
+    websocket_max_message: int = 16 << 20
+
     def __post_init__(self) -> None:
         if not 1 <= self.sandbox_log_mib <= 4096:
             raise ConfigError(f"server.sandbox_log_mib must be in 1..4096, got {self.sandbox_log_mib}")
@@ -85,3 +98,10 @@ class ServerConfig:
             raise ConfigError(f"server.volume_domain must be a bare domain name, got {self.volume_domain!r}")
         if self.domain.startswith(".") or "/" in self.domain:
             raise ConfigError(f"server.domain must be a bare domain name, got {self.domain!r}")
+        if not 0 < self.proxy_head_timeout <= 86400:
+            raise ConfigError(f"server.proxy_head_timeout must be in (0, 86400] seconds, got {self.proxy_head_timeout}")
+        if not 1 <= self.proxy_max_connections <= 1_000_000:
+            raise ConfigError(f"server.proxy_max_connections must be in 1..1000000, got {self.proxy_max_connections}")
+        if not 1024 <= self.websocket_max_message <= 1 << 30:
+            raise ConfigError(f"server.websocket_max_message must be in 1024..1073741824 bytes, "
+                              f"got {self.websocket_max_message}")

@@ -170,6 +170,7 @@ class UpstreamConn(asyncio.Protocol):
         self.closed = False
         self.in_pool = False
         self.idle_since = 0.0
+        self.written = 0        # bytes written to the sandbox so far (the proxy's head wait watches it)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)     # a stream connection's
@@ -231,11 +232,20 @@ class UpstreamConn(asyncio.Protocol):
         if self.transport is None or self.closed:
             raise UpstreamError("connection to the sandbox is closed")
         self.transport.write(data)
+        self.written += len(data)
 
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    def abort(self) -> None:
+        """Close at once (a reset), whatever is still unsent: an exchange given up on (the
+        sandbox did not answer, or never read the body). A plain close would first wait
+        until the sandbox took every byte written, which one that never reads never does."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class Upstreams:

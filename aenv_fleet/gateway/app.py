@@ -71,7 +71,7 @@ class Gateway:
         self.config = config
         self.coord = coord or Coordinator(config.redis_url)
         self.fleet = FleetView(self.coord)
-        self.nodes = NodeClient(config.node_timeout)
+        self.nodes = NodeClient(config.node_timeout, config.websocket_max_message)
         self.lists = Lists(self.fleet, self.nodes)
         self.moves = Moves(self.fleet, self.nodes)
         self._runner: JsonErrorRunner | None = None

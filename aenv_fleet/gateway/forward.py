@@ -8,6 +8,7 @@ key and the sandbox routing headers are (the node checks and routes by them).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -15,7 +16,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from aenv_http.wsbridge import HANDSHAKE_HEADERS, bridge, offered_protocols
+from aenv_http.wsbridge import HANDSHAKE_HEADERS, MAX_MESSAGE, bridge, offered_protocols
 
 _HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
@@ -67,8 +68,9 @@ def forwarded_headers(request: web.BaseRequest, extra: dict[str, str] | None = N
 
 
 class NodeClient:
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, websocket_max_message: int = MAX_MESSAGE) -> None:
         self.timeout = timeout
+        self.websocket_max_message = websocket_max_message    # bytes, either way (wsbridge.py)
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -142,21 +144,25 @@ class NodeClient:
     async def websocket(self, request: web.Request, url: str, headers: dict[str, str]) -> web.StreamResponse:
         """Carry a WebSocket session to ``url`` (the node, which carries it on to the guest
         port): the node's handshake is made first, so a refusal there (401, 403, 502 of a
-        closed port) reaches the client as that HTTP answer, not as an accepted socket."""
+        closed port) reaches the client as that HTTP answer, not as an accepted socket.
+        The node's answer to the handshake is awaited ``timeout`` seconds at most (the node
+        bounds its own wait on the guest: [server] proxy_head_timeout)."""
         assert self.session is not None
         fwd = {k: v for k, v in headers.items() if k.lower() not in HANDSHAKE_HEADERS}
         protocols = offered_protocols(request)
+        cap = self.websocket_max_message
         try:
-            up = await self.session.ws_connect("ws" + url[len("http"):], headers=fwd, protocols=protocols,
-                                               autoping=False, max_msg_size=0,
-                                               timeout=aiohttp.ClientWSTimeout(ws_close=10.0))
+            async with asyncio.timeout(self.timeout):
+                up = await self.session.ws_connect("ws" + url[len("http"):], headers=fwd, protocols=protocols,
+                                                   autoping=False, max_msg_size=cap,
+                                                   timeout=aiohttp.ClientWSTimeout(ws_close=10.0))
         except aiohttp.WSServerHandshakeError as e:
             raise NodeRefused(e.status, e.message) from None
         except aiohttp.ClientConnectorError as e:
             raise NodeUnreachable(str(e)) from None
         except (aiohttp.ClientError, TimeoutError) as e:
             raise NodeFailed(f"{type(e).__name__}: {e}") from None
-        down = web.WebSocketResponse(protocols=protocols, autoping=False, max_msg_size=0)
+        down = web.WebSocketResponse(protocols=protocols, autoping=False, max_msg_size=cap)
         await down.prepare(request)
         await bridge(down, up)
         return down

@@ -74,19 +74,23 @@ class InProcessServer(HttpClient):
     _store: Any = None
     _admission: AdmissionLimits | None = None
     _restore_seconds: float = 0.0
+    _guest_routes: Callable[[web.Application], None] | None = None
 
     @classmethod
     def start(cls, data_dir: Path, *, max_forks: int = 100, max_sandboxes: int = 64,
               default_timeout: int = 300, templates: bool = False, admission: AdmissionLimits | None = None,
-              restore_seconds: float = 0.0) -> "InProcessServer":
+              restore_seconds: float = 0.0, server: dict[str, Any] | None = None,
+              guest_routes: Callable[[web.Application], None] | None = None) -> "InProcessServer":
         """``admission``: the fake's restores pass a real restore gate with these limits
-        (its waits and refusals in /metrics as on a node), each taking ``restore_seconds``."""
+        (its waits and refusals in /metrics as on a node), each taking ``restore_seconds``.
+        ``server``: more ``[server]`` keys; ``guest_routes`` adds routes to the stub guest."""
         data_dir.mkdir(parents=True, exist_ok=True)
         creds = Credentials.load(data_dir, environ={})
         config = ServerConfig(domain="aenv.test", max_forks=max_forks, max_sandboxes=max_sandboxes,
-                              default_timeout=default_timeout)
+                              default_timeout=default_timeout, **(server or {}))
         srv = cls(url="", api_key=creds.api_key, data_dir=data_dir, config=config)
         srv._admission, srv._restore_seconds = admission, restore_seconds
+        srv._guest_routes = guest_routes
         srv._thread = threading.Thread(target=srv._loop.run_forever, name="inprocess-api", daemon=True)
         srv._thread.start()
         srv._capture_logs()
@@ -118,6 +122,8 @@ class InProcessServer(HttpClient):
         guest = web.Application()
         guest.router.add_get("/health", _health)
         guest.router.add_get("/echo", _echo)
+        if self._guest_routes is not None:
+            self._guest_routes(guest)
         self._guest = web.AppRunner(guest, access_log=None)
         await self._guest.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

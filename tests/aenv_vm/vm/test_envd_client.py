@@ -190,3 +190,109 @@ def test_an_answer_beyond_max_bytes_is_refused() -> None:
             server.close()
             await server.wait_closed()
     asyncio.run(run())
+
+
+# -- a guest that replaced its envd: answers without end, or a byte at a time -------------
+
+class EndlessEnvd:
+    """A loopback server answering every request with ``head`` then ``piece`` forever (or
+    ``every`` seconds apart), as a guest that replaced its envd would."""
+
+    def __init__(self, head: bytes, piece: bytes, every: float = 0.0) -> None:
+        self.head, self.piece, self.every = head, piece, every
+        self.sent = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(self.head)
+            while True:
+                writer.write(self.piece)
+                self.sent += len(self.piece)
+                await writer.drain()
+                if self.every:
+                    await asyncio.sleep(self.every)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> int:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+def test_endless_answers_fail_at_their_bound() -> None:
+    """/health, /init and a command answered with an endless body (close-delimited and
+    chunked): each call stops at its bound with EnvdError, at once, holding no more than
+    the bound (tracemalloc's peak), instead of reading until its deadline."""
+    import time
+    import tracemalloc
+
+    from aenv_vm.envd_client import MAX_ANSWER, MAX_COMMAND_ANSWER
+
+    heads = [b"HTTP/1.1 200 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffff\r\n"]
+
+    async def run() -> None:
+        for head in heads:
+            envd = EndlessEnvd(head, b"x" * 65536)
+            async with envd as port:
+                client = EnvdClient("127.0.0.1", port, "token")
+                calls = [(client.wait_healthy(timeout=30), MAX_ANSWER),
+                         (client.init_when_ready({}, timeout=30), MAX_ANSWER),
+                         (client.init({}), MAX_ANSWER), (client.read_file("/x"), MAX_ANSWER),
+                         (client.run("true"), MAX_COMMAND_ANSWER)]
+                for call, bound in calls:
+                    t0 = time.monotonic()
+                    tracemalloc.start()
+                    try:
+                        with pytest.raises(EnvdError, match=f"larger than {bound} bytes"):
+                            await call
+                        _, peak = tracemalloc.get_traced_memory()
+                    finally:
+                        tracemalloc.stop()
+                    assert time.monotonic() - t0 < 10
+                    assert peak < 3 * bound + (1 << 20), peak
+    asyncio.run(run())
+
+
+def test_an_endless_stream_frame_fails_at_its_bound() -> None:
+    """A process stream whose frame header names 4 GiB, and one that sends a valid frame
+    header of 2 MiB over 4 MiB's bound: refused from the header, whatever follows."""
+    from aenv_vm.envd_client import ProcessRequest, stream_process
+    from aenv_vm.envd_stream import MAX_FRAME
+
+    async def run() -> None:
+        for head in (b"HTTP/1.1 200 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"):
+            for length in (2**32 - 1, MAX_FRAME + 1):
+                frame = encode_envelope({"event": {"start": {"pid": 1}}}) + bytes([0]) + length.to_bytes(4, "big")
+                if b"chunked" in head:   # one chunk without end, the frame header in it
+                    frame = b"fffffffffff\r\n" + frame
+                envd = EndlessEnvd(head + frame, b"x" * 4096)
+                async with envd as port:
+                    with pytest.raises(EnvdError, match=f"Connect frame of {length} bytes"):
+                        await stream_process(EnvdClient("127.0.0.1", port), ProcessRequest("true"), timeout=30,
+                                             on_output=lambda _k, _d: None)
+    asyncio.run(run())
+
+
+def test_an_envd_answering_a_byte_at_a_time_is_given_up_at_the_deadline() -> None:
+    """An answer that trickles (a byte every 50 ms) never completes: the call ends at its
+    deadline, the greeting's wait (init_when_ready) with VmTimeout."""
+    import time
+
+    async def run() -> None:
+        envd = EndlessEnvd(b"HTTP/1.1 200 OK\r\n", b"X", every=0.05)
+        async with envd as port:
+            client = EnvdClient("127.0.0.1", port)
+            t0 = time.monotonic()
+            with pytest.raises(EnvdError, match="no whole answer within 1.0 s"):
+                await client.init({}, timeout=1.0)
+            with pytest.raises(VmTimeout, match="did not answer within 1.5 s"):
+                await client.init_when_ready({}, timeout=1.5)
+            assert time.monotonic() - t0 < 6
+    asyncio.run(run())
