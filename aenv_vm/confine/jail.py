@@ -33,7 +33,9 @@ value is precomputed in ``ChildPlan``), in this order and for these reasons:
     ``-sandbox``, without privileges);
 11. a QEMU whose RAM is a copy-on-write mapping of a shared file: the filter that
     keeps its RAM discards out of the file (discard.py; needs 10 or root, so a
-    QEMU that is otherwise unconfined gets no_new_privs for it too).
+    QEMU that is otherwise unconfined gets no_new_privs for it too);
+12. the syscall allow-list (syscall_filter.py), last: from here to the exec only
+    the child's close_fds and the execve run under it.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import platform
 import resource
 import signal
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -52,6 +54,7 @@ from . import discard
 from .cgroups import CgroupTree, Limits
 from .errors import ConfinementError
 from .romem import ReadonlyRam
+from .syscall_filter import CompiledFilter
 
 # QEMU's own seccomp filter: no obsolete syscalls, no set*id/setpgid, no fork/exec,
 # no scheduler or priority changes (docs/security.md).
@@ -114,6 +117,8 @@ class Jail:
     pids: int = 256                     # threads (QEMU's I/O pool alone may start 64)
     cpu_extra: float = 0.0              # CPUs beyond the vCPUs (QEMU's main loop and I/O threads)
     cap_last: int = -1                  # drop the bounding set 0..cap_last (-1: keep it)
+    # the syscall allow-list (or its log mode), built once per node; None: QEMU's -sandbox only
+    syscalls: CompiledFilter | None = field(default=None, compare=False)
 
     def limits(self, memory_mib: int, vcpus: int, tb_mib: int) -> Limits:
         """The cgroup of a QEMU with ``memory_mib`` of guest RAM, ``vcpus`` and a TCG
@@ -242,6 +247,7 @@ class ChildPlan:
     fixed_layout: bool = False
     no_new_privs: bool = False
     private_discard: bool = False                       # discard.py's filter (copy-on-write RAM)
+    syscall_filter: CompiledFilter | None = field(default=None, compare=False)   # the allow-list
 
 
 def _flags(access: Access) -> int:
@@ -260,10 +266,12 @@ def _ancestors(p: Path) -> list[Path]:
 def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_ROOT, cgroup_procs: Iterable[Path] = (),
                netns_fd: int = -1, uid: int | None = None, gid: int | None = None, cap_last: int = -1,
                file_size: int = -1, merge_memory: bool = False, fixed_layout: bool = False,
-               no_new_privs: bool = True, core_dumps: bool = False, private_discard: bool = False) -> ChildPlan:
+               no_new_privs: bool = True, core_dumps: bool = False, private_discard: bool = False,
+               syscall_filter: CompiledFilter | None = None) -> ChildPlan:
     """The ``ChildPlan`` of a QEMU: with ``view`` a mount namespace rooted at a tmpfs on
     ``root`` holding exactly that view. ``core_dumps``: leave RLIMIT_CORE as it is.
-    ``private_discard``: its RAM is a copy-on-write file mapping (discard.py)."""
+    ``private_discard``: its RAM is a copy-on-write file mapping (discard.py).
+    ``syscall_filter``: installed last (syscall_filter.py)."""
     dirs: list[bytes] = []
     files: list[bytes] = []
     binds: list[tuple[bytes, bytes, int]] = []
@@ -291,7 +299,8 @@ def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_R
         devices=tuple(devs), links=tuple((r + b"/" + os.fsencode(n), os.fsencode(t)) for n, t in view.links)
         if view is not None else (), core_zero=not core_dumps, file_size=file_size, cap_last=cap_last,
         uid=-1 if uid is None else uid, gid=-1 if gid is None else gid, merge_memory=merge_memory,
-        fixed_layout=fixed_layout, no_new_privs=no_new_privs, private_discard=private_discard)
+        fixed_layout=fixed_layout, no_new_privs=no_new_privs, private_discard=private_discard,
+        syscall_filter=syscall_filter)
 
 
 def _fail(step: bytes, err: int = 0) -> None:
@@ -390,12 +399,16 @@ def enter(plan: ChildPlan) -> None:
         current = _personality(0xFFFFFFFF)
         if current != -1:
             _personality(current | ADDR_NO_RANDOMIZE)
-    if plan.no_new_privs or plan.private_discard:
+    if plan.no_new_privs or plan.private_discard or plan.syscall_filter is not None:
         _ok(_prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), b"PR_SET_NO_NEW_PRIVS")
     if plan.private_discard:
         err = discard.install()
         if err:
             _fail(b"seccomp filter for copy-on-write RAM discards (aenv_vm/confine/discard.py)", err)
+    if plan.syscall_filter is not None:
+        err = plan.syscall_filter.install()
+        if err:
+            _fail(b"the syscall allow-list (aenv_vm/confine/syscall_filter.py)", err)
 
 
 def probe_mount_namespace(root: Path) -> str | None:

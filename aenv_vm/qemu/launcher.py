@@ -46,6 +46,7 @@ from envd import ENVD_PORT
 from ..confine.cgroups import VmCgroup
 from ..confine.errors import ConfinementError
 from ..confine.jail import BASE_DEVICES, SECCOMP, FileView, Jail, child_plan, enter, file_view
+from ..confine.refusals import refused_calls
 from ..confine.romem import ENV as READONLY_RAM_ENV
 from ..confine.romem import ReadonlyRam
 from ..errors import VmError, VmTimeout
@@ -408,7 +409,8 @@ def _spawn(spec: VmSpec, binary: Path, argv: list[str]) -> tuple[subprocess.Pope
         cap_last=jail.cap_last if jail is not None else -1,
         file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
         merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
-        core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share)
+        core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share,
+        syscall_filter=jail.syscalls if jail is not None else None)
     try:
         with open(spec.stderr_log, "wb") as err:
             try:
@@ -486,6 +488,8 @@ class QemuProcess:
             await vm.kill()
             if isinstance(e, VmError):
                 why = f"exited with code {proc.returncode}" if proc.returncode not in (None, -9) else str(e)
+                if spec.jail is not None:   # a refused syscall shows only in the kernel log
+                    why += "".join(f"\n{n}" for n in [await asyncio.to_thread(refused_calls, proc.pid)] if n)
                 raise QemuExited(f"QEMU {spec.name} failed to start: {why}\n{vm.log_tail()}",
                                  stderr=_tail(spec.stderr_log)) from None
             raise
