@@ -74,6 +74,8 @@ MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
@@ -119,6 +121,7 @@ class Jail:
     cap_last: int = -1                  # drop the bounding set 0..cap_last (-1: keep it)
     # the syscall allow-list (or its log mode), built once per node; None: QEMU's -sandbox only
     syscalls: CompiledFilter | None = field(default=None, compare=False)
+    user_ns: bool = False               # its own user namespace (docs/security.md: measured, off)
 
     def limits(self, memory_mib: int, vcpus: int, tb_mib: int) -> Limits:
         """The cgroup of a QEMU with ``memory_mib`` of guest RAM, ``vcpus`` and a TCG
@@ -248,6 +251,7 @@ class ChildPlan:
     no_new_privs: bool = False
     private_discard: bool = False                       # discard.py's filter (copy-on-write RAM)
     syscall_filter: CompiledFilter | None = field(default=None, compare=False)   # the allow-list
+    user_ns: bool = False                               # its own user namespace, mapping only its uid
 
 
 def _flags(access: Access) -> int:
@@ -267,7 +271,7 @@ def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_R
                netns_fd: int = -1, uid: int | None = None, gid: int | None = None, cap_last: int = -1,
                file_size: int = -1, merge_memory: bool = False, fixed_layout: bool = False,
                no_new_privs: bool = True, core_dumps: bool = False, private_discard: bool = False,
-               syscall_filter: CompiledFilter | None = None) -> ChildPlan:
+               syscall_filter: CompiledFilter | None = None, user_ns: bool = False) -> ChildPlan:
     """The ``ChildPlan`` of a QEMU: with ``view`` a mount namespace rooted at a tmpfs on
     ``root`` holding exactly that view. ``core_dumps``: leave RLIMIT_CORE as it is.
     ``private_discard``: its RAM is a copy-on-write file mapping (discard.py).
@@ -300,7 +304,7 @@ def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_R
         if view is not None else (), core_zero=not core_dumps, file_size=file_size, cap_last=cap_last,
         uid=-1 if uid is None else uid, gid=-1 if gid is None else gid, merge_memory=merge_memory,
         fixed_layout=fixed_layout, no_new_privs=no_new_privs, private_discard=private_discard,
-        syscall_filter=syscall_filter)
+        syscall_filter=syscall_filter, user_ns=user_ns and uid is not None)
 
 
 def _fail(step: bytes, err: int = 0) -> None:
@@ -356,6 +360,8 @@ def enter(plan: ChildPlan) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != plan.parent_pid:      # the node died before the signal was armed
         os._exit(1)
+    # /proc of this process, for its user namespace's maps once the host's /proc is gone
+    proc_fd = os.open(b"/proc/self", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if plan.user_ns else -1
     for procs in plan.cgroup_procs:
         try:
             fd = os.open(procs, os.O_WRONLY)
@@ -391,6 +397,8 @@ def enter(plan: ChildPlan) -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != plan.parent_pid:
             os._exit(1)
+    if plan.user_ns:
+        _enter_user_ns(plan, proc_fd)
     # Kept across exec; a kernel without them returns an error that is ignored
     # (the VM runs, without that saving).
     if plan.merge_memory:
@@ -409,6 +417,31 @@ def enter(plan: ChildPlan) -> None:
         err = plan.syscall_filter.install()
         if err:
             _fail(b"the syscall allow-list (aenv_vm/confine/syscall_filter.py)", err)
+
+
+def _enter_user_ns(plan: ChildPlan, proc_fd: int) -> None:
+    """A user namespace of its own mapping only its uid and gid to themselves (the
+    process maps its own ids: no privilege needed). Creating it gives the process every
+    capability *in* it, bounding set included: the set is dropped again, and the exec
+    (by a non-root id, no_new_privs) clears the rest."""
+    _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)     # its /proc files are its own, not root's, to write the maps
+    _ok(_unshare(CLONE_NEWUSER), b"unshare(CLONE_NEWUSER)")
+    try:
+        for name, text in ((b"setgroups", b"deny"), (b"uid_map", b"%d %d 1" % (plan.uid, plan.uid)),
+                           (b"gid_map", b"%d %d 1" % (plan.gid, plan.gid))):
+            fd = os.open(name, os.O_WRONLY, dir_fd=proc_fd)
+            try:
+                os.write(fd, text)
+            finally:
+                os.close(fd)
+    except OSError as e:
+        _fail(b"user namespace maps", e.errno or 0)
+    os.close(proc_fd)
+    for cap in range(plan.cap_last + 1):
+        _ok(_prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), b"PR_CAPBSET_DROP (user namespace)")
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != plan.parent_pid:
+        os._exit(1)
 
 
 def probe_mount_namespace(root: Path) -> str | None:

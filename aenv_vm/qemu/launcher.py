@@ -410,7 +410,7 @@ def _spawn(spec: VmSpec, binary: Path, argv: list[str]) -> tuple[subprocess.Pope
         file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
         merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
         core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share,
-        syscall_filter=jail.syscalls if jail is not None else None)
+        syscall_filter=jail.syscalls if jail is not None else None, user_ns=jail is not None and jail.user_ns)
     try:
         with open(spec.stderr_log, "wb") as err:
             try:
