@@ -6,10 +6,11 @@ One run, one temporary store, three confined nodes side by side, each measuremen
 alternating between them round by round (so all see the same phases of the machine's
 load):
 
-  * ``qemu``: QEMU's own ``-sandbox`` only (``[vm] confine_seccomp = "qemu"``, before);
-  * ``allow-list``: plus the node's allow-list (the default);
-  * ``allow-list + userns``: plus a user namespace per QEMU mapping only its uid
-    (tried, not adopted: docs/security.md "Not done, and why").
+  * ``qemu``: QEMU's own ``-sandbox`` only (``[vm] confine_seccomp = "qemu"``), no user
+    namespace: what the node did before;
+  * ``allow-list``: plus the node's allow-list, no user namespace;
+  * ``allow-list + userns``: plus a user namespace per QEMU mapping only its uid (the
+    default now).
 
 Measured: a restore on the spot (no pool) → first ``commands.run``, with QEMU's start
 and the state load split out; a fork of 16 → all answering → every child's first command.
@@ -44,21 +45,21 @@ from vm_bench import first_command  # noqa: E402
 VARIANTS = ("qemu", "allow-list", "allow-list + userns")
 
 
-class UserNsConfinement(Confinement):
-    """The default confinement, every jail with its own user namespace."""
+class NoUserNs(Confinement):
+    """A confinement whose jails get no user namespace (as before issue 28)."""
 
     def jail(self, holder: str) -> Jail | None:
         j = super().jail(holder)
-        if j is not None and not j.user_ns:
-            j = dataclasses.replace(j, user_ns=True)
+        if j is not None and j.user_ns:
+            j = dataclasses.replace(j, user_ns=False)
             self._jails[holder] = j
         return j
 
 
 def confinement(variant: str) -> Confinement:
     if variant == "qemu":
-        return Confinement(seccomp="qemu")
-    return UserNsConfinement() if variant.endswith("userns") else Confinement()
+        return NoUserNs(seccomp="qemu")
+    return Confinement() if variant.endswith("userns") else NoUserNs()
 
 
 def order(i: int) -> tuple[str, ...]:

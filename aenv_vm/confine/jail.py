@@ -26,7 +26,8 @@ value is precomputed in ``ChildPlan``), in this order and for these reasons:
 7. groups, gid, uid: the kernel clears every capability when a root process
    becomes non-zero in all its uids — and clears the death signal too;
 8. PR_SET_PDEATHSIG again, then check the node is still there (it may have
-   died while the signal was unset);
+   died while the signal was unset); then its own user namespace mapping only
+   its uid and gid (``_enter_user_ns``: as the uid, so no privilege is needed);
 9. KSM's PR_SET_MEMORY_MERGE and ADDR_NO_RANDOMIZE (both unprivileged, both
    kept across exec);
 10. PR_SET_NO_NEW_PRIVS (it also lets QEMU install its seccomp filter,
@@ -121,7 +122,7 @@ class Jail:
     cap_last: int = -1                  # drop the bounding set 0..cap_last (-1: keep it)
     # the syscall allow-list (or its log mode), built once per node; None: QEMU's -sandbox only
     syscalls: CompiledFilter | None = field(default=None, compare=False)
-    user_ns: bool = False               # its own user namespace (docs/security.md: measured, off)
+    user_ns: bool = False               # its own user namespace mapping only its uid and gid
 
     def limits(self, memory_mib: int, vcpus: int, tb_mib: int) -> Limits:
         """The cgroup of a QEMU with ``memory_mib`` of guest RAM, ``vcpus`` and a TCG
@@ -442,6 +443,34 @@ def _enter_user_ns(plan: ChildPlan, proc_fd: int) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != plan.parent_pid:
         os._exit(1)
+
+
+def probe_user_namespace(uid: int) -> str | None:
+    """None if a child of this process, as ``uid``, can make a user namespace mapping its
+    own ids (what ``enter`` does; AppArmor or ``max_user_namespaces = 0`` may forbid it),
+    else why not."""
+    import subprocess
+
+    def child() -> None:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+            if _unshare(CLONE_NEWUSER) != 0:
+                os._exit(3)
+            for name, text in (("setgroups", b"deny"), ("uid_map", b"%d %d 1" % (uid, uid)),
+                               ("gid_map", b"%d %d 1" % (uid, uid))):
+                with open(f"/proc/self/{name}", "wb") as f:
+                    f.write(text)
+        except OSError:
+            os._exit(4)
+    try:
+        done = subprocess.run(["true"], preexec_fn=child, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"a child could not make a user namespace: {e}"
+    return None if done.returncode == 0 else \
+        "an unprivileged process may not make a user namespace here (user.max_user_namespaces, AppArmor)"
 
 
 def probe_mount_namespace(root: Path) -> str | None:

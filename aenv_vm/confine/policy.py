@@ -31,13 +31,13 @@ from typing import AsyncIterator
 from .cgroups import CgroupTree, Layout, host_layout
 from .errors import ConfinementError
 from ..qemu.binary import find_qemu, qemu_version
-from .jail import DEFAULT_ROOT, SECCOMP, Jail, probe_mount_namespace
+from .jail import DEFAULT_ROOT, SECCOMP, Jail, probe_mount_namespace, probe_user_namespace
 from .romem import ROM_OFF_QEMU, ReadonlyRam, build_shim
 from .syscall_filter import CompiledFilter, Mode
 from .uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, UidLeases
 
 STATE_DIR = Path("/run/aenv")       # host-wide: uid leases, the jail's mount point, the shim
-PARTS = ("user", "capabilities", "no_new_privs", "seccomp", "mount namespace", "cgroup")
+PARTS = ("user", "capabilities", "no_new_privs", "seccomp", "mount namespace", "cgroup", "user namespace")
 
 
 class Level(str, enum.Enum):
@@ -65,6 +65,7 @@ class HostSupport:
     shim: Path | None
     cap_last: int
     syscalls: CompiledFilter | str | None = None   # the allow-list built here, why not, or None (mode qemu)
+    user_ns: str | None = "not probed"              # None: a user namespace per QEMU works here
 
 
 @functools.lru_cache(maxsize=8)
@@ -82,7 +83,8 @@ def _qemu_seccomp(qemu: str, mtime_ns: int) -> str | None:
     return None
 
 
-def probe_host(qemu: Path, state_dir: Path = STATE_DIR, seccomp_mode: Mode = Mode.ALLOW_LIST) -> HostSupport:
+def probe_host(qemu: Path, state_dir: Path = STATE_DIR, seccomp_mode: Mode = Mode.ALLOW_LIST,
+               probe_uid: int = DEFAULT_UID_BASE) -> HostSupport:
     """Find out which parts of confinement this host allows (~50 ms; the QEMU run is cached)."""
     root = os.geteuid() == 0
     status = Path("/proc/self/status").read_text()
@@ -126,7 +128,8 @@ def probe_host(qemu: Path, state_dir: Path = STATE_DIR, seccomp_mode: Mode = Mod
             syscalls = CompiledFilter.build(seccomp_mode) if "Seccomp:" in status else "the kernel has no seccomp"
         except ConfinementError as e:
             syscalls = str(e)
-    return HostSupport(root, seccomp, mount_ns, user, layout, readonly, shim, cap_last, syscalls)
+    user_ns = probe_user_namespace(probe_uid) if user is None else "needs the uid part (a uid of its own to map)"
+    return HostSupport(root, seccomp, mount_ns, user, layout, readonly, shim, cap_last, syscalls, user_ns)
 
 
 class Confinement:
@@ -165,7 +168,7 @@ class Confinement:
         """Probe the host once; ConfinementError if ``required`` cannot be met."""
         if self.support is not None or self.level is Level.OFF:
             return
-        self.support = probe_host(self.qemu or find_qemu(), self.state_dir, self.seccomp_mode)
+        self.support = probe_host(self.qemu or find_qemu(), self.state_dir, self.seccomp_mode, self._leases.first)
         if isinstance(self.support.cgroup, Layout):
             self._cgroups = CgroupTree(self.support.cgroup)
             self._cgroups.sweep(self._leases.leased)   # groups a crashed node left
@@ -205,6 +208,8 @@ class Confinement:
                   f"memory = guest + TCG code buffer (default {self.tcg_tb_mib} MiB) + {self.vmm_mib} MiB, "
                   f"tasks = {self.pids} + vCPUs")
                  if isinstance(s.cgroup, Layout) else str(s.cgroup)),
+            Part("user namespace", s.user_ns is None, "its own, mapping only its uid and gid"
+                 if s.user_ns is None else s.user_ns),
         ]
         return parts
 
@@ -258,7 +263,8 @@ class Confinement:
                  readonly_ram=s.readonly_ram if uid is not None else ReadonlyRam.NONE,
                  shim=s.shim if uid is not None else None, root_dir=self.state_dir / DEFAULT_ROOT.name,
                  vmm_mib=self.vmm_mib, tcg_tb_mib=self.tcg_tb_mib, pids=self.pids, cpu_extra=self.cpu_extra,
-                 cap_last=s.cap_last if uid is not None else -1, syscalls=syscalls)
+                 cap_last=s.cap_last if uid is not None else -1, syscalls=syscalls,
+                 user_ns=uid is not None and s.user_ns is None)
         self._jails[holder] = j
         return j
 

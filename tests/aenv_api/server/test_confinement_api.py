@@ -39,6 +39,7 @@ def test_the_server_says_and_applies_its_confinement(sdk_env: Server) -> None:
             assert st["NoNewPrivs"] == "1" and st["Seccomp"] == "2"
             # QEMU's -sandbox, the syscall allow-list's two programs (+ discard.py's for a clone)
             assert int(st["Seccomp_filters"]) >= 3
+            assert Path(f"/proc/{pid}/uid_map").read_text().split() == [uid, uid, "1"]     # its user namespace
             assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
             assert not os.path.exists(f"/proc/{pid}/root/root")
             assert not os.path.exists(f"/proc/{pid}/root{sdk_env.data_dir}/repo")

@@ -44,6 +44,9 @@ class Seen:
     mountpoints: list[str]
     cgroup: dict[str, dict[str, str]]
     cgroup_dirs: list[Path]
+    own_user_ns: bool = False
+    uid_map: list[str] = field(default_factory=list)
+    gid_map: list[str] = field(default_factory=list)
     sees: dict[str, bool] = field(default_factory=dict)     # host path -> visible in its root
 
 
@@ -76,7 +79,9 @@ def inspect(label: str, vm: QemuProcess, probes: list[Path]) -> Seen:
     root = Path(f"/proc/{pid}/root")
     cg, dirs = cgroup_view(pid)
     seen = Seen(label, vm.spec, pid, status, os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"),
-                sorted(os.listdir(root)), mountpoints, cg, dirs)
+                sorted(os.listdir(root)), mountpoints, cg, dirs,
+                os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"),
+                Path(f"/proc/{pid}/uid_map").read_text().split(), Path(f"/proc/{pid}/gid_map").read_text().split())
     for p in probes + [vm.spec.run_dir] + ([vm.spec.mem_path] if vm.spec.mem_path else []):
         seen.sees[str(p)] = os.path.lexists(str(root) + str(p))
     return seen
@@ -97,6 +102,9 @@ def check_confined(s: Seen) -> None:
     assert s.spec.jail.syscalls.mode is Mode.ALLOW_LIST, what
     cow = s.spec.mem_path is not None and not s.spec.mem_share
     assert int(s.status["Seccomp_filters"]) == 1 + cow + 2, f"{what}: {s.status['Seccomp_filters']}"
+    # its own user namespace, in which only its uid and gid exist
+    assert s.spec.jail.user_ns and s.own_user_ns, what
+    assert s.uid_map == [uids[0], uids[0], "1"] and s.gid_map == [uids[0], uids[0], "1"], what
     assert s.own_mount_ns, what
     assert "root" not in s.root_entries and not s.sees["/root"], what
     # its own files are there; the node's data dir, records and other sandboxes' files are not
