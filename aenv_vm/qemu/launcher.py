@@ -489,7 +489,8 @@ class QemuProcess:
             if isinstance(e, VmError):
                 why = f"exited with code {proc.returncode}" if proc.returncode not in (None, -9) else str(e)
                 if spec.jail is not None:   # a refused syscall shows only in the kernel log
-                    why += "".join(f"\n{n}" for n in [await asyncio.to_thread(refused_calls, proc.pid)] if n)
+                    note = await asyncio.to_thread(refused_calls, proc.pid)
+                    why += f"\n{note}" if note else ""
                 raise QemuExited(f"QEMU {spec.name} failed to start: {why}\n{vm.log_tail()}",
                                  stderr=_tail(spec.stderr_log)) from None
             raise

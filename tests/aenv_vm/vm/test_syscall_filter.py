@@ -271,3 +271,33 @@ def test_in_log_mode_the_same_process_is_refused_nothing_by_the_list(probe: Path
     # only the quiet refusals remain; everything else ran (or failed on its own: bpf(0, NULL))
     assert seen["clone3"] == errno.ENOSYS and seen["io_uring_setup"] == errno.ENOSYS
     assert seen["socket_netlink"] == 0 and seen["kill"] == 0 and seen["ioctl_tcgets"] == errno.ENOTTY
+
+
+@needs_x86
+@pytest.mark.qemu
+def test_a_qemu_refused_a_call_it_needs_fails_saying_which(guest, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A QEMU whose list lacks a call it needs (here eventfd2, as a QEMU update might need
+    a new one) fails to start, and the error names the refused call from the kernel log."""
+    import asyncio
+
+    from aenv_vm.confine.jail import Jail
+    from aenv_vm.qemu.errors import QemuExited
+    from aenv_vm.qemu.launcher import QemuProcess, VmSpec
+
+    if not os.access("/dev/kmsg", os.R_OK):
+        pytest.skip("the kernel log is not readable here")
+    import re
+    text, n = re.subn(r'"eventfd2",\s*', "", sf.LIST.read_text())
+    assert n == 1
+    lacking = sf.CompiledFilter.build(policy=sf.parse_list(text))
+    spec = VmSpec(name="lacking", kernel=guest.kernel, initrd=guest.initrd, kernel_cmdline="console=ttyS0",
+                  run_dir=tmp_path, memory_mib=128, jail=Jail(syscalls=lacking), extra_args=("-S",))
+
+    async def run() -> None:
+        with pytest.raises(QemuExited) as err:
+            vm = await QemuProcess.start(spec)
+            await vm.stop()
+        assert "eventfd2 refused" in str(err.value), str(err.value)
+        assert "qemu_syscalls.toml" in str(err.value)
+
+    asyncio.run(run())
