@@ -80,6 +80,12 @@ class VmConfig:
     confine_vmm_mib: int = 64
     confine_pids: int = 256
     confine_cpu_extra: float = 0.0
+    # A confined QEMU's system calls (aenv_vm/confine/qemu_syscalls.toml, docs/security.md):
+    # "allow-list" = the calls this device set needs, every other refused (ENOSYS) and
+    # logged by the kernel; "log" = nothing refused by the list, calls outside it logged
+    # (audit type 1326: how to find what a new QEMU needs); "qemu" = QEMU's own -sandbox
+    # deny-list only.
+    confine_seccomp: str = "allow-list"
     # Guests trust the host's CA certificates (aenv_vm/templates/trust.py, docs/security.md):
     # the certificates of host_ca_bundle that a guest lacks are added to its trust store at
     # template build, so builds and sandboxes reach HTTPS through a TLS-inspecting proxy
@@ -139,7 +145,8 @@ class VmConfig:
         """The node's confinement policy (not started: ``Confinement.start`` probes)."""
         from .confine.policy import Confinement
         return Confinement(self.confine, uid_base=self.confine_uid_base, uid_count=self.confine_uid_count,
-                           vmm_mib=self.confine_vmm_mib, pids=self.confine_pids, cpu_extra=self.confine_cpu_extra)
+                           vmm_mib=self.confine_vmm_mib, pids=self.confine_pids, cpu_extra=self.confine_cpu_extra,
+                           seccomp=self.confine_seccomp)
 
     def host_ca(self) -> "CaBundle | None":
         """The certificates guests are to trust (None: off, or no system bundle on this
@@ -156,6 +163,8 @@ class VmConfig:
             raise ConfigError(f"vm.disk_mib must be >= 0, got {self.disk_mib}")
         if self.isolation not in ("auto", "required", "off"):
             raise ConfigError(f"vm.isolation must be auto, required or off, got {self.isolation!r}")
+        if self.confine_seccomp not in ("allow-list", "log", "qemu"):
+            raise ConfigError(f"vm.confine_seccomp must be allow-list, log or qemu, got {self.confine_seccomp!r}")
         if self.network not in ("auto", "user", "tap"):
             raise ConfigError(f"vm.network must be auto, user or tap, got {self.network!r}")
         if self.accel not in ("auto", "tcg", "kvm"):

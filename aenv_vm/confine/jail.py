@@ -26,14 +26,17 @@ value is precomputed in ``ChildPlan``), in this order and for these reasons:
 7. groups, gid, uid: the kernel clears every capability when a root process
    becomes non-zero in all its uids — and clears the death signal too;
 8. PR_SET_PDEATHSIG again, then check the node is still there (it may have
-   died while the signal was unset);
+   died while the signal was unset); then its own user namespace mapping only
+   its uid and gid (``_enter_user_ns``: as the uid, so no privilege is needed);
 9. KSM's PR_SET_MEMORY_MERGE and ADDR_NO_RANDOMIZE (both unprivileged, both
    kept across exec);
 10. PR_SET_NO_NEW_PRIVS (it also lets QEMU install its seccomp filter,
     ``-sandbox``, without privileges);
 11. a QEMU whose RAM is a copy-on-write mapping of a shared file: the filter that
     keeps its RAM discards out of the file (discard.py; needs 10 or root, so a
-    QEMU that is otherwise unconfined gets no_new_privs for it too).
+    QEMU that is otherwise unconfined gets no_new_privs for it too);
+12. the syscall allow-list (syscall_filter.py), last: from here to the exec only
+    the child's close_fds and the execve run under it.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ import platform
 import resource
 import signal
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -53,6 +56,7 @@ from . import discard
 from .cgroups import CgroupTree, Limits
 from .errors import ConfinementError
 from .romem import ReadonlyRam
+from .syscall_filter import CompiledFilter
 
 # QEMU's own seccomp filter: no obsolete syscalls, no set*id/setpgid, no fork/exec,
 # no scheduler or priority changes (docs/security.md).
@@ -72,6 +76,8 @@ MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
@@ -115,6 +121,9 @@ class Jail:
     pids: int = 256                     # threads (QEMU's I/O pool alone may start 64)
     cpu_extra: float = 0.0              # CPUs beyond the vCPUs (QEMU's main loop and I/O threads)
     cap_last: int = -1                  # drop the bounding set 0..cap_last (-1: keep it)
+    # the syscall allow-list (or its log mode), built once per node; None: QEMU's -sandbox only
+    syscalls: CompiledFilter | None = field(default=None, compare=False)
+    user_ns: bool = False               # its own user namespace mapping only its uid and gid
 
     def limits(self, memory_mib: int, vcpus: int, tb_mib: int) -> Limits:
         """The cgroup of a QEMU with ``memory_mib`` of guest RAM, ``vcpus`` and a TCG
@@ -243,6 +252,8 @@ class ChildPlan:
     fixed_layout: bool = False
     no_new_privs: bool = False
     private_discard: bool = False                       # discard.py's filter (copy-on-write RAM)
+    syscall_filter: CompiledFilter | None = field(default=None, compare=False)   # the allow-list
+    user_ns: bool = False                               # its own user namespace, mapping only its uid
 
 
 def _flags(access: Access) -> int:
@@ -261,10 +272,12 @@ def _ancestors(p: Path) -> list[Path]:
 def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_ROOT, cgroup_procs: Iterable[Path] = (),
                netns_fd: int = -1, uid: int | None = None, gid: int | None = None, cap_last: int = -1,
                file_size: int = -1, merge_memory: bool = False, fixed_layout: bool = False,
-               no_new_privs: bool = True, core_dumps: bool = False, private_discard: bool = False) -> ChildPlan:
+               no_new_privs: bool = True, core_dumps: bool = False, private_discard: bool = False,
+               syscall_filter: CompiledFilter | None = None, user_ns: bool = False) -> ChildPlan:
     """The ``ChildPlan`` of a QEMU: with ``view`` a mount namespace rooted at a tmpfs on
     ``root`` holding exactly that view. ``core_dumps``: leave RLIMIT_CORE as it is.
-    ``private_discard``: its RAM is a copy-on-write file mapping (discard.py)."""
+    ``private_discard``: its RAM is a copy-on-write file mapping (discard.py).
+    ``syscall_filter``: installed last (syscall_filter.py)."""
     dirs: list[bytes] = []
     files: list[bytes] = []
     binds: list[tuple[bytes, bytes, int]] = []
@@ -292,7 +305,8 @@ def child_plan(view: FileView | None, *, parent_pid: int, root: Path = DEFAULT_R
         devices=tuple(devs), links=tuple((r + b"/" + os.fsencode(n), os.fsencode(t)) for n, t in view.links)
         if view is not None else (), core_zero=not core_dumps, file_size=file_size, cap_last=cap_last,
         uid=-1 if uid is None else uid, gid=-1 if gid is None else gid, merge_memory=merge_memory,
-        fixed_layout=fixed_layout, no_new_privs=no_new_privs, private_discard=private_discard)
+        fixed_layout=fixed_layout, no_new_privs=no_new_privs, private_discard=private_discard,
+        syscall_filter=syscall_filter, user_ns=user_ns and uid is not None)
 
 
 def _fail(step: bytes, err: int = 0) -> None:
@@ -348,6 +362,8 @@ def enter(plan: ChildPlan) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != plan.parent_pid:      # the node died before the signal was armed
         os._exit(1)
+    # /proc of this process, for its user namespace's maps once the host's /proc is gone
+    proc_fd = os.open(b"/proc/self", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if plan.user_ns else -1
     for procs in plan.cgroup_procs:
         try:
             fd = os.open(procs, os.O_WRONLY)
@@ -383,6 +399,8 @@ def enter(plan: ChildPlan) -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != plan.parent_pid:
             os._exit(1)
+    if plan.user_ns:
+        _enter_user_ns(plan, proc_fd)
     # Kept across exec; a kernel without them returns an error that is ignored
     # (the VM runs, without that saving).
     if plan.merge_memory:
@@ -391,12 +409,69 @@ def enter(plan: ChildPlan) -> None:
         current = _personality(0xFFFFFFFF)
         if current != -1:
             _personality(current | ADDR_NO_RANDOMIZE)
-    if plan.no_new_privs or plan.private_discard:
+    if plan.no_new_privs or plan.private_discard or plan.syscall_filter is not None:
         _ok(_prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), b"PR_SET_NO_NEW_PRIVS")
     if plan.private_discard:
         err = discard.install()
         if err:
             _fail(b"seccomp filter for copy-on-write RAM discards (aenv_vm/confine/discard.py)", err)
+    if plan.syscall_filter is not None:
+        err = plan.syscall_filter.install()
+        if err:
+            _fail(b"the syscall allow-list (aenv_vm/confine/syscall_filter.py)", err)
+
+
+def _enter_user_ns(plan: ChildPlan, proc_fd: int) -> None:
+    """A user namespace of its own mapping only its uid and gid to themselves (the
+    process maps its own ids: no privilege needed). Creating it gives the process every
+    capability *in* it, bounding set included: the set is dropped again, and the exec
+    (by a non-root id, no_new_privs) clears the rest."""
+    _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)     # its /proc files are its own, not root's, to write the maps
+    _ok(_unshare(CLONE_NEWUSER), b"unshare(CLONE_NEWUSER)")
+    try:
+        for name, text in ((b"setgroups", b"deny"), (b"uid_map", b"%d %d 1" % (plan.uid, plan.uid)),
+                           (b"gid_map", b"%d %d 1" % (plan.gid, plan.gid))):
+            fd = os.open(name, os.O_WRONLY, dir_fd=proc_fd)
+            try:
+                os.write(fd, text)
+            finally:
+                os.close(fd)
+    except OSError as e:
+        _fail(b"user namespace maps", e.errno or 0)
+    os.close(proc_fd)
+    for cap in range(plan.cap_last + 1):
+        _ok(_prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), b"PR_CAPBSET_DROP (user namespace)")
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != plan.parent_pid:
+        os._exit(1)
+
+
+def probe_user_namespace(uid: int) -> str | None:
+    """None if a child of this process, as ``uid``, can make a user namespace mapping its
+    own ids (what ``enter`` does; AppArmor or ``max_user_namespaces = 0`` may forbid it),
+    else why not."""
+    import subprocess
+
+    def child() -> None:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+            if _unshare(CLONE_NEWUSER) != 0:
+                os._exit(3)
+            for name, text in (("setgroups", b"deny"), ("uid_map", b"%d %d 1" % (uid, uid)),
+                               ("gid_map", b"%d %d 1" % (uid, uid))):
+                with open(f"/proc/self/{name}", "wb") as f:
+                    f.write(text)
+        except OSError:
+            os._exit(4)
+    try:
+        done = subprocess.run(["true"], preexec_fn=child, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"a child could not make a user namespace: {e}"
+    return None if done.returncode == 0 else \
+        "an unprivileged process may not make a user namespace here (user.max_user_namespaces, AppArmor)"
 
 
 def probe_mount_namespace(root: Path) -> str | None:

@@ -11,7 +11,8 @@ on, or why not); ``Confinement`` applies the configured level over it:
   filesystem, no limits) — for debugging only.
 
 The parts: a uid of its own per sandbox (uids.py), which also takes every
-capability away; ``no_new_privs``; QEMU's seccomp filter; its own mount
+capability away; ``no_new_privs``; seccomp: QEMU's own filter and the node's
+allow-list of its system calls (syscall_filter.py); its own mount
 namespace and root (jail.py); a cgroup bounding CPU, memory and tasks
 (cgroups.py).
 """
@@ -31,12 +32,13 @@ from .cgroups import CgroupTree, Layout, host_layout
 from .errors import ConfinementError
 from ..childenv import ChildKind, child_env
 from ..qemu.binary import find_qemu, qemu_version
-from .jail import DEFAULT_ROOT, SECCOMP, Jail, probe_mount_namespace
+from .jail import DEFAULT_ROOT, SECCOMP, Jail, probe_mount_namespace, probe_user_namespace
 from .romem import ROM_OFF_QEMU, ReadonlyRam, build_shim
+from .syscall_filter import CompiledFilter, Mode
 from .uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, UidLeases
 
 STATE_DIR = Path("/run/aenv")       # host-wide: uid leases, the jail's mount point, the shim
-PARTS = ("user", "capabilities", "no_new_privs", "seccomp", "mount namespace", "cgroup")
+PARTS = ("user", "capabilities", "no_new_privs", "seccomp", "mount namespace", "cgroup", "user namespace")
 
 
 class Level(str, enum.Enum):
@@ -63,6 +65,8 @@ class HostSupport:
     readonly_ram: ReadonlyRam
     shim: Path | None
     cap_last: int
+    syscalls: CompiledFilter | str | None = None   # the allow-list built here, why not, or None (mode qemu)
+    user_ns: str | None = "not probed"              # None: a user namespace per QEMU works here
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,7 +84,8 @@ def _qemu_seccomp(qemu: str, mtime_ns: int) -> str | None:
     return None
 
 
-def probe_host(qemu: Path, state_dir: Path = STATE_DIR) -> HostSupport:
+def probe_host(qemu: Path, state_dir: Path = STATE_DIR, seccomp_mode: Mode = Mode.ALLOW_LIST,
+               probe_uid: int = DEFAULT_UID_BASE) -> HostSupport:
     """Find out which parts of confinement this host allows (~50 ms; the QEMU run is cached)."""
     root = os.geteuid() == 0
     status = Path("/proc/self/status").read_text()
@@ -118,7 +123,14 @@ def probe_host(qemu: Path, state_dir: Path = STATE_DIR) -> HostSupport:
         cap_last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     except (OSError, ValueError):
         cap_last = 40
-    return HostSupport(root, seccomp, mount_ns, user, layout, readonly, shim, cap_last)
+    syscalls: CompiledFilter | str | None = None
+    if seccomp_mode is not Mode.QEMU:
+        try:
+            syscalls = CompiledFilter.build(seccomp_mode) if "Seccomp:" in status else "the kernel has no seccomp"
+        except ConfinementError as e:
+            syscalls = str(e)
+    user_ns = probe_user_namespace(probe_uid) if user is None else "needs the uid part (a uid of its own to map)"
+    return HostSupport(root, seccomp, mount_ns, user, layout, readonly, shim, cap_last, syscalls, user_ns)
 
 
 class Confinement:
@@ -128,11 +140,16 @@ class Confinement:
 
     def __init__(self, level: Level | str = Level.AUTO, *, qemu: Path | None = None, state_dir: Path = STATE_DIR,
                  uid_base: int = DEFAULT_UID_BASE, uid_count: int = DEFAULT_UID_COUNT, vmm_mib: int = 64,
-                 tcg_tb_mib: int = 128, pids: int = 256, cpu_extra: float = 0.0) -> None:
+                 tcg_tb_mib: int = 128, pids: int = 256, cpu_extra: float = 0.0,
+                 seccomp: Mode | str = Mode.ALLOW_LIST) -> None:
         try:
             self.level = Level(level)
         except ValueError:
             raise ConfinementError(f"confinement level must be auto, required or off, got {level!r}") from None
+        try:
+            self.seccomp_mode = Mode(seccomp)
+        except ValueError:
+            raise ConfinementError(f"the syscall filter mode must be allow-list, log or qemu, got {seccomp!r}") from None
         self.qemu = qemu
         self.state_dir = state_dir
         self.vmm_mib = vmm_mib
@@ -152,7 +169,7 @@ class Confinement:
         """Probe the host once; ConfinementError if ``required`` cannot be met."""
         if self.support is not None or self.level is Level.OFF:
             return
-        self.support = probe_host(self.qemu or find_qemu(), self.state_dir)
+        self.support = probe_host(self.qemu or find_qemu(), self.state_dir, self.seccomp_mode, self._leases.first)
         if isinstance(self.support.cgroup, Layout):
             self._cgroups = CgroupTree(self.support.cgroup)
             self._cgroups.sweep(self._leases.leased)   # groups a crashed node left
@@ -190,7 +207,7 @@ class Confinement:
             Part("capabilities", user_on, "none (bounding set dropped too)" if user_on else
                  "kept: QEMU runs as root" if s.root else "the node's own"),
             Part("no_new_privs", True, "set before exec"),
-            Part("seccomp", s.seccomp is None, "-sandbox " + SECCOMP if s.seccomp is None else s.seccomp),
+            self._seccomp_part(s),
             Part("mount namespace", s.mount_ns is None,
                  "own root: /usr, its run dir, memory file, kernel, sockets, device nodes"
                  if s.mount_ns is None else s.mount_ns),
@@ -199,8 +216,26 @@ class Confinement:
                   f"memory = guest + TCG code buffer (default {self.tcg_tb_mib} MiB) + {self.vmm_mib} MiB, "
                   f"tasks = {self.pids} + vCPUs")
                  if isinstance(s.cgroup, Layout) else str(s.cgroup)),
+            Part("user namespace", s.user_ns is None, "its own, mapping only its uid and gid"
+                 if s.user_ns is None else s.user_ns),
         ]
         return parts
+
+    def _seccomp_part(self, s: HostSupport) -> Part:
+        """On when QEMU's -sandbox applies and so does the allow-list (unless
+        ``[vm] confine_seccomp = "qemu"`` leaves QEMU's filter alone)."""
+        if s.seccomp is not None:
+            return Part("seccomp", False, s.seccomp)
+        own = "-sandbox " + SECCOMP
+        if isinstance(s.syscalls, str):
+            return Part("seccomp", False, f"QEMU's {own} only: the syscall allow-list cannot apply: {s.syscalls}")
+        if s.syscalls is None:
+            return Part("seccomp", True, f"{own} only ([vm] confine_seccomp = \"qemu\")")
+        calls = len(s.syscalls.allowed)
+        if s.syscalls.mode is Mode.LOG:
+            return Part("seccomp", True, f"{own}; syscalls outside the allow-list of {calls} logged, not refused "
+                                         "([vm] confine_seccomp = \"log\")")
+        return Part("seccomp", True, f"{own}; an allow-list of {calls} syscalls, every other one refused")
 
     def summary(self) -> str:
         """One line: the level, what is on, what is off (the server's start line)."""
@@ -231,11 +266,13 @@ class Confinement:
         if j is not None:
             return j
         uid = self._leases.acquire() if s.user is None else None
+        syscalls = s.syscalls if isinstance(s.syscalls, CompiledFilter) else None
         j = Jail(uid=uid, gid=uid, seccomp=s.seccomp is None, mount_ns=s.mount_ns is None, cgroups=self._cgroups,
                  readonly_ram=s.readonly_ram if uid is not None else ReadonlyRam.NONE,
                  shim=s.shim if uid is not None else None, root_dir=self.state_dir / DEFAULT_ROOT.name,
                  vmm_mib=self.vmm_mib, tcg_tb_mib=self.tcg_tb_mib, pids=self.pids, cpu_extra=self.cpu_extra,
-                 cap_last=s.cap_last if uid is not None else -1)
+                 cap_last=s.cap_last if uid is not None else -1, syscalls=syscalls,
+                 user_ns=uid is not None and s.user_ns is None)
         self._jails[holder] = j
         return j
 

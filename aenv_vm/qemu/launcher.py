@@ -50,6 +50,7 @@ from ..childenv import ChildKind, child_env
 from ..confine.cgroups import VmCgroup
 from ..confine.errors import ConfinementError
 from ..confine.jail import BASE_DEVICES, SECCOMP, FileView, Jail, child_plan, enter, file_view
+from ..confine.refusals import refused_calls
 from ..confine.romem import ENV as READONLY_RAM_ENV
 from ..confine.romem import ReadonlyRam
 from ..errors import VmError, VmTimeout
@@ -429,7 +430,8 @@ def _spawn_qemu(spec: VmSpec, binary: Path, argv: list[str], console: ConsoleRea
         cap_last=jail.cap_last if jail is not None else -1,
         file_size=jail.file_size_limit(spec.memory_mib) if jail is not None else -1,
         merge_memory=spec.merge_memory, fixed_layout=spec.fixed_layout, no_new_privs=jail is not None,
-        core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share)
+        core_dumps=jail is None, private_discard=spec.mem_path is not None and not spec.mem_share,
+        syscall_filter=jail.syscalls if jail is not None else None, user_ns=jail is not None and jail.user_ns)
     try:
         ring = ConsoleRing(spec.serial_log, spec.console_bytes)
         with open(spec.stderr_log, "wb") as err:
@@ -519,6 +521,9 @@ class QemuProcess:
             await vm.kill()
             if isinstance(e, VmError):
                 why = f"exited with code {proc.returncode}" if proc.returncode not in (None, -9) else str(e)
+                if spec.jail is not None:   # a refused syscall shows only in the kernel log
+                    note = await asyncio.to_thread(refused_calls, proc.pid)
+                    why += f"\n{note}" if note else ""
                 raise QemuExited(f"QEMU {spec.name} failed to start: {why}\n{vm.log_tail()}",
                                  stderr=_tail(spec.stderr_log)) from None
             raise

@@ -1,7 +1,8 @@
 """`aenv server` confines its QEMUs by default and says so at start (issue 13): the
 start line names the parts in force, and every QEMU child of the server — the pooled
 clone and a sandbox created through the real e2b SDK — runs as its own non-root uid
-with no capabilities, no_new_privs, seccomp and its own mount namespace."""
+with no capabilities, no_new_privs, seccomp (QEMU's filter and the syscall allow-list)
+and its own mount namespace."""
 from __future__ import annotations
 
 import os
@@ -36,6 +37,9 @@ def test_the_server_says_and_applies_its_confinement(sdk_env: Server) -> None:
             uids.add(uid)
             assert int(uid) >= 1000 and int(st["CapEff"], 16) == 0 and int(st["CapBnd"], 16) == 0
             assert st["NoNewPrivs"] == "1" and st["Seccomp"] == "2"
+            # QEMU's -sandbox, the syscall allow-list's two programs (+ discard.py's for a clone)
+            assert int(st["Seccomp_filters"]) >= 3
+            assert Path(f"/proc/{pid}/uid_map").read_text().split() == [uid, uid, "1"]     # its user namespace
             assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
             assert not os.path.exists(f"/proc/{pid}/root/root")
             assert not os.path.exists(f"/proc/{pid}/root{sdk_env.data_dir}/repo")

@@ -16,6 +16,7 @@ import pytest
 
 from aenv_vm.confine.cgroups import Layout, host_layout
 from aenv_vm.confine.policy import Confinement
+from aenv_vm.confine.syscall_filter import Mode
 from aenv_vm.qemu.accel import probe_accel
 from aenv_vm.qemu.launcher import QemuProcess, VmSpec, tcg_buffer_mib
 from aenv_vm.sandboxes.manager import SandboxManager
@@ -27,7 +28,8 @@ from .conftest import Env
 
 pytestmark = pytest.mark.qemu
 
-STATUS_KEYS = ("Uid", "Gid", "Groups", "CapEff", "CapPrm", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
+STATUS_KEYS = ("Uid", "Gid", "Groups", "CapEff", "CapPrm", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp",
+               "Seccomp_filters")
 
 
 @dataclass
@@ -42,6 +44,9 @@ class Seen:
     mountpoints: list[str]
     cgroup: dict[str, dict[str, str]]
     cgroup_dirs: list[Path]
+    own_user_ns: bool = False
+    uid_map: list[str] = field(default_factory=list)
+    gid_map: list[str] = field(default_factory=list)
     sees: dict[str, bool] = field(default_factory=dict)     # host path -> visible in its root
 
 
@@ -74,7 +79,9 @@ def inspect(label: str, vm: QemuProcess, probes: list[Path]) -> Seen:
     root = Path(f"/proc/{pid}/root")
     cg, dirs = cgroup_view(pid)
     seen = Seen(label, vm.spec, pid, status, os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"),
-                sorted(os.listdir(root)), mountpoints, cg, dirs)
+                sorted(os.listdir(root)), mountpoints, cg, dirs,
+                os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user"),
+                Path(f"/proc/{pid}/uid_map").read_text().split(), Path(f"/proc/{pid}/gid_map").read_text().split())
     for p in probes + [vm.spec.run_dir] + ([vm.spec.mem_path] if vm.spec.mem_path else []):
         seen.sees[str(p)] = os.path.lexists(str(root) + str(p))
     return seen
@@ -88,6 +95,16 @@ def check_confined(s: Seen) -> None:
     for cap in ("CapEff", "CapPrm", "CapBnd", "CapAmb"):
         assert int(s.status[cap], 16) == 0, f"{what}: {cap} {s.status[cap]}"
     assert s.status["NoNewPrivs"] == "1" and s.status["Seccomp"] == "2", what
+    # its filters: QEMU's -sandbox, discard.py's for copy-on-write RAM, and the syscall
+    # allow-list's two programs (tests/aenv_vm/vm/test_syscall_filter.py runs a process
+    # under the exact filter and sees what it refuses)
+    assert s.spec.jail is not None and s.spec.jail.syscalls is not None, what
+    assert s.spec.jail.syscalls.mode is Mode.ALLOW_LIST, what
+    cow = s.spec.mem_path is not None and not s.spec.mem_share
+    assert int(s.status["Seccomp_filters"]) == 1 + cow + 2, f"{what}: {s.status['Seccomp_filters']}"
+    # its own user namespace, in which only its uid and gid exist
+    assert s.spec.jail.user_ns and s.own_user_ns, what
+    assert s.uid_map == [uids[0], uids[0], "1"] and s.gid_map == [uids[0], uids[0], "1"], what
     assert s.own_mount_ns, what
     assert "root" not in s.root_entries and not s.sees["/root"], what
     # its own files are there; the node's data dir, records and other sandboxes' files are not
