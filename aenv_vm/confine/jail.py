@@ -467,7 +467,7 @@ def probe_user_namespace(uid: int) -> str | None:
         except OSError:
             os._exit(4)
     try:
-        done = subprocess.run(["true"], preexec_fn=child, timeout=10)
+        done = subprocess.run(["true"], preexec_fn=child, timeout=10, env=child_env())
     except (OSError, subprocess.SubprocessError) as e:
         return f"a child could not make a user namespace: {e}"
     return None if done.returncode == 0 else \

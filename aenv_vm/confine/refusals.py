@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -82,14 +83,21 @@ def syscall_name(nr: int) -> str:
     return f"#{nr}"
 
 
-def refused_calls(pid: int) -> str:
+def refused_calls(pid: int, wait: float = 1.0) -> str:
     """What the kernel log says seccomp did to process ``pid`` ("" when nothing, or the
-    log cannot be read): one line for a QEMU's failure message."""
-    seen: dict[tuple[str, str], int] = {}
-    for r in parse_records(_kmsg_lines()):
-        if r.pid == pid:
-            key = (r.action, syscall_name(r.syscall))
-            seen[key] = seen.get(key, 0) + 1
+    log cannot be read): one line for a QEMU's failure message. The records reach the log
+    through the kernel's audit thread, after the process may already be gone: a log
+    without one is read again for up to ``wait`` seconds (a worker thread's wait)."""
+    deadline = time.monotonic() + wait
+    while True:
+        seen: dict[tuple[str, str], int] = {}
+        for r in parse_records(_kmsg_lines()):
+            if r.pid == pid:
+                key = (r.action, syscall_name(r.syscall))
+                seen[key] = seen.get(key, 0) + 1
+        if seen or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     if not seen:
         return ""
     calls = ", ".join(f"{name} {action}" + (f" ×{n}" if n > 1 else "") for (action, name), n in seen.items())
