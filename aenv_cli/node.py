@@ -126,9 +126,11 @@ class Node:
                 tpl = await _prepare_template(store, guest, config, confinement, host_ca, report)
             except VmError as e:
                 raise StartError(str(e)) from None
-            volumes = VolumeRegistry(config.data_dir / "volumes")   # one registry: the API's and the mounts'
+            # one registry: the API's and the mounts'
+            volumes = VolumeRegistry(config.data_dir / "volumes", config.volumes.quota, config.cache.floor)
             metrics = Metrics()
-            headroom = Headroom(vm.min_free_memory_mib << 20, config.cache.min_free_disk, run_root)
+            headroom = Headroom(vm.min_free_memory_mib << 20, config.cache.min_free_disk, run_root,
+                                config.cache.min_free_inodes)
             admission = Admission(vm.admission_limits(), AdmissionMetrics(metrics), headroom=headroom.shortage)
             register_admission_gauges(metrics, admission)
             manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,

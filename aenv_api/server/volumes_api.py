@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from aenv_store.durable import write_all
+from aenv_vm.volumes.charged import ChargedTree
 from aenv_vm.volumes.registry import (InvalidVolumeName, VolumeInUse, VolumeNameTaken, VolumeNotFound,
                                       VolumeRecord, VolumeRegistry, is_volume_id)
 from aenv_vm.volumes.tree import CHUNK, MAX_DEPTH, MAX_PATH, VolumeTree
@@ -37,8 +37,14 @@ from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .schemas import Field, Schema
 
-NEW_VOLUME = Schema("NewVolume", (Field("name", "string", required=True, max_length=255,
-                                        description="^[a-zA-Z0-9_-]+$"),))
+NEW_VOLUME = Schema("NewVolume", (
+    Field("name", "string", required=True, max_length=255, description="^[a-zA-Z0-9_-]+$"),
+    # aenv's own: the volume's quota (E2B's NewVolume has only a name); absent: the node's
+    # [volumes] defaults; 0: that bound off (the node's free-disk floor still holds)
+    Field("maxBytes", "integer", minimum=0, maximum=1 << 62,
+          description="bytes its files may take (aenv; default [volumes] max_bytes)"),
+    Field("maxInodes", "integer", minimum=0, maximum=1 << 62,
+          description="files, directories and symlinks it may hold (aenv; default [volumes] max_inodes)")))
 _PATH = Field("path", "string", required=True, max_length=MAX_PATH, description="path in the volume")
 _UID = Field("uid", "integer", minimum=0, maximum=0xFFFFFFFE)
 _GID = Field("gid", "integer", minimum=0, maximum=0xFFFFFFFE)
@@ -55,8 +61,10 @@ _STATUS = {errno.ENOENT: 404, errno.EEXIST: 409, errno.ENOTEMPTY: 409, errno.ENO
            errno.EPERM: 403, errno.EROFS: 403, errno.ENOSPC: 507, errno.EDQUOT: 507, errno.EFBIG: 413}
 
 
-def _volume(rec: VolumeRecord, domain: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"volumeID": rec.volume_id, "name": rec.name, "token": rec.token}
+def _volume(rec: VolumeRecord, domain: str, registry: VolumeRegistry) -> dict[str, Any]:
+    quota = registry.quota(rec)
+    out: dict[str, Any] = {"volumeID": rec.volume_id, "name": rec.name, "token": rec.token,
+                           "maxBytes": quota.max_bytes, "maxInodes": quota.max_inodes}
     if domain:
         out["domain"] = domain
     return out
@@ -84,12 +92,13 @@ class VolumeApi:
 
     async def create(self, request: web.Request, call: Call) -> web.Response:
         try:
-            rec = await asyncio.to_thread(self.registry.create, call.body["name"])
+            rec = await asyncio.to_thread(self.registry.create, call.body["name"], call.body["maxBytes"],
+                                          call.body["maxInodes"])
         except InvalidVolumeName as e:
             raise ApiError(400, f"Invalid volume name: {e}") from None
         except VolumeNameTaken as e:
             raise ApiError(400, str(e)) from None   # E2B's status and message for a taken name
-        return json_response(_volume(rec, self.domain), 201)
+        return json_response(_volume(rec, self.domain, self.registry), 201)
 
     def _record(self, volume_id: str) -> VolumeRecord:
         if not is_volume_id(volume_id):
@@ -100,7 +109,7 @@ class VolumeApi:
             raise ApiError(404, "Volume not found") from None
 
     async def get(self, request: web.Request, call: Call) -> web.Response:
-        return json_response(_volume(self._record(call.path["volumeID"]), self.domain))
+        return json_response(_volume(self._record(call.path["volumeID"]), self.domain, self.registry))
 
     async def delete(self, request: web.Request, call: Call) -> web.Response:
         rec = self._record(call.path["volumeID"])
@@ -114,7 +123,7 @@ class VolumeApi:
 
     # ------------------------------------------------------------- content
 
-    def _tree(self, request: web.Request, call: Call) -> VolumeTree:
+    def _tree(self, request: web.Request, call: Call) -> ChargedTree:
         token = _bearer(request)
         rec = self.registry.find(call.path["volumeID"])
         if rec is None:
@@ -209,10 +218,10 @@ class VolumeApi:
             async for data in request.content.iter_chunked(CHUNK):
                 buf += data
                 if len(buf) >= CHUNK:
-                    await self._run(tree, path, write_all, fd, bytes(buf))
+                    await self._run(tree, path, tree.write_chunk, fd, bytes(buf))
                     buf.clear()
             if buf:
-                await self._run(tree, path, write_all, fd, bytes(buf))
+                await self._run(tree, path, tree.write_chunk, fd, bytes(buf))
         except BaseException:
             os.close(fd)
             raise
