@@ -157,7 +157,8 @@ class Node:
             await builds.start()
             server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                                TemplateApi(builds, config.data_dir / "template-uploads",
-                                           config.templates.max_upload_mib << 20),
+                                           config.templates.max_upload_mib << 20,
+                                           config.templates.max_parallel_uploads, config.cache.floor),
                                VolumeApi(volumes, server_cfg.volume_domain))
             try:
                 port = await server.start(server_cfg.host, server_cfg.port)
@@ -281,6 +282,6 @@ def _template_builds(config: AenvConfig, manager: SandboxManager, base: Template
                              max_memory_mib=tc.max_memory_mib, max_vcpus=tc.max_vcpus,
                              headroom_mib=tc.disk_headroom_mib, step_timeout=tc.step_timeout,
                              ready_timeout=tc.ready_timeout, oci=config.oci, data_dir=config.data_dir,
-                             ca_bundle=host_ca)
+                             ca_bundle=host_ca, max_context_bytes=tc.max_context_mib << 20)
     return TemplateBuilds(manager.rt, settings, config.data_dir / "build-logs", manager.template_users,
-                          max_parallel=tc.max_parallel_builds)
+                          max_parallel=tc.max_parallel_builds, context_retention=tc.context_retention)
