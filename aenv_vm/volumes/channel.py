@@ -293,9 +293,10 @@ class VolumeServer:
                     _renameat2(src_dfd, src, dst_dfd, dst, flags)
                 else:                     # the entry replaced at ``dst``, if any, is gone
                     src_ino = os.stat(src, dir_fd=src_dfd, follow_symlinks=False).st_ino
-                    replaced = self._same_or_none(dst_dfd, dst, src_ino)
-                    self._removing(dst_dfd, dst, lambda: _renameat2(src_dfd, src, dst_dfd, dst, flags)) \
-                        if replaced else _renameat2(src_dfd, src, dst_dfd, dst, flags)
+                    if self._replaces(dst_dfd, dst, src_ino):
+                        self._removing(dst_dfd, dst, lambda: _renameat2(src_dfd, src, dst_dfd, dst, flags))
+                    else:
+                        _renameat2(src_dfd, src, dst_dfd, dst, flags)
             finally:
                 os.close(dst_dfd)
         finally:
@@ -303,7 +304,7 @@ class VolumeServer:
         return 0, {}, b""
 
     @staticmethod
-    def _same_or_none(dfd: int, name: str, ino: int) -> bool:
+    def _replaces(dfd: int, name: str, ino: int) -> bool:
         """Whether ``name`` exists in ``dfd`` as another entry than inode ``ino``."""
         try:
             return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino != ino
