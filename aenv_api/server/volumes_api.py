@@ -61,10 +61,9 @@ _STATUS = {errno.ENOENT: 404, errno.EEXIST: 409, errno.ENOTEMPTY: 409, errno.ENO
            errno.EPERM: 403, errno.EROFS: 403, errno.ENOSPC: 507, errno.EDQUOT: 507, errno.EFBIG: 413}
 
 
-def _volume(rec: VolumeRecord, domain: str, registry: VolumeRegistry) -> dict[str, Any]:
-    quota = registry.quota(rec)
-    out: dict[str, Any] = {"volumeID": rec.volume_id, "name": rec.name, "token": rec.token,
-                           "maxBytes": quota.max_bytes, "maxInodes": quota.max_inodes}
+def _volume(rec: VolumeRecord, domain: str) -> dict[str, Any]:
+    # E2B's VolumeAndToken as it is: a volume's quota is set at create, not answered
+    out: dict[str, Any] = {"volumeID": rec.volume_id, "name": rec.name, "token": rec.token}
     if domain:
         out["domain"] = domain
     return out
@@ -98,7 +97,7 @@ class VolumeApi:
             raise ApiError(400, f"Invalid volume name: {e}") from None
         except VolumeNameTaken as e:
             raise ApiError(400, str(e)) from None   # E2B's status and message for a taken name
-        return json_response(_volume(rec, self.domain, self.registry), 201)
+        return json_response(_volume(rec, self.domain), 201)
 
     def _record(self, volume_id: str) -> VolumeRecord:
         if not is_volume_id(volume_id):
@@ -109,7 +108,7 @@ class VolumeApi:
             raise ApiError(404, "Volume not found") from None
 
     async def get(self, request: web.Request, call: Call) -> web.Response:
-        return json_response(_volume(self._record(call.path["volumeID"]), self.domain, self.registry))
+        return json_response(_volume(self._record(call.path["volumeID"]), self.domain))
 
     async def delete(self, request: web.Request, call: Call) -> web.Response:
         rec = self._record(call.path["volumeID"])
