@@ -23,7 +23,8 @@ from ..errors import BadRequest
 
 READ = 1 << 20              # bytes read from the store at a time
 INFLATE_STEP = 1 << 20      # most bytes one decompress call may produce
-PART = 4 << 20              # bytes of the plain tar written into the build VM per request
+PART = 1 << 20              # bytes of the plain tar written into the build VM per request (4 MiB parts
+                            # cost the node ~40 MiB of peak RSS in copies and malloc arenas; 1 MiB ~12)
 BLOCK = 512
 _GZIP = b"\x1f\x8b"
 

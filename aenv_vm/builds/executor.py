@@ -22,6 +22,7 @@ import dataclasses
 import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,10 +237,14 @@ class Build:
         except NotFound as e:
             raise BuildFailed(f"COPY {src}: {e}", label) from None
         parts = context_parts(read, size, self.settings.max_context_bytes)
+        # one thread inflates the whole context: its buffers stay in one malloc arena
+        # instead of one per default-executor thread (measured: the node's RSS)
+        inflater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-context")
+        loop = asyncio.get_running_loop()
         index = 0
         try:
             while True:
-                part = await asyncio.to_thread(next, parts, None)
+                part = await loop.run_in_executor(inflater, next, parts, None)
                 if part is None:
                     break
                 await vm.envd.write_file(part_path(stage, index), part, user="root", timeout=600.0)
@@ -249,7 +254,8 @@ class Build:
         except EnvdError as e:
             raise BuildFailed(f"COPY {src}: uploading the files into the build VM failed: {e}", label) from None
         finally:
-            parts.close()
+            await loop.run_in_executor(inflater, parts.close)
+            inflater.shutdown(wait=False)
 
     async def _checked(self, vm: BuildVm, req: ProcessRequest, label: str, what: str) -> None:
         t0 = time.monotonic()

@@ -152,7 +152,7 @@ def test_a_context_within_the_bound_still_builds(node: Server, tmp_path: Path) -
 
     ctx = tmp_path / "ctx"
     ctx.mkdir()
-    payload = bytes(range(256)) * (40 << 12)        # 10 MiB: three parts of 4 MiB
+    payload = bytes(range(256)) * (40 << 12)        # 10 MiB: ten parts of 1 MiB
     (ctx / "data.bin").write_bytes(payload)
     template = Template(file_context_path=str(ctx)).from_template("base").copy("data.bin", "/opt/data.bin")
     Template.build(template, "hostile-honest")
