@@ -128,10 +128,9 @@ class VolumeUsage:
         with self._scan_lock:
             if self._scanned:
                 return
-            used_bytes, inodes = scan(self.root)
+            used_bytes, inodes = scan(self.root)     # every writer waits for it (reserve, settle)
             with self._lock:
-                self._bytes += used_bytes       # changes settled while it scanned are kept
-                self._inodes += inodes
+                self._bytes, self._inodes = used_bytes, inodes
                 self._scanned = True
 
     def used(self) -> tuple[int, int]:
