@@ -1,7 +1,7 @@
 """aenv's configuration: one TOML file (``<data-dir>/config.toml`` or ``--config``)
 loaded into typed, frozen dataclasses. Each package owns the dataclass of its own
 section(s) (aenv_store/config.py, aenv_vm/config.py, aenv_vm/builds/config.py,
-aenv_vm/oci/config.py, aenv_api/server/settings.py, aenv_fleet/config.py);
+aenv_vm/oci/config.py, aenv_vm/volumes/config.py, aenv_api/server/settings.py, aenv_fleet/config.py);
 ``AenvConfig`` composes them, one typed field per ``[section]``. Every key has a default
 (see the dataclasses and docs/config.md); unknown sections and keys and wrong types are
 errors that name the key."""
@@ -23,6 +23,7 @@ from aenv_store.errors import ConfigError
 from aenv_vm.builds.config import TemplatesConfig
 from aenv_vm.config import VmConfig
 from aenv_vm.oci.config import OciConfig
+from aenv_vm.volumes.config import VolumesConfig
 from aenv_api.server.settings import ServerConfig
 from aenv_fleet.config import ClusterConfig, GatewayConfig
 
@@ -55,6 +56,7 @@ class AenvConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     oci: OciConfig = field(default_factory=OciConfig)
     templates: TemplatesConfig = field(default_factory=TemplatesConfig)
+    volumes: VolumesConfig = field(default_factory=VolumesConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 

@@ -131,9 +131,11 @@ class Node:
                 tpl = await _prepare_template(store, guest, config, confinement, host_ca, report)
             except VmError as e:
                 raise StartError(str(e)) from None
-            volumes = VolumeRegistry(config.data_dir / "volumes")   # one registry: the API's and the mounts'
+            # one registry: the API's and the mounts'
+            volumes = VolumeRegistry(config.data_dir / "volumes", config.volumes.quota, config.cache.floor)
             metrics = Metrics()
-            headroom = Headroom(vm.min_free_memory_mib << 20, config.cache.min_free_disk, run_root)
+            headroom = Headroom(vm.min_free_memory_mib << 20, config.cache.min_free_disk, run_root,
+                                config.cache.min_free_inodes)
             admission = Admission(vm.admission_limits(), AdmissionMetrics(metrics), headroom=headroom.shortage)
             register_admission_gauges(metrics, admission)
             manager = SandboxManager(store, guest, run_root, pool_size=vm.pool_size, ready_timeout=vm.ready_timeout,
@@ -162,7 +164,8 @@ class Node:
             await builds.start()
             server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                                TemplateApi(builds, config.data_dir / "template-uploads",
-                                           config.templates.max_upload_mib << 20),
+                                           config.templates.max_upload_mib << 20,
+                                           config.templates.max_parallel_uploads, config.cache.floor),
                                VolumeApi(volumes, server_cfg.volume_domain),
                                # E2B's /nodes: this node, named as its fleet knows it, else by its run dir
                                NodeApi(agent.node_id if agent is not None else manager.rt.node_id, lifecycle,
@@ -301,6 +304,6 @@ def _template_builds(config: AenvConfig, manager: SandboxManager, base: Template
                              max_memory_mib=tc.max_memory_mib, max_vcpus=tc.max_vcpus,
                              headroom_mib=tc.disk_headroom_mib, step_timeout=tc.step_timeout,
                              ready_timeout=tc.ready_timeout, oci=config.oci, data_dir=config.data_dir,
-                             ca_bundle=host_ca)
+                             ca_bundle=host_ca, max_context_bytes=tc.max_context_mib << 20)
     return TemplateBuilds(manager.rt, settings, config.data_dir / "build-logs", manager.template_users,
-                          max_parallel=tc.max_parallel_builds)
+                          max_parallel=tc.max_parallel_builds, context_retention=tc.context_retention)

@@ -7,6 +7,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .diskfloor import DiskFloor
 from .errors import ConfigError
 
 KiB = 1024
@@ -62,10 +63,19 @@ class CacheConfig:
     # Eviction starts above high_watermark * capacity and stops at low_watermark * capacity.
     high_watermark: float = 0.95
     low_watermark: float = 0.80
-    # Keep at least this many bytes free on the cache's filesystem.
+    # Keep at least this many bytes free on the cache's filesystem (and every other
+    # filesystem the node writes: sandboxes' disks, volumes, uploads, builds).
     min_free_disk: int = 1 * GiB
+    # ... and this many inodes (what 1 GiB holds at ext4's default of one inode per
+    # 16 KiB): a guest making empty files in a volume uses inodes, not bytes.
+    min_free_inodes: int = 65536
     # "" = <data-dir>/cache
     path: str = ""
+
+    @property
+    def floor(self) -> DiskFloor:
+        """The free-disk floor every writer of the node keeps (bytes and inodes)."""
+        return DiskFloor(self.min_free_disk, self.min_free_inodes)
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,11 @@ class Channel:
         rid = self._next
         self._next = self._next + 1 if self._next < 0xFFFFFFFF else 1
         fut = asyncio.get_running_loop().create_future()
-        p = _Pending(W.request(rid, op, meta, data), fut)
+        try:
+            raw = W.request(rid, op, meta, data)
+        except W.WireError as e:      # a request no frame can carry (never sent: the node would refuse it)
+            raise OSError(errno.ENAMETOOLONG, str(e)) from None
+        p = _Pending(raw, fut)
         self._pending[rid] = p
         try:
             if self._writer is not None:
@@ -253,10 +257,19 @@ class VolumeFs:
                 req = F.parse_request(buf)
             except F.ProtocolError as e:
                 log.warning("bad FUSE request: %s", e)
+                self._refuse(buf)
                 continue
             t = asyncio.get_running_loop().create_task(self._handle(req))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
+
+    def _refuse(self, buf: bytes) -> None:
+        """EIO to a request that does not parse, when its header names it: the process
+        that made it gets an error instead of waiting forever."""
+        if len(buf) >= F.IN_HEADER.size:
+            _length, opcode, unique, *_ = F.IN_HEADER.unpack_from(buf, 0)
+            if opcode not in F.NO_REPLY:
+                self._write(F.error(unique, errno.EIO))
 
     def _write(self, raw: bytes) -> None:
         try:
@@ -278,8 +291,10 @@ class VolumeFs:
             if req.opcode not in F.NO_REPLY:
                 self._write(F.error(req.unique, e.errno or errno.EIO))
             return
-        except (F.ProtocolError, ValueError, KeyError, TypeError) as e:
-            log.warning("FUSE %s failed: %s", req.opcode, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:      # any failure is an errno to the caller, never silence
+            log.warning("FUSE %s failed: %r", req.opcode, e)
             if req.opcode not in F.NO_REPLY:
                 self._write(F.error(req.unique, errno.EIO))
             return
@@ -466,11 +481,17 @@ class VolumeFs:
         path = self.nodes.path(req.nodeid)
         h = DirHandle([(b".", "d", req.nodeid), (b"..", "d", 1)])
         offset = 0
+        cookie = 0
         while True:
-            m, _ = await self._call(W.Op.READDIR, {"path": path, "offset": offset})
+            # the cookie says where the node's listing goes on (its directory offset); the
+            # count is for nodes that page by count only
+            m, _ = await self._call(W.Op.READDIR, {"path": path, "offset": offset, "cookie": cookie})
             for name, kind, ino in m.get("entries", []):
                 h.entries.append((os.fsencode(name), kind, int(ino)))
             offset += len(m.get("entries", []))
+            next_cookie = m.get("cookie")
+            if isinstance(next_cookie, int) and not isinstance(next_cookie, bool):
+                cookie = next_cookie
             if not m.get("more") or not m.get("entries"):
                 break
         fh = self._next_fh

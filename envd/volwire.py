@@ -37,7 +37,9 @@ class Kind(enum.IntEnum):
 
 class Op(enum.IntEnum):
     STAT = 1        # {path} -> attr
-    READDIR = 2     # {path, offset} -> {entries: [[name, type]], more}
+    READDIR = 2     # {path, cookie, offset} -> {entries: [[name, type, ino]], more, cookie}: a page
+                    # of at most MAX_META bytes; the next page starts at the cookie answered
+                    # (a directory offset), or after ``offset`` entries when no cookie is sent
     MKDIR = 3       # {path, mode} -> attr
     UNLINK = 4      # {path}
     RMDIR = 5       # {path}
@@ -55,6 +57,15 @@ class Op(enum.IntEnum):
 
 class WireError(ValueError):
     """Bytes that are not a frame of this protocol version (the channel is closed)."""
+
+
+class MetaError(WireError):
+    """A well-framed request whose meta is not a JSON object: the stream is still in step,
+    so the request is answered (EINVAL) by its id rather than the channel closed."""
+
+    def __init__(self, message: str, frame_id: int) -> None:
+        super().__init__(message)
+        self.frame_id = frame_id
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,16 @@ class FrameDecoder:
         return len(self._buf)
 
 
+def peek_header(header: bytes) -> tuple[int, int, int]:
+    """(id, meta_len, data_len) of a header whose magic, version and kind are right, its
+    lengths unchecked: a reader that finds them over the bounds can skip the body and
+    answer the id (E2BIG) instead of closing the channel. WireError otherwise."""
+    magic, version, kind, rid, _code, _flags, meta_len, data_len = HEADER.unpack_from(header, 0)
+    if magic != MAGIC or version != VERSION or kind not in (Kind.REQUEST, Kind.REPLY):
+        raise WireError(f"not a frame header of version {VERSION}: {bytes(header[:4])!r}")
+    return rid, meta_len, data_len
+
+
 def header_lengths(header: bytes) -> tuple[int, int]:
     """(meta_len, data_len) of a frame header, validated (for readers that read exactly)."""
     _, _, _, meta_len, data_len = _parse_header(header)
@@ -135,7 +156,11 @@ def decode_one(header: bytes, body: bytes) -> Frame:
     kind, rid, code, meta_len, data_len = _parse_header(header)
     if len(body) != meta_len + data_len:
         raise WireError("frame body of the wrong length")
-    return Frame(kind, rid, code, _parse_meta(body[:meta_len]), body[meta_len:])
+    try:
+        meta = _parse_meta(body[:meta_len])
+    except WireError as e:
+        raise MetaError(str(e), rid) from None
+    return Frame(kind, rid, code, meta, body[meta_len:])
 
 
 def _parse_meta(raw: bytes) -> dict[str, Any]:
@@ -143,7 +168,7 @@ def _parse_meta(raw: bytes) -> dict[str, Any]:
         return {}
     try:
         meta = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:     # RecursionError: 64 KiB of nested brackets
         raise WireError(f"frame meta is not JSON: {e}") from None
     if not isinstance(meta, dict):
         raise WireError("frame meta is not a JSON object")

@@ -11,12 +11,17 @@ The upload URL carries its own authorisation (the SDK PUTs there without the API
 key, as to an S3 presigned URL): an HMAC of the hash and an expiry under a key of
 this process. It is served on the API's own port, which guests cannot reach
 (docs/security.md: network isolation), and the body streams to a file in the data
-dir (bounded by ``max_upload_bytes``) before the store takes it.
+dir (bounded by ``max_upload_bytes``) before the store takes it. At most
+``max_parallel_uploads`` stream at once (429 + Retry-After beyond, which the SDK
+waits out), and none is accepted -- or goes on -- while the upload dir's filesystem
+is below the node's free-disk floor (507).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import os
 import re
 import secrets
 import time
@@ -25,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from aenv_store.diskfloor import DiskFloor
 from aenv_vm.builds.log import LogEntry
 from aenv_vm.builds.template_builds import TemplateBuilds, TemplateView
 from aenv_vm.errors import BadRequest, VmError
@@ -46,6 +52,8 @@ UPLOAD_PATH = "/_aenv/template-files/{hash}"
 # naming only that route's methods
 TEMPLATE_ID_PATH = r"/templates/{templateID:(?!tags$)[^{}/]+}"
 UPLOAD_TTL = 3600.0
+UPLOAD_CHUNK = 1 << 20
+UPLOAD_RETRY_AFTER = 5            # seconds a refused upload is told to wait
 _HASH = re.compile(r"[A-Za-z0-9_-]{8,128}\Z")
 
 _STRINGS = Field("tags", "array", items=Field("tag", "string", max_length=64), max_items=64)
@@ -96,11 +104,19 @@ def _line(e: LogEntry) -> str:
 
 
 class TemplateApi:
-    def __init__(self, builds: TemplateBuilds, upload_dir: Path, max_upload_bytes: int = 4 << 30) -> None:
+    def __init__(self, builds: TemplateBuilds, upload_dir: Path, max_upload_bytes: int = 4 << 30,
+                 max_parallel_uploads: int = 4, floor: DiskFloor | None = None) -> None:
         self.builds = builds
         self.upload_dir = upload_dir
         self.max_upload_bytes = max_upload_bytes
+        self.max_parallel_uploads = max_parallel_uploads
+        self.floor = floor if floor is not None else DiskFloor()
+        self._uploads = 0
         self._key = secrets.token_bytes(32)
+        # parts a stopped process left (an upload is never resumed: the SDK sends it again)
+        if upload_dir.is_dir():
+            for left in upload_dir.glob("*.part"):
+                left.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ build
 
@@ -148,23 +164,42 @@ class TemplateApi:
         length = request.content_length
         if length is not None and length > self.max_upload_bytes:
             raise ApiError(413, f"the upload is larger than {self.max_upload_bytes} bytes")
+        if self._uploads >= self.max_parallel_uploads:
+            raise ApiError(429, f"{self._uploads} uploads are being received ([templates] max_parallel_uploads): "
+                                f"try again shortly", retry=True, retry_after=UPLOAD_RETRY_AFTER)
         self.upload_dir.mkdir(parents=True, exist_ok=True)
+        self._check_floor(length or 0)
+        self._uploads += 1
         path = self.upload_dir / f"{files_hash}.{secrets.token_hex(4)}.part"
         try:
             size = 0
-            with open(path, "wb") as f:
-                async for data in request.content.iter_chunked(1 << 20):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                async for data in request.content.iter_chunked(UPLOAD_CHUNK):
                     size += len(data)
                     if size > self.max_upload_bytes:
                         raise ApiError(413, f"the upload is larger than {self.max_upload_bytes} bytes")
-                    f.write(data)
+                    if length is None:
+                        self._check_floor(len(data))     # a known length was checked whole
+                    await asyncio.to_thread(_write_all, fd, data)   # a slow disk never stalls the loop
+            finally:
+                os.close(fd)
             if length is not None and size != length:
                 raise ApiError(400, f"the upload ended after {size} of {length} bytes")
             if not self.builds.files_present(files_hash):
                 await self.builds.accept_files(files_hash, path)
         finally:
+            self._uploads -= 1
             path.unlink(missing_ok=True)
+        await self.builds.sweep_contexts()
         return web.Response(status=200)
+
+    def _check_floor(self, incoming: int) -> None:
+        """507 when ``incoming`` more bytes (in one new file) would leave the upload dir's
+        filesystem below the node's free-disk floor."""
+        why = self.floor.shortage(self.upload_dir, incoming, 1)
+        if why is not None:
+            raise ApiError(507, f"the node cannot take this upload now: {why}")
 
     async def start_build(self, request: web.Request, call: Call) -> web.Response:
         tid, bid = call.path["templateID"], call.path["buildID"]
@@ -396,3 +431,9 @@ class TemplateApi:
             Route("GET", "/templates/{templateID}/tags", self.list_tags, "the tags of a template",
                   (Reply(200, "the tags", None), Reply(404, "unknown template", "Error")), tags=t),
         ]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

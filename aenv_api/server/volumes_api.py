@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from aenv_store.durable import write_all
+from aenv_vm.volumes.charged import ChargedTree
 from aenv_vm.volumes.registry import (InvalidVolumeName, VolumeInUse, VolumeNameTaken, VolumeNotFound,
                                       VolumeRecord, VolumeRegistry, is_volume_id)
 from aenv_vm.volumes.tree import CHUNK, MAX_DEPTH, MAX_PATH, VolumeTree
@@ -37,8 +37,14 @@ from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .schemas import Field, Schema
 
-NEW_VOLUME = Schema("NewVolume", (Field("name", "string", required=True, max_length=255,
-                                        description="^[a-zA-Z0-9_-]+$"),))
+NEW_VOLUME = Schema("NewVolume", (
+    Field("name", "string", required=True, max_length=255, description="^[a-zA-Z0-9_-]+$"),
+    # aenv's own: the volume's quota (E2B's NewVolume has only a name); absent: the node's
+    # [volumes] defaults; 0: that bound off (the node's free-disk floor still holds)
+    Field("maxBytes", "integer", minimum=0, maximum=1 << 62,
+          description="bytes its files may take (aenv; default [volumes] max_bytes)"),
+    Field("maxInodes", "integer", minimum=0, maximum=1 << 62,
+          description="files, directories and symlinks it may hold (aenv; default [volumes] max_inodes)")))
 _PATH = Field("path", "string", required=True, max_length=MAX_PATH, description="path in the volume")
 _UID = Field("uid", "integer", minimum=0, maximum=0xFFFFFFFE)
 _GID = Field("gid", "integer", minimum=0, maximum=0xFFFFFFFE)
@@ -56,6 +62,7 @@ _STATUS = {errno.ENOENT: 404, errno.EEXIST: 409, errno.ENOTEMPTY: 409, errno.ENO
 
 
 def _volume(rec: VolumeRecord, domain: str) -> dict[str, Any]:
+    # E2B's VolumeAndToken as it is: a volume's quota is set at create, not answered
     out: dict[str, Any] = {"volumeID": rec.volume_id, "name": rec.name, "token": rec.token}
     if domain:
         out["domain"] = domain
@@ -84,7 +91,8 @@ class VolumeApi:
 
     async def create(self, request: web.Request, call: Call) -> web.Response:
         try:
-            rec = await asyncio.to_thread(self.registry.create, call.body["name"])
+            rec = await asyncio.to_thread(self.registry.create, call.body["name"], call.body["maxBytes"],
+                                          call.body["maxInodes"])
         except InvalidVolumeName as e:
             raise ApiError(400, f"Invalid volume name: {e}") from None
         except VolumeNameTaken as e:
@@ -114,7 +122,7 @@ class VolumeApi:
 
     # ------------------------------------------------------------- content
 
-    def _tree(self, request: web.Request, call: Call) -> VolumeTree:
+    def _tree(self, request: web.Request, call: Call) -> ChargedTree:
         token = _bearer(request)
         rec = self.registry.find(call.path["volumeID"])
         if rec is None:
@@ -209,10 +217,10 @@ class VolumeApi:
             async for data in request.content.iter_chunked(CHUNK):
                 buf += data
                 if len(buf) >= CHUNK:
-                    await self._run(tree, path, write_all, fd, bytes(buf))
+                    await self._run(tree, path, tree.write_chunk, fd, bytes(buf))
                     buf.clear()
             if buf:
-                await self._run(tree, path, write_all, fd, bytes(buf))
+                await self._run(tree, path, tree.write_chunk, fd, bytes(buf))
         except BaseException:
             os.close(fd)
             raise

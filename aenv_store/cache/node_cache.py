@@ -94,6 +94,8 @@ def validate_config(config: CacheConfig) -> None:
                           f"0 < low <= high <= 1, got {config.low_watermark} and {config.high_watermark}")
     if config.min_free_disk < 0:
         raise ConfigError(f"cache.min_free_disk must be >= 0, got {config.min_free_disk}")
+    if config.min_free_inodes < 0:
+        raise ConfigError(f"cache.min_free_inodes must be >= 0, got {config.min_free_inodes}")
 
 
 class NodeCache:

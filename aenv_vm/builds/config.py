@@ -18,6 +18,13 @@ class TemplatesConfig:
     disk_headroom_mib: int = 2048
     # Largest COPY context (MiB) an upload may be.
     max_upload_mib: int = 4096
+    # What a COPY context may inflate to (MiB): a gzip of zeros inflates ~1000 times.
+    max_context_mib: int = 8192
+    # Uploads of COPY contexts received at once (each streams to a file; more wait: 429).
+    max_parallel_uploads: int = 4
+    # Seconds an uploaded context is kept after the last build that used it ended (or
+    # after its upload, if no build used it): then it is deleted (the SDK uploads it again).
+    context_retention: float = 86400.0
     # Limits of a build's cpuCount and memoryMB.
     max_vcpus: int = 16
     max_memory_mib: int = 16384
@@ -29,5 +36,8 @@ class TemplatesConfig:
             raise ConfigError("templates.step_timeout and templates.ready_timeout must be > 0")
         if self.disk_headroom_mib < 0 or self.max_upload_mib < 1:
             raise ConfigError("templates.disk_headroom_mib must be >= 0 and templates.max_upload_mib >= 1")
+        if self.max_context_mib < 1 or not 1 <= self.max_parallel_uploads <= 1024 or self.context_retention < 0:
+            raise ConfigError("templates.max_context_mib must be >= 1, templates.max_parallel_uploads in "
+                              "1..1024 and templates.context_retention >= 0")
         if self.max_vcpus < 1 or self.max_memory_mib < 128:
             raise ConfigError("templates.max_vcpus must be >= 1 and templates.max_memory_mib >= 128")

@@ -6,15 +6,14 @@ several matches need a directory), owned by the step's user, with its mode.
 
 Unpacking happens in the guest, which is the sandbox: a hostile archive (``..``,
 absolute names, links out) can only touch the build VM's own disk. The host only
-decompresses a gzip upload (the SDK gzips by default) before handing it over.
+inflates a gzip upload (the SDK gzips by default) as a stream, bounded, and writes
+the plain tar into the guest in parts (context.py): ``$STAGE.part-00000000``, … which
+the script reads back in order.
 """
 from __future__ import annotations
 
-import gzip
-import io
 import shlex
 
-from ..errors import BadRequest
 from .steps import StepState, resolve_path
 
 # Each tool from the image, else from the tools layer's busybox (images without coreutils).
@@ -26,8 +25,8 @@ t() { if command -v "$1" >/dev/null 2>&1; then "$@"; else /.aenv/bin/busybox "$@
 _SCRIPT = r'''
 S="$STAGE.d"
 t rm -rf "$S"; t mkdir -p "$S"
-t tar -xf "$STAGE" -C "$S"
-t rm -f "$STAGE"
+t cat "$STAGE".part-* | t tar -xf - -C "$S"
+t rm -f "$STAGE".part-*
 cd "$S"
 [ -n "$OWNER" ] && t chown -R "$OWNER" "$S"
 [ -n "$MODE" ] && t find "$S" -mindepth 1 -exec chmod "$MODE" {} +
@@ -53,14 +52,10 @@ cd /; t rm -rf "$S"
 '''
 
 
-def plain_tar(data: bytes) -> bytes:
-    """The uploaded context as a plain tar (gunzipped when the SDK gzipped it)."""
-    if data[:2] == b"\x1f\x8b":
-        try:
-            return gzip.decompress(data)
-        except (OSError, EOFError) as e:
-            raise BadRequest(f"the uploaded files are not a valid gzip stream: {e}") from None
-    return data
+def part_path(stage: str, index: int) -> str:
+    """Where part ``index`` of a context goes in the build VM (the script reads them in
+    name order)."""
+    return f"{stage}.part-{index:08d}"
 
 
 def copy_script(stage: str, src: str, dest: str, state: StepState, owner: str | None, mode: str | None) -> str:
@@ -75,13 +70,3 @@ def copy_script(stage: str, src: str, dest: str, state: StepState, owner: str | 
            "OWNER": "" if who == "root" else who if ":" in who else f"{who}:", "MODE": mode or ""}
     assigns = "".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items())
     return _PRELUDE + assigns + _SCRIPT
-
-
-def check_tar(data: bytes) -> None:
-    """Refuse what is not a tar before it reaches the guest (a clear error, not tar's)."""
-    import tarfile
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            tar.getmembers()
-    except tarfile.TarError as e:
-        raise BadRequest(f"the uploaded files are not a tar archive: {e}") from None

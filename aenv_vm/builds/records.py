@@ -21,6 +21,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import blake3
 
@@ -240,10 +241,26 @@ def put_files(store: Store, files_hash: str, path: Path) -> None:
                                 meta=(("files_hash", files_hash),), created=time.time()), exclusive=False)
 
 
-def read_files(store: Store, files_hash: str) -> bytes:
+def open_files(store: Store, files_hash: str) -> tuple[Callable[[int, int], bytes], int]:
+    """``(read(offset, n), size)`` of the stored context: read a piece at a time, never
+    whole (a context may be gigabytes)."""
     try:
         rec = store.get_record(files_name(files_hash))
     except StoreNotFound:
         raise NotFound(f"the files of hash {files_hash} were never uploaded") from None
     reader = store.open_blob(rec.manifest("files"))
-    return reader.read(0, reader.size)
+    return reader.read, reader.size
+
+
+def delete_files(store: Store, files_hash: str) -> None:
+    """Forget the context of ``files_hash`` (its data goes at the next gc)."""
+    try:
+        store.delete_record(files_name(files_hash))
+    except StoreNotFound:
+        pass
+
+
+def list_files(store: Store) -> list[tuple[str, float]]:
+    """(files hash, created) of every stored context."""
+    return [(r.meta_dict().get("files_hash", r.name.removeprefix("bfiles-")), r.created)
+            for r in store.list_records(FILES_KIND)]

@@ -31,6 +31,10 @@ from .records import DEFAULT_TAG, BuildEntry, TemplateDef
 
 log = logging.getLogger(__name__)
 
+# an uploaded context no build has used yet is kept at least this long whatever the
+# retention (the SDK uploads the contexts, then starts the build that uses them)
+UNUSED_CONTEXT_GRACE = 3600.0
+
 
 @dataclass
 class BuildRun:
@@ -78,11 +82,16 @@ Users = Callable[[str], list[str]]           # template record -> the sandboxes 
 
 class TemplateBuilds:
     def __init__(self, rt: NodeRuntime, settings: BuildSettings, log_dir: Path, users: Users,
-                 max_parallel: int = 1) -> None:
+                 max_parallel: int = 1, context_retention: float = 86400.0) -> None:
+        """``context_retention``: seconds an uploaded COPY context is kept after the last
+        build that used it ended (``sweep_contexts``)."""
         self.rt = rt
         self.settings = settings
         self.log_dir = log_dir
         self.users = users
+        self.context_retention = context_retention
+        self._context_used: dict[str, float] = {}      # files hash -> when a build using it ended
+        self._context_holds: dict[str, int] = {}       # files hash -> started builds that use it
         self._runs: dict[str, BuildRun] = {}
         self._lock = asyncio.Lock()                    # template definitions: one writer
         self._slots = asyncio.Semaphore(max_parallel)
@@ -106,6 +115,7 @@ class TemplateBuilds:
         await asyncio.to_thread(shutil.rmtree, self.rt.run_root / "builds", True)
         async with self._lock:
             await asyncio.to_thread(fix)
+        await self.sweep_contexts()
 
     async def close(self) -> None:
         self._closing = True
@@ -165,6 +175,32 @@ class TemplateBuilds:
     async def accept_files(self, files_hash: str, path: Path) -> None:
         await asyncio.to_thread(records.put_files, self.store, files_hash, path)
 
+    async def sweep_contexts(self) -> int:
+        """Delete the COPY contexts no started build holds whose last use (the end of a
+        build that used it; its upload when none did, kept ``UNUSED_CONTEXT_GRACE`` at
+        least) is more than ``context_retention`` ago. Their data goes at the next
+        ``aenv repo gc``. How many were deleted."""
+        now = time.time()
+
+        def sweep() -> int:
+            gone = 0
+            for files_hash, created in records.list_files(self.store):
+                if self._context_holds.get(files_hash):
+                    continue
+                used = self._context_used.get(files_hash)
+                keep = self.context_retention if used is not None else max(self.context_retention,
+                                                                            UNUSED_CONTEXT_GRACE)
+                if now - (used if used is not None else created) > keep:
+                    records.delete_files(self.store, files_hash)
+                    self._context_used.pop(files_hash, None)
+                    gone += 1
+            return gone
+        try:
+            return await asyncio.to_thread(sweep)
+        except (StoreError, OSError) as e:
+            log.warning("sweeping build contexts: %s", e)
+            return 0
+
     # ------------------------------------------------------------------ run
 
     def _run_of(self, template_id: str, build_id: str) -> BuildRun:
@@ -204,7 +240,13 @@ class TemplateBuilds:
                                  f"(GET /templates/{template_id}/files/{step.files_hash} first)")
         job = BuildJob(run.name, run.build_id, spec, run.resources)
         run.status = "building"
+        for files_hash in self._contexts_of(job):
+            self._context_holds[files_hash] = self._context_holds.get(files_hash, 0) + 1
         run.task = asyncio.ensure_future(self._execute(run, job))
+
+    @staticmethod
+    def _contexts_of(job: BuildJob) -> set[str]:
+        return {s.files_hash for s in job.spec.steps if s.kind == StepKind.COPY and s.files_hash}
 
     async def _execute(self, run: BuildRun, job: BuildJob) -> None:
         t0 = time.monotonic()
@@ -239,6 +281,16 @@ class TemplateBuilds:
             # finished: its status and log are read back from the store and the log file
             # (_load_finished), so a long-lived node does not keep every build in memory
             self._runs.pop(run.build_id, None)
+            ended = time.time()
+            for files_hash in self._contexts_of(job):
+                left = self._context_holds.get(files_hash, 1) - 1
+                if left > 0:
+                    self._context_holds[files_hash] = left
+                else:
+                    self._context_holds.pop(files_hash, None)
+                self._context_used[files_hash] = ended
+            if not self._closing:
+                await self.sweep_contexts()
 
     def _fail(self, run: BuildRun, message: str, step: str | None) -> None:
         run.status = "error"

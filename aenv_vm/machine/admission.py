@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol
 
+from aenv_store.diskfloor import DiskFloor
+
 from ..errors import AdmissionRefused, CapacityError
 
 # Until restores have run, one is assumed to take this long (a TCG restore here: ~1-2 s).
@@ -90,6 +92,7 @@ class Headroom:
     min_free_memory: int = 0            # bytes of the host's MemAvailable
     min_free_disk: int = 0              # bytes free on disk_path's filesystem
     disk_path: Path | None = None       # where sandboxes' upper layers and pauses grow
+    min_free_inodes: int = 0            # inodes free on disk_path's filesystem
 
     def shortage(self) -> tuple[str, str] | None:
         """(reason, message) when the host is below a bound now, else None."""
@@ -98,15 +101,10 @@ class Headroom:
             if avail < self.min_free_memory:
                 return "memory", (f"the host has {avail >> 20} MiB of memory available, below the "
                                   f"{self.min_free_memory >> 20} MiB this node keeps free ([vm] min_free_memory_mib)")
-        if self.min_free_disk and self.disk_path is not None:
-            try:
-                st = os.statvfs(self.disk_path)
-            except OSError:
-                return None
-            free = st.f_bavail * st.f_frsize
-            if free < self.min_free_disk:
-                return "disk", (f"{self.disk_path} has {free >> 20} MiB free, below the "
-                                f"{self.min_free_disk >> 20} MiB this node keeps free ([cache] min_free_disk)")
+        if (self.min_free_disk or self.min_free_inodes) and self.disk_path is not None:
+            why = DiskFloor(self.min_free_disk, self.min_free_inodes).shortage(self.disk_path)
+            if why is not None:
+                return "disk", why
         return None
 
 

@@ -25,6 +25,7 @@ from ..blockimage.layer import IMAGE_KIND, image_top
 from ..errors import Conflict
 from ..tools import TOOLS_KEY_META, ToolsTree, install_tools
 from .config import OciConfig
+from .errors import OciError
 from .layers import ApplyStats, apply_layers
 from .manifest import ImageConfig
 
@@ -220,7 +221,7 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
         total = sum(lf.size for lf in layers)
         with progress(f"flatten {len(layers)} layer(s)", total, "bytes") as bar:
             stats: ApplyStats = apply_layers(root, [(lf.path, lf.label, lf.diff_id) for lf in layers],
-                                             on_bytes=bar.advance)
+                                             on_bytes=bar.advance, floor=store.settings.cache.floor)
         notes = list(stats.notes)
         if tools is not None:
             report = install_tools(root, tools, image_path_env(image_config))
@@ -237,6 +238,10 @@ def build_disk_image(store: "Store", config: OciConfig, layers: list[LayerFile],
         disk = size if size is not None else disk_size(content, count_inodes(root), config)
         say(f"flattened {stats.entries} entries ({stats.files} files, {human_bytes(stats.bytes)}); "
             f"making a {disk // MiB} MiB ext4 disk")
+        # the disk file holds the tree's bytes again (sparse beyond them)
+        why = store.settings.cache.floor.shortage(work_root, content, 1)
+        if why is not None:
+            raise OciError(f"making the image's disk would go below the node's free-disk floor: {why}")
         try:
             res = import_tree(store, root, record_name, size=disk, meta=meta, exclusive=not replace)
         except AlreadyExists:

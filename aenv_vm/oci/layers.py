@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, BinaryIO, Callable, Iterable
 
+from aenv_store.diskfloor import DiskFloor, FloorReached
+
 from .errors import BadImage, OciError
 
 if TYPE_CHECKING:
@@ -117,11 +119,14 @@ def _split(name: str, what: str) -> list[str]:
 class RootWriter:
     """Writes into one root directory, never outside it (see the module doc)."""
 
-    def __init__(self, root: Path, stats: ApplyStats) -> None:
+    def __init__(self, root: Path, stats: ApplyStats, floor: DiskFloor | None = None) -> None:
+        """``floor``: what the root's filesystem keeps free; an entry that would go below
+        it fails the flatten (``FloorReached``, ENOSPC) before it is written."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.root_fd = os.open(self.root, _DIR_FLAGS)
         self.stats = stats
+        self.floor = floor if floor is not None else DiskFloor()
         self.can_chown = os.geteuid() == 0
 
     def close(self) -> None:
@@ -239,6 +244,7 @@ class RootWriter:
         if not (member.isfile() or member.isdir() or member.issym() or member.islnk() or member.isfifo()):
             self.stats.note(f"entry /{'/'.join(parts)} of tar type {member.type!r} skipped")
             return
+        self.floor.check(self.root, member.size if member.isfile() else 0, 1)
         pfd = self.open_dir(parent, create=True)
         try:
             self._write_leaf(pfd, tuple(parts), leaf, member, data, dirs)
@@ -404,6 +410,8 @@ def apply_layer(writer: RootWriter, f: BinaryIO, label: str, diff_id: str | None
                 data = tar.extractfile(member) if member.isfile() else None
                 try:
                     writer.write_entry(member, data, written, dirs)
+                except FloorReached as e:
+                    raise OciError(f"{label}: flattening the image stopped at {member.name!r}: {e}") from None
                 except OSError as e:
                     raise BadImage(f"{label}: cannot apply {member.name!r}: {e.strerror or e}") from None
                 if on_bytes is not None:
@@ -432,8 +440,8 @@ def apply_layer(writer: RootWriter, f: BinaryIO, label: str, diff_id: str | None
 
 
 def apply_layers(root: Path, layers: Iterable[tuple[Path, str, str | None]],
-                 on_bytes: Callable[[int], None] | None = None) -> ApplyStats:
-    """Apply ``(file, label, diff_id)`` layers bottom first onto ``root``."""
+                 on_bytes: Callable[[int], None] | None = None, floor: DiskFloor | None = None) -> ApplyStats:
+    """Apply ``(file, label, diff_id)`` layers bottom first onto ``root``, above ``floor``."""
     stats = ApplyStats()
     with contextlib.ExitStack() as files:
         # every layer file is opened first: a layer cache pruned by another pull meanwhile
@@ -444,7 +452,7 @@ def apply_layers(root: Path, layers: Iterable[tuple[Path, str, str | None]],
                 opened.append((files.enter_context(open(path, "rb")), label, diff_id))
             except FileNotFoundError:
                 raise BadImage(f"{label}: layer file {path} is gone") from None
-        writer = RootWriter(root, stats)
+        writer = RootWriter(root, stats, floor)
         try:
             for f, label, diff_id in opened:
                 apply_layer(writer, f, label, diff_id, on_bytes)

@@ -14,8 +14,16 @@ The guest is hostile. What keeps it inside the volume:
   setuid-root binary in the node's data dir); owners are what the guest asks
   (its uids are its own, as on an NFS export without root squash).
 * Sizes are bounded: one READ at most ``MAX_IO`` bytes, one listing page at most
-  ``PAGE`` names; at most ``MAX_INFLIGHT`` requests of one channel are worked on
-  at a time (the rest wait in the socket: back pressure to the guest).
+  one frame's meta (dirpage.py: pages cut by encoded size, resumed by cookie); at
+  most ``MAX_INFLIGHT`` requests of one channel are worked on at a time (the rest
+  wait in the socket: back pressure to the guest).
+* Every request is answered: a failure of any kind is an errno (EIO when nothing
+  more precise is known), a request whose meta is not JSON is EINVAL, an oversized
+  one is skipped and answered E2BIG; only bytes that are not a frame at all close
+  the channel (the guest's requests then wait for the next one, as on a hard NFS
+  mount). A silent request would hang every guest process that touches the path.
+* The volume's quota (quota.py: bytes and inodes, EDQUOT) and the node's free-disk
+  floor (bytes and inodes, ENOSPC) hold for every change that can grow the tree.
 * The server holds no state between requests (no fds, no handles): a request
   for a path that does not exist is ENOENT, never a stale host object, and a
   channel re-dialled after a resume or for a fork child needs nothing restored.
@@ -36,17 +44,19 @@ import time
 from concurrent.futures import Executor
 from typing import Any, Callable
 
+from aenv_store.diskfloor import DiskFloor
 from envd import volwire as W
 
+from .dirpage import read_page
+from .quota import QuotaExceeded, VolumeUsage, charged_bytes, write_estimate
 from .tree import VolumeTree
 
 log = logging.getLogger(__name__)
 
 MAX_IO = 1 << 20
-PAGE = 512
-LISTING_TTL = 5.0                    # seconds later pages reuse a listing
-MAX_LISTING = 1_000_000
 MAX_INFLIGHT = 8
+RESUME_POINTS = 64                   # count-paged listings (older guests) resumed by cookie
+DISCARD = 1 << 20                    # bytes read at a time of an oversized frame's body
 MAX_TARGET = 4095
 _NO_SETID = ~(st.S_ISUID | st.S_ISGID) & 0o7777
 _RENAME_FLAGS = 0x1 | 0x2            # RENAME_NOREPLACE, RENAME_EXCHANGE
@@ -81,6 +91,14 @@ def _str(meta: dict[str, Any], key: str) -> str:
 _libc: ctypes.CDLL | None = None
 
 
+def _pwrite_all(fd: int, data: bytes, offset: int) -> int:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
 def _renameat2(olddir: int, old: str, newdir: int, new: str, flags: int) -> None:
     global _libc
     if flags == 0:
@@ -96,13 +114,16 @@ def _renameat2(olddir: int, old: str, newdir: int, new: str, flags: int) -> None
 class VolumeServer:
     """Answers one volume's requests. Thread-safe (each request is its own syscalls)."""
 
-    def __init__(self, tree: VolumeTree, read_only: bool = False, min_free: int = 0) -> None:
-        """``min_free``: bytes a guest's writes must leave free on the tree's filesystem
-        (ENOSPC otherwise): a volume shares the node's disk, so one guest filling it would
-        stop every sandbox's disk writes and the node's own."""
+    def __init__(self, tree: VolumeTree, read_only: bool = False, min_free: int = 0,
+                 floor: DiskFloor | None = None, usage: VolumeUsage | None = None) -> None:
+        """``floor``: bytes and inodes a guest's writes must leave free on the tree's
+        filesystem (ENOSPC otherwise; ``min_free``: its bytes alone): a volume shares the
+        node's disk, so one guest filling it would stop every sandbox's disk writes and
+        the node's own. ``usage``: the volume's quota and what it uses (EDQUOT beyond)."""
         self.tree = tree
         self.read_only = read_only
-        self.min_free = min_free
+        self.floor = floor if floor is not None else DiskFloor(min_free_bytes=min_free)
+        self.usage = usage
         self._ops: dict[int, Callable[[dict[str, Any], bytes], Reply]] = {
             W.Op.STAT: self._stat, W.Op.READDIR: self._readdir, W.Op.MKDIR: self._mkdir,
             W.Op.UNLINK: self._unlink, W.Op.RMDIR: self._rmdir, W.Op.RENAME: self._rename,
@@ -111,14 +132,24 @@ class VolumeServer:
             W.Op.SETATTR: self._setattr, W.Op.STATFS: self._statfs, W.Op.FSYNC: self._fsync,
         }
         self._lock = threading.Lock()
-        self._listings: dict[str, tuple[float, list[tuple[str, str, int]]]] = {}
+        # (path, entries listed so far) -> the cookie there, for guests that page by count
+        self._resume: dict[tuple[str, int], int] = {}
         self._writes = {W.Op.MKDIR, W.Op.UNLINK, W.Op.RMDIR, W.Op.RENAME, W.Op.SYMLINK, W.Op.CREATE,
                         W.Op.WRITE, W.Op.SETATTR}
+        self._creates = {W.Op.MKDIR, W.Op.SYMLINK, W.Op.CREATE}
 
     # ------------------------------------------------------------ one request
 
     def answer(self, frame: W.Frame) -> bytes:
-        """The encoded reply to one request frame (never raises for what a guest sends)."""
+        """The encoded reply to one request frame: never raises, whatever a guest sends
+        or whatever fails here (EIO then), so no request goes unanswered."""
+        try:
+            return self._answer(frame)
+        except Exception as e:      # a bug here must cost the guest an errno, not a hung process
+            log.warning("volume request %s failed: %r", frame.code, e)
+            return W.reply(frame.id, errno.EIO)
+
+    def _answer(self, frame: W.Frame) -> bytes:
         if frame.kind is not W.Kind.REQUEST:
             return W.reply(frame.id, errno.EPROTO)
         op = self._ops.get(frame.code)
@@ -126,8 +157,9 @@ class VolumeServer:
             return W.reply(frame.id, errno.ENOSYS)
         if self.read_only and frame.code in self._writes:
             return W.reply(frame.id, errno.EROFS)
-        if self.min_free and frame.code in self._writes and frame.code not in (W.Op.UNLINK, W.Op.RMDIR) \
-                and self._free() - len(frame.data) < self.min_free:
+        if self.floor.active and frame.code in self._writes and frame.code not in (W.Op.UNLINK, W.Op.RMDIR) \
+                and self.floor.shortage(self.tree.root, len(frame.data),
+                                        1 if frame.code in self._creates else 0) is not None:
             return W.reply(frame.id, errno.ENOSPC)
         try:
             code, meta, data = op(frame.meta, frame.data)
@@ -137,14 +169,18 @@ class VolumeServer:
             code, meta, data = (e.errno or errno.EIO), {}, b""
         except (ValueError, TypeError, UnicodeError, OverflowError):
             code, meta, data = errno.EINVAL, {}, b""
-        return W.reply(frame.id, code if 0 <= code < 1 << 16 else errno.EIO, meta, data)
-
-    def _free(self) -> int:
         try:
-            v = os.statvfs(self.tree.root)
-        except OSError:
-            return 0
-        return v.f_bavail * v.f_frsize
+            return W.reply(frame.id, code if 0 <= code < 1 << 16 else errno.EIO, meta, data)
+        except W.WireError:       # an answer no frame can carry (never a listing: its pages fit)
+            return W.reply(frame.id, errno.EOVERFLOW)
+
+    def _reserve_inode(self) -> None:
+        if self.usage is not None:
+            self.usage.reserve(inodes=1)
+
+    def _unreserve_inode(self) -> None:
+        if self.usage is not None:
+            self.usage.settle(inodes=-1)
 
     def _parent(self, meta: dict[str, Any], key: str = "path") -> tuple[int, str]:
         return self.tree.open_parent_beneath(_str(meta, key))
@@ -162,46 +198,36 @@ class VolumeServer:
     def _readdir(self, meta: dict[str, Any], data: bytes) -> Reply:
         offset = _int(meta, "offset", default=0)
         rel = _str(meta, "path")
-        listing = self._listing(rel, fresh=offset == 0)
-        page = listing[offset:offset + PAGE]
-        return 0, {"entries": [list(e) for e in page], "more": offset + PAGE < len(listing)}, b""
-
-    def _listing(self, rel: str, fresh: bool) -> list[tuple[str, str, int]]:
-        """The directory's entries by name. Later pages of one listing reuse the first's
-        (a few seconds): a guest paging through a huge directory costs one scan, not one
-        per page. At most ``MAX_LISTING`` names (ENOSPC-free bound on node memory: E2BIG)."""
         key = rel.strip("/")
-        with self._lock:
-            hit = self._listings.get(key)
-            if hit is not None and not fresh and time.monotonic() - hit[0] < LISTING_TTL:
-                return hit[1]
+        skip = 0
+        if "cookie" in meta:
+            cookie = _int(meta, "cookie")
+        else:                         # a guest that pages by count: resume where its last page ended
+            with self._lock:
+                hit = self._resume.pop((key, offset), None)
+            cookie, skip = (hit, 0) if hit is not None else (0, offset)
         fd = self.tree.open_beneath(rel, os.O_RDONLY | os.O_DIRECTORY)
-        out: list[tuple[str, str, int]] = []
         try:
-            with os.scandir(fd) as it:
-                for e in it:
-                    if len(out) >= MAX_LISTING:
-                        raise OSError(errno.E2BIG, "directory too large to list")
-                    try:
-                        kind = "d" if e.is_dir(follow_symlinks=False) else "l" if e.is_symlink() else \
-                            "f" if e.is_file(follow_symlinks=False) else "o"
-                        out.append((e.name, kind, e.inode()))
-                    except OSError:
-                        continue
+            page = read_page(fd, cookie, skip)
         finally:
             os.close(fd)
-        out.sort()
-        with self._lock:
-            self._listings[key] = (time.monotonic(), out)
-            while len(self._listings) > 4:
-                self._listings.pop(next(iter(self._listings)))
-        return out
+        if "cookie" not in meta and page.more:
+            with self._lock:
+                self._resume[(key, offset + len(page.entries))] = page.cookie
+                while len(self._resume) > RESUME_POINTS:
+                    self._resume.pop(next(iter(self._resume)))
+        return 0, {"entries": [list(e) for e in page.entries], "more": page.more, "cookie": page.cookie}, b""
 
     def _mkdir(self, meta: dict[str, Any], data: bytes) -> Reply:
         mode = _int(meta, "mode", 0, 0o7777, 0o755) & _NO_SETID
         dfd, name = self._parent(meta)
         try:
-            os.mkdir(name, 0o700, dir_fd=dfd)
+            self._reserve_inode()
+            try:
+                os.mkdir(name, 0o700, dir_fd=dfd)
+            except BaseException:
+                self._unreserve_inode()
+                raise
             return 0, attr(self._own_new(dfd, name, mode, meta)), b""
         finally:
             os.close(dfd)
@@ -231,13 +257,29 @@ class VolumeServer:
         return self._in_parent(meta, os.rmdir)
 
     def _in_parent(self, meta: dict[str, Any], op: Callable[..., None]) -> Reply:
-        """``op(name, dir_fd=parent)`` on the request's path, beneath the volume."""
+        """``op(name, dir_fd=parent)`` on the request's path, beneath the volume; what the
+        entry was charged comes off the volume's usage."""
         dfd, name = self._parent(meta)
         try:
-            op(name, dir_fd=dfd)
+            self._removing(dfd, name, lambda: op(name, dir_fd=dfd))
         finally:
             os.close(dfd)
         return 0, {}, b""
+
+    def _removing(self, dfd: int, name: str, remove: Callable[[], None]) -> None:
+        """Run ``remove`` (which drops the entry ``name`` of ``dfd``) and take the entry
+        off the usage; under the entry's file lock, so no write to it settles after."""
+        if self.usage is None:
+            remove()
+            return
+        try:
+            s = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            remove()          # gone meanwhile (or never there): its own error, nothing to take off
+            return
+        with self.usage.file_lock(s.st_ino):
+            remove()
+            self.usage.settle(-charged_bytes(s), -1)
 
     def _rename(self, meta: dict[str, Any], data: bytes) -> Reply:
         flags = _int(meta, "flags", 0, 0xFFFFFFFF, 0)
@@ -247,12 +289,27 @@ class VolumeServer:
         try:
             dst_dfd, dst = self._parent(meta, "to")
             try:
-                _renameat2(src_dfd, src, dst_dfd, dst, flags)
+                if flags & 0x2:           # an exchange: both entries stay
+                    _renameat2(src_dfd, src, dst_dfd, dst, flags)
+                else:                     # the entry replaced at ``dst``, if any, is gone
+                    src_ino = os.stat(src, dir_fd=src_dfd, follow_symlinks=False).st_ino
+                    if self._replaces(dst_dfd, dst, src_ino):
+                        self._removing(dst_dfd, dst, lambda: _renameat2(src_dfd, src, dst_dfd, dst, flags))
+                    else:
+                        _renameat2(src_dfd, src, dst_dfd, dst, flags)
             finally:
                 os.close(dst_dfd)
         finally:
             os.close(src_dfd)
         return 0, {}, b""
+
+    @staticmethod
+    def _replaces(dfd: int, name: str, ino: int) -> bool:
+        """Whether ``name`` exists in ``dfd`` as another entry than inode ``ino``."""
+        try:
+            return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino != ino
+        except FileNotFoundError:
+            return False
 
     def _symlink(self, meta: dict[str, Any], data: bytes) -> Reply:
         target = _str(meta, "target")
@@ -260,8 +317,13 @@ class VolumeServer:
             return errno.EINVAL, {}, b""
         dfd, name = self._parent(meta)
         try:
-            # stored as text, never resolved on the host: every walk here is O_NOFOLLOW
-            os.symlink(target, name, dir_fd=dfd)
+            self._reserve_inode()
+            try:
+                # stored as text, never resolved on the host: every walk here is O_NOFOLLOW
+                os.symlink(target, name, dir_fd=dfd)
+            except BaseException:
+                self._unreserve_inode()
+                raise
             return 0, attr(self._own_new(dfd, name, None, meta)), b""
         finally:
             os.close(dfd)
@@ -276,9 +338,18 @@ class VolumeServer:
     def _create(self, meta: dict[str, Any], data: bytes) -> Reply:
         mode = _int(meta, "mode", 0, 0o7777, 0o644) & _NO_SETID
         rel = _str(meta, "path")
+        reserved = True
+        try:
+            self._reserve_inode()
+        except QuotaExceeded:         # no inode left: still fine for a file that exists
+            if meta.get("excl") or not self.tree.exists(rel):
+                raise
+            reserved = False
         try:
             os.close(self.tree.open_beneath(rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         except FileExistsError:
+            if reserved:
+                self._unreserve_inode()
             if meta.get("excl"):
                 raise
             fd = self.tree.open_beneath(rel, os.O_RDONLY)    # an existing regular file (never a link)
@@ -287,6 +358,12 @@ class VolumeServer:
             finally:
                 os.close(fd)
             return (errno.EISDIR, {}, b"") if st.S_ISDIR(s.st_mode) else (0, attr(s), b"")
+        except BaseException:
+            if reserved:
+                self._unreserve_inode()
+            raise
+        if not reserved:              # made meanwhile by someone else's unlink: count it now
+            self.usage.settle(inodes=1) if self.usage is not None else None
         dfd, name = self._parent(meta)
         try:
             return 0, attr(self._own_new(dfd, name, mode, meta)), b""
@@ -319,10 +396,17 @@ class VolumeServer:
         offset = _int(meta, "offset")
         fd = self.tree.open_beneath(_str(meta, "path"), os.O_WRONLY)
         try:
-            view = memoryview(data)
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
+            if self.usage is None:
+                return 0, {"size": _pwrite_all(fd, data, offset)}, b""
+            before = os.fstat(fd)
+            with self.usage.file_lock(before.st_ino):
+                before = os.fstat(fd)
+                estimate = write_estimate(before, offset, len(data))
+                self.usage.reserve(estimate)          # EDQUOT: nothing written
+                try:
+                    done = _pwrite_all(fd, data, offset)
+                finally:
+                    self.usage.settle(charged_bytes(os.fstat(fd)) - charged_bytes(before) - estimate)
         finally:
             os.close(fd)
         return 0, {"size": done}, b""
@@ -333,7 +417,15 @@ class VolumeServer:
             size = _int(meta, "size")
             fd = self.tree.open_beneath(rel, os.O_WRONLY)
             try:
-                os.ftruncate(fd, size)
+                if self.usage is None:
+                    os.ftruncate(fd, size)
+                else:                     # a truncate allocates nothing: it can only free
+                    with self.usage.file_lock(os.fstat(fd).st_ino):
+                        before = os.fstat(fd)
+                        try:
+                            os.ftruncate(fd, size)
+                        finally:
+                            self.usage.settle(charged_bytes(os.fstat(fd)) - charged_bytes(before))
             finally:
                 os.close(fd)
         fd = self.tree.open_beneath(rel, os.O_PATH)
@@ -403,11 +495,14 @@ class VolumeServer:
 
         async def one(frame: W.Frame) -> None:
             try:
-                out = await asyncio.get_running_loop().run_in_executor(executor, self.answer, frame)
+                try:
+                    out = await asyncio.get_running_loop().run_in_executor(executor, self.answer, frame)
+                except RuntimeError:      # the executor is shut down: the node is closing
+                    out = W.reply(frame.id, errno.EIO)
                 writer.write(out)     # one write per reply: replies never interleave
                 await writer.drain()
             except (ConnectionError, OSError):
-                pass
+                pass                  # the guest sends it again on the next channel
             finally:
                 slots.release()
 
@@ -417,8 +512,17 @@ class VolumeServer:
                     header = await reader.readexactly(W.HEADER_LEN)
                 except asyncio.IncompleteReadError:
                     return
-                meta_len, data_len = W.header_lengths(header)
-                frame = W.decode_one(header, await reader.readexactly(meta_len + data_len))
+                rid, meta_len, data_len = W.peek_header(header)
+                if meta_len > W.MAX_META or data_len > W.MAX_DATA:
+                    await _discard(reader, meta_len + data_len)
+                    writer.write(W.reply(rid, errno.E2BIG))
+                    continue
+                body = await reader.readexactly(meta_len + data_len)
+                try:
+                    frame = W.decode_one(header, body)
+                except W.MetaError as e:
+                    writer.write(W.reply(e.frame_id, errno.EINVAL))
+                    continue
                 await slots.acquire()
                 t = asyncio.get_running_loop().create_task(one(frame))
                 tasks.add(t)
@@ -428,3 +532,12 @@ class VolumeServer:
                 t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _discard(reader: asyncio.StreamReader, n: int) -> None:
+    """Read and drop ``n`` bytes (an oversized frame's body), ``DISCARD`` at a time."""
+    while n > 0:
+        chunk = await reader.read(min(n, DISCARD))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", n)
+        n -= len(chunk)

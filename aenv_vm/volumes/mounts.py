@@ -25,6 +25,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from aenv_store.diskfloor import DiskFloor
 from envd import volwire as W
 
 from ..envd_client import NoAnswer, http_request, parse_head, until_answered
@@ -185,7 +186,10 @@ class SandboxVolumes:
 
     def __init__(self, registry: VolumeRegistry | None, min_free: int = 0) -> None:
         self.registry = registry
-        self.min_free = min_free          # bytes guests' volume writes leave free (ENOSPC below)
+        # what guests' volume writes leave free (ENOSPC below): the registry's floor (bytes
+        # and inodes), else ``min_free`` bytes
+        self.floor = registry.floor if registry is not None and registry.floor.active else \
+            DiskFloor(min_free_bytes=min_free)
         self._keepers: dict[str, list[Keeper]] = {}
         # every channel's blocking calls, apart from the event loop's default threads
         self.executor = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="volume-io")
@@ -207,9 +211,10 @@ class SandboxVolumes:
             for m in mounts:
                 try:
                     tree = self.registry.tree(m.volume_id)
+                    usage = self.registry.usage(m.volume_id)
                 except VolumeNotFound:
                     raise MountError(f"volume {m.name} ({m.volume_id}) no longer exists") from None
-                k = Keeper(host, port, m, token, VolumeServer(tree, min_free=self.min_free), self.executor)
+                k = Keeper(host, port, m, token, VolumeServer(tree, floor=self.floor, usage=usage), self.executor)
                 await k.start(timeout)
                 keepers.append(k)
                 self.registry.mark_mounted(m.volume_id, sid)

@@ -2,7 +2,8 @@
 
 Layout under ``root`` (``<data dir>/volumes``, mode 0700)::
 
-    <volume id>/volume.json   the record: id, name, token, created_at (mode 0600)
+    <volume id>/volume.json   the record: id, name, token, created_at, and the volume's
+                              own quota when it was created with one (mode 0600)
     <volume id>/tree/         the volume's files (a VolumeTree); the only part a
                               sandbox ever sees
     .new-<id>/, .trash-<id>/  a create or delete in progress (removed at start)
@@ -17,6 +18,10 @@ checked in constant time. Names follow E2B's pattern ``^[a-zA-Z0-9_-]+$`` and ar
 unique on the node. Which sandboxes mount a volume is kept in memory only (a
 restarted node has no mounts until its sandboxes mount again); a mounted volume
 cannot be deleted (``VolumeInUse``).
+
+Each volume's quota (quota.py) is its record's, else the node's ``[volumes]``
+defaults; what it uses is scanned once per node process, at first use, and kept
+by every writer (``usage``).
 
 Thread-safe: one lock guards the records and the mounts.
 """
@@ -34,10 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aenv_store.diskfloor import DiskFloor
 from aenv_store.durable import fsync_dir, write_file_durable
 
 from ..errors import BadRequest, Conflict, NotFound, VmError
-from .tree import VolumeTree
+from .charged import ChargedTree
+from .quota import VolumeQuota, VolumeUsage
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,255}")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -77,28 +84,44 @@ class VolumeRecord:
     name: str
     token: str
     created_at: float        # Unix seconds
+    max_bytes: int | None = None     # the volume's own quota; None: the node's default
+    max_inodes: int | None = None
 
     def token_matches(self, presented: str) -> bool:
         """Constant-time comparison of ``presented`` with this volume's token."""
         return secrets.compare_digest(presented.encode("utf-8", "surrogateescape"), self.token.encode())
 
     def to_json(self) -> dict[str, object]:
-        return {"volume_id": self.volume_id, "name": self.name, "token": self.token, "created_at": self.created_at}
+        out: dict[str, object] = {"volume_id": self.volume_id, "name": self.name, "token": self.token,
+                                  "created_at": self.created_at}
+        if self.max_bytes is not None:
+            out["max_bytes"] = self.max_bytes
+        if self.max_inodes is not None:
+            out["max_inodes"] = self.max_inodes
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "VolumeRecord":
-        rec = cls(str(d["volume_id"]), str(d["name"]), str(d["token"]), float(d["created_at"]))
+        limits = [d.get("max_bytes"), d.get("max_inodes")]
+        if any(v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0) for v in limits):
+            raise ValueError("malformed volume quota")
+        rec = cls(str(d["volume_id"]), str(d["name"]), str(d["token"]), float(d["created_at"]), limits[0], limits[1])
         if not is_volume_id(rec.volume_id) or not NAME.fullmatch(rec.name) or not rec.token:
             raise ValueError("malformed volume record")
         return rec
 
 
 class VolumeRegistry:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, quota: VolumeQuota | None = None, floor: DiskFloor | None = None) -> None:
+        """``quota``: what a volume created without its own may use (none by default);
+        ``floor``: what every write into a volume leaves free on the node's disk."""
         self.root = Path(root)
+        self.default_quota = quota if quota is not None else VolumeQuota()
+        self.floor = floor if floor is not None else DiskFloor()
         self._lock = threading.Lock()
         self._records: dict[str, VolumeRecord] = {}
         self._mounts: dict[str, set[str]] = {}
+        self._usage: dict[str, VolumeUsage] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         self._load()
@@ -120,14 +143,19 @@ class VolumeRegistry:
 
     # ------------------------------------------------------------- records
 
-    def create(self, name: str) -> VolumeRecord:
-        """A new, empty volume. ``InvalidVolumeName``, ``VolumeNameTaken``."""
+    def create(self, name: str, max_bytes: int | None = None, max_inodes: int | None = None) -> VolumeRecord:
+        """A new, empty volume (its own quota when given; 0: that bound off).
+        ``InvalidVolumeName``, ``VolumeNameTaken``, ``BadRequest`` for a negative quota."""
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InvalidVolumeName("a volume name matches ^[a-zA-Z0-9_-]+$ (at most 255 characters)")
+        for what, v in (("maxBytes", max_bytes), ("maxInodes", max_inodes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise BadRequest(f"{what} must be an integer >= 0 (0: no bound)")
         with self._lock:
             if any(r.name == name for r in self._records.values()):
                 raise VolumeNameTaken(f"Volume with name '{name}' already exists")
-            rec = VolumeRecord(str(uuid.uuid4()), name, secrets.token_urlsafe(32), time.time())
+            rec = VolumeRecord(str(uuid.uuid4()), name, secrets.token_urlsafe(32), time.time(), max_bytes,
+                               max_inodes)
             staging = self.root / f".new-{rec.volume_id}"
             try:
                 staging.mkdir(mode=0o700)
@@ -180,6 +208,7 @@ class VolumeRegistry:
             fsync_dir(self.root)
             del self._records[volume_id]
             self._mounts.pop(volume_id, None)
+            self._usage.pop(volume_id, None)
         # outside the lock: a big tree takes a while; fd-based, never follows a symlink
         shutil.rmtree(trash, ignore_errors=True)
 
@@ -189,9 +218,28 @@ class VolumeRegistry:
         """Where the volume's files are on the host (for mounting). ``VolumeNotFound``."""
         return self.root / self.get(volume_id).volume_id / TREE
 
-    def tree(self, volume_id: str) -> VolumeTree:
-        """The volume's tree. ``VolumeNotFound``."""
-        return VolumeTree(self.tree_path(volume_id))
+    def tree(self, volume_id: str) -> ChargedTree:
+        """The volume's tree, its writes charged to its quota. ``VolumeNotFound``."""
+        return ChargedTree(self.tree_path(volume_id), self.usage(volume_id), self.floor)
+
+    def quota(self, rec: VolumeRecord) -> VolumeQuota:
+        """The volume's bounds: its own where it has them, else the node's default."""
+        d = self.default_quota
+        return VolumeQuota(d.max_bytes if rec.max_bytes is None else rec.max_bytes,
+                           d.max_inodes if rec.max_inodes is None else rec.max_inodes)
+
+    def usage(self, volume_id: str) -> VolumeUsage | None:
+        """What the volume uses, shared by every writer of it on this node (None: it has
+        no quota, nothing is counted). ``VolumeNotFound``."""
+        rec = self.get(volume_id)
+        quota = self.quota(rec)
+        if not quota.active:
+            return None
+        with self._lock:
+            usage = self._usage.get(volume_id)
+            if usage is None:
+                usage = self._usage[volume_id] = VolumeUsage(self.root / volume_id / TREE, quota)
+            return usage
 
     # ------------------------------------------------------------- mounts
 

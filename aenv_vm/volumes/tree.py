@@ -409,6 +409,12 @@ class VolumeTree:
         finally:
             os.close(dfd)
 
+    def write_chunk(self, fd: int, data: bytes) -> None:
+        """Write all of ``data`` at ``fd``'s position (an fd from ``open_write``)."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
     def finish_write(self, fd: int, rel: str, mode: int | None = None, uid: int | None = None,
                      gid: int | None = None) -> Entry:
         """Sync, set owner and mode through ``fd``, close it; the written entry."""
@@ -427,9 +433,7 @@ class VolumeTree:
         fd = self.open_write(rel, force, mode, uid, gid)
         try:
             for chunk in ([data] if isinstance(data, (bytes, bytearray, memoryview)) else data):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view):]
+                self.write_chunk(fd, bytes(chunk))
         except BaseException:
             os.close(fd)
             raise

@@ -93,10 +93,12 @@ def test_every_section_is_a_typed_field(data_dir: Path) -> None:
     from aenv_vm.builds.config import TemplatesConfig
     from aenv_vm.config import VmConfig
     from aenv_vm.oci.config import OciConfig
+    from aenv_vm.volumes.config import VolumesConfig
 
     assert dict(SECTIONS) == {"repository": RepositoryConfig, "store": StoreConfig, "cache": CacheConfig,
                               "p2p": P2PConfig, "vm": VmConfig, "server": ServerConfig, "oci": OciConfig,
-                              "templates": TemplatesConfig, "cluster": ClusterConfig, "gateway": GatewayConfig}
+                              "templates": TemplatesConfig, "volumes": VolumesConfig, "cluster": ClusterConfig,
+                              "gateway": GatewayConfig}
     (data_dir / "config.toml").write_text('[templates]\nmax_vcpus = 2\n[oci]\nregistry_mirrors = ["https://m.test"]\n')
     cfg = load_config(data_dir, overrides=env_overrides({"AENV_SERVER__PORT": "9", "AENV_GATEWAY__PORT": "7",
                                                          "AENV_VM__POOL_SIZE": "0"}))
@@ -112,7 +114,7 @@ def test_unknown_section_lists_the_known_ones(data_dir: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(data_dir, overrides={})
     assert str(e.value) == ("unknown config section [nope] (known: cache, cluster, gateway, oci, p2p, repository, "
-                            "server, store, templates, vm)")
+                            "server, store, templates, vm, volumes)")
     (data_dir / "config.toml").unlink()
     with pytest.raises(ConfigError, match=r"unknown config key server\.nope \(known: api_key_file, build_template, "):
         load_config(data_dir, overrides={"server": {"nope": 1}})

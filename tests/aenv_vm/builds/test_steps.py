@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aenv_vm.builds.copy import copy_script, plain_tar
+from aenv_vm.builds.context import inflate
+from aenv_vm.builds.copy import copy_script
 from aenv_vm.builds.records import cache_key, split_name
 from aenv_vm.builds.steps import DEFAULT_PATH, StepState, expand, next_state
 from aenv_vm.errors import BadRequest
@@ -72,7 +73,7 @@ def test_copy_script_quotes_everything() -> None:
     assert "OWNER=''\n" in copy_script("/tmp/s.tar", "a", "/b", StepState(), "root", None)
 
 
-def test_plain_tar_refuses_broken_gzip() -> None:
+def test_inflate_refuses_broken_gzip() -> None:
     with pytest.raises(BadRequest):
-        plain_tar(b"\x1f\x8b\x08garbage")
-    assert plain_tar(b"plain") == b"plain"
+        b"".join(inflate([b"\x1f\x8b\x08garbage"], 1 << 20))
+    assert b"".join(inflate([b"plain"], 1 << 20)) == b"plain"

@@ -348,3 +348,22 @@ def test_without_root_owners_are_noted_not_fatal(tmp_path: Path) -> None:
     assert any("not running as root" in n for n in stats.notes)
     assert os.stat(tmp_path / "root/home/f").st_uid == os.geteuid()
     assert stat.S_IMODE(os.stat(tmp_path / "root/suid").st_mode) == 0o4755
+
+
+def test_flattening_stops_at_the_free_disk_floor(tmp_path: Path) -> None:
+    """An image of many empty files (or big ones) flattened on a node near its floor stops
+    with a clear error before the entry that would cross it, in bytes or in inodes."""
+    from aenv_store.diskfloor import DiskFloor, free_space
+    from aenv_vm.oci.errors import OciError
+
+    free = free_space(tmp_path)
+    layers = write_layers(tmp_path, [[D("d")] + [F(f"d/f{i}", "") for i in range(50)]])
+    with pytest.raises(OciError, match=r"min_free_disk") as e:
+        apply_layers(tmp_path / "root", layers, floor=DiskFloor(free.bytes + (1 << 30), 0))
+    assert not isinstance(e.value, BadImage)                 # the node's state, not a bad image
+    assert not (tmp_path / "root" / "d").exists()
+    if free.inodes is not None:
+        with pytest.raises(OciError, match=r"min_free_inodes"):
+            apply_layers(tmp_path / "root2", layers, floor=DiskFloor(0, free.inodes + 10))
+    stats = apply_layers(tmp_path / "root3", layers, floor=DiskFloor(1, 1))
+    assert stats.entries == 51

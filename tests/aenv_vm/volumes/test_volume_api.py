@@ -279,7 +279,9 @@ def test_bad_input_is_a_clear_4xx(vol_server: Server) -> None:
     vid, token = body["volumeID"], body["token"]
     assert set(body) == {"volumeID", "name", "token"}            # no domain unless configured
     try:
-        for bad_body in ({"name": "a b"}, {"name": ""}, {"name": 7}, {}, {"name": "x" * 300}, {"name": "../x"}):
+        for bad_body in ({"name": "a b"}, {"name": ""}, {"name": 7}, {}, {"name": "x" * 300}, {"name": "../x"},
+                         {"name": "q", "maxBytes": -1}, {"name": "q", "maxInodes": "many"},
+                         {"name": "q", "maxInodes": 1.5}):
             status, _, err = srv.request("POST", "/volumes", bad_body)
             assert status == 400 and err["code"] == 400 and err["message"], (bad_body, err)
         status, _, err = srv.request("POST", "/volumes", raw=b"{not json", headers={"Content-Type": "application/json"})
