@@ -29,6 +29,11 @@ from .nbd_protocol import (EINVAL, EIO, ENOSPC, EPERM, NEED_DATA, Closed, Cmd, E
 log = logging.getLogger(__name__)
 
 BATCH_REPLY_MAX = 64 * 1024   # read replies up to this size are coalesced per event-loop pass
+# Bytes of requests a connection may have in the worker threads at once (each up to the
+# export's max_block, 32 MiB): beyond, the connection stops reading until half of them
+# are answered. 64 requests of 32 MiB would otherwise be 2 GiB of node memory that
+# one guest's disk reads (or an escaped QEMU) can ask for.
+MAX_INFLIGHT_BYTES = 32 << 20
 
 
 class BlockExport(Protocol):
@@ -108,7 +113,8 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._export: BlockExport | None = None
         self._inflight = 0
-        self._paused = False          # reading paused: too many requests in flight
+        self._inflight_bytes = 0      # of READ/WRITE requests in the worker threads
+        self._paused = False          # reading paused: too many requests (or bytes) in flight
         self._write_paused = False    # the transport's send buffer is above its high-water mark
         self._closing = False
         self._batch: list[bytes] | None = None
@@ -177,7 +183,8 @@ class _Connection(asyncio.Protocol):
                 continue
             assert isinstance(ev, Request)
             self._dispatch(ev)
-            if self._inflight >= self._server.max_inflight and not self._paused:
+            if (self._inflight >= self._server.max_inflight
+                    or self._inflight_bytes >= self._server.max_inflight_bytes) and not self._paused:
                 # Bounded memory: stop reading until replies drain.
                 self._paused = True
                 t.pause_reading()
@@ -218,12 +225,14 @@ class _Connection(asyncio.Protocol):
                 self._send(req.handle, 0, data)
                 return
         self._inflight += 1
+        self._inflight_bytes += _bytes_of(req)
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._server.executor, _run, export, req)
         fut.add_done_callback(lambda f, r=req: self._done(r, f))
 
     def _done(self, req: Request, fut: "asyncio.Future[bytes]") -> None:
         self._inflight -= 1
+        self._inflight_bytes -= _bytes_of(req)
         if fut.cancelled():          # server shutting down
             return
         exc = fut.exception()
@@ -232,12 +241,19 @@ class _Connection(asyncio.Protocol):
             self._send(req.handle, _errno_of(exc))
         else:
             self._send(req.handle, 0, fut.result())
-        if self._paused and self._inflight < self._server.max_inflight // 2 and not self._closing:
+        if (self._paused and self._inflight < self._server.max_inflight // 2
+                and self._inflight_bytes < self._server.max_inflight_bytes // 2 and not self._closing):
             self._paused = False
             assert self._transport is not None
             if not self._write_paused:
                 self._transport.resume_reading()
                 self._pump()
+
+
+def _bytes_of(req: Request) -> int:
+    """The node memory a request holds while it is worked on: its data (a read's answer,
+    a write's payload); other commands carry none."""
+    return req.length if req.cmd in (Cmd.READ, Cmd.WRITE) else 0
 
 
 def _run(export: BlockExport, req: Request) -> bytes:
@@ -260,11 +276,12 @@ class NbdServer:
     """Serves named exports on one Unix socket."""
 
     def __init__(self, socket_path: str | Path, executor: ThreadPoolExecutor | None = None,
-                 max_inflight: int = 64, workers: int = 8) -> None:
+                 max_inflight: int = 64, workers: int = 8, max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> None:
         self.socket_path = Path(socket_path)
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nbd-io")
         self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes
         self._exports: dict[str, BlockExport] = {}
         self._connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None

@@ -306,3 +306,59 @@ def test_qemu_img_convert_and_qemu_io(served, tmp_path: Path) -> None:  # type: 
     expected = bytearray(src.read_bytes())
     expected[1000:6000] = b"\xab" * 5000
     assert a.data == bytes(expected)
+
+
+class _HeldExport(MemoryExport):
+    """Reads go to the worker threads and wait there until released; counts how many
+    are held at once."""
+
+    def __init__(self, name: str, data: bytes) -> None:
+        super().__init__(name, data)
+        import threading
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.held = 0
+        self.most_held = 0
+
+    def read_nowait(self, offset: int, length: int) -> bytes | None:
+        return None
+
+    def read(self, offset: int, length: int) -> bytes:
+        with self.lock:
+            self.held += 1
+            self.most_held = max(self.most_held, self.held)
+        self.release.wait(30)
+        with self.lock:
+            self.held -= 1
+        return super().read(offset, length)
+
+
+def test_requests_in_flight_are_bounded_by_bytes(tmp_path: Path) -> None:
+    """A client asking for many large reads at once (a guest's disk reads, or an escaped
+    QEMU) gets at most MAX_INFLIGHT_BYTES of them worked on at a time: the node's memory
+    for one connection's reads is bounded, not 64 requests × 32 MiB. All are answered."""
+    import time
+
+    from aenv_vm.blockimage.nbd_server import MAX_INFLIGHT_BYTES
+
+    size = 8 << 20
+    export = _HeldExport("held", bytes(range(256)) * (12 * size // 256))
+    sock = tmp_path / "nbd.sock"
+    with BackgroundNbdServer(sock, [export]):
+        async def go() -> None:
+            c = await NbdClient.connect(str(sock), "held")
+            try:
+                reads = [asyncio.ensure_future(c.read((i % 12) * size, size)) for i in range(12)]
+                deadline = time.monotonic() + 10
+                while export.held < MAX_INFLIGHT_BYTES // size and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)    # the server had time to take more, if it would
+                assert export.held == MAX_INFLIGHT_BYTES // size, export.held
+                export.release.set()
+                got = await asyncio.gather(*reads)
+                assert [len(g) for g in got] == [size] * 12
+                assert got[3] == export.data[3 * size:4 * size]
+            finally:
+                await c.close()
+        asyncio.run(go())
+    assert export.most_held == MAX_INFLIGHT_BYTES // size
