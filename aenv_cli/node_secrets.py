@@ -64,7 +64,8 @@ def repository_secrets(repo: RepositoryConfig, data_dir: Path, environ: Mapping[
         changes = {key: environ[name].strip() for name, key in AWS_ENV.items() if environ.get(name, "").strip()}
         if "session_token" not in changes and environ.get("AWS_SECURITY_TOKEN", "").strip():
             changes["session_token"] = environ["AWS_SECURITY_TOKEN"].strip()
-    return dataclasses.replace(repo, **changes) if changes else repo   # type: ignore[arg-type]
+    # every key changed is one of RepositoryConfig's str fields; mypy cannot tell from the dict
+    return dataclasses.replace(repo, **changes) if changes else repo   # type: ignore[arg-type]  # str fields only
 
 
 def secret_env_names(environ: Mapping[str, str]) -> list[str]:

@@ -23,6 +23,7 @@ from aenv_vm.machine.spec import envd_address, machine_spec
 from aenv_vm.memory.lazyfs import LazyImage
 from aenv_vm.net.netns import SandboxNet
 from aenv_vm.net.networks import Attachment, NodeNetworks
+from aenv_vm.qemu.console import CONSOLE_BYTES
 from aenv_vm.qemu.launcher import NbdDisk, build_command
 
 LAYER = Digest(bytes(32))
@@ -41,6 +42,7 @@ class NodeHost:
     readahead: int = 4 << 20
     min_free_disk: int = 0
     tcg_tb_mib: int | None = 64
+    console_bytes: int = CONSOLE_BYTES
     merge_memory: bool = True
     fixed_layout: bool = True
 
@@ -78,7 +80,7 @@ def test_a_restore_waits_for_its_state_over_the_templates_memory(tmp_path: Path)
     assert spec.disk == NbdDisk(tmp_path / "nbd.sock", "sbx-1") and spec.run_dir == tmp_path / "vm" / "sbx-1"
     assert (spec.memory_mib, spec.vcpus, spec.accel, spec.kernel_cmdline) == (512, 2, "tcg", SHAPE.kernel_cmdline)
     assert spec.host_port == 4000 and spec.net_restrict and spec.netns is None and not spec.tap
-    argv = build_command(spec, "qemu")
+    argv = build_command(spec, "qemu", console_fd=7)
     assert opt(argv, "-incoming") == ["defer"] and "-kernel" not in argv
 
 
@@ -91,7 +93,7 @@ def test_a_cold_boot_boots_the_clones_machine(tmp_path: Path) -> None:
     spec = machine_spec(h, plan, Attachment(host_port=None, netns=net.name, tap=True, net=net), None)
     assert not spec.incoming_defer and not spec.mem_share and spec.merge_memory
     assert spec.tap and spec.netns == net.name and spec.host_port is None
-    argv = build_command(spec, "qemu")
+    argv = build_command(spec, "qemu", console_fd=7)
     assert "-incoming" not in argv and opt(argv, "-append") == [SHAPE.kernel_cmdline]
 
 
