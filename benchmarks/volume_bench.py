@@ -107,6 +107,7 @@ def main() -> int:
     p.add_argument("--network", choices=("auto", "user", "tap"),
                    help="[vm] network of the server it starts (default: the server's, auto)")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--json", type=Path, help="append the results as one JSON object")
     args = p.parse_args()
     proc = tmp = None
     try:
@@ -134,6 +135,9 @@ def main() -> int:
     rows = [[name, f"{v['write_mbs']:.1f}", f"{v['read_mbs']:.1f}", f"{v['create_per_s']:.0f}" if "create_per_s" in v
              else "-", f"{v['unlink_per_s']:.0f}" if "unlink_per_s" in v else "-"] for name, v in result.items()]
     print(f"machine: {machine_info()}")
+    if args.json:
+        with args.json.open("a") as f:
+            f.write(json.dumps(result) + "\n")
     if args.markdown:
         print(markdown_table(rows, header))
     else:
