@@ -84,6 +84,8 @@ CONSTANTS = {
     "TUNSETOFFLOAD": 0x400454D0, "TUNSETSNDBUF": 0x400454D4, "TUNGETVNETHDRSZ": 0x800454D7,
     "TUNSETVNETHDRSZ": 0x400454D8, "TUNSETQUEUE": 0x400454D9, "TUNSETVNETLE": 0x400454DC,
     "TUNSETVNETBE": 0x400454DE,
+    # <asm-generic/ioctls.h>: bytes waiting on a socket, and non-blocking mode
+    "FIONREAD": 0x541B, "FIONBIO": 0x5421,
     # every request of type KVMIO (0xAE): the KVM API on /dev/kvm and the fds it makes
     "KVMIO_TYPE": 0xAE00, "IOCTL_TYPE_MASK": 0xFF00,
 }
