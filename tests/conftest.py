@@ -12,40 +12,6 @@ from .aenv_store.backends.motoserver import MotoServer
 from .seed import BaseSeed, seed_root
 from .support import require
 
-# The longest test files (minutes each under TCG, from the suite's --durations), run
-# first: scripts/test.sh hands whole files to its two workers in collection order
-# (--dist loadfile --no-loadscope-reorder), so a long file that came last would run
-# alone at the end while the other worker idles. xdist's own reorder (files with the
-# most tests first) put exactly these, which have one or two tests each, last.
-LONGEST_FIRST = (
-    "aenv_vm/isolation/test_base_trust.py",
-    "aenv_fleet/test_fleet.py",
-    "aenv_vm/sandboxes/test_faults.py",
-    "aenv_vm/builds/test_ready_without_start.py",
-    "aenv_api/server/hostile/test_secrets.py",
-    "aenv_api/server/test_sdk_pause_modes.py",
-    "aenv_vm/isolation/test_attack.py",
-    "aenv_api/server/hostile/test_envd_answers.py",
-    "aenv_api/server/hostile/test_uploads_builds.py",
-    "aenv_vm/builds/test_bad_input.py",
-    "aenv_api/server/test_load.py",
-    "aenv_store/admin/test_crash.py",
-    "codeint/test_sdk_sync.py",
-    "aenv_api/server/test_cluster_moves.py",
-    "aenv_api/server/test_rl_load.py",
-    "aenv_vm/builds/test_sdk_build.py",
-    "aenv_vm/builds/test_dockerfile_build.py",
-    "aenv_api/server/test_fuzz.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (LONGEST_FIRST's order), every other in collection order;
-    a file's own tests keep their order."""
-    here = Path(__file__).parent
-    rank = {str(here / f): i for i, f in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(str(item.path), len(rank)))
-
 
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
