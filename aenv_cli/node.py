@@ -253,10 +253,13 @@ def node_run_root(data_dir: Path) -> Path:
 
 
 def restore_load(admission: Admission) -> RestoreLoad:
-    """What the node's agent reports of its restore gate at each heartbeat."""
+    """What the node's agent reports of its restore gate at each heartbeat: its slots, and
+    the restores someone waits for, running or queued. Pool refills are left out: they
+    yield to those, and counting them made the node that had just served a pooled create
+    look busy to the gateway's placement until its next heartbeat."""
     def load() -> tuple[int, int]:
         s = admission.stats()
-        return s.slots, s.in_flight + s.queued + s.queued_background
+        return s.slots, s.in_flight_foreground + s.queued
     return load
 
 

@@ -115,6 +115,7 @@ class AdmissionStats:
     queued: int                     # foreground restores waiting
     queued_background: int          # pool refills waiting
     restore_seconds: float          # the mean restore time the estimate uses
+    in_flight_foreground: int = 0   # of in_flight, restores someone waits for (not pool refills)
 
 
 class AdmissionObserver(Protocol):
@@ -139,12 +140,13 @@ class Admission:
         self._mean = initial_restore_seconds
         self._measured = False
         self._in_flight = 0
+        self._in_flight_foreground = 0
         self._foreground: deque[asyncio.Future[None]] = deque()
         self._background: deque[asyncio.Future[None]] = deque()
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(self.limits.slots, self._in_flight, len(self._foreground),
-                              len(self._background), self._mean)
+                              len(self._background), self._mean, self._in_flight_foreground)
 
     def estimated_wait(self) -> float:
         """Seconds a foreground restore arriving now would wait for its slot."""
@@ -234,7 +236,10 @@ class Admission:
             except CapacityError:
                 self._release(None)
                 raise
+        foreground = 0 if background else 1
+        self._in_flight_foreground += foreground
         try:
             yield
         finally:
+            self._in_flight_foreground -= foreground
             self._release(time.monotonic() - t1)

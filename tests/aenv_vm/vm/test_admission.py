@@ -301,3 +301,22 @@ def test_a_host_short_of_headroom_refuses_foreground_restores_as_full() -> None:
     assert Headroom(min_free_memory=1 << 62).shortage()[0] == "memory"      # type: ignore[index]
     assert Headroom(min_free_disk=1 << 62, disk_path=Path("/")).shortage()[0] == "disk"   # type: ignore[index]
     assert Headroom(min_free_memory=1 << 20, min_free_disk=1 << 20, disk_path=Path("/")).shortage() is None
+
+
+def test_stats_tell_foreground_restores_in_flight_from_pool_refills() -> None:
+    """The fleet's placement weighs a node's foreground restores (aenv_cli/node.py
+    restore_load): a pool refill holding a slot is not one of them."""
+    async def case() -> None:
+        gate = Admission(AdmissionLimits(2, max_queue=4))
+        started: list[str] = []
+        go = asyncio.Event()
+        refill = asyncio.ensure_future(_hold(gate, "bg", started, go, background=True))
+        create = asyncio.ensure_future(_hold(gate, "fg", started, go))
+        await _settle()
+        s = gate.stats()
+        assert (s.in_flight, s.in_flight_foreground) == (2, 1)
+        go.set()
+        await asyncio.gather(refill, create)
+        s = gate.stats()
+        assert (s.in_flight, s.in_flight_foreground) == (0, 0)
+    asyncio.run(case())
