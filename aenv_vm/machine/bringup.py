@@ -156,7 +156,8 @@ async def _bring_up(host: Host, plan: MachinePlan, standby: Standby | None) -> t
         if isinstance(start, Restore):
             if start.delta is not None:
                 delta, pid, memory = start.delta, vm.pid, plan.memory_file
-                await asyncio.to_thread(lambda: write_pages(pid, ram_mapping(pid, memory), delta.pages, delta.data))
+                await asyncio.to_thread(lambda: write_pages(pid, ram_mapping(pid, memory), delta.pages, delta.data,
+                                                                  delta.release))
             t3 = time.monotonic()
             await load_device_state(vm, await host.networks.device_state(start.device_state))
         t4 = time.monotonic()

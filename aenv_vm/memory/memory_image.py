@@ -90,10 +90,42 @@ class Delta:
     pages: np.ndarray           # int64 page numbers, ascending
     hashes: np.ndarray          # uint64 xxh3 per page
     data: memoryview            # len(pages) * 4096 bytes
+    # the file mapping ``data`` views (read_delta of a version-1 file) and where in it
+    # ``data`` starts: ``release`` drops pages already used from the reader's RSS
+    mapped: mmap.mmap | None = None
+    mapped_at: int = 0
 
     @property
     def nbytes(self) -> int:
         return len(self.pages) * PAGE
+
+    def release(self, first: int, end: int) -> None:
+        """Drop pages ``first``..``end`` (indexes into ``pages``) of a file-mapped delta
+        from this process's resident set (the page cache keeps them: a later read faults
+        them back in). A resume writes a delta into the new QEMU window by window and
+        releases each window written, so the node's RSS grows by one window, not by the
+        delta (tens of MiB for a busy guest)."""
+        if self.mapped is None or end <= first:
+            return
+        try:
+            self.mapped.madvise(mmap.MADV_DONTNEED, self.mapped_at + first * PAGE, (end - first) * PAGE)
+        except (ValueError, OSError):   # closed or unmapped meanwhile: nothing resident to drop
+            pass
+
+
+_WINDOW = 2048     # pages a windowed pass over a delta reads before releasing them (8 MiB)
+
+
+def hashes_match(delta: Delta) -> bool:
+    """Whether every page of ``delta`` has the xxh3 its index says (a check for a file
+    torn by a host crash), read window by window and released (``Delta.release``)."""
+    for k in range(0, len(delta.pages), _WINDOW):
+        end = min(k + _WINDOW, len(delta.pages))
+        ok = (page_hashes(delta.data[k * PAGE:end * PAGE]) == delta.hashes[k:end]).all()
+        delta.release(k, end)
+        if not ok:
+            return False
+    return True
 
 
 def page_hashes(data: bytes | bytearray | memoryview) -> np.ndarray:
@@ -300,11 +332,11 @@ def read_delta(path: Path) -> Delta:
             hashes = np.frombuffer(idx[8 * n:], dtype="<u8").astype(np.uint64)
             if n and (np.any(np.diff(pages) <= 0) or pages[0] < 0 or pages[-1] >= mem_size // PAGE):
                 raise MemoryImageError(f"{path}: page numbers out of order or out of range")
-            data = memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))[_data_offset(n):] if n \
-                else memoryview(b"")
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if n else None
+            data = memoryview(mapped)[_data_offset(n):] if mapped is not None else memoryview(b"")
     except OSError as e:
         raise MemoryImageError(f"cannot read memory delta {path}: {e}") from None
-    return Delta(Digest(base), mem_size, pages, hashes, data)
+    return Delta(Digest(base), mem_size, pages, hashes, data, mapped, _data_offset(n))
 
 
 def page_map(manifest: Manifest) -> tuple[np.ndarray, list[Digest | None]]:
@@ -348,6 +380,7 @@ def stage_delta(ws: Workspace, delta: Delta, previous: tuple[Delta, Manifest] | 
         got = ws.stage_many([delta.data[i * PAGE:(i + 1) * PAGE] for i in part])
         for i, cid in zip(part, got):
             chunks[i] = cid
+        delta.release(part[0], part[-1] + 1)
     extents = [Extent(int(p) * PAGE, PAGE, c) for p, c in zip(delta.pages.tolist(), chunks)]
     manifest = Manifest(MEMORY_DELTA, delta.memory_size, tuple(extents), parent=delta.base, chunk_size=PAGE,
                         meta=tuple(sorted(meta.items())))

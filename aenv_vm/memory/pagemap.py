@@ -12,7 +12,9 @@ never one per page.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,8 +143,11 @@ def _vm_readv(pid: int, mapping: RamMapping, pages: np.ndarray, view: memoryview
     del local
 
 
+PageBuffer = bytearray | mmap.mmap
+
+
 def read_and_hash(pid: int, mapping: RamMapping, pages: np.ndarray,
-                  buffer: bytearray | None = None) -> tuple[memoryview, np.ndarray]:
+                  buffer: PageBuffer | None = None) -> tuple[memoryview, np.ndarray]:
     """The current bytes of ``pages`` (sorted guest page numbers) in pid's RAM mapping, and
     each page's xxh3.
 
@@ -152,7 +157,9 @@ def read_and_hash(pid: int, mapping: RamMapping, pages: np.ndarray,
     delta that grew by a few pages still fits next time."""
     need = len(pages) * PAGE
     if buffer is None or len(buffer) < need:
-        buffer = bytearray(-(-(need + need // 4 + (4 << 20)) // (1 << 20)) << 20)
+        # an anonymous mapping, not a bytearray (which zero-fills, making the headroom
+        # resident): only the pages read into are resident, the headroom costs nothing
+        buffer = mmap.mmap(-1, -(-(need + need // 4 + (4 << 20)) // (1 << 20)) << 20, flags=mmap.MAP_PRIVATE)
     view = memoryview(buffer)[:need]
     _vm_readv(pid, mapping, pages, view)
     h = xxhash.xxh3_64_intdigest
@@ -161,9 +168,12 @@ def read_and_hash(pid: int, mapping: RamMapping, pages: np.ndarray,
     return view, hashes
 
 
-def write_pages(pid: int, mapping: RamMapping, pages: np.ndarray, data: bytes | bytearray | memoryview) -> None:
+def write_pages(pid: int, mapping: RamMapping, pages: np.ndarray, data: bytes | bytearray | memoryview,
+                written: Callable[[int, int], None] | None = None) -> None:
     """Write ``data`` (len(pages) pages) into pid's RAM mapping: in a ``share=off``
-    mapping this makes private copies, exactly what the paused VM had."""
+    mapping this makes private copies, exactly what the paused VM had.
+    ``written(first, end)``: called after each window of at most 8 MiB with the indexes
+    (into ``pages``) it wrote, in order (the caller may drop them from memory)."""
     view = memoryview(data)
     if len(view) != len(pages) * PAGE:
         raise PagemapError(f"{len(view)} bytes for {len(pages)} pages")
@@ -173,8 +183,14 @@ def write_pages(pid: int, mapping: RamMapping, pages: np.ndarray, data: bytes | 
     except OSError as e:
         raise PagemapError(f"cannot open the memory of pid {pid}: {e}") from None
     try:
+        done = 0
         for p, n, i in _io_runs(pages):
             if os.pwritev(fd, [view[i * PAGE:(i + n) * PAGE]], base + p * PAGE) != n * PAGE:
                 raise PagemapError(f"short write of guest pages {p}..{p + n} to pid {pid}")
+            if written is not None and (i + n - done) * PAGE >= _MAX_IO:
+                written(done, i + n)
+                done = i + n
+        if written is not None and done < len(pages):
+            written(done, len(pages))
     finally:
         os.close(fd)

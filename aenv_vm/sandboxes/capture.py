@@ -12,13 +12,14 @@ reading 26 MiB took 25 ms into a fresh buffer, 11 ms into a reused one.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..memory.device_state import save_devices
 from ..memory.memory_image import Delta
-from ..memory.pagemap import private_pages, ram_mapping, read_and_hash
+from ..memory.pagemap import PageBuffer, private_pages, ram_mapping, read_and_hash
 from ..templates.local import LocalTemplates
 from .sandbox import Sandbox
 
@@ -36,7 +37,7 @@ class Capture:
 class Capturer:
     def __init__(self, templates: LocalTemplates) -> None:
         self.templates = templates
-        self._buffers: list[bytearray] = []     # at most one, see give_back
+        self._buffers: list[PageBuffer] = []     # at most one, see give_back
 
     async def capture(self, sbx: Sandbox, state_path: Path, sync: bool = True,
                       flush: list[asyncio.Future] | None = None) -> Capture:
@@ -68,10 +69,10 @@ class Capturer:
             raise
         return Capture(delta, t1 - t0, t2 - t1, time.monotonic() - t2)
 
-    def give_back(self, buffer: bytearray | memoryview | None) -> None:
+    def give_back(self, buffer: PageBuffer | memoryview | None) -> None:
         """Keep one page buffer for the next capture (up to RETAINED_BUFFER bytes)."""
         if isinstance(buffer, memoryview):   # a view of the delta: the buffer it was read into
-            buffer = buffer.obj if isinstance(buffer.obj, bytearray) else None
-        if isinstance(buffer, bytearray) and len(buffer) <= RETAINED_BUFFER and (
+            buffer = buffer.obj if isinstance(buffer.obj, (bytearray, mmap.mmap)) else None
+        if isinstance(buffer, (bytearray, mmap.mmap)) and len(buffer) <= RETAINED_BUFFER and (
                 not self._buffers or len(self._buffers[0]) < len(buffer)):
             self._buffers[:] = [buffer]

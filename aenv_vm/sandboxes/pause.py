@@ -41,7 +41,7 @@ from ..blockimage.upper import upper_base
 from ..errors import Moved, SnapshotError
 from ..machine.bringup import Standby, start_standby
 from ..machine.host import release_host
-from ..memory.memory_image import (SPARE, Delta, page_hashes, parent_seq, read_delta, read_index, stage_delta,
+from ..memory.memory_image import (SPARE, Delta, hashes_match, parent_seq, read_delta, read_index, stage_delta,
                                    sync_file, write_delta, write_incremental)
 from ..qemu.launcher import QemuProcess
 from ..templates.template import DEVICE_STATE
@@ -276,7 +276,7 @@ class PausedSandboxes:
         for f in (d / "memory.delta", d / "device-state", d):
             sync_file(f)
         delta = read_delta(d / "memory.delta")
-        if not (page_hashes(delta.data) == delta.hashes).all():   # torn by a host crash before the fsync
+        if not hashes_match(delta):   # torn by a host crash before the fsync
             raise SnapshotError(f"pause {snap.seq} of {sid}: memory.delta pages do not match their xxh3")
         prev = None
         if previous is not None and previous.committed and previous.memory_id:

@@ -194,3 +194,61 @@ def test_delta_written_over_a_spare_file(tmp_path: Path) -> None:
     assert bytes(mi.read_delta(tmp_path / "2" / "memory.delta").data) == bytes(buf)
     # no spare: a new file, as before
     assert mi.write_incremental(tmp_path / "2" / "memory.delta", d, index, 1, spare=spare) == 1
+
+
+def _mapped_rss(path: Path) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isdigit() or line[:1] in "abcdef" and "-" in line.split(" ", 1)[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_file_mapped_delta_is_written_window_by_window_and_released(tmp_path: Path) -> None:
+    """A resume writes a delta into the new guest's memory in windows of at most 8 MiB
+    and drops each window of the delta's file mapping from its RSS once written: the
+    reader ends holding none of a 24 MiB delta, and every page landed where it belongs
+    (written here into this process's own private mapping of a memory file)."""
+    from aenv_vm.memory.pagemap import ram_mapping, write_pages
+
+    import mmap
+    mem_pages = 16384                       # 64 MiB
+    memory = tmp_path / "memory"
+    with open(memory, "wb") as f:
+        f.truncate(mem_pages * PAGE)
+    pages = list(range(0, mem_pages, 3))[:6144]   # 24 MiB in runs of one page
+    path = tmp_path / "memory.delta"
+    mi.write_delta(path, delta_of(pages, mem_pages), sync=False)
+    delta = mi.read_delta(path)
+    assert delta.mapped is not None
+    assert mi.hashes_match(delta)                         # the commit's check, window by window
+    assert _mapped_rss(path) < 1 << 20, _mapped_rss(path)
+    assert (mi.page_hashes(delta.data) == delta.hashes).all()
+    assert _mapped_rss(path) >= 20 << 20                  # read whole: resident
+
+    with open(memory, "r+b") as f:
+        guest = mmap.mmap(f.fileno(), mem_pages * PAGE, flags=mmap.MAP_PRIVATE)
+    windows: list[tuple[int, int]] = []
+
+    def written(first: int, end: int) -> None:
+        windows.append((first, end))
+        delta.release(first, end)
+    try:
+        write_pages(os.getpid(), ram_mapping(os.getpid(), memory), delta.pages, delta.data, written)
+        assert windows[0][0] == 0 and windows[-1][1] == len(pages)
+        assert all(a[1] == b[0] for a, b in zip(windows, windows[1:]))
+        assert all(0 < (end - first) * PAGE <= 8 << 20 + PAGE for first, end in windows), windows
+        assert _mapped_rss(path) < 1 << 20, _mapped_rss(path)
+        for k in (0, 1, 4000, len(pages) - 1):
+            p = pages[k]
+            assert guest[p * PAGE:(p + 1) * PAGE] == bytes(delta.data[k * PAGE:(k + 1) * PAGE])
+        assert guest[PAGE:2 * PAGE] == bytes(PAGE)   # a page not in the delta: untouched
+    finally:
+        guest.close()
+    with open(path, "r+b") as f:                      # a torn page in the last window
+        f.seek(os.path.getsize(path) - 100)
+        f.write(b"torn")
+    assert not mi.hashes_match(mi.read_delta(path))

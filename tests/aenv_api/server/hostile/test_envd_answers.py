@@ -13,9 +13,11 @@ Before the offence the node twice forks a well-behaved sandbox into 16, pauses a
 resumes it (``warm_up``): a node's first forks of 16 grow its RSS whatever the guest
 does (thread pools, allocator arenas, code run for the first time; measured here: +94
 MiB the first, +19 MiB the second, then +17 MiB for the hostile one), and what is
-measured is what the offence costs on a node that has forked before. The failed resume
-itself adds ~20 MiB: the pause's memory delta of this busy guest, read whole by the
-resume (aenv_vm/sandboxes/resume.py), not the envd answer."""
+measured is what the offence costs on a node that has forked before. Of what remains
+(~38 MiB alone), ~21 MiB is the capture buffer the fork's snapshot reads this busy
+guest's private pages into (aenv_vm/sandboxes/capture.py), not the envd answers; the
+pause's commit and the resume read the delta file window by window and drop each
+window from the node's RSS (``Delta.release``)."""
 from __future__ import annotations
 
 import http.client
