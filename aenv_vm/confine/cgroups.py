@@ -35,6 +35,8 @@ PARENT = "aenv"             # the VM groups' parent, under the node's own cgroup
 NODE_LEAF = "aenv-node"     # v2: where a node moves itself so its cgroup may delegate
 VM_PREFIX = "vm-"
 CPU_PERIOD_US = 100_000
+# a group's CPU weight file and its default: v1 cpu.shares 1024 (min 2), v2 cpu.weight 100 (min 1)
+CPU_WEIGHT = {1: ("cpu.shares", 1024), 2: ("cpu.weight", 100)}
 
 
 class Version(enum.IntEnum):
@@ -233,6 +235,20 @@ class VmCgroup:
     """The groups of one QEMU (one directory per hierarchy)."""
     name: str
     dirs: tuple[Path, ...]
+    cpu_weight_file: Path | None = None     # cpu.shares (v1) or cpu.weight (v2)
+    cpu_weight_full: int = 0                # that file's default: a running sandbox's weight
+
+    def set_cpu_weight(self, divisor: int) -> None:
+        """Give the QEMU 1/``divisor`` of a running sandbox's CPU weight (1: all of it).
+        Each QEMU is alone in its group, so its nice value weighs only against its own
+        threads; between QEMUs the groups' weights decide who runs under contention.
+        Best effort: a group that is gone (its QEMU died) is no error."""
+        if self.cpu_weight_file is None:
+            return
+        try:
+            _write(self.cpu_weight_file, str(max(2, self.cpu_weight_full // divisor)))
+        except OSError:
+            pass
 
     @property
     def procs_files(self) -> tuple[Path, ...]:
@@ -314,7 +330,13 @@ class CgroupTree:
         except OSError as e:
             VmCgroup(name, tuple(dirs)).remove(wait=0)
             raise ConfinementError(f"cgroup {name}: {e.strerror or e}") from None
-        return VmCgroup(name, tuple(dirs))
+        weight: tuple[Path, int] | None = None
+        for h, d in zip(self.layout.hierarchies, dirs):
+            if "cpu" in h.controllers:
+                fname, full = CPU_WEIGHT[int(h.version)]
+                if (d / fname).exists():
+                    weight = (d / fname, full)
+        return VmCgroup(name, tuple(dirs), *(weight or (None, 0)))
 
     def sweep(self, leased: Callable[[int], bool] = lambda uid: False) -> int:
         """Remove VM groups nobody uses any more (their QEMU died with a crashed node).

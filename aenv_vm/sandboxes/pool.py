@@ -21,7 +21,7 @@ import logging
 import time
 
 from ..errors import VmError
-from ..machine.bringup import renice
+from ..machine.bringup import Priority, prioritise
 from ..net.policy import NetworkPolicy
 from ..templates.template import Template
 from .restore import restore_from_template, teardown_sandbox
@@ -66,7 +66,7 @@ class WarmPool:
             else:
                 await teardown_sandbox(self.rt, candidate)
         if sbx is not None:
-            renice(sbx.vm.pid, 0)
+            prioritise(sbx.vm, Priority.RUNNING)
         return sbx
 
     def schedule_refill(self, tpl: Template, delay: float = 0.0) -> None:
@@ -104,7 +104,7 @@ class WarmPool:
                 log.warning("pool refill for %s: warming failed: %s", tpl.id, e)
                 return
             # Warm: wait at normal priority (idle costs little), ready to serve at once.
-            renice(sbx.vm.pid, 0)
+            prioritise(sbx.vm, Priority.RUNNING)
             assert sbx.timing is not None
             sbx.timing = dataclasses.replace(sbx.timing, warm=time.monotonic() - t0)
             pool.append(sbx)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from aenv_vm.confine.cgroups import Layout, host_layout
+from aenv_vm.machine import bringup
+from aenv_vm.sandboxes import pool as pool_module
 from aenv_vm.confine.policy import Confinement
 from aenv_vm.confine.syscall_filter import Mode
 from aenv_vm.qemu.accel import probe_accel
@@ -154,6 +156,7 @@ def test_every_qemu_the_node_starts_is_confined(env: Env, tmp_path: Path, monkey
     seen: list[Seen] = []
     label = ["?"]
     specs: list[tuple[str, VmSpec]] = []
+    ids: dict[str, str] = {}
     standby_uid_matches: list[bool] = []
     node = tmp_path / "node"
     data_dirs = [Path("/root"), env.root / "data", node / "records", node / "sandboxes", tmp_path / "work" / "upper"]
@@ -167,6 +170,17 @@ def test_every_qemu_the_node_starts_is_confined(env: Env, tmp_path: Path, monkey
         return vm
 
     monkeypatch.setattr(QemuProcess, "start", classmethod(recording_start))
+    # every priority a QEMU was given, and the CPU weight its cgroup then had
+    priorities: list[tuple[str, str, bringup.Priority, int]] = []
+
+    def recording_prioritise(vm: QemuProcess, priority: bringup.Priority) -> None:
+        real_prioritise(vm, priority)
+        assert vm.cgroup is not None and vm.cgroup.cpu_weight_file is not None
+        priorities.append((label[0], vm.spec.name, priority, int(vm.cgroup.cpu_weight_file.read_text())))
+
+    real_prioritise = bringup.prioritise
+    monkeypatch.setattr(bringup, "prioritise", recording_prioritise)
+    monkeypatch.setattr(pool_module, "prioritise", recording_prioritise)
 
     async def run() -> None:
         label[0] = "template build"
@@ -198,6 +212,7 @@ def test_every_qemu_the_node_starts_is_confined(env: Env, tmp_path: Path, monkey
             label[0] = "fork child"
             (kid,) = await mgr.fork(a.id, 1)
             assert isinstance(kid, Sandbox)
+            ids.update(a=a.id, kid=kid.id)
             await run_ok(kid)
             seen.append(inspect("fork child, running", kid.vm, data_dirs + [node / "vm" / a.id]))
             await wait_for(lambda: len(mgr.pooled("base")) == 1, 60)   # the pool's refill
@@ -227,6 +242,18 @@ def test_every_qemu_the_node_starts_is_confined(env: Env, tmp_path: Path, monkey
     # every QEMU's cgroup went with it
     for s in seen:
         assert not any(d.exists() for d in s.cgroup_dirs), s.label
+    # a pool refill yields the CPU to sandboxes in use (1/8 of their cgroup weight) until
+    # it is warm, then has the full weight; nothing else is held back
+    full = max(w for *_, w in priorities)
+    assert full in (1024, 100), priorities
+    P = bringup.Priority
+    for _, name, priority, weight in priorities:
+        assert weight == max(2, full // priority.value[1]), priorities
+    refills = [name for lab, name, p, _ in priorities if p is P.BACKGROUND]
+    assert len(set(refills)) >= 2, priorities        # the first fill and the refill after b's create
+    for name in refills:
+        assert [p for _, n, p, _ in priorities if n == name][-1] is P.RUNNING, priorities
+    assert ids["a"] not in refills and ids["kid"] not in refills
 
 
 FORK_BOMB = "nohup bash -c ':(){ :|:& };:' >/dev/null 2>&1 &"
