@@ -351,7 +351,10 @@ def test_pause_then_drain_migrate_then_connect_resumes_on_another_node(fleet: Fl
     old = binding_node(fleet, s.sandbox_id)
     others: list[Sandbox] = []
     try:
-        s.commands.run("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+        # written then renamed: a pause between ``>``'s truncation and the write would
+        # otherwise leave the file empty for the resumed guest's first read
+        s.commands.run("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
+                       "mv /tmp/counter.new /tmp/counter; sleep 0.2; done' "
                        ">/dev/null 2>&1 &")
         s.files.write("/home/user/keep.txt", "kept across nodes")
         s.pause()
