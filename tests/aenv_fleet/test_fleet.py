@@ -356,6 +356,7 @@ def test_pause_then_drain_migrate_then_connect_resumes_on_another_node(fleet: Fl
         s.commands.run("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
                        "mv /tmp/counter.new /tmp/counter; sleep 0.2; done' "
                        ">/dev/null 2>&1 &")
+        s.commands.run("until [ -s /tmp/counter ]; do sleep 0.1; done", timeout=60)   # counting before the pause
         s.files.write("/home/user/keep.txt", "kept across nodes")
         s.pause()
         # a running sandbox on the same node: drain --migrate pauses it too
