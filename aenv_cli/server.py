@@ -59,6 +59,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **changes))
     request_log_to_stderr("aenv.server.access", quiet=args.quiet)
     from .node import node_credentials
+    from .malloc_arenas import limit_malloc_arenas
     from .node_secrets import forget_secret_env
     # every secret is in ``cfg`` and ``creds`` now: none stays in this process's
     # environment (nor in /proc/<pid>/environ), before any thread or child starts
@@ -68,6 +69,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     if forgotten:
         say(f"secrets read from the environment and removed from it: {', '.join(forgotten)} "
             "(give them as files: docs/config.md)")
+    limit_malloc_arenas()    # before the node's worker threads start
     return asyncio.run(_serve(cfg, creds))
 
 
