@@ -199,6 +199,9 @@ class Node:
             if server.tls_port is not None:
                 report(f"TLS on port {server.tls_port}: https://<port>-<sandbox id>."
                        f"{server_cfg.domain or '<domain>'}" + ("" if server.tls_port == 443 else f":{server.tls_port}"))
+            if server.envd_debug_port is not None:
+                report(f"sandbox traffic routed by envd token on 127.0.0.1:{server.envd_debug_port} "
+                       "(E2B SDKs before 2.7 with E2B_DEBUG=true)")
             yield cls(config=config, credentials=creds, url=url, port=port, tls_port=server.tls_port, store=store,
                       manager=manager, service=service, lifecycle=lifecycle, template=tpl, builds=builds,
                       volumes=volumes, metrics=metrics, server=server, agent=agent, warmed=warmed)

@@ -9,7 +9,10 @@ sandbox by
 * a host ``<port>-<sandboxID>.<domain>`` when the deployment has a domain;
 * or, naming no sandbox, a signed file URL (``/files?…&signature=…``, what the SDK
   builds on ``E2B_SANDBOX_URL``): its signature says which sandbox (envd/signing.py
-  verifies it; this module only recognises the shape).
+  verifies it; this module only recognises the shape);
+* or, naming no sandbox, an envd call carrying an envd access token (what E2B SDKs
+  2.7 to 2.10 send on ``E2B_SANDBOX_URL`` for a sandbox they connected to): the
+  token says which sandbox (the node finds the secured sandbox it belongs to).
 
 Headers are given as a case-insensitive mapping (what the HTTP layer parsed).
 """
@@ -19,10 +22,12 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from .errors import BadRoute
-from .headers import AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER
+from .headers import (ACCESS_TOKEN_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, API_KEY_HEADER, SANDBOX_ID_HEADER,
+                      SANDBOX_PORT_HEADER)
 
 PROXY_PREFIX = "/proxy"        # AgentENV's: ``/proxy/<path>`` is forwarded as ``/<path>``
 FILES_PATH = "/files"          # envd's file transfer path (signed URLs)
+ENVD_RPC_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")   # envd's Connect services
 SIGNATURE_PARAM = "signature"
 
 
@@ -54,6 +59,26 @@ def routed_sandbox_id(headers: Mapping[str, str]) -> str | None:
     """The sandbox a routing header names (E2B's first, then AgentENV's), as sent."""
     sid = headers.get(SANDBOX_ID_HEADER)
     return sid if sid is not None else headers.get(AGENTENV_ID_HEADER)
+
+
+def is_unrouted_envd_call(path: str, headers: Mapping[str, str]) -> bool:
+    """An envd call that names no sandbox but carries an envd access token: a Connect
+    RPC of envd's process or filesystem service, or ``/files``. E2B SDKs 2.7 to 2.10
+    send a connected sandbox's calls to ``E2B_SANDBOX_URL`` with its token and without
+    the routing headers (they set those on created sandboxes only)."""
+    return bool(headers.get(ACCESS_TOKEN_HEADER)) and (path.startswith(ENVD_RPC_PREFIXES) or path == FILES_PATH)
+
+
+def is_sdk_connect(method: str, path: str, headers: Mapping[str, str]) -> bool:
+    """An E2B SDK's connect call that carries the routing headers: SDKs 2.7 to 2.2x put
+    ``E2b-Sandbox-Id``/``-Port`` on the API client they connect with (E2B's API is on
+    another host than its sandboxes, and ignores them), so on a deployment that serves
+    both on one address ``POST /sandboxes/<id>/connect`` with the API key and that very
+    sandbox's routing header is the control plane's, not traffic for the sandbox."""
+    if method != "POST" or API_KEY_HEADER not in headers:
+        return False
+    sid = headers.get(SANDBOX_ID_HEADER)
+    return sid is not None and path == f"/sandboxes/{sid.strip()}/connect"
 
 
 def has_proxy_prefix(path: str) -> bool:

@@ -59,6 +59,19 @@ if [[ ! -f "$stamp" ]]; then
   .venv/bin/pip install -q --no-deps -e .
   rm -f .venv/.aenv-lock-*; touch "$stamp"
 fi
+# Older E2B Python SDKs, each in its own venv (pinned by tests/sdk_range/*.lock), for
+# tests/aenv_api/server/test_sdk_range.py: what users who pin them run.
+for lock in tests/sdk_range/*.lock; do
+  v=$(basename "$lock" .lock)
+  sstamp=.venv-sdk/$v/.aenv-lock-$(sha256sum "$lock" | cut -c1-16)
+  if [[ ! -f "$sstamp" ]]; then
+    echo "install: $v (pinned by $lock)"
+    rm -rf ".venv-sdk/$v"
+    "$PY" -m venv ".venv-sdk/$v"
+    ".venv-sdk/$v/bin/pip" install -q -r "$lock"
+    touch "$sstamp"
+  fi
+done
 # The e2b npm SDKs: e2b for tests/aenv_api/server/node, @e2b/code-interpreter for tests/codeint/node.
 for ndir in tests/aenv_api/server/node tests/codeint/node; do
   if [[ -f $ndir/package-lock.json ]] && command -v npm >/dev/null; then

@@ -31,9 +31,10 @@ from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port, p
 from aenv_store.errors import ConfigError
 from aenv_wire.api_key import presented_api_key
 from aenv_wire.errors import error_body
-from aenv_wire.headers import (API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER, RETRY_AFTER_HEADER,
-                               SHOULD_RETRY_HEADER)
-from aenv_wire.routing import SandboxAddress, has_proxy_prefix, has_routing_header, is_unrouted_signed_url, parse_host
+from aenv_wire.headers import (ACCESS_TOKEN_HEADER, API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER,
+                               RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER)
+from aenv_wire.routing import (SandboxAddress, has_proxy_prefix, has_routing_header, is_unrouted_envd_call,
+                               is_unrouted_signed_url, parse_host)
 from envd import ENVD_PORT
 
 from .api import ControlPlane
@@ -112,6 +113,8 @@ class ApiServer:
         self._site: web.TCPSite | None = None
         self._tls_site: web.TCPSite | None = None
         self.tls_port: int | None = None        # where HTTPS is served ([server] tls_cert)
+        self._debug_site: web.TCPSite | None = None
+        self.envd_debug_port: int | None = None     # sandbox traffic only, on loopback ([server] envd_debug_port)
         self.port: int | None = None
 
     # --- assembly ------------------------------------------------------------
@@ -156,15 +159,19 @@ class ApiServer:
         domain = self.config.domain
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
+            if self.envd_debug_port is not None and _local_port(request) == self.envd_debug_port:
+                return await self._answer(request, _sandbox_traffic_only, token_routes_any=True)  # type: ignore[arg-type]
             if has_routing_header(request.headers) or (domain and parse_host(request.host, domain)) or (
-                    is_unrouted_signed_url(request.path, request.query) or has_proxy_prefix(request.path)):
+                    is_unrouted_signed_url(request.path, request.query) or has_proxy_prefix(request.path)
+                    or is_unrouted_envd_call(request.path, request.headers)):
                 # aiohttp's low-level handler is typed for BaseRequest; the app's server hands it a Request
                 return await self._answer(request, app_handler)  # type: ignore[arg-type]
             return await app_handler(request)
         return handler
 
     async def _answer(self, request: web.Request,
-                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                      token_routes_any: bool = False) -> web.StreamResponse:
         """Request id, routing (proxy or control plane), the JSON error shape, metrics, log line."""
         t0 = time.monotonic()
         given = request.headers.get(REQUEST_ID_HEADER, "")
@@ -177,6 +184,10 @@ class ApiServer:
                 signed = signed_files(request)
                 assert signed is not None
                 target = SandboxAddress(await self.lifecycle.signed_sandbox(signed), ENVD_PORT)
+            elif target is None and (is_unrouted_envd_call(request.path, request.headers) or (
+                    token_routes_any and request.headers.get(ACCESS_TOKEN_HEADER))):
+                token = request.headers[ACCESS_TOKEN_HEADER]
+                target = SandboxAddress(await self.lifecycle.token_sandbox(token, wake=token_routes_any), ENVD_PORT)
             if target is not None:
                 kind, sandbox = "proxy", target[0]
                 resp = await self.proxy.handle(request, *target, rid)
@@ -261,13 +272,17 @@ class ApiServer:
                                          ssl_context=tls_context(self.config.tls_cert, self.config.tls_key))
             await self._tls_site.start()
             self.tls_port = bound_port(self._tls_site, self.config.tls_port)
+        if self.config.envd_debug_port:
+            self._debug_site = web.TCPSite(self._runner, "127.0.0.1", self.config.envd_debug_port, reuse_address=True)
+            await self._debug_site.start()
+            self.envd_debug_port = bound_port(self._debug_site, self.config.envd_debug_port)
         return self.port
 
     async def stop_accepting(self) -> None:
-        for site in (self._site, self._tls_site):
+        for site in (self._site, self._tls_site, self._debug_site):
             if site is not None:
                 await site.stop()
-        self._site = self._tls_site = None
+        self._site = self._tls_site = self._debug_site = None
 
     async def close(self) -> None:
         await self.stop_accepting()
@@ -275,6 +290,17 @@ class ApiServer:
             await self._runner.cleanup()
             self._runner = None
         await self.proxy.close()
+
+
+def _local_port(request: web.BaseRequest) -> int | None:
+    sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    return sock[1] if isinstance(sock, tuple) and len(sock) >= 2 else None
+
+
+async def _sandbox_traffic_only(request: web.Request) -> web.StreamResponse:
+    """The envd debug listener's answer to a request that names no sandbox."""
+    raise ApiError(401, "this port serves sandbox traffic only: send the sandbox's X-Access-Token "
+                        "(or its E2b-Sandbox-Id header); the API is on the server's main port")
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:

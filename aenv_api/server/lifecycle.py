@@ -608,6 +608,24 @@ class Lifecycle:
                 return view.sandbox_id
         raise ApiError(401, signing.INVALID)
 
+    async def token_sandbox(self, token: str, wake: bool = False) -> str:
+        """The secured sandbox whose envd token is ``token`` (an envd call that names no
+        sandbox: ``aenv_wire.routing.is_unrouted_envd_call``). The running sandboxes the
+        proxy knows are looked at first, then every sandbox (running or paused: a paused
+        one with autoResume wakes as any proxied call wakes it; ``wake``: any paused one is
+        resumed as a connect would, for SDKs whose connect never calls the server, the
+        E2B SDK's debug mode). ApiError 401 with the proxy's message when none has it, so
+        an unknown token learns nothing."""
+        for sid, known in list(self._tokens.items()):
+            if known and check_token(known, token):
+                return sid
+        for view in await self.list_views():
+            if view.access_token and check_token(view.access_token, token):
+                if wake and view_phase(view) in PAUSED_PHASES:
+                    await self.connect(view.sandbox_id, None)
+                return view.sandbox_id
+        raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
+
     async def target(self, sid: str, port: int, access_token: str | None,
                      signed: SignedRequest | None = None) -> tuple[str, int]:
         """The ``(host, port)`` that reaches ``sid``'s guest ``port`` (the namespace's

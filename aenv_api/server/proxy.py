@@ -56,7 +56,8 @@ from aenv_http.wsbridge import HANDSHAKE_HEADERS, MAX_MESSAGE, bridge, offered_p
 from aenv_wire.errors import BadRoute
 from aenv_wire.headers import (ACCESS_TOKEN_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, API_KEY_HEADER,
                                SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER, TRAFFIC_TOKEN_HEADER)
-from aenv_wire.routing import FILES_PATH, PROXY_PREFIX, SandboxAddress, has_proxy_prefix, has_routing_header, sandbox_route
+from aenv_wire.routing import (FILES_PATH, PROXY_PREFIX, SandboxAddress, has_proxy_prefix, has_routing_header,
+                               is_sdk_connect, sandbox_route)
 from envd import ENVD_PORT, signing
 from envd.signing import SignedRequest
 
@@ -131,6 +132,8 @@ def route_of(request: web.BaseRequest, domain: str) -> SandboxAddress | None:
     """Where sandbox traffic goes, or None for control-plane requests (aenv_wire.routing).
     ApiError 400 on a bad port, and on a ``/proxy`` path (AgentENV's prefix) that names no
     sandbox."""
+    if is_sdk_connect(request.method, request.path, request.headers):
+        return None
     try:
         return sandbox_route(request.headers, request.host, request.path, domain, ENVD_PORT)
     except BadRoute as e:

@@ -25,6 +25,13 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_port: int = 443
+    # E2B SDKs before 2.7 ignore E2B_SANDBOX_URL: they reach a sandbox's envd at
+    # https://49983-<id>.<domain> (wildcard DNS and TLS: tls_cert above), or, with
+    # E2B_DEBUG=true, at http://localhost:49983 for every sandbox. A port here (49983 for
+    # those SDKs) makes the node also listen on 127.0.0.1 at it for sandbox traffic only,
+    # each request going to the sandbox whose envd access token it carries (a routing
+    # header or a signed URL works too). 0 (the default): no such listener.
+    envd_debug_port: int = 0
     # Template a request's "base" resolves to, and the alias the first start builds.
     default_template: str = "base"
     # Build the default template at start when the store has none (a cold boot, ~30 s under TCG).
@@ -92,6 +99,8 @@ class ServerConfig:
             raise ConfigError("server.shutdown_grace must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
+        if not 0 <= self.envd_debug_port <= 65535:
+            raise ConfigError(f"server.envd_debug_port must be in 0..65535, got {self.envd_debug_port}")
         if not 0 <= self.tls_port <= 65535:
             raise ConfigError(f"server.tls_port must be in 0..65535, got {self.tls_port}")
         if self.volume_domain.startswith(".") or "/" in self.volume_domain:

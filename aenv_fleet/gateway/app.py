@@ -32,7 +32,7 @@ from aenv_wire.api_key import presented_api_key
 from aenv_wire.errors import error_body
 from aenv_wire.headers import (AGENTENV_ID_HEADER, API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER,
                                SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER)
-from aenv_wire.routing import is_unrouted_signed_url, parse_host
+from aenv_wire.routing import is_sdk_connect, is_unrouted_signed_url, parse_host
 
 from ..config import GatewayConfig
 from ..coord import Binding, CoordError, Coordinator
@@ -133,7 +133,7 @@ class Gateway:
     def _sandbox_target(self, request: web.Request) -> tuple[str, dict[str, str]] | None:
         """``(sandbox id, headers to add)`` of sandbox traffic, else None."""
         sid = request.headers.get(SANDBOX_ID_HEADER) or request.headers.get(AGENTENV_ID_HEADER)
-        if sid:
+        if sid and not is_sdk_connect(request.method, request.path, request.headers):
             return sid, {}
         if self.config.domain:
             hit = parse_host(request.host, self.config.domain)

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from aenv_wire.errors import BadRoute
-from aenv_wire.routing import (SandboxAddress, has_proxy_prefix, has_routing_header, is_unrouted_signed_url,
-                               parse_host, sandbox_route)
+from aenv_wire.routing import (SandboxAddress, has_proxy_prefix, has_routing_header, is_sdk_connect,
+                               is_unrouted_envd_call, is_unrouted_signed_url, parse_host, sandbox_route)
 
 ids = st.from_regex(r"[a-z0-9][a-z0-9-]{0,30}", fullmatch=True)
 domains = st.from_regex(r"[a-z0-9-]{1,10}(\.[a-z0-9-]{1,10}){0,2}", fullmatch=True)
@@ -77,3 +77,29 @@ def test_signed_urls_and_the_proxy_prefix() -> None:
     assert not is_unrouted_signed_url("/files", {"path": "/a"})
     assert not is_unrouted_signed_url("/filesx", {"signature": "v1_x"})
     assert has_proxy_prefix("/proxy") and has_proxy_prefix("/proxy/a") and not has_proxy_prefix("/proxyx")
+
+
+@pytest.mark.parametrize("method, path, headers, expected", [
+    ("POST", "/sandboxes/sbx-1/connect", {"X-API-Key": "k", "E2b-Sandbox-Id": "sbx-1"}, True),
+    ("POST", "/sandboxes/sbx-1/connect", {"E2b-Sandbox-Id": "sbx-1"}, False),            # no API key: traffic
+    ("POST", "/sandboxes/sbx-2/connect", {"X-API-Key": "k", "E2b-Sandbox-Id": "sbx-1"}, False),  # another sandbox
+    ("GET", "/sandboxes/sbx-1/connect", {"X-API-Key": "k", "E2b-Sandbox-Id": "sbx-1"}, False),
+    ("POST", "/process.Process/Start", {"X-API-Key": "k", "E2b-Sandbox-Id": "sbx-1"}, False),
+    ("POST", "/sandboxes/sbx-1/connect", {"X-API-Key": "k"}, False)])
+def test_an_old_sdks_connect_with_routing_headers_is_the_control_planes(method: str, path: str,
+                                                                       headers: dict[str, str], expected: bool) -> None:
+    """E2B SDKs 2.7 to 2.2x send their connect with the sandbox's routing headers."""
+    assert is_sdk_connect(method, path, CIMultiDict(headers)) is expected
+
+
+@pytest.mark.parametrize("path, headers, expected", [
+    ("/process.Process/Start", {"X-Access-Token": "t"}, True),
+    ("/filesystem.Filesystem/ListDir", {"x-access-token": "t"}, True),
+    ("/files", {"X-Access-Token": "t"}, True),
+    ("/process.Process/Start", {}, False),
+    ("/process.Process/Start", {"X-Access-Token": ""}, False),
+    ("/sandboxes", {"X-Access-Token": "t"}, False),
+    ("/health", {"X-Access-Token": "t"}, False)])
+def test_an_envd_call_naming_no_sandbox_is_recognised_by_its_token(path: str, headers: dict[str, str],
+                                                                   expected: bool) -> None:
+    assert is_unrouted_envd_call(path, CIMultiDict(headers)) is expected

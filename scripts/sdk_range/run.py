@@ -1,0 +1,67 @@
+"""Run the E2B Python SDK's core flows (flows.py) against an aenv server with each of
+several SDK versions, each in its own venv, and print one line per version × flow.
+
+    aenv server ...            # prints the E2B_* variables: export them
+    python scripts/sdk_range/run.py [VERSION ...] [--cache DIR]
+
+The venvs are made under ``--cache`` (default ``~/.cache/aenv-sdk-range``), outside the
+repository, once per version. With no version given, the spread docs/conformance.md
+reports is run. Exit status 1 if any flow failed (NONE, a call the version lacks, is
+not a failure)."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_VERSIONS = ("2.0.0", "2.3.0", "2.5.0", "2.10.0", "2.15.0", "2.20.0", "2.26.0", "2.30.0", "2.45.0",
+                    "2.63.0")
+
+
+def sdk_python(cache: Path, version: str) -> Path:
+    """The Python of a venv holding ``e2b==version`` (made on first use)."""
+    d = cache / f"e2b-{version}"
+    py = d / "bin" / "python"
+    if not (d / ".installed").exists():
+        venv.EnvBuilder(with_pip=True, clear=True).create(d)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"e2b=={version}"], check=True)
+        (d / ".installed").write_text(version)
+    return py
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("versions", nargs="*", default=list(DEFAULT_VERSIONS))
+    p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "aenv-sdk-range")
+    args = p.parse_args()
+    missing = [v for v in ("E2B_API_KEY", "E2B_API_URL") if not os.environ.get(v)]
+    if missing:
+        print(f"sdk_range: set {', '.join(missing)} (what `aenv server` prints)", file=sys.stderr)
+        return 2
+    args.cache.mkdir(parents=True, exist_ok=True)
+    failed = False
+    for version in args.versions:
+        try:
+            py = sdk_python(args.cache, version)
+        except subprocess.CalledProcessError as e:
+            print(f"{version}\t(install)\tFAIL\tpip exited {e.returncode}", flush=True)
+            failed = True
+            continue
+        done = subprocess.run([str(py), str(HERE / "flows.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=1800)
+        lines = [line for line in done.stdout.splitlines() if line.startswith(version + "\t")]
+        for line in lines:
+            print(line, flush=True)
+        if done.returncode != 0 or not lines:
+            failed = True
+            if not lines:
+                print(f"{version}\t(run)\tFAIL\t{done.stdout.strip()[-300:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
