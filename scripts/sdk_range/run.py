@@ -1,13 +1,14 @@
-"""Run the E2B Python SDK's core flows (flows.py) against an aenv server with each of
-several SDK versions, each in its own venv, and print one line per version × flow.
+"""Run the E2B SDK's core flows against an aenv server with each of several SDK
+versions, and print one line per version × flow.
 
     aenv server ...            # prints the E2B_* variables: export them
-    python scripts/sdk_range/run.py [VERSION ...] [--cache DIR]
+    python scripts/sdk_range/run.py [VERSION ...] [--js] [--cache DIR]
 
-The venvs are made under ``--cache`` (default ``~/.cache/aenv-sdk-range``), outside the
-repository, once per version. With no version given, the spread docs/conformance.md
-reports is run. Exit status 1 if any flow failed (NONE, a call the version lacks, is
-not a failure)."""
+Python (flows.py): each version in its own venv; ``--js`` (flows.mjs): the npm SDK, each
+version in its own npm prefix. Both are made under ``--cache`` (default
+``~/.cache/aenv-sdk-range``), outside the repository, once per version. With no
+version given, the spread docs/conformance.md reports is run. Exit status 1 if any
+flow failed (NONE, a call the version lacks, is not a failure)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ import venv
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+DEFAULT_JS_VERSIONS = ("2.0.1", "2.5.0", "2.9.1", "2.15.0", "2.25.0", "2.35.0", "2.51.0")
 DEFAULT_VERSIONS = ("2.0.0", "2.3.0", "2.5.0", "2.10.0", "2.15.0", "2.20.0", "2.26.0", "2.30.0", "2.45.0",
                     "2.63.0")
 
@@ -33,9 +35,23 @@ def sdk_python(cache: Path, version: str) -> Path:
     return py
 
 
+def sdk_node_dir(cache: Path, version: str) -> Path:
+    """A directory holding ``e2b@version`` from npm and flows.mjs (made on first use)."""
+    d = cache / f"e2b-js-{version}"
+    if not (d / ".installed").exists():
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "package.json").write_text('{"private": true, "type": "module"}\n')
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error", f"e2b@{version}"], cwd=d,
+                       check=True, stdout=subprocess.DEVNULL)
+        (d / ".installed").write_text(version)
+    (d / "flows.mjs").write_bytes((HERE / "flows.mjs").read_bytes())
+    return d
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("versions", nargs="*", default=list(DEFAULT_VERSIONS))
+    p.add_argument("versions", nargs="*")
+    p.add_argument("--js", action="store_true", help="the npm SDK (flows.mjs) instead of the Python one")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "aenv-sdk-range")
     args = p.parse_args()
     missing = [v for v in ("E2B_API_KEY", "E2B_API_URL") if not os.environ.get(v)]
@@ -44,15 +60,19 @@ def main() -> int:
         return 2
     args.cache.mkdir(parents=True, exist_ok=True)
     failed = False
-    for version in args.versions:
+    for version in args.versions or (DEFAULT_JS_VERSIONS if args.js else DEFAULT_VERSIONS):
         try:
-            py = sdk_python(args.cache, version)
+            if args.js:
+                d = sdk_node_dir(args.cache, version)
+                argv, cwd = ["node", "flows.mjs"], d
+            else:
+                argv, cwd = [str(sdk_python(args.cache, version)), str(HERE / "flows.py")], HERE
         except subprocess.CalledProcessError as e:
-            print(f"{version}\t(install)\tFAIL\tpip exited {e.returncode}", flush=True)
+            print(f"{version}\t(install)\tFAIL\t{e.cmd[0]} exited {e.returncode}", flush=True)
             failed = True
             continue
-        done = subprocess.run([str(py), str(HERE / "flows.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=1800)
+        done = subprocess.run(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=1800)
         lines = [line for line in done.stdout.splitlines() if line.startswith(version + "\t")]
         for line in lines:
             print(line, flush=True)
