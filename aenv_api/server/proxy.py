@@ -233,7 +233,7 @@ class SandboxProxy:
 
     async def _handle(self, request: web.Request, sid: str, port: int, rid: str) -> web.StreamResponse:
         t0 = time.monotonic()
-        rules = self.lifecycle.proxy_rules(sid)
+        rules = await self.lifecycle.proxy_rules(sid)
         if rules.traffic_token and port != ENVD_PORT:
             _check_traffic_token(rules.traffic_token, request, sid)
         signed = signed_files(request) if port == ENVD_PORT else None
