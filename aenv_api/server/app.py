@@ -45,6 +45,7 @@ from .nodes_api import NodeApi
 from .proxy import ProxyLimits, SandboxProxy, route_of, signed_files
 from .responses import json_response
 from .routes import Call, Route, openapi
+from .scrub import KeyScrub
 from .settings import ServerConfig
 from .templates_api import TemplateApi
 from .volumes_api import VolumeApi
@@ -105,7 +106,7 @@ class ApiServer:
         self.config = config
         self.metrics = metrics
         self.version = version
-        self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config))
+        self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config), KeyScrub(creds.check_api_key))
         self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
         self.routes = self.control.routes()
         self._runner: JsonErrorRunner | None = None
