@@ -106,7 +106,7 @@ class ApiServer:
         self.config = config
         self.metrics = metrics
         self.version = version
-        self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config), KeyScrub(creds.check_api_key))
+        self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config), KeyScrub(creds.api_key))
         self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
         self.routes = self.control.routes()
         self._runner: JsonErrorRunner | None = None

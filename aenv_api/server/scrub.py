@@ -10,19 +10,25 @@ parameters are the guest's own otherwise (an app in a sandbox may use its own
 """
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 from urllib.parse import unquote_plus
 
 
 @dataclass(frozen=True)
 class KeyScrub:
-    is_api_key: Callable[[str], bool]       # constant-time comparison with the deployment's key
+    api_key: str        # the deployment's key ("": none, nothing is removed)
+
+    def _is_key(self, value: str) -> bool:
+        # surrogateescape: a header may carry any bytes (aiohttp keeps invalid UTF-8 as surrogates)
+        return bool(self.api_key) and hmac.compare_digest(value.encode("utf-8", "surrogateescape"),
+                                                          self.api_key.encode())
 
     def carries_key(self, value: str) -> bool:
         v = value.strip()
         scheme, _, rest = v.partition(" ")
-        return self.is_api_key(v) or (scheme.lower() == "bearer" and self.is_api_key(rest.strip()))
+        return self._is_key(v) or (scheme.lower() == "bearer" and self._is_key(rest.strip()))
 
     def headers(self, items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
         """``items`` without the headers whose value is the key."""
@@ -32,10 +38,10 @@ class KeyScrub:
         """A request target (``path?query``, as sent) without the query parameters whose
         value is the key; the rest byte for byte as the client sent it."""
         path, sep, query = raw.partition("?")
-        if not sep:
+        if not sep or not self.api_key:
             return raw
         kept = [p for p in query.split("&") if not self.carries_key(unquote_plus(p.partition("=")[2]))]
         return f"{path}?{'&'.join(kept)}" if kept else path
 
 
-NO_KEY = KeyScrub(lambda _value: False)     # a proxy that knows no key (library use)
+NO_KEY = KeyScrub("")     # a proxy that knows no key (library use)

@@ -5,6 +5,7 @@ started there fails at once, which is all these tests need: it is no longer wait
 the real proxy in front of a stub guest that echoes what reached it."""
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import tarfile
@@ -125,6 +126,17 @@ def test_the_api_key_never_reaches_a_guest_nor_the_log(srv: InProcessServer) -> 
     status, _, got = srv.request("GET", "/seen?token=abc", key=None,
                                  headers={**route, "Authorization": "Bearer the-guests-own"})
     assert got["target"] == "/seen?token=abc" and ["Authorization", "Bearer the-guests-own"] in got["headers"]
+    # a header that is not UTF-8 is compared as the bytes it is, and forwarded
+    host, port = srv.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("GET", "/seen")
+    for k, v in route.items():
+        conn.putheader(k, v)
+    conn.putheader("X-Odd", b"caf\xe9 \xff")
+    conn.endheaders()
+    answer = conn.getresponse()
+    assert answer.status == 200 and any(k == "X-Odd" for k, _ in json.loads(answer.read())["headers"])
+    conn.close()
     # nothing of the key in what the node logged, nor of an upload URL's signature
     tid, _ = request_build(srv, "logged")
     url = upload_url(srv, tid, "e" * 64)
