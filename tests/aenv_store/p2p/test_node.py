@@ -165,7 +165,7 @@ def test_only_peers_are_served(tmp_path: Path, serving: P2PNode, chunks: dict[Di
             stranger.have(serving.ticket, [ids[0]])
         st = serving.status()
         assert stranger.node_id not in st["served"]
-        assert st["refused"][stranger.node_id] >= 2 and st["totals"]["refused_in"] >= 2
+        assert st["refused"][stranger.node_id] >= 1 and st["totals"]["refused_in"] >= 1
         assert st["totals"]["bytes_out"] == 0
         # the fleet's table names it: served
         serving.sync_peers({"stranger": stranger.ticket})
