@@ -95,6 +95,7 @@ UPDATE_REQUEST = Schema("TemplateUpdateRequest", (Field("public", "boolean"),))
 UPLOAD_QUERY = Schema("UploadQuery", (Field("template", "string", required=True, max_length=256),
                                       Field("build", "string", required=True, max_length=64),
                                       Field("expires", "integer", required=True, minimum=0, maximum=2**62),
+                                      Field("nonce", "string", required=True, max_length=64),
                                       Field("signature", "string", required=True, max_length=128)))
 
 
@@ -160,13 +161,14 @@ class TemplateApi:
             raise ApiError(409, f"template {tid!r} has no requested build waiting for its files: request one "
                                 f"first (POST /v3/templates)")
         expires = int(time.time() + UPLOAD_TTL)
+        nonce = secrets.token_hex(8)        # every URL handed out is one of its own (one upload each)
         url = (f"{request.url.origin()}{UPLOAD_PATH.format(hash=files_hash)}?template={quote(tid, safe='')}"
-               f"&build={quote(build_id, safe='')}&expires={expires}"
-               f"&signature={self._sign(tid, build_id, files_hash, expires)}")
+               f"&build={quote(build_id, safe='')}&expires={expires}&nonce={nonce}"
+               f"&signature={self._sign(tid, build_id, files_hash, expires, nonce)}")
         return json_response({"present": False, "url": url}, 201)
 
-    def _sign(self, template_id: str, build_id: str, files_hash: str, expires: int) -> str:
-        what = json.dumps([template_id, build_id, files_hash, expires])     # unambiguous whatever the names hold
+    def _sign(self, template_id: str, build_id: str, files_hash: str, expires: int, nonce: str) -> str:
+        what = json.dumps([template_id, build_id, files_hash, expires, nonce])  # unambiguous whatever the names hold
         return hmac.new(self._key, what.encode(), hashlib.sha256).hexdigest()
 
     def _take_url(self, signature: str, expires: float) -> None:
@@ -185,7 +187,7 @@ class TemplateApi:
         tid, build_id = q["template"], q["build"]
         # bytes, not str: compare_digest refuses (TypeError) a str with non-ASCII characters
         if not _HASH.match(files_hash) or not hmac.compare_digest(
-                self._sign(tid, build_id, files_hash, q["expires"]).encode(),
+                self._sign(tid, build_id, files_hash, q["expires"], q["nonce"]).encode(),
                 q["signature"].encode("utf-8", "surrogateescape")):
             raise ApiError(401, "invalid upload signature")
         if q["expires"] < time.time():

@@ -70,6 +70,7 @@ def test_an_upload_url_takes_one_upload_for_its_build_and_hash(srv: InProcessSer
     url = upload_url(srv, tid, "a" * 64)
     q = parse_qs(urlsplit(url).query)
     assert q["template"] == [tid] and q["build"] == [bid]
+    assert upload_url(srv, tid, "a" * 64) != url          # every URL handed out is one of its own
     # the URL is for this template's build and this hash: changing either breaks the signature
     other_tid, other_bid = request_build(srv, "other")
     assert put(url.replace(f"build={bid}", f"build={other_bid}"), tar())[0] == 401
