@@ -22,6 +22,7 @@ from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StoreCon
 from aenv_store.errors import ConfigError
 from aenv_vm.builds.config import TemplatesConfig
 from aenv_vm.config import VmConfig
+from aenv_vm.net.infra import InfraHost, url_host
 from aenv_vm.oci.config import OciConfig
 from aenv_vm.volumes.config import VolumesConfig
 from aenv_api.server.settings import ServerConfig
@@ -68,6 +69,24 @@ class AenvConfig:
             cache=self.cache,
             p2p=fleet_p2p(self.p2p, self.cluster),
         )
+
+    def infrastructure(self) -> list[InfraHost]:
+        """What no sandbox of this node may reach whatever its ``allow_out`` says
+        (aenv_vm/net/infra.py): ``[vm] never_reach`` and the hosts of this node's own
+        settings: Redis, the advertised URL, the repository's endpoint, the API's and the
+        P2P endpoint's bind address (the node's own addresses are added at start)."""
+        out = [InfraHost(v, "vm.never_reach", required=True) for v in self.vm.never_reach]
+        for url, origin in ((self.cluster.redis_url, "cluster.redis_url"),
+                            (self.cluster.advertise_url, "cluster.advertise_url"),
+                            (self.repository.endpoint_url, "repository.endpoint_url")):
+            host = url_host(url)
+            if host:
+                out.append(InfraHost(host, origin))
+        p2p = self.store_settings().p2p
+        for host, origin in ((self.server.host, "server.host"), (p2p.bind_host() if p2p.enabled else "", "p2p.host")):
+            if host and host not in ("0.0.0.0", "::"):
+                out.append(InfraHost(host, origin))
+        return out
 
 
 def fleet_p2p(p2p: P2PConfig, cluster: ClusterConfig) -> P2PConfig:

@@ -42,6 +42,7 @@ from aenv_vm.confine.policy import Confinement
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage, ensure_guest
 from aenv_vm.machine.admission import Admission, Headroom
+from aenv_vm.net.infra import describe as describe_nets
 from aenv_vm.net.netns import NetError
 from aenv_vm.sandboxes.manager import SandboxManager
 from aenv_vm.sandboxes.node_service import NodeSandboxService
@@ -144,12 +145,17 @@ class Node:
                                      max_sandboxes=server_cfg.max_sandboxes, readahead=vm.readahead_mib << 20,
                                      isolation=vm.isolation, confine=confinement, volumes=volumes,
                                      lazy_memory=vm.lazy_memory, admission=admission,
-                                     egress_limits=vm.egress_limits(), console_bytes=vm.console_kib << 10)
+                                     egress_limits=vm.egress_limits(), console_bytes=vm.console_kib << 10,
+                                     infrastructure=config.infrastructure())
             register_guest_drops(metrics, manager.rt.networks.drops)
             try:
                 await manager.start()
-            except NetError as e:   # [vm] network = "tap" on a host that cannot do it
+            except NetError as e:   # [vm] network = "tap" on a host that cannot do it; a never_reach name
                 raise StartError(str(e)) from None
+            nets = manager.rt.networks
+            if nets.isolated:
+                report(f"sandboxes never reach the infrastructure ({describe_nets(nets.infra_nets)}) nor this "
+                       f"node's addresses, whatever their allow_out ([vm] never_reach)")
             service: SandboxService = NodeSandboxService(manager)
             cluster = config.cluster
             if cluster.redis_url:   # a fleet node: the agent observes every sandbox change (aenv_fleet/agent.py)

@@ -58,7 +58,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         t = st.get("totals", {})
         print(f"traffic: in {human_bytes(t.get('bytes_in', 0))}, out {human_bytes(t.get('bytes_out', 0))}, "
               f"requests sent {t.get('requests_out', 0)}, served {t.get('requests_in', 0)}, "
-              f"failures {t.get('failures', 0)}, bad data {t.get('bad_data', 0)}")
+              f"failures {t.get('failures', 0)}, bad data {t.get('bad_data', 0)}, "
+              f"strangers refused {t.get('refused_in', 0)}")
     rows: list[dict[str, Any]] = []
     known = set()
     for p in (st or {}).get("peers", []):

@@ -122,6 +122,12 @@ class VmConfig:
     # a ring file in its run dir). Kernel messages, aenv-init and envd's stderr: a boot's
     # whole console is ~20 KiB; the logs API reads it at every query and before a pause.
     console_kib: int = 1024
+    # Addresses no sandbox reaches, whatever its allow_out says (aenv_vm/net/infra.py,
+    # docs/security.md): IPv4 addresses, CIDRs or host names (resolved at start; one that
+    # does not resolve stops it). The node adds its own addresses and the hosts of
+    # [cluster] redis_url and advertise_url, [repository] endpoint_url, [server] host and
+    # [p2p] host by itself; list the fleet's gateways and node network here.
+    never_reach: tuple[str, ...] = ()
     # PEM bundle of those certificates ("": the host's system bundle, the first of
     # /etc/ssl/certs/ca-certificates.crt, /etc/pki/tls/certs/ca-bundle.crt, ... that exists).
     host_ca_bundle: str = ""
@@ -184,6 +190,12 @@ class VmConfig:
         self.egress_limits()     # ConfigError naming the field when one is out of range
         if not 128 <= self.console_kib <= 1 << 20:
             raise ConfigError(f"vm.console_kib must be in 128..1048576, got {self.console_kib}")
+        from .net.infra import check_entry
+        for entry in self.never_reach:
+            try:
+                check_entry(entry, "vm.never_reach")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.confine not in ("auto", "required", "off"):
             raise ConfigError(f"vm.confine must be auto, required or off, got {self.confine!r}")
         if self.confine_uid_base < 1000 or self.confine_uid_count < 1 or \

@@ -46,6 +46,7 @@ from .nodes_api import NodeApi
 from .proxy import ProxyLimits, SandboxProxy, route_of, signed_files
 from .responses import json_response
 from .routes import Call, Route, openapi
+from .scrub import KeyScrub
 from .settings import ServerConfig
 from .templates_api import TemplateApi
 from .volumes_api import VolumeApi
@@ -106,7 +107,7 @@ class ApiServer:
         self.config = config
         self.metrics = metrics
         self.version = version
-        self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config))
+        self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config), KeyScrub(creds.api_key))
         self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
         self.routes = self.control.routes()
         self._runner: JsonErrorRunner | None = None

@@ -3,7 +3,14 @@ autoResume, disk size, and what the proxy applies to traffic into the sandbox:
 ``allowPublicTraffic``, ``maskRequestHost``, ``httpsPorts``), in one small JSON
 file beside the node's records: ``<data-dir>/api-sandboxes.json``, rewritten
 whole (tmp + rename) on change. Fork children get their parent's. No secret
-is kept here: a traffic access token is derived from the sandbox id (auth.py)."""
+is kept here: a traffic access token is derived from the sandbox id (auth.py).
+
+The same fields go into the sandbox's own record (``ANNOTATION``, written in the
+record's one synchronous LMDB transaction at create, inherited by fork children,
+moved with the sandbox), and that copy is the one that counts: this file is written
+after the VM is up and without fsync, so it may be torn, lost or never written (a
+full disk). ``record_extra`` reads the record's copy; the file only serves records
+without one (made before the annotation existed)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +18,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +54,21 @@ class Extra:
 ANNOTATION = "api.extra"    # the key of ``Extra.annotation`` among a sandbox's annotations
 
 
+def record_extra(annotations: Mapping[str, str], disk_mb: int) -> Extra | None:
+    """The fields a sandbox's own record carries, None when it carries none (a sandbox
+    not made through this API, or made before the annotation). ValueError/TypeError
+    when the annotation is there but unreadable: the caller must not guess rules then."""
+    raw = annotations.get(ANNOTATION)
+    return None if raw is None else Extra.from_annotation(raw, disk_mb)
+
+
 class ApiExtras:
     """Per-sandbox API fields the sandbox layer does not keep."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._items: dict[str, Extra] = {}
+        self.unreadable: str | None = None      # why the file could not be read at start, if it could not
         try:
             raw = json.loads(path.read_text())
             self._items = {k: Extra.from_json(v) for k, v in raw.items()}
@@ -59,6 +76,7 @@ class ApiExtras:
             pass
         except (OSError, ValueError, TypeError) as e:
             log.warning("ignoring unreadable %s: %s", path, e)
+            self.unreadable = f"{path.name}: {e}"
 
     def get(self, sid: str) -> Extra:
         return self._items.get(sid) or Extra()
@@ -81,6 +99,11 @@ class ApiExtras:
         self.drop([s for s in self._items if s not in sids])
 
     def _save(self) -> None:
+        """Best effort: a failed write (a full disk) costs only what records without an
+        annotation keep here; the proxy's rules come from the records (``record_extra``)."""
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({k: asdict(v) for k, v in self._items.items()}, sort_keys=True))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps({k: asdict(v) for k, v in self._items.items()}, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("could not write %s: %s", self.path, e)

@@ -19,9 +19,10 @@ keeps it: that is where the proxy checks it.
 
 Network (network.py): the egress rules go to the service (its records keep
 them); what the proxy applies (``allowPublicTraffic``, ``maskRequestHost``,
-``httpsPorts``) is kept in the extras and handed to the proxy as
-``ProxyRules``; the traffic access token is derived from the id
-(``traffic_token``), never stored.
+``httpsPorts``) is kept in the sandbox's own record (its ``api.extra``
+annotation, extras.py) and handed to the proxy as ``ProxyRules``; rules that
+cannot be read refuse the sandbox's traffic (fail closed). The traffic access
+token is derived from the id (``traffic_token``), never stored.
 
 States: which operation a sandbox allows in which state is the pure table of
 aenv_vm/states.py, the one the service consults too. The API asks it before it calls
@@ -56,7 +57,7 @@ from aenv_wire.listing import FALLBACK_ENVD_VERSION, parse_metadata_filter, star
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError, error_code
-from .extras import ANNOTATION, ApiExtras, Extra
+from .extras import ANNOTATION, ApiExtras, Extra, record_extra
 from .metric_series import MAX_SANDBOX_IDS, bucketed, metric_json
 from .metrics import Metrics
 from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_view, update_policy
@@ -189,8 +190,18 @@ class Lifecycle:
             raise refused(view.sandbox_id, outcome.refusal(view.sandbox_id, phase))
         return outcome
 
+    def _extra(self, info: SandboxInfo) -> Extra:
+        """The sandbox's API fields: its record's copy (durable), else the extras file's."""
+        kept = self.extras.get(info.sandbox_id)
+        try:
+            extra = record_extra(info.annotations, kept.disk_mb)
+        except (ValueError, TypeError) as e:
+            log.warning("sandbox %s: unreadable %s annotation: %s", info.sandbox_id, ANNOTATION, e)
+            extra = None
+        return kept if extra is None else extra
+
     def _view(self, info: SandboxInfo) -> SandboxView:
-        extra = self.extras.get(info.sandbox_id)
+        extra = self._extra(info)
         return SandboxView(
             sandbox_id=info.sandbox_id, template_id=info.template_id, alias=extra.alias, started_at=info.started_at,
             end_at=info.end_at, cpu_count=info.vcpus, memory_mb=info.memory_mib,
@@ -338,17 +349,38 @@ class Lifecycle:
                         deny_out=",".join(policy.deny_out) or None,
                         dns_servers=None if policy.dns_servers is None else ",".join(policy.dns_servers))
 
-    def proxy_rules(self, sid: str) -> ProxyRules:
-        """What the proxy applies to traffic into ``sid`` (public for a sandbox this API does not
-        know: the target lookup then answers for it). Hot path: from memory once known."""
+    async def proxy_rules(self, sid: str) -> ProxyRules:
+        """What the proxy applies to traffic into ``sid``, from the sandbox's own record
+        (public for a sandbox the service does not have: the target lookup then answers
+        for it). Rules that cannot be known are a 503, never public: an unreadable
+        annotation, or a record without one while the extras file was unreadable.
+        Hot path: from memory once known."""
         rules = self._rules.get(sid)
-        if rules is None:
+        if rules is not None:
+            return rules
+        try:
+            info = await self.service.get(sid)
+        except NotFound:
+            return PUBLIC
+        except VmError as e:
+            raise ApiError(503, f"The sandbox {sid}'s traffic rules cannot be read ({e}): its traffic is refused",
+                           sandboxId=sid, retry=True) from None
+        try:
+            extra = record_extra(info.annotations, 0)
+        except (ValueError, TypeError) as e:
+            log.error("sandbox %s: unreadable %s annotation, its traffic is refused: %s", sid, ANNOTATION, e)
+            raise ApiError(503, f"The sandbox {sid}'s traffic rules are unreadable: its traffic is refused",
+                           sandboxId=sid, retry=False) from None
+        if extra is None:       # a record without rules of its own: the extras file's, if it was read
             extra = self.extras.find(sid)
+            if extra is None and self.extras.unreadable is not None:
+                raise ApiError(503, f"The sandbox {sid}'s traffic rules are unknown ({self.extras.unreadable}): "
+                                    f"its traffic is refused", sandboxId=sid, retry=False)
             if extra is None:
                 return PUBLIC
-            rules = self._rules[sid] = ProxyRules(
-                None if extra.public_traffic else self.traffic_token(sid), extra.mask_request_host,
-                frozenset(extra.https_ports))
+        rules = self._rules[sid] = ProxyRules(
+            None if extra.public_traffic else self.traffic_token(sid), extra.mask_request_host,
+            frozenset(extra.https_ports))
         return rules
 
     # --- timeouts ------------------------------------------------------------
@@ -548,7 +580,8 @@ class Lifecycle:
                 out.append({"error": {"code": err.status if err else 500,
                                       "message": str(child) or type(child).__name__}})
                 continue
-            self.extras.put(child.sandbox_id, parent_extra)
+            # the child's record carries the parent's annotation (the sandbox layer copies it)
+            self.extras.put(child.sandbox_id, dataclasses.replace(self._extra(child), disk_mb=parent_extra.disk_mb))
             self.logs.event(child.sandbox_id, "sandbox forked", parent=sid)
             out.append({"sandbox": self._view(child).sandbox(self.config.domain)})
         self.logs.event(sid, "sandbox forked", count=count, children=",".join(c.sandbox_id for c in children),

@@ -65,6 +65,7 @@ from .auth import check_token
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .scrub import NO_KEY, KeyScrub
 from .settings import ServerConfig
 from .upstream import MAX_HEAD, ChunkedBody, ResponseHead, UpstreamConn, UpstreamError, Upstreams, parse_response_head
 
@@ -160,12 +161,13 @@ class _PassThrough(_RelayResponse):
         self._send_headers_immediately = immediate
 
 
-def _upstream_head(request: web.Request, host: str, framing: str, length: int | None) -> bytes:
+def _upstream_head(request: web.Request, host: str, framing: str, length: int | None,
+                   scrub: KeyScrub = NO_KEY) -> bytes:
     """Request line and headers for the sandbox (``host``: its Host header): hop-by-hop
-    headers, routing headers and credentials for the proxy dropped; the body's framing as
-    the proxy sends it."""
-    lines = [f"{request.method} {forward_target(request)} HTTP/1.1", f"Host: {host}"]
-    for k, v in request.headers.items():
+    headers, routing headers and credentials for the proxy dropped, the API key wherever
+    it is (scrub.py); the body's framing as the proxy sends it."""
+    lines = [f"{request.method} {scrub.target(forward_target(request))} HTTP/1.1", f"Host: {host}"]
+    for k, v in scrub.headers(request.headers.items()):
         if k.lower() not in _DROP_REQUEST:
             lines.append(f"{k}: {v}")
     if framing == "chunked":
@@ -188,10 +190,12 @@ def _check_traffic_token(expected: str, request: web.Request, sid: str) -> None:
 
 
 class SandboxProxy:
-    def __init__(self, lifecycle: Lifecycle, metrics: Metrics, limits: ProxyLimits = ProxyLimits()) -> None:
+    def __init__(self, lifecycle: Lifecycle, metrics: Metrics, limits: ProxyLimits = ProxyLimits(),
+                 scrub: KeyScrub = NO_KEY) -> None:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.limits = limits
+        self.scrub = scrub
         self.open: Counter[str] = Counter()     # sandbox id → its proxied requests and sessions open
         self.upstreams = Upstreams()
         self._session: aiohttp.ClientSession | None = None   # WebSocket bridging only
@@ -236,7 +240,7 @@ class SandboxProxy:
 
     async def _handle(self, request: web.Request, sid: str, port: int, rid: str) -> web.StreamResponse:
         t0 = time.monotonic()
-        rules = self.lifecycle.proxy_rules(sid)
+        rules = await self.lifecycle.proxy_rules(sid)
         if rules.traffic_token and port != ENVD_PORT:
             _check_traffic_token(rules.traffic_token, request, sid)
         signed = signed_files(request) if port == ENVD_PORT else None
@@ -244,7 +248,8 @@ class SandboxProxy:
         tls = port in rules.https_ports
         host_header = rules.host_header(port) or f"{host}:{host_port}"
         if request.headers.get("Upgrade", "").lower() == "websocket":
-            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
+            headers = [(k, v) for k, v in self.scrub.headers(request.headers.items())
+                       if k.lower() not in _DROP_REQUEST]
             if rules.mask_request_host is not None:
                 headers.append(("Host", host_header))
             return await self._websocket(request, sid, port, f"{host}:{host_port}", headers, rid, tls)
@@ -271,10 +276,10 @@ class SandboxProxy:
                 streamed = True
         if streamed:
             framing = "length" if request.content_length is not None and not chunked else "chunked"
-            head = _upstream_head(request, host_header, framing, request.content_length)
+            head = _upstream_head(request, host_header, framing, request.content_length, self.scrub)
         else:
             head = _upstream_head(request, host_header, "length" if body is not None else "none",
-                                  len(body) if body is not None else None)
+                                  len(body) if body is not None else None, self.scrub)
         conn: UpstreamConn | None = None
         sender: asyncio.Future[None] | None = None
         try:
@@ -461,7 +466,7 @@ class SandboxProxy:
                          headers: list[tuple[str, str]], rid: str, tls: bool) -> web.StreamResponse:
         fwd = [(k, v) for k, v in headers if k.lower() not in HANDSHAKE_HEADERS]
         protocols = offered_protocols(request)
-        url = f"{'wss' if tls else 'ws'}://{upstream}{forward_target(request)}"
+        url = f"{'wss' if tls else 'ws'}://{upstream}{self.scrub.target(forward_target(request))}"
         cap = self.limits.websocket_max_message
         handshake = asyncio.timeout(self.limits.head_timeout)
         try:

@@ -8,8 +8,13 @@ CLIs (``POST /templates`` with a Dockerfile, ``POST /v2/templates``) are
 templates_legacy.py's.
 
 The upload URL carries its own authorisation (the SDK PUTs there without the API
-key, as to an S3 presigned URL): an HMAC of the hash and an expiry under a key of
-this process. It is served on the API's own port, which guests cannot reach
+key, as to an S3 presigned URL): an HMAC, under a key of this process, of the
+template, the build it was issued for (the template's requested build, not started
+yet), the files hash and an expiry. It takes one upload: it is spent once an upload
+through it succeeded, and refused once its build has started or is gone, so a URL
+that leaked (a log, a proxy) cannot replace or add a context later. What it stores
+is filed under the hash it was issued for, and a build starts only with the contexts
+of its COPY hashes. It is served on the API's own port, which guests cannot reach
 (docs/security.md: network isolation), and the body streams to a file in the data
 dir (bounded by ``max_upload_bytes``) before the store takes it. At most
 ``max_parallel_uploads`` stream at once (429 + Retry-After beyond, which the SDK
@@ -24,16 +29,18 @@ import hmac
 import os
 import re
 import secrets
+import json
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 
 from aenv_store.diskfloor import DiskFloor
 from aenv_vm.builds.log import LogEntry
 from aenv_vm.builds.template_builds import TemplateBuilds, TemplateView
-from aenv_vm.errors import BadRequest, VmError
+from aenv_vm.errors import BadRequest, Conflict, NotFound, VmError
 from aenv_wire.builds import BuildResources, parse_build_spec
 from aenv_wire.errors import MalformedBuild
 from aenv_wire.headers import NEXT_TOKEN_HEADER
@@ -85,7 +92,10 @@ LIST_V2_QUERY = Schema("TemplateListV2Query", (
     Field("teamID", "string", attr="team_id", max_length=128),
     Field("limit", "integer", minimum=1, maximum=100), Field("nextToken", "string", attr="next_token", max_length=512)))
 UPDATE_REQUEST = Schema("TemplateUpdateRequest", (Field("public", "boolean"),))
-UPLOAD_QUERY = Schema("UploadQuery", (Field("expires", "integer", required=True, minimum=0, maximum=2**62),
+UPLOAD_QUERY = Schema("UploadQuery", (Field("template", "string", required=True, max_length=256),
+                                      Field("build", "string", required=True, max_length=64),
+                                      Field("expires", "integer", required=True, minimum=0, maximum=2**62),
+                                      Field("nonce", "string", required=True, max_length=64),
                                       Field("signature", "string", required=True, max_length=128)))
 
 
@@ -113,6 +123,8 @@ class TemplateApi:
         self.floor = floor if floor is not None else DiskFloor()
         self._uploads = 0
         self._key = secrets.token_bytes(32)
+        # signatures of upload URLs in use or used (until they expire): one upload each
+        self._spent: dict[str, float] = {}
         # parts a stopped process left (an upload is never resumed: the SDK sends it again)
         if upload_dir.is_dir():
             for left in upload_dir.glob("*.part"):
@@ -144,23 +156,49 @@ class TemplateApi:
             raise _error(e, "files") from None
         if self.builds.files_present(files_hash):
             return json_response({"present": True}, 201)
+        build_id = self.builds.waiting_build(tid)
+        if build_id is None:
+            raise ApiError(409, f"template {tid!r} has no requested build waiting for its files: request one "
+                                f"first (POST /v3/templates)")
         expires = int(time.time() + UPLOAD_TTL)
-        url = (f"{request.url.origin()}{UPLOAD_PATH.format(hash=files_hash)}"
-               f"?expires={expires}&signature={self._sign(files_hash, expires)}")
+        nonce = secrets.token_hex(8)        # every URL handed out is one of its own (one upload each)
+        url = (f"{request.url.origin()}{UPLOAD_PATH.format(hash=files_hash)}?template={quote(tid, safe='')}"
+               f"&build={quote(build_id, safe='')}&expires={expires}&nonce={nonce}"
+               f"&signature={self._sign(tid, build_id, files_hash, expires, nonce)}")
         return json_response({"present": False, "url": url}, 201)
 
-    def _sign(self, files_hash: str, expires: int) -> str:
-        return hmac.new(self._key, f"{files_hash}:{expires}".encode(), hashlib.sha256).hexdigest()
+    def _sign(self, template_id: str, build_id: str, files_hash: str, expires: int, nonce: str) -> str:
+        what = json.dumps([template_id, build_id, files_hash, expires, nonce])  # unambiguous whatever the names hold
+        return hmac.new(self._key, what.encode(), hashlib.sha256).hexdigest()
+
+    def _take_url(self, signature: str, expires: float) -> None:
+        """Mark an upload URL in use; 409 if it is (or was) used already."""
+        now = time.time()
+        for sig in [s for s, exp in self._spent.items() if exp < now]:
+            del self._spent[sig]
+        if signature in self._spent:
+            raise ApiError(409, "this upload URL was used already (each takes one upload): ask for a new one "
+                                "with GET /templates/{templateID}/files/{hash}")
+        self._spent[signature] = expires
 
     async def upload(self, request: web.Request, call: Call) -> web.Response:
         files_hash = call.path["hash"]
         q = call.query
+        tid, build_id = q["template"], q["build"]
         # bytes, not str: compare_digest refuses (TypeError) a str with non-ASCII characters
         if not _HASH.match(files_hash) or not hmac.compare_digest(
-                self._sign(files_hash, q["expires"]).encode(), q["signature"].encode("utf-8", "surrogateescape")):
+                self._sign(tid, build_id, files_hash, q["expires"], q["nonce"]).encode(),
+                q["signature"].encode("utf-8", "surrogateescape")):
             raise ApiError(401, "invalid upload signature")
         if q["expires"] < time.time():
             raise ApiError(401, "the upload URL has expired: ask for a new one")
+        try:
+            self.builds.startable(tid, build_id)
+        except NotFound:
+            raise ApiError(410, f"the build {build_id} this upload URL was issued for is gone") from None
+        except Conflict:
+            raise ApiError(409, f"the build {build_id} this upload URL was issued for has started: it takes no "
+                                f"more uploads") from None
         length = request.content_length
         if length is not None and length > self.max_upload_bytes:
             raise ApiError(413, f"the upload is larger than {self.max_upload_bytes} bytes")
@@ -169,8 +207,10 @@ class TemplateApi:
                                 f"try again shortly", retry=True, retry_after=UPLOAD_RETRY_AFTER)
         self.upload_dir.mkdir(parents=True, exist_ok=True)
         self._check_floor(length or 0)
+        self._take_url(q["signature"], q["expires"])
         self._uploads += 1
         path = self.upload_dir / f"{files_hash}.{secrets.token_hex(4)}.part"
+        done = False
         try:
             size = 0
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -188,9 +228,12 @@ class TemplateApi:
                 raise ApiError(400, f"the upload ended after {size} of {length} bytes")
             if not self.builds.files_present(files_hash):
                 await self.builds.accept_files(files_hash, path)
+            done = True
         finally:
             self._uploads -= 1
             path.unlink(missing_ok=True)
+            if not done:    # a failed upload does not spend its URL: the client may send it again
+                self._spent.pop(q["signature"], None)
         await self.builds.sweep_contexts()
         return web.Response(status=200)
 

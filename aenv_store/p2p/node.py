@@ -7,6 +7,15 @@ endpoint leaves nothing reachable from elsewhere) with relays and discovery off
 tickets, which come from the config, ``aenv p2p add-peer`` or, in a fleet, the
 node agent (``sync_peers``, from the tickets live nodes publish in Redis). All iroh calls run on a private asyncio loop
 thread; the Store's reader threads call the blocking ``fetch``/``fetch_many``.
+
+Serving is for peers only: a connection from a node id that is not in the peer
+table as a member (the configured ``[p2p] peers``, ``aenv p2p add-peer``, the
+fleet's published tickets) is closed before any request is read, so a stranger
+gets neither chunks nor ``HAVE`` answers (which would tell it which memory
+pages this node committed). The node id is the QUIC handshake's authenticated
+key, whichever socket the stranger reached (iroh also listens on an
+unadvertised IPv6 wildcard socket). Peering is therefore mutual: both sides list
+each other (a fleet's nodes all do, from Redis).
 """
 from __future__ import annotations
 
@@ -241,14 +250,17 @@ class P2PNode:
                 if p is None:
                     self.table.peers[node_id] = Peer(ticket, node_id, source)
                     added.append(node_id)
-                elif p.source == source and (p.dropped or p.ticket != ticket):
+                elif p.source == source and (p.dropped or p.ticket != ticket or not p.member):
                     # back in the fleet (perhaps on a new port): ask it again, afresh
                     p.dropped, p.ticket, p.backoff, p.backoff_until = "", ticket, 0.0, 0.0
+                    p.member = True
                     added.append(node_id)
             for p in self.table.peers.values():
                 if p.source == source and not p.dropped and p.node_id not in want:
                     gone.append(p)
         for p in gone:
+            with self.table.lock:
+                p.member = False      # out of the fleet: no longer served either
             self.drop_peer(p, f"no longer published ({source})")
         for node_id in added:
             # a connection to an old address of a peer that moved must not be reused
@@ -305,11 +317,31 @@ class P2PNode:
             return
         remote = str(conn.remote_id())
         while True:
+            if not self._admits(remote):    # checked per request too: a peer may leave the fleet
+                conn.close(3, b"not a peer of this node")
+                return
             try:
                 bi = await conn.accept_bi()
             except Exception:  # connection closed
                 return
+            if not self._admits(remote):
+                conn.close(3, b"not a peer of this node")
+                return
             self._spawn(self._serve_stream(bi, remote))
+
+    def _admits(self, remote: str) -> bool:
+        """Whether ``remote`` (an authenticated node id) may be served; a stranger is
+        counted and logged once. The added-peers file is looked at again first, so a
+        peer added by ``aenv p2p add-peer`` a moment ago is not refused."""
+        if self.table.is_member(remote):
+            return True
+        self._sync_added_peers()
+        if self.table.is_member(remote):
+            return True
+        if self.table.note_refused(remote):
+            log.warning("p2p: refused node %s: not a peer of this node (neither configured, added nor in the "
+                        "fleet)", remote[:12])
+        return False
 
     async def _serve_stream(self, bi: Any, remote: str) -> None:
         send = bi.send()

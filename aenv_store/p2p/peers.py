@@ -48,6 +48,10 @@ class Peer:
     backoff: float = 0.0
     last_error: str = ""
     last_ok: float = 0.0                 # unix time of the last chunk it gave us
+    # May ask us for chunks: it is in the configured or added list or the fleet's table.
+    # A peer dropped for bad data stays one (we stop asking it, not answering it); one
+    # that left the fleet does not.
+    member: bool = True
 
     def usable(self, now: float) -> bool:
         return not self.dropped and now >= self.backoff_until
@@ -72,6 +76,9 @@ class ServedCounters:
     misses: int = 0
 
 
+REFUSED_KEPT = 64      # strangers' node ids kept for the status (a total counts them all)
+
+
 class PeerTable:
     """Thread-safe; the node's event loop and the Store's reader threads share it."""
 
@@ -79,6 +86,26 @@ class PeerTable:
         self.lock = threading.Lock()
         self.peers: dict[str, Peer] = {}          # node id -> peer
         self.served: dict[str, ServedCounters] = {}  # remote node id -> what we sent it
+        self.refused: dict[str, int] = {}         # stranger node id -> connections refused (the first few)
+        self.refused_total = 0
+
+    def is_member(self, node_id: str) -> bool:
+        """Whether ``node_id`` may ask this node for chunks (``Peer.member``)."""
+        with self.lock:
+            p = self.peers.get(node_id)
+            return p is not None and p.member
+
+    def note_refused(self, node_id: str) -> bool:
+        """Count a refused connection of a stranger; True the first time for ``node_id``
+        (among those kept), to log it once."""
+        with self.lock:
+            self.refused_total += 1
+            if node_id in self.refused:
+                self.refused[node_id] += 1
+                return False
+            if len(self.refused) < REFUSED_KEPT:
+                self.refused[node_id] = 1
+            return True
 
     def add(self, ticket: str, node_id: str, source: str) -> Peer:
         with self.lock:
@@ -89,6 +116,8 @@ class PeerTable:
                 # an operator re-adding a dropped peer gives it another chance
                 p.dropped = ""
                 p.ticket = ticket
+            if source in ("added", "config"):
+                p.member = True
             return p
 
     def candidates(self) -> list[Peer]:
@@ -115,6 +144,7 @@ class PeerTable:
                      "dropped_reason": p.dropped, "last_error": p.last_error, **asdict(p.counters)}
                 peers.append(d)
             served = {k: asdict(v) for k, v in self.served.items()}
+            refused, refused_total = dict(self.refused), self.refused_total
         totals = {
             "bytes_in": sum(p["bytes_in"] for p in peers),
             "bytes_out": sum(s["bytes_out"] for s in served.values()),
@@ -122,8 +152,9 @@ class PeerTable:
             "requests_in": sum(s["requests"] for s in served.values()),
             "failures": sum(p["failures"] for p in peers),
             "bad_data": sum(p["bad_data"] for p in peers),
+            "refused_in": refused_total,
         }
-        return {"peers": peers, "served": served, "totals": totals}
+        return {"peers": peers, "served": served, "refused": refused, "totals": totals}
 
 
 def p2p_dir(data_dir: Path) -> Path:

@@ -210,6 +210,13 @@ class TemplateBuilds:
             raise NotFound(f"no build {build_id} of template {template_id}")
         return run
 
+    def waiting_build(self, template_id: str) -> str | None:
+        """The newest requested build of ``template_id`` not started yet (the one a COPY
+        upload is for: the SDK uploads between its request and its start), or None."""
+        name, _ = records.split_name(template_id)
+        waiting = [r for r in self._runs.values() if r.name == name and r.status == "waiting"]
+        return waiting[-1].build_id if waiting else None
+
     def startable(self, template_id: str, build_id: str) -> BuildRun:
         """The requested build ``build_id`` of ``template_id``, not started yet (NotFound:
         no such build; Conflict: it was started already)."""

@@ -37,7 +37,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal, Sequence, cast
 
 from envd import ENVD_PORT
 
@@ -46,6 +46,7 @@ from ..qemu.launcher import VmSpec, free_port
 from . import dns, netns, rules
 from .bounds import Drops, EgressLimits
 from .egress import EgressService, egress_ports
+from .infra import InfraHost, infrastructure_nets
 from .netns import NetError, SandboxNet
 from .policy import NetworkPolicy
 
@@ -203,7 +204,9 @@ class NodeNetworks:
     reaches every TCP port on the host's 127.0.0.1: development hosts only)."""
 
     def __init__(self, mode: str, run_root: Path, isolation: str = "auto",
-                 limits: EgressLimits = EgressLimits()) -> None:
+                 limits: EgressLimits = EgressLimits(), infrastructure: Sequence[InfraHost] = ()) -> None:
+        """``infrastructure``: the fleet's services (infra.py), in every sandbox's never-reachable
+        set beside the node's own addresses."""
         if mode not in MODES:
             raise NetError(f"network mode must be one of {', '.join(MODES)}, got {mode!r}")
         if isolation not in ISOLATIONS:
@@ -220,6 +223,9 @@ class NodeNetworks:
         self.limits = limits                # per sandbox, of the egress services (bounds.py)
         self.drops = Drops()                # what they turned away (the node's metrics)
         self._never: list[ipaddress.IPv4Network] = []
+        self.infrastructure = tuple(infrastructure)
+        self.infra_nets: list[ipaddress.IPv4Network] = []     # what it resolved to at start
+        self.infra_warnings: list[str] = []
 
     @property
     def tap(self) -> bool:
@@ -236,8 +242,12 @@ class NodeNetworks:
         self.mode, self.isolated, self.why_not = plan.mode, plan.isolated, plan.why_not
         if not self.isolated:
             return
+        # before anything is enabled: a required entry that does not resolve stops the start
+        self.infra_nets, self.infra_warnings = await asyncio.to_thread(infrastructure_nets, self.infrastructure)
+        for w in self.infra_warnings:
+            log.warning("%s", w)
         await asyncio.to_thread(netns.enable_host_egress)
-        self._never = await asyncio.to_thread(node_addresses)
+        self._never = await asyncio.to_thread(node_addresses) + self.infra_nets
         upstream = dns.nameservers()
         if not upstream:
             log.warning("no IPv4 nameserver in /etc/resolv.conf: sandboxes will have no DNS")

@@ -37,7 +37,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from aenv_store.store import Store
 
@@ -49,6 +49,7 @@ from ..ksm import KsmSettings, enable as ksm_enable
 from ..machine.admission import Admission
 from ..net.policy import NetworkPolicy, with_internet
 from ..net.bounds import EgressLimits
+from ..net.infra import InfraHost
 from ..net.networks import NodeNetworks
 from ..qemu.console import CONSOLE_BYTES
 from ..service import ExpiryListener, SnapshotInfo, TokenMinter
@@ -98,7 +99,7 @@ class SandboxManager:
                  confine: Confinement | str = "auto", min_free_disk: int | None = None,
                  volumes: VolumeRegistry | None = None, lazy_memory: bool = True,
                  admission: Admission | None = None, egress_limits: EgressLimits = EgressLimits(),
-                 console_bytes: int = CONSOLE_BYTES) -> None:
+                 console_bytes: int = CONSOLE_BYTES, infrastructure: Sequence[InfraHost] = ()) -> None:
         """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
         "required", "off") for a policy of the manager's own, or a shared ``Confinement``
         (started and closed by its owner). ``min_free_disk``: the free space guests' disk
@@ -109,12 +110,13 @@ class SandboxManager:
         gate every restore passes (aenv_vm/machine/admission.py; None: restores start at once).
         ``egress_limits``: what one sandbox may ask of the node's DNS forwarder and egress
         proxy (aenv_vm/net/bounds.py). ``console_bytes``: the most of each QEMU's serial
-        console the node keeps (aenv_vm/qemu/console.py)."""
+        console the node keeps (aenv_vm/qemu/console.py). ``infrastructure``: addresses no
+        sandbox reaches whatever its rules say (aenv_vm/net/infra.py)."""
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self._own_confinement = not isinstance(confine, Confinement)
         confinement = confine if isinstance(confine, Confinement) else Confinement(confine)
         self.rt = NodeRuntime(store=store, guest=guest, run_root=run_root, nbd=NbdServer(run_root / "nbd.sock"),
-                              networks=NodeNetworks(network, run_root, isolation, egress_limits),   # "user" or "tap" (root)
+                              networks=NodeNetworks(network, run_root, isolation, egress_limits, infrastructure),   # "user" or "tap" (root)
                               templates=LocalTemplates(store, guest.key, run_root / "templates"),
                               confinement=confinement,
                               ready_timeout=ready_timeout, tcg_tb_mib=tcg_tb_mib, console_bytes=console_bytes, merge_memory=ksm is not None,

@@ -59,9 +59,10 @@ def test_parallel_uploads_are_capped(srv: InProcessServer) -> None:
     url = _url(srv, "h" * 64)
     host, port = srv.url.removeprefix("http://").split(":")
     held = []
-    for _ in range(2):
+    for _ in range(2):      # an upload URL takes one upload at a time: one each
+        other = _url(srv, "h" * 64)
         s = socket.create_connection((host, int(port)), timeout=30)
-        s.sendall(f"PUT {url.removeprefix(srv.url)} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+        s.sendall(f"PUT {other.removeprefix(srv.url)} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
                   .encode() + b"x" * 100)
         held.append(s)
     deadline = time.monotonic() + 10

@@ -50,9 +50,10 @@ def writer(data_dir: Path, repo: RepositoryConfig, size: int, seed: int) -> None
         time.sleep(3600)
 
 
-def reader(data_dir: Path, repo: RepositoryConfig, ticket: str, mid: str, first: int, lookup_ms: int) -> None:
+def reader(data_dir: Path, repo: RepositoryConfig, ticket: str, mid: str, first: int, lookup_ms: int,
+           port: int = 0) -> None:
     settings = StoreSettings(StorePaths(data_dir), repository=repo,
-                             p2p=P2PConfig(enabled=True, peers=(ticket,), lookup_timeout_ms=lookup_ms))
+                             p2p=P2PConfig(enabled=True, peers=(ticket,), lookup_timeout_ms=lookup_ms, port=port))
     with open_node_store(settings) as store:
         blob = store.open_blob(Digest.from_hex(mid))
         h = hashlib.sha256()
@@ -74,7 +75,8 @@ def main() -> None:
     if role == "writer":
         writer(data_dir, repo, int(sys.argv[4]), int(sys.argv[5]))
     else:
-        reader(data_dir, repo, sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7]) if len(sys.argv) > 7 else 300)
+        reader(data_dir, repo, sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7]) if len(sys.argv) > 7 else 300,
+               int(sys.argv[8]) if len(sys.argv) > 8 else 0)
 
 
 if __name__ == "__main__":

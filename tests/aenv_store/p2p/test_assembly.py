@@ -36,9 +36,10 @@ def test_open_node_store_puts_peers_into_the_read_chain(tmp_path: Path) -> None:
         assert a_peers is not None and a.chunk_sources == (a_peers,)
         p2p = P2PConfig(enabled=True, peers=(a_peers.ticket,), lookup_timeout_ms=3000)
         with open_node_store(settings(tmp_path / "b", repo, p2p)) as b:
-            got = b.open_blob(mid).read(0, len(data))
             b_peers = peer_source(b)
             assert b_peers is not None
+            a_peers.node.add_peer(b_peers.ticket)      # a serves only its peers
+            got = b.open_blob(mid).read(0, len(data))
             totals = b_peers.status()["totals"]
         assert got == data
         assert totals["bytes_in"] == len(data)      # every chunk came from node a, none from the repository

@@ -53,6 +53,7 @@ def serving(tmp_path: Path, chunks: dict[Digest, bytes]) -> Iterator[P2PNode]:
 def test_fetch_single_and_batched(tmp_path: Path, serving: P2PNode, chunks: dict[Digest, bytes]) -> None:
     ids = list(chunks)
     with P2PNode(tmp_path / "b", P2PConfig(enabled=True, peers=(serving.ticket,))).start() as b:
+        serving.add_peer(b.ticket)      # peering is mutual: a node serves only its peers
         assert b.fetch(ids[0]) == chunks[ids[0]]
         got = b.fetch_many(ids)
         assert got == chunks
@@ -75,6 +76,7 @@ def test_large_transfer_survives_the_byte_copy_fix(tmp_path: Path) -> None:
         big[Digest.of(d)] = d
     with P2PNode(tmp_path / "a", P2PConfig(enabled=True), DictProvider(big)).start() as a, \
             P2PNode(tmp_path / "b", P2PConfig(enabled=True, peers=(a.ticket,))).start() as b:
+        a.add_peer(b.ticket)
         t = time.perf_counter()
         assert b.fetch_many(list(big)) == big
         rate = 12 * 1024 * 1024 / (time.perf_counter() - t) / 1e6
@@ -87,6 +89,8 @@ def test_corrupt_peer_is_dropped_and_logged(tmp_path: Path, chunks: dict[Digest,
     ids = list(chunks)
     with P2PNode(tmp_path / "evil", P2PConfig(enabled=True), DictProvider(chunks, corrupt=True)).start() as evil, \
             P2PNode(tmp_path / "b", P2PConfig(enabled=True, peers=(evil.ticket,))).start() as b:
+        evil.add_peer(b.ticket)
+        serving.add_peer(b.ticket)
         with caplog.at_level(logging.WARNING, logger="aenv_store.p2p"):
             assert b.fetch(ids[0]) is None
         assert any("dropped peer" in r.message and evil.node_id[:12] in r.message for r in caplog.records)
@@ -105,6 +109,7 @@ def test_dead_peer_costs_one_lookup_timeout_then_backs_off(tmp_path: Path, chunk
     ticket = a.ticket
     ids = list(chunks)
     with P2PNode(tmp_path / "b", P2PConfig(enabled=True, peers=(ticket,), lookup_timeout_ms=300)).start() as b:
+        a.add_peer(b.ticket)
         assert b.fetch(ids[0]) == chunks[ids[0]]
         a.close()
         t = time.perf_counter()
@@ -123,6 +128,7 @@ def test_dead_peer_costs_one_lookup_timeout_then_backs_off(tmp_path: Path, chunk
 def test_added_peer_is_picked_up_at_run_time(tmp_path: Path, serving: P2PNode, chunks: dict[Digest, bytes]) -> None:
     ids = list(chunks)
     with P2PNode(tmp_path / "b", P2PConfig(enabled=True)).start() as b:
+        serving.add_peer(b.ticket)
         assert b.fetch(ids[0]) is None  # no peers yet
         r = subprocess.run([sys.executable, "-m", "aenv_cli.main", "--data-dir", str(tmp_path / "b"),
                             "p2p", "add-peer", serving.ticket], capture_output=True, text=True, timeout=60)
@@ -144,6 +150,33 @@ def test_added_peer_is_picked_up_at_run_time(tmp_path: Path, serving: P2PNode, c
         assert r.stdout.strip() == b.ticket
     st2 = peerfile.read_status(tmp_path / "b")
     assert st2 is not None and not st2["running"]
+
+
+def test_only_peers_are_served(tmp_path: Path, serving: P2PNode, chunks: dict[Digest, bytes]) -> None:
+    """A node that is neither configured, added nor in the fleet gets no chunk and no
+    ``HAVE`` answer (a membership oracle over committed memory pages), whatever it
+    knows of the serving node; added as a peer, it is served; dropped from the fleet's
+    list, it is refused again."""
+    ids = list(chunks)
+    with P2PNode(tmp_path / "stranger", P2PConfig(enabled=True, peers=(serving.ticket,),
+                                                  lookup_timeout_ms=2000)).start() as stranger:
+        assert stranger.fetch(ids[0]) is None
+        with pytest.raises(Exception):     # the connection is closed before any answer
+            stranger.have(serving.ticket, [ids[0]])
+        st = serving.status()
+        assert stranger.node_id not in st["served"]
+        assert st["refused"][stranger.node_id] >= 1 and st["totals"]["refused_in"] >= 1
+        assert st["totals"]["bytes_out"] == 0
+        # the fleet's table names it: served
+        serving.sync_peers({"stranger": stranger.ticket})
+        stranger.table.peers[serving.node_id].backoff_until = 0.0    # its failures above put us in backoff
+        assert stranger.fetch(ids[1]) == chunks[ids[1]]
+        assert stranger.have(serving.ticket, [ids[2]]) == [True]
+        # gone from the fleet: refused again, also on the connection it already has
+        serving.sync_peers({})
+        with pytest.raises(Exception):
+            stranger.have(serving.ticket, [ids[2]])
+        assert serving.status()["served"][stranger.node_id]["bytes_out"] == 65536
 
 
 def test_bad_tickets_are_clear_errors(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,19 @@ from aenv_store.assembly import open_node_store, peer_source
 from aenv_store.config import P2PConfig, RepositoryConfig, StorePaths, StoreSettings
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
-from aenv_store.p2p.node import P2PNode
+from aenv_store.p2p import peers as peerfile
+from aenv_store.p2p.node import P2PNode, offline_ticket
 from aenv_store.p2p.source import CommittedChunkProvider
 from aenv_store.store import Store
 
 NODE = str(Path(__file__).with_name("node_proc.py"))
 MiB = 1 << 20
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _line(proc: subprocess.Popen[str]) -> dict[str, Any]:
@@ -43,8 +51,12 @@ def test_reader_gets_chunks_from_writer_then_falls_back_when_it_dies(oss_repo: R
     b = None
     try:
         wrote = _line(a)
+        # a serves only its peers: the reader's ticket goes into a's added peers
+        # (``aenv p2p add-peer``), which a running node picks up
+        port = free_udp_port()
+        peerfile.add_peer_ticket(tmp_path / "a", offline_ticket(tmp_path / "b", port))
         b = subprocess.Popen([sys.executable, NODE, "reader", str(tmp_path / "b"), repo_json, wrote["ticket"],
-                              wrote["mid"], str(first), "2000"],
+                              wrote["mid"], str(first), "2000", str(port)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         half = _line(b)
         # Phase 1, A alive: every chunk byte came over P2P, not one range read hit S3.
@@ -93,8 +105,11 @@ def test_corrupt_peer_is_dropped_and_the_read_succeeds_from_the_repository(
         with P2PNode(tmp_path / "evil", P2PConfig(enabled=True), _Corrupting(a.cache, a.repository, a.fetch_chunk), write_status=False).start() as evil:
             # a generous lookup timeout: this test is about bad data, not about a loaded
             # CI box missing 300 ms (tests/aenv_store/p2p/test_node.py covers the timeout path)
+            port = free_udp_port()
+            evil.add_peer(offline_ticket(tmp_path / "b", port))
             settings = StoreSettings(StorePaths(tmp_path / "b"), repository=oss_repo,
-                                     p2p=P2PConfig(enabled=True, peers=(evil.ticket,), lookup_timeout_ms=3000))
+                                     p2p=P2PConfig(enabled=True, peers=(evil.ticket,), lookup_timeout_ms=3000,
+                                                   port=port))
             with caplog.at_level(logging.WARNING, logger="aenv_store.p2p"), open_node_store(settings) as b:
                 got = b.open_blob(mid).read(0, len(data))
                 peers = peer_source(b)

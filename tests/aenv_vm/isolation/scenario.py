@@ -261,8 +261,28 @@ def build_attack() -> dict[str, Any]:
             "inet": got[f"tcp {INET_IP} 8080"], "page": got["http inet.test"]}
 
 
+# test_attack.py's fleet node: Redis on 10.99.0.10:6379 ([cluster] redis_url), a
+# "gateway" on 192.168.77.10 ([vm] never_reach), its advertised API on 203.0.113.1:8000
+INFRA = [["tcp", "10.99.0.10", 6379], ["tcp", "10.99.0.10", LAN_PORT], ["tcp", "192.168.77.10", LAN_PORT],
+         ["tcp", "192.168.77.10", 80], ["tcp", "203.0.113.1", 8000]]
+NOT_INFRA = [["tcp", "172.16.77.10", LAN_PORT]]     # a private host that is no infrastructure
+
+
+def infra() -> dict[str, Any]:
+    """A guest whose allow_out names the infrastructure (and a private host that is not)."""
+    allow = ["10.99.0.0/24", "192.168.77.10/32", "203.0.113.1/32", "172.16.77.10/32"]
+    sbx = Sandbox.create(timeout=600, network={"allow_out": allow})
+    try:
+        created = check(sbx, INFRA + NOT_INFRA)
+        sbx.update_network({"allow_out": ["0.0.0.0/0"]})      # an update naming everything
+        updated = check(sbx, INFRA + NOT_INFRA)
+    finally:
+        sbx.kill()
+    return {"created": created, "updated": updated}
+
+
 def main(what: str) -> None:
-    result = {"attack": attack, "rules": rules, "build": build_attack}[what]()
+    result = {"attack": attack, "rules": rules, "build": build_attack, "infra": infra}[what]()
     print(json.dumps(result), flush=True)
 
 

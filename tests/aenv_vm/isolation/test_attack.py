@@ -9,6 +9,7 @@ Both network modes; the node runs in the sealed namespace of conftest.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +17,16 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO, SealedNet, start_node
-from .hosts import INET_IP, OTHER_INET_IP, UDP_ECHO_PORT
+from .hosts import INET_IP, LAN_PORT, OTHER_INET_IP, UDP_ECHO_PORT
 
 pytestmark = [pytest.mark.qemu, pytest.mark.slow]
 
 
-def run_scenario(net: SealedNet, node_data: Path, mode: str, log: Path, what: str) -> dict:
+def run_scenario(net: SealedNet, node_data: Path, mode: str, log: Path, what: str,
+                 extra_env: dict[str, str] | None = None) -> dict:
     """A node of network ``mode`` in the sealed namespace, ``scenario.py what`` run
     against it from there; its JSON answer."""
-    server = start_node(net, node_data, mode, log)
+    server = start_node(net, node_data, mode, log, extra_env)
     try:
         done = subprocess.run([*net.exec_argv(net.node), sys.executable, "-m", "tests.aenv_vm.isolation.scenario", what],
                               cwd=REPO, env=server.env, capture_output=True, text=True, timeout=900)
@@ -115,3 +117,44 @@ def test_build_steps_reach_nothing_but_the_internet(testnet: SealedNet, node_dat
     assert not reached and len(got["probes"]) > 50, (mode, reached, len(got["probes"]))
     assert len(testnet.accepted("lan")) == lan_before
     assert got["inet"] == "ok" and got["page"] == "inet inet.test", got
+
+
+@pytest.mark.parametrize("mode", ["user", "tap"])
+def test_guests_never_reach_the_infrastructure(testnet: SealedNet, node_data: Path, mode: str,
+                                               tmp_path: Path) -> None:
+    """Issue 29: a fleet node (a real redis-server on the test's private host, 10.99.0.10)
+    with a "gateway" listed in [vm] never_reach (192.168.77.10): a guest whose allow_out
+    names them, and the node's advertised address, reaches none of them, at create and
+    after an update naming 0.0.0.0/0; a private host that is no infrastructure, named
+    the same way, is reached."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed")
+    redis = subprocess.Popen([*testnet.exec_argv(testnet.lan), exe, "--bind", "10.99.0.10", "--port", "6379",
+                              "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_redis = ("import socket,time\nfor _ in range(200):\n  try:\n"
+                      "    socket.create_connection(('10.99.0.10',6379),1).close(); break\n"
+                      "  except OSError: time.sleep(0.05)\nelse: raise SystemExit(1)")
+        subprocess.run([*testnet.exec_argv(testnet.node), sys.executable, "-c", wait_redis], check=True, timeout=30)
+        lan_before = len(testnet.accepted("lan"))
+        env = {"AENV_CLUSTER__REDIS_URL": "redis://10.99.0.10:6379/0",
+               "AENV_CLUSTER__ADVERTISE_URL": "http://203.0.113.1:8000",
+               "AENV_CLUSTER__NODE_ID": f"infra-{mode}",
+               "AENV_VM__NEVER_REACH": '["192.168.77.10"]'}
+        got = run_scenario(testnet, node_data, mode, tmp_path / "server.log", "infra", env)
+    finally:
+        redis.kill()
+        redis.wait()
+    for when in ("created", "updated"):
+        results = got[when]
+        reached = sorted(k for k, v in results.items() if v == "ok" and "172.16.77.10" not in k)
+        assert not reached, f"{mode}, {when}: the guest reached {reached}"
+        assert results[f"tcp 172.16.77.10 {LAN_PORT}"] == "ok", (when, results)    # allow_out still works
+    accepted = testnet.accepted("lan")[lan_before:]
+    assert accepted and all(line.startswith(f"{LAN_PORT} ") for line in accepted), accepted
+    assert len(accepted) == 2, accepted           # the two probes of the private host, nothing else
+    log = (tmp_path / "server.log").read_text()
+    line = next((x for x in log.splitlines() if "sandboxes never reach the infrastructure" in x), "")
+    assert all(f"{a}/32" in line for a in ("10.99.0.10", "192.168.77.10", "203.0.113.1")), log[-3000:]
