@@ -124,7 +124,9 @@ def test_update_body_accepts_or_names_the_field(raw: Any) -> None:
         return
     assert isinstance(raw, dict) and set(raw) <= {"allowOut", "denyOut", "dnsServers", "egressProxy", "rules",
                                                   "allow_internet_access"}
-    assert policy.internet is not (raw.get("allow_internet_access") is False)
+    # no internet exactly when the body turns it off or denies 0.0.0.0/0 itself
+    denies_all = isinstance(raw.get("denyOut"), list) and "0.0.0.0/0" in raw["denyOut"]
+    assert policy.internet is not (raw.get("allow_internet_access") is False or denies_all)
 
 
 @pytest.mark.parametrize("network, words", [
