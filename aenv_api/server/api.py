@@ -21,6 +21,7 @@ from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
+from .teams_api import principal_of
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .templates_legacy import LegacyTemplateApi
 from .unsupported import not_supported, reject_unsupported
@@ -73,13 +74,14 @@ class ControlPlane:
         req = S.NewSandbox(**call.body)
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
+        team = principal_of(request).team_id
 
         async def create() -> SandboxView:
             if self.nodes is None:
-                return await self.lc.create(req, v2=v2)
+                return await self.lc.create(req, v2=v2, team=team)
             self.nodes.refuse_new()
             with self.nodes.creating():
-                return await self.lc.create(req, v2=v2)
+                return await self.lc.create(req, v2=v2, team=team)
 
         if key is None:
             rec = await create()
@@ -88,7 +90,9 @@ class ControlPlane:
         async def create_id() -> str:
             return (await create()).sandbox_id
 
-        sid, replayed = await self.creates.run(key, idempotency.fingerprint(request.path, call.body), create_id)
+        # scoped by team: one team's Idempotency-Key never replays (nor blocks) another's create
+        sid, replayed = await self.creates.run(f"{team}/{key}", idempotency.fingerprint(request.path, call.body),
+                                               create_id)
         try:
             rec = await self.lc.get(sid)
         except ApiError as e:
@@ -124,17 +128,19 @@ class ControlPlane:
         return no_content()
 
     async def list_v1(self, request: web.Request, call: Call) -> web.Response:
-        page, _ = await self.lc.list_page(states=("running",), metadata=call.query["metadata"], limit=10**9)
+        page, _ = await self.lc.list_page(states=("running",), metadata=call.query["metadata"], limit=10**9,
+                                          team=principal_of(request).team_id)
         return json_response([r.listed() for r in page])
 
     async def list_v2(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
+        team = principal_of(request).team_id
         page, token = await self.lc.list_page(states=q["state"], metadata=q["metadata"], template=q["template"],
                                    started_after=q["started_after"], order=q["order"], limit=q["limit"],
-                                   next_token=q["next_token"])
+                                   next_token=q["next_token"], team=team)
         headers = {NEXT_TOKEN_HEADER: token} if token else {}
         if not q["state"] or "running" in q["state"]:
-            headers[TOTAL_RUNNING_HEADER] = str((await self.lc.counts())["running"])
+            headers[TOTAL_RUNNING_HEADER] = str((await self.lc.counts(team))["running"])
         return json_response([r.listed() for r in page], headers=headers)
 
     async def connect(self, request: web.Request, call: Call) -> web.Response:
@@ -179,8 +185,14 @@ class ControlPlane:
     async def fork_snapshot(self, request: web.Request, call: Call) -> web.Response:
         self._refuse_new()
         b = call.body
-        return json_response(await self.lc.fork_snapshot(call.path["snapshotID"], b.get("count") or 1,
-                                                         b.get("timeout"), b.get("metadata")), 201)
+        team = principal_of(request).team_id
+        source = call.path["snapshotID"]
+        owner = await self.lc.owner(source)
+        if owner is not None and owner != team:     # another team's paused sandbox: as if there were none
+            raise ApiError(404, f"snapshot {source!r} not found (neither a snapshot's id or name nor a "
+                                f"paused sandbox's id)")
+        return json_response(await self.lc.fork_snapshot(source, b.get("count") or 1,
+                                                         b.get("timeout"), b.get("metadata"), team), 201)
 
     async def adopt(self, request: web.Request, call: Call) -> web.Response:
         self._refuse_new()
@@ -195,7 +207,8 @@ class ControlPlane:
         return json_response(await self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
 
     async def sandboxes_metrics(self, request: web.Request, call: Call) -> web.Response:
-        return json_response(await self.lc.sandboxes_metrics(sandbox_ids(call.query["sandbox_ids"])))
+        return json_response(await self.lc.sandboxes_metrics(sandbox_ids(call.query["sandbox_ids"]),
+                                                             principal_of(request).team_id))
 
     async def logs_v1(self, request: web.Request, call: Call) -> web.Response:
         q = call.query

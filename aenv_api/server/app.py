@@ -29,16 +29,16 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aenv_http.bodies import is_blank
 from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port, parser_reason
 from aenv_store.errors import ConfigError
-from aenv_wire.api_key import presented_api_key
+from aenv_wire.cluster import ADOPT_ROUTE
 from aenv_wire.errors import error_body
-from aenv_wire.headers import (API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER, RETRY_AFTER_HEADER,
-                               SHOULD_RETRY_HEADER)
+from aenv_wire.headers import REQUEST_ID_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER
 from aenv_wire.routing import SandboxAddress, has_proxy_prefix, has_routing_header, is_unrouted_signed_url, parse_host
 from envd import ENVD_PORT
 
 from .api import ControlPlane
 from .auth import Credentials
 from .errors import ApiError
+from .keystore import TEAMS_FILE, KeyStore
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .nodes_api import NodeApi
@@ -46,6 +46,7 @@ from .proxy import ProxyLimits, SandboxProxy, route_of, signed_files
 from .responses import json_response
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
+from .teams_api import PRINCIPAL, Principal, TeamsApi
 from .templates_api import TemplateApi
 from .volumes_api import VolumeApi
 
@@ -107,7 +108,9 @@ class ApiServer:
         self.version = version
         self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config))
         self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
-        self.routes = self.control.routes()
+        self.teams = TeamsApi(KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key), creds.admin_token,
+                              lifecycle)
+        self.routes = self.teams.routes() + self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None
         self._tls_site: web.TCPSite | None = None
@@ -118,9 +121,11 @@ class ApiServer:
 
     def _wrap(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
-            if route.auth and not self.creds.check_api_key(presented_api_key(
-                    request.headers.getall(API_KEY_HEADER, []), request.headers.getall(AUTHORIZATION_HEADER, []))):
-                raise ApiError(401, "Invalid API key: send the server's key, once, in the X-API-Key header")
+            if route.auth:
+                principal = request[PRINCIPAL] = self.teams.authenticate(request, route)
+                sid = request.match_info.get("sandboxID")
+                if sid is not None and route.path != ADOPT_ROUTE:
+                    await self._check_owner(principal, sid)
             body: dict[str, Any] = {}
             if route.body is not None:
                 raw = _decoded(await request.read(), request.headers.get("Content-Encoding", ""))
@@ -134,6 +139,14 @@ class ApiServer:
             request["route"] = route.path
             return await route.handler(request, Call(dict(request.match_info), body, query))
         return handler
+
+    async def _check_owner(self, principal: Principal, sid: str) -> None:
+        """Another team's sandbox is answered as if it did not exist: 404 with the lifecycle's
+        own message for an unknown id (ids are no oracle). A sandbox this node does not hold
+        goes on to the handler, which answers for it as before (the fleet's codes)."""
+        owner = await self.lifecycle.owner(sid)
+        if owner is not None and owner != principal.team_id:
+            raise ApiError(404, f"sandbox {sid!r} not found")
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._front], client_max_size=MAX_BODY)
