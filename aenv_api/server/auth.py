@@ -25,7 +25,7 @@
   the guest never learns it (the proxy drops the header).
 - The **admin credential** (header ``X-Admin-Token``) manages teams and their keys
   (keystore.py, teams_api.py): ``AENV_ADMIN_TOKEN``, else the file ``[server]
-  admin_token_file``; never the config file itself, never generated (a node without
+  teams_admin_token_file``; never the config file itself, never generated (a node without
   one answers its admin routes 403). At least 16 characters.
 """
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _admin_token(env: Mapping[str, str], path: Path | None) -> str:
         try:
             token, where = path.read_text().strip(), str(path)
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"server.admin_token_file: cannot read {path}: {e}") from None
+            raise ConfigError(f"server.teams_admin_token_file: cannot read {path}: {e}") from None
     else:
         return ""
     if len(token) < MIN_ADMIN_TOKEN or any(c.isspace() for c in token):

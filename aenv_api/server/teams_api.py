@@ -102,7 +102,7 @@ class TeamsApi:
     def _check_admin(self, given: list[str]) -> None:
         if not self._admin_token:
             raise ApiError(403, "this node has no admin credential: set AENV_ADMIN_TOKEN or "
-                                "[server] admin_token_file to manage teams")
+                                "[server] teams_admin_token_file to manage teams")
         if len(given) != 1 or not hmac.compare_digest(given[0].strip().encode(), self._admin_token.encode()):
             raise ApiError(401, f"Invalid admin token: send the node's admin credential, once, in the "
                                 f"{ADMIN_TOKEN_HEADER} header")

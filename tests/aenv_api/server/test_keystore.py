@@ -132,5 +132,5 @@ def test_admin_credential_from_env_or_file_never_generated(tmp_path: Path) -> No
     assert Credentials.load(tmp_path, environ={}, admin_token_file=tmp_path / "admin").admin_token == "b" * 20
     with pytest.raises(ConfigError, match="at least 16"):
         Credentials.load(tmp_path, environ={"AENV_ADMIN_TOKEN": "short"})
-    with pytest.raises(ConfigError, match="admin_token_file"):
+    with pytest.raises(ConfigError, match="teams_admin_token_file"):
         Credentials.load(tmp_path, environ={}, admin_token_file=tmp_path / "missing")
