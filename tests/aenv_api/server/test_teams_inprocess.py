@@ -193,6 +193,8 @@ def test_sdk_team_keys_see_only_their_own(node: InProcessServer, monkeypatch: py
         Sandbox.connect(a.sandbox_id)
     with pytest.raises(NotFoundException):
         Sandbox.get_info(a.sandbox_id)
+    with pytest.raises(NotFoundException):
+        Sandbox.pause(a.sandbox_id)
     assert Sandbox.kill(a.sandbox_id) is False        # the SDK's answer to a 404
     monkeypatch.setenv("E2B_API_KEY", node.api_key)
     d = Sandbox.create(timeout=300)
