@@ -2,6 +2,7 @@
 /openapi.json and /metrics, and the fleet's node routes (aenv_wire/cluster.py)."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +22,8 @@ from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
+from .keystore import DEFAULT_TEAM_ID
+from .snapshot_owners import SNAPSHOT_TEAMS_FILE, SnapshotOwners
 from .teams_api import principal_of
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .templates_legacy import LegacyTemplateApi
@@ -52,6 +55,7 @@ class ControlPlane:
         self.config = config
         self.openapi_doc: dict[str, Any] = {}
         self.creates = idempotency.IdempotentCreates()
+        self.snapshot_owners = SnapshotOwners(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE)
 
     @property
     def domain(self) -> str:
@@ -75,6 +79,8 @@ class ControlPlane:
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
         team = principal_of(request).team_id
+        # another team's named snapshot is no template to this one: the answer to an unknown template
+        await self._own_snapshot(request, req.template_id, f"template {req.template_id!r} not found")
 
         async def create() -> SandboxView:
             if self.nodes is None:
@@ -162,20 +168,37 @@ class ControlPlane:
         if call.body.get("memory") is False:
             raise not_supported("memory: false (a filesystem-only snapshot)",
                                 "aenv's snapshots always keep memory; pause(mode=\"filesystem\") is supported")
-        return json_response(await self.lc.snapshot(call.path["sandboxID"], call.body.get("name")), 201)
+        snap = await self.lc.snapshot(call.path["sandboxID"], call.body.get("name"))
+        await asyncio.to_thread(self.snapshot_owners.put, snap["snapshotID"], principal_of(request).team_id)
+        return json_response(snap, 201)
 
     async def list_snapshots(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
+        team = principal_of(request).team_id
         page, token = await self.lc.list_snapshots(sandbox_id=q["sandbox_id"], name=q["name"], limit=q["limit"],
-                                                   next_token=q["next_token"])
+                                                   next_token=q["next_token"],
+                                                   keep=lambda sid: self.snapshot_owners.owner(sid) == team)
         return json_response(page, headers={NEXT_TOKEN_HEADER: token} if token else None)
 
     async def delete_template(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["templateID"]
         if self.templates is not None and await self.templates.delete_template(tid):
             return no_content()
+        await self._own_snapshot(request, tid)
         await self.lc.delete_snapshot(tid)
+        await asyncio.to_thread(self.snapshot_owners.drop, tid)
         return no_content()
+
+    async def _own_snapshot(self, request: web.Request, ref: str, message: str = "") -> None:
+        """Another team's named snapshot is answered as if there were none: 404 with
+        ``message`` (default: the lifecycle's for an unknown snapshot). A deployment without
+        teams pays nothing: the default team's caller looks only once some team has snapshots."""
+        team = principal_of(request).team_id
+        if team == DEFAULT_TEAM_ID and not self.snapshot_owners.any_team():
+            return
+        sid = await self.lc.named_snapshot(ref)
+        if sid is not None and self.snapshot_owners.owner(sid) != team:
+            raise ApiError(404, message or f"snapshot {ref!r} not found")
 
     async def fork(self, request: web.Request, call: Call) -> web.Response:
         self._refuse_new()
@@ -188,7 +211,10 @@ class ControlPlane:
         team = principal_of(request).team_id
         source = call.path["snapshotID"]
         owner = await self.lc.owner(source)
-        if owner is not None and owner != team:     # another team's paused sandbox: as if there were none
+        snapshot = await self.lc.named_snapshot(source)
+        if snapshot is not None:
+            owner = self.snapshot_owners.owner(snapshot)
+        if owner is not None and owner != team:     # another team's snapshot or paused sandbox: as if none
             raise ApiError(404, f"snapshot {source!r} not found (neither a snapshot's id or name nor a "
                                 f"paused sandbox's id)")
         return json_response(await self.lc.fork_snapshot(source, b.get("count") or 1,

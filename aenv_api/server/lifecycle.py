@@ -37,7 +37,7 @@ import logging
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from envd import ENVD_PORT
 from envd.signing import SignedRequest
@@ -472,16 +472,27 @@ class Lifecycle:
         return {"snapshotID": snap.snapshot_id, "names": list(snap.names)}
 
     async def list_snapshots(self, *, sandbox_id: str | None, name: str | None, limit: int | None,
-                             next_token: str | None) -> tuple[list[dict[str, Any]], str | None]:
+                             next_token: str | None, keep: Callable[[str], bool] | None = None
+                             ) -> tuple[list[dict[str, Any]], str | None]:
+        """``keep``: only the snapshots whose id it accepts (the caller's team's)."""
         try:
             snaps = await self.service.list_snapshots()
         except VmError as e:
             raise api_error(e, "listing snapshots") from None
         items = [s for s in snaps
-                 if (sandbox_id is None or s.sandbox_id == sandbox_id)
+                 if (keep is None or keep(s.snapshot_id))
+                 and (sandbox_id is None or s.sandbox_id == sandbox_id)
                  and (name is None or name == s.snapshot_id or name in s.names)]
         out, token = page(items, lambda s: (float(s.created), s.snapshot_id), True, limit, next_token)
         return [{"snapshotID": s.snapshot_id, "names": list(s.names)} for s in out], token
+
+    async def named_snapshot(self, ref: str) -> str | None:
+        """The id of the named snapshot ``ref`` is the id or a name of, None if none is."""
+        try:
+            snaps = await self.service.list_snapshots()
+        except VmError as e:
+            raise api_error(e, "listing snapshots") from None
+        return next((s.snapshot_id for s in snaps if ref == s.snapshot_id or ref in s.names), None)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         try:

@@ -166,6 +166,43 @@ def test_another_teams_sandbox_is_not_found(node: InProcessServer) -> None:
     assert node.request("GET", "/teams", key=key_a)[0] == 401
 
 
+def test_another_teams_named_snapshot_is_not_found(node: InProcessServer) -> None:
+    """A named snapshot outlives its sandbox; it stays its team's: others neither list,
+    fork, create from, nor delete it, and get what an unknown snapshot gets."""
+    _, key_a = new_team(node, "snap-a")
+    _, key_b = new_team(node, "snap-b")
+    sid = create(node, key_a)
+    status, _, snap = node.request("POST", f"/sandboxes/{sid}/snapshots", {"name": "a-task"}, key=key_a)
+    assert status == 201, snap
+    snap_id = snap["snapshotID"]
+    assert node.request("DELETE", f"/sandboxes/{sid}", key=key_a)[0] == 204
+    mine = create(node, node.api_key)
+    status, _, own = node.request("POST", f"/sandboxes/{mine}/snapshots", {"name": "default-task"})
+    assert status == 201
+    for key in (key_b, node.api_key):
+        listed = node.request("GET", "/snapshots", key=key)[2]
+        assert snap_id not in [s["snapshotID"] for s in listed]
+        for ref in ("a-task", snap_id):
+            status, _, got = node.request("POST", f"/snapshots/{ref}/fork", {"count": 1}, key=key)
+            status_unknown, _, unknown = node.request("POST", "/snapshots/no-such/fork", {"count": 1}, key=key)
+            assert status == status_unknown == 404 and got["message"] == unknown["message"].replace("no-such", ref)
+            status, _, got = node.request("POST", "/v2/sandboxes", {"templateID": ref}, key=key)
+            status_unknown, _, unknown = node.request("POST", "/v2/sandboxes", {"templateID": "no-such"}, key=key)
+            assert status == status_unknown == 404 and got["message"] == unknown["message"].replace("no-such", ref)
+        status, _, got = node.request("DELETE", f"/templates/{snap_id}", key=key)
+        assert status == 404, got
+    # B does not see the default team's snapshot either; its owners do
+    assert own["snapshotID"] not in [s["snapshotID"] for s in node.request("GET", "/snapshots", key=key_b)[2]]
+    assert own["snapshotID"] in [s["snapshotID"] for s in node.request("GET", "/snapshots")[2]]
+    assert [s["snapshotID"] for s in node.request("GET", "/snapshots", key=key_a)[2]] == [snap_id]
+    status, _, batch = node.request("POST", "/snapshots/a-task/fork", {"count": 1}, key=key_a)
+    assert status == 201 and "sandbox" in batch[0], batch
+    assert node.request("POST", "/v2/sandboxes", {"templateID": "a-task"}, key=key_a)[0] == 201
+    node.kill_all()
+    assert node.request("DELETE", f"/templates/{snap_id}", key=key_a)[0] == 204
+    assert node.request("DELETE", f"/templates/{own['snapshotID']}")[0] == 204
+
+
 def test_idempotency_keys_are_per_team(node: InProcessServer) -> None:
     _, key_a = new_team(node, "idem-a")
     _, key_b = new_team(node, "idem-b")

@@ -1,0 +1,55 @@
+"""Which team owns each named snapshot this node's API took (``POST
+/sandboxes/{id}/snapshots``): ``<data-dir>/api-snapshot-teams.json``, snapshot id →
+team id, written durably (keystore.write_durably). A snapshot outlives its sandbox, so
+its owner cannot be read from the sandbox's record. A snapshot with no entry — taken
+before teams existed, or on another node of a fleet — is the default team's, so a
+deployment without teams sees every snapshot as before."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+from aenv_store.errors import ConfigError
+
+from .keystore import DEFAULT_TEAM_ID, write_durably
+
+log = logging.getLogger(__name__)
+SNAPSHOT_TEAMS_FILE = "api-snapshot-teams.json"
+
+
+class SnapshotOwners:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._owners: dict[str, str] = {}
+        try:
+            raw = json.loads(path.read_text())
+            if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+                raise ValueError("not an object of strings")
+            self._owners = {str(k): v for k, v in raw.items()}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            # a lost map would hand every team's snapshot to the default team: refuse to guess
+            raise ConfigError(f"cannot read the snapshot owners file {path}: {e}") from None
+
+    def owner(self, snapshot_id: str) -> str:
+        return self._owners.get(snapshot_id, DEFAULT_TEAM_ID)
+
+    def any_team(self) -> bool:
+        """Whether any snapshot belongs to a team other than the default one."""
+        return any(t != DEFAULT_TEAM_ID for t in self._owners.values())
+
+    def put(self, snapshot_id: str, team: str) -> None:
+        if team == DEFAULT_TEAM_ID and snapshot_id not in self._owners:
+            return      # the default needs no entry
+        with self._lock:
+            self._owners[snapshot_id] = team
+            write_durably(self.path, json.dumps(self._owners, sort_keys=True))
+
+    def drop(self, snapshot_id: str) -> None:
+        with self._lock:
+            if self._owners.pop(snapshot_id, None) is not None:
+                write_durably(self.path, json.dumps(self._owners, sort_keys=True))
