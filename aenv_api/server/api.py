@@ -23,8 +23,8 @@ from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 from .keystore import DEFAULT_TEAM_ID
-from .snapshot_owners import SNAPSHOT_TEAMS_FILE, SnapshotOwners
-from .teams_api import principal_of
+from .owners import SNAPSHOT_TEAMS_FILE, OwnerMap
+from .principal import principal_of
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .templates_legacy import LegacyTemplateApi
 from .unsupported import not_supported, reject_unsupported
@@ -55,7 +55,7 @@ class ControlPlane:
         self.config = config
         self.openapi_doc: dict[str, Any] = {}
         self.creates = idempotency.IdempotentCreates()
-        self.snapshot_owners = SnapshotOwners(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE)
+        self.snapshot_owners = OwnerMap(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE)
 
     @property
     def domain(self) -> str:
@@ -81,6 +81,9 @@ class ControlPlane:
         team = principal_of(request).team_id
         # another team's named snapshot is no template to this one: the answer to an unknown template
         await self._own_snapshot(request, req.template_id, f"template {req.template_id!r} not found")
+        foreign = self.volumes.foreign_mount(req.volume_mounts or [], team) if self.volumes is not None else None
+        if foreign is not None:     # what a volume that does not exist gets (lifecycle.create)
+            raise ApiError(404, f"volumeMounts: Volume {foreign[:64]!r} not found", retry=False)
 
         async def create() -> SandboxView:
             if self.nodes is None:

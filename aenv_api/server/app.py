@@ -41,12 +41,14 @@ from .errors import ApiError
 from .keystore import TEAMS_FILE, KeyStore
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .owners import VOLUME_TEAMS_FILE, OwnerMap
 from .nodes_api import NodeApi
 from .proxy import ProxyLimits, SandboxProxy, route_of, signed_files
 from .responses import json_response
 from .routes import Call, Route, openapi
 from .settings import ServerConfig
-from .teams_api import PRINCIPAL, Principal, TeamsApi
+from .principal import PRINCIPAL, Principal
+from .teams_api import TeamsApi
 from .templates_api import TemplateApi
 from .volumes_api import VolumeApi
 
@@ -110,6 +112,8 @@ class ApiServer:
         self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
         self.teams = TeamsApi(KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key), creds.admin_token,
                               lifecycle)
+        if volumes is not None:
+            volumes.owners = OwnerMap(lifecycle.data_dir / VOLUME_TEAMS_FILE)
         self.routes = self.teams.routes() + self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -24,31 +23,9 @@ from . import schemas as S
 from .errors import ApiError
 from .keystore import KeyStore, KeyStoreError, StoredKey, Team
 from .lifecycle import Lifecycle
+from .principal import BAD_KEY, Principal, principal_of
 from .responses import json_response, no_content
 from .routes import Admin, Call, Reply, Route
-
-BAD_KEY = "Invalid API key: send the server's key, once, in the X-API-Key header"
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who a control-plane request is: a team's key, or the admin (acting for ``team_id``
-    on the routes that take X-Team-ID; ``""`` on the admin-only routes)."""
-
-    team_id: str
-    api_key: str        # the key it presented ("" for the admin): GET /teams shows it back
-    admin: bool = False
-
-
-PRINCIPAL = "principal"     # where the server keeps a request's Principal (request[PRINCIPAL])
-
-
-def principal_of(request: web.Request) -> Principal:
-    p = request.get(PRINCIPAL)
-    if not isinstance(p, Principal):    # a route without auth has none; no team route is such
-        raise ApiError(401, BAD_KEY)
-    return p
-
 
 def _key_json(k: StoredKey) -> dict[str, Any]:
     return {"id": k.key_id, "name": k.name, "mask": k.mask.wire(), "createdAt": iso(k.created),

@@ -203,6 +203,32 @@ def test_another_teams_named_snapshot_is_not_found(node: InProcessServer) -> Non
     assert node.request("DELETE", f"/templates/{own['snapshotID']}")[0] == 204
 
 
+def test_another_teams_volume_is_not_found(node: InProcessServer) -> None:
+    _, key_a = new_team(node, "vol-a")
+    _, key_b = new_team(node, "vol-b")
+    status, _, vol = node.request("POST", "/volumes", {"name": "team-a-data"}, key=key_a)
+    assert status == 201, vol
+    vid = vol["volumeID"]
+    unknown = "00000000-0000-4000-8000-000000000000"
+    for key in (key_b, node.api_key):
+        assert vid not in [v["volumeID"] for v in node.request("GET", "/volumes", key=key)[2]]
+        for method in ("GET", "DELETE"):
+            status, _, got = node.request(method, f"/volumes/{vid}", key=key)
+            assert (status, got) == node.request(method, f"/volumes/{unknown}", key=key)[::2] == \
+                (404, {"code": 404, "message": "Volume not found"})
+        mount = {"templateID": "base", "volumeMounts": [{"name": "team-a-data", "path": "/mnt/data"}]}
+        status, _, got = node.request("POST", "/v2/sandboxes", mount, key=key)
+        none = {"templateID": "base", "volumeMounts": [{"name": "no-such-vol", "path": "/mnt/data"}]}
+        status_unknown, _, unknown_got = node.request("POST", "/v2/sandboxes", none, key=key)
+        assert status == status_unknown == 404
+        assert got["message"] == unknown_got["message"].replace("no-such-vol", "team-a-data")
+    assert [v["volumeID"] for v in node.request("GET", "/volumes", key=key_a)[2]] == [vid]
+    assert node.request("GET", f"/volumes/{vid}", key=key_a)[2]["token"] == vol["token"]
+    create(node, key_a, volumeMounts=[{"name": "team-a-data", "path": "/mnt/data"}])
+    node.kill_all()
+    assert node.request("DELETE", f"/volumes/{vid}", key=key_a)[0] == 204
+
+
 def test_idempotency_keys_are_per_team(node: InProcessServer) -> None:
     _, key_a = new_team(node, "idem-a")
     _, key_b = new_team(node, "idem-b")

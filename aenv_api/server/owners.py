@@ -1,9 +1,10 @@
-"""Which team owns each named snapshot this node's API took (``POST
-/sandboxes/{id}/snapshots``): ``<data-dir>/api-snapshot-teams.json``, snapshot id →
-team id, written durably (keystore.write_durably). A snapshot outlives its sandbox, so
-its owner cannot be read from the sandbox's record. A snapshot with no entry — taken
-before teams existed, or on another node of a fleet — is the default team's, so a
-deployment without teams sees every snapshot as before."""
+"""Which team owns each of a kind of thing the node's API made that outlives any
+sandbox record: named snapshots (``POST /sandboxes/{id}/snapshots``,
+``<data-dir>/api-snapshot-teams.json``) and volumes (``POST /volumes``,
+``<data-dir>/api-volume-teams.json``). Id → team id, written durably
+(keystore.write_durably). A thing with no entry — made before teams existed, or on
+another node of a fleet — is the default team's, so a deployment without teams sees
+everything as before (and its map stays empty: the default needs no entry)."""
 from __future__ import annotations
 
 import json
@@ -17,9 +18,10 @@ from .keystore import DEFAULT_TEAM_ID, write_durably
 
 log = logging.getLogger(__name__)
 SNAPSHOT_TEAMS_FILE = "api-snapshot-teams.json"
+VOLUME_TEAMS_FILE = "api-volume-teams.json"
 
 
-class SnapshotOwners:
+class OwnerMap:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
@@ -33,23 +35,23 @@ class SnapshotOwners:
             pass
         except (OSError, ValueError) as e:
             # a lost map would hand every team's snapshot to the default team: refuse to guess
-            raise ConfigError(f"cannot read the snapshot owners file {path}: {e}") from None
+            raise ConfigError(f"cannot read the owners file {path}: {e}") from None
 
-    def owner(self, snapshot_id: str) -> str:
-        return self._owners.get(snapshot_id, DEFAULT_TEAM_ID)
+    def owner(self, thing_id: str) -> str:
+        return self._owners.get(thing_id, DEFAULT_TEAM_ID)
 
     def any_team(self) -> bool:
-        """Whether any snapshot belongs to a team other than the default one."""
+        """Whether anything belongs to a team other than the default one."""
         return any(t != DEFAULT_TEAM_ID for t in self._owners.values())
 
-    def put(self, snapshot_id: str, team: str) -> None:
-        if team == DEFAULT_TEAM_ID and snapshot_id not in self._owners:
+    def put(self, thing_id: str, team: str) -> None:
+        if team == DEFAULT_TEAM_ID and thing_id not in self._owners:
             return      # the default needs no entry
         with self._lock:
-            self._owners[snapshot_id] = team
+            self._owners[thing_id] = team
             write_durably(self.path, json.dumps(self._owners, sort_keys=True))
 
-    def drop(self, snapshot_id: str) -> None:
+    def drop(self, thing_id: str) -> None:
         with self._lock:
-            if self._owners.pop(snapshot_id, None) is not None:
+            if self._owners.pop(thing_id, None) is not None:
                 write_durably(self.path, json.dumps(self._owners, sort_keys=True))
