@@ -284,7 +284,8 @@ class ControlPlane:
             Route("GET", "/openapi.json", self.openapi, "this API's OpenAPI document (no auth)",
                   (Reply(200, "the document", None),), auth=False),
             Route("GET", "/metrics", self.prometheus, "Prometheus metrics of the node",
-                  (Reply(200, "metrics in Prometheus text format", "text"),), content_type="text/plain"),
+                  (Reply(200, "metrics in Prometheus text format", "text"),), content_type="text/plain",
+                  deployment=True),
             Route("POST", "/sandboxes", self.create_v1, "create a sandbox (SDK <= 2.50)", (created,),
                   body=new, body_required=True, tags=sbx),
             Route("POST", "/v2/sandboxes", self.create_v2, "create a sandbox (always secured)", (created,),
@@ -355,10 +356,10 @@ class ControlPlane:
                               "(sandbox_resumed_elsewhere; force), or it cannot move (sandbox_not_movable)",
                          "Error"),
                    Reply(429, "this node is full (sandbox_capacity_unavailable)", "Error")),
-                  query=S.ADOPT, tags=("cluster",)),
+                  query=S.ADOPT, tags=("cluster",), deployment=True),
             Route("POST", RELEASE_ROUTE, self.release,
                   "forget a paused sandbox here, keeping it in the repository for another node",
                   (nc("released"), Reply(404, "this node does not hold it (sandbox_not_held)", "Error"),
                    Reply(409, "not paused: running or lost (sandbox_not_paused), or it cannot move "
-                              "(sandbox_not_movable)", "Error")), tags=("cluster",)),
+                              "(sandbox_not_movable)", "Error")), tags=("cluster",), deployment=True),
         ]

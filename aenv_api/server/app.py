@@ -38,7 +38,7 @@ from envd import ENVD_PORT
 from .api import ControlPlane
 from .auth import Credentials
 from .errors import ApiError
-from .keystore import TEAMS_FILE, KeyStore
+from .keystore import DEFAULT_TEAM_ID, TEAMS_FILE, KeyStore
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .owners import VOLUME_TEAMS_FILE, OwnerMap
@@ -127,6 +127,9 @@ class ApiServer:
         async def handler(request: web.Request) -> web.StreamResponse:
             if route.auth:
                 principal = request[PRINCIPAL] = self.teams.authenticate(request, route)
+                if route.deployment and principal.team_id != DEFAULT_TEAM_ID:
+                    raise ApiError(403, "this route is the node's own: only the deployment key (the default "
+                                        "team's) may call it")
                 sid = request.match_info.get("sandboxID")
                 if sid is not None and route.path != ADOPT_ROUTE:
                     await self._check_owner(principal, sid)

@@ -58,6 +58,9 @@ class Route:
     query: Schema | None = None
     auth: bool = True
     admin: Admin = Admin.NO
+    # the node's own routes (/nodes, /metrics, the fleet's adopt/release): the deployment key
+    # (the default team's) only, as before teams; another team's key is 403
+    deployment: bool = False
     tags: tuple[str, ...] = ()
     content_type: str = "application/json"   # of the success body
     extra: dict[str, Any] = field(default_factory=dict)

@@ -229,6 +229,25 @@ def test_another_teams_volume_is_not_found(node: InProcessServer) -> None:
     assert node.request("DELETE", f"/volumes/{vid}", key=key_a)[0] == 204
 
 
+def test_the_nodes_own_routes_take_the_deployment_key_only(node: InProcessServer) -> None:
+    """/metrics, /nodes (which drains the node) and the fleet's adopt/release are the
+    node's, not a team's: another team's key gets 403; the deployment key as before."""
+    _, key = new_team(node, "not-the-operator")
+    from aenv_wire.cluster import ADOPT_ROUTE, RELEASE_ROUTE
+
+    sid = "sbx-" + "0" * 20
+    for method, path, body in [("GET", "/metrics", None), ("GET", "/nodes", None),
+                               ("GET", "/nodes/inprocess-node", None),
+                               ("POST", "/nodes/inprocess-node", {"status": "draining"}),
+                               ("POST", ADOPT_ROUTE.replace("{sandboxID}", sid), None),
+                               ("POST", RELEASE_ROUTE.replace("{sandboxID}", sid), None)]:
+        status, _, got = node.request(method, path, body, key=key)
+        assert status == 403 and "deployment key" in got["message"], (method, path, got)
+    assert node.request("GET", "/metrics")[0] == 200
+    assert node.request("GET", "/nodes")[0] == 200
+    assert node.request("GET", "/v2/sandboxes", key=key)[0] == 200     # its own routes work
+
+
 def test_idempotency_keys_are_per_team(node: InProcessServer) -> None:
     _, key_a = new_team(node, "idem-a")
     _, key_b = new_team(node, "idem-b")
