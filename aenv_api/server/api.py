@@ -14,17 +14,17 @@ from aenv_wire.listing import iso
 from . import idempotency
 from . import schemas as S
 from .errors import ApiError
+from .keystore import DEFAULT_TEAM_ID
 from .lifecycle import Lifecycle
 from .metric_series import sandbox_ids
 from .metrics import Metrics
 from .nodes_api import NodeApi
+from .owners import SNAPSHOT_TEAMS_FILE, OwnerMap
+from .principal import principal_of
 from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
 from .settings import ServerConfig
-from .keystore import DEFAULT_TEAM_ID
-from .owners import SNAPSHOT_TEAMS_FILE, OwnerMap
-from .principal import principal_of
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .templates_legacy import LegacyTemplateApi
 from .unsupported import not_supported, reject_unsupported
@@ -213,13 +213,12 @@ class ControlPlane:
         b = call.body
         team = principal_of(request).team_id
         source = call.path["snapshotID"]
+        # another team's paused sandbox or named snapshot: what one that does not exist gets
+        unknown = f"snapshot {source!r} not found (neither a snapshot's id or name nor a paused sandbox's id)"
         owner = await self.lc.owner(source)
-        snapshot = await self.lc.named_snapshot(source)
-        if snapshot is not None:
-            owner = self.snapshot_owners.owner(snapshot)
-        if owner is not None and owner != team:     # another team's snapshot or paused sandbox: as if none
-            raise ApiError(404, f"snapshot {source!r} not found (neither a snapshot's id or name nor a "
-                                f"paused sandbox's id)")
+        if owner is not None and owner != team:
+            raise ApiError(404, unknown)
+        await self._own_snapshot(request, source, unknown)
         return json_response(await self.lc.fork_snapshot(source, b.get("count") or 1,
                                                          b.get("timeout"), b.get("metadata"), team), 201)
 
