@@ -81,3 +81,10 @@ def test_cli_errors(node: InProcessServer, tmp_path: Path) -> None:
     assert node.api_key not in default.stdout.decode()
     refused = run(node, "key", "rm", json.loads(default.stdout)[0]["id"], admin=False, key=node.api_key, ok=False)
     assert refused.returncode == 1 and "409" in refused.stderr.decode()
+
+
+def test_the_admin_credential_leaves_the_nodes_environment() -> None:
+    """AENV_ADMIN_TOKEN is one of the secrets `aenv server` reads once and then removes."""
+    from aenv_cli.node_secrets import secret_env_names
+
+    assert secret_env_names({"AENV_ADMIN_TOKEN": ADMIN, "PATH": "/bin"}) == ["AENV_ADMIN_TOKEN"]
