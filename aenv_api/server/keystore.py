@@ -13,7 +13,9 @@ guess is, so a deliberately slow hash would only cost every request; the salt ke
 two stores (or two keys) from being compared by hash. A presented key is checked
 against every stored hash (one HMAC each, ~1 µs); a verified key is then kept in an
 in-memory map from its SHA-256 to its (team, key id), emptied whenever a key or team
-is deleted, so a deleted key fails at once, and stays out of any log.
+is deleted, so a deleted key fails at once, and stays out of any log. A key that
+matched none is remembered too (the newest ``MAX_REFUSED``, until a key is created), so
+a client repeating a junk key costs no HMACs.
 
 The file is rewritten whole, crash-safely: a temporary file, fsync, rename over the
 old one, fsync of the directory; mode 0600. A torn or foreign file is refused at
@@ -29,6 +31,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ TEAMS_FILE = "teams.json"
 FORMAT_VERSION = 1
 KEY_PREFIX = "e2b_"
 MAX_NAME = 200
+MAX_REFUSED = 4096      # refused keys remembered
 
 
 class KeyStoreError(Exception):
@@ -183,6 +187,9 @@ class KeyStore:
         self._default_key = default_key
         self._lock = threading.Lock()
         self._verified: dict[bytes, Caller] = {}    # SHA-256 of a verified key → who it is
+        # SHA-256 of keys that matched none, newest last: a client retrying a junk key costs one
+        # dict lookup, not an HMAC per stored key; emptied when a key is created
+        self._refused: OrderedDict[bytes, None] = OrderedDict()
         self._content = self._load()
 
     def _load(self) -> StoreContent:
@@ -210,6 +217,8 @@ class KeyStore:
         known = self._verified.get(fingerprint)
         if known is not None:
             return known
+        if fingerprint in self._refused:
+            return None
         content = self._content
         for stored in content.keys:
             if stored.matches(key):
@@ -218,6 +227,11 @@ class KeyStore:
                     if self._content is content:     # not deleted meanwhile
                         self._verified[fingerprint] = caller
                 return caller
+        with self._lock:
+            if self._content is content:             # no key created meanwhile
+                self._refused[fingerprint] = None
+                while len(self._refused) > MAX_REFUSED:
+                    self._refused.popitem(last=False)
         return None
 
     # --- teams ---------------------------------------------------------------
@@ -271,6 +285,7 @@ class KeyStore:
             stored = StoredKey(str(uuid.uuid4()), team_id, name, salt.hex(), _digest(salt, key), KeyMask.of(key),
                                time.time())
             self._save(StoreContent(self._content.teams, self._content.keys + (stored,)))
+            self._refused.clear()
         return stored, key
 
     def _key(self, team_id: str, key_id: str) -> StoredKey:

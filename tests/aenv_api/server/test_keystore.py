@@ -2,6 +2,7 @@
 keys never in clear, deletion at once, a durable and refused-when-torn file."""
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import subprocess
@@ -134,3 +135,14 @@ def test_admin_credential_from_env_or_file_never_generated(tmp_path: Path) -> No
         Credentials.load(tmp_path, environ={"AENV_ADMIN_TOKEN": "short"})
     with pytest.raises(ConfigError, match="teams_admin_token_file"):
         Credentials.load(tmp_path, environ={}, admin_token_file=tmp_path / "missing")
+
+
+def test_a_refused_key_is_remembered_until_a_key_is_created(tmp_path: Path) -> None:
+    store = KeyStore(tmp_path / TEAMS_FILE, DEPLOYMENT_KEY)
+    a = store.create_team("a")
+    store.create_key(a.team_id, "k")
+    junk = "e2b_" + "0" * 40
+    assert store.verify(junk) is None
+    assert hashlib.sha256(junk.encode()).digest() in store._refused     # the next try costs no HMAC
+    _, new = store.create_key(a.team_id, "new")     # a creation forgets what was refused
+    assert not store._refused and store.verify(new) is not None
