@@ -11,7 +11,7 @@ plus E2B's mask (the key's first 2 and last 4 hex digits: 24 of its 160 bits). A
 keyed hash and not scrypt: a 160-bit random key cannot be guessed however cheap a
 guess is, so a deliberately slow hash would only cost every request; the salt keeps
 two stores (or two keys) from being compared by hash. A presented key is checked
-against every stored hash (one HMAC each, ~1 µs); a verified key is then kept in an
+against every stored hash (one HMAC each, ~2 µs); a verified key is then kept in an
 in-memory map from its SHA-256 to its (team, key id), emptied whenever a key or team
 is deleted, so a deleted key fails at once, and stays out of any log. A key that
 matched none is remembered too (the newest ``MAX_REFUSED``, until a key is created), so
