@@ -8,7 +8,6 @@ everything as before (and its map stays empty: the default needs no entry)."""
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from aenv_store.errors import ConfigError
 
 from .keystore import DEFAULT_TEAM_ID, write_durably
 
-log = logging.getLogger(__name__)
 SNAPSHOT_TEAMS_FILE = "api-snapshot-teams.json"
 VOLUME_TEAMS_FILE = "api-volume-teams.json"
 
@@ -34,7 +32,7 @@ class OwnerMap:
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as e:
-            # a lost map would hand every team's snapshot to the default team: refuse to guess
+            # a lost map would hand every team's things to the default team: refuse to guess
             raise ConfigError(f"cannot read the owners file {path}: {e}") from None
 
     def owner(self, thing_id: str) -> str:
