@@ -1,7 +1,8 @@
 """Teams on a real `aenv server` (QEMU guests) through the real e2b SDK, configured only
 by E2B_* variables: team A's key creates a sandbox and runs in it; team B's key neither
 lists, connects to, pauses nor kills it (404 as for an unknown id); the deployment key
-still works as it did, and sees neither team's sandbox."""
+still works as it did, and sees neither team's sandbox. Keys and ownership survive a
+restart of the node (the keys in teams.json, the team in the sandbox's record)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +17,9 @@ pytestmark = pytest.mark.qemu
 ADMIN = "sdk-teams-admin-" + "z" * 16
 
 
-@pytest.fixture(scope="module")
-def node(node_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(node_data_dir, tmp_path_factory.mktemp("teams-logs"), env={"AENV_ADMIN_TOKEN": ADMIN}) as srv:
+@pytest.fixture
+def node(node_data_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    with serving(node_data_dir, tmp_path / "logs", env={"AENV_ADMIN_TOKEN": ADMIN}) as srv:
         yield srv
 
 
@@ -71,3 +72,34 @@ def test_team_keys_through_the_sdk(node: Server, monkeypatch: pytest.MonkeyPatch
     admin = {"X-Admin-Token": ADMIN}
     for team in (team_a, team_b):
         assert node.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
+
+
+def test_keys_and_ownership_survive_a_restart(node_data_dir: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2b import NotFoundException, Sandbox
+
+    env = {"AENV_ADMIN_TOKEN": ADMIN}
+    with serving(node_data_dir, tmp_path / "logs-1", env=env) as first:
+        team_a, key_a = new_team(first, "restart-a")
+        team_b, key_b = new_team(first, "restart-b")
+        use_sdk_env(first, monkeypatch)
+        monkeypatch.setenv("E2B_API_KEY", key_a)
+        a = Sandbox.create(timeout=600)
+        a.files.write("/home/user/mark", "kept")
+        assert a.pause()
+    with serving(node_data_dir, tmp_path / "logs-2", env=env) as second:
+        use_sdk_env(second, monkeypatch)
+        monkeypatch.setenv("E2B_API_KEY", key_b)
+        assert Sandbox.list().next_items() == []
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(a.sandbox_id)
+        monkeypatch.setenv("E2B_API_KEY", key_a)
+        assert [s.sandbox_id for s in Sandbox.list().next_items()] == [a.sandbox_id]
+        back = Sandbox.connect(a.sandbox_id)
+        try:
+            assert back.files.read("/home/user/mark") == "kept"
+        finally:
+            back.kill()
+        admin = {"X-Admin-Token": ADMIN}
+        for team in (team_a, team_b):
+            assert second.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
