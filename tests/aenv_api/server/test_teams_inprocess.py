@@ -286,3 +286,28 @@ def test_sdk_team_keys_see_only_their_own(node: InProcessServer, monkeypatch: py
     assert Sandbox.connect(a.sandbox_id).sandbox_id == a.sandbox_id
     assert Sandbox.kill(a.sandbox_id) is True
     node.kill_all()
+
+
+def test_async_sdk_team_keys_see_only_their_own(node: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through the async SDK (AsyncSandbox), keys from E2B_API_KEY only."""
+    import asyncio
+
+    from e2b import AsyncSandbox, NotFoundException
+
+    _, key_a = new_team(node, "async-a")
+    _, key_b = new_team(node, "async-b")
+    use_sdk_env(node, monkeypatch)
+
+    async def scenario() -> None:
+        monkeypatch.setenv("E2B_API_KEY", key_a)
+        a = await AsyncSandbox.create(timeout=300)
+        monkeypatch.setenv("E2B_API_KEY", key_b)
+        assert await AsyncSandbox.list().next_items() == []
+        with pytest.raises(NotFoundException):
+            await AsyncSandbox.connect(a.sandbox_id)
+        assert await AsyncSandbox.kill(a.sandbox_id) is False
+        monkeypatch.setenv("E2B_API_KEY", key_a)
+        assert [s.sandbox_id for s in await AsyncSandbox.list().next_items()] == [a.sandbox_id]
+        assert await AsyncSandbox.kill(a.sandbox_id) is True
+
+    asyncio.run(scenario())
