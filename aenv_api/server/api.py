@@ -46,7 +46,9 @@ class ControlPlane:
 
     def __init__(self, lifecycle: Lifecycle, metrics: Metrics, config: ServerConfig,
                  templates: TemplateApi | None = None, volumes: VolumeApi | None = None,
-                 nodes: NodeApi | None = None) -> None:
+                 nodes: NodeApi | None = None, snapshot_owners: OwnerMap | None = None) -> None:
+        """``snapshot_owners``: which team owns each named snapshot (the server reads the node's
+        map at start, so a torn file stops it there; None: read from the data dir on first use)."""
         self.lc = lifecycle
         self.nodes = nodes
         self.templates = templates
@@ -55,7 +57,13 @@ class ControlPlane:
         self.config = config
         self.openapi_doc: dict[str, Any] = {}
         self.creates = idempotency.IdempotentCreates()
-        self.snapshot_owners = OwnerMap(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE)
+        self._snapshot_owners = snapshot_owners
+
+    @property
+    def snapshot_owners(self) -> OwnerMap:
+        if self._snapshot_owners is None:
+            self._snapshot_owners = OwnerMap(self.lc.data_dir / SNAPSHOT_TEAMS_FILE)
+        return self._snapshot_owners
 
     @property
     def domain(self) -> str:

@@ -41,7 +41,7 @@ from .errors import ApiError
 from .keystore import DEFAULT_TEAM_ID, TEAMS_FILE, KeyStore
 from .lifecycle import Lifecycle
 from .metrics import Metrics
-from .owners import VOLUME_TEAMS_FILE, OwnerMap
+from .owners import SNAPSHOT_TEAMS_FILE, VOLUME_TEAMS_FILE, OwnerMap
 from .nodes_api import NodeApi
 from .proxy import ProxyLimits, SandboxProxy, route_of, signed_files
 from .responses import json_response
@@ -109,7 +109,8 @@ class ApiServer:
         self.metrics = metrics
         self.version = version
         self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config))
-        self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
+        self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes,
+                                    OwnerMap(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE))
         self.teams = TeamsApi(KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key), creds.admin_token,
                               lifecycle)
         if volumes is not None:

@@ -146,3 +146,21 @@ def test_a_refused_key_is_remembered_until_a_key_is_created(tmp_path: Path) -> N
     assert hashlib.sha256(junk.encode()).digest() in store._refused     # the next try costs no HMAC
     _, new = store.create_key(a.team_id, "new")     # a creation forgets what was refused
     assert not store._refused and store.verify(new) is not None
+
+
+def test_owner_maps_default_to_the_default_team_and_refuse_a_torn_file(tmp_path: Path) -> None:
+    from aenv_api.server.owners import OwnerMap
+
+    path = tmp_path / "owners.json"
+    owners = OwnerMap(path)
+    assert owners.owner("snap-1") == DEFAULT_TEAM_ID and not owners.any_team()
+    owners.put("snap-1", DEFAULT_TEAM_ID)
+    assert not path.exists()                     # the default needs no entry
+    owners.put("snap-2", "team-a")
+    assert OwnerMap(path).owner("snap-2") == "team-a" and OwnerMap(path).any_team()
+    owners.drop("snap-2")
+    assert OwnerMap(path).owner("snap-2") == DEFAULT_TEAM_ID
+    for torn in ('{"snap-2": "team', '["snap-2"]', '{"snap-2": 1}'):
+        path.write_text(torn)
+        with pytest.raises(ConfigError, match="owners file"):
+            OwnerMap(path)
