@@ -7,7 +7,9 @@ server's proxy. Stdlib only (http.client), so the CLI starts fast.
 
 Where the server is: ``--url``, else ``$AENV_URL``, else ``$E2B_API_URL``, else
 http://127.0.0.1:8000. The key: ``--api-key``, else ``$E2B_API_KEY``, else
-``$AENV_API_KEY``, else the local node's ``<data-dir>/api-key``.
+``$AENV_API_KEY``, else the local node's ``<data-dir>/api-key``. The admin credential
+(`aenv team`, `aenv key --team`): ``--admin-token-file``, else ``$AENV_ADMIN_TOKEN``;
+never a flag holding the credential itself (other users see a command line).
 """
 from __future__ import annotations
 
@@ -54,10 +56,38 @@ class ApiClient:
     api_key: str
     timeout: float = 300.0
     last_headers: dict[str, str] = field(default_factory=dict)   # of the last call() answer
+    # set by ``as_admin``: control-plane calls send X-Admin-Token (and X-Team-ID) instead of the key
+    admin_headers: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def as_admin(cls, args: argparse.Namespace, team: str | None = None) -> "ApiClient":
+        """A client that presents the node's admin credential (for ``team``, when given)."""
+        path = getattr(args, "admin_token_file", None)
+        if path:
+            try:
+                token = open(path).read().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise CliError(f"--admin-token-file: cannot read {path}: {e}", 1) from None
+        else:
+            token = os.environ.get("AENV_ADMIN_TOKEN", "").strip()
+        if not token:
+            raise CliError("no admin credential: pass --admin-token-file FILE or set AENV_ADMIN_TOKEN "
+                           "(the node's [server] teams_admin_token_file / AENV_ADMIN_TOKEN)", 1)
+        client = cls(cls._url(args), "")
+        client.admin_headers = {"X-Admin-Token": token, **({"X-Team-ID": team} if team else {})}
+        return client
+
+    @staticmethod
+    def _url(args: argparse.Namespace) -> str:
+        url = args.url or os.environ.get("AENV_URL") or os.environ.get("E2B_API_URL") or DEFAULT_URL
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise CliError(f"--url must be an http(s) URL, got {url!r}")
+        return str(url.rstrip("/"))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ApiClient":
-        url = args.url or os.environ.get("AENV_URL") or os.environ.get("E2B_API_URL") or DEFAULT_URL
+        url = cls._url(args)
         key = args.api_key or os.environ.get("E2B_API_KEY") or os.environ.get("AENV_API_KEY")
         if not key:
             from .config import resolve_data_dir
@@ -67,10 +97,7 @@ class ApiClient:
             except OSError:
                 raise CliError("no API key: pass --api-key or set E2B_API_KEY (the server prints it at start)",
                                1) from None
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise CliError(f"--url must be an http(s) URL, got {url!r}")
-        return cls(url.rstrip("/"), key)
+        return cls(url, key)
 
     def _conn(self) -> http.client.HTTPConnection:
         p = urllib.parse.urlsplit(self.url)
@@ -90,7 +117,7 @@ class ApiClient:
 
     def call(self, method: str, path: str, body: Any = None, expect: tuple[int, ...] = (200,)) -> Any:
         """One control-plane call; the JSON answer (None for 204). API errors become CliError."""
-        headers = {"X-API-Key": self.api_key}
+        headers = dict(self.admin_headers) or {"X-API-Key": self.api_key}
         data = None
         if body is not None:
             data = json.dumps(body).encode()

@@ -15,7 +15,7 @@ from .common import CliError
 
 # command-group modules (aenv_cli.<name>); a module that does not exist yet is skipped.
 COMMANDS = ["repo", "cache", "image", "p2p", "doctor", "template", "sandbox", "snapshot", "files", "server", "gateway",
-            "cluster"]
+            "cluster", "team", "key"]
 
 
 def package_version() -> str:

@@ -17,6 +17,9 @@ AGENTENV_PORT_HEADER = "X-Agentenv-Target-Port"
 API_KEY_HEADER = "X-API-Key"
 AUTHORIZATION_HEADER = "Authorization"
 ACCESS_TOKEN_HEADER = "X-Access-Token"
+# the node's admin credential (team management, E2B's AdminApiKeyAuth) and the team an admin call acts for
+ADMIN_TOKEN_HEADER = "X-Admin-Token"
+TEAM_ID_HEADER = "X-Team-ID"
 TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
 
 # Lists: the next page's token and the count of running sandboxes

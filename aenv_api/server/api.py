@@ -2,6 +2,7 @@
 /openapi.json and /metrics, and the fleet's node routes (aenv_wire/cluster.py)."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -13,10 +14,13 @@ from aenv_wire.listing import iso
 from . import idempotency
 from . import schemas as S
 from .errors import ApiError
+from .keystore import DEFAULT_TEAM_ID
 from .lifecycle import Lifecycle
 from .metric_series import sandbox_ids
 from .metrics import Metrics
 from .nodes_api import NodeApi
+from .owners import SNAPSHOT_TEAMS_FILE, OwnerMap
+from .principal import principal_of
 from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .sandbox_logs import LogEntry
@@ -42,7 +46,9 @@ class ControlPlane:
 
     def __init__(self, lifecycle: Lifecycle, metrics: Metrics, config: ServerConfig,
                  templates: TemplateApi | None = None, volumes: VolumeApi | None = None,
-                 nodes: NodeApi | None = None) -> None:
+                 nodes: NodeApi | None = None, snapshot_owners: OwnerMap | None = None) -> None:
+        """``snapshot_owners``: which team owns each named snapshot (the server reads the node's
+        map at start, so a torn file stops it there; None: read from the data dir on first use)."""
         self.lc = lifecycle
         self.nodes = nodes
         self.templates = templates
@@ -51,6 +57,13 @@ class ControlPlane:
         self.config = config
         self.openapi_doc: dict[str, Any] = {}
         self.creates = idempotency.IdempotentCreates()
+        self._snapshot_owners = snapshot_owners
+
+    @property
+    def snapshot_owners(self) -> OwnerMap:
+        if self._snapshot_owners is None:
+            self._snapshot_owners = OwnerMap(self.lc.data_dir / SNAPSHOT_TEAMS_FILE)
+        return self._snapshot_owners
 
     @property
     def domain(self) -> str:
@@ -73,13 +86,19 @@ class ControlPlane:
         req = S.NewSandbox(**call.body)
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
+        team = principal_of(request).team_id
+        # another team's named snapshot is no template to this one: the answer to an unknown template
+        await self._own_snapshot(request, req.template_id, f"template {req.template_id!r} not found")
+        foreign = self.volumes.foreign_mount(req.volume_mounts or [], team) if self.volumes is not None else None
+        if foreign is not None:     # what a volume that does not exist gets (lifecycle.create)
+            raise ApiError(404, f"volumeMounts: Volume {foreign[:64]!r} not found", retry=False)
 
         async def create() -> SandboxView:
             if self.nodes is None:
-                return await self.lc.create(req, v2=v2)
+                return await self.lc.create(req, v2=v2, team=team)
             self.nodes.refuse_new()
             with self.nodes.creating():
-                return await self.lc.create(req, v2=v2)
+                return await self.lc.create(req, v2=v2, team=team)
 
         if key is None:
             rec = await create()
@@ -88,7 +107,9 @@ class ControlPlane:
         async def create_id() -> str:
             return (await create()).sandbox_id
 
-        sid, replayed = await self.creates.run(key, idempotency.fingerprint(request.path, call.body), create_id)
+        # scoped by team: one team's Idempotency-Key never replays (nor blocks) another's create
+        sid, replayed = await self.creates.run(f"{team}/{key}", idempotency.fingerprint(request.path, call.body),
+                                               create_id)
         try:
             rec = await self.lc.get(sid)
         except ApiError as e:
@@ -124,17 +145,19 @@ class ControlPlane:
         return no_content()
 
     async def list_v1(self, request: web.Request, call: Call) -> web.Response:
-        page, _ = await self.lc.list_page(states=("running",), metadata=call.query["metadata"], limit=10**9)
+        page, _ = await self.lc.list_page(states=("running",), metadata=call.query["metadata"], limit=10**9,
+                                          team=principal_of(request).team_id)
         return json_response([r.listed() for r in page])
 
     async def list_v2(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
+        team = principal_of(request).team_id
         page, token = await self.lc.list_page(states=q["state"], metadata=q["metadata"], template=q["template"],
                                    started_after=q["started_after"], order=q["order"], limit=q["limit"],
-                                   next_token=q["next_token"])
+                                   next_token=q["next_token"], team=team)
         headers = {NEXT_TOKEN_HEADER: token} if token else {}
         if not q["state"] or "running" in q["state"]:
-            headers[TOTAL_RUNNING_HEADER] = str((await self.lc.counts())["running"])
+            headers[TOTAL_RUNNING_HEADER] = str((await self.lc.counts(team))["running"])
         return json_response([r.listed() for r in page], headers=headers)
 
     async def connect(self, request: web.Request, call: Call) -> web.Response:
@@ -156,20 +179,37 @@ class ControlPlane:
         if call.body.get("memory") is False:
             raise not_supported("memory: false (a filesystem-only snapshot)",
                                 "aenv's snapshots always keep memory; pause(mode=\"filesystem\") is supported")
-        return json_response(await self.lc.snapshot(call.path["sandboxID"], call.body.get("name")), 201)
+        snap = await self.lc.snapshot(call.path["sandboxID"], call.body.get("name"))
+        await asyncio.to_thread(self.snapshot_owners.put, snap["snapshotID"], principal_of(request).team_id)
+        return json_response(snap, 201)
 
     async def list_snapshots(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
+        team = principal_of(request).team_id
         page, token = await self.lc.list_snapshots(sandbox_id=q["sandbox_id"], name=q["name"], limit=q["limit"],
-                                                   next_token=q["next_token"])
+                                                   next_token=q["next_token"],
+                                                   keep=lambda sid: self.snapshot_owners.owner(sid) == team)
         return json_response(page, headers={NEXT_TOKEN_HEADER: token} if token else None)
 
     async def delete_template(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["templateID"]
         if self.templates is not None and await self.templates.delete_template(tid):
             return no_content()
+        await self._own_snapshot(request, tid)
         await self.lc.delete_snapshot(tid)
+        await asyncio.to_thread(self.snapshot_owners.drop, tid)
         return no_content()
+
+    async def _own_snapshot(self, request: web.Request, ref: str, message: str = "") -> None:
+        """Another team's named snapshot is answered as if there were none: 404 with
+        ``message`` (default: the lifecycle's for an unknown snapshot). A deployment without
+        teams pays nothing: the default team's caller looks only once some team has snapshots."""
+        team = principal_of(request).team_id
+        if team == DEFAULT_TEAM_ID and not self.snapshot_owners.any_team():
+            return
+        sid = await self.lc.named_snapshot(ref)
+        if sid is not None and self.snapshot_owners.owner(sid) != team:
+            raise ApiError(404, message or f"snapshot {ref!r} not found")
 
     async def fork(self, request: web.Request, call: Call) -> web.Response:
         self._refuse_new()
@@ -179,8 +219,16 @@ class ControlPlane:
     async def fork_snapshot(self, request: web.Request, call: Call) -> web.Response:
         self._refuse_new()
         b = call.body
-        return json_response(await self.lc.fork_snapshot(call.path["snapshotID"], b.get("count") or 1,
-                                                         b.get("timeout"), b.get("metadata")), 201)
+        team = principal_of(request).team_id
+        source = call.path["snapshotID"]
+        # another team's paused sandbox or named snapshot: what one that does not exist gets
+        unknown = f"snapshot {source!r} not found (neither a snapshot's id or name nor a paused sandbox's id)"
+        owner = await self.lc.owner(source)
+        if owner is not None and owner != team:
+            raise ApiError(404, unknown)
+        await self._own_snapshot(request, source, unknown)
+        return json_response(await self.lc.fork_snapshot(source, b.get("count") or 1,
+                                                         b.get("timeout"), b.get("metadata"), team), 201)
 
     async def adopt(self, request: web.Request, call: Call) -> web.Response:
         self._refuse_new()
@@ -195,7 +243,8 @@ class ControlPlane:
         return json_response(await self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
 
     async def sandboxes_metrics(self, request: web.Request, call: Call) -> web.Response:
-        return json_response(await self.lc.sandboxes_metrics(sandbox_ids(call.query["sandbox_ids"])))
+        return json_response(await self.lc.sandboxes_metrics(sandbox_ids(call.query["sandbox_ids"]),
+                                                             principal_of(request).team_id))
 
     async def logs_v1(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
@@ -242,7 +291,8 @@ class ControlPlane:
             Route("GET", "/openapi.json", self.openapi, "this API's OpenAPI document (no auth)",
                   (Reply(200, "the document", None),), auth=False),
             Route("GET", "/metrics", self.prometheus, "Prometheus metrics of the node",
-                  (Reply(200, "metrics in Prometheus text format", "text"),), content_type="text/plain"),
+                  (Reply(200, "metrics in Prometheus text format", "text"),), content_type="text/plain",
+                  deployment=True),
             Route("POST", "/sandboxes", self.create_v1, "create a sandbox (SDK <= 2.50)", (created,),
                   body=new, body_required=True, tags=sbx),
             Route("POST", "/v2/sandboxes", self.create_v2, "create a sandbox (always secured)", (created,),
@@ -313,10 +363,10 @@ class ControlPlane:
                               "(sandbox_resumed_elsewhere; force), or it cannot move (sandbox_not_movable)",
                          "Error"),
                    Reply(429, "this node is full (sandbox_capacity_unavailable)", "Error")),
-                  query=S.ADOPT, tags=("cluster",)),
+                  query=S.ADOPT, tags=("cluster",), deployment=True),
             Route("POST", RELEASE_ROUTE, self.release,
                   "forget a paused sandbox here, keeping it in the repository for another node",
                   (nc("released"), Reply(404, "this node does not hold it (sandbox_not_held)", "Error"),
                    Reply(409, "not paused: running or lost (sandbox_not_paused), or it cannot move "
-                              "(sandbox_not_movable)", "Error")), tags=("cluster",)),
+                              "(sandbox_not_movable)", "Error")), tags=("cluster",), deployment=True),
         ]

@@ -29,10 +29,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aenv_http.bodies import is_blank
 from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port, parser_reason
 from aenv_store.errors import ConfigError
-from aenv_wire.api_key import presented_api_key
+from aenv_wire.cluster import ADOPT_ROUTE
 from aenv_wire.errors import error_body
-from aenv_wire.headers import (ACCESS_TOKEN_HEADER, API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER,
-                               RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER)
+from aenv_wire.headers import ACCESS_TOKEN_HEADER, REQUEST_ID_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER
 from aenv_wire.routing import (SandboxAddress, has_proxy_prefix, has_routing_header, is_unrouted_envd_call,
                                is_unrouted_signed_url, parse_host)
 from envd import ENVD_PORT
@@ -40,14 +39,18 @@ from envd import ENVD_PORT
 from .api import ControlPlane
 from .auth import Credentials
 from .errors import ApiError
+from .keystore import DEFAULT_TEAM_ID, TEAMS_FILE, KeyStore
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .owners import SNAPSHOT_TEAMS_FILE, VOLUME_TEAMS_FILE, OwnerMap
 from .nodes_api import NodeApi
 from .proxy import ProxyLimits, SandboxProxy, route_of, signed_files
 from .responses import json_response
 from .routes import Call, Route, openapi
 from .scrub import KeyScrub
 from .settings import ServerConfig
+from .principal import PRINCIPAL, Principal
+from .teams_api import TeamsApi
 from .templates_api import TemplateApi
 from .volumes_api import VolumeApi
 
@@ -108,8 +111,13 @@ class ApiServer:
         self.metrics = metrics
         self.version = version
         self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config), KeyScrub(creds.api_key))
-        self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes)
-        self.routes = self.control.routes()
+        self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes,
+                                    OwnerMap(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE))
+        self.teams = TeamsApi(KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key), creds.admin_token,
+                              lifecycle)
+        if volumes is not None:
+            volumes.owners = OwnerMap(lifecycle.data_dir / VOLUME_TEAMS_FILE)
+        self.routes = self.teams.routes() + self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None
         self._tls_site: web.TCPSite | None = None
@@ -122,9 +130,14 @@ class ApiServer:
 
     def _wrap(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
-            if route.auth and not self.creds.check_api_key(presented_api_key(
-                    request.headers.getall(API_KEY_HEADER, []), request.headers.getall(AUTHORIZATION_HEADER, []))):
-                raise ApiError(401, "Invalid API key: send the server's key, once, in the X-API-Key header")
+            if route.auth:
+                principal = request[PRINCIPAL] = self.teams.authenticate(request, route)
+                if route.deployment and principal.team_id != DEFAULT_TEAM_ID:
+                    raise ApiError(403, "this route is the node's own: only the deployment key (the default "
+                                        "team's) may call it")
+                sid = request.match_info.get("sandboxID")
+                if sid is not None and route.path != ADOPT_ROUTE:
+                    await self._check_owner(principal, sid)
             body: dict[str, Any] = {}
             if route.body is not None:
                 raw = _decoded(await request.read(), request.headers.get("Content-Encoding", ""))
@@ -138,6 +151,14 @@ class ApiServer:
             request["route"] = route.path
             return await route.handler(request, Call(dict(request.match_info), body, query))
         return handler
+
+    async def _check_owner(self, principal: Principal, sid: str) -> None:
+        """Another team's sandbox is answered as if it did not exist: 404 with the lifecycle's
+        own message for an unknown id (ids are no oracle). A sandbox this node does not hold
+        goes on to the handler, which answers for it as before (the fleet's codes)."""
+        owner = await self.lifecycle.owner(sid)
+        if owner is not None and owner != principal.team_id:
+            raise ApiError(404, f"sandbox {sid!r} not found")
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._front], client_max_size=MAX_BODY)

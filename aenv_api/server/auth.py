@@ -23,6 +23,10 @@
   stored: it survives restarts and pause/resume with the secret, fork children
   and sandboxes created from a snapshot get the token of their own id, and
   the guest never learns it (the proxy drops the header).
+- The **admin credential** (header ``X-Admin-Token``) manages teams and their keys
+  (keystore.py, teams_api.py): ``AENV_ADMIN_TOKEN``, else the file ``[server]
+  teams_admin_token_file``; never the config file itself, never generated (a node without
+  one answers its admin routes 403). At least 16 characters.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ API_KEY_ENV = "AENV_API_KEY"
 API_KEY_FILE = "api-key"
 ENVD_SECRET_ENV = "AENV_ENVD_SECRET"
 ENVD_SECRET_FILE = "envd-secret"
+ADMIN_TOKEN_ENV = "AENV_ADMIN_TOKEN"
+MIN_ADMIN_TOKEN = 16
 
 
 def _read_or_create(path: Path, make: str) -> str:
@@ -100,12 +106,15 @@ class Credentials:
     api_key: str = field(repr=False)
     api_key_source: str    # "env" | "file" | "generated" (for the start banner)
     envd_secret: bytes = field(default=b"", repr=False)
+    admin_token: str = field(default="", repr=False)     # "" = no admin credential: admin routes answer 403
 
     @classmethod
     def load(cls, data_dir: Path, environ: Mapping[str, str] | None = None,
-             envd_secret_file: Path | None = None, api_key_file: Path | None = None) -> "Credentials":
+             envd_secret_file: Path | None = None, api_key_file: Path | None = None,
+             admin_token_file: Path | None = None) -> "Credentials":
         """``envd_secret_file``, ``api_key_file``: where the envd token secret and the API
-        key live (default ``<data_dir>/envd-secret``, ``<data_dir>/api-key``)."""
+        key live (default ``<data_dir>/envd-secret``, ``<data_dir>/api-key``);
+        ``admin_token_file``: the admin credential's file, if any (``AENV_ADMIN_TOKEN`` wins)."""
         env = os.environ if environ is None else environ
         key_file = api_key_file or data_dir / API_KEY_FILE
         if env.get(API_KEY_ENV):
@@ -122,7 +131,7 @@ class Credentials:
             secret = _read_or_create(envd_secret_file or data_dir / ENVD_SECRET_FILE, secrets.token_hex(32))
         if len(secret) < 16:
             raise ConfigError(f"the envd token secret must be at least 16 characters, got {len(secret)}")
-        return cls(key, source, secret.encode())
+        return cls(key, source, secret.encode(), _admin_token(env, admin_token_file))
 
     def envd_token(self, sandbox_id: str) -> str:
         return envd_token(self.envd_secret, sandbox_id)
@@ -132,6 +141,22 @@ class Credentials:
 
     def check_api_key(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
+
+
+def _admin_token(env: Mapping[str, str], path: Path | None) -> str:
+    if env.get(ADMIN_TOKEN_ENV, "").strip():
+        token, where = env[ADMIN_TOKEN_ENV].strip(), ADMIN_TOKEN_ENV
+    elif path is not None:
+        try:
+            token, where = path.read_text().strip(), str(path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"server.teams_admin_token_file: cannot read {path}: {e}") from None
+    else:
+        return ""
+    if len(token) < MIN_ADMIN_TOKEN or any(c.isspace() for c in token):
+        raise ConfigError(f"the admin credential ({where}) must be at least {MIN_ADMIN_TOKEN} characters "
+                          f"without spaces")
+    return token
 
 
 def check_token(expected: str, given: str | None) -> bool:

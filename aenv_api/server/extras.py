@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
+from .keystore import DEFAULT_TEAM_ID
+
 log = logging.getLogger(__name__)
 
 
@@ -52,6 +54,14 @@ class Extra:
 
 
 ANNOTATION = "api.extra"    # the key of ``Extra.annotation`` among a sandbox's annotations
+# The team that owns a sandbox (keystore.py), among its annotations: the sandbox layer keeps
+# it durably in the sandbox's record, fork children inherit it, and it moves with the
+# sandbox to another node. A sandbox made before teams existed has none: the default team's.
+TEAM_ANNOTATION = "api.team"
+
+
+def team_of(annotations: Mapping[str, str]) -> str:
+    return annotations.get(TEAM_ANNOTATION) or DEFAULT_TEAM_ID
 
 
 def record_extra(annotations: Mapping[str, str], disk_mb: int) -> Extra | None:

@@ -38,7 +38,7 @@ import logging
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from envd import ENVD_PORT
 from envd.signing import SignedRequest
@@ -57,7 +57,8 @@ from aenv_wire.listing import FALLBACK_ENVD_VERSION, parse_metadata_filter, star
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError, error_code
-from .extras import ANNOTATION, ApiExtras, Extra, record_extra
+from .extras import ANNOTATION, TEAM_ANNOTATION, ApiExtras, Extra, record_extra, team_of
+from .keystore import DEFAULT_TEAM_ID
 from .metric_series import MAX_SANDBOX_IDS, bucketed, metric_json
 from .metrics import Metrics
 from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_view, update_policy
@@ -130,6 +131,7 @@ class Lifecycle:
         token of a sandbox from its id; it must give the same token for the same id across
         restarts, as ``Credentials.traffic_token`` does."""
         self.service = service
+        self.data_dir = data_dir
         self.envd_token = envd_token
         self.traffic_token = traffic_token or functools.partial(derive_traffic_token, secrets.token_bytes(32))
         self.config = config
@@ -212,7 +214,7 @@ class Lifecycle:
             traffic_token=None if extra.public_traffic else self.traffic_token(info.sandbox_id),
             network=network_view(info.network, extra),
             cold_boot=info.cold_boot, envd_unresponsive=info.envd_unresponsive,
-            volume_mounts=tuple(dict(m) for m in info.volume_mounts))
+            volume_mounts=tuple(dict(m) for m in info.volume_mounts), team_id=team_of(info.annotations))
 
     async def _info(self, sid: str) -> SandboxInfo:
         try:
@@ -226,15 +228,24 @@ class Lifecycle:
             raise ApiError(404, f"sandbox {sid!r} not found (its state is {info.state.value}; delete it to clean up)")
         return self._view(info)
 
-    async def list_views(self) -> list[SandboxView]:
-        return [self._view(i) for i in await self.service.list_sandboxes() if i.state in VISIBLE_STATES]
+    async def list_views(self, team: str | None = None) -> list[SandboxView]:
+        """The sandboxes the API shows; ``team``: only that team's (None: every team's)."""
+        return [self._view(i) for i in await self.service.list_sandboxes()
+                if i.state in VISIBLE_STATES and (team is None or team_of(i.annotations) == team)]
+
+    async def owner(self, sid: str) -> str | None:
+        """The team that owns ``sid`` on this node (in any state), None when the node has no such sandbox."""
+        try:
+            return team_of((await self.service.get(sid)).annotations)
+        except VmError:
+            return None
 
     # --- create / kill -------------------------------------------------------
 
     def _template_ref(self, ref: str) -> str:
         return self.config.default_template if ref == "base" else ref
 
-    async def create(self, req: NewSandbox, *, v2: bool) -> SandboxView:
+    async def create(self, req: NewSandbox, *, v2: bool, team: str = DEFAULT_TEAM_ID) -> SandboxView:
         if self._closing:
             raise ApiError(503, "the node is shutting down", retry=False)
         timeout = self.config.default_timeout if req.timeout is None else req.timeout
@@ -256,7 +267,7 @@ class Lifecycle:
                 timeout=timeout, metadata=dict(req.metadata or {}), auto_pause=bool(req.auto_pause),
                 allow_internet_access=egress_choice(req.allow_internet_access, net.policy), network=net.policy,
                 pause_memory=req.auto_pause_memory is not False, volume_mounts=tuple(req.volume_mounts or ()),
-                annotations={ANNOTATION: extra.annotation()}))
+                annotations={ANNOTATION: extra.annotation(), TEAM_ANNOTATION: team}))
         except VmError as e:
             self.metrics.inc("aenv_sandbox_create_failures_total", help="sandbox creates that failed")
             if isinstance(e, VolumeNotFound):     # volumeMounts names a volume this node does not have
@@ -398,9 +409,10 @@ class Lifecycle:
 
     async def list_page(self, *, states: tuple[str, ...] | None, metadata: str | None, template: str | None = None,
                    started_after: float | None = None, order: str | None = None, limit: int | None = None,
-                   next_token: str | None = None) -> tuple[list[SandboxView], str | None]:
+                   next_token: str | None = None, team: str | None = None
+                   ) -> tuple[list[SandboxView], str | None]:
         wanted = parse_metadata_filter(metadata) if metadata else {}
-        items = [v for v in await self.list_views()
+        items = [v for v in await self.list_views(team)
                  if (not states or v.state in states)
                  and all(v.metadata.get(k) == val for k, val in wanted.items())
                  and (template is None or template in (v.template_id, v.alias))
@@ -492,16 +504,27 @@ class Lifecycle:
         return {"snapshotID": snap.snapshot_id, "names": list(snap.names)}
 
     async def list_snapshots(self, *, sandbox_id: str | None, name: str | None, limit: int | None,
-                             next_token: str | None) -> tuple[list[dict[str, Any]], str | None]:
+                             next_token: str | None, keep: Callable[[str], bool] | None = None
+                             ) -> tuple[list[dict[str, Any]], str | None]:
+        """``keep``: only the snapshots whose id it accepts (the caller's team's)."""
         try:
             snaps = await self.service.list_snapshots()
         except VmError as e:
             raise api_error(e, "listing snapshots") from None
         items = [s for s in snaps
-                 if (sandbox_id is None or s.sandbox_id == sandbox_id)
+                 if (keep is None or keep(s.snapshot_id))
+                 and (sandbox_id is None or s.sandbox_id == sandbox_id)
                  and (name is None or name == s.snapshot_id or name in s.names)]
         out, token = page(items, lambda s: (float(s.created), s.snapshot_id), True, limit, next_token)
         return [{"snapshotID": s.snapshot_id, "names": list(s.names)} for s in out], token
+
+    async def named_snapshot(self, ref: str) -> str | None:
+        """The id of the named snapshot ``ref`` is the id or a name of, None if none is."""
+        try:
+            snaps = await self.service.list_snapshots()
+        except VmError as e:
+            raise api_error(e, "listing snapshots") from None
+        return next((s.snapshot_id for s in snaps if ref == s.snapshot_id or ref in s.names), None)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         try:
@@ -514,7 +537,7 @@ class Lifecycle:
             raise api_error(e, f"deleting snapshot {snapshot_id}") from None
 
     async def fork_snapshot(self, snapshot_id: str, count: int, timeout: int | None,
-                            metadata: dict[str, str] | None) -> list[dict[str, Any]]:
+                            metadata: dict[str, str] | None, team: str = DEFAULT_TEAM_ID) -> list[dict[str, Any]]:
         """``count`` sandboxes from named snapshot ``snapshot_id`` (its id or a name), or from
         the last pause of paused sandbox ``snapshot_id``, side by side, each a create of its
         own (so each passes capacity and the restore gate, and fails alone): E2B's RFC
@@ -528,10 +551,10 @@ class Lifecycle:
             raise api_error(e, "listing snapshots") from None
         found = [s for s in snaps if snapshot_id == s.snapshot_id or snapshot_id in s.names]
         if found:
-            return await self._batch(found[0].snapshot_id, count, timeout, metadata, snapshot_id)
+            return await self._batch(found[0].snapshot_id, count, timeout, metadata, snapshot_id, team)
         try:
             async with self.service.pause_snapshot(snapshot_id) as snap:
-                out = await self._batch(snap.snapshot_id, count, timeout, metadata, snapshot_id)
+                out = await self._batch(snap.snapshot_id, count, timeout, metadata, snapshot_id, team)
         except NotFound:
             raise ApiError(404, f"snapshot {snapshot_id!r} not found (neither a snapshot's id or name nor a "
                                 f"paused sandbox's id)") from None
@@ -546,10 +569,10 @@ class Lifecycle:
         return out
 
     async def _batch(self, template_id: str, count: int, timeout: int | None, metadata: dict[str, str] | None,
-                     source: str) -> list[dict[str, Any]]:
+                     source: str, team: str = DEFAULT_TEAM_ID) -> list[dict[str, Any]]:
         """``count`` v2 creates from ``template_id`` at once, one result each."""
         req = NewSandbox(template_id=template_id, timeout=timeout, metadata=metadata, secure=True)
-        results = await asyncio.gather(*(self.create(req, v2=True) for _ in range(count)), return_exceptions=True)
+        results = await asyncio.gather(*(self.create(req, v2=True, team=team) for _ in range(count)), return_exceptions=True)
         out: list[dict[str, Any]] = []
         for r in results:
             if isinstance(r, SandboxView):
@@ -622,11 +645,11 @@ class Lifecycle:
             raise api_error(e, "metrics") from None
         return [metric_json(s) for s in bucketed(samples, start, end)]
 
-    async def sandboxes_metrics(self, ids: list[str]) -> dict[str, Any]:
+    async def sandboxes_metrics(self, ids: list[str], team: str | None = None) -> dict[str, Any]:
         """The newest sample of each listed sandbox that has one (E2B's ``SandboxesWithMetrics``)."""
         if len(ids) > MAX_SANDBOX_IDS:
             raise ApiError(400, f"Too many sandboxes requested, maximum is {MAX_SANDBOX_IDS}")
-        visible = {v.sandbox_id for v in await self.list_views()}
+        visible = {v.sandbox_id for v in await self.list_views(team)}
         latest = await self.service.latest_metrics([i for i in ids if i in visible])
         return {"sandboxes": {sid: metric_json(s) for sid, s in latest.items()}}
 
@@ -720,8 +743,8 @@ class Lifecycle:
         elif not check_token(expected, given):
             raise ApiError(401, "missing or invalid X-Access-Token for this sandbox")
 
-    async def counts(self) -> dict[str, int]:
+    async def counts(self, team: str | None = None) -> dict[str, int]:
         out = {s.value: 0 for s in VISIBLE_STATES}
-        for v in await self.list_views():
+        for v in await self.list_views(team):
             out[v.state] += 1
         return out

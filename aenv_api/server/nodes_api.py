@@ -220,12 +220,12 @@ class NodeApi:
         return [
             Route("GET", "/nodes", self.list_nodes, "the nodes: this one", (Reply(200, "E2B's Node list", None),
                                                                            Reply(400, "bad clusterID", "Error")),
-                  query=CLUSTER_QUERY, tags=t),
+                  query=CLUSTER_QUERY, tags=t, deployment=True),
             Route("GET", "/nodes/{nodeID}", self.get_node, "this node's details",
                   (Reply(200, "E2B's NodeDetail", None), Reply(400, "bad clusterID", "Error"), unknown),
-                  query=CLUSTER_QUERY, tags=t),
+                  query=CLUSTER_QUERY, tags=t, deployment=True),
             Route("POST", "/nodes/{nodeID}", self.change_status,
                   "set this node's status: draining or standby refuse new sandboxes, ready takes them again",
                   (Reply(204, "the status was set"), Reply(400, "bad status or clusterID", "Error"), unknown),
-                  body=STATUS_CHANGE, body_required=True, tags=t),
+                  body=STATUS_CHANGE, body_required=True, tags=t, deployment=True),
         ]

@@ -6,6 +6,7 @@ and query schemas, auth) and everything a client needs (summary, answers).
 table the server dispatches on."""
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -37,6 +38,14 @@ class Reply:
     headers: tuple[str, ...] = ()
 
 
+class Admin(enum.Enum):
+    """Whether a route takes the node's admin credential (``X-Admin-Token``, auth.py)."""
+
+    NO = "no"           # a team's API key only
+    ALSO = "also"       # a team's API key, or the admin credential with X-Team-ID naming the team
+    ONLY = "only"       # the admin credential only (team management)
+
+
 @dataclass(frozen=True)
 class Route:
     method: str
@@ -48,6 +57,10 @@ class Route:
     body_required: bool = False
     query: Schema | None = None
     auth: bool = True
+    admin: Admin = Admin.NO
+    # the node's own routes (/nodes, /metrics, the fleet's adopt/release): the deployment key
+    # (the default team's) only, as before teams; another team's key is 403
+    deployment: bool = False
     tags: tuple[str, ...] = ()
     content_type: str = "application/json"   # of the success body
     extra: dict[str, Any] = field(default_factory=dict)
@@ -110,7 +123,9 @@ def openapi(routes: list[Route], version: str, server_url: str | None = None) ->
         # 409 state conflict, 429 node full, 500/501/503 server side.
         responses["default"] = {"description": "error", **_content("Error")}
         op["responses"] = responses
-        op["security"] = [{"ApiKeyAuth": []}] if r.auth else []
+        op["security"] = ([] if not r.auth else [{"AdminApiKeyAuth": []}] if r.admin is Admin.ONLY else
+                          [{"ApiKeyAuth": []}, {"AdminApiKeyAuth": [], "AdminTeamAuth": []}]
+                          if r.admin is Admin.ALSO else [{"ApiKeyAuth": []}])
         paths.setdefault(r.path, {})[r.method.lower()] = op
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
@@ -120,7 +135,10 @@ def openapi(routes: list[Route], version: str, server_url: str | None = None) ->
                                 "or <port>-<sandboxID>.<domain> hosts; it is not described here."},
         "paths": paths,
         "components": {"schemas": components,
-                       "securitySchemes": {"ApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-API-Key"}}},
+                       "securitySchemes": {
+                           "ApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+                           "AdminApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-Admin-Token"},
+                           "AdminTeamAuth": {"type": "apiKey", "in": "header", "name": "X-Team-ID"}}},
     }
     if server_url:
         doc["servers"] = [{"url": server_url}]

@@ -463,5 +463,23 @@ LOGS = Schema("SandboxLogs", (Field("logs", "array", required=True, ref="Sandbox
                               Field("logEntries", "array", required=True, ref="SandboxLogEntry")))
 LOGS_V2_RESPONSE = Schema("SandboxLogsV2Response", (Field("logs", "array", required=True, ref="SandboxLogEntry"),))
 
-RESPONSE_SCHEMAS = (ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
+# teams and API keys (teams_api.py), E2B's shapes
+KEY_NAME = Schema("NewTeamAPIKey", (Field("name", "string", required=True, max_length=200),))
+KEY_RENAME = Schema("UpdateTeamAPIKey", (Field("name", "string", required=True, max_length=200),))
+NEW_TEAM = Schema("AdminNewTeam", (Field("name", "string", required=True, max_length=200),))
+KEY_MASK = Schema("IdentifierMaskingDetails", (
+    Field("prefix", "string", required=True), Field("valueLength", "integer", required=True),
+    Field("maskedValuePrefix", "string", required=True), Field("maskedValueSuffix", "string", required=True)))
+_KEY_CORE = (Field("id", "string", required=True), Field("name", "string", required=True),
+             Field("mask", "object", required=True, ref="IdentifierMaskingDetails"),
+             Field("createdAt", "date-time", required=True), Field("lastUsed", "date-time", nullable=True))
+TEAM_API_KEY = Schema("TeamAPIKey", _KEY_CORE)
+CREATED_TEAM_API_KEY = Schema("CreatedTeamAPIKey", _KEY_CORE + (Field("key", "string", required=True),))
+TEAM = Schema("Team", (Field("teamID", "string", required=True), Field("name", "string", required=True),
+                       Field("apiKey", "string", required=True), Field("isDefault", "boolean", required=True)))
+ADMIN_TEAM = Schema("AdminTeam", (Field("teamID", "string", required=True), Field("name", "string", required=True),
+                                  Field("isDefault", "boolean", required=True),
+                                  Field("createdAt", "date-time", required=True)))
+
+RESPONSE_SCHEMAS = (KEY_MASK, TEAM_API_KEY, CREATED_TEAM_API_KEY, TEAM, ADMIN_TEAM, ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
                     LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)

@@ -62,6 +62,11 @@ class ServerConfig:
     # <data-dir>/api-key; a relative path is relative to the data dir. AENV_API_KEY, when
     # set, is the key itself (read once, then removed from the environment).
     api_key_file: str = ""
+    # File holding the admin credential (X-Admin-Token: creates and deletes teams and their
+    # API keys, docs/api.md "Teams and API keys"); "" = none, and the admin routes answer 403
+    # unless AENV_ADMIN_TOKEN is set (read once, then removed from the environment). A
+    # relative path is relative to the data dir. Never the credential itself in the config.
+    teams_admin_token_file: str = ""
 
     # The most one sandbox's log (lifecycle events and its captured console lines, GET
     # /sandboxes/{id}/logs) keeps, in MiB: two files of half this each, the oldest

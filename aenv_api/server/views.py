@@ -10,6 +10,7 @@ from aenv_wire.errors import BadToken
 from aenv_wire.listing import CLIENT_ID, FALLBACK_ENVD_VERSION, decode_token, encode_token, iso
 
 from .errors import bad_request
+from .keystore import DEFAULT_TEAM_ID
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class SandboxView:
     cold_boot: bool = False                     # paused filesystem-only: resumes by booting from its disk
     envd_unresponsive: bool = False             # paused while envd did not answer: resumes by reboot only
     volume_mounts: tuple[dict[str, str], ...] = ()   # E2B's SandboxVolumeMount list ({name, path})
+    team_id: str = DEFAULT_TEAM_ID                   # the team that owns it (keystore.py; never shown)
 
     @property
     def secure(self) -> bool:

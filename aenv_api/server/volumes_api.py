@@ -33,6 +33,9 @@ from aenv_vm.volumes.registry import (InvalidVolumeName, VolumeInUse, VolumeName
 from aenv_vm.volumes.tree import CHUNK, MAX_DEPTH, MAX_PATH, VolumeTree
 
 from .errors import ApiError
+from .keystore import DEFAULT_TEAM_ID
+from .owners import OwnerMap
+from .principal import principal_of
 from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .schemas import Field, Schema
@@ -83,11 +86,29 @@ class VolumeApi:
     def __init__(self, registry: VolumeRegistry, domain: str = "") -> None:
         self.registry = registry
         self.domain = domain
+        # which team owns each volume (owners.py); the server (app.py) sets the node's map.
+        # Without one every volume is the default team's.
+        self.owners: OwnerMap | None = None
+
+    def owner(self, volume_id: str) -> str:
+        return self.owners.owner(volume_id) if self.owners is not None else DEFAULT_TEAM_ID
+
+    def foreign_mount(self, mounts: list[Any], team: str) -> str | None:
+        """The name of the first volume ``mounts`` (a create's volumeMounts) names that
+        belongs to another team than ``team``, or None."""
+        for m in mounts:
+            name = m.get("name") if isinstance(m, dict) else None
+            rec = self.registry.by_name(name) if isinstance(name, str) else None
+            if rec is not None and self.owner(rec.volume_id) != team:
+                return str(name)
+        return None
 
     # ------------------------------------------------------------- volumes
 
     async def list_volumes(self, request: web.Request, call: Call) -> web.Response:
-        return json_response([{"volumeID": r.volume_id, "name": r.name} for r in self.registry.list()])
+        team = principal_of(request).team_id
+        return json_response([{"volumeID": r.volume_id, "name": r.name} for r in self.registry.list()
+                              if self.owner(r.volume_id) == team])
 
     async def create(self, request: web.Request, call: Call) -> web.Response:
         try:
@@ -97,27 +118,35 @@ class VolumeApi:
             raise ApiError(400, f"Invalid volume name: {e}") from None
         except VolumeNameTaken as e:
             raise ApiError(400, str(e)) from None   # E2B's status and message for a taken name
+        if self.owners is not None:
+            await asyncio.to_thread(self.owners.put, rec.volume_id, principal_of(request).team_id)
         return json_response(_volume(rec, self.domain), 201)
 
-    def _record(self, volume_id: str) -> VolumeRecord:
+    def _record(self, request: web.Request, volume_id: str) -> VolumeRecord:
+        """The caller's team's volume; another team's is not found, as an unknown id."""
         if not is_volume_id(volume_id):
             raise ApiError(400, f"Invalid volume ID {volume_id[:64]!r}: a volume ID is a UUID")
         try:
-            return self.registry.get(volume_id)
+            rec = self.registry.get(volume_id)
         except VolumeNotFound:
             raise ApiError(404, "Volume not found") from None
+        if self.owner(rec.volume_id) != principal_of(request).team_id:
+            raise ApiError(404, "Volume not found")
+        return rec
 
     async def get(self, request: web.Request, call: Call) -> web.Response:
-        return json_response(_volume(self._record(call.path["volumeID"]), self.domain))
+        return json_response(_volume(self._record(request, call.path["volumeID"]), self.domain))
 
     async def delete(self, request: web.Request, call: Call) -> web.Response:
-        rec = self._record(call.path["volumeID"])
+        rec = self._record(request, call.path["volumeID"])
         try:
             await asyncio.to_thread(self.registry.delete, rec.volume_id)
         except VolumeNotFound:
             raise ApiError(404, "Volume not found") from None
         except VolumeInUse as e:
             raise ApiError(409, str(e), retry=False) from None
+        if self.owners is not None:
+            await asyncio.to_thread(self.owners.drop, rec.volume_id)
         return no_content()
 
     # ------------------------------------------------------------- content

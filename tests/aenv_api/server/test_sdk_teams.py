@@ -1,0 +1,105 @@
+"""Teams on a real `aenv server` (QEMU guests) through the real e2b SDK, configured only
+by E2B_* variables: team A's key creates a sandbox and runs in it; team B's key neither
+lists, connects to, pauses nor kills it (404 as for an unknown id); the deployment key
+still works as it did, and sees neither team's sandbox. Keys and ownership survive a
+restart of the node (the keys in teams.json, the team in the sandbox's record)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from .conftest import Server, serving, use_sdk_env
+
+pytestmark = pytest.mark.qemu
+
+ADMIN = "sdk-teams-admin-" + "z" * 16
+
+
+@pytest.fixture
+def node(node_data_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    with serving(node_data_dir, tmp_path / "logs", env={"AENV_ADMIN_TOKEN": ADMIN}) as srv:
+        yield srv
+
+
+def new_team(node: Server, name: str) -> tuple[str, str]:
+    admin = {"X-Admin-Token": ADMIN}
+    status, _, team = node.request("POST", "/admin/teams", {"name": name}, headers=admin, key=None)
+    assert status == 201, team
+    status, _, key = node.request("POST", f"/admin/teams/{team['teamID']}/api-keys", {"name": "sdk"},
+                                  headers=admin, key=None)
+    assert status == 201, key
+    return team["teamID"], key["key"]
+
+
+def test_team_keys_through_the_sdk(node: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2b import NotFoundException, Sandbox
+
+    team_a, key_a = new_team(node, "sdk-team-a")
+    team_b, key_b = new_team(node, "sdk-team-b")
+    use_sdk_env(node, monkeypatch)
+    monkeypatch.setenv("E2B_API_KEY", key_a)
+    a = Sandbox.create(metadata={"team": "a"}, timeout=300)
+    try:
+        assert a.commands.run("echo team-a").stdout.strip() == "team-a"
+        assert [s.sandbox_id for s in Sandbox.list().next_items()] == [a.sandbox_id]
+
+        monkeypatch.setenv("E2B_API_KEY", key_b)
+        assert Sandbox.list().next_items() == []
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(a.sandbox_id)
+        with pytest.raises(NotFoundException):
+            Sandbox.pause(a.sandbox_id)
+        assert Sandbox.kill(a.sandbox_id) is False
+
+        # the deployment key: creates and runs as before, and does not see team A's
+        monkeypatch.setenv("E2B_API_KEY", node.api_key)
+        d = Sandbox.create(timeout=300)
+        try:
+            assert d.commands.run("echo default").stdout.strip() == "default"
+            assert [s.sandbox_id for s in Sandbox.list().next_items()] == [d.sandbox_id]
+        finally:
+            d.kill()
+
+        # team A's sandbox lived through all that
+        monkeypatch.setenv("E2B_API_KEY", key_a)
+        again = Sandbox.connect(a.sandbox_id)
+        assert again.commands.run("echo still").stdout.strip() == "still"
+    finally:
+        monkeypatch.setenv("E2B_API_KEY", key_a)
+        Sandbox.kill(a.sandbox_id)
+    admin = {"X-Admin-Token": ADMIN}
+    for team in (team_a, team_b):
+        assert node.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
+
+
+def test_keys_and_ownership_survive_a_restart(node_data_dir: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from e2b import NotFoundException, Sandbox
+
+    env = {"AENV_ADMIN_TOKEN": ADMIN}
+    with serving(node_data_dir, tmp_path / "logs-1", env=env) as first:
+        team_a, key_a = new_team(first, "restart-a")
+        team_b, key_b = new_team(first, "restart-b")
+        use_sdk_env(first, monkeypatch)
+        monkeypatch.setenv("E2B_API_KEY", key_a)
+        a = Sandbox.create(timeout=600)
+        a.files.write("/home/user/mark", "kept")
+        assert a.pause()
+    with serving(node_data_dir, tmp_path / "logs-2", env=env) as second:
+        use_sdk_env(second, monkeypatch)
+        monkeypatch.setenv("E2B_API_KEY", key_b)
+        assert Sandbox.list().next_items() == []
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(a.sandbox_id)
+        monkeypatch.setenv("E2B_API_KEY", key_a)
+        assert [s.sandbox_id for s in Sandbox.list().next_items()] == [a.sandbox_id]
+        back = Sandbox.connect(a.sandbox_id)
+        try:
+            assert back.files.read("/home/user/mark") == "kept"
+        finally:
+            back.kill()
+        admin = {"X-Admin-Token": ADMIN}
+        for team in (team_a, team_b):
+            assert second.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
