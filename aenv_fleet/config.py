@@ -12,6 +12,11 @@ def _check_redis_url(url: str, where: str) -> None:
         raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL, got {url!r}")
 
 
+def _check_redis_tls(url: str, ca_file: str, section: str) -> None:
+    if ca_file and not url.startswith("rediss://"):
+        raise ConfigError(f"{section}.redis_ca_file is for TLS: it needs a rediss:// {section}.redis_url")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     # Redis of the fleet; "" = a standalone node (no registration, nothing changes).
@@ -25,6 +30,16 @@ class ClusterConfig:
     # from Redis and its paused ones may be adopted elsewhere).
     lease_seconds: float = 10.0
     heartbeat_seconds: float = 2.0
+    # The fleet's trust (docs/cluster.md, "Trust"; files: a relative path is in the data dir).
+    # The secret every node and gateway of the fleet shares (one a line; the first signs):
+    # signs this node's record in Redis, authenticates gateways and peers to its cluster routes.
+    fleet_secret_file: str = ""
+    # Redis' password (requirepass, or the ACL user's); "" = the password in redis_url, if any.
+    redis_password_file: str = ""
+    redis_username: str = ""        # an ACL user; "" = Redis' default user
+    redis_ca_file: str = ""         # rediss:// only: the CA that signed Redis' certificate ("" = the system's)
+    # A development fleet: run on a Redis that takes commands without a password.
+    insecure_redis: bool = False
 
     def __post_init__(self) -> None:
         _check_redis_url(self.redis_url, "cluster.redis_url")
@@ -33,6 +48,7 @@ class ClusterConfig:
                               "node by) is required when cluster.redis_url is set")
         if self.heartbeat_seconds <= 0 or self.lease_seconds < 2 * self.heartbeat_seconds:
             raise ConfigError("cluster.heartbeat_seconds must be > 0 and cluster.lease_seconds at least twice it")
+        _check_redis_tls(self.redis_url, self.redis_ca_file, "cluster")
         if self.node_id and (len(self.node_id) > 64 or not all(c.isalnum() or c in "-_." for c in self.node_id)):
             raise ConfigError(f"cluster.node_id must be 1-64 of [A-Za-z0-9._-], got {self.node_id!r}")
 
@@ -50,6 +66,12 @@ class GatewayConfig:
     # Largest WebSocket message the gateway relays either way (as [server]
     # websocket_max_message on a node; compressed ones bounded as they inflate).
     websocket_max_message: int = 16 << 20
+    # The fleet's trust, as in [cluster] (docs/cluster.md, "Trust"); relative paths are in the data dir.
+    fleet_secret_file: str = ""
+    redis_password_file: str = ""
+    redis_username: str = ""
+    redis_ca_file: str = ""
+    insecure_redis: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -60,6 +82,7 @@ class GatewayConfig:
         if not self.redis_url:
             raise ConfigError("gateway.redis_url is required")
         _check_redis_url(self.redis_url, "gateway.redis_url")
+        _check_redis_tls(self.redis_url, self.redis_ca_file, "gateway")
         if self.domain.startswith(".") or "/" in self.domain:
             raise ConfigError(f"gateway.domain must be a bare domain name, got {self.domain!r}")
         if self.node_timeout <= 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,12 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from aenv_wire.fleet_auth import FleetKeys
+
 from . import keys, scripts
+from .trust import RedisAuth, without_credentials
+
+log = logging.getLogger(__name__)
 
 
 class CoordError(Exception):
@@ -51,6 +57,9 @@ class NodeRecord:
     p2p_ticket: str = ""        # the node's P2P endpoint ticket ("" = P2P off); only meant while alive
     restore_slots: int = 0      # restores the node runs at once (0: not reported)
     restoring: int = 0          # restores running or queued there at its last heartbeat
+    # the record's signature (fleet secret) is good: its url, ticket and lease are the node's own.
+    # An untrusted record says nothing (no url, no ticket, not alive): someone else wrote it.
+    trusted: bool = True
 
     def view(self) -> dict[str, Any]:
         return {"nodeID": self.node_id, "url": self.url, "state": "up" if self.alive else self.state,
@@ -80,12 +89,18 @@ class Capacity:
     restore_slots: int = 0      # its restore gate's slots (aenv_vm/machine/admission.py); 0: unknown
     restoring: int = 0          # restores holding a slot or queued for one, now
 
-    def fields(self) -> list[str]:
-        out: list[str] = []
-        for k in ("url", "vcpus", "mem_total_mib", "mem_avail_mib", "disk_free_mib", "sandbox_mem_mib",
-                  "running", "paused", "version", "p2p", "restore_slots", "restoring"):
-            out += [k, str(getattr(self, k))]
+    def signed(self, lease_until_ms: int) -> dict[str, str]:
+        """The record's fields the node signs: all it reports, and its lease's end."""
+        out = {k: str(getattr(self, k)) for k in CAPACITY_FIELDS}
+        out[LEASE_FIELD] = str(lease_until_ms)
         return out
+
+
+CAPACITY_FIELDS = ("url", "vcpus", "mem_total_mib", "mem_avail_mib", "disk_free_mib", "sandbox_mem_mib",
+                   "running", "paused", "version", "p2p", "restore_slots", "restoring")
+LEASE_FIELD = "lease_until"     # unix ms: the lease the node signed (the aenv:nodes score can only shorten it)
+SIGNED_FIELDS = CAPACITY_FIELDS + (LEASE_FIELD,)
+SIG_FIELD = "sig"               # HMAC of the signed fields (aenv_wire/fleet_auth.py FleetKeys.record_mac)
 
 
 @dataclass(frozen=True)
@@ -107,12 +122,17 @@ def _int(v: Any, default: int = 0) -> int:
 
 
 class Coordinator:
-    """One Redis connection pool and the fleet's scripts on it."""
+    """One Redis connection pool and the fleet's scripts on it. ``fleet_keys`` sign this
+    node's record (``heartbeat``) and check every node's (``nodes``)."""
 
-    def __init__(self, url: str, client: aioredis.Redis | None = None) -> None:
-        self.url = url
+    def __init__(self, url: str, fleet_keys: FleetKeys, auth: RedisAuth = RedisAuth(),
+                 client: aioredis.Redis | None = None) -> None:
+        self.url = without_credentials(url)     # for messages: no password in a log line
+        self.fleet_keys = fleet_keys
         self.redis = client or aioredis.from_url(url, decode_responses=True, socket_timeout=10,
-                                                 socket_connect_timeout=5, health_check_interval=10)
+                                                 socket_connect_timeout=5, health_check_interval=10,
+                                                 **auth.client_kwargs())
+        self._forged: dict[str, str] = {}       # node id -> the bad signature last logged
         self._scripts = {name: self.redis.register_script(getattr(scripts, name))
                          for name in ("HEARTBEAT", "STOP", "EXPIRE", "PLACE", "UNRESERVE", "BIND", "UNBIND",
                                       "RELEASE", "LOST", "DRAIN")}
@@ -149,8 +169,11 @@ class Coordinator:
     # --- nodes ---------------------------------------------------------------------------
 
     async def heartbeat(self, node_id: str, cap: Capacity, lease_seconds: float) -> int:
-        return int(await self._run("HEARTBEAT", node_id, now_ms(), int(lease_seconds * 1000), cap.max_sandboxes,
-                                   *cap.fields()))
+        now, lease_ms = now_ms(), int(lease_seconds * 1000)
+        signed = cap.signed(now + lease_ms)
+        sig = self.fleet_keys.record_mac(node_id, signed)
+        fields = [x for k, v in signed.items() for x in (k, v)] + [SIG_FIELD, sig]
+        return int(await self._run("HEARTBEAT", node_id, now, lease_ms, cap.max_sandboxes, *fields))
 
     async def stop_node(self, node_id: str) -> None:
         await self._run("STOP", node_id)
@@ -189,17 +212,36 @@ class Coordinator:
         out = []
         for i, (nid, deadline) in enumerate(leases):
             h, tpls = got[2 * i], got[2 * i + 1]
+            trusted = self._trusted(nid, h)
+            if trusted:     # a lease is the node's own: the score in aenv:nodes may end it early, never extend it
+                deadline = min(deadline, _int(h.get(LEASE_FIELD)))
+            else:
+                deadline = 0
             out.append(NodeRecord(
-                node_id=nid, url=h.get("url", ""), state=h.get("state", "?"), alive=deadline / 1000 >= now,
+                node_id=nid, url=h.get("url", "") if trusted else "", state=h.get("state", "?"),
+                alive=trusted and deadline / 1000 >= now, trusted=trusted,
                 lease_deadline=deadline / 1000, drained=h.get("drained") == "1",
                 free_slots=int(free[nid]) if nid in free else None, max_sandboxes=_int(h.get("max_sandboxes")),
                 running=_int(h.get("running")), paused=_int(h.get("paused")), vcpus=_int(h.get("vcpus")),
                 mem_total_mib=_int(h.get("mem_total_mib")), mem_avail_mib=_int(h.get("mem_avail_mib")),
                 disk_free_mib=_int(h.get("disk_free_mib")), sandbox_mem_mib=_int(h.get("sandbox_mem_mib")),
                 heartbeat_at=_int(h.get("heartbeat_at")) / 1000, templates=tuple(sorted(tpls)),
-                p2p_ticket=h.get("p2p", ""), restore_slots=_int(h.get("restore_slots")),
+                p2p_ticket=h.get("p2p", "") if trusted else "", restore_slots=_int(h.get("restore_slots")),
                 restoring=_int(h.get("restoring"))))
         return out
+
+    def _trusted(self, node_id: str, h: dict[str, str]) -> bool:
+        """Whether the node's record carries its own signature (logged once per forgery)."""
+        sig = h.get(SIG_FIELD, "")
+        if sig and self.fleet_keys.record_ok(node_id, {k: h.get(k, "") for k in SIGNED_FIELDS}, sig):
+            self._forged.pop(node_id, None)
+            return True
+        if self._forged.get(node_id) != sig:
+            self._forged[node_id] = sig
+            log.warning("fleet: the record of node %r in Redis is not signed with the fleet secret (url %r): "
+                        "ignored; someone without the secret wrote it, or the node runs with another secret",
+                        node_id, h.get("url", "")[:200])
+        return False
 
     # --- placement -----------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from aenv_wire.fleet_auth import NODE_AUTH_HEADER
+
 from .schemas import RESPONSE_SCHEMAS, Schema
 
 Handler = Callable[[web.Request, "Call"], Awaitable[web.StreamResponse]]
@@ -47,7 +49,10 @@ class Route:
     body: Schema | None = None
     body_required: bool = False
     query: Schema | None = None
-    auth: bool = True
+    auth: bool = True                  # the deployment's API key
+    # the fleet's node credential instead (aenv_wire/fleet_auth.py): routes only gateways and
+    # peer nodes call; an API key is refused
+    node_auth: bool = False
     tags: tuple[str, ...] = ()
     content_type: str = "application/json"   # of the success body
     extra: dict[str, Any] = field(default_factory=dict)
@@ -110,7 +115,7 @@ def openapi(routes: list[Route], version: str, server_url: str | None = None) ->
         # 409 state conflict, 429 node full, 500/501/503 server side.
         responses["default"] = {"description": "error", **_content("Error")}
         op["responses"] = responses
-        op["security"] = [{"ApiKeyAuth": []}] if r.auth else []
+        op["security"] = [{"FleetNodeAuth": []}] if r.node_auth else [{"ApiKeyAuth": []}] if r.auth else []
         paths.setdefault(r.path, {})[r.method.lower()] = op
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
@@ -120,7 +125,11 @@ def openapi(routes: list[Route], version: str, server_url: str | None = None) ->
                                 "or <port>-<sandboxID>.<domain> hosts; it is not described here."},
         "paths": paths,
         "components": {"schemas": components,
-                       "securitySchemes": {"ApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-API-Key"}}},
+                       "securitySchemes": {"ApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+                                           "FleetNodeAuth": {"type": "apiKey", "in": "header", "name": NODE_AUTH_HEADER,
+                                                             "description": "a fleet's gateways and nodes only: "
+                                                                            "derived from the fleet secret per "
+                                                                            "request (docs/security.md)"}}},
     }
     if server_url:
         doc["servers"] = [{"url": server_url}]
