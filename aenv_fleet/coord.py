@@ -100,7 +100,8 @@ CAPACITY_FIELDS = ("url", "vcpus", "mem_total_mib", "mem_avail_mib", "disk_free_
                    "running", "paused", "version", "p2p", "restore_slots", "restoring")
 LEASE_FIELD = "lease_until"     # unix ms: the lease the node signed (the aenv:nodes score can only shorten it)
 SIGNED_FIELDS = CAPACITY_FIELDS + (LEASE_FIELD,)
-SIG_FIELD = "sig"               # HMAC of the signed fields (aenv_wire/fleet_auth.py FleetKeys.record_mac)
+REC_FIELD = "rec"               # the signed fields as JSON: what gateways and peers read
+SIG_FIELD = "sig"               # HMAC of them (aenv_wire/fleet_auth.py FleetKeys.record_mac)
 
 
 @dataclass(frozen=True)
@@ -169,10 +170,13 @@ class Coordinator:
     # --- nodes ---------------------------------------------------------------------------
 
     async def heartbeat(self, node_id: str, cap: Capacity, lease_seconds: float) -> int:
+        """Renew the lease with ``cap``. The hash's plain fields are for the placement
+        script; what gateways and peers use is the signed copy (``rec``, ``sig``)."""
         now, lease_ms = now_ms(), int(lease_seconds * 1000)
         signed = cap.signed(now + lease_ms)
-        sig = self.fleet_keys.record_mac(node_id, signed)
-        fields = [x for k, v in signed.items() for x in (k, v)] + [SIG_FIELD, sig]
+        rec = json.dumps(signed, sort_keys=True, separators=(",", ":"))
+        fields = [x for k, v in signed.items() for x in (k, v)]
+        fields += [REC_FIELD, rec, SIG_FIELD, self.fleet_keys.record_mac(node_id, signed)]
         return int(await self._run("HEARTBEAT", node_id, now, lease_ms, cap.max_sandboxes, *fields))
 
     async def stop_node(self, node_id: str) -> None:
@@ -212,36 +216,48 @@ class Coordinator:
         out = []
         for i, (nid, deadline) in enumerate(leases):
             h, tpls = got[2 * i], got[2 * i + 1]
-            trusted = self._trusted(nid, h)
-            if trusted:     # a lease is the node's own: the score in aenv:nodes may end it early, never extend it
-                deadline = min(deadline, _int(h.get(LEASE_FIELD)))
+            rec = self._signed_record(nid, h)
+            if rec is not None:     # a lease is the node's own: the score in aenv:nodes may end it early, never extend it
+                deadline = min(deadline, _int(rec.get(LEASE_FIELD)))
             else:
                 deadline = 0
+            v = rec if rec is not None else {}      # an unsigned record says nothing of the node
             out.append(NodeRecord(
-                node_id=nid, url=h.get("url", "") if trusted else "", state=h.get("state", "?"),
-                alive=trusted and deadline / 1000 >= now, trusted=trusted,
+                node_id=nid, url=v.get("url", ""), state=h.get("state", "?"),
+                alive=rec is not None and deadline / 1000 >= now, trusted=rec is not None,
                 lease_deadline=deadline / 1000, drained=h.get("drained") == "1",
                 free_slots=int(free[nid]) if nid in free else None, max_sandboxes=_int(h.get("max_sandboxes")),
-                running=_int(h.get("running")), paused=_int(h.get("paused")), vcpus=_int(h.get("vcpus")),
-                mem_total_mib=_int(h.get("mem_total_mib")), mem_avail_mib=_int(h.get("mem_avail_mib")),
-                disk_free_mib=_int(h.get("disk_free_mib")), sandbox_mem_mib=_int(h.get("sandbox_mem_mib")),
+                running=_int(v.get("running")), paused=_int(v.get("paused")), vcpus=_int(v.get("vcpus")),
+                mem_total_mib=_int(v.get("mem_total_mib")), mem_avail_mib=_int(v.get("mem_avail_mib")),
+                disk_free_mib=_int(v.get("disk_free_mib")), sandbox_mem_mib=_int(v.get("sandbox_mem_mib")),
                 heartbeat_at=_int(h.get("heartbeat_at")) / 1000, templates=tuple(sorted(tpls)),
-                p2p_ticket=h.get("p2p", "") if trusted else "", restore_slots=_int(h.get("restore_slots")),
-                restoring=_int(h.get("restoring"))))
+                p2p_ticket=v.get("p2p", ""), restore_slots=_int(v.get("restore_slots")),
+                restoring=_int(v.get("restoring"))))
         return out
 
-    def _trusted(self, node_id: str, h: dict[str, str]) -> bool:
-        """Whether the node's record carries its own signature (logged once per forgery)."""
-        sig = h.get(SIG_FIELD, "")
-        if sig and self.fleet_keys.record_ok(node_id, {k: h.get(k, "") for k in SIGNED_FIELDS}, sig):
+    def _signed_record(self, node_id: str, h: dict[str, str]) -> dict[str, str] | None:
+        """The node's own record: its signed copy (``rec``) when the fleet secret's
+        signature over it is good, else None. Each forgery is logged once."""
+        raw, sig = h.get(REC_FIELD, ""), h.get(SIG_FIELD, "")
+        rec: dict[str, str] | None = None
+        try:
+            got = json.loads(raw) if raw else None
+        except ValueError:
+            got = None
+        if (isinstance(got, dict) and set(got) == set(SIGNED_FIELDS) and all(isinstance(x, str) for x in got.values())
+                and self.fleet_keys.record_ok(node_id, got, sig)):
+            rec = got
+        # what a stranger may have written: a bad signed copy, or plain fields that are not the signed ones
+        forged = rec is None or h.get("url", "") != rec["url"] or h.get("p2p", "") != rec["p2p"]
+        if not forged:
             self._forged.pop(node_id, None)
-            return True
-        if self._forged.get(node_id) != sig:
-            self._forged[node_id] = sig
-            log.warning("fleet: the record of node %r in Redis is not signed with the fleet secret (url %r): "
-                        "ignored; someone without the secret wrote it, or the node runs with another secret",
-                        node_id, h.get("url", "")[:200])
-        return False
+        elif self._forged.get(node_id) != raw + sig + h.get("url", ""):
+            self._forged[node_id] = raw + sig + h.get("url", "")
+            log.warning("fleet: the record of node %r in Redis is %s (url %r): ignored; someone without the fleet "
+                        "secret wrote it, or the node runs with another secret", node_id,
+                        "not signed with the fleet secret" if rec is None else "not what the node signed",
+                        h.get("url", "")[:200])
+        return rec
 
     # --- placement -----------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ redis-server processes (an open one, one with requirepass, one on TLS only):
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -161,7 +162,8 @@ def cap(url: str) -> Capacity:
                     sandbox_mem_mib=256, running=0, paused=1)
 
 
-def test_a_strangers_record_is_ignored_and_a_gateway_keeps_the_signed_one(redis_server: RedisServer) -> None:
+def test_a_strangers_record_is_ignored_and_a_gateway_keeps_the_signed_one(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     stranger = redis_server.client()        # the password, not the fleet secret
     stranger.flushall()
 
@@ -175,11 +177,17 @@ def test_a_strangers_record_is_ignored_and_a_gateway_keeps_the_signed_one(redis_
             assert view.url("n1") == "http://10.0.0.1:8000" and view.is_alive("n1")
             signed_deadline = view.nodes["n1"].lease_deadline
 
-            stranger.hset("aenv:node:n1", "url", "http://198.51.100.66:8000")     # a forged URL
+            # a forged URL in the plain field: the node's signed copy is what is read
+            stranger.hset("aenv:node:n1", "url", "http://198.51.100.66:8000")
+            [rec] = await gw.nodes()
+            assert rec.trusted and rec.url == "http://10.0.0.1:8000" and rec.alive
+            # a forged URL in the signed copy (the signature kept): the record says nothing ...
+            signed = json.loads(stranger.hget("aenv:node:n1", "rec") or "")
+            stranger.hset("aenv:node:n1", "rec", json.dumps({**signed, "url": "http://198.51.100.66:8000"}))
             [rec] = await gw.nodes()
             assert not rec.trusted and rec.url == "" and not rec.alive
             await view.refresh()
-            assert view.url("n1") == "http://10.0.0.1:8000" and view.is_alive("n1")   # the signed one stays
+            assert view.url("n1") == "http://10.0.0.1:8000" and view.is_alive("n1")   # ... the signed one stays
 
             # a forged record of a node never seen signed: not in the view at all
             stranger.zadd("aenv:nodes", {"n9": time.time() * 1000 + 600_000})
@@ -207,6 +215,10 @@ def test_a_strangers_record_is_ignored_and_a_gateway_keeps_the_signed_one(redis_
         asyncio.run(main())
     finally:
         stranger.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "aenv_fleet.coord"]
+    assert any("'n1'" in m and "not what the node signed" in m for m in logged), logged      # the plain url
+    assert any("'n1'" in m and "not signed with the fleet secret" in m for m in logged), logged  # the copy
+    assert any("'n9'" in m for m in logged) and any("'n2'" in m for m in logged), logged
 
 
 # --- a gateway in front of a node's API ----------------------------------------------------
@@ -259,7 +271,12 @@ def test_through_a_gateway_a_forged_url_redirects_nothing_and_clients_get_no_clu
         gw = f"http://127.0.0.1:{gw_port}"
         try:
             assert gateway.fleet.url("n1") == node_url
-            stranger_redis.hset("aenv:node:n1", "url", f"http://127.0.0.1:{stranger.port}")
+            forged = f"http://127.0.0.1:{stranger.port}"
+            stranger_redis.hset("aenv:node:n1", "url", forged)
+            await gateway.fleet.refresh()
+            assert gateway.fleet.url("n1") == node_url
+            signed = json.loads(stranger_redis.hget("aenv:node:n1", "rec") or "")
+            stranger_redis.hset("aenv:node:n1", "rec", json.dumps({**signed, "url": forged}))
             await gateway.fleet.refresh()
             async with aiohttp.ClientSession(headers={"X-API-Key": KEY}) as http:
                 async with http.get(f"{gw}/sandboxes/sbx-1") as r:     # reaches the real node
