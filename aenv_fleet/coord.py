@@ -217,7 +217,8 @@ class Coordinator:
         for i, (nid, deadline) in enumerate(leases):
             h, tpls = got[2 * i], got[2 * i + 1]
             rec = self._signed_record(nid, h)
-            if rec is not None:     # a lease is the node's own: the score in aenv:nodes may end it early, never extend it
+            # a lease is the node's own: the score in aenv:nodes may end it early, never extend it
+            if rec is not None:
                 deadline = min(deadline, _int(rec.get(LEASE_FIELD)))
             else:
                 deadline = 0

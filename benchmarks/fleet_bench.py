@@ -245,7 +245,6 @@ async def _place_many(redis_url: str, count: int, concurrency: int, start: int) 
 
 
 def bench_scale(nodes: int, sandboxes: int, workdir: Path) -> dict[str, Any]:
-    import redis
 
     srv = RedisServer.start(workdir / "redis-scale")
     # appendfsync always in the test config; production uses everysec (docs/cluster.md)

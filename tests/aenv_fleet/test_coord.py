@@ -8,7 +8,6 @@ import dataclasses
 import time
 
 import pytest
-import redis
 
 from aenv_fleet.coord import Capacity, Coordinator, key_digest
 from aenv_wire.fleet_auth import FleetKeys
@@ -36,7 +35,7 @@ def run(coro):  # type: ignore[no-untyped-def]
 
 def test_two_gateways_placing_at_once_never_exceed_capacity(fresh: RedisServer) -> None:
     async def main() -> dict[str, int]:
-        agent, gw1, gw2 = Coordinator(fresh.url, FLEET_KEYS), Coordinator(fresh.url, FLEET_KEYS), Coordinator(fresh.url, FLEET_KEYS)
+        agent, gw1, gw2 = (Coordinator(fresh.url, FLEET_KEYS) for _ in range(3))
         sizes = {"n1": 3, "n2": 5, "n3": 7}
         for n, m in sizes.items():
             await agent.heartbeat(n, cap(m), 30)

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 
 from aenv_cli.config import fleet_p2p, load_config
 from aenv_fleet.agent import NodeAgent
@@ -40,7 +39,8 @@ def settings(data_dir: Path, repo: Path, host: str) -> StoreSettings:
 def agent(name: str, url: str, data_dir: Path, peers: PeerChunkSource) -> NodeAgent:
     cfg = ClusterConfig(redis_url=url, node_id=name, advertise_url=f"http://{name}.test:8000",
                         lease_seconds=LEASE, heartbeat_seconds=LEASE / 2)
-    return NodeAgent(cfg, "key", 4, 256, data_dir, coord=Coordinator(url, FleetKeys.parse("p2p-test-fleet-secret-0123456789")), p2p=peers)
+    coord = Coordinator(url, FleetKeys.parse("p2p-test-fleet-secret-0123456789"))
+    return NodeAgent(cfg, "key", 4, 256, data_dir, coord=coord, p2p=peers)
 
 
 async def beat(a: NodeAgent) -> None:
