@@ -36,6 +36,7 @@ class RedisAuth:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     ca_file: str | None = None       # rediss:// only: the CA that signed Redis' certificate
+    tls: bool = False                # rediss://: the certificate must name the host dialled
 
     def client_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -43,6 +44,15 @@ class RedisAuth:
             out["username"] = self.username
         if self.password is not None:
             out["password"] = self.password
+        out.update(self.tls_kwargs())
+        return out
+
+    def tls_kwargs(self) -> dict[str, Any]:
+        """redis-py checks the chain but not the name unless asked: a certificate of
+        another host signed by the same CA would do."""
+        out: dict[str, Any] = {}
+        if self.tls:
+            out["ssl_check_hostname"] = True
         if self.ca_file:
             out["ssl_ca_certs"] = self.ca_file
         return out
@@ -103,7 +113,7 @@ def load_trust(section: str, redis_url: str, data_dir: Path, *, fleet_secret_fil
     ca = str(_in_data_dir(data_dir, redis_ca_file)) if redis_ca_file else None
     if ca is not None:
         _read(Path(ca), f"{section}.redis_ca_file")
-    auth = RedisAuth(username=redis_username or None, password=password, ca_file=ca)
+    auth = RedisAuth(username=redis_username or None, password=password, ca_file=ca, tls=url.scheme == "rediss")
     return FleetTrust(redis_url, auth, fleet_keys, insecure_redis, section)
 
 
@@ -111,7 +121,7 @@ async def accepts_anonymous(redis_url: str, auth: RedisAuth) -> bool | None:
     """Whether the Redis at ``redis_url`` runs a fleet command for a client that shows no
     credential (None: it could not be reached, so nobody can tell yet)."""
     client = aioredis.from_url(without_credentials(redis_url), socket_timeout=5, socket_connect_timeout=5,
-                               **({"ssl_ca_certs": auth.ca_file} if auth.ca_file else {}))
+                               **auth.tls_kwargs())
     try:
         await client.exists(keys.NODES)
         return True
@@ -121,10 +131,20 @@ async def accepts_anonymous(redis_url: str, auth: RedisAuth) -> bool | None:
         if str(e).upper().startswith(("NOAUTH", "NOPERM", "WRONGPASS")):
             return False
         raise RedisTrustError(f"redis {without_credentials(redis_url)}: {e}") from None
-    except (RedisError, OSError):
+    except (RedisError, OSError) as e:
+        if _certificate_refused(e):
+            raise RedisTrustError(f"redis {without_credentials(redis_url)}: its TLS certificate is not trusted "
+                                  f"({e})") from None
         return None
     finally:
         await client.aclose()
+
+
+def _certificate_refused(e: BaseException) -> bool:
+    """A TLS handshake that failed on the certificate (not a network failure): waiting
+    will not help, the CA file or the URL's host name is wrong."""
+    text = str(e).lower()
+    return "certificate verify failed" in text or "hostname mismatch" in text or "doesn't match" in text
 
 
 async def refuse_open_redis(trust: FleetTrust, client: aioredis.Redis) -> bool:
@@ -133,7 +153,10 @@ async def refuse_open_redis(trust: FleetTrust, client: aioredis.Redis) -> bool:
     Redis could not be reached (check again before using it)."""
     s = trust.section
     if not trust.insecure_redis:
-        anonymous = await accepts_anonymous(trust.redis_url, trust.redis)
+        try:
+            anonymous = await accepts_anonymous(trust.redis_url, trust.redis)
+        except RedisTrustError as e:
+            raise RedisTrustError(f"{e}: check {s}.redis_ca_file and the host in {s}.redis_url") from None
         if anonymous is None:
             return False
         if anonymous:
@@ -146,7 +169,10 @@ async def refuse_open_redis(trust: FleetTrust, client: aioredis.Redis) -> bool:
     except (AuthenticationError, NoPermissionError) as e:
         raise RedisTrustError(f"the fleet's Redis refused this {s}'s credential ({e}): check "
                               f"{s}.redis_password_file and {s}.redis_username") from None
-    except (RedisError, OSError):
+    except (RedisError, OSError) as e:
+        if _certificate_refused(e):
+            raise RedisTrustError(f"redis {without_credentials(trust.redis_url)}: its TLS certificate is not trusted "
+                                  f"({e}): check {s}.redis_ca_file and the host in {s}.redis_url") from None
         return False
     return True
 

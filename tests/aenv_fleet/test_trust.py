@@ -152,6 +152,17 @@ def test_tls_with_the_ca_file(tmp_path: Path, tls_redis: RedisServer) -> None:
         finally:
             await c.close()
     asyncio.run(main())
+    # the certificate names 127.0.0.1: dialled as "localhost", or checked against the
+    # system's CAs instead of the fleet's, it is refused as such (not retried as unreachable)
+    named = cluster_trust(ClusterConfig(redis_url=tls_redis.bare_url.replace("127.0.0.1", "localhost"),
+                                        advertise_url="http://n:1", redis_ca_file=str(tls_redis.ca_file),
+                                        **files(tmp_path, tls_redis)), tmp_path)
+    with pytest.raises(RedisTrustError, match=r"TLS certificate is not trusted.*cluster\.redis_ca_file"):
+        asyncio.run(check_fleet_redis(named))
+    system_cas = cluster_trust(ClusterConfig(redis_url=tls_redis.bare_url, advertise_url="http://n:1",
+                                             **files(tmp_path, tls_redis)), tmp_path)
+    with pytest.raises(RedisTrustError, match="TLS certificate is not trusted"):
+        asyncio.run(check_fleet_redis(system_cas))
 
 
 # --- signed node records -------------------------------------------------------------------
