@@ -12,11 +12,6 @@ def _check_redis_url(url: str, where: str) -> None:
         raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL, got {url!r}")
 
 
-def _check_redis_tls(url: str, ca_file: str, section: str) -> None:
-    if ca_file and not url.startswith("rediss://"):
-        raise ConfigError(f"{section}.redis_ca_file is for TLS: it needs a rediss:// {section}.redis_url")
-
-
 @dataclass(frozen=True)
 class ClusterConfig:
     # Redis of the fleet; "" = a standalone node (no registration, nothing changes).
@@ -48,7 +43,6 @@ class ClusterConfig:
                               "node by) is required when cluster.redis_url is set")
         if self.heartbeat_seconds <= 0 or self.lease_seconds < 2 * self.heartbeat_seconds:
             raise ConfigError("cluster.heartbeat_seconds must be > 0 and cluster.lease_seconds at least twice it")
-        _check_redis_tls(self.redis_url, self.redis_ca_file, "cluster")
         if self.node_id and (len(self.node_id) > 64 or not all(c.isalnum() or c in "-_." for c in self.node_id)):
             raise ConfigError(f"cluster.node_id must be 1-64 of [A-Za-z0-9._-], got {self.node_id!r}")
 
@@ -82,7 +76,6 @@ class GatewayConfig:
         if not self.redis_url:
             raise ConfigError("gateway.redis_url is required")
         _check_redis_url(self.redis_url, "gateway.redis_url")
-        _check_redis_tls(self.redis_url, self.redis_ca_file, "gateway")
         if self.domain.startswith(".") or "/" in self.domain:
             raise ConfigError(f"gateway.domain must be a bare domain name, got {self.domain!r}")
         if self.node_timeout <= 0:

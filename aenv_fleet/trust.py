@@ -112,6 +112,9 @@ def load_trust(section: str, redis_url: str, data_dir: Path, *, fleet_secret_fil
                           f"open Redis, by setting {section}.insecure_redis = true")
     ca = str(_in_data_dir(data_dir, redis_ca_file)) if redis_ca_file else None
     if ca is not None:
+        # checked here, on the URL the node or gateway runs with (a --redis-url replaces the file's)
+        if url.scheme != "rediss":
+            raise ConfigError(f"{section}.redis_ca_file is for TLS: it needs a rediss:// {section}.redis_url")
         _read(Path(ca), f"{section}.redis_ca_file")
     auth = RedisAuth(username=redis_username or None, password=password, ca_file=ca, tls=url.scheme == "rediss")
     return FleetTrust(redis_url, auth, fleet_keys, insecure_redis, section)

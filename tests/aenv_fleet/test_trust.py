@@ -102,7 +102,8 @@ def test_missing_secrets_are_refused_naming_the_setting(tmp_path: Path, redis_se
         both = files(tmp_path, redis_server)
         cluster_trust(ClusterConfig(redis_url=redis_server.url, advertise_url="http://n:1", **both), tmp_path)
     with pytest.raises(ConfigError, match=r"cluster\.redis_ca_file is for TLS"):
-        ClusterConfig(redis_url="redis://x:1/0", advertise_url="http://n:1", redis_ca_file="ca.pem")
+        cluster_trust(ClusterConfig(redis_url="redis://x:1/0", advertise_url="http://n:1", redis_ca_file="ca.pem",
+                                    insecure_redis=True, **f), tmp_path)
     # the password in the URL is a credential too
     t = cluster_trust(ClusterConfig(redis_url=redis_server.url, advertise_url="http://n:1", **f), tmp_path)
     assert t.redis.password == redis_server.password and "password" not in repr(t)
