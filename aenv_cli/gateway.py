@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .common import CliError, Subcommands, common_options, config_from_args, request_log_to_stderr
@@ -43,17 +44,17 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if forgotten:
         say(f"secrets removed from the environment: {', '.join(forgotten)}")
     request_log_to_stderr("aenv.gateway.access", quiet=args.quiet)
-    return asyncio.run(_serve(gw))
+    return asyncio.run(_serve(gw, cfg.data_dir))
 
 
-async def _serve(gw: GatewayConfig) -> int:
+async def _serve(gw: GatewayConfig, data_dir: Path) -> int:
     from .fleet_gateway import FleetGateway   # imported when it starts (the CLI starts fast)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with FleetGateway.open(gw, report=say) as gateway:
+    async with FleetGateway.open(gw, data_dir, report=say) as gateway:
         sys.stdout.write("".join(f"export {name}={value}\n" for name, value in gateway.sdk_env().items()))
         sys.stdout.flush()
         await stop.wait()

@@ -34,6 +34,8 @@ from aenv_api.server.nodes_api import NodeApi
 from aenv_api.server.templates_api import TemplateApi
 from aenv_api.server.volumes_api import VolumeApi
 from aenv_fleet.agent import NodeAgent, RestoreLoad
+from aenv_fleet.trust import check_fleet_redis, cluster_trust, fleet_keys_file, without_credentials
+from aenv_wire.fleet_auth import FleetKeys
 from aenv_store.assembly import open_node_store, peer_source
 from aenv_store.store import Store
 from aenv_vm.builds.executor import BuildSettings
@@ -107,6 +109,18 @@ class Node:
         server_cfg, vm = config.server, config.vm
         private_data_dir(config.data_dir)
         creds = credentials or node_credentials(config)
+        cluster = config.cluster
+        # the fleet's secrets, and its Redis refused when it takes anonymous commands: before
+        # anything else runs (aenv_fleet/trust.py)
+        trust = cluster_trust(cluster, config.data_dir) if cluster.redis_url else None
+        fleet_keys: FleetKeys | None = None     # the cluster routes' credential ([cluster] fleet_secret_file)
+        if trust is not None:
+            fleet_keys = trust.keys
+            if not await check_fleet_redis(trust):
+                report(f"cluster: redis {without_credentials(cluster.redis_url)} unreachable; its authentication "
+                       f"is checked when it answers, before the node joins")
+        elif cluster.fleet_secret_file:     # nodes sharing a repository, moved by hand: no Redis
+            fleet_keys = fleet_keys_file(cluster.fleet_secret_file, config.data_dir, "cluster.fleet_secret_file")
         host_ca = vm.host_ca()     # a bad bundle stops the start here, before anything runs
         store = await asyncio.to_thread(open_node_store, config.store_settings(), True)
         manager: SandboxManager | None = None
@@ -157,10 +171,10 @@ class Node:
                 report(f"sandboxes never reach the infrastructure ({describe_nets(nets.infra_nets)}) nor this "
                        f"node's addresses, whatever their allow_out ([vm] never_reach)")
             service: SandboxService = NodeSandboxService(manager)
-            cluster = config.cluster
-            if cluster.redis_url:   # a fleet node: the agent observes every sandbox change (aenv_fleet/agent.py)
+            if trust is not None:   # a fleet node: the agent observes every sandbox change (aenv_fleet/agent.py)
                 agent = NodeAgent(cluster, creds.api_key, server_cfg.max_sandboxes, vm.memory_mib, config.data_dir,
-                                  package_version(), p2p=peer_source(store), restore_load=restore_load(admission))
+                                  package_version(), p2p=peer_source(store), restore_load=restore_load(admission),
+                                  trust=trust)
                 service = agent.observe(service)
             lifecycle = Lifecycle(service, server_cfg, metrics, config.data_dir, creds.envd_token,
                                   creds.traffic_token)
@@ -175,7 +189,7 @@ class Node:
                                VolumeApi(volumes, server_cfg.volume_domain),
                                # E2B's /nodes: this node, named as its fleet knows it, else by its run dir
                                NodeApi(agent.node_id if agent is not None else manager.rt.node_id, lifecycle,
-                                       metrics, config.data_dir, package_version()))
+                                       metrics, config.data_dir, package_version()), fleet_keys=fleet_keys)
             try:
                 port = await server.start(server_cfg.host, server_cfg.port)
             except OSError as e:
@@ -190,7 +204,7 @@ class Node:
             url = local_url(server_cfg.host, port)
             if agent is not None:
                 await agent.start([server_cfg.default_template, tpl.id])
-                report(f"cluster: node {agent.node_id!r} in the fleet at {cluster.redis_url}, "
+                report(f"cluster: node {agent.node_id!r} in the fleet at {without_credentials(cluster.redis_url)}, "
                        f"advertised as {cluster.advertise_url}")
                 if agent.peering is not None:
                     p2p_host = config.store_settings().p2p.bind_host()

@@ -34,6 +34,7 @@ from aenv_vm.service import (ConsoleRead, CreateRequest, ExpiryListener, ForkRes
 from .config import ClusterConfig
 from .coord import Capacity, CoordError, Coordinator
 from .peering import FleetPeering, PeerSync
+from .trust import FleetTrust, RedisTrustError, refuse_open_redis
 
 log = logging.getLogger(__name__)
 
@@ -215,12 +216,21 @@ class NodeAgent:
 
     def __init__(self, config: ClusterConfig, api_key: str, max_sandboxes: int, sandbox_mem_mib: int,
                  data_dir: Path, version: str = "", coord: Coordinator | None = None,
-                 p2p: PeerSync | None = None, restore_load: RestoreLoad | None = None) -> None:
+                 p2p: PeerSync | None = None, restore_load: RestoreLoad | None = None,
+                 trust: FleetTrust | None = None) -> None:
         """``restore_load``: the node's restore gate as (slots, restores running or queued),
-        reported at each heartbeat so placement can spread a burst by queue length."""
+        reported at each heartbeat so placement can spread a burst by queue length.
+        ``trust``: the fleet's secrets ([cluster], trust.py); with it the agent makes its
+        own ``coord`` and refuses a Redis that takes commands without a password."""
         self.config = config
         self.node_id = config.node_id or socket.gethostname()
-        self.coord = coord or Coordinator(config.redis_url)
+        if coord is None:
+            if trust is None:
+                raise ValueError("NodeAgent needs the fleet's trust or a coordinator")
+            coord = Coordinator(config.redis_url, trust.keys, trust.redis)
+        self.coord = coord
+        self.trust = trust
+        self._verified = trust is None      # Redis checked to ask for a password (trust.py)
         self.api_key = api_key
         self.max_sandboxes = max_sandboxes
         self.sandbox_mem_mib = sandbox_mem_mib
@@ -246,6 +256,9 @@ class NodeAgent:
     async def bound(self, info: SandboxInfo, requested_template: str | None = None,
                     paused_now: bool = False) -> None:
         self._releases.discard(info.sandbox_id)
+        if not self._verified:      # Redis not checked yet: the first reconcile writes it
+            self._dirty = True
+            return
         try:
             await self.coord.bind(info.sandbox_id, self.node_id, info.state.value, info_record(info),
                                   paused_at=time.time() if paused_now and info.state == SandboxState.PAUSED else None,
@@ -260,6 +273,10 @@ class NodeAgent:
             self._dirty = True
 
     async def released(self, sandbox_id: str) -> None:
+        if not self._verified:
+            self._releases.add(sandbox_id)
+            self._dirty = True
+            return
         try:
             await self.coord.release(sandbox_id, self.node_id)
         except CoordError as e:
@@ -270,6 +287,9 @@ class NodeAgent:
 
     async def gone(self, sandbox_id: str) -> None:
         self._releases.discard(sandbox_id)
+        if not self._verified:
+            self._dirty = True
+            return
         try:
             await self.coord.unbind(sandbox_id, self.node_id)
         except CoordError as e:
@@ -282,7 +302,10 @@ class NodeAgent:
         """After the node's API listens: register, reconcile, then heartbeat every
         ``heartbeat_seconds``. A Redis that is down at start is retried by the loop."""
         self._templates |= {t for t in templates if t}
+        await self._verify()        # RedisTrustError: the node does not start
         try:
+            if not self._verified:
+                raise CoordError(f"redis {self.coord.url}: not reachable to check its authentication")
             await self.coord.add_api_key(self.api_key)
             await self.coord.add_templates(self.node_id, sorted(self._templates))
             await self.tick()
@@ -291,11 +314,26 @@ class NodeAgent:
                         self.config.heartbeat_seconds)
         self._task = asyncio.ensure_future(self._loop())
 
+    async def _verify(self) -> None:
+        """Check, once, that the fleet's Redis refuses anonymous commands (a Redis down at
+        start is checked when it first answers, before anything is written to it)."""
+        if not self._verified and self.trust is not None:
+            self._verified = await refuse_open_redis(self.trust, self.coord.redis)
+
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_seconds)
             try:
+                if not self._verified:
+                    await self._verify()
+                    if not self._verified:
+                        continue
+                    await self.coord.add_api_key(self.api_key)
+                    await self.coord.add_templates(self.node_id, sorted(self._templates))
                 await self.tick()
+            except RedisTrustError as e:
+                log.error("cluster: %s; this node does not join the fleet", e)
+                return
             except CoordError as e:
                 log.warning("cluster: heartbeat failed: %s", e)
                 self._dirty = True
@@ -380,7 +418,8 @@ class NodeAgent:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
-        with contextlib.suppress(CoordError):
-            await self.reconcile()
-            await self.coord.stop_node(self.node_id)
+        if self._verified:      # never written to a Redis that was refused
+            with contextlib.suppress(CoordError):
+                await self.reconcile()
+                await self.coord.stop_node(self.node_id)
         await self.coord.close()

@@ -25,6 +25,16 @@ class ClusterConfig:
     # from Redis and its paused ones may be adopted elsewhere).
     lease_seconds: float = 10.0
     heartbeat_seconds: float = 2.0
+    # The fleet's trust (docs/cluster.md, "Trust"; files: a relative path is in the data dir).
+    # The secret every node and gateway of the fleet shares (one a line; the first signs):
+    # signs this node's record in Redis, authenticates gateways and peers to its cluster routes.
+    fleet_secret_file: str = ""
+    # Redis' password (requirepass, or the ACL user's); "" = the password in redis_url, if any.
+    redis_password_file: str = ""
+    redis_username: str = ""        # an ACL user; "" = Redis' default user
+    redis_ca_file: str = ""         # rediss:// only: the CA that signed Redis' certificate ("" = the system's)
+    # A development fleet: run on a Redis that takes commands without a password.
+    insecure_redis: bool = False
 
     def __post_init__(self) -> None:
         _check_redis_url(self.redis_url, "cluster.redis_url")
@@ -50,6 +60,12 @@ class GatewayConfig:
     # Largest WebSocket message the gateway relays either way (as [server]
     # websocket_max_message on a node; compressed ones bounded as they inflate).
     websocket_max_message: int = 16 << 20
+    # The fleet's trust, as in [cluster] (docs/cluster.md, "Trust"); relative paths are in the data dir.
+    fleet_secret_file: str = ""
+    redis_password_file: str = ""
+    redis_username: str = ""
+    redis_ca_file: str = ""
+    insecure_redis: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,12 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from aenv_wire.fleet_auth import FleetKeys
+
 from . import keys, scripts
+from .trust import RedisAuth, without_credentials
+
+log = logging.getLogger(__name__)
 
 
 class CoordError(Exception):
@@ -51,6 +57,9 @@ class NodeRecord:
     p2p_ticket: str = ""        # the node's P2P endpoint ticket ("" = P2P off); only meant while alive
     restore_slots: int = 0      # restores the node runs at once (0: not reported)
     restoring: int = 0          # restores running or queued there at its last heartbeat
+    # the record's signature (fleet secret) is good: its url, ticket and lease are the node's own.
+    # An untrusted record says nothing (no url, no ticket, not alive): someone else wrote it.
+    trusted: bool = True
 
     def view(self) -> dict[str, Any]:
         return {"nodeID": self.node_id, "url": self.url, "state": "up" if self.alive else self.state,
@@ -80,12 +89,19 @@ class Capacity:
     restore_slots: int = 0      # its restore gate's slots (aenv_vm/machine/admission.py); 0: unknown
     restoring: int = 0          # restores holding a slot or queued for one, now
 
-    def fields(self) -> list[str]:
-        out: list[str] = []
-        for k in ("url", "vcpus", "mem_total_mib", "mem_avail_mib", "disk_free_mib", "sandbox_mem_mib",
-                  "running", "paused", "version", "p2p", "restore_slots", "restoring"):
-            out += [k, str(getattr(self, k))]
+    def signed(self, lease_until_ms: int) -> dict[str, str]:
+        """The record's fields the node signs: all it reports, and its lease's end."""
+        out = {k: str(getattr(self, k)) for k in CAPACITY_FIELDS}
+        out[LEASE_FIELD] = str(lease_until_ms)
         return out
+
+
+CAPACITY_FIELDS = ("url", "vcpus", "mem_total_mib", "mem_avail_mib", "disk_free_mib", "sandbox_mem_mib",
+                   "running", "paused", "version", "p2p", "restore_slots", "restoring")
+LEASE_FIELD = "lease_until"     # unix ms: the lease the node signed (the aenv:nodes score can only shorten it)
+SIGNED_FIELDS = CAPACITY_FIELDS + (LEASE_FIELD,)
+REC_FIELD = "rec"               # the signed fields as JSON: what gateways and peers read
+SIG_FIELD = "sig"               # HMAC of them (aenv_wire/fleet_auth.py FleetKeys.record_mac)
 
 
 @dataclass(frozen=True)
@@ -107,12 +123,17 @@ def _int(v: Any, default: int = 0) -> int:
 
 
 class Coordinator:
-    """One Redis connection pool and the fleet's scripts on it."""
+    """One Redis connection pool and the fleet's scripts on it. ``fleet_keys`` sign this
+    node's record (``heartbeat``) and check every node's (``nodes``)."""
 
-    def __init__(self, url: str, client: aioredis.Redis | None = None) -> None:
-        self.url = url
+    def __init__(self, url: str, fleet_keys: FleetKeys, auth: RedisAuth = RedisAuth(),
+                 client: aioredis.Redis | None = None) -> None:
+        self.url = without_credentials(url)     # for messages: no password in a log line
+        self.fleet_keys = fleet_keys
         self.redis = client or aioredis.from_url(url, decode_responses=True, socket_timeout=10,
-                                                 socket_connect_timeout=5, health_check_interval=10)
+                                                 socket_connect_timeout=5, health_check_interval=10,
+                                                 **auth.client_kwargs())
+        self._forged: dict[str, str] = {}       # node id -> the bad signature last logged
         self._scripts = {name: self.redis.register_script(getattr(scripts, name))
                          for name in ("HEARTBEAT", "STOP", "EXPIRE", "PLACE", "UNRESERVE", "BIND", "UNBIND",
                                       "RELEASE", "LOST", "DRAIN")}
@@ -149,8 +170,14 @@ class Coordinator:
     # --- nodes ---------------------------------------------------------------------------
 
     async def heartbeat(self, node_id: str, cap: Capacity, lease_seconds: float) -> int:
-        return int(await self._run("HEARTBEAT", node_id, now_ms(), int(lease_seconds * 1000), cap.max_sandboxes,
-                                   *cap.fields()))
+        """Renew the lease with ``cap``. The hash's plain fields are for the placement
+        script; what gateways and peers use is the signed copy (``rec``, ``sig``)."""
+        now, lease_ms = now_ms(), int(lease_seconds * 1000)
+        signed = cap.signed(now + lease_ms)
+        rec = json.dumps(signed, sort_keys=True, separators=(",", ":"))
+        fields = [x for k, v in signed.items() for x in (k, v)]
+        fields += [REC_FIELD, rec, SIG_FIELD, self.fleet_keys.record_mac(node_id, signed)]
+        return int(await self._run("HEARTBEAT", node_id, now, lease_ms, cap.max_sandboxes, *fields))
 
     async def stop_node(self, node_id: str) -> None:
         await self._run("STOP", node_id)
@@ -189,17 +216,49 @@ class Coordinator:
         out = []
         for i, (nid, deadline) in enumerate(leases):
             h, tpls = got[2 * i], got[2 * i + 1]
+            rec = self._signed_record(nid, h)
+            # a lease is the node's own: the score in aenv:nodes may end it early, never extend it
+            if rec is not None:
+                deadline = min(deadline, _int(rec.get(LEASE_FIELD)))
+            else:
+                deadline = 0
+            v = rec if rec is not None else {}      # an unsigned record says nothing of the node
             out.append(NodeRecord(
-                node_id=nid, url=h.get("url", ""), state=h.get("state", "?"), alive=deadline / 1000 >= now,
+                node_id=nid, url=v.get("url", ""), state=h.get("state", "?"),
+                alive=rec is not None and deadline / 1000 >= now, trusted=rec is not None,
                 lease_deadline=deadline / 1000, drained=h.get("drained") == "1",
                 free_slots=int(free[nid]) if nid in free else None, max_sandboxes=_int(h.get("max_sandboxes")),
-                running=_int(h.get("running")), paused=_int(h.get("paused")), vcpus=_int(h.get("vcpus")),
-                mem_total_mib=_int(h.get("mem_total_mib")), mem_avail_mib=_int(h.get("mem_avail_mib")),
-                disk_free_mib=_int(h.get("disk_free_mib")), sandbox_mem_mib=_int(h.get("sandbox_mem_mib")),
+                running=_int(v.get("running")), paused=_int(v.get("paused")), vcpus=_int(v.get("vcpus")),
+                mem_total_mib=_int(v.get("mem_total_mib")), mem_avail_mib=_int(v.get("mem_avail_mib")),
+                disk_free_mib=_int(v.get("disk_free_mib")), sandbox_mem_mib=_int(v.get("sandbox_mem_mib")),
                 heartbeat_at=_int(h.get("heartbeat_at")) / 1000, templates=tuple(sorted(tpls)),
-                p2p_ticket=h.get("p2p", ""), restore_slots=_int(h.get("restore_slots")),
-                restoring=_int(h.get("restoring"))))
+                p2p_ticket=v.get("p2p", ""), restore_slots=_int(v.get("restore_slots")),
+                restoring=_int(v.get("restoring"))))
         return out
+
+    def _signed_record(self, node_id: str, h: dict[str, str]) -> dict[str, str] | None:
+        """The node's own record: its signed copy (``rec``) when the fleet secret's
+        signature over it is good, else None. Each forgery is logged once."""
+        raw, sig = h.get(REC_FIELD, ""), h.get(SIG_FIELD, "")
+        rec: dict[str, str] | None = None
+        try:
+            got = json.loads(raw) if raw else None
+        except ValueError:
+            got = None
+        if (isinstance(got, dict) and set(got) == set(SIGNED_FIELDS) and all(isinstance(x, str) for x in got.values())
+                and self.fleet_keys.record_ok(node_id, got, sig)):
+            rec = got
+        # what a stranger may have written: a bad signed copy, or plain fields that are not the signed ones
+        forged = rec is None or h.get("url", "") != rec["url"] or h.get("p2p", "") != rec["p2p"]
+        if not forged:
+            self._forged.pop(node_id, None)
+        elif self._forged.get(node_id) != raw + sig + h.get("url", ""):
+            self._forged[node_id] = raw + sig + h.get("url", "")
+            log.warning("fleet: the record of node %r in Redis is %s (url %r): ignored; someone without the fleet "
+                        "secret wrote it, or the node runs with another secret", node_id,
+                        "not signed with the fleet secret" if rec is None else "not what the node signed",
+                        h.get("url", "")[:200])
+        return rec
 
     # --- placement -----------------------------------------------------------------------
 

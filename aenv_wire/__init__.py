@@ -15,6 +15,8 @@ share these names instead of importing each other's internals:
   ``clientID`` and the fallback ``envdVersion``;
 * ``cluster``: the node <-> gateway contract (the ``/_aenv/cluster`` routes and the
   machine-readable codes of their answers);
+* ``fleet_auth``: the fleet secret's keys: the node credential a gateway sends with each
+  request to a node, and the signature of a node's record in Redis;
 * ``builds``: E2B's template build request (``TemplateBuildStartV2``) as a typed ``BuildSpec``;
 * ``nodes``: E2B's node admin records (``Node``, ``NodeDetail``, ``NodeStatusChange``),
   one shape for a node's own ``/nodes`` and a fleet gateway's.

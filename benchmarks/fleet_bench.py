@@ -51,7 +51,7 @@ def _load(path: Path, name: str) -> Any:
     return mod
 
 
-RedisServer = _load(REPO / "tests" / "fleet" / "redisserver.py", "fleet_redisserver").RedisServer
+RedisServer = _load(REPO / "tests" / "aenv_fleet" / "redisserver.py", "fleet_redisserver").RedisServer
 
 
 def free_port() -> int:
@@ -86,16 +86,24 @@ def read_exports(proc: subprocess.Popen, want: int) -> dict[str, str]:
 # --- 1 + 2: a node and a gateway -----------------------------------------------------------
 
 
+# the fleet's shared secret (docs/cluster.md, "Trust"): node records are signed with it
+FLEET_SECRET = "fleet-bench-secret-" + "0" * 24
+
+
 def start_fleet(data_dir: Path, redis_url: str) -> tuple[subprocess.Popen, subprocess.Popen, dict[str, str]]:
     port = free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    secret = data_dir / "fleet-secret"
+    secret.write_text(FLEET_SECRET + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "AENV_CLUSTER"))}
     env.update(AENV_VM__POOL_SIZE="1", AENV_CLUSTER__REDIS_URL=redis_url, AENV_CLUSTER__NODE_ID="bench-node",
-               AENV_CLUSTER__ADVERTISE_URL=f"http://127.0.0.1:{port}", PYTHONPATH=str(REPO))
+               AENV_CLUSTER__ADVERTISE_URL=f"http://127.0.0.1:{port}", AENV_CLUSTER__FLEET_SECRET_FILE=str(secret),
+               PYTHONPATH=str(REPO))
     node = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "server", "--data-dir", str(data_dir),
                              "--port", str(port), "--quiet"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     node_env = read_exports(node, 3)
     genv = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "AENV_"))}
-    genv["PYTHONPATH"] = str(REPO)
+    genv.update(PYTHONPATH=str(REPO), AENV_GATEWAY__FLEET_SECRET_FILE=str(secret))
     gw = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "gateway", "--port", "0", "--quiet",
                            "--redis-url", redis_url, "--data-dir", str(data_dir / "gateway")], cwd=REPO, env=genv,
                           stdout=subprocess.PIPE, text=True)
@@ -181,9 +189,10 @@ def _agents(redis_url: str, nodes: int, slots: int, heartbeat: float, stop: Any,
     """The simulated node agents: ``nodes`` of them heartbeating every ``heartbeat`` s
     (their own process: their CPU is not the gateway's)."""
     from aenv_fleet.coord import Capacity, Coordinator
+    from aenv_wire.fleet_auth import FleetKeys
 
     async def main() -> None:
-        c = Coordinator(redis_url)
+        c = Coordinator(redis_url, FleetKeys.parse(FLEET_SECRET))
         cap = {i: Capacity(url=f"http://10.0.{i // 250}.{i % 250}:8000", max_sandboxes=slots, vcpus=64,
                            mem_total_mib=512 * 1024, mem_avail_mib=400 * 1024, disk_free_mib=10 ** 6,
                            sandbox_mem_mib=512, running=0, paused=0) for i in range(nodes)}
@@ -210,8 +219,9 @@ def _commandstats(r: Any) -> int:
 
 async def _place_many(redis_url: str, count: int, concurrency: int, start: int) -> tuple[list[float], int]:
     from aenv_fleet.coord import Coordinator
+    from aenv_wire.fleet_auth import FleetKeys
 
-    c = Coordinator(redis_url)
+    c = Coordinator(redis_url, FleetKeys.parse(FLEET_SECRET))
     lat: list[float] = []
     failed = 0
     it = iter(range(start, start + count))
@@ -235,11 +245,10 @@ async def _place_many(redis_url: str, count: int, concurrency: int, start: int) 
 
 
 def bench_scale(nodes: int, sandboxes: int, workdir: Path) -> dict[str, Any]:
-    import redis
 
     srv = RedisServer.start(workdir / "redis-scale")
     # appendfsync always in the test config; production uses everysec (docs/cluster.md)
-    r = redis.Redis(host=srv.host, port=srv.port)
+    r = srv.client(decode_responses=False)
     r.config_set("appendfsync", "everysec")
     slots = -(-(sandboxes + 2000) * 5 // 4 // nodes)      # 25 % headroom
     stop, counter = multiprocessing.Event(), multiprocessing.Value("l", 0)

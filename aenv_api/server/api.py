@@ -363,10 +363,10 @@ class ControlPlane:
                               "(sandbox_resumed_elsewhere; force), or it cannot move (sandbox_not_movable)",
                          "Error"),
                    Reply(429, "this node is full (sandbox_capacity_unavailable)", "Error")),
-                  query=S.ADOPT, tags=("cluster",), deployment=True),
+                  query=S.ADOPT, tags=("cluster",), auth=False, node_auth=True),
             Route("POST", RELEASE_ROUTE, self.release,
                   "forget a paused sandbox here, keeping it in the repository for another node",
                   (nc("released"), Reply(404, "this node does not hold it (sandbox_not_held)", "Error"),
                    Reply(409, "not paused: running or lost (sandbox_not_paused), or it cannot move "
-                              "(sandbox_not_movable)", "Error")), tags=("cluster",), deployment=True),
+                              "(sandbox_not_movable)", "Error")), tags=("cluster",), auth=False, node_auth=True),
         ]

@@ -31,6 +31,7 @@ from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port, p
 from aenv_store.errors import ConfigError
 from aenv_wire.cluster import ADOPT_ROUTE
 from aenv_wire.errors import error_body
+from aenv_wire.fleet_auth import NODE_AUTH_HEADER, FleetKeys
 from aenv_wire.headers import ACCESS_TOKEN_HEADER, REQUEST_ID_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER
 from aenv_wire.routing import (SandboxAddress, has_proxy_prefix, has_routing_header, is_unrouted_envd_call,
                                is_unrouted_signed_url, parse_host)
@@ -104,9 +105,12 @@ def _decoded(raw: bytes, encoding: str) -> bytes:
 class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
                  version: str, templates: TemplateApi | None = None, volumes: VolumeApi | None = None,
-                 nodes: NodeApi | None = None) -> None:
+                 nodes: NodeApi | None = None, fleet_keys: FleetKeys | None = None) -> None:
+        """``fleet_keys``: the fleet secret's ([cluster] fleet_secret_file); the cluster
+        routes take only a request credential made with it (None: they refuse everyone)."""
         self.lifecycle = lifecycle
         self.creds = creds
+        self.fleet_keys = fleet_keys
         self.config = config
         self.metrics = metrics
         self.version = version
@@ -130,6 +134,8 @@ class ApiServer:
 
     def _wrap(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
+            if route.node_auth:
+                self._check_node_credential(request)
             if route.auth:
                 principal = request[PRINCIPAL] = self.teams.authenticate(request, route)
                 if route.deployment and principal.team_id != DEFAULT_TEAM_ID:
@@ -159,6 +165,17 @@ class ApiServer:
         owner = await self.lifecycle.owner(sid)
         if owner is not None and owner != principal.team_id:
             raise ApiError(404, f"sandbox {sid!r} not found")
+
+    def _check_node_credential(self, request: web.Request) -> None:
+        """The fleet's own routes: a gateway's or peer node's credential for exactly this
+        request (aenv_wire/fleet_auth.py), never the API key, which every client holds."""
+        if self.fleet_keys is None:
+            raise ApiError(403, "this node has no fleet secret ([cluster] fleet_secret_file): its cluster routes "
+                                "are closed")
+        if not self.fleet_keys.request_ok(request.headers.get(NODE_AUTH_HEADER), request.method, request.raw_path,
+                                          time.time()):
+            raise ApiError(403, f"the cluster routes are the fleet's own: they take a gateway's or node's "
+                                f"{NODE_AUTH_HEADER} credential (made with the fleet secret), not an API key")
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._front], client_max_size=MAX_BODY)

@@ -54,6 +54,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from aenv_http.wsbridge import HANDSHAKE_HEADERS, MAX_MESSAGE, bridge, offered_protocols
 from aenv_wire.errors import BadRoute
+from aenv_wire.fleet_auth import NODE_AUTH_HEADER
 from aenv_wire.headers import (ACCESS_TOKEN_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, API_KEY_HEADER,
                                SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER, TRAFFIC_TOKEN_HEADER)
 from aenv_wire.routing import (FILES_PATH, PROXY_PREFIX, SandboxAddress, has_proxy_prefix, has_routing_header,
@@ -71,11 +72,12 @@ from .upstream import MAX_HEAD, ChunkedBody, ResponseHead, UpstreamConn, Upstrea
 
 log = logging.getLogger(__name__)
 
-# Never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the routing headers and the API key.
+# Never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the routing headers, the API key and
+# the fleet gateway's node credential.
 _DROP_REQUEST = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length", API_KEY_HEADER, SANDBOX_ID_HEADER,
-    SANDBOX_PORT_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, TRAFFIC_TOKEN_HEADER))
+    SANDBOX_PORT_HEADER, AGENTENV_ID_HEADER, AGENTENV_PORT_HEADER, TRAFFIC_TOKEN_HEADER, NODE_AUTH_HEADER))
 _DROP_RESPONSE = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Trailer", "Transfer-Encoding", "Upgrade",
     "Content-Length", "Date", "Server"))

@@ -13,6 +13,8 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from aenv_wire.fleet_auth import NODE_AUTH_HEADER
+
 from .schemas import RESPONSE_SCHEMAS, Schema
 
 Handler = Callable[[web.Request, "Call"], Awaitable[web.StreamResponse]]
@@ -61,6 +63,9 @@ class Route:
     # the node's own routes (/nodes, /metrics, the fleet's adopt/release): the deployment key
     # (the default team's) only, as before teams; another team's key is 403
     deployment: bool = False
+    # the fleet's node credential instead (aenv_wire/fleet_auth.py): routes only gateways and
+    # peer nodes call; an API key is refused
+    node_auth: bool = False
     tags: tuple[str, ...] = ()
     content_type: str = "application/json"   # of the success body
     extra: dict[str, Any] = field(default_factory=dict)
@@ -123,7 +128,8 @@ def openapi(routes: list[Route], version: str, server_url: str | None = None) ->
         # 409 state conflict, 429 node full, 500/501/503 server side.
         responses["default"] = {"description": "error", **_content("Error")}
         op["responses"] = responses
-        op["security"] = ([] if not r.auth else [{"AdminApiKeyAuth": []}] if r.admin is Admin.ONLY else
+        op["security"] = ([{"FleetNodeAuth": []}] if r.node_auth else [] if not r.auth else
+                          [{"AdminApiKeyAuth": []}] if r.admin is Admin.ONLY else
                           [{"ApiKeyAuth": []}, {"AdminApiKeyAuth": [], "AdminTeamAuth": []}]
                           if r.admin is Admin.ALSO else [{"ApiKeyAuth": []}])
         paths.setdefault(r.path, {})[r.method.lower()] = op
@@ -138,7 +144,11 @@ def openapi(routes: list[Route], version: str, server_url: str | None = None) ->
                        "securitySchemes": {
                            "ApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
                            "AdminApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-Admin-Token"},
-                           "AdminTeamAuth": {"type": "apiKey", "in": "header", "name": "X-Team-ID"}}},
+                           "AdminTeamAuth": {"type": "apiKey", "in": "header", "name": "X-Team-ID"},
+                           "FleetNodeAuth": {"type": "apiKey", "in": "header", "name": NODE_AUTH_HEADER,
+                                             "description": "a fleet's gateways and nodes only: derived "
+                                                            "from the fleet secret per request "
+                                                            "(docs/security.md)"}}},
     }
     if server_url:
         doc["servers"] = [{"url": server_url}]

@@ -29,6 +29,7 @@ from aiohttp import web
 from aenv_http.bodies import is_blank
 from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port
 from aenv_wire.api_key import presented_api_key
+from aenv_wire.cluster import PREFIX as CLUSTER_PREFIX
 from aenv_wire.errors import error_body
 from aenv_wire.headers import (AGENTENV_ID_HEADER, API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER,
                                SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER)
@@ -36,6 +37,7 @@ from aenv_wire.routing import is_sdk_connect, is_unrouted_signed_url, parse_host
 
 from ..config import GatewayConfig
 from ..coord import Binding, CoordError, Coordinator
+from ..trust import FleetTrust, refuse_open_redis
 from .errors import GatewayError, SandboxLost
 from .forward import NodeClient, NodeFailed, NodeRefused, NodeUnreachable, forwarded_headers
 from .list_merge import listed_from_binding, lost_note, shown_state
@@ -67,11 +69,13 @@ def json_answer(payload: Any, status: int = 200, headers: dict[str, str] | None 
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, coord: Coordinator | None = None) -> None:
+    def __init__(self, config: GatewayConfig, trust: FleetTrust, coord: Coordinator | None = None) -> None:
         self.config = config
-        self.coord = coord or Coordinator(config.redis_url)
-        self.fleet = FleetView(self.coord)
-        self.nodes = NodeClient(config.node_timeout, config.websocket_max_message)
+        self.trust = trust
+        self.coord = coord or Coordinator(config.redis_url, trust.keys, trust.redis)
+        # nothing of Redis is used before it is known to ask for a password (trust.py)
+        self.fleet = FleetView(self.coord, verify=lambda: refuse_open_redis(trust, self.coord.redis))
+        self.nodes = NodeClient(config.node_timeout, trust.keys, config.websocket_max_message)
         self.lists = Lists(self.fleet, self.nodes)
         self.moves = Moves(self.fleet, self.nodes)
         self._runner: JsonErrorRunner | None = None
@@ -148,6 +152,10 @@ class Gateway:
             raise GatewayError(401, "Invalid API key: send the deployment's key, once, in the X-API-Key header")
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        if not self.fleet.verified:
+            # Redis was down at start: nothing of it is used until it proved to ask for a password
+            return error(503, self.fleet.refused or "the fleet's Redis is unreachable (its authentication is "
+                                                    "checked before any use)")
         target = self._sandbox_target(request)
         if target is not None:
             return await self._proxy(request, *target)
@@ -156,6 +164,10 @@ class Gateway:
             return await self._signed_file(request)
         if path == "/health" and method == "GET":
             return web.Response(status=204) if self.fleet.redis_ok else error(503, "redis unreachable")
+        if re.sub("/+", "/", path).startswith(CLUSTER_PREFIX + "/"):
+            # the nodes' cluster routes take the fleet's node credential, which the gateway adds
+            # to what it forwards: passed through, any API key holder would hold it
+            return error(403, "the fleet's cluster routes are for its gateways and nodes, not for clients")
         await self._authorized(request)
         if _CREATE.match(path):
             if method == "POST":

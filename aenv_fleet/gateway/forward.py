@@ -4,23 +4,31 @@ they arrive, so envd's Connect streams and file transfers flow frame by frame).
 
 aiohttp's client (pinned, as the server's) with decompression off: bodies pass as they
 are, under their own Content-Encoding. Hop-by-hop headers are not forwarded; the API
-key and the sandbox routing headers are (the node checks and routes by them).
+key and the sandbox routing headers are (the node checks and routes by them). Every
+request to a node carries the gateway's node credential for exactly that request
+(``X-Aenv-Node-Auth``, aenv_wire/fleet_auth.py; one a client sent is dropped): the
+node's cluster routes take nothing else.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
+
+from aenv_wire.fleet_auth import NODE_AUTH_HEADER, FleetKeys
 
 from aenv_http.wsbridge import HANDSHAKE_HEADERS, MAX_MESSAGE, bridge, offered_protocols
 
 _HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
-    "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
+    "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
+    NODE_AUTH_HEADER))      # the gateway's own, made per request (a client's is never passed on)
 _DROP_RESPONSE = _HOP | {"date", "server"}
 _SMALL = 1 << 20
 
@@ -68,8 +76,9 @@ def forwarded_headers(request: web.BaseRequest, extra: dict[str, str] | None = N
 
 
 class NodeClient:
-    def __init__(self, timeout: float, websocket_max_message: int = MAX_MESSAGE) -> None:
+    def __init__(self, timeout: float, fleet_keys: FleetKeys, websocket_max_message: int = MAX_MESSAGE) -> None:
         self.timeout = timeout
+        self.fleet_keys = fleet_keys
         self.websocket_max_message = websocket_max_message    # bytes, either way (wsbridge.py)
         self.session: aiohttp.ClientSession | None = None
 
@@ -82,11 +91,19 @@ class NodeClient:
         if self.session is not None:
             await self.session.close()
 
+    def _signed(self, method: str, url: str, headers: dict[str, str] | None) -> dict[str, str]:
+        """``headers`` plus this gateway's credential for ``method url`` (its request
+        target as aiohttp sends it: yarl's encoded path and query)."""
+        out = {k: v for k, v in (headers or {}).items() if k.lower() != NODE_AUTH_HEADER.lower()}
+        out[NODE_AUTH_HEADER] = self.fleet_keys.request_credential(method, URL(url).raw_path_qs, time.time())
+        return out
+
     async def call(self, method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
                    timeout: float | None = None) -> Answer:
         assert self.session is not None
         try:
-            async with self.session.request(method, url, data=body, headers=headers, allow_redirects=False,
+            async with self.session.request(method, url, data=body, headers=self._signed(method, url, headers),
+                                            allow_redirects=False,
                                             timeout=aiohttp.ClientTimeout(total=timeout or self.timeout,
                                                                           sock_connect=5)) as r:
                 data = await r.read()
@@ -114,7 +131,8 @@ class NodeClient:
             else:
                 data = _stream(request)
         try:
-            up = await self.session.request(request.method, url, data=data, headers=headers, allow_redirects=False,
+            up = await self.session.request(request.method, url, data=data,
+                                            headers=self._signed(request.method, url, headers), allow_redirects=False,
                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5,
                                                                           sock_read=self.timeout))
         except aiohttp.ClientConnectorError as e:
@@ -153,7 +171,8 @@ class NodeClient:
         cap = self.websocket_max_message
         try:
             async with asyncio.timeout(self.timeout):
-                up = await self.session.ws_connect("ws" + url[len("http"):], headers=fwd, protocols=protocols,
+                up = await self.session.ws_connect("ws" + url[len("http"):], headers=self._signed("GET", url, fwd),
+                                                   protocols=protocols,
                                                    autoping=False, max_msg_size=cap,
                                                    timeout=aiohttp.ClientWSTimeout(ws_close=10.0))
         except aiohttp.WSServerHandshakeError as e:

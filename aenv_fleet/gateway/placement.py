@@ -102,8 +102,13 @@ class Moves:
             if got is None:
                 break
             node, rid = got
+            url = self.fleet.url(node)
             try:
-                a = await self.nodes.call(method, self.fleet.url(node) + path, body, headers)
+                if not url:     # Redis placed it, but no record of it carries the fleet's signature
+                    log.warning("gateway: placement chose node %r, whose record is not signed: passed over", node)
+                    tried.append(node)
+                    continue
+                a = await self.nodes.call(method, url + path, body, headers)
             except NodeUnreachable:
                 tried.append(node)
                 continue

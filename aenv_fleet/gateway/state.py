@@ -10,8 +10,10 @@ import contextlib
 import hmac
 import logging
 import time
+from typing import Awaitable, Callable
 
 from ..coord import Binding, CoordError, Coordinator, NodeRecord, key_digest
+from ..trust import RedisTrustError
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +21,29 @@ REFRESH_SECONDS = 1.0
 ROUTE_TTL = 1.0
 
 
+def trusted_view(before: dict[str, NodeRecord], now: list[NodeRecord]) -> dict[str, NodeRecord]:
+    """The node table from Redis' records, where a record without the node's signature
+    (someone else wrote it) counts for nothing: the node's last signed record stays, with
+    the lease it signed, until the node signs again; a node never seen signed is left out.
+    So a forged URL redirects no traffic, and a forged record cannot make a live node
+    look dead before its signed lease runs out."""
+    out: dict[str, NodeRecord] = {}
+    for n in now:
+        if n.trusted:
+            out[n.node_id] = n
+        elif n.node_id in before:
+            out[n.node_id] = before[n.node_id]
+    return out
+
+
 class FleetView:
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: Coordinator, verify: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """``verify``: refuses (raises) a Redis that takes anonymous commands; False while
+        Redis cannot be reached. Nothing is read from Redis before it said True."""
         self.coord = coord
+        self._verify = verify
+        self._verified = verify is None
+        self.refused: str = ""      # why this gateway's Redis was refused ("" = it was not)
         self.nodes: dict[str, NodeRecord] = {}
         self.key_digests: set[str] = set()
         self._routes: dict[str, tuple[float, Binding]] = {}
@@ -31,9 +53,14 @@ class FleetView:
         self._last_ok = 0.0     # when Redis last answered: leases are judged as of then while it does not
 
     async def start(self) -> None:
-        with contextlib.suppress(CoordError):
+        with contextlib.suppress(CoordError, RedisTrustError):
             await self.refresh()
         self._task = asyncio.ensure_future(self._loop())
+
+    @property
+    def verified(self) -> bool:
+        """Redis was checked to refuse anonymous commands (or the fleet is a development one)."""
+        return self._verified
 
     async def close(self) -> None:
         if self._task is not None:
@@ -50,12 +77,22 @@ class FleetView:
                 if self.redis_ok:
                     log.warning("gateway: redis unreachable: %s", e)
                 self.redis_ok = False
+            except RedisTrustError as e:
+                if not self.refused:
+                    log.error("gateway: %s", e)
+                self.refused = str(e)
+                self.redis_ok = False
             except Exception:
                 log.exception("gateway: refresh failed")
 
     async def refresh(self) -> None:
+        if not self._verified:
+            assert self._verify is not None
+            if not await self._verify():
+                raise CoordError(f"redis {self.coord.url}: not reachable to check its authentication")
+            self._verified = True
         await self.coord.expire_nodes()     # any gateway may notice an expiry first; the script is idempotent
-        self.nodes = {n.node_id: n for n in await self.coord.nodes()}
+        self.nodes = trusted_view(self.nodes, await self.coord.nodes())
         self.key_digests = await self.coord.api_key_digests()
         self.redis_ok = True
         self._last_ok = time.time()

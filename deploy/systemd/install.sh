@@ -5,10 +5,11 @@
 #                                packages QEMU and the guest build need)
 #   /etc/aenv/node.toml          example configs, installed only when absent (yours are kept)
 #   /etc/aenv/gateway.toml
-#   /etc/aenv/credentials/       the node's secrets, one file each (mode 0600, the directory
-#                                0700): api-key, envd-secret, s3-access-key-id,
-#                                s3-secret-access-key; generated once (or taken from the
-#                                environment), then kept. The unit hands them to the node as
+#   /etc/aenv/credentials/       the secrets, one file each (mode 0600, the directory 0700):
+#                                a node's api-key, envd-secret, s3-access-key-id,
+#                                s3-secret-access-key; the fleet's fleet-secret and
+#                                redis-password (node and gateway); generated once (or taken
+#                                from the environment), then kept. The units hand them over as
 #                                systemd credentials (LoadCredential=), never as environment
 #   /etc/systemd/system/aenv-node.service, aenv-gateway.service
 # then `systemctl daemon-reload`. Idempotent: a second run updates /opt/aenv and the units
@@ -25,10 +26,11 @@
 #                  still installed from /opt/aenv. Implies --no-apt
 #   --dry-run      print what would be done, change nothing
 #
-# A fleet shares one API key and envd secret: install the first host, then copy its
-# /etc/aenv/credentials/ to the others before their first start (or export AENV_API_KEY,
-# AENV_ENVD_SECRET, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY when running this script
-# there).
+# A fleet shares one API key, envd secret, fleet secret and Redis password: install the
+# first host, then copy its /etc/aenv/credentials/ to the others before their first start
+# (or export AENV_API_KEY, AENV_ENVD_SECRET, AENV_FLEET_SECRET, AENV_REDIS_PASSWORD,
+# AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY when running this script there). Redis'
+# own requirepass must be that password (docs/deploy.md).
 set -euo pipefail
 
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -151,9 +153,12 @@ secret() {   # NAME VALUE
     say "created $f (mode 0600)"
   fi
 }
+run install -d -m 0700 "$CRED"
+((DRY)) || chmod 0700 "$CRED"
+# the fleet's, node and gateway alike (docs/cluster.md, "Trust")
+secret fleet-secret "${AENV_FLEET_SECRET:-$(hex 32)}"
+secret redis-password "${AENV_REDIS_PASSWORD:-$(hex 24)}"
 if [[ " ${roles[*]} " == *" node "* ]]; then
-  run install -d -m 0700 "$CRED"
-  ((DRY)) || chmod 0700 "$CRED"
   secret api-key "${AENV_API_KEY:-e2b_$(hex 20)}"
   secret envd-secret "${AENV_ENVD_SECRET:-$(hex 32)}"
   secret s3-access-key-id "${AWS_ACCESS_KEY_ID:-}"

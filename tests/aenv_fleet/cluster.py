@@ -186,8 +186,27 @@ class Fleet:
 
     # --- services ------------------------------------------------------------------------
 
+    @property
+    def fleet_secret_file(self) -> Path:
+        """The fleet secret every node and gateway shares (docs/cluster.md, "Trust")."""
+        return self.root / "fleet-secret"
+
+    @property
+    def redis_password_file(self) -> Path:
+        return self.root / "redis-password"
+
+    def trust_settings(self) -> dict[str, str]:
+        """The [cluster] / [gateway] keys of the fleet's trust."""
+        assert self.redis is not None and self.redis.ca_file is not None
+        return {"fleet_secret_file": str(self.fleet_secret_file),
+                "redis_password_file": str(self.redis_password_file), "redis_ca_file": str(self.redis.ca_file)}
+
     def start_services(self) -> None:
-        self.redis = RedisServer.start(self.root / "redis", host=HUB_IP, port=6379)
+        # as a deployment's: a password (requirepass) and TLS only, its CA given to nodes and gateways
+        self.redis = RedisServer.start(self.root / "redis", host=HUB_IP, port=6379, tls=True)
+        self.redis.write_password(self.redis_password_file)
+        self.fleet_secret_file.write_text(secrets.token_hex(32) + "\n")
+        self.fleet_secret_file.chmod(0o600)
         self.moto = MotoServer.start(self.root / "moto.log", host=HUB_IP, port=9000)
         self.bucket = self.moto.new_bucket()
 
@@ -205,8 +224,9 @@ class Fleet:
         lines = ["[repository]"] + [f"{k} = {json.dumps(v)}" for k, v in repo.items()]
         lines += ["[vm]", "pool_size = 0", "memory_mib = 256", 'isolation = "required"',
                   "[server]", f"max_sandboxes = {self.max_sandboxes}", "default_timeout = 1200",
-                  "[cluster]", f'redis_url = "{self.redis.url}"', f'node_id = "{node.node_id}"',
+                  "[cluster]", f'redis_url = "{self.redis.bare_url}"', f'node_id = "{node.node_id}"',
                   f'advertise_url = "{node.url}"', "lease_seconds = 4.0", "heartbeat_seconds = 1.0"]
+        lines += [f"{k} = {json.dumps(v)}" for k, v in self.trust_settings().items()]
         path = node.data_dir / "config.toml"
         path.write_text("\n".join(lines) + "\n")
         return path
@@ -240,8 +260,7 @@ class Fleet:
 
     def _registered(self, node: Node) -> bool:
         assert self.redis is not None
-        import redis
-        r = redis.Redis(host=self.redis.host, port=self.redis.port, decode_responses=True)
+        r = self.redis.client()
         try:
             return r.hget(f"aenv:node:{node.node_id}", "state") == "up"
         finally:
@@ -255,11 +274,12 @@ class Fleet:
             self.gateways.append(gw)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
         env["PYTHONPATH"] = str(REPO)
+        env.update({f"AENV_GATEWAY__{k.upper()}": v for k, v in self.trust_settings().items()})
         err = open(gw.log, "ab")
         gw.proc = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "gateway", "--data-dir",
                                     str(self.root / "gateway-data"), "--host", HUB_IP, "--port", str(port),
-                                    "--redis-url", self.redis.url], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                   stderr=err)
+                                    "--redis-url", self.redis.bare_url], cwd=REPO, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=err)
         err.close()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -8,11 +8,14 @@ import dataclasses
 import time
 
 import pytest
-import redis
 
 from aenv_fleet.coord import Capacity, Coordinator, key_digest
+from aenv_wire.fleet_auth import FleetKeys
 
 from .redisserver import RedisServer
+
+
+FLEET_KEYS = FleetKeys.parse("coord-test-fleet-secret-0123456789")
 
 
 def cap(max_sandboxes: int, mem_avail: int = 100_000, url: str = "http://node") -> Capacity:
@@ -22,7 +25,7 @@ def cap(max_sandboxes: int, mem_avail: int = 100_000, url: str = "http://node") 
 
 @pytest.fixture
 def fresh(redis_server: RedisServer) -> RedisServer:
-    redis.Redis(host=redis_server.host, port=redis_server.port).flushall()
+    redis_server.client().flushall()
     return redis_server
 
 
@@ -32,7 +35,7 @@ def run(coro):  # type: ignore[no-untyped-def]
 
 def test_two_gateways_placing_at_once_never_exceed_capacity(fresh: RedisServer) -> None:
     async def main() -> dict[str, int]:
-        agent, gw1, gw2 = Coordinator(fresh.url), Coordinator(fresh.url), Coordinator(fresh.url)
+        agent, gw1, gw2 = (Coordinator(fresh.url, FLEET_KEYS) for _ in range(3))
         sizes = {"n1": 3, "n2": 5, "n3": 7}
         for n, m in sizes.items():
             await agent.heartbeat(n, cap(m), 30)
@@ -64,7 +67,7 @@ def test_two_gateways_placing_at_once_never_exceed_capacity(fresh: RedisServer) 
 
 def test_spread_by_free_capacity_and_template_preference(fresh: RedisServer) -> None:
     async def main() -> None:
-        c = Coordinator(fresh.url)
+        c = Coordinator(fresh.url, FLEET_KEYS)
         await c.heartbeat("big", cap(10), 30)
         await c.heartbeat("small", cap(4), 30)
         first = await c.place("", 256)
@@ -99,7 +102,7 @@ def test_a_burst_spreads_by_restore_queue_over_the_cached_template(fresh: RedisS
     placed there and still running, or what it reported restoring) outweighs that; then
     the burst goes to the idle node."""
     async def main() -> None:
-        c = Coordinator(fresh.url)
+        c = Coordinator(fresh.url, FLEET_KEYS)
         await c.heartbeat("warm", dataclasses.replace(cap(100), restore_slots=2), 30)
         await c.heartbeat("cold", dataclasses.replace(cap(100), restore_slots=2), 30)
         await c.add_templates("warm", ["tpl-x"])
@@ -130,7 +133,7 @@ def test_a_burst_spreads_by_restore_queue_over_the_cached_template(fresh: RedisS
 
 def test_lease_expiry_and_leaked_reservation_heal(fresh: RedisServer) -> None:
     async def main() -> None:
-        c = Coordinator(fresh.url)
+        c = Coordinator(fresh.url, FLEET_KEYS)
         await c.heartbeat("a", cap(2), 0.3)
         await c.heartbeat("b", cap(2), 30)
         got = await c.place("", 256, ttl=0.2)      # a gateway that dies before finishing
@@ -155,7 +158,7 @@ def test_lease_expiry_and_leaked_reservation_heal(fresh: RedisServer) -> None:
 
 def test_bind_moves_and_releases_keep_slots_exact(fresh: RedisServer) -> None:
     async def main() -> None:
-        c = Coordinator(fresh.url)
+        c = Coordinator(fresh.url, FLEET_KEYS)
         await c.heartbeat("a", cap(3), 30)
         await c.heartbeat("b", cap(3), 30)
         await c.bind("s1", "a", "running", {"templateID": "t"})
@@ -187,7 +190,7 @@ def test_marking_lost_keeps_where_the_sandbox_is_listed(fresh: RedisServer) -> N
     """The gateway's write for a sandbox no live node holds: its state and note change,
     its holder and the sets it is listed by (its old node's, or the released) do not."""
     async def main() -> None:
-        c = Coordinator(fresh.url)
+        c = Coordinator(fresh.url, FLEET_KEYS)
         await c.heartbeat("a", cap(3), 30)
         await c.bind("on-a", "a", "running", {"templateID": "t"}, paused_at=1.0)
         await c.bind("released", "a", "paused", {"templateID": "t"})
@@ -212,7 +215,7 @@ def test_marking_lost_keeps_where_the_sandbox_is_listed(fresh: RedisServer) -> N
 
 def test_redis_sigkill_and_restart_loses_nothing(fresh: RedisServer) -> None:
     async def fill() -> None:
-        c = Coordinator(fresh.url)
+        c = Coordinator(fresh.url, FLEET_KEYS)
         await c.add_api_key("k-123")
         await c.heartbeat("a", cap(5), 3600)
         for i in range(20):
@@ -221,7 +224,7 @@ def test_redis_sigkill_and_restart_loses_nothing(fresh: RedisServer) -> None:
         await c.close()
 
     async def check() -> None:
-        c = Coordinator(fresh.url)
+        c = Coordinator(fresh.url, FLEET_KEYS)
         assert key_digest("k-123") in await c.api_key_digests()
         (a,) = await c.nodes()
         assert a.alive and a.drained and a.url == "http://node"

@@ -8,6 +8,7 @@ the destructive ones (Redis restart, node SIGKILL, rejoin) come last.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -19,13 +20,13 @@ import urllib.request
 from typing import Any, Iterator
 
 import pytest
-import redis
 from e2b import Sandbox, SandboxQuery
 
-from aenv_wire.cluster import ClusterCode
+from aenv_wire.cluster import ClusterCode, adopt_path, release_path
 
 from tests.guest_servers import GUEST_SERVER
 from .cluster import GATEWAY_PORTS, HOST_IP, REPO, Fleet, http, make_fleet
+from .redisserver import RedisServer
 from tests.support import require
 
 pytestmark = pytest.mark.timeout(3600)
@@ -62,7 +63,7 @@ def gw(fleet: Fleet, i: int) -> dict[str, Any]:
 
 def binding_node(fleet: Fleet, sid: str) -> str:
     assert fleet.redis is not None
-    r = redis.Redis(host=fleet.redis.host, port=fleet.redis.port, decode_responses=True)
+    r = fleet.redis.client()
     try:
         return r.hget(f"aenv:sbx:{sid}", "node") or ""
     finally:
@@ -272,6 +273,130 @@ def test_guests_cannot_reach_the_fleet_services(fleet: Fleet) -> None:
         assert out.count("closed") == 7 and "open" not in out, out
 
 
+# --- trust (issue 29: docs/cluster.md "Trust") ---------------------------------------------
+
+
+def test_an_open_redis_or_no_credential_is_refused_at_start(fleet: Fleet) -> None:
+    """A node and a gateway against a Redis that takes commands without a password (or
+    configured with none) do not start: a message naming the setting, a non-zero exit,
+    no traceback, nothing written to that Redis. Runs in the hub's namespace, before
+    any VM (the check is the first thing a node does after reading its secrets)."""
+    open_redis = RedisServer.start(fleet.root / "open-redis", host="198.18.0.1", port=6390, password=None)
+    try:
+        data = fleet.root / "refused-node"
+        data.mkdir(exist_ok=True)
+        (data / "redis-password").write_text("a-password-the-redis-ignores\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+        env.update(PYTHONPATH=str(REPO), AENV_API_KEY=fleet.api_key, AENV_ENVD_SECRET=fleet.envd_secret)
+        cluster = {"AENV_CLUSTER__REDIS_URL": open_redis.bare_url,
+                   "AENV_CLUSTER__ADVERTISE_URL": "http://198.18.0.1:8999",
+                   "AENV_CLUSTER__FLEET_SECRET_FILE": str(fleet.fleet_secret_file)}
+        node = [sys.executable, "-m", "aenv_cli.main", "server", "--data-dir", str(data), "--port", "0"]
+        for extra, needle in (({}, "cluster.redis_password_file is required"),
+                              ({"AENV_CLUSTER__REDIS_PASSWORD_FILE": "redis-password"}, "without a password")):
+            out = subprocess.run(node, cwd=REPO, env={**env, **cluster, **extra}, capture_output=True, text=True,
+                                 timeout=300)
+            assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+            assert needle in out.stderr and "cluster.insecure_redis" in out.stderr, out.stderr[-3000:]
+        gateway = [sys.executable, "-m", "aenv_cli.main", "gateway", "--data-dir", str(data), "--port", "0",
+                   "--host", "198.18.0.1", "--redis-url", open_redis.bare_url]
+        gw_env = {**env, "AENV_GATEWAY__FLEET_SECRET_FILE": str(fleet.fleet_secret_file),
+                  "AENV_GATEWAY__REDIS_PASSWORD_FILE": "redis-password"}
+        out = subprocess.run(gateway, cwd=REPO, env=gw_env, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert "without a password" in out.stderr and "gateway.insecure_redis" in out.stderr, out.stderr[-3000:]
+        r = open_redis.client()
+        try:
+            assert r.keys("aenv:*") == []       # refused before anything was written
+        finally:
+            r.close()
+    finally:
+        open_redis.stop()
+
+
+def test_a_forged_node_url_in_redis_redirects_nothing(fleet: Fleet) -> None:
+    """A stranger with Redis' password but not the fleet secret rewrites a node's URL (its
+    plain field, over and over, and its signed copy) and adds a node of its own with room
+    for 1000 sandboxes, all pointing at a listener of its own: through either gateway,
+    every call still reaches the real nodes, creates land on real nodes, and the
+    listener sees no connection."""
+    listener = fleet.listen_on_host_link()
+    listener.setblocking(False)
+    forged = f"http://{HOST_IP}:{listener.getsockname()[1]}"
+    stranger = fleet.redis.client() if fleet.redis is not None else None
+    assert stranger is not None
+    s = Sandbox.create("base", metadata={"suite": "forged"}, timeout=TIMEOUT, **gw(fleet, 0))
+    made = [s]
+    victim = binding_node(fleet, s.sandbox_id)
+    stop = threading.Event()
+
+    def forge() -> None:
+        copy_forged_at = 0.0
+        while not stop.is_set():
+            stranger.hset(f"aenv:node:{victim}", "url", forged)
+            if time.monotonic() - copy_forged_at > 3:   # now and then the signed copy too, its signature kept
+                rec = json.loads(stranger.hget(f"aenv:node:{victim}", "rec") or "{}")
+                stranger.hset(f"aenv:node:{victim}", "rec", json.dumps({**rec, "url": forged}))
+                copy_forged_at = time.monotonic()
+            stranger.zadd("aenv:nodes", {"node9": time.time() * 1000 + 600_000})
+            stranger.zadd("aenv:free", {"node9": 1000})
+            stranger.hset("aenv:node:node9", mapping={
+                "url": forged, "state": "up", "max_sandboxes": 1000, "vcpus": 64, "mem_total_mib": 1 << 20,
+                "mem_avail_mib": 1 << 20, "sandbox_mem_mib": 256, "disk_free_mib": 1 << 20, "drained": 0})
+            stop.wait(0.05)
+
+    t = threading.Thread(target=forge)
+    t.start()
+    try:
+        time.sleep(3)       # the gateways' views have been refreshed with the forgeries
+        for i in (0, 1):
+            c = Sandbox.connect(s.sandbox_id, **gw(fleet, i))
+            assert c.commands.run("echo real").stdout.strip() == "real"
+            c.files.write("/home/user/forged.txt", f"through gateway {i}")
+            assert c.files.read("/home/user/forged.txt") == f"through gateway {i}"
+            assert Sandbox.get_info(s.sandbox_id, **gw(fleet, i)).sandbox_id == s.sandbox_id
+            n = Sandbox.create("base", metadata={"suite": "forged"}, timeout=TIMEOUT, **gw(fleet, i))
+            made.append(n)
+            assert binding_node(fleet, n.sandbox_id) in ("node1", "node2", "node3")
+            assert n.commands.run("echo new").stdout.strip() == "new"
+        assert sorted(nodes_of(fleet)) == ["node1", "node2", "node3"]
+        with pytest.raises(BlockingIOError):
+            listener.accept()       # nobody was sent there
+        logs = "".join(g.log.read_text(errors="replace") for g in fleet.gateways)
+        assert "not signed with the fleet secret" in logs or "not what the node signed" in logs
+    finally:
+        stop.set()
+        t.join(timeout=30)
+        stranger.zrem("aenv:nodes", "node9")
+        stranger.zrem("aenv:free", "node9")
+        stranger.delete("aenv:node:node9", "aenv:node:node9:resv", "aenv:node:node9:sbx")
+        stranger.close()
+        listener.close()
+        kill_all(fleet, made)
+    # the node's next heartbeat put its own record back: nothing of the forgery stays
+    time.sleep(2)
+    assert nodes_of(fleet)[victim]["url"].startswith("http://198.18.0.1")
+
+
+def test_a_client_api_key_cannot_call_the_cluster_routes(fleet: Fleet) -> None:
+    """On a node directly and through a gateway: 403 with E2B's JSON error body, the
+    sandbox untouched."""
+    s = Sandbox.create("base", timeout=TIMEOUT, **gw(fleet, 0))
+    try:
+        s.pause()
+        victim = next(n for n in fleet.nodes if n.node_id == binding_node(fleet, s.sandbox_id))
+        path = release_path(s.sandbox_id)
+        for url in (victim.url, fleet.gateways[0].url):
+            status, _, body = http("POST", url + path, key=fleet.api_key)
+            assert status == 403 and body["code"] == 403 and "message" in body, body
+        status, _, body = http("POST", fleet.nodes[0].url + adopt_path(s.sandbox_id), key=fleet.api_key)
+        assert status == 403 and body["code"] == 403, body
+        assert binding_node(fleet, s.sandbox_id) == victim.node_id
+        assert Sandbox.connect(s.sandbox_id, **gw(fleet, 1)).commands.run("echo on").stdout.strip() == "on"
+    finally:
+        kill_all(fleet, [s])
+
+
 # --- faults ---------------------------------------------------------------------------------
 
 
@@ -318,7 +443,7 @@ def test_redis_restart_loses_nothing(fleet: Fleet) -> None:
     made = [Sandbox.create("base", metadata={"suite": "redis"}, timeout=TIMEOUT, **gw(fleet, i % 2))
             for i in range(3)]
     assert fleet.redis is not None
-    r = redis.Redis(host=fleet.redis.host, port=fleet.redis.port, decode_responses=True)
+    r = fleet.redis.client()
     try:
         def state() -> dict[str, Any]:
             return {"bindings": {s.sandbox_id: r.hget(f"aenv:sbx:{s.sandbox_id}", "node") for s in made},
@@ -487,7 +612,7 @@ def test_nothing_leaks_and_repository_verifies(fleet: Fleet) -> None:
     for s in Sandbox.list(**gw(fleet, 0)).next_items():
         Sandbox.kill(s.sandbox_id, **gw(fleet, 0))
     assert fleet.redis is not None
-    r = redis.Redis(host=fleet.redis.host, port=fleet.redis.port, decode_responses=True)
+    r = fleet.redis.client()
     try:
         assert r.keys("aenv:sbx:*") == [] and r.smembers("aenv:released") == set()
         for n in ("node1", "node2", "node3"):

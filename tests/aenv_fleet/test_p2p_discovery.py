@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 
 from aenv_cli.config import fleet_p2p, load_config
 from aenv_fleet.agent import NodeAgent
 from aenv_fleet.config import ClusterConfig
 from aenv_fleet.coord import Capacity, Coordinator
+from aenv_wire.fleet_auth import FleetKeys
 from aenv_store.assembly import open_node_store, peer_source
 from aenv_store.config import CacheConfig, P2PConfig, RepositoryConfig, StorePaths, StoreSettings
 from aenv_store.errors import ConfigError
@@ -39,7 +39,8 @@ def settings(data_dir: Path, repo: Path, host: str) -> StoreSettings:
 def agent(name: str, url: str, data_dir: Path, peers: PeerChunkSource) -> NodeAgent:
     cfg = ClusterConfig(redis_url=url, node_id=name, advertise_url=f"http://{name}.test:8000",
                         lease_seconds=LEASE, heartbeat_seconds=LEASE / 2)
-    return NodeAgent(cfg, "key", 4, 256, data_dir, coord=Coordinator(url), p2p=peers)
+    coord = Coordinator(url, FleetKeys.parse("p2p-test-fleet-secret-0123456789"))
+    return NodeAgent(cfg, "key", 4, 256, data_dir, coord=coord, p2p=peers)
 
 
 async def beat(a: NodeAgent) -> None:
@@ -55,7 +56,7 @@ def peer_of(src: PeerChunkSource, node_id: str) -> dict:
 
 
 def test_nodes_find_each_other_through_redis(tmp_path: Path, redis_server: RedisServer) -> None:
-    redis.Redis(host=redis_server.host, port=redis_server.port).flushall()
+    redis_server.client().flushall()
     repo = tmp_path / "repo"
     data = os.urandom(1 << 20)
     with open_node_store(settings(tmp_path / "a", repo, "127.0.0.1"), create=True) as sa, \

@@ -160,6 +160,22 @@ def test_other_refusals_are_the_answer(answer: Answer) -> None:
     assert not isinstance(got, web.Response) and got == ("n1", answer)
 
 
+def test_a_node_placed_without_a_signed_record_is_passed_over() -> None:
+    """Redis' placement knows nothing of signatures: a node a stranger wrote into aenv:free
+    (docs/cluster.md, "Trust") may come first. The gateway's view has no URL for it: the
+    create goes to the next node, and nothing is sent anywhere else."""
+    fleet = Fleet(node("n1"))
+    place = fleet.coord.place
+
+    async def forged_first(template: str, memory_mib: int, exclude: tuple[str, ...] = ()) -> tuple[str, str] | None:
+        return ("forged", "rid") if "forged" not in exclude else await place(template, memory_mib, exclude)
+    fleet.coord.place = forged_first     # type: ignore[method-assign]
+    m, nodes = moves(fleet, {("POST", "http://n1/sandboxes"): [OK]})
+    got = asyncio.run(m.place_and_call("base", "POST", "/sandboxes", b"{}", {}))
+    assert not isinstance(got, web.Response) and got[0] == "n1"
+    assert nodes.calls == [("POST", "http://n1/sandboxes")]
+
+
 def test_no_room_anywhere_is_429_full() -> None:
     fleet = Fleet(node("n1"))
     m, _ = moves(fleet, {("POST", "http://n1/v2/sandboxes"): [refusal(429, ClusterCode.FULL)]})

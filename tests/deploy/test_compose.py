@@ -23,6 +23,8 @@ import jsonschema
 import pytest
 import yaml
 
+from aenv_fleet.trust import cluster_trust, gateway_trust
+
 from .common import DEPLOY, load_toml_config
 
 COMPOSE = DEPLOY / "compose" / "compose.yaml"
@@ -30,7 +32,8 @@ SCHEMA = Path(__file__).with_name("compose-spec.json")
 SCHEMA_SHA256 = "56bab44c85c0ce8affb74474950293f37d510673283a243bcd7eeadb900fa35c"
 NODES = ("node1", "node2", "node3")
 ENV: dict[str, str] = {}      # nothing the file needs comes from .env: secrets are files
-NODE_SECRETS = {"aenv_api_key", "aenv_envd_secret", "s3_access_key", "s3_secret_key"}
+FLEET_SECRETS = {"aenv_fleet_secret", "redis_password"}      # nodes' and the gateway's (docs/cluster.md, "Trust")
+NODE_SECRETS = {"aenv_api_key", "aenv_envd_secret", "s3_access_key", "s3_secret_key"} | FLEET_SECRETS
 SECRET_NAMES = ("API_KEY", "ENVD_SECRET", "SECRET_KEY", "ACCESS_KEY", "PASSWORD")
 
 
@@ -96,7 +99,12 @@ def test_pieces_fit_together() -> None:
         for dep in svc.get("depends_on", {}):
             assert dep in services
         assert svc.get("networks") == ["fleet"]
-    assert "--appendonly" in services["redis"]["command"]
+    redis_cmd = " ".join(services["redis"]["command"])
+    assert "--appendonly" in redis_cmd
+    # Redis asks for the password of the redis_password secret (the one nodes and gateways send)
+    assert "requirepass" in redis_cmd and "/run/secrets/redis_password" in redis_cmd
+    assert services["redis"]["secrets"] == ["redis_password"]
+    assert "/run/secrets/redis_password" in " ".join(services["redis"]["healthcheck"]["test"])
     # nodes: privileged, time to pause on SIGTERM, distinct ids, addresses and uid ranges
     envs = [service_env(n) for n in NODES]
     for n, env in zip(NODES, envs):
@@ -109,10 +117,10 @@ def test_pieces_fit_together() -> None:
     bases = [int(e["AENV_VM__CONFINE_UID_BASE"]) for e in envs]
     assert all(b - a >= 65536 for a, b in zip(bases, bases[1:])), "uid ranges of nodes on one kernel overlap"
     # secrets as files (compose `secrets:` under /run/secrets/), in no service's environment;
-    # every node the same four, each a file beside compose.yaml; the gateway none
+    # every node the same six, each a file beside compose.yaml; the gateway the fleet's two
     for n in NODES:
         assert set(services[n]["secrets"]) == NODE_SECRETS
-    assert "secrets" not in services["gateway"]
+    assert set(services["gateway"]["secrets"]) == FLEET_SECRETS
     assert set(c["secrets"]) == NODE_SECRETS
     for name, spec in c["secrets"].items():
         assert spec["file"].startswith("./secrets/"), name
@@ -123,6 +131,8 @@ def test_pieces_fit_together() -> None:
             assert ref in c["secrets"], (name, ref)
     node_toml = (COMPOSE.parent / "node.toml").read_text()
     assert set(re.findall(r'_file = "/run/secrets/(\w+)"', node_toml)) == NODE_SECRETS
+    gateway_toml = (COMPOSE.parent / "gateway.toml").read_text()
+    assert set(re.findall(r'_file = "/run/secrets/(\w+)"', gateway_toml)) == FLEET_SECRETS
     s3 = service_env("s3")
     assert (s3["MINIO_ROOT_USER_FILE"], s3["MINIO_ROOT_PASSWORD_FILE"]) == (
         "/run/secrets/s3_access_key", "/run/secrets/s3_secret_key")
@@ -140,8 +150,12 @@ def test_configs_load_with_the_compose_environment(tmp_path: Path) -> None:
         assert cfg.cluster.redis_url == "redis://redis:6379/0"
         assert cfg.repository.endpoint_url == "http://s3:9000" and cfg.repository.bucket == "aenv"
         assert cfg.repository.secret_access_key == "value-of-s3_secret_key"
-    gw = load_toml_config((COMPOSE.parent / "gateway.toml").read_text(), tmp_path, service_env("gateway"))
+        trust = cluster_trust(cfg.cluster, cfg.data_dir)       # the files it names make a fleet's trust
+        assert trust.redis.password == "value-of-redis_password" and not trust.insecure_redis
+    gw = load_toml_config((COMPOSE.parent / "gateway.toml").read_text(), tmp_path, service_env("gateway"),
+                          secret_files=True)
     assert gw.gateway.port == 8080
+    assert gateway_trust(gw.gateway, gw.data_dir).redis.password == "value-of-redis_password"
 
 
 def test_node_env_keys_are_config_keys(tmp_path: Path) -> None:

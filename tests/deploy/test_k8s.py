@@ -15,11 +15,14 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
+from aenv_fleet.trust import cluster_trust, gateway_trust
+
 from .common import DEPLOY, load_toml_config
 
 K8S = DEPLOY / "k8s"
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-SECRET_KEYS = {"api-key", "envd-secret", "s3-access-key-id", "s3-secret-access-key"}
+FLEET_KEYS = {"fleet-secret", "redis-password"}     # the nodes' and gateways' (docs/cluster.md, "Trust")
+SECRET_KEYS = {"api-key", "envd-secret", "s3-access-key-id", "s3-secret-access-key"} | FLEET_KEYS
 
 
 class _Response:
@@ -156,7 +159,12 @@ def test_workloads_fit_together(kind: str, name: str) -> None:
     for vol in spec.get("volumes", []):
         if "secret" in vol:
             assert vol["secret"]["secretName"] == secret["metadata"]["name"]
-            assert vol["secret"]["defaultMode"] == 0o400
+            # owner-read for a root pod; a non-root pod reads them as its fsGroup, nobody else
+            ctx = spec.get("securityContext", {})
+            want = 0o440 if ctx.get("runAsNonRoot") and ctx.get("fsGroup") is not None else 0o400
+            assert vol["secret"]["defaultMode"] == want, name
+            for item in vol["secret"].get("items", []):
+                assert item["key"] in SECRET_KEYS
     for c in spec["containers"]:
         # secrets as files only: no secret in any container's environment
         assert not [ref for ref in c.get("envFrom", []) if "secretRef" in ref]
@@ -211,8 +219,23 @@ def test_configmap_configs_load(tmp_path: Path) -> None:
     assert (cluster.node_id, cluster.advertise_url) == ("worker-1", "http://10.244.1.7:8000")
     assert cluster.redis_url == "redis://aenv-redis:6379/0"
     assert node.repository.backend == "oss"
-    gateway = load_toml_config(data["gateway.toml"], tmp_path)
+    assert cluster_trust(cluster, node.data_dir).redis.password == "value-of-redis-password"
+    gateway = load_toml_config(data["gateway.toml"], tmp_path, secret_files=True)
     assert gateway.gateway.port == 8080
+    # the gateway's files are the fleet's two, mounted where gateway.toml names them
+    assert set(re.findall(r'_file = "/run/secrets/aenv/([a-z0-9-]+)"', data["gateway.toml"])) == FLEET_KEYS
+    gw = pod_spec("Deployment", "aenv-gateway")
+    mount = next(m for m in gw["containers"][0]["volumeMounts"] if m["name"] == "secrets")
+    assert mount["mountPath"] == "/run/secrets/aenv" and mount["readOnly"] is True
+    vol = next(v for v in gw["volumes"] if v["name"] == "secrets")
+    assert {i["key"] for i in vol["secret"]["items"]} == FLEET_KEYS
+    assert gateway_trust(gateway.gateway, gateway.data_dir).redis.password == "value-of-redis-password"
+    # Redis asks for that password (requirepass from the same Secret key)
+    redis = pod_spec("StatefulSet", "aenv-redis")
+    script = " ".join(redis["containers"][0]["args"])
+    assert "requirepass" in script and "/run/secrets/redis/redis-password" in script
+    rvol = next(v for v in redis["volumes"] if v["name"] == "password")
+    assert [i["key"] for i in rvol["secret"]["items"]] == ["redis-password"]
     assert gateway.gateway.redis_url == cluster.redis_url
     redis = by_kind()[("Service", "aenv-redis")]
     assert redis["spec"]["ports"][0]["port"] == 6379

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from aenv_fleet.trust import cluster_trust, gateway_trust
+
 from .common import DEPLOY, load_toml_config, parse_unit, seconds, unit_value, unit_values
 
 INSTALL = DEPLOY / "systemd" / "install.sh"
@@ -148,7 +150,7 @@ def test_node_unit_stops_by_pausing() -> None:
     assert not unit_values(unit, svc, "EnvironmentFile")
     assert not [v for v in unit_values(unit, svc, "Environment") if "SECRET" in v or "KEY" in v]
     assert {v.split(":", 1)[0] for v in unit_values(unit, svc, "LoadCredential")} == {
-        "api-key", "envd-secret", "s3-access-key-id", "s3-secret-access-key"}
+        "api-key", "envd-secret", "s3-access-key-id", "s3-secret-access-key", "fleet-secret", "redis-password"}
     for name in ("aenv-node.service", "aenv-gateway.service"):
         text = (DEPLOY / "systemd" / name).read_text()
         assert "EnvironmentFile" not in text and "AENV_API_KEY" not in text, name
@@ -193,21 +195,26 @@ def test_roles_and_dry_run(tmp_path: Path) -> None:
     plan = done.stdout
     assert "aenv-gateway.service" in plan and "gateway.toml" in plan
     assert "aenv-node.service" not in plan and "node.toml" not in plan
-    assert "would create: " not in plan, "a gateway needs no secret"
+    # a gateway's secrets are the fleet's (docs/cluster.md, "Trust"): no API key, no envd secret
+    made = {line.rsplit("/", 1)[1].split(" ")[0] for line in plan.splitlines() if line.startswith("would create: ")}
+    assert made == {"fleet-secret", "redis-password"}, plan
     done = run_install("--prefix", str(tmp_path), "--role", "node", "--dry-run")
     assert "would create: " + str(tmp_path / "etc/aenv/credentials/api-key") in done.stdout
+    assert "would create: " + str(tmp_path / "etc/aenv/credentials/fleet-secret") in done.stdout
     assert not any(tmp_path.iterdir()), "a dry run changes nothing"
 
 
 def test_secrets_from_environment(stage: Path) -> None:
     """A second host of a fleet gets the first one's secrets (the file is made only once)."""
     shutil.rmtree(stage / "etc/aenv/credentials")
-    key, secret = "e2b_" + "ab" * 20, "cd" * 32
+    key, secret, fleet, password = "e2b_" + "ab" * 20, "cd" * 32, "ef" * 32, "01" * 24
     done = run_install("--prefix", str(stage), "--deps-from", deps_venv(),
-                       env={"AENV_API_KEY": key, "AENV_ENVD_SECRET": secret, "AWS_ACCESS_KEY_ID": "minio"})
+                       env={"AENV_API_KEY": key, "AENV_ENVD_SECRET": secret, "AWS_ACCESS_KEY_ID": "minio",
+                            "AENV_FLEET_SECRET": fleet, "AENV_REDIS_PASSWORD": password})
     assert done.returncode == 0, done.stdout + done.stderr
     values = credentials(stage)
     assert (values["api-key"], values["envd-secret"], values["s3-access-key-id"]) == (key, secret, "minio")
+    assert (values["fleet-secret"], values["redis-password"]) == (fleet, password)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -231,6 +238,15 @@ def test_example_configs_load(tmp_path: Path) -> None:
     assert node.cluster.advertise_url == "http://10.0.0.2:8000"
     assert node.repository.backend == "oss" and node.repository.bucket == "aenv"
     assert node.server.on_shutdown == "pause"
-    gateway = load_toml_config((DEPLOY / "config/gateway.toml").read_text(), tmp_path)
+    assert cluster_trust(node.cluster, node.data_dir).redis.password == "value-of-redis-password"
+    gateway = load_toml_config((DEPLOY / "config/gateway.toml").read_text(), tmp_path, secret_files=True)
     assert (gateway.gateway.host, gateway.gateway.port) == ("0.0.0.0", 8080)
     assert gateway.gateway.redis_url == "redis://10.0.0.1:6379/0"
+    # the gateway unit hands over exactly what gateway.toml names
+    unit = parse_unit((DEPLOY / "systemd/aenv-gateway.service").read_text())
+    loaded = dict(v.split(":", 1) for v in unit_values(unit, "Service", "LoadCredential"))
+    assert loaded == {n: f"/etc/aenv/credentials/{n}" for n in ("fleet-secret", "redis-password")}
+    named = set(re.findall(r'_file = "/run/credentials/aenv-gateway.service/([a-z0-9-]+)"',
+                           (DEPLOY / "config/gateway.toml").read_text()))
+    assert named == set(loaded)
+    assert gateway_trust(gateway.gateway, gateway.data_dir).redis.password == "value-of-redis-password"

@@ -20,6 +20,7 @@ import io
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Coroutine, TypeVar
@@ -38,6 +39,7 @@ from aenv_cli.node_gauges import AdmissionMetrics, register_admission_gauges
 from aenv_vm.fake_service import FakeSandboxService
 from aenv_vm.machine.admission import Admission, AdmissionLimits
 from aenv_vm.volumes.registry import VolumeRegistry
+from aenv_wire.fleet_auth import NODE_AUTH_HEADER, FleetKeys
 
 from .conftest import HttpClient
 
@@ -51,6 +53,10 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _echo(request: web.Request) -> web.Response:
     return web.json_response(dict(request.headers))
+
+
+# the fleet secret of the in-process node: its cluster routes take only credentials made with it
+FLEET_KEYS = FleetKeys.parse("inprocess-fleet-secret-0123456789")
 
 
 @dataclass
@@ -75,6 +81,12 @@ class InProcessServer(HttpClient):
     _admission: AdmissionLimits | None = None
     _restore_seconds: float = 0.0
     _guest_routes: Callable[[web.Application], None] | None = None
+
+    def cluster_request(self, path: str) -> tuple[int, dict[str, str], Any]:
+        """POST one of the node's cluster routes as a fleet's gateway does: with the node
+        credential for it, made with the fleet secret (no API key)."""
+        cred = FLEET_KEYS.request_credential("POST", path, time.time())
+        return self.request("POST", path, key=None, headers={NODE_AUTH_HEADER: cred})
 
     @classmethod
     def start(cls, data_dir: Path, *, max_forks: int = 100, max_sandboxes: int = 64,
@@ -151,7 +163,7 @@ class InProcessServer(HttpClient):
         template_api = await self._template_api() if templates else None
         self.nodes = NodeApi("inprocess-node", self.lifecycle, metrics, self.data_dir, "0.0.0-test")
         self._server = ApiServer(self.lifecycle, creds, self.config, metrics, "0.0.0-test", template_api,
-                                 VolumeApi(volumes, self.config.volume_domain), self.nodes)
+                                 VolumeApi(volumes, self.config.volume_domain), self.nodes, fleet_keys=FLEET_KEYS)
         port = await self._server.start("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{port}"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ from aenv_api.server.settings import ServerConfig
 from aenv_vm.errors import (AlreadyHeld, CapacityError, Moved, NotCommitted, NotFound, NotMovable, NotPaused,
                             ResumedElsewhere, VmError)
 from aenv_vm.service import SandboxInfo, SandboxState
-from aenv_wire.cluster import ClusterCode, adopt_path, release_path
+from aenv_wire.cluster import PREFIX, ClusterCode, adopt_path, release_path
+from aenv_wire.fleet_auth import NODE_AUTH_HEADER, FleetKeys
 
 KEY = "e2b_" + "0" * 40
+FLEET = FleetKeys.parse("cluster-codes-fleet-secret-0123456789")
 
 
 def paused(sid: str) -> SandboxInfo:
@@ -83,13 +86,15 @@ async def answer(tmp_path: Path, error: VmError, method: str, path: str) -> tupl
     metrics = Metrics()
     lifecycle = Lifecycle(Refusing(error), config, metrics, tmp_path)    # type: ignore[arg-type]
     await lifecycle.start()
-    server = ApiServer(lifecycle, Credentials(KEY, "env", b"s" * 32), config, metrics, "test")
+    server = ApiServer(lifecycle, Credentials(KEY, "env", b"s" * 32), config, metrics, "test", fleet_keys=FLEET)
     port = await server.start("127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession() as http:
             body = {"templateID": "base"} if path.endswith("/sandboxes") else {}
-            async with http.request(method, f"http://127.0.0.1:{port}{path}", json=body,
-                                    headers={"X-API-Key": KEY}) as r:
+            # the cluster routes take a gateway's credential for the request (E2B's the API key)
+            auth = ({NODE_AUTH_HEADER: FLEET.request_credential(method, path, time.time())}
+                    if path.startswith(PREFIX) else {"X-API-Key": KEY})
+            async with http.request(method, f"http://127.0.0.1:{port}{path}", json=body, headers=auth) as r:
                 return r.status, json.loads(await r.read())
     finally:
         await server.close()

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import pytest
 
 from aenv_wire.cluster import ClusterCode, adopt_path, release_path
+from aenv_wire.fleet_auth import NODE_AUTH_HEADER, FleetKeys
 from tests.aenv_store.backends.motoserver import MotoServer
 from .conftest import AENV, REPO, Server, start_server
 from tests.support import require
@@ -64,9 +65,25 @@ def traffic_token(node: Server, sid: str) -> str:
     return base64.urlsafe_b64encode(hmac.new(key, sid.encode(), hashlib.sha256).digest()).rstrip(b"=").decode()
 
 
-def adopt(node: Server, sid: str, key: str | None = "default", force: bool = False) -> tuple[int, Any]:
-    status, _, body = node.request("POST", adopt_path(sid, force), key=key)
+# the nodes' cluster routes take the fleet's node credential, never the API key
+# (docs/security.md): the pair shares a fleet secret as a fleet's nodes and gateways do
+FLEET_SECRET = "moves-fleet-secret-" + secrets.token_hex(8)
+FLEET = FleetKeys.parse(FLEET_SECRET)
+
+
+def cluster_call(node: Server, path: str, auth: str | None) -> tuple[int, Any]:
+    """POST a cluster route with ``auth``: "fleet" (a gateway's credential for it), "api-key"
+    (the deployment's key), another ``X-Aenv-Node-Auth`` value, or None (nothing)."""
+    if auth == "api-key":
+        status, _, body = node.request("POST", path)
+        return status, body
+    value = FLEET.request_credential("POST", path, time.time()) if auth == "fleet" else auth
+    status, _, body = node.request("POST", path, key=None, headers={NODE_AUTH_HEADER: value} if value else None)
     return status, body
+
+
+def adopt(node: Server, sid: str, auth: str | None = "fleet", force: bool = False) -> tuple[int, Any]:
+    return cluster_call(node, adopt_path(sid, force), auth)
 
 
 def adopt_committed(node: Server, sid: str, force: bool = False) -> tuple[int, Any]:
@@ -80,9 +97,8 @@ def adopt_committed(node: Server, sid: str, force: bool = False) -> tuple[int, A
         time.sleep(0.2)
 
 
-def release(node: Server, sid: str, key: str | None = "default") -> tuple[int, Any]:
-    status, _, body = node.request("POST", release_path(sid), key=key)
-    return status, body
+def release(node: Server, sid: str, auth: str | None = "fleet") -> tuple[int, Any]:
+    return cluster_call(node, release_path(sid), auth)
 
 
 @pytest.fixture(scope="module", params=["posix_fs", "oss"])
@@ -102,7 +118,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         request.getfixturevalue("base_seed").copy_repository(root / "shared-repo")
         repo_env = {"AENV_REPOSITORY__BACKEND": "posix_fs", "AENV_REPOSITORY__PATH": str(root / "shared-repo")}
     # one deployment: the API key and the envd secret are shared by every node
+    (root / "fleet-secret").write_text(FLEET_SECRET + "\n")
     env = {**repo_env, "AENV_API_KEY": "moves-" + secrets.token_hex(8), "AENV_ENVD_SECRET": secrets.token_hex(32),
+           "AENV_CLUSTER__FLEET_SECRET_FILE": str(root / "fleet-secret"),
            "AENV_VM__POOL_SIZE": "0", "AENV_VM__MEMORY_MIB": "256"}
     a = start_server(root / "node-a", root / "logs", env=env)   # oss: builds the base template into the repository
     b = None
@@ -275,12 +293,12 @@ def test_bad_input(pair: Pair) -> None:
     assert status == 404 and body["code"] == 404 and body["error_code"] == ClusterCode.NOT_COMMITTED, body
     status, body = release(b, "sbx-0000000000000000")
     assert status == 404 and body["error_code"] == ClusterCode.NOT_HELD, body
-    for node in (a, b):   # the deployment's API key, like every control-plane call
+    for node in (a, b):   # the fleet's credential only: not the API key every client holds
         for call in (adopt, release):
-            status, body = call(node, "sbx-0000000000000000", key=None)
-            assert status == 401 and body["code"] == 401, body
-            assert call(node, "sbx-0000000000000000", key="wrong")[0] == 401
-    status, _, body = b.request("POST", "/_aenv/cluster/sandboxes/sbx-0000000000000000/adopt?force=maybe")
+            for auth in (None, "api-key", "v1 0 00", FLEET.request_credential("POST", "/sandboxes", time.time())):
+                status, body = call(node, "sbx-0000000000000000", auth)
+                assert status == 403 and body["code"] == 403, body
+    status, body = cluster_call(b, "/_aenv/cluster/sandboxes/sbx-0000000000000000/adopt?force=maybe", "fleet")
     assert status == 400 and "force" in body["message"], body
     assert adopt(b, "sbx-!")[0] == 404      # "!" cannot be in a record name: no such sandbox
 

@@ -315,13 +315,13 @@ def test_extras_file_follows_the_sandboxes(fake_api: InProcessServer, tmp_path: 
     assert "alias" not in by_id and extras_file(api)[by_id["sandboxID"]]["alias"] is None
     # moved to another node and back: the extras travel in the sandbox's annotation
     api.request("POST", f"/sandboxes/{sid}/pause")
-    assert api.request("POST", f"/_aenv/cluster/sandboxes/{sid}/release")[0] == 204
+    assert api.cluster_request(f"/_aenv/cluster/sandboxes/{sid}/release")[0] == 204
     assert sid not in extras_file(api) and api.request("GET", f"/sandboxes/{sid}")[0] == 404
-    status, _, listed = api.request("POST", f"/_aenv/cluster/sandboxes/{sid}/adopt")
+    status, _, listed = api.cluster_request(f"/_aenv/cluster/sandboxes/{sid}/adopt")
     assert status == 200 and listed["state"] == "paused" and listed["sandboxID"] == sid
     assert extras_file(api)[sid] == kept
     assert detail(api, sid)["lifecycle"]["autoResume"] is True
-    status, _, body = api.request("POST", f"/_aenv/cluster/sandboxes/{sid}/adopt")
+    status, _, body = api.cluster_request(f"/_aenv/cluster/sandboxes/{sid}/adopt")
     assert status == 409 and "already holds" in body["message"]
     # a restart keeps only the extras of sandboxes the service still has
     api.do(lambda: api.lifecycle.extras.put("sbx-gone", api.lifecycle.extras.get(sid)))
