@@ -231,7 +231,8 @@ def test_another_teams_volume_is_not_found(node: InProcessServer) -> None:
 
 def test_the_nodes_own_routes_take_the_deployment_key_only(node: InProcessServer) -> None:
     """/metrics, /nodes (which drains the node) and the fleet's adopt/release are the
-    node's, not a team's: another team's key gets 403; the deployment key as before."""
+    node's, not a team's: another team's key gets 403; the deployment key as before
+    (adopt/release take the fleet's node credential only: tests/aenv_api/server/test_cluster_auth.py)."""
     _, key = new_team(node, "not-the-operator")
     from aenv_wire.cluster import ADOPT_ROUTE, RELEASE_ROUTE
 
@@ -242,7 +243,8 @@ def test_the_nodes_own_routes_take_the_deployment_key_only(node: InProcessServer
                                ("POST", ADOPT_ROUTE.replace("{sandboxID}", sid), None),
                                ("POST", RELEASE_ROUTE.replace("{sandboxID}", sid), None)]:
         status, _, got = node.request(method, path, body, key=key)
-        assert status == 403 and "deployment key" in got["message"], (method, path, got)
+        why = "X-Aenv-Node-Auth" if path.startswith("/_aenv/") else "deployment key"
+        assert status == 403 and why in got["message"], (method, path, got)
     assert node.request("GET", "/metrics")[0] == 200
     assert node.request("GET", "/nodes")[0] == 200
     assert node.request("GET", "/v2/sandboxes", key=key)[0] == 200     # its own routes work
