@@ -199,7 +199,8 @@ class ApiServer:
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
             if self.envd_debug_port is not None and _local_port(request) == self.envd_debug_port:
-                return await self._answer(request, _sandbox_traffic_only, token_routes_any=True)  # type: ignore[arg-type]
+                return await self._answer(request, _sandbox_traffic_only,  # type: ignore[arg-type]  # a Request
+                                          token_routes_any=True)
             if has_routing_header(request.headers) or (domain and parse_host(request.host, domain)) or (
                     is_unrouted_signed_url(request.path, request.query) or has_proxy_prefix(request.path)
                     or is_unrouted_envd_call(request.path, request.headers)):

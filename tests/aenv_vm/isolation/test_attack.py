@@ -9,6 +9,7 @@ Both network modes; the node runs in the sealed namespace of conftest.py."""
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import subprocess
 import sys
@@ -130,8 +131,16 @@ def test_guests_never_reach_the_infrastructure(testnet: SealedNet, node_data: Pa
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed")
-    redis = subprocess.Popen([*testnet.exec_argv(testnet.lan), exe, "--bind", "10.99.0.10", "--port", "6379",
-                              "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+    # a fleet's Redis has a password and the node the fleet secret (issue 29: a node refuses an
+    # open Redis); the password goes in a config file, never on redis-server's command line
+    password = secrets.token_hex(16)
+    (tmp_path / "redis.conf").write_text(f"requirepass {password}\n")
+    for name, value in (("redis-password", password), ("fleet-secret", secrets.token_hex(32))):
+        (tmp_path / name).write_text(value + "\n")
+        (tmp_path / name).chmod(0o600)
+    redis = subprocess.Popen([*testnet.exec_argv(testnet.lan), exe, str(tmp_path / "redis.conf"), "--bind",
+                              "10.99.0.10", "--port", "6379", "--save", "", "--appendonly", "no",
+                              "--protected-mode", "no"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_redis = ("import socket,time\nfor _ in range(200):\n  try:\n"
@@ -140,6 +149,8 @@ def test_guests_never_reach_the_infrastructure(testnet: SealedNet, node_data: Pa
         subprocess.run([*testnet.exec_argv(testnet.node), sys.executable, "-c", wait_redis], check=True, timeout=30)
         lan_before = len(testnet.accepted("lan"))
         env = {"AENV_CLUSTER__REDIS_URL": "redis://10.99.0.10:6379/0",
+               "AENV_CLUSTER__REDIS_PASSWORD_FILE": str(tmp_path / "redis-password"),
+               "AENV_CLUSTER__FLEET_SECRET_FILE": str(tmp_path / "fleet-secret"),
                "AENV_CLUSTER__ADVERTISE_URL": "http://203.0.113.1:8000",
                "AENV_CLUSTER__NODE_ID": f"infra-{mode}",
                "AENV_VM__NEVER_REACH": '["192.168.77.10"]'}
