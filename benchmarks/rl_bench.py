@@ -58,8 +58,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _docker import Docker
 from _common import (
-    ensure_debian_packages,
     machine_info,
     percentile,
     print_table,
@@ -325,7 +325,6 @@ def aenv_server(work: Path, slots: int | None, pool: int | None = None) -> Itera
     env = {"AENV_SERVER__MAX_SANDBOXES": "200"}
     if pool is not None:
         env["AENV_VM__POOL_SIZE"] = str(pool)
-        env["AENV_SERVER__CODE_INTERPRETER"] = "false"   # no background build skews the figures
     if slots is not None:
         env["AENV_VM__RESTORE_SLOTS"] = str(slots)
     srv = start_server(work / "node", work / "logs", env=env)
@@ -337,71 +336,6 @@ def aenv_server(work: Path, slots: int | None, pool: int | None = None) -> Itera
 
 
 # ------------------------------------------------------------------------------- docker
-
-class Docker:
-    """A dockerd of the benchmark's own (own data root, no bridge, no iptables)."""
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.sock = work / "docker.sock"
-        self.env = dict(os.environ, DOCKER_HOST=f"unix://{self.sock}")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        ensure_debian_packages({"docker.io": "dockerd"})
-        with open(self.work / "dockerd.log", "wb") as log:   # dockerd keeps its own copy of the fd
-            self.proc = subprocess.Popen(
-                ["dockerd", "--data-root", str(self.work / "data"), "--exec-root", str(self.work / "exec"),
-                 "--pidfile", str(self.work / "dockerd.pid"), "-H", f"unix://{self.sock}", "--bridge", "none",
-                 "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
-                 "--userland-proxy=false"], stdout=log, stderr=log)
-        for _ in range(300):
-            if self.sock.exists() and self.cli("version").returncode == 0:
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"dockerd did not start: {(self.work / 'dockerd.log').read_text()[-2000:]}")
-
-    def cli(self, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run(["/usr/bin/docker", *args], env=self.env, input=input, capture_output=True,
-                              check=False)
-
-    async def acli(self, *args: str) -> str:
-        p = await asyncio.create_subprocess_exec("/usr/bin/docker", *args, env=self.env,
-                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await p.communicate()
-        if p.returncode != 0:
-            raise RuntimeError(f"docker {' '.join(args)}: {err.decode()[-300:]}")
-        return out.decode().strip()
-
-    def import_rootfs(self, rootfs: Path, tag: str) -> None:
-        """The guest's root filesystem (an ext4 image) as a docker image."""
-        mnt = self.work / "rootfs"
-        mnt.mkdir()
-        subprocess.run(["mount", "-o", "loop,ro", str(rootfs), str(mnt)], check=True)
-        try:
-            tar = subprocess.Popen(["tar", "-C", str(mnt), "-cf", "-", "."], stdout=subprocess.PIPE)
-            assert tar.stdout is not None
-            imp = subprocess.run(["/usr/bin/docker", "import", "-", tag], env=self.env, stdin=tar.stdout,
-                                 capture_output=True, check=False)
-            tar.wait()
-            if imp.returncode != 0:
-                raise RuntimeError(f"docker import: {imp.stderr.decode()[-500:]}")
-        finally:
-            subprocess.run(["umount", str(mnt)], check=False)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        ids = self.cli("ps", "-aq").stdout.decode().split()
-        if ids:
-            self.cli("rm", "-f", *ids)
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
 
 async def docker_interactive(d: Docker, image: str, t0: float) -> tuple[str, float]:
     cid = await d.acli("run", "-d", "--network", "none", image, "sleep", "infinity")

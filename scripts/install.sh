@@ -72,6 +72,19 @@ for lock in tests/sdk_range/*.lock; do
     touch "$sstamp"
   fi
 done
+# Agent and RL harnesses with an E2B backend, each in its own venv with the versions it
+# pins (tests/harness/*.lock), for tests/harness: what their users run against aenv.
+for lock in tests/harness/*.lock; do
+  h=$(basename "$lock" .lock)
+  hstamp=.venv-harness/$h/.aenv-lock-$(sha256sum "$lock" | cut -c1-16)
+  if [[ ! -f "$hstamp" ]]; then
+    echo "install: harness $h (pinned by $lock)"
+    rm -rf ".venv-harness/$h"
+    "$PY" -m venv ".venv-harness/$h"
+    ".venv-harness/$h/bin/pip" install -q -r "$lock"
+    touch "$hstamp"
+  fi
+done
 # The e2b npm SDKs: e2b for tests/aenv_api/server/node, @e2b/code-interpreter for tests/codeint/node.
 for ndir in tests/aenv_api/server/node tests/codeint/node; do
   if [[ -f $ndir/package-lock.json ]] && command -v npm >/dev/null; then

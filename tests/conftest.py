@@ -1,6 +1,7 @@
 """Fixtures shared by every test package."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +12,29 @@ import pytest
 from .aenv_store.backends.motoserver import MotoServer
 from .seed import BaseSeed, seed_root
 from .support import require
+
+
+WEIGHTS = Path(__file__).resolve().parent / "file_weights.json"
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The heaviest test files first (tests/file_weights.json, written from a whole run by
+    scripts/test_weights.py), each file's tests in their own order: with --dist loadfile
+    the workers take files in this order, so a long file never starts last while the
+    other worker has nothing left (longest first keeps the run's tail short)."""
+    try:
+        weights: dict[str, float] = json.loads(WEIGHTS.read_text())
+    except (OSError, ValueError):
+        return
+    root = Path(str(config.rootpath))
+
+    def weight(item: pytest.Item) -> float:
+        try:
+            rel = Path(str(item.path)).resolve().relative_to(root).as_posix()
+        except ValueError:
+            return 0.0
+        return weights.get(rel, 0.0)
+    items.sort(key=weight, reverse=True)        # stable: a file's tests keep their order
 
 
 @pytest.fixture

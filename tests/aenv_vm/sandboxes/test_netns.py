@@ -425,9 +425,11 @@ def test_a_late_destroy_leaves_the_next_sandbox_on_its_network_alone(tmp_path: P
     tag = netns.node_tag(tmp_path)
     a = netns.create(tag, "sbx-late00000001", OPEN_RULES, tap=False)
     netns.destroy(a)
-    b = netns.create(tag, "sbx-late00000002", OPEN_RULES, tap=False)
+    # the newcomer takes the freed /30 (by its index: the lowest free one may be another,
+    # freed meanwhile by a test on another worker)
+    b = netns.create(tag, "sbx-late00000002", OPEN_RULES, index=a.index, tap=False)
     try:
-        assert (b.index, b.host_if) == (a.index, a.host_if)   # the newcomer took the freed /30
+        assert (b.index, b.host_if) == (a.index, a.host_if)
         netns.destroy(a)   # late and repeated
         netns.destroy(a.name)
         links = subprocess.run(["ip", "-n", b.name, "-br", "link"], capture_output=True, text=True, check=True).stdout
