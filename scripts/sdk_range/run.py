@@ -5,7 +5,9 @@ versions, and print one line per version × flow.
     python scripts/sdk_range/run.py [VERSION ...] [--js] [--cache DIR]
 
 Python (flows.py): each version in its own venv; ``--js`` (flows.mjs): the npm SDK, each
-version in its own npm prefix. Both are made under ``--cache`` (default
+version in its own npm prefix; ``--ci`` (flows_ci.py): the code-interpreter SDK
+(``e2b-code-interpreter``, with the newest ``e2b`` it admits), on the node's own
+``code-interpreter-v1``. Both are made under ``--cache`` (default
 ``~/.cache/aenv-sdk-range``), outside the repository, once per version. With no
 version given, the spread docs/conformance.md reports is run. Exit status 1 if any
 flow failed (NONE, a call the version lacks, is not a failure)."""
@@ -20,17 +22,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JS_VERSIONS = ("2.0.1", "2.5.0", "2.9.1", "2.15.0", "2.25.0", "2.35.0", "2.51.0")
+DEFAULT_CI_VERSIONS = ("2.0.0", "2.2.0", "2.4.0", "2.6.0", "2.8.0", "2.10.0", "2.11.5")
 DEFAULT_VERSIONS = ("2.0.0", "2.3.0", "2.5.0", "2.10.0", "2.15.0", "2.20.0", "2.26.0", "2.30.0", "2.45.0",
                     "2.63.0")
 
 
-def sdk_python(cache: Path, version: str) -> Path:
-    """The Python of a venv holding ``e2b==version`` (made on first use)."""
-    d = cache / f"e2b-{version}"
+def sdk_python(cache: Path, version: str, package: str = "e2b") -> Path:
+    """The Python of a venv holding ``package==version`` (made on first use)."""
+    d = cache / f"{package}-{version}"
     py = d / "bin" / "python"
     if not (d / ".installed").exists():
         venv.EnvBuilder(with_pip=True, clear=True).create(d)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", f"e2b=={version}"], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"{package}=={version}"], check=True)
         (d / ".installed").write_text(version)
     return py
 
@@ -52,6 +55,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("versions", nargs="*")
     p.add_argument("--js", action="store_true", help="the npm SDK (flows.mjs) instead of the Python one")
+    p.add_argument("--ci", action="store_true", help="the code-interpreter SDK (flows_ci.py)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "aenv-sdk-range")
     args = p.parse_args()
     missing = [v for v in ("E2B_API_KEY", "E2B_API_URL") if not os.environ.get(v)]
@@ -60,11 +64,15 @@ def main() -> int:
         return 2
     args.cache.mkdir(parents=True, exist_ok=True)
     failed = False
-    for version in args.versions or (DEFAULT_JS_VERSIONS if args.js else DEFAULT_VERSIONS):
+    defaults = DEFAULT_JS_VERSIONS if args.js else DEFAULT_CI_VERSIONS if args.ci else DEFAULT_VERSIONS
+    for version in args.versions or defaults:
         try:
             if args.js:
                 d = sdk_node_dir(args.cache, version)
                 argv, cwd = ["node", "flows.mjs"], d
+            elif args.ci:
+                argv, cwd = [str(sdk_python(args.cache, version, "e2b-code-interpreter")),
+                             str(HERE / "flows_ci.py")], HERE
             else:
                 argv, cwd = [str(sdk_python(args.cache, version)), str(HERE / "flows.py")], HERE
         except subprocess.CalledProcessError as e:
