@@ -1,11 +1,11 @@
-// The sandbox list: polled every second, paged as the API pages (100 a page, X-Next-Token),
+// The sandbox list: polled twice a second, paged as the API pages (100 a page, X-Next-Token),
 // and virtualised: only the rows in view are in the DOM, so a page of any length (a
 // gateway's merged list, a fixture of 1,000) scrolls as fast as one of ten.
 
 import { call } from "./api.js";
 import { age, h, metadataText, showError, until } from "./ui.js";
 
-const POLL_MS = 1000;
+const POLL_MS = 500;       // a new sandbox shows within a second of its create
 const ROW_HEIGHT = 36;      // px; style.css .vrow has the same height
 const OVERSCAN = 8;         // rows rendered beyond the visible ones, each side
 const PAGE_SIZE = 100;      // the API's largest page
