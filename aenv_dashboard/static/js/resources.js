@@ -119,7 +119,7 @@ export function nodesPage(main) {
     if (nodes.length && "drained" in nodes[0]) return table([
       { title: "Node", cell: (n) => h("code", {}, n.nodeID) },
       { title: "State", cell: (n) => h("span", { class: "state " + n.state }, n.state + (n.drained ? " (drained)" : "")) },
-      { title: "Sandboxes", cell: (n) => bar(n.maxSandboxes - n.freeSlots, n.maxSandboxes,
+      { title: "Sandboxes", cell: (n) => bar(n.running, n.maxSandboxes,
         `${n.running} running, ${n.paused} paused, ${n.freeSlots} of ${n.maxSandboxes} free`) },
       { title: "Memory", cell: (n) => bar(n.memTotalMiB - n.memAvailableMiB, n.memTotalMiB,
         `${bytes((n.memTotalMiB - n.memAvailableMiB) * 1048576)} of ${bytes(n.memTotalMiB * 1048576)}`) },
