@@ -54,11 +54,12 @@ def logged_in(session: Session, node: InProcessServer) -> None:
     session.page.wait_for_selector("#list-info:not(:empty)")
 
 
-def test_a_wrong_key_sees_only_the_login(session: Session, node: InProcessServer) -> None:
+def test_a_wrong_key_sees_only_the_login(session: Session, node: InProcessServer, tmp_path: Path) -> None:
     page = session.page
     session.login("e2b_" + "0" * 40)
     page.wait_for_selector("#login-error:not(:empty)")
     assert "API key" in page.inner_text("#login-error")         # the API's own message
+    screenshot(session, "login", tmp_path)
     assert page.locator("#nav").is_hidden() and page.locator("#sandbox-rows").count() == 0
     assert page.evaluate("sessionStorage.getItem('aenv.apiKey')") is None
     session.open("/sandboxes")                                   # no way around the login
