@@ -34,6 +34,23 @@ class Session:
         self.page.fill("#api-key", key)
         self.page.click("form.login button[type=submit]")
 
+    def watch_rows(self) -> None:
+        """Note, in the page, the wall-clock time each sandbox row first appears (what a
+        reader sees, without the test's own round trips to the browser)."""
+        self.page.evaluate("""() => {
+            window.__rowSeen = {};
+            const mark = () => { for (const r of document.querySelectorAll('.vrow[data-id]'))
+                if (!(r.dataset.id in window.__rowSeen)) window.__rowSeen[r.dataset.id] = Date.now(); };
+            mark();
+            new MutationObserver(mark).observe(document.getElementById('sandbox-rows'), { childList: true });
+        }""")
+
+    def row_seen_after(self, sandbox_id: str, since: float) -> float:
+        """Seconds from ``since`` (time.time()) until the sandbox's row appeared."""
+        self.page.wait_for_selector(f'.vrow[data-id="{sandbox_id}"]', timeout=5000)
+        seen_ms = self.page.evaluate("id => window.__rowSeen[id]", sandbox_id)
+        return float(seen_ms) / 1000 - since
+
     def foreign_requests(self) -> list[str]:
         """Every request that went anywhere but the server's own scheme, host and port
         (data: and blob: URLs the page makes itself are not requests to anywhere)."""
@@ -68,9 +85,9 @@ def new_session(browser: Any, base: str) -> Session:
 
 
 def screenshot(session: Session, name: str, tmp_path: Path) -> Path:
-    """A screenshot of the page: into docs/dashboard/ with AENV_DASHBOARD_SCREENSHOTS=1 (what
-    the developer checks in), else beside the test's other files."""
-    out = (SHOTS if os.environ.get("AENV_DASHBOARD_SCREENSHOTS") == "1" else tmp_path) / f"{name}.png"
+    """A screenshot of the page: into docs/dashboard/ with DASHBOARD_SCREENSHOTS=1 (what
+    the developer checks in; not AENV_*: the tests clear those), else beside the test's other files."""
+    out = (SHOTS if os.environ.get("DASHBOARD_SCREENSHOTS") == "1" else tmp_path) / f"{name}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     session.page.screenshot(path=str(out))
     assert out.stat().st_size > 10_000, out     # a page was drawn, not a blank

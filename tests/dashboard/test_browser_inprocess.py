@@ -74,10 +74,9 @@ def test_a_wrong_key_sees_only_the_login(session: Session, node: InProcessServer
 
 def test_the_list_shows_a_new_sandbox_within_a_second(session: Session, node: InProcessServer) -> None:
     logged_in(session, node)
+    session.watch_rows()
     sid = create(node, metadata={"suite": "dashboard"})
-    t0 = time.monotonic()
-    session.page.wait_for_selector(f'.vrow[data-id="{sid}"]', timeout=5000)
-    seen = time.monotonic() - t0
+    seen = session.row_seen_after(sid, time.time())
     print(f"\nthe list showed a new sandbox {seen * 1000:.0f} ms after its create answered")
     assert seen < 1.0, seen
     row = session.page.inner_text(f'.vrow[data-id="{sid}"]')
@@ -135,9 +134,12 @@ def test_a_thousand_rows_render_and_scroll(session: Session, node: InProcessServ
     t2 = time.monotonic()
     page.evaluate("""async () => { const e = document.querySelector('.vscroll');
         for (let y = e.scrollHeight; y >= 0; y -= e.clientHeight) {
-          e.scrollTop = y; await new Promise(requestAnimationFrame); } }""")
+          e.scrollTop = y; await new Promise(requestAnimationFrame); }
+        e.scrollTop = 0; }""")
     page.wait_for_selector('.vrow[data-index="0"]')
     stepped = time.monotonic() - t2
+    page.eval_on_selector(".vscroll", "e => { e.scrollTop = 500 * 36; }")
+    page.wait_for_selector('.vrow[data-index="505"]')
     screenshot(session, "list-1000", tmp_path)
     print(f"\n{FAKE_ROWS} rows: first rows drawn {rendered * 1000:.0f} ms after the login, a jump to the end "
           f"{scrolled * 1000:.0f} ms, a screen-by-screen scroll through all {stepped * 1000:.0f} ms "
