@@ -229,3 +229,23 @@ def test_resource_pages(session: Session, node: InProcessServer, tmp_path: Path)
     page.click("button.node-op")                  # ready again
     page.wait_for_selector("span.state:text('ready')")
     assert node.request("GET", f"/nodes/{node_id}")[2]["status"] == "ready"
+
+
+def test_a_failing_build_shows_its_step_and_log(session: Session, node: InProcessServer, tmp_path: Path) -> None:
+    """This node boots no VM: a build started here fails, and its page says where and why."""
+    status, _, got = node.request("POST", "/v2/templates", {"alias": "dash-fails", "cpuCount": 1, "memoryMB": 256})
+    assert status == 202, got
+    bid = got["buildID"]
+    status, _, _ = node.request("POST", f"/v2/templates/dash-fails/builds/{bid}",
+                                {"fromTemplate": "base", "steps": [{"type": "RUN", "args": ["echo never"]}]})
+    assert status == 202
+    logged_in(session, node)
+    page = session.page
+    session.open(f"/templates/dash-fails/builds/{bid}")
+    page.wait_for_selector("#build-status:text('error')", timeout=30_000)
+    answer = node.request("GET", f"/templates/dash-fails/builds/{bid}/status")[2]
+    reason = page.inner_text("#build-reason")
+    assert answer["reason"]["message"] in reason and f"step {answer['reason'].get('step', '?')}" in reason
+    log = page.inner_text("#build-log")
+    assert answer["logEntries"] and all(e["message"].splitlines()[0] in log for e in answer["logEntries"])
+    screenshot(session, "build-failed", tmp_path)

@@ -66,7 +66,7 @@ export function buildPage(main, [templateID, buildID]) {
     return h("div", {}, h("p", {}, h("a", { href: "#/templates" }, "‹ Templates"), " ",
       h("span", { class: "state " + s.status, id: "build-status" }, s.status)), reason,
     h("pre", { class: "logs", id: "build-log" }, entries.map((e) =>
-      `${new Date(e.timestamp).toLocaleTimeString()} [${e.step ?? ""}] ${e.level}: ${e.message}\n`)));
+      `${new Date(e.timestamp).toLocaleTimeString()} ${e.step != null ? `[step ${e.step}] ` : ""}${e.level}: ${e.message}\n`)));
   });
 }
 
