@@ -80,7 +80,7 @@ def new_session(browser: Any, base: str) -> Session:
     page.set_default_timeout(20_000)
     s = Session(page, base)
     page.on("request", lambda r: s.requests.append(r.url))
-    page.on("pageerror", lambda e: s.errors.append(str(e)))
+    page.on("pageerror", lambda e: s.errors.append(f"{e}\n{e.stack}"))
     return s
 
 

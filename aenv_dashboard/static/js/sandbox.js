@@ -30,21 +30,27 @@ export function sandboxPage(main, [id]) {
   const snapName = h("input", { type: "text", id: "snapshot-name", placeholder: "name (optional)", "aria-label": "snapshot name" });
   const button = (label, idName, fn, cls) => {
     const b = h("button", { type: "button", id: idName, class: cls || "" }, label);
-    b.addEventListener("click", () => act(b, fn));
+    // act() enables the button again when done: pause/resume then follow the state
+    b.addEventListener("click", async () => { await act(b, fn); syncButtons(); });
     return b;
   };
 
-  const actions = h("div", { class: "actions" },
-    button("Pause", "pause", async () => {
-      await post(path + "/pause", {});
-      toast("paused");
-      await refresh();
-    }),
-    button("Resume", "resume", async () => {
-      await post(path + "/connect", { timeout: Number(timeoutInput.value) || RESUME_TIMEOUT });
-      toast("running");
-      await refresh();
-    }),
+  const pauseButton = button("Pause", "pause", async () => {
+    await post(path + "/pause", {});
+    toast("paused");
+    await refresh();
+  });
+  const resumeButton = button("Resume", "resume", async () => {
+    await post(path + "/connect", { timeout: Number(timeoutInput.value) || RESUME_TIMEOUT });
+    toast("running");
+    await refresh();
+  });
+  function syncButtons() {
+    if (!info) return;
+    pauseButton.disabled = info.state !== "running";
+    resumeButton.disabled = info.state !== "paused";
+  }
+  const actions = h("div", { class: "actions" }, pauseButton, resumeButton,
     h("span", { class: "group" }, forkCount, button("Fork", "fork", async () => {
       const count = Number(forkCount.value);
       const answer = await post(path + "/fork", { count });
@@ -106,8 +112,7 @@ export function sandboxPage(main, [id]) {
       ["CPU", info.cpuCount], ["Memory", info.memoryMB + " MiB"], ["Disk", info.diskSizeMB + " MiB"],
       ["Node", info.nodeID || info.node || "—"], ["Metadata", metadataText(info.metadata) || "—"]];
     facts.replaceChildren(...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v ?? ""))]));
-    document.getElementById("pause").disabled = info.state !== "running";
-    document.getElementById("resume").disabled = info.state !== "paused";
+    syncButtons();
   }
 
   function metricsPanel() {
@@ -160,7 +165,7 @@ export function sandboxPage(main, [id]) {
 
   async function show(name) {
     tab = name;
-    for (const t of tabs) document.getElementById("tab-" + t).setAttribute("aria-selected", String(t === name));
+    for (const b of tabBar.children) b.setAttribute("aria-selected", String(b.id === "tab-" + name));
     for (const t of [...timers]) { clearTimeout(t); timers.delete(t); }
     if (panelClose) { panelClose(); panelClose = null; }
     generation++;
