@@ -16,11 +16,12 @@ from tests.aenv_api.server.inprocess import InProcessServer
 from .browser import Session, browser, new_session, screenshot  # noqa: F401  (browser: a fixture)
 
 FAKE_ROWS = 1000
+ADMIN = "dashboard-admin-token-0123456789"
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    srv = InProcessServer.start(tmp_path_factory.mktemp("dash-node"), templates=True)
+    srv = InProcessServer.start(tmp_path_factory.mktemp("dash-node"), templates=True, admin_token=ADMIN)
     try:
         yield srv
     finally:
@@ -249,3 +250,26 @@ def test_a_failing_build_shows_its_step_and_log(session: Session, node: InProces
     log = page.inner_text("#build-log")
     assert answer["logEntries"] and all(e["message"].splitlines()[0] in log for e in answer["logEntries"])
     screenshot(session, "build-failed", tmp_path)
+
+
+def test_a_teams_key_sees_only_its_team(session: Session, node: InProcessServer) -> None:
+    admin = {"X-Admin-Token": ADMIN}
+    status, _, team = node.request("POST", "/admin/teams", {"name": "dash-team"}, headers=admin, key=None)
+    assert status == 201, team
+    status, _, made = node.request("POST", f"/admin/teams/{team['teamID']}/api-keys", {"name": "dash"},
+                                   headers=admin, key=None)
+    assert status == 201, made
+    theirs = create(node)                        # the default team's
+    status, _, mine = node.request("POST", "/sandboxes", {"templateID": "base"}, key=made["key"])
+    assert status == 201, mine
+    session.login(made["key"])
+    page = session.page
+    page.wait_for_selector(f'.vrow[data-id="{mine["sandboxID"]}"]')
+    assert page.locator(".vbody .vrow").count() == 1 and page.locator(f'.vrow[data-id="{theirs}"]').count() == 0
+    session.open(f"/sandboxes/{theirs}")          # another team's sandbox is answered as unknown
+    page.wait_for_selector("#sandbox-state:text('gone')")
+    assert "not found" in page.inner_text("#toast")
+    session.open("/nodes")                        # the node's own routes: the deployment key only
+    page.wait_for_selector(".api-error")
+    status, _, refused = node.request("GET", "/nodes", key=made["key"])
+    assert status == 403 and page.inner_text(".api-error") == refused["message"]
