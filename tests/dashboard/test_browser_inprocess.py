@@ -273,3 +273,18 @@ def test_a_teams_key_sees_only_its_team(session: Session, node: InProcessServer)
     page.wait_for_selector(".api-error")
     status, _, refused = node.request("GET", "/nodes", key=made["key"])
     assert status == 403 and page.inner_text(".api-error") == refused["message"]
+
+
+def test_the_logs_are_followed(session: Session, node: InProcessServer) -> None:
+    sid = create(node)
+    logged_in(session, node)
+    page = session.page
+    session.open(f"/sandboxes/{sid}")
+    page.wait_for_selector("#sandbox-state:text('running')")
+    page.click("#tab-logs")
+    page.wait_for_function("() => document.querySelector('#logs')?.textContent.includes('sandbox created')")
+    assert node.request("POST", f"/sandboxes/{sid}/timeout", {"timeout": 611})[0] == 204
+    page.wait_for_function("() => document.querySelector('#logs').textContent.includes('timeout set seconds=611')",
+                           timeout=5000)
+    text = page.inner_text("#logs")
+    assert text.count("sandbox created") == 1, text      # each entry once, however often it is polled

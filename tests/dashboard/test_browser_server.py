@@ -98,11 +98,10 @@ def test_the_page_charts_three_samples_and_follows_the_logs(session: Session, sd
         assert session.page.locator(f"{chart} circle.sample").count() >= 3, chart
     screenshot(session, "sandbox", tmp_path)
     session.page.click("#tab-logs")
-    session.page.wait_for_function("() => document.querySelector('#logs')?.textContent.includes('created')",
+    session.page.wait_for_function("() => document.querySelector('#logs')?.textContent.includes('sandbox created')",
                                    timeout=10_000)
-    before = session.page.inner_text("#logs").count("\n")
-    elder.set_timeout(500)          # a lifecycle event, recorded in the sandbox's log: followed
-    session.page.wait_for_function(f"() => document.querySelector('#logs').textContent.split('\\n').length > {before + 1}",
+    elder.set_timeout(517)          # a lifecycle event, recorded in the sandbox's log: followed
+    session.page.wait_for_function("() => document.querySelector('#logs').textContent.includes('timeout set seconds=517')",
                                    timeout=10_000)
     screenshot(session, "logs", tmp_path)
 

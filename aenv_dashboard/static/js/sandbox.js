@@ -142,12 +142,16 @@ export function sandboxPage(main, [id]) {
       try {
         const answer = await get(path + "/logs", { start: since, limit: 1000 });
         const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
-        for (const e of answer.logs || []) {
-          const key = e.timestamp + "\u0000" + e.line;
+        // logEntries (level, message, fields) where the server gives them, else E2B's {timestamp, line}
+        const entries = answer.logEntries || (answer.logs || []).map((e) => ({ ...e, message: e.line }));
+        for (const e of entries) {
+          const fields = Object.entries(e.fields || {}).map(([k, v]) => ` ${k}=${v}`).join("");
+          const text = `${e.level && e.level !== "info" ? e.level.toUpperCase() + " " : ""}${e.message}${fields}`;
+          const key = e.timestamp + "\u0000" + text;
           if (seen.has(key)) continue;
           seen.add(key);
           since = Math.max(since, Date.parse(e.timestamp) || 0);
-          pre.append(`${new Date(e.timestamp).toLocaleTimeString()}  ${e.line}\n`);
+          pre.append(`${new Date(e.timestamp).toLocaleTimeString()}  ${text}\n`);
         }
         if (atBottom) pre.scrollTop = pre.scrollHeight;    // follow unless the reader scrolled up
       } catch (e) { showError(e); }
