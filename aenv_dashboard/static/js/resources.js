@@ -41,11 +41,17 @@ async function allPages(path, query = {}, pages = 10) {
 export function templatesPage(main) {
   return polled(main, "Templates", async () => {
     const templates = await allPages("/v2/templates");
-    const withBuilds = await Promise.all(templates.map((t) =>
-      get("/templates/" + encodeURIComponent(t.templateID)).catch(() => t)));
+    // each template's builds and tags: its own calls (the list carries neither)
+    const withBuilds = await Promise.all(templates.map(async (t) => {
+      const id = encodeURIComponent(t.templateID);
+      const [detail, tags] = await Promise.all([get("/templates/" + id).catch(() => t),
+        get(`/templates/${id}/tags`).catch(() => [])]);
+      return { ...detail, tags };
+    }));
     return table([
       { title: "Names", cell: (t) => (t.names || t.aliases || []).join(", ") || t.templateID },
       { title: "ID", cell: (t) => h("code", {}, t.templateID) },
+      { title: "Tags", cell: (t) => (t.tags || []).map((x) => x.tag).join(", ") },
       { title: "Status", cell: (t) => h("span", { class: "state " + t.buildStatus }, t.buildStatus || "") },
       { title: "CPU / RAM / disk", cell: (t) => `${t.cpuCount} / ${t.memoryMB} MiB / ${t.diskSizeMB} MiB` },
       { title: "Builds", cell: (t) => (t.builds || []).slice(-5).map((b) =>
