@@ -1,16 +1,12 @@
-"""Driving the dashboard in Debian's Chromium through Playwright (never Playwright's own
-browser downloads): a browser per module, a page per test, every request the page makes
-recorded so a test can check that none leaves the server's host."""
+"""Driving the dashboard in Chromium (conftest.py's ``browser``): a page per test, every
+request the page makes recorded so a test can check that none leaves the server's host."""
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
-
-import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 REPO = Path(__file__).resolve().parents[2]
@@ -57,21 +53,6 @@ class Session:
         own = urlsplit(self.base)
         return [u for u in self.requests if not u.startswith(("data:", "blob:"))
                 and (urlsplit(u).scheme, urlsplit(u).netloc) != (own.scheme, own.netloc)]
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
-        pytest.fail("Debian's chromium is not installed (scripts/install.sh installs it)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        # --no-sandbox: the tests run as root, where Chromium's own sandbox refuses to start
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def new_session(browser: Any, base: str) -> Session:

@@ -21,7 +21,7 @@ from aenv_fleet.gateway.app import Gateway
 from aenv_fleet.trust import gateway_trust
 from tests.aenv_fleet.redisserver import RedisServer
 
-from .browser import Session, browser, new_session, screenshot  # noqa: F401  (browser: a fixture)
+from .browser import Session, new_session, screenshot
 
 T = TypeVar("T")
 KEY = "e2b_" + "d" * 40

@@ -13,7 +13,7 @@ import pytest
 
 from tests.aenv_api.server.inprocess import InProcessServer
 
-from .browser import Session, browser, new_session, screenshot  # noqa: F401  (browser: a fixture)
+from .browser import Session, new_session, screenshot
 
 FAKE_ROWS = 1000
 ADMIN = "dashboard-admin-token-0123456789"

@@ -15,7 +15,7 @@ import pytest
 
 from tests.aenv_api.server.conftest import Server, serving, use_sdk_env
 
-from .browser import Session, browser, new_session, screenshot  # noqa: F401  (browser: a fixture)
+from .browser import Session, new_session, screenshot
 
 pytestmark = pytest.mark.qemu
 
