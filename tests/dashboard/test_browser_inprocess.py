@@ -288,3 +288,19 @@ def test_the_logs_are_followed(session: Session, node: InProcessServer) -> None:
                            timeout=5000)
     text = page.inner_text("#logs")
     assert text.count("sandbox created") == 1, text      # each entry once, however often it is polled
+
+
+def test_a_build_started_from_a_dockerfile_is_followed(session: Session, node: InProcessServer) -> None:
+    logged_in(session, node)
+    page = session.page
+    session.open("/templates")
+    page.fill("#build-name", "dash-df")
+    page.set_input_files("#build-dockerfile", files=[{"name": "Dockerfile", "mimeType": "text/plain",
+                                                      "buffer": b"FROM base\nRUN echo from-the-dashboard\n"}])
+    page.click("#build-start")
+    page.wait_for_url("**#/templates/dash-df/builds/*")
+    bid = page.url.rsplit("/", 1)[-1]
+    status, _, answer = node.request("GET", f"/templates/dash-df/builds/{bid}/status")
+    assert status == 200 and answer["status"] in ("building", "error"), answer     # started (this node boots no VM)
+    page.wait_for_selector("#build-status:text('error')", timeout=30_000)
+    assert "build" in page.inner_text("#build-log")

@@ -6,10 +6,11 @@ import { act, bytes, h, localTime, table, toast } from "./ui.js";
 
 const REFRESH_MS = 3000;
 
-// A page that (re)draws itself from `load` every REFRESH_MS until the route changes.
-function polled(main, heading, load) {
+// A page that (re)draws itself from `load` every REFRESH_MS until the route changes;
+// `top` (a form) stays above what is redrawn.
+function polled(main, heading, load, top = null) {
   const box = h("div", { class: "resource" }, h("p", { class: "muted" }, "loading…"));
-  main.append(h("section", {}, h("h2", {}, heading), box));
+  main.append(h("section", {}, h("h2", {}, heading), top, box));
   let stopped = false;
   let timer = null;
   const tick = async () => {
@@ -38,6 +39,26 @@ async function allPages(path, query = {}, pages = 10) {
   return out;
 }
 
+// A build from a Dockerfile, as `aenv template build -f` starts one without a context:
+// request it (POST /templates), start it, then follow it on its page.
+function buildForm() {
+  const name = h("input", { type: "text", id: "build-name", placeholder: "template name", "aria-label": "template name",
+    pattern: "[a-z0-9._-]+", required: true });
+  const file = h("input", { type: "file", id: "build-dockerfile", "aria-label": "Dockerfile", required: true });
+  const go = h("button", { type: "submit", id: "build-start" }, "Build");
+  return h("form", { class: "toolbar", onsubmit: (ev) => {
+    ev.preventDefault();
+    act(go, async () => {
+      if (!file.files.length) throw new Error("choose a Dockerfile");
+      const dockerfile = await file.files[0].text();
+      const requested = await post("/templates", { alias: name.value.trim(), dockerfile });
+      const where = `/templates/${encodeURIComponent(requested.templateID)}/builds/${encodeURIComponent(requested.buildID)}`;
+      await post(where, {});
+      location.hash = "#" + where;
+    });
+  } }, h("span", { class: "muted" }, "Build from a Dockerfile (no COPY context):"), name, file, go);
+}
+
 export function templatesPage(main) {
   return polled(main, "Templates", async () => {
     const templates = await allPages("/v2/templates");
@@ -59,7 +80,7 @@ export function templatesPage(main) {
           title: b.status }, `${b.status} ${localTime(b.createdAt)}`)) },
       { title: "Updated", cell: (t) => localTime(t.updatedAt) },
     ], withBuilds);
-  });
+  }, buildForm());
 }
 
 export function buildPage(main, [templateID, buildID]) {
