@@ -304,3 +304,24 @@ def test_a_build_started_from_a_dockerfile_is_followed(session: Session, node: I
     assert status == 200 and answer["status"] in ("building", "error"), answer     # started (this node boots no VM)
     page.wait_for_selector("#build-status:text('error')", timeout=30_000)
     assert "build" in page.inner_text("#build-log")
+
+
+def test_snapshots_and_volumes_are_deleted_from_their_pages(session: Session, node: InProcessServer) -> None:
+    sid = create(node)
+    status, _, snap = node.request("POST", f"/sandboxes/{sid}/snapshots", {"name": "dash-del"})
+    assert status == 201, snap
+    status, _, vol = node.request("POST", "/volumes", {"name": "dash-del-vol"})
+    assert status == 201, vol
+    logged_in(session, node)
+    page = session.page
+    page.on("dialog", lambda d: d.accept())
+    session.open("/snapshots")
+    row = page.locator("tr", has_text=snap["snapshotID"])
+    row.locator("button.danger").click()
+    row.wait_for(state="detached")
+    assert all(s["snapshotID"] != snap["snapshotID"] for s in node.request("GET", "/snapshots")[2])
+    session.open("/volumes")
+    row = page.locator("tr", has_text="dash-del-vol")
+    row.locator("button.danger").click()
+    row.wait_for(state="detached")
+    assert node.request("GET", f"/volumes/{vol['volumeID']}")[0] == 404
