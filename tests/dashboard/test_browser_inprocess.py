@@ -325,3 +325,18 @@ def test_snapshots_and_volumes_are_deleted_from_their_pages(session: Session, no
     row.locator("button.danger").click()
     row.wait_for(state="detached")
     assert node.request("GET", f"/volumes/{vol['volumeID']}")[0] == 404
+
+
+def test_the_list_works_from_the_keyboard(session: Session, node: InProcessServer) -> None:
+    sid = create(node, metadata={"keys": "yes"})
+    logged_in(session, node)
+    page = session.page
+    page.fill("#filter", "keys=yes")
+    page.wait_for_function(f"""() => document.querySelectorAll('.vbody .vrow').length === 1 &&
+                                     document.querySelector('.vrow[data-id="{sid}"]')""")
+    page.focus(f'.vrow[data-id="{sid}"]')
+    page.wait_for_timeout(1200)                   # two polls redraw the rows: the focus stays on it
+    assert page.evaluate("document.activeElement.dataset.id") == sid
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#sandbox-state:text('running')")
+    assert page.url.endswith(f"#/sandboxes/{sid}")

@@ -85,7 +85,13 @@ export function sandboxList(main) {
       row.style.top = i * ROW_HEIGHT + "px";
       nodes.push(row);
     }
+    // the rows are new each poll: a row that had the keyboard's focus gets it back
+    const focused = body.contains(document.activeElement) ? document.activeElement.dataset.id : null;
     body.replaceChildren(spacer, ...nodes);
+    if (focused) {
+      const again = nodes.find((n) => n.dataset.id === focused);
+      if (again) again.focus({ preventScroll: true });
+    }
     prev.disabled = page === 0;
     next.disabled = !nextToken;
   }
