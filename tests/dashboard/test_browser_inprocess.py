@@ -217,7 +217,7 @@ def test_resource_pages(session: Session, node: InProcessServer, tmp_path: Path)
     page = session.page
     assert node.request("POST", "/volumes", {"name": "dash-vol"})[0] == 201
     session.open("/volumes")
-    page.wait_for_selector("td:text('dash-vol')")
+    page.wait_for_selector("a.volume:text('dash-vol')")
     session.open("/templates")
     page.wait_for_selector("table.grid")
     session.open("/nodes")
@@ -340,3 +340,29 @@ def test_the_list_works_from_the_keyboard(session: Session, node: InProcessServe
     page.keyboard.press("Enter")
     page.wait_for_selector("#sandbox-state:text('running')")
     assert page.url.endswith(f"#/sandboxes/{sid}")
+
+
+def test_a_volumes_files(session: Session, node: InProcessServer) -> None:
+    status, _, vol = node.request("POST", "/volumes", {"name": "dash-files"})
+    assert status == 201, vol
+    bearer = {"Authorization": f"Bearer {vol['token']}"}
+    base = f"/volumecontent/{vol['volumeID']}"
+    assert node.request("POST", f"{base}/dir?path=/data", headers=bearer, key=None)[0] == 201
+    assert node.request("PUT", f"{base}/file?path=/data/seed.txt", headers=bearer, key=None,
+                        raw=b"seeded by the API\n")[0] == 201
+    logged_in(session, node)
+    page = session.page
+    session.open("/volumes")
+    page.click("a.volume:text('dash-files')")
+    page.wait_for_selector('tr[data-path="/data"] a.dir')
+    page.click('tr[data-path="/data"] a.dir')
+    page.wait_for_selector('button.download[data-path="/data/seed.txt"]')
+    with page.expect_download() as dl:
+        page.click('button.download[data-path="/data/seed.txt"]')
+    assert Path(dl.value.path()).read_bytes() == b"seeded by the API\n"
+    page.set_input_files("#volume-upload-input", files=[{"name": "up.bin", "mimeType": "application/octet-stream",
+                                                         "buffer": b"\x00\x01 from the page"}])
+    page.click("#volume-upload")
+    page.wait_for_selector('tr[data-path="/data/up.bin"]')
+    status, _, got = node.request("GET", f"{base}/file?path=/data/up.bin", headers=bearer, key=None)
+    assert status == 200 and got == b"\x00\x01 from the page"

@@ -7,6 +7,7 @@ import { h } from "./ui.js";
 import { sandboxList } from "./list.js";
 import { sandboxPage } from "./sandbox.js";
 import { nodesPage, snapshotsPage, templatesPage, volumesPage, buildPage } from "./resources.js";
+import { volumePage } from "./volumes.js";
 
 const routes = [
   [/^#\/sandboxes$/, sandboxList],
@@ -15,6 +16,7 @@ const routes = [
   [/^#\/templates\/([^/]+)\/builds\/([^/]+)$/, buildPage],
   [/^#\/snapshots$/, snapshotsPage],
   [/^#\/volumes$/, volumesPage],
+  [/^#\/volumes\/([^/]+)$/, volumePage],
   [/^#\/nodes$/, nodesPage],
 ];
 

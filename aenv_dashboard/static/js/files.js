@@ -2,7 +2,7 @@
 // download (GET /files) and upload (POST /files) of the directory shown.
 
 import { download, rpc, upload } from "./envd.js";
-import { act, bytes, h, localTime, showError, toast } from "./ui.js";
+import { act, bytes, h, localTime, saveBlob, showError, toast } from "./ui.js";
 
 const HOME = "/home/user";
 
@@ -43,22 +43,13 @@ export function filesPanel(sandbox) {
     const name = isDir ? h("a", { href: "#", class: "dir", onclick: (ev) => { ev.preventDefault(); open(e.path); } },
       e.name + "/") : e.name;
     const get = isDir ? "" : h("button", { type: "button", class: "download", "data-path": e.path,
-      onclick: (ev) => act(ev.currentTarget, async () => save(e.name, await download(sandbox, e.path))) }, "Download");
+      onclick: (ev) => act(ev.currentTarget, async () => saveBlob(e.name, await download(sandbox, e.path))) }, "Download");
     return h("tr", { "data-path": e.path }, h("td", {}, name), h("td", {}, isDir ? "" : bytes(Number(e.size))),
       h("td", {}, e.permissions || ""), h("td", {}, localTime(e.modifiedTime)), h("td", {}, get));
   }
 
   open(dir);
   return panel;
-}
-
-function save(name, blob) {
-  const url = URL.createObjectURL(blob);
-  const a = h("a", { href: url, download: name });
-  document.body.append(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(url), 10000);
 }
 
 const parent = (p) => p.replace(/\/[^/]+\/?$/, "") || "/";

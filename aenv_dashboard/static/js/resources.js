@@ -116,7 +116,7 @@ export function snapshotsPage(main) {
 
 export function volumesPage(main) {
   return polled(main, "Volumes", async () => table([
-    { title: "Name", cell: (v) => v.name },
+    { title: "Name", cell: (v) => h("a", { href: "#/volumes/" + encodeURIComponent(v.volumeID), class: "volume" }, v.name) },
     { title: "ID", cell: (v) => h("code", {}, v.volumeID) },
     { title: "", cell: (v) => {
       const b = h("button", { type: "button", class: "danger" }, "Delete");

@@ -69,3 +69,13 @@ export function table(columns, rows) {
     h("tbody", {}, rows.length ? rows.map((r) => h("tr", {}, columns.map((c) => h("td", {}, c.cell(r)))))
       : h("tr", {}, h("td", { colspan: columns.length, class: "muted" }, "none"))));
 }
+
+// Hands bytes the page fetched to the browser as a download named `name`.
+export function saveBlob(name, blob) {
+  const url = URL.createObjectURL(blob);
+  const a = h("a", { href: url, download: name });
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
+}
