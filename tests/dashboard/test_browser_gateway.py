@@ -113,14 +113,17 @@ def test_two_nodes_and_one_drained(session: Session, gateway: tuple[str, Coordin
     page.wait_for_selector("#list-info:not(:empty)")
     session.open("/nodes")
     page.wait_for_selector(f'button.node-op[data-node="{NODES[1]}"]')
-    assert page.locator("table.grid tbody tr").count() == 2
-    assert "3 running, 1 paused, 8 of 8 free" in page.inner_text("table.grid tbody tr:nth-child(2)")
-    screenshot(session, "gateway-nodes", tmp_path)
+    assert page.locator("#fleet-nodes tbody tr").count() == 2
+    assert "3 running, 1 paused, 8 of 8 free" in page.inner_text("#fleet-nodes tbody tr:nth-child(2)")
     page.click(f'button.node-op[data-node="{NODES[0]}"]')       # Drain (confirmed)
     page.wait_for_selector(f'button.node-op[data-node="{NODES[0]}"]:text("Undrain")')
     drained = {n.node_id: n.drained for n in loop.run(agent.nodes())}
     assert drained == {NODES[0]: True, NODES[1]: False}, drained
-    assert "(drained)" in page.inner_text("table.grid tbody tr:first-child")
+    assert "(drained)" in page.inner_text("#fleet-nodes tbody tr:first-child")
+    # the fleet's event stream shows it (the page redraws every 3 s)
+    page.wait_for_selector("#fleet-events td:text('node-drained')", timeout=10_000)
+    assert NODES[0] in page.inner_text("#fleet-events tbody tr:first-child")
+    screenshot(session, "gateway-nodes", tmp_path)
     page.click(f'button.node-op[data-node="{NODES[0]}"]')       # Undrain
     page.wait_for_selector(f'button.node-op[data-node="{NODES[0]}"]:text("Drain")')
     assert not any(n.drained for n in loop.run(agent.nodes()))

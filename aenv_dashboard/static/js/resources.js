@@ -138,22 +138,13 @@ function bar(used, total, label) {
   h("div", { class: "fill" + (pct > 85 ? " high" : ""), style: `width:${pct}%` }), h("span", {}, label));
 }
 
-// A fleet's gateway lists its nodes (nodeID, drained, free slots, ...); a single node
-// answers E2B's Node (id, status, metrics). Drain and undrain are each one's own call.
+// A fleet's gateway lists its nodes (nodeID, drained, free slots, ...) and its events; a
+// single node answers E2B's Node (id, status, metrics). Drain and undrain are each one's own call.
 export function nodesPage(main) {
   return polled(main, "Nodes", async () => {
     const nodes = await get("/nodes");
-    if (nodes.length && "drained" in nodes[0]) return table([
-      { title: "Node", cell: (n) => h("code", {}, n.nodeID) },
-      { title: "State", cell: (n) => h("span", { class: "state " + n.state }, n.state + (n.drained ? " (drained)" : "")) },
-      { title: "Sandboxes", cell: (n) => bar(n.running, n.maxSandboxes,
-        `${n.running} running, ${n.paused} paused, ${n.freeSlots} of ${n.maxSandboxes} free`) },
-      { title: "Memory", cell: (n) => bar(n.memTotalMiB - n.memAvailableMiB, n.memTotalMiB,
-        `${bytes((n.memTotalMiB - n.memAvailableMiB) * 1048576)} of ${bytes(n.memTotalMiB * 1048576)}`) },
-      { title: "Restores", cell: (n) => `${n.restoring ?? 0} / ${n.restoreSlots ?? "?"}` },
-      { title: "", cell: (n) => nodeButton(n.nodeID, n.drained ? "Undrain" : "Drain",
-        () => post(`/nodes/${encodeURIComponent(n.nodeID)}/${n.drained ? "undrain" : "drain"}`, {})) },
-    ], nodes);
+    if (nodes.length && "drained" in nodes[0]) return h("div", {}, fleetNodes(nodes),
+      h("h3", {}, "Fleet events"), fleetEvents(await get("/cluster/events")));
     return table([
       { title: "Node", cell: (n) => h("code", {}, n.id) },
       { title: "Status", cell: (n) => h("span", { class: "state " + n.status }, n.status) },
@@ -165,6 +156,29 @@ export function nodesPage(main) {
         () => post("/nodes/" + encodeURIComponent(n.id), { status: n.status === "ready" ? "draining" : "ready" })) },
     ], nodes);
   });
+}
+
+// A gateway's nodes: state, load against capacity as bars, drain/undrain.
+function fleetNodes(nodes) {
+  return h("div", { id: "fleet-nodes" }, table([
+    { title: "Node", cell: (n) => h("code", {}, n.nodeID) },
+    { title: "State", cell: (n) => h("span", { class: "state " + n.state }, n.state + (n.drained ? " (drained)" : "")) },
+    { title: "Sandboxes", cell: (n) => bar(n.running, n.maxSandboxes,
+      `${n.running} running, ${n.paused} paused, ${n.freeSlots} of ${n.maxSandboxes} free`) },
+    { title: "Memory", cell: (n) => bar(n.memTotalMiB - n.memAvailableMiB, n.memTotalMiB,
+      `${bytes((n.memTotalMiB - n.memAvailableMiB) * 1048576)} of ${bytes(n.memTotalMiB * 1048576)}`) },
+    { title: "Restores", cell: (n) => `${n.restoring ?? 0} / ${n.restoreSlots ?? "?"}` },
+    { title: "", cell: (n) => nodeButton(n.nodeID, n.drained ? "Undrain" : "Drain",
+      () => post(`/nodes/${encodeURIComponent(n.nodeID)}/${n.drained ? "undrain" : "drain"}`, {})) },
+  ], nodes));
+}
+
+// The gateway's newest fleet events (Redis' stream; the id's first part is its time in ms).
+function fleetEvents(events) {
+  return h("div", { id: "fleet-events" }, table([
+    { title: "When", cell: (e) => new Date(Number(String(e.eventID).split("-")[0])).toLocaleString() },
+    { title: "Event", cell: (e) => Object.entries(e).filter(([k]) => k !== "eventID").map(([k, v]) => `${k}=${v}`).join(" ") },
+  ], events.slice(0, 50)));
 }
 
 function nodeButton(id, label, fn) {
