@@ -39,7 +39,7 @@ from aenv_wire.fleet_auth import FleetKeys
 from aenv_store.assembly import open_node_store, peer_source
 from aenv_store.store import Store
 from aenv_vm.builds.executor import BuildSettings
-from aenv_vm.builds.template_builds import TemplateBuilds
+from aenv_vm.builds.template_builds import BuildRun, TemplateBuilds
 from aenv_vm.confine.policy import Confinement
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage, ensure_guest
@@ -53,6 +53,7 @@ from aenv_vm.templates.template import Template, TemplateError, find_template
 from aenv_vm.templates.trust import CaBundle
 from aenv_vm.volumes.registry import VolumeRegistry
 
+from . import codeint_template
 from .base_template import build_base_template, choose_accel
 from .common import StartError, local_url
 from .config import AenvConfig
@@ -182,6 +183,10 @@ class Node:
             background.append(asyncio.ensure_future(register_gauges(metrics, lifecycle, manager, store, report)()))
             builds = _template_builds(config, manager, tpl, host_ca)
             await builds.start()
+            if server_cfg.code_interpreter:     # started before the API listens: a create finds it running
+                codeint_run = await _begin_code_interpreter(builds, tpl.id, report)
+                if codeint_run is not None:
+                    background.append(asyncio.ensure_future(_finish_code_interpreter(builds, codeint_run, report)))
             server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                                TemplateApi(builds, config.data_dir / "template-uploads",
                                            config.templates.max_upload_mib << 20,
@@ -318,6 +323,27 @@ async def _prepare_template(store: Store, guest: GuestImage, config: AenvConfig,
                                     confinement=confinement, ca_bundle=host_ca)
     report(f"template {server_cfg.default_template!r} = {tpl.id} built in {time.monotonic() - t0:.1f} s")
     return tpl
+
+
+async def _begin_code_interpreter(builds: TemplateBuilds, base_template: str, report: Report) -> BuildRun | None:
+    """``code-interpreter-v1``'s build started when it is missing or stale (the build runs
+    on in the background). A failure is reported, never fatal: the node serves the rest."""
+    try:
+        return await codeint_template.begin(builds, base_template, report)
+    except Exception as e:      # noqa: BLE001 -- whatever it is, the node runs on without the template
+        log.exception("building %s", codeint_template.NAME)
+        report(f"template {codeint_template.NAME!r}: not built: {e}")
+        return None
+
+
+async def _finish_code_interpreter(builds: TemplateBuilds, run: BuildRun, report: Report) -> None:
+    try:
+        await codeint_template.finish(builds, run, report)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:      # noqa: BLE001 -- as above
+        log.exception("building %s", codeint_template.NAME)
+        report(f"template {codeint_template.NAME!r}: not built: {e}")
 
 
 def _template_builds(config: AenvConfig, manager: SandboxManager, base: Template,

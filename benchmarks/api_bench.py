@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 def start_server(data_dir: Path, pool_size: int, network: str | None = None) -> tuple[subprocess.Popen, dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env["AENV_VM__POOL_SIZE"] = str(pool_size)
+    env["AENV_SERVER__CODE_INTERPRETER"] = "false"   # no background build skews the figures
     if network is not None:
         env["AENV_VM__NETWORK"] = network
     proc = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "server", "--data-dir", str(data_dir),

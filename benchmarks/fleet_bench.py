@@ -96,7 +96,7 @@ def start_fleet(data_dir: Path, redis_url: str) -> tuple[subprocess.Popen, subpr
     secret = data_dir / "fleet-secret"
     secret.write_text(FLEET_SECRET + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "AENV_CLUSTER"))}
-    env.update(AENV_VM__POOL_SIZE="1", AENV_CLUSTER__REDIS_URL=redis_url, AENV_CLUSTER__NODE_ID="bench-node",
+    env.update(AENV_VM__POOL_SIZE="1", AENV_SERVER__CODE_INTERPRETER="false", AENV_CLUSTER__REDIS_URL=redis_url, AENV_CLUSTER__NODE_ID="bench-node",
                AENV_CLUSTER__ADVERTISE_URL=f"http://127.0.0.1:{port}", AENV_CLUSTER__FLEET_SECRET_FILE=str(secret),
                PYTHONPATH=str(REPO))
     node = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "server", "--data-dir", str(data_dir),

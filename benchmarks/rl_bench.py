@@ -325,6 +325,7 @@ def aenv_server(work: Path, slots: int | None, pool: int | None = None) -> Itera
     env = {"AENV_SERVER__MAX_SANDBOXES": "200"}
     if pool is not None:
         env["AENV_VM__POOL_SIZE"] = str(pool)
+        env["AENV_SERVER__CODE_INTERPRETER"] = "false"   # no background build skews the figures
     if slots is not None:
         env["AENV_VM__RESTORE_SLOTS"] = str(slots)
     srv = start_server(work / "node", work / "logs", env=env)

@@ -28,6 +28,8 @@ def _isolate_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         if name.startswith("AENV_") and name not in ("AENV_GUEST_CACHE",):
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AENV_DATA_DIR", str(tmp_path / "default-data-dir"))
+    # an in-process node builds no code-interpreter-v1 in the background (tests/codeint does)
+    monkeypatch.setenv("AENV_SERVER__CODE_INTERPRETER", "false")
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,9 @@ def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
     if os.environ.get("AENV_GUEST_CACHE"):
         env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
+    # no server of a test builds code-interpreter-v1 in the background (minutes of CPU)
+    # unless the test asks (tests/codeint)
+    env["AENV_SERVER__CODE_INTERPRETER"] = "false"
     return env
 
 

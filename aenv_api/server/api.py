@@ -94,6 +94,8 @@ class ControlPlane:
             raise ApiError(404, f"volumeMounts: Volume {foreign[:64]!r} not found", retry=False)
 
         async def create() -> SandboxView:
+            if self.templates is not None:
+                await self.templates.await_first_build(req.template_id)
             if self.nodes is None:
                 return await self.lc.create(req, v2=v2, team=team)
             self.nodes.refuse_new()

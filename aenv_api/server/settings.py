@@ -36,6 +36,10 @@ class ServerConfig:
     default_template: str = "base"
     # Build the default template at start when the store has none (a cold boot, ~30 s under TCG).
     build_template: bool = True
+    # Build E2B's code-interpreter template ("code-interpreter-v1", codeint/) in the
+    # background at start when it is missing or made from other sources (a few minutes
+    # under TCG, once; aenv_cli/codeint_template.py). Off: build it by hand, or not at all.
+    code_interpreter: bool = True
     # Sandbox time to live when create does not say, and the largest accepted (seconds).
     default_timeout: int = 300
     max_timeout: int = 86400

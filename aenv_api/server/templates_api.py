@@ -61,6 +61,10 @@ TEMPLATE_ID_PATH = r"/templates/{templateID:(?!tags$)[^{}/]+}"
 UPLOAD_TTL = 3600.0
 UPLOAD_CHUNK = 1 << 20
 UPLOAD_RETRY_AFTER = 5            # seconds a refused upload is told to wait
+# A create from a template whose first build is running waits this long for it, then
+# answers 503 with Retry-After; never 404 for a template on its way.
+FIRST_BUILD_PATIENCE = 45.0     # under the SDKs' 60 s request timeout
+FIRST_BUILD_RETRY_AFTER = 10
 _HASH = re.compile(r"[A-Za-z0-9_-]{8,128}\Z")
 
 _STRINGS = Field("tags", "array", items=Field("tag", "string", max_length=64), max_items=64)
@@ -131,6 +135,20 @@ class TemplateApi:
                 left.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ build
+
+    async def await_first_build(self, ref: str, patience: float = FIRST_BUILD_PATIENCE) -> None:
+        """Before a create from ``ref``: when its template's first build is running, wait
+        up to ``patience`` seconds for it to end; ApiError 503 (Retry-After) if it has not.
+        Returns at once for any other template (ready, unknown, or failed: the create's
+        own lookup answers)."""
+        task = self.builds.first_build(ref)
+        if task is None:
+            return
+        done, _ = await asyncio.wait({task}, timeout=patience)   # never cancels the build
+        if not done:
+            raise ApiError(503, f"template {ref!r} is being built (its first build, e.g. the node's own "
+                                f"code-interpreter-v1 after its first start): retry shortly",
+                           retry=True, retry_after=FIRST_BUILD_RETRY_AFTER)
 
     async def request_build(self, request: web.Request, call: Call) -> web.Response:
         b = call.body

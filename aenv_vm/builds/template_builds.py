@@ -210,6 +210,21 @@ class TemplateBuilds:
             raise NotFound(f"no build {build_id} of template {template_id}")
         return run
 
+    def first_build(self, ref: str) -> "asyncio.Task[None] | None":
+        """The running build of ``ref``'s template while it has no ready build yet (a
+        create from it waits for it: templates_api.py), else None."""
+        try:
+            name, _ = records.split_name(ref)
+        except BadRequest:
+            return None
+        running = [r.task for r in self._runs.values() if r.name == name and r.status == "building" and r.task]
+        if not running:
+            return None
+        tdef = records.load_def(self.store, name)
+        if tdef is not None and tdef.latest_ready() is not None:
+            return None
+        return running[-1]
+
     def waiting_build(self, template_id: str) -> str | None:
         """The newest requested build of ``template_id`` not started yet (the one a COPY
         upload is for: the SDK uploads between its request and its start), or None."""

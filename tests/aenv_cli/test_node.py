@@ -37,7 +37,7 @@ def test_node_serves_the_sdk_and_leaves_nothing_behind(node_data_dir: Path, monk
     from e2b import AsyncSandbox
 
     assert not qemu_children()
-    cfg = load_config(node_data_dir, overrides={"server": {"port": 0}, "vm": {"pool_size": 1}})
+    cfg = load_config(node_data_dir, overrides={"server": {"port": 0, "code_interpreter": False}, "vm": {"pool_size": 1}})
     lines: list[str] = []
     seen: dict[str, object] = {}
 
@@ -75,7 +75,7 @@ def test_a_node_that_cannot_listen_stops_what_it_started(node_data_dir: Path) ->
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cfg = load_config(node_data_dir, overrides={"server": {"port": port}, "vm": {"pool_size": 1}})
+        cfg = load_config(node_data_dir, overrides={"server": {"port": port, "code_interpreter": False}, "vm": {"pool_size": 1}})
         lines: list[str] = []
 
         async def scenario() -> None:

@@ -214,7 +214,8 @@ class Fleet:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
         if os.environ.get("AENV_GUEST_CACHE"):
             env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
-        env.update(AENV_API_KEY=self.api_key, AENV_ENVD_SECRET=self.envd_secret, PYTHONPATH=str(REPO))
+        env.update(AENV_API_KEY=self.api_key, AENV_ENVD_SECRET=self.envd_secret, PYTHONPATH=str(REPO),
+                   AENV_SERVER__CODE_INTERPRETER="false")      # no background code-interpreter build
         return env
 
     def write_node_config(self, node: Node) -> Path:
