@@ -119,7 +119,8 @@ def test_two_nodes_and_one_drained(session: Session, gateway: tuple[str, Coordin
     page.wait_for_selector(f'button.node-op[data-node="{NODES[0]}"]:text("Undrain")')
     drained = {n.node_id: n.drained for n in loop.run(agent.nodes())}
     assert drained == {NODES[0]: True, NODES[1]: False}, drained
-    assert "(drained)" in page.inner_text("#fleet-nodes tbody tr:first-child")
+    page.wait_for_selector("#fleet-nodes tbody tr:first-child:has-text('(drained)')")
+    assert "0 of 8 free" in page.inner_text("#fleet-nodes tbody tr:first-child")    # a drained node takes none
     # the fleet's event stream shows it (the page redraws every 3 s)
     page.wait_for_selector("#fleet-events td:text('node-drained')", timeout=10_000)
     assert NODES[0] in page.inner_text("#fleet-events tbody tr:first-child")

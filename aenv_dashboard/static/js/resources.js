@@ -162,9 +162,11 @@ export function nodesPage(main) {
 function fleetNodes(nodes) {
   return h("div", { id: "fleet-nodes" }, table([
     { title: "Node", cell: (n) => h("code", {}, n.nodeID) },
-    { title: "State", cell: (n) => h("span", { class: "state " + n.state }, n.state + (n.drained ? " (drained)" : "")) },
+    { title: "State", cell: (n) => h("span", { class: "state " + (n.drained ? "draining" : n.state) },
+      n.state + (n.drained ? " (drained)" : "")) },
     { title: "Sandboxes", cell: (n) => bar(n.running, n.maxSandboxes,
-      `${n.running} running, ${n.paused} paused, ${n.freeSlots} of ${n.maxSandboxes} free`) },
+      // a drained (or expired) node has no free slots to give: the gateway says null
+      `${n.running} running, ${n.paused} paused, ${n.freeSlots ?? 0} of ${n.maxSandboxes} free`) },
     { title: "Memory", cell: (n) => bar(n.memTotalMiB - n.memAvailableMiB, n.memTotalMiB,
       `${bytes((n.memTotalMiB - n.memAvailableMiB) * 1048576)} of ${bytes(n.memTotalMiB * 1048576)}`) },
     { title: "Restores", cell: (n) => `${n.restoring ?? 0} / ${n.restoreSlots ?? "?"}` },
@@ -177,7 +179,8 @@ function fleetNodes(nodes) {
 function fleetEvents(events) {
   return h("div", { id: "fleet-events" }, table([
     { title: "When", cell: (e) => new Date(Number(String(e.eventID).split("-")[0])).toLocaleString() },
-    { title: "Event", cell: (e) => Object.entries(e).filter(([k]) => k !== "eventID").map(([k, v]) => `${k}=${v}`).join(" ") },
+    { title: "Event", cell: (e) => Object.entries(e).filter(([k, v]) => k !== "eventID" && v !== "")
+      .map(([k, v]) => `${k}=${v}`).join(" ") },
   ], events.slice(0, 50)));
 }
 
