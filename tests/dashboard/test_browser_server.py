@@ -117,6 +117,13 @@ def test_the_terminal_runs_echo_hi(session: Session, sdk: Server, elder: Any, tm
     page.wait_for_function("""() => [...document.querySelectorAll('#terminal .xterm-rows > div')]
                                      .some(r => r.textContent.trim() === 'hi')""", timeout=15_000)
     screenshot(session, "terminal", tmp_path)
+    pid = int(page.inner_text("#terminal-status").split()[2])       # "shell pid N (cols×rows)"
+    assert pid in [p.pid for p in elder.commands.list()]
+    page.click("#tab-metrics")                    # leaving the terminal ends its shell
+    deadline = time.monotonic() + 10
+    while pid in [p.pid for p in elder.commands.list()]:
+        assert time.monotonic() < deadline, "the terminal's shell outlived its tab"
+        time.sleep(0.2)
 
 
 def test_upload_then_download(session: Session, sdk: Server, elder: Any, tmp_path: Path) -> None:
