@@ -366,3 +366,22 @@ def test_a_volumes_files(session: Session, node: InProcessServer) -> None:
     page.wait_for_selector('tr[data-path="/data/up.bin"]')
     status, _, got = node.request("GET", f"{base}/file?path=/data/up.bin", headers=bearer, key=None)
     assert status == 200 and got == b"\x00\x01 from the page"
+
+
+def test_the_teams_keys_are_made_and_deleted_from_the_page(session: Session, node: InProcessServer) -> None:
+    logged_in(session, node)
+    page = session.page
+    page.on("dialog", lambda d: d.accept())
+    session.open("/keys")
+    page.wait_for_selector("#team:has-text('default')")
+    page.fill("#key-name", "from-the-dashboard")
+    page.click("#key-create")
+    page.wait_for_selector("#new-key-value")
+    new_key = page.inner_text("#new-key-value")
+    assert node.request("GET", "/v2/sandboxes", key=new_key)[0] == 200       # the key shown works
+    listed = {k["name"]: k for k in node.request("GET", "/api-keys")[2]}
+    made = listed["from-the-dashboard"]
+    page.click(f'button[data-key="{made["id"]}"]')
+    page.wait_for_selector(f'button[data-key="{made["id"]}"]', state="detached")
+    assert node.request("GET", "/v2/sandboxes", key=new_key)[0] == 401       # refused at once
+    assert "from-the-dashboard" not in {k["name"] for k in node.request("GET", "/api-keys")[2]}

@@ -8,6 +8,7 @@ import { sandboxList } from "./list.js";
 import { sandboxPage } from "./sandbox.js";
 import { nodesPage, snapshotsPage, templatesPage, volumesPage, buildPage } from "./resources.js";
 import { volumePage } from "./volumes.js";
+import { keysPage } from "./keys.js";
 
 const routes = [
   [/^#\/sandboxes$/, sandboxList],
@@ -18,6 +19,7 @@ const routes = [
   [/^#\/volumes$/, volumesPage],
   [/^#\/volumes\/([^/]+)$/, volumePage],
   [/^#\/nodes$/, nodesPage],
+  [/^#\/keys$/, keysPage],
 ];
 
 let cleanup = null;
