@@ -385,3 +385,17 @@ def test_the_teams_keys_are_made_and_deleted_from_the_page(session: Session, nod
     page.wait_for_selector(f'button[data-key="{made["id"]}"]', state="detached")
     assert node.request("GET", "/v2/sandboxes", key=new_key)[0] == 401       # refused at once
     assert "from-the-dashboard" not in {k["name"] for k in node.request("GET", "/api-keys")[2]}
+
+
+def test_a_paused_sandbox_asks_for_a_resume_before_files_and_terminal(session: Session, node: InProcessServer) -> None:
+    sid = create(node)
+    assert node.request("POST", f"/sandboxes/{sid}/pause", {})[0] == 204
+    logged_in(session, node)
+    page = session.page
+    session.open(f"/sandboxes/{sid}")
+    page.wait_for_selector("#sandbox-state:text('paused')")
+    assert page.is_disabled("#pause") and page.is_enabled("#resume")
+    for tab in ("files", "terminal"):
+        page.click(f"#tab-{tab}")
+        page.wait_for_selector(".panel :text('resume it first')")
+    assert state_of(node, sid) == "paused"       # looking did not resume it
