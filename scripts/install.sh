@@ -21,6 +21,9 @@ APT_PACKAGES=(qemu-system-x86 qemu-utils debootstrap e2fsprogs busybox-static
 
 # systemd: systemd-analyze, which the deploy tests run on the units (tests/deploy)
 APT_PACKAGES+=(systemd)
+# chromium: the browser the dashboard's tests drive through Playwright (tests/dashboard;
+# Playwright's own browser downloads are never used)
+APT_PACKAGES+=(chromium)
 # AENV_SKIP_APT=1: leave system packages alone (deploy/systemd/install.sh --no-apt).
 need=()
 [[ "${AENV_SKIP_APT:-0}" == 1 ]] && APT_PACKAGES=()
@@ -96,4 +99,18 @@ for ndir in tests/aenv_api/server/node tests/codeint/node; do
     fi
   fi
 done
+# The dashboard's third-party assets (xterm.js), pinned by aenv_dashboard/package-lock.json and
+# copied into the served aenv_dashboard/static/vendor (git-ignored build output; docs/dashboard.md).
+ddir=aenv_dashboard
+if command -v npm >/dev/null; then
+  dstamp=$ddir/static/vendor/.aenv-lock-$(sha256sum $ddir/package-lock.json | cut -c1-16)
+  if [[ ! -f "$dstamp" ]]; then
+    echo "install: npm ci ($ddir, pinned by its package-lock.json) and its assets into $ddir/static/vendor"
+    (cd $ddir && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+    rm -rf $ddir/static/vendor && mkdir -p $ddir/static/vendor
+    cp $ddir/node_modules/@xterm/xterm/lib/xterm.mjs $ddir/node_modules/@xterm/xterm/css/xterm.css \
+       $ddir/node_modules/@xterm/addon-fit/lib/addon-fit.mjs $ddir/static/vendor/
+    touch "$dstamp"
+  fi
+fi
 echo "install: ok ($(.venv/bin/aenv --version))"

@@ -31,7 +31,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("aenv_store", "aenv_vm", "aenv_wire", "aenv_http", "aenv_api", "aenv_fleet", "aenv_cli", "envd",
-            "codeint")
+            "codeint", "aenv_dashboard")
 
 # (module, private name) pairs where a module uses a private name of something it does
 # not own, and why that is right there. All are third-party or standard-library names.
@@ -231,6 +231,14 @@ def test_the_http_plumbing_imports_only_the_wire_package_of_the_project() -> Non
     bad = [f"{mod}:{line} imports {name}" for mod in MODULES if mod.split(".")[0] == "aenv_http"
            for name, line in imports_of(mod) if name.split(".")[0] in project - {"aenv_http", "aenv_wire"}]
     assert not bad, "aenv_http imports of the project's only aenv_wire:\n" + "\n".join(bad)
+
+
+def test_the_dashboard_imports_nothing_of_the_project() -> None:
+    """The node's API and the fleet's gateway both serve the dashboard: it may import neither."""
+    project = set(PACKAGES)
+    bad = [f"{mod}:{line} imports {name}" for mod in MODULES if mod.split(".")[0] == "aenv_dashboard"
+           for name, line in imports_of(mod) if name.split(".")[0] in project - {"aenv_dashboard"}]
+    assert not bad, "aenv_dashboard serves static files and imports nothing of the project's:\n" + "\n".join(bad)
 
 
 def test_envd_imports_only_the_standard_library() -> None:

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from aenv_dashboard.serve import PREFIX as DASHBOARD_PREFIX, serve_dashboard
 from aenv_http.bodies import is_blank
 from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port, parser_reason
 from aenv_store.errors import ConfigError
@@ -181,6 +182,9 @@ class ApiServer:
         app = web.Application(middlewares=[self._front], client_max_size=MAX_BODY)
         for r in self.routes:
             app.router.add_route(r.method, r.router_path or r.path, self._wrap(r))
+        # the dashboard's static files (no credential: they hold none; the page asks the API with the user's key)
+        app.router.add_route("*", DASHBOARD_PREFIX, _dashboard)
+        app.router.add_route("*", DASHBOARD_PREFIX + "/{path:.*}", _dashboard)
         self.control.openapi_doc = openapi(self.routes, self.version)
         return app
 
@@ -335,6 +339,11 @@ class ApiServer:
 def _local_port(request: web.BaseRequest) -> int | None:
     sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
     return sock[1] if isinstance(sock, tuple) and len(sock) >= 2 else None
+
+
+async def _dashboard(request: web.Request) -> web.StreamResponse:
+    request["route"] = DASHBOARD_PREFIX     # one metrics label for every file
+    return await serve_dashboard(request)
 
 
 async def _sandbox_traffic_only(request: web.Request) -> web.StreamResponse:

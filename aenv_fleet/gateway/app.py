@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from aenv_dashboard.serve import is_dashboard_path, serve_dashboard
 from aenv_http.bodies import is_blank
 from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port
 from aenv_wire.api_key import presented_api_key
@@ -171,6 +172,8 @@ class Gateway:
         if target is not None:
             return await self._proxy(request, *target)
         path, method = request.path, request.method
+        if is_dashboard_path(path):
+            return await serve_dashboard(request)     # static files, no credential (the page asks with its key)
         if is_unrouted_signed_url(request.path, request.query):
             return await self._signed_file(request)
         if path == "/health" and method == "GET":
