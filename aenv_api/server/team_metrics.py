@@ -128,6 +128,12 @@ class TeamMetrics:
                 series = self._series[team] = TeamSeries()
             series.add(now, counts.get(team, (0, 0))[0], starts.get(team, 0))
 
+    def samples(self, team: str, start: float | None = None,
+                end: float | None = None) -> list[tuple[float, int, int]]:
+        """``team``'s samples in ``start``..``end``: (unix second, running, starts since the previous)."""
+        series = self._series.get(team)
+        return series.between(start, end) if series is not None else []
+
     def _gauge(self) -> list[tuple[Labels, float]]:
         return [((("team", team), ("state", state)), float(c[i]))
                 for team, c in sorted(self._last.items()) for i, state in enumerate(("running", "paused"))]
@@ -154,8 +160,7 @@ class TeamMetrics:
         start, end = call.query["start"], call.query["end"]
         if start is not None and end is not None and start > end:
             raise ApiError(400, "Invalid time range for metrics: start time cannot be after end time")
-        series = self._series.get(team)
-        return (series.between(start, end) if series is not None else []), start, end
+        return self.samples(team, start, end), start, end
 
     async def series(self, request: web.Request, call: Call) -> web.Response:
         samples, start, end = self._samples(request, call)
