@@ -1,0 +1,114 @@
+"""Team quotas in the fleet's Redis with a real redis-server: two gateways creating at
+once never take a team past its running quota (checked and reserved in the same Lua step
+as the node slot), a pause, a kill or a release frees the team's place as the agent's
+bindings change, the creates-per-second bucket is shared by the gateways, and a fork's
+or a resume's starts are reserved the same way (``team_reserve``)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from aenv_fleet.coord import Coordinator, TeamQuotaExceeded
+
+from .redisserver import RedisServer
+from .test_coord import FLEET_KEYS, cap
+
+
+@pytest.fixture
+def fresh(redis_server: RedisServer) -> RedisServer:
+    redis_server.client().flushall()
+    return redis_server
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+async def create(gw: Coordinator, agent: Coordinator, team: str, i: int) -> str | None:
+    """A gateway's create: place with the team, the node's agent binds, the gateway settles."""
+    try:
+        got = await gw.place("base", 256, team=team)
+    except TeamQuotaExceeded:
+        return None
+    assert got is not None, "the nodes have room for all: only the team's quota refuses"
+    node, rid = got
+    await asyncio.sleep(0.001 * (i % 5))        # the create in flight on the node
+    sid = f"{team}-sbx-{i}"
+    await agent.bind(sid, node, "running", {"templateID": "base"})
+    await gw.unreserve(node, rid)
+    await gw.team_settle(team, f"{rid}:1", sid)
+    return sid
+
+
+def test_two_gateways_creating_at_once_never_exceed_a_teams_quota(fresh: RedisServer) -> None:
+    async def main() -> None:
+        agent, gw1, gw2 = (Coordinator(fresh.url, FLEET_KEYS) for _ in range(3))
+        for n in ("n1", "n2"):
+            await agent.heartbeat(n, cap(50), 30)
+        await gw1.set_team_quota("a", {"runningSandboxes": 7, "createsPerSecond": None})
+        await gw1.set_team_quota("b", {"runningSandboxes": 3})
+        # both teams through both gateways, all at once
+        results = await asyncio.gather(*[create(gw1 if i % 2 else gw2, agent, "ab"[i // 2 % 2], i)
+                                         for i in range(60)])
+        made_a = [r for r in results if r and r.startswith("a-")]
+        made_b = [r for r in results if r and r.startswith("b-")]
+        assert len(made_a) == 7 and len(made_b) == 3, results
+        assert await agent.team_running("a") == set(made_a)
+        # another team without a quota is not held back, and is counted all the same
+        free = [await create(gw1, agent, "c", 100 + i) for i in range(5)]
+        assert None not in free and await agent.team_running("c") == set(free)   # type: ignore[arg-type]
+        # a pause frees a place (the agent binds it paused), a resume takes it again
+        await agent.bind(made_a[0], "n1", "paused", {})
+        assert await create(gw2, agent, "a", 200) is not None
+        assert await create(gw2, agent, "a", 201) is None
+        grant = await gw1.team_reserve("a", 1, create=False)         # resuming the paused one: no room
+        assert grant.granted == 0 and grant.refusal is not None and grant.refusal.kind == "running"
+        # a kill (unbind), a release and a lost sandbox free places too
+        await agent.unbind(made_a[1], "")
+        await agent.release(made_a[2], (await agent.binding(made_a[2])).node_id)   # type: ignore[union-attr]
+        assert await agent.mark_lost(made_a[3], "its node is gone")
+        grant = await gw1.team_reserve("a", 5, create=True)          # a fork of 5 gets the 3 places there are
+        assert grant.granted == 3 and grant.refusal is not None and grant.refusal.kind == "running"
+        await gw1.team_unreserve("a", grant.rid, grant.granted)      # the fork failed: the places are back
+        assert (await gw1.team_reserve("a", 5, create=True)).granted == 3
+        # the quota raised: room again, with no restart of anything
+        await gw1.set_team_quota("b", {"runningSandboxes": 4})
+        assert await create(gw2, agent, "b", 300) is not None
+        # the nodes' slots are the bindings' as ever (17 bound, one killed, one released), nothing
+        # held by the teams' reservations
+        assert sum([await agent.heartbeat(n, cap(50), 30) for n in ("n1", "n2")]) == 100 - 15
+        for c in (agent, gw1, gw2):
+            await c.close()
+
+    run(main())
+
+
+def test_the_creates_per_second_bucket_is_shared_by_the_gateways(fresh: RedisServer) -> None:
+    async def main() -> tuple[int, float]:
+        agent, gw1, gw2 = (Coordinator(fresh.url, FLEET_KEYS) for _ in range(3))
+        await agent.heartbeat("n1", cap(10_000), 30)
+        rate = 25.0
+        await gw1.set_team_quota("r", {"createsPerSecond": rate})
+        made = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:
+            got = await asyncio.gather(*(gw.place("base", 256, team="r") for gw in (gw1, gw2)),
+                                       return_exceptions=True)
+            for g in got:
+                if isinstance(g, TeamQuotaExceeded):
+                    assert g.kind == "rate" and g.limit == rate and 0 < g.wait <= 1 / rate + 0.01
+                else:
+                    assert not isinstance(g, BaseException) and g is not None
+                    made += 1
+                    await gw1.unreserve(g[0], g[1])
+                    await gw1.team_unreserve("r", g[1])
+        elapsed = time.monotonic() - t0
+        for c in (agent, gw1, gw2):
+            await c.close()
+        return made, elapsed
+
+    made, elapsed = run(main())
+    # the bucket starts full (25), then the rate over both gateways together: within 10 %
+    assert abs((made - 25) / elapsed - 25) <= 2.5, (made, elapsed)
