@@ -112,3 +112,52 @@ def test_the_creates_per_second_bucket_is_shared_by_the_gateways(fresh: RedisSer
     made, elapsed = run(main())
     # the bucket starts full (25), then the rate over both gateways together: within 10 %
     assert abs((made - 25) / elapsed - 25) <= 2.5, (made, elapsed)
+
+
+# --- the gateway's answers (placement.py), scripted nodes and a fake Redis -----------------------------
+
+def test_the_gateway_answers_a_teams_quota_as_the_node_does() -> None:
+    import json
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from aenv_fleet.coord import TeamGrant
+    from aenv_fleet.gateway.forward import Answer
+    from aenv_fleet.gateway.placement import DEFAULT_TEAM
+
+    from .test_placement_units import Fleet, _answer, _sandboxes, body_of, moves, node, status
+
+    fleet = Fleet(node("n1"))
+    created = {"sandboxID": "sbx-7", "templateID": "base"}
+    path = "/snapshots/snap-1/fork"
+    m, nodes = moves(fleet, {("POST", "http://n1/v2/sandboxes"): [Answer(201, {}, json.dumps(created).encode())],
+                             ("POST", "http://n1" + path): [_answer(_sandboxes("a"))]})
+    req = make_mocked_request("POST", "/v2/sandboxes", headers={"X-API-Key": "k"})
+    # a create: counted for the request's team (the deployment key's, the one a gateway knows)
+    assert status(run(m.create(req, b'{"templateID": "base"}'))) == 201
+    assert fleet.coord.settled == [(DEFAULT_TEAM, "sbx-7")]
+    # the team at its running quota: E2B's 429, no node asked
+    async def full(*args: object, **kwargs: object) -> None:
+        raise TeamQuotaExceeded("running", 2)
+    fleet.coord.place = full     # type: ignore[method-assign]
+    calls = len(nodes.calls)
+    got = run(m.create(req, b'{"templateID": "base"}'))
+    assert status(got) == 429 and body_of(got)["message"].startswith(
+        "You have reached the maximum number of concurrent E2B sandboxes (2).")
+    assert got.headers["Should-Retry"] == "false" and len(nodes.calls) == calls
+
+    async def slow(*args: object, **kwargs: object) -> None:
+        raise TeamQuotaExceeded("rate", 4, 0.2)
+    fleet.coord.place = slow     # type: ignore[method-assign]
+    got = run(m.create(req, b'{"templateID": "base"}'))
+    assert status(got) == 429 and got.headers["Should-Retry"] == "true" and got.headers["Retry-After"] == "1"
+    # a batch of 3 from a snapshot with room for 1: one child made, two refused by the quota
+    async def one_of(team: str, n: int, create: bool) -> TeamGrant:
+        return TeamGrant("rid", 1, TeamQuotaExceeded("running", 5))
+    fleet.coord.team_reserve = one_of    # type: ignore[method-assign]
+    got = run(m.fork_snapshot(make_mocked_request("POST", path, headers={"X-API-Key": "k"}), "snap-1",
+                              json.dumps({"count": 3}).encode()))
+    kids = body_of(got)
+    assert status(got) == 201 and kids[0] == _sandboxes("a")[0] and nodes.bodies[-1]["count"] == 1
+    assert [k["error"]["code"] for k in kids[1:]] == [429, 429]   # type: ignore[index]
+    assert fleet.coord.settled[-1] == (DEFAULT_TEAM, "a")
