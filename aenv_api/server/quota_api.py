@@ -30,6 +30,16 @@ class QuotaApi:
         self.store = store
         self.publish: Publish | None = None     # a fleet node's: the quota into the fleet's Redis
 
+    async def publish_all(self) -> None:
+        """Every team's quota set on this node to the fleet (at the agent's start: quotas set
+        before the node joined, or while its Redis was away, reach the gateways)."""
+        if self.publish is None:
+            return
+        for team in self.store.teams():
+            quota = self.store.quota(team.team_id)
+            if not quota.unlimited:
+                await self.publish(team.team_id, quota)
+
     async def get(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["teamID"]
         try:

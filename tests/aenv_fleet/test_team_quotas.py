@@ -161,3 +161,47 @@ def test_the_gateway_answers_a_teams_quota_as_the_node_does() -> None:
     assert status(got) == 201 and kids[0] == _sandboxes("a")[0] and nodes.bodies[-1]["count"] == 1
     assert [k["error"]["code"] for k in kids[1:]] == [429, 429]   # type: ignore[index]
     assert fleet.coord.settled[-1] == (DEFAULT_TEAM, "a")
+
+
+def test_a_quota_the_admin_sets_on_a_node_reaches_the_gateways(fresh: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The admin's PUT on a fleet node writes the quota to Redis (what aenv_cli/node.py wires),
+    where a gateway's placement holds the team to it; a Redis that is away is a 503 to retry."""
+    from aenv_api.server.keystore import DEFAULT_TEAM_ID
+    from tests.aenv_api.server.inprocess import InProcessServer
+
+    admin = {"X-Admin-Token": "admin-" + "f" * 26}
+    srv = InProcessServer.start(tmp_path / "node", admin_token=admin["X-Admin-Token"])
+    try:
+        async def wire(url: str = fresh.url) -> Coordinator:
+            coord = Coordinator(url, FLEET_KEYS)
+            srv.server.quotas.publish = lambda team, quota: coord.set_team_quota(team, quota.wire())
+            return coord
+        node_coord = srv.call(wire())
+        path = f"/admin/teams/{DEFAULT_TEAM_ID}/quota"
+        status, _, got = srv.request("PUT", path, {"runningSandboxes": 0, "createsPerSecond": 3}, key=None,
+                                     headers=admin)
+        assert status == 200, got
+        assert fresh.client().hgetall(f"aenv:quota:{DEFAULT_TEAM_ID}") == {"runningSandboxes": "0",
+                                                                           "createsPerSecond": "3.0"}
+
+        async def gateway_places() -> str:
+            gw = Coordinator(fresh.url, FLEET_KEYS)
+            await gw.heartbeat("n1", cap(5), 30)
+            try:
+                await gw.place("base", 256, team=DEFAULT_TEAM_ID)
+                return "placed"
+            except TeamQuotaExceeded as e:
+                return f"{e.kind} {e.limit:g}"
+            finally:
+                await gw.close()
+        assert run(gateway_places()) == "running 0"
+        assert srv.request("PUT", path, {}, key=None, headers=admin)[0] == 200     # unlimited: the hash goes
+        assert fresh.client().exists(f"aenv:quota:{DEFAULT_TEAM_ID}") == 0
+        assert run(gateway_places()) == "placed"
+        srv.call(node_coord.close())
+        away = srv.call(wire("redis://127.0.0.1:1"))     # nothing listens there: Redis is away
+        status, _, got = srv.request("PUT", path, {"runningSandboxes": 1}, key=None, headers=admin)
+        assert status == 503 and "send it again" in got["message"]
+        srv.call(away.close())
+    finally:
+        srv.stop()
