@@ -214,3 +214,29 @@ def test_the_default_teams_quota_applies_to_the_deployment_key(node: InProcessSe
         assert admin(node, "PUT", path, {})[0] == 200
     assert create(node, node.api_key)[0] == 201
     node.kill_all()
+
+
+def test_the_concurrent_builds_quota_holds_a_teams_build_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A team at its concurrent-builds quota is refused the start (v2 with steps, and the
+    legacy start of a Dockerfile request); the build stays waiting and starts once allowed."""
+    srv = InProcessServer.start(tmp_path / "builds", templates=True, admin_token=ADMIN)
+    try:
+        quota = f"/admin/teams/{DEFAULT_TEAM_ID}/quota"
+        assert admin(srv, "PUT", quota, {"concurrentBuilds": 0})[0] == 200
+        status, _, got = srv.request("POST", "/v2/templates", {"alias": "held", "cpuCount": 1, "memoryMB": 256})
+        assert status == 202, got
+        start = f"/v2/templates/held/builds/{got['buildID']}"
+        steps = {"fromTemplate": "base", "steps": [{"type": "RUN", "args": ["true"]}]}
+        status, headers, err = srv.request("POST", start, steps)
+        assert status == 429 and "concurrent template builds (0)" in err["message"], err
+        assert headers["Should-Retry"] == "false"
+        status, _, legacy = srv.request("POST", "/templates", {"dockerfile": "FROM base\nRUN true\n", "alias": "old"})
+        assert status == 202, legacy
+        status, _, err = srv.request("POST", f"/templates/old/builds/{legacy['buildID']}")
+        assert status == 429 and "concurrent template builds (0)" in err["message"]
+        _, _, st = srv.request("GET", f"/templates/held/builds/{got['buildID']}/status")
+        assert st["status"] == "waiting"
+        assert admin(srv, "PUT", quota, {"concurrentBuilds": 1})[0] == 200
+        assert srv.request("POST", start, steps)[0] == 202
+    finally:
+        srv.stop()
