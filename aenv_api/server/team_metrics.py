@@ -179,7 +179,8 @@ class TeamMetrics:
             for b in buckets(samples, start, end):
                 if best is None or b.rate > best[0]:
                     best = (b.rate, b.start)
-        value, when = best if best is not None else (0.0, float(end if end is not None else time.time()))
+        # no sample in the range: 0, stamped with its end (now at most: an end far off names no time)
+        value, when = best if best is not None else (0.0, min(float(end if end is not None else 2**62), time.time()))
         return json_response({"timestamp": iso(when), "timestampUnix": int(when), "value": value})
 
     def routes(self) -> list[Route]:
