@@ -165,9 +165,15 @@ class Lifecycle:
     async def team_counts(self, team: str | None = None) -> dict[str, tuple[int, int]]:
         """(running, paused) sandboxes of each team (``team``: of that one only) on this node."""
         out: dict[str, tuple[int, int]] = {}
-        for v in await self.list_views(team):
-            running, paused = out.get(v.team_id, (0, 0))
-            out[v.team_id] = (running + 1, paused) if v.state == "running" else (running, paused + 1)
+        # from the records as they are (no view built: this runs at each start of a team with a quota)
+        for i in await self.service.list_sandboxes():
+            if i.state not in VISIBLE_STATES:
+                continue
+            owner = team_of(i.annotations)
+            if team is not None and owner != team:
+                continue
+            running, paused = out.get(owner, (0, 0))
+            out[owner] = (running + 1, paused) if i.state is SandboxState.RUNNING else (running, paused + 1)
         return out
 
     async def start(self) -> None:
