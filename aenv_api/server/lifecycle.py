@@ -202,7 +202,7 @@ class Lifecycle:
             try:
                 if self.config.on_shutdown == "pause":
                     try:
-                        await self.pause(view.sandbox_id)
+                        await self.pause(view.sandbox_id, within_quota=False)   # a node stopping keeps them
                         continue
                     except ApiError as e:
                         if e.status != 501:
@@ -454,16 +454,18 @@ class Lifecycle:
 
     # --- pause / resume / connect -------------------------------------------
 
-    async def pause(self, sid: str, memory: bool = True, require_healthy: bool = False) -> None:
+    async def pause(self, sid: str, memory: bool = True, require_healthy: bool = False,
+                    within_quota: bool = True) -> None:
         """E2B's pause; ``memory=False``: filesystem only (the next connect boots from the
         disk); ``require_healthy`` (the SDK's ``strict``) or ``memory=False``: 503 and the
-        sandbox keeps running when its envd does not answer."""
+        sandbox keeps running when its envd does not answer. ``within_quota``: held to its
+        team's paused quota (the shutdown's pauses are not: they keep the sandboxes)."""
         view = await self.get(sid)
         self._check(view, Op.PAUSE if memory else Op.PAUSE_FILESYSTEM)   # E2B's 409
         await self._capture_console(sid)   # its VM is about to go away
         t0 = time.monotonic()
         try:
-            async with (self.quotas.pausing(view.team_id) if self.quotas is not None
+            async with (self.quotas.pausing(view.team_id) if self.quotas is not None and within_quota
                         else contextlib.nullcontext()):
                 await self.service.pause(sid, memory=memory, require_healthy=require_healthy)
         except GuestUnresponsive as e:

@@ -240,3 +240,18 @@ def test_the_concurrent_builds_quota_holds_a_teams_build_starts(tmp_path) -> Non
         assert srv.request("POST", start, steps)[0] == 202
     finally:
         srv.stop()
+
+
+def test_a_shutdown_pauses_a_teams_sandboxes_beyond_its_paused_quota(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A node stopping pauses every running sandbox (on_shutdown = "pause"): the paused
+    quota never makes it lose one."""
+    srv = InProcessServer.start(tmp_path / "stopping", admin_token=ADMIN)
+    try:
+        _, key = new_team(srv, "keeps", pausedSandboxes=0)
+        sids = [create(srv, key)[2]["sandboxID"] for _ in range(2)]
+        assert srv.request("POST", f"/sandboxes/{sids[0]}/pause", {}, key=key)[0] == 429
+        srv.call(srv.lifecycle.shutdown())
+        states = {i.sandbox_id: i.state.value for i in srv.call(srv.fake.list_sandboxes())}
+        assert states == {sid: "paused" for sid in sids}
+    finally:
+        srv.stop()
