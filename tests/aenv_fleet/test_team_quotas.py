@@ -205,3 +205,30 @@ def test_a_quota_the_admin_sets_on_a_node_reaches_the_gateways(fresh: RedisServe
         srv.call(away.close())
     finally:
         srv.stop()
+
+
+def test_the_gateway_holds_a_resume_to_the_teams_running_quota() -> None:
+    """Connecting to a paused sandbox is a start of its team: refused (no node asked) at the
+    running quota, and counted for the team once the node resumed it."""
+    from aenv_fleet.coord import TeamGrant
+    from aenv_fleet.gateway.forward import Answer
+    from aenv_fleet.gateway.placement import DEFAULT_TEAM
+
+    from .test_placement_units import Fleet, body_of, connect_request, moves, node, paused_on, status
+
+    fleet = Fleet(node("n1"))
+    fleet.bindings["sbx-1"] = paused_on("n1")
+    m, nodes = moves(fleet, {("POST", "http://n1/sandboxes/sbx-1/connect"): [Answer(201, {}, b"{}")]})
+    asked: list[bool] = []
+
+    async def none_left(team: str, n: int, create: bool) -> TeamGrant:
+        asked.append(create)
+        return TeamGrant("rid", 0, TeamQuotaExceeded("running", 3))
+    real = fleet.coord.team_reserve
+    fleet.coord.team_reserve = none_left     # type: ignore[method-assign]
+    got = run(m.connect(connect_request("sbx-1"), "sbx-1", b"{}"))
+    assert status(got) == 429 and "concurrent E2B sandboxes (3)" in body_of(got)["message"]
+    assert nodes.calls == [] and asked == [False]       # a resume takes no creates-per-second token
+    fleet.coord.team_reserve = real          # type: ignore[method-assign]
+    assert status(run(m.connect(connect_request("sbx-1"), "sbx-1", b"{}"))) == 201
+    assert fleet.coord.settled == [(DEFAULT_TEAM, "sbx-1")]
