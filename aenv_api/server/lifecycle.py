@@ -495,7 +495,9 @@ class Lifecycle:
         t0 = time.monotonic()
         team = await self.owner(sid) or DEFAULT_TEAM_ID
         try:
-            async with self._starts(team, 1, create=False):     # a resume is a start of its team
+            # a resume is a start of its team
+            async with (self.quotas.resume(team, sid, functools.partial(self._running_now, sid))
+                        if self.quotas is not None else contextlib.nullcontext()):
                 info = await self.service.resume(sid, timeout, memory=memory)
         except UnresponsiveSnapshot as e:
             raise guest_unresponsive(sid, e) from None

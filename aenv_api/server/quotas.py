@@ -154,6 +154,8 @@ class QuotaGate:
     _pausing: dict[str, int] = field(default_factory=dict)
     _buckets: dict[str, TokenBucket] = field(default_factory=dict)
     _builds: dict[str, set[str]] = field(default_factory=dict)
+    # sandbox id -> (the lock its resumes pass one at a time, how many hold or wait for it)
+    _resume_locks: dict[str, tuple[asyncio.Lock, int]] = field(default_factory=dict)
 
     def _bucket(self, team: str, rate: float) -> TokenBucket:
         b = self._buckets.get(team)
@@ -164,6 +166,32 @@ class QuotaGate:
                 fresh.tokens = min(fresh.capacity, b.tokens)
             b = self._buckets[team] = fresh
         return b
+
+    @contextlib.asynccontextmanager
+    async def resume(self, team: str, sandbox_id: str,
+                     running_now: Callable[[], Awaitable[bool]]) -> AsyncIterator[Grant]:
+        """A resume of ``sandbox_id``: one start of ``team``, held until the block ends.
+        Resumes of one sandbox pass one at a time (the sandbox layer runs them so anyway);
+        one that finds it running already (``running_now``: another resumed it) is no new
+        start, so it is not refused for the sandbox the first one started."""
+        if self.quota_of(team).running is None:     # no quota: no lock, no count
+            yield Grant(1)
+            return
+        lock, users = self._resume_locks.get(sandbox_id, (asyncio.Lock(), 0))
+        self._resume_locks[sandbox_id] = (lock, users + 1)
+        try:
+            async with lock:
+                if await running_now():
+                    yield Grant(1)
+                else:
+                    async with self.starts(team, 1, create=False) as grant:
+                        yield grant
+        finally:
+            lock, users = self._resume_locks[sandbox_id]
+            if users > 1:
+                self._resume_locks[sandbox_id] = (lock, users - 1)
+            else:
+                del self._resume_locks[sandbox_id]
 
     @contextlib.asynccontextmanager
     async def starts(self, team: str, n: int, *, create: bool) -> AsyncIterator[Grant]:

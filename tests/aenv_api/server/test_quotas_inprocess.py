@@ -255,3 +255,29 @@ def test_a_shutdown_pauses_a_teams_sandboxes_beyond_its_paused_quota(tmp_path) -
         assert states == {sid: "paused" for sid in sids}
     finally:
         srv.stop()
+
+
+def test_concurrent_connects_at_the_running_quota_both_succeed(node: InProcessServer) -> None:
+    """Two connects resuming one paused sandbox of a team with room for exactly it: one
+    start, not two; the one that loses the race finds it running and is answered."""
+    import asyncio
+
+    _, key = new_team(node, "racing-resume", runningSandboxes=1)
+    sid = create(node, key)[2]["sandboxID"]
+    assert node.request("POST", f"/sandboxes/{sid}/pause", {}, key=key)[0] == 204
+    fake = node.fake
+    original = fake.resume
+
+    async def slow_resume(sandbox_id: str, timeout: float | None = None, memory: bool = True) -> Any:
+        await asyncio.sleep(0.3)
+        return await original(sandbox_id, timeout, memory)
+    fake.resume = slow_resume       # type: ignore[method-assign]  # a slower node, for this test only
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answers = sorted(pool.map(lambda _: node.request("POST", f"/v2/sandboxes/{sid}/connect",
+                                                             {"timeout": 60}, key=key)[0], range(2)))
+    finally:
+        fake.resume = original      # type: ignore[method-assign]
+    assert answers == [200, 201]
+    assert create(node, key)[0] == 429      # and the team is at its quota: the one resumed counts
+    node.kill_all()
