@@ -34,6 +34,7 @@ from aenv_api.server.nodes_api import NodeApi
 from aenv_api.server.templates_api import TemplateApi
 from aenv_api.server.volumes_api import VolumeApi
 from aenv_fleet.agent import NodeAgent, RestoreLoad
+from aenv_fleet.coord import CoordError
 from aenv_fleet.trust import check_fleet_redis, cluster_trust, fleet_keys_file, without_credentials
 from aenv_wire.fleet_auth import FleetKeys
 from aenv_store.assembly import open_node_store, peer_source
@@ -209,6 +210,13 @@ class Node:
             url = local_url(server_cfg.host, port)
             if agent is not None:
                 await agent.start([server_cfg.default_template, tpl.id])
+                # the teams' quotas the admin sets on this node reach the gateways through Redis
+                coord = agent.coord
+                server.quotas.publish = lambda team, quota: coord.set_team_quota(team, quota.wire())
+                try:
+                    await server.quotas.publish_all()
+                except CoordError as e:
+                    report(f"cluster: the teams' quotas were not published to the fleet ({e}): set them again")
                 report(f"cluster: node {agent.node_id!r} in the fleet at {without_credentials(cluster.redis_url)}, "
                        f"advertised as {cluster.advertise_url}")
                 if agent.peering is not None:

@@ -10,7 +10,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -25,6 +25,42 @@ log = logging.getLogger(__name__)
 
 class CoordError(Exception):
     """Redis could not be reached or answered an error."""
+
+
+class TeamQuotaExceeded(Exception):
+    """A team's quota leaves no room for a start (scripts.py ``team_room``): ``kind`` is
+    "running" (``limit`` sandboxes run already) or "rate" (``limit`` creates a second; the
+    next token in ``wait`` seconds)."""
+
+    def __init__(self, kind: str, limit: float, wait: float = 0.0) -> None:
+        super().__init__(f"team quota: {kind} {limit:g}")
+        self.kind = kind
+        self.limit = limit
+        self.wait = wait
+
+    @classmethod
+    def parse(cls, why: str) -> "TeamQuotaExceeded":
+        parts = why.split()
+        try:
+            if parts[0] == "rate":
+                return cls("rate", float(parts[1]), float(parts[2]) / 1000)
+            return cls("running", float(parts[1]))
+        except (IndexError, ValueError):
+            raise CoordError(f"a team quota refusal Redis answered is not one: {why!r:.100}") from None
+
+
+@dataclass(frozen=True)
+class TeamGrant:
+    """What ``Coordinator.team_reserve`` got: ``granted`` starts under ``rid`` (members
+    ``rid:1``..), and why not more (None: all asked for)."""
+
+    rid: str
+    granted: int
+    refusal: TeamQuotaExceeded | None
+
+    def member(self, i: int) -> str:
+        """The reservation of the i-th start (0-based) granted."""
+        return f"{self.rid}:{i + 1}"
 
 
 def now_ms() -> int:
@@ -136,7 +172,8 @@ class Coordinator:
         self._forged: dict[str, str] = {}       # node id -> the bad signature last logged
         self._scripts = {name: self.redis.register_script(getattr(scripts, name))
                          for name in ("HEARTBEAT", "STOP", "EXPIRE", "PLACE", "UNRESERVE", "BIND", "UNBIND",
-                                      "RELEASE", "LOST", "DRAIN")}
+                                      "RELEASE", "LOST", "DRAIN", "TEAM_RESERVE", "TEAM_SETTLE",
+                                      "TEAM_UNRESERVE")}
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -263,12 +300,53 @@ class Coordinator:
     # --- placement -----------------------------------------------------------------------
 
     async def place(self, template: str, memory_mib: int, exclude: tuple[str, ...] = (), ttl: float = 900.0,
-                    candidates: int = 16) -> tuple[str, str] | None:
-        """Reserve a slot: ``(node, reservation id)``, or None when no node has room."""
+                    candidates: int = 16, team: str = "") -> tuple[str, str] | None:
+        """Reserve a slot: ``(node, reservation id)``, or None when no node has room.
+        ``team``: a create of that team, whose quota is checked and its start reserved in
+        the same step (member ``<rid>:1``, settled by ``team_settle`` or dropped by
+        ``team_unreserve``); TeamQuotaExceeded when its quota leaves no room."""
         rid = secrets.token_hex(8)
         node = await self._run("PLACE", now_ms(), template, rid, int(ttl * 1000), memory_mib, candidates,
-                               ",".join(exclude))
+                               ",".join(exclude), team)
+        if isinstance(node, str) and node.startswith("!"):
+            raise TeamQuotaExceeded.parse(node[1:])
         return (node, rid) if node else None
+
+    # --- team quotas (scripts.py "Team quotas") --------------------------------------------
+
+    async def set_team_quota(self, team: str, quota: dict[str, float | int | None]) -> None:
+        """The team's quota as the gateways read it (wire names; None: unlimited)."""
+        k = keys.team_quota(team)
+        values = {name: str(v) for name, v in quota.items() if v is not None}
+        try:
+            async with self.redis.pipeline(transaction=True) as p:
+                p.delete(k)
+                if values:
+                    p.hset(k, mapping=values)
+                await p.execute()
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
+
+    async def team_reserve(self, team: str, n: int, create: bool, ttl: float = 900.0) -> TeamGrant:
+        """Reserve up to ``n`` starts of ``team`` (partly, as its quota allows)."""
+        rid = secrets.token_hex(8)
+        k, why = await self._run("TEAM_RESERVE", team, n, rid, now_ms(), int(ttl * 1000), "1" if create else "0")
+        return TeamGrant(rid, int(k), TeamQuotaExceeded.parse(why) if why else None)
+
+    async def team_settle(self, team: str, member: str, sandbox_id: str) -> None:
+        """The start reserved as ``member`` made ``sandbox_id``: counted for ``team`` from now on."""
+        await self._run("TEAM_SETTLE", team, member, sandbox_id)
+
+    async def team_unreserve(self, team: str, rid: str, n: int = 1) -> None:
+        """Drop the starts reserved under ``rid`` that were not settled (settled ones are gone already)."""
+        await self._run("TEAM_UNRESERVE", team, rid, n)
+
+    async def team_running(self, team: str) -> set[str]:
+        try:
+            # redis-py types the call for its sync and async clients at once: this client's is awaitable
+            return set(await cast(Awaitable[set[str]], self.redis.smembers(keys.team_running(team))))
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
 
     async def free_slots(self, node_id: str) -> int | None:
         """The node's free slots now (None: not placeable, e.g. drained or expired)."""

@@ -46,3 +46,27 @@ def idempotency(digest: str) -> str:
     """STRING: the node a create with this Idempotency-Key (sha256 hex) went to, or
     "pending"; the one key with a Redis TTL (a day, as a node keeps its own keys)."""
     return f"{PREFIX}idem:{digest}"
+
+
+# team quotas (scripts.py "Team quotas"; docs/cluster.md)
+SANDBOX_TEAMS = PREFIX + "sbxteam"   # HASH sandbox id -> the team it counts for
+
+
+def team_quota(team: str) -> str:
+    """HASH: the team's quota as the admin set it (runningSandboxes, createsPerSecond, ...; absent: unlimited)."""
+    return f"{PREFIX}quota:{team}"
+
+
+def team_running(team: str) -> str:
+    """SET: ids of the team's sandboxes running in the fleet (counted against its quota)."""
+    return f"{PREFIX}team:{team}:run"
+
+
+def team_reservations(team: str) -> str:
+    """ZSET: the team's starts in flight (reservation member -> expiry, unix ms)."""
+    return f"{PREFIX}team:{team}:resv"
+
+
+def team_bucket(team: str) -> str:
+    """HASH: tokens, stamp (unix ms) of the team's creates-per-second bucket."""
+    return f"{PREFIX}team:{team}:bucket"

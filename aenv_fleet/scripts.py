@@ -15,6 +15,16 @@ Slot accounting (``aenv:free``): a placeable node's score is
 from scratch (so a gateway that died between reserving and finishing leaks a slot only
 until the reservation's expiry); bind/unbind and reservations adjust it by one in
 between. A node leaves ``aenv:free`` when drained, stopped or found expired.
+
+Team quotas (docs/cluster.md "Team quotas"): a team's quota is the hash
+``aenv:quota:<team>`` (what the admin set on a node); its running sandboxes the set
+``aenv:team:<team>:run``, its starts in flight ``aenv:team:<team>:resv`` (like a node's
+reservations, with an expiry), its creates-per-second bucket ``aenv:team:<team>:bucket``.
+``PLACE`` checks and reserves a create's team start in the same step as its node slot;
+``TEAM_SETTLE`` turns the reservation into the sandbox (``aenv:sbxteam`` maps it to its
+team), and from then on ``BIND`` keeps it in the running set while it runs, ``UNBIND``,
+``RELEASE`` and ``LOST`` take it out: a pause, a kill, an expiry free the team's place as
+they free (or not) a node's slot.
 """
 from __future__ import annotations
 
@@ -30,6 +40,55 @@ end
 local function drop_from_node(sid, node)
   if node and node ~= '' and redis.call('SREM', P .. 'node:' .. node .. ':sbx', sid) == 1 then
     free_add(node, 1)
+  end
+end
+-- team quotas: a sandbox counted for a team (aenv:sbxteam) is in its running set while it runs
+local function team_track(sid, running)
+  local t = redis.call('HGET', P .. 'sbxteam', sid)
+  if t then
+    if running then redis.call('SADD', P .. 'team:' .. t .. ':run', sid)
+    else redis.call('SREM', P .. 'team:' .. t .. ':run', sid) end
+  end
+  return t
+end
+-- how many of n starts team t may make now (its running quota and, for creates, its token
+-- bucket); nothing written. -> k, why ('' | 'running <limit>' | 'rate <rate> <wait ms>'), tokens, stamp
+local function team_room(t, n, now, create)
+  local q = redis.call('HMGET', P .. 'quota:' .. t, 'runningSandboxes', 'createsPerSecond')
+  local k, why = n, ''
+  local limit = tonumber(q[1])
+  if limit then
+    local rk = P .. 'team:' .. t .. ':resv'
+    redis.call('ZREMRANGEBYSCORE', rk, '-inf', now)
+    local room = limit - redis.call('SCARD', P .. 'team:' .. t .. ':run') - redis.call('ZCARD', rk)
+    if room < k then
+      k = math.max(room, 0)
+      why = 'running ' .. limit
+    end
+  end
+  local rate = tonumber(q[2])
+  local tokens, stamp = nil, nil
+  if create and rate and rate > 0 and k > 0 then
+    local b = redis.call('HMGET', P .. 'team:' .. t .. ':bucket', 'tokens', 'stamp')
+    local cap = math.max(1, rate)
+    tokens, stamp = tonumber(b[1]) or cap, tonumber(b[2]) or now
+    if now > stamp then
+      tokens = math.min(cap, tokens + (now - stamp) / 1000 * rate)
+      stamp = now
+    end
+    local got = math.min(k, math.floor(tokens + 1e-9))
+    if got < k then
+      why = 'rate ' .. rate .. ' ' .. math.ceil((1 - (tokens - got)) / rate * 1000)
+      k = got
+    end
+  end
+  return k, why, tokens, stamp
+end
+-- reserve k starts of team t (members rid:1..rid:k, live until now + ttl), taking k tokens
+local function team_take(t, k, rid, now, ttl, tokens, stamp)
+  for i = 1, k do redis.call('ZADD', P .. 'team:' .. t .. ':resv', now + ttl, rid .. ':' .. i) end
+  if tokens then
+    redis.call('HSET', P .. 'team:' .. t .. ':bucket', 'tokens', tostring(tokens - k), 'stamp', tostring(stamp))
   end
 end
 """
@@ -82,11 +141,21 @@ return out
 """
 
 # ARGV: now_ms, template, reservation id, reservation ttl ms, memory MiB (0: the node's sandbox size),
-#       k, excluded nodes (a,b,c)
-# -> the node reserved, or nil when no node has room
+#       k, excluded nodes (a,b,c), team ('' = no team's quota: an adoption, or the team's start
+#       reserved already)
+# -> the node reserved, or nil when no node has room, or '!<why>' (team_room) when the team's
+#    quota leaves no room: then nothing is reserved. The team's start is reserved with the node's
+#    slot (member <rid>:1 of aenv:team:<team>:resv), in the same step.
 PLACE = _LIB + """
 local now, tpl, rid = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local ttl, mem, k = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local team = ARGV[8] or ''
+local tokens, stamp
+if team ~= '' then
+  local granted, why
+  granted, why, tokens, stamp = team_room(team, 1, now, true)
+  if granted < 1 then return '!' .. why end
+end
 local excl = {}
 for x in string.gmatch(ARGV[7], '[^,]+') do excl[x] = true end
 local list = redis.call('ZREVRANGEBYSCORE', P .. 'free', '+inf', '1', 'LIMIT', 0, k)
@@ -127,7 +196,35 @@ end
 if not best then return false end
 redis.call('ZINCRBY', P .. 'free', -1, best)
 redis.call('ZADD', P .. 'node:' .. best .. ':resv', now + ttl, rid)
+if team ~= '' then team_take(team, 1, rid, now, ttl, tokens, stamp) end
 return best
+"""
+
+# ARGV: team, n, reservation id, now_ms, ttl ms, create ('1' | '0': a resume, which takes no token)
+# -> {k, why}: k of the n starts reserved (members <rid>:1..k), why not more (team_room)
+TEAM_RESERVE = _LIB + """
+local t, n, rid, now, ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local k, why, tokens, stamp = team_room(t, n, now, ARGV[6] == '1')
+team_take(t, k, rid, now, ttl, tokens, stamp)
+return {k, why}
+"""
+
+# ARGV: team, reservation member, sandbox  (the start it was for made the sandbox: counted
+# for the team from now on, in its running set while its binding says running)
+TEAM_SETTLE = _LIB + """
+local t, sid = ARGV[1], ARGV[3]
+redis.call('ZREM', P .. 'team:' .. t .. ':resv', ARGV[2])
+redis.call('HSET', P .. 'sbxteam', sid, t)
+if redis.call('HGET', P .. 'sbx:' .. sid, 'state') == 'running' then
+  redis.call('SADD', P .. 'team:' .. t .. ':run', sid)
+end
+return 1
+"""
+
+# ARGV: team, reservation id, n  (members <rid>:1..n that were not settled: the starts failed)
+TEAM_UNRESERVE = _LIB + """
+for i = 1, tonumber(ARGV[3]) do redis.call('ZREM', P .. 'team:' .. ARGV[1] .. ':resv', ARGV[2] .. ':' .. i) end
+return 1
 """
 
 # ARGV: node, reservation id  (the create it was for has finished, either way)
@@ -147,6 +244,7 @@ local prev = redis.call('HGET', sk, 'state')
 redis.call('HSET', sk, 'node', node, 'state', ARGV[3], 'info', ARGV[4], 'updated', ARGV[5], 'note', ARGV[7])
 if ARGV[6] ~= '' then redis.call('HSET', sk, 'paused_at', ARGV[6]) end
 if redis.call('SADD', P .. 'node:' .. node .. ':sbx', sid) == 1 then free_add(node, -1) end
+team_track(sid, ARGV[3] == 'running')
 if old ~= node or prev ~= ARGV[3] then event('sandbox-' .. ARGV[3], sid, node) end
 return 1
 """
@@ -158,6 +256,7 @@ local sk = P .. 'sbx:' .. sid
 local old = redis.call('HGET', sk, 'node')
 if not old or (ARGV[2] ~= '' and old ~= ARGV[2]) then return 0 end
 drop_from_node(sid, old)
+if team_track(sid, false) then redis.call('HDEL', P .. 'sbxteam', sid) end
 redis.call('SREM', P .. 'released', sid)
 redis.call('DEL', sk)
 event('sandbox-killed', sid, old)
@@ -171,6 +270,7 @@ local sk = P .. 'sbx:' .. sid
 local old = redis.call('HGET', sk, 'node')
 if not old or old ~= ARGV[2] then return 0 end
 drop_from_node(sid, old)
+team_track(sid, false)
 redis.call('HSET', sk, 'node', '', 'state', 'paused', 'updated', ARGV[3])
 redis.call('SADD', P .. 'released', sid)
 event('sandbox-released', sid, old)
@@ -185,6 +285,7 @@ local sk = P .. 'sbx:' .. sid
 if redis.call('EXISTS', sk) == 0 then return 0 end
 local prev = redis.call('HGET', sk, 'state')
 redis.call('HSET', sk, 'state', 'lost', 'note', ARGV[2], 'updated', ARGV[3])
+team_track(sid, false)
 if prev ~= 'lost' then event('sandbox-lost', sid, redis.call('HGET', sk, 'node')) end
 return 1
 """

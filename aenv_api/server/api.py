@@ -285,7 +285,7 @@ class ControlPlane:
         sbx = ("sandboxes",)
         # the template API first: its literal paths (/templates/tags) before /templates/{templateID}
         templates = [] if self.templates is None else (
-            self.templates.routes() + LegacyTemplateApi(self.templates.builds).routes())
+            self.templates.routes() + LegacyTemplateApi(self.templates.builds, self.templates.admit_build).routes())
         nodes = self.nodes.routes() if self.nodes is not None else []
         return templates + nodes + (
             self.volumes.routes() if self.volumes is not None else []) + [

@@ -14,6 +14,7 @@ client. One access-log line per request (text, or JSON lines).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -52,6 +53,9 @@ from .routes import Call, Route, openapi
 from .scrub import KeyScrub
 from .settings import ServerConfig
 from .principal import PRINCIPAL, Principal
+from .quota_api import QuotaApi
+from .quotas import QuotaGate
+from .team_metrics import TeamMetrics
 from .teams_api import TeamsApi
 from .templates_api import TemplateApi
 from .volumes_api import VolumeApi
@@ -118,11 +122,19 @@ class ApiServer:
         self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config), KeyScrub(creds.api_key))
         self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes,
                                     OwnerMap(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE))
-        self.teams = TeamsApi(KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key), creds.admin_token,
-                              lifecycle)
+        keystore = KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key)
+        self.teams = TeamsApi(keystore, creds.admin_token, lifecycle)
         if volumes is not None:
             volumes.owners = OwnerMap(lifecycle.data_dir / VOLUME_TEAMS_FILE)
-        self.routes = self.teams.routes() + self.control.routes()
+        # per-team quotas and metrics (quotas.py, team_metrics.py)
+        self.quotas = QuotaApi(keystore)
+        self.team_metrics = TeamMetrics(metrics, config.team_metrics_interval)
+        lifecycle.quotas = QuotaGate(keystore.quota, self._team_count)
+        lifecycle.team_metrics = self.team_metrics
+        if templates is not None:
+            templates.quotas = lifecycle.quotas
+        self._sampler: asyncio.Task[None] | None = None
+        self.routes = self.teams.routes() + self.quotas.routes() + self.team_metrics.routes() + self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None
         self._tls_site: web.TCPSite | None = None
@@ -130,6 +142,9 @@ class ApiServer:
         self._debug_site: web.TCPSite | None = None
         self.envd_debug_port: int | None = None     # sandbox traffic only, on loopback ([server] envd_debug_port)
         self.port: int | None = None
+
+    async def _team_count(self, team: str) -> tuple[int, int]:
+        return (await self.lifecycle.team_counts(team)).get(team, (0, 0))
 
     # --- assembly ------------------------------------------------------------
 
@@ -304,6 +319,7 @@ class ApiServer:
                                        handle_signals=False, shutdown_timeout=self.config.shutdown_grace,
                                        max_line_size=MAX_LINE, max_field_size=MAX_FIELD)
         await self._runner.setup()
+        self._sampler = asyncio.ensure_future(self.team_metrics.run(self.lifecycle.team_counts))
         server = self._runner.server
         assert server is not None
         server.request_handler = self._pre_route(server.request_handler)  # read by each new connection
@@ -329,6 +345,11 @@ class ApiServer:
         self._site = self._tls_site = self._debug_site = None
 
     async def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+            self._sampler = None
         await self.stop_accepting()
         if self._runner is not None:
             await self._runner.cleanup()

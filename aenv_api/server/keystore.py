@@ -23,6 +23,7 @@ start (``ConfigError``) rather than read as "no keys".
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from aenv_store.errors import ConfigError
+
+from .quotas import TeamQuota
 
 DEFAULT_TEAM_ID = "00000000-0000-0000-0000-000000000000"
 DEFAULT_TEAM_NAME = "default"
@@ -131,16 +134,19 @@ def _name(value: str, what: str) -> str:
 
 @dataclass(frozen=True)
 class StoreContent:
-    """What ``teams.json`` holds (the default team and its key are implicit)."""
+    """What ``teams.json`` holds (the default team and its key are implicit). ``quotas``:
+    the teams whose quota the admin set (quotas.py; a file without it: none set)."""
 
     teams: tuple[Team, ...]
     keys: tuple[StoredKey, ...]
+    quotas: tuple[tuple[str, TeamQuota], ...] = ()
 
     def to_json(self) -> str:
         def key_json(k: StoredKey) -> dict[str, Any]:
             return {**asdict(k), "mask": asdict(k.mask)}
         return json.dumps({"version": FORMAT_VERSION, "teams": [asdict(t) for t in self.teams],
-                           "keys": [key_json(k) for k in self.keys]}, sort_keys=True, indent=1)
+                           "keys": [key_json(k) for k in self.keys],
+                           "quotas": {tid: q.wire() for tid, q in self.quotas}}, sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "StoreContent":
@@ -153,12 +159,15 @@ class StoreContent:
             keys = tuple(StoredKey(str(k["key_id"]), str(k["team_id"]), str(k["name"]), str(k["salt"]),
                                    str(k["digest"]), KeyMask(**k["mask"]), float(k["created"]))
                          for k in raw["keys"])
+            quotas = tuple((str(tid), TeamQuota.from_wire(q)) for tid, q in dict(raw.get("quotas", {})).items())
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed teams file: {e!r}") from None
         known = {t.team_id for t in teams} | {DEFAULT_TEAM_ID}
         if any(k.team_id not in known for k in keys):
             raise ValueError("a key names a team the file does not have")
-        return cls(teams, keys)
+        if any(tid not in known for tid, _ in quotas):
+            raise ValueError("a quota names a team the file does not have")
+        return cls(teams, keys, quotas)
 
 
 def write_durably(path: Path, text: str) -> None:
@@ -251,7 +260,7 @@ class KeyStore:
             if any(t.name == name for t in self.teams()):
                 raise KeyStoreError(409, f"a team named {name!r} exists")
             team = Team(str(uuid.uuid4()), name, time.time())
-            self._save(StoreContent(self._content.teams + (team,), self._content.keys))
+            self._save(dataclasses.replace(self._content, teams=self._content.teams + (team,)))
         return team
 
     def delete_team(self, team_id: str) -> None:
@@ -262,7 +271,8 @@ class KeyStore:
             self.team(team_id)
             c = self._content
             self._save(StoreContent(tuple(t for t in c.teams if t.team_id != team_id),
-                                    tuple(k for k in c.keys if k.team_id != team_id)))
+                                    tuple(k for k in c.keys if k.team_id != team_id),
+                                    tuple(q for q in c.quotas if q[0] != team_id)))
             self._verified.clear()
 
     # --- keys ----------------------------------------------------------------
@@ -284,7 +294,7 @@ class KeyStore:
             self.team(team_id)
             stored = StoredKey(str(uuid.uuid4()), team_id, name, salt.hex(), _digest(salt, key), KeyMask.of(key),
                                time.time())
-            self._save(StoreContent(self._content.teams, self._content.keys + (stored,)))
+            self._save(dataclasses.replace(self._content, keys=self._content.keys + (stored,)))
             self._refused.clear()
         return stored, key
 
@@ -302,13 +312,31 @@ class KeyStore:
         with self._lock:
             old = self._key(team_id, key_id)
             new = StoredKey(old.key_id, old.team_id, name, old.salt, old.digest, old.mask, old.created)
-            self._save(StoreContent(self._content.teams,
-                                    tuple(new if k.key_id == key_id else k for k in self._content.keys)))
+            self._save(dataclasses.replace(
+                self._content, keys=tuple(new if k.key_id == key_id else k for k in self._content.keys)))
         return new
 
     def delete_key(self, team_id: str, key_id: str) -> None:
         with self._lock:
             self._key(team_id, key_id)
-            self._save(StoreContent(self._content.teams,
-                                    tuple(k for k in self._content.keys if k.key_id != key_id)))
+            self._save(dataclasses.replace(
+                self._content, keys=tuple(k for k in self._content.keys if k.key_id != key_id)))
             self._verified.clear()
+
+    # --- quotas (quotas.py) ----------------------------------------------------
+
+    def quota(self, team_id: str) -> TeamQuota:
+        """``team_id``'s quota (unlimited when none was set). Hot path of every create: a scan
+        of the teams that have one."""
+        for tid, q in self._content.quotas:
+            if tid == team_id:
+                return q
+        return TeamQuota()
+
+    def set_quota(self, team_id: str, quota: TeamQuota) -> TeamQuota:
+        with self._lock:
+            self.team(team_id)
+            kept = tuple(q for q in self._content.quotas if q[0] != team_id)
+            self._save(dataclasses.replace(self._content,
+                                           quotas=kept if quota.unlimited else kept + ((team_id, quota),)))
+        return quota

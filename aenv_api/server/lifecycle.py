@@ -32,6 +32,7 @@ where E2B has one), so a node, the gateway and the fake answer alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -61,6 +62,8 @@ from .extras import ANNOTATION, TEAM_ANNOTATION, ApiExtras, Extra, record_extra,
 from .keystore import DEFAULT_TEAM_ID
 from .metric_series import MAX_SANDBOX_IDS, bucketed, metric_json
 from .metrics import Metrics
+from .quotas import Grant, QuotaGate
+from .team_metrics import TeamMetrics
 from .network import PUBLIC, ProxyRules, create_network, egress_choice, network_view, update_policy
 from .sandbox_logs import MAX_CONSOLE_BYTES, LogEntry, SandboxLogs
 from .schemas import NewSandbox
@@ -145,6 +148,33 @@ class Lifecycle:
         self._rules: dict[str, ProxyRules] = {}
         self._killing: set[str] = set()     # a kill in progress: not there for the proxy
         self._closing = False
+        # per-team quotas and metrics (quotas.py, team_metrics.py), set by the server; None: none
+        self.quotas: QuotaGate | None = None
+        self.team_metrics: TeamMetrics | None = None
+
+    def _starts(self, team: str, n: int, create: bool) -> contextlib.AbstractAsyncContextManager[Grant]:
+        """The team's quota's reservation of ``n`` starts (quotas.py ``QuotaGate.starts``)."""
+        if self.quotas is None:
+            return contextlib.nullcontext(Grant(n))
+        return self.quotas.starts(team, n, create=create)
+
+    def _started(self, team: str, n: int = 1) -> None:
+        if self.team_metrics is not None:
+            self.team_metrics.started(team, n)
+
+    async def team_counts(self, team: str | None = None) -> dict[str, tuple[int, int]]:
+        """(running, paused) sandboxes of each team (``team``: of that one only) on this node."""
+        out: dict[str, tuple[int, int]] = {}
+        # from the records as they are (no view built: this runs at each start of a team with a quota)
+        for i in await self.service.list_sandboxes():
+            if i.state not in VISIBLE_STATES:
+                continue
+            owner = team_of(i.annotations)
+            if team is not None and owner != team:
+                continue
+            running, paused = out.get(owner, (0, 0))
+            out[owner] = (running + 1, paused) if i.state is SandboxState.RUNNING else (running, paused + 1)
+        return out
 
     async def start(self) -> None:
         ids = {i.sandbox_id for i in await self.service.list_sandboxes()}
@@ -172,7 +202,7 @@ class Lifecycle:
             try:
                 if self.config.on_shutdown == "pause":
                     try:
-                        await self.pause(view.sandbox_id)
+                        await self.pause(view.sandbox_id, within_quota=False)   # a node stopping keeps them
                         continue
                     except ApiError as e:
                         if e.status != 501:
@@ -262,12 +292,14 @@ class Lifecycle:
         extra = Extra(alias, bool(req.auto_resume), 0, net.public_traffic, net.mask_request_host, net.https_ports)
         t0 = time.monotonic()
         try:
-            info = await self.service.create(CreateRequest(
-                template=self._template_ref(req.template_id), env_vars=dict(req.env_vars or {}), access_token=token,
-                timeout=timeout, metadata=dict(req.metadata or {}), auto_pause=bool(req.auto_pause),
-                allow_internet_access=egress_choice(req.allow_internet_access, net.policy), network=net.policy,
-                pause_memory=req.auto_pause_memory is not False, volume_mounts=tuple(req.volume_mounts or ()),
-                annotations={ANNOTATION: extra.annotation(), TEAM_ANNOTATION: team}))
+            async with self._starts(team, 1, create=True):
+                info = await self.service.create(CreateRequest(
+                    template=self._template_ref(req.template_id), env_vars=dict(req.env_vars or {}),
+                    access_token=token, timeout=timeout, metadata=dict(req.metadata or {}),
+                    auto_pause=bool(req.auto_pause),
+                    allow_internet_access=egress_choice(req.allow_internet_access, net.policy), network=net.policy,
+                    pause_memory=req.auto_pause_memory is not False, volume_mounts=tuple(req.volume_mounts or ()),
+                    annotations={ANNOTATION: extra.annotation(), TEAM_ANNOTATION: team}))
         except VmError as e:
             self.metrics.inc("aenv_sandbox_create_failures_total", help="sandbox creates that failed")
             if isinstance(e, VolumeNotFound):     # volumeMounts names a volume this node does not have
@@ -280,6 +312,7 @@ class Lifecycle:
             raise ApiError(500, f"sandbox create failed: {e}") from None
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "create"),),
                              help="latency of sandbox lifecycle operations")
+        self._started(team)
         self.extras.put(info.sandbox_id, dataclasses.replace(extra, disk_mb=info.disk_mib))
         self.logs.event(info.sandbox_id, "sandbox created", template=req.template_id, timeout=timeout,
                         pooled=info.from_pool, secure=token is not None,
@@ -421,15 +454,20 @@ class Lifecycle:
 
     # --- pause / resume / connect -------------------------------------------
 
-    async def pause(self, sid: str, memory: bool = True, require_healthy: bool = False) -> None:
+    async def pause(self, sid: str, memory: bool = True, require_healthy: bool = False,
+                    within_quota: bool = True) -> None:
         """E2B's pause; ``memory=False``: filesystem only (the next connect boots from the
         disk); ``require_healthy`` (the SDK's ``strict``) or ``memory=False``: 503 and the
-        sandbox keeps running when its envd does not answer."""
-        self._check(await self.get(sid), Op.PAUSE if memory else Op.PAUSE_FILESYSTEM)   # E2B's 409
+        sandbox keeps running when its envd does not answer. ``within_quota``: held to its
+        team's paused quota (the shutdown's pauses are not: they keep the sandboxes)."""
+        view = await self.get(sid)
+        self._check(view, Op.PAUSE if memory else Op.PAUSE_FILESYSTEM)   # E2B's 409
         await self._capture_console(sid)   # its VM is about to go away
         t0 = time.monotonic()
         try:
-            await self.service.pause(sid, memory=memory, require_healthy=require_healthy)
+            async with (self.quotas.pausing(view.team_id) if self.quotas is not None and within_quota
+                        else contextlib.nullcontext()):
+                await self.service.pause(sid, memory=memory, require_healthy=require_healthy)
         except GuestUnresponsive as e:
             raise ApiError(503, f"Sandbox '{sid}' was not paused: its guest agent is not responding ({e})",
                            retry=False) from None
@@ -455,8 +493,12 @@ class Lifecycle:
         """The resume the table allowed (``outcome``); None when another call resumed the
         sandbox meanwhile (the service then refused: it is running)."""
         t0 = time.monotonic()
+        team = await self.owner(sid) or DEFAULT_TEAM_ID
         try:
-            info = await self.service.resume(sid, timeout, memory=memory)
+            # a resume is a start of its team
+            async with (self.quotas.resume(team, sid, functools.partial(self._running_now, sid))
+                        if self.quotas is not None else contextlib.nullcontext()):
+                info = await self.service.resume(sid, timeout, memory=memory)
         except UnresponsiveSnapshot as e:
             raise guest_unresponsive(sid, e) from None
         except VmError as e:
@@ -468,6 +510,7 @@ class Lifecycle:
                         seconds=f"{time.monotonic() - t0:.3f}")
         self._forget_ports(sid)  # a new VM: its port forwards are made afresh
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "resume"),))
+        self._started(team)
         return self._view(info)
 
     async def _running_now(self, sid: str) -> bool:
@@ -587,19 +630,26 @@ class Lifecycle:
         return out
 
     async def fork(self, sid: str, count: int, timeout: int | None) -> list[dict[str, Any]]:
-        self._check(await self.get(sid), Op.FORK)      # 409 for a paused one
+        view = await self.get(sid)
+        self._check(view, Op.FORK)      # 409 for a paused one
         t0 = time.monotonic()
         try:
-            results = await self.service.fork(sid, count, timeout, access_token=self.envd_token)
+            # each child is a start of the parent's team: as many as its quota leaves room for
+            async with self._starts(view.team_id, count, create=True) as grant:
+                results: list[Any] = await self.service.fork(sid, grant.granted, timeout,
+                                                             access_token=self.envd_token)
         except VmError as e:
             raise api_error(e, f"fork of {sid}") from None
+        if grant.refusal is not None:
+            results += [grant.refusal] * (count - grant.granted)
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "fork"),))
         parent_extra = self.extras.get(sid)
         out: list[dict[str, Any]] = []
         children = [c for c in results if isinstance(c, SandboxInfo)]
         for child in results:
             if not isinstance(child, SandboxInfo):   # E2B's Error, its code the status the error has alone
-                err = api_error(child, "fork child") if isinstance(child, VmError) else None
+                err = api_error(child, "fork child") if isinstance(child, VmError) else \
+                    child if isinstance(child, ApiError) else None
                 out.append({"error": {"code": err.status if err else 500,
                                       "message": str(child) or type(child).__name__}})
                 continue
@@ -607,6 +657,7 @@ class Lifecycle:
             self.extras.put(child.sandbox_id, dataclasses.replace(self._extra(child), disk_mb=parent_extra.disk_mb))
             self.logs.event(child.sandbox_id, "sandbox forked", parent=sid)
             out.append({"sandbox": self._view(child).sandbox(self.config.domain)})
+        self._started(view.team_id, len(children))
         self.logs.event(sid, "sandbox forked", count=count, children=",".join(c.sandbox_id for c in children),
                         failed=(len(results) - len(children)) or None)
         return out

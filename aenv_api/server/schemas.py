@@ -197,6 +197,12 @@ def _check_value(f: Field, v: Any, name: str) -> Any:
         if isinstance(v, bool) or not isinstance(v, int):
             raise bad_request(f"{name} must be an integer")
         return _range(f, v, name)
+    if kind == "number":
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad_request(f"{name} must be a number")
+        if (f.minimum is not None and v < f.minimum) or (f.maximum is not None and v > f.maximum):
+            raise bad_request(f"{name} must be in [{f.minimum}, {f.maximum}], got {v}")
+        return float(v)
     if kind == "boolean":
         if not isinstance(v, bool):
             raise bad_request(f"{name} must be a boolean")
@@ -481,5 +487,29 @@ ADMIN_TEAM = Schema("AdminTeam", (Field("teamID", "string", required=True), Fiel
                                   Field("isDefault", "boolean", required=True),
                                   Field("createdAt", "date-time", required=True)))
 
-RESPONSE_SCHEMAS = (KEY_MASK, TEAM_API_KEY, CREATED_TEAM_API_KEY, TEAM, ADMIN_TEAM, ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
+# team quotas (quotas.py) and metrics (team_metrics.py)
+_COUNT = 1_000_000
+TEAM_QUOTA = Schema("TeamQuota", (
+    Field("runningSandboxes", "integer", minimum=0, maximum=_COUNT, nullable=True,
+          description="sandboxes of the team running at once (null: unlimited)"),
+    Field("pausedSandboxes", "integer", minimum=0, maximum=_COUNT, nullable=True,
+          description="sandboxes of the team paused at once (null: unlimited)"),
+    Field("createsPerSecond", "number", minimum=0, maximum=10_000, nullable=True,
+          description="sandbox creates per second, a token bucket of one second's worth (null: unlimited)"),
+    Field("concurrentBuilds", "integer", minimum=0, maximum=_COUNT, nullable=True,
+          description="template builds of the team running at once (null: unlimited)"),
+    Field("volumeBytes", "integer", minimum=0, nullable=True, description="not enforced by aenv: only null"),
+    Field("snapshotBytes", "integer", minimum=0, nullable=True, description="not enforced by aenv: only null"),
+), closed=True)
+TEAM_METRICS_MAX = Schema("TeamMetricsMaxQuery", (
+    Field("start", "integer", minimum=0, maximum=2**62), Field("end", "integer", minimum=0, maximum=2**62),
+    Field("metric", "string", required=True, enum=("concurrent_sandboxes", "sandbox_start_rate"))))
+TEAM_METRIC = Schema("TeamMetric", (
+    Field("timestamp", "date-time", required=True), Field("timestampUnix", "integer", required=True),
+    Field("concurrentSandboxes", "integer", required=True), Field("sandboxStartRate", "number", required=True)))
+MAX_TEAM_METRIC = Schema("MaxTeamMetric", (
+    Field("timestamp", "date-time", required=True), Field("timestampUnix", "integer", required=True),
+    Field("value", "number", required=True)))
+
+RESPONSE_SCHEMAS = (TEAM_METRIC, MAX_TEAM_METRIC, KEY_MASK, TEAM_API_KEY, CREATED_TEAM_API_KEY, TEAM, ADMIN_TEAM, ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
                     LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)

@@ -71,6 +71,10 @@ class ServerConfig:
     # unless AENV_ADMIN_TOKEN is set (read once, then removed from the environment). A
     # relative path is relative to the data dir. Never the credential itself in the config.
     teams_admin_token_file: str = ""
+    # Seconds between two samples of each team's running sandboxes and starts, what E2B's
+    # GET /teams/{teamID}/metrics answers (aenv_api/server/team_metrics.py; kept in memory,
+    # the newest 8640 samples a team).
+    team_metrics_interval: float = 5.0
 
     # The most one sandbox's log (lifecycle events and its captured console lines, GET
     # /sandboxes/{id}/logs) keeps, in MiB: two files of half this each, the oldest
@@ -116,6 +120,9 @@ class ServerConfig:
             raise ConfigError(f"server.volume_domain must be a bare domain name, got {self.volume_domain!r}")
         if self.domain.startswith(".") or "/" in self.domain:
             raise ConfigError(f"server.domain must be a bare domain name, got {self.domain!r}")
+        if not 0.05 <= self.team_metrics_interval <= 3600:
+            raise ConfigError(f"server.team_metrics_interval must be in 0.05..3600 seconds, "
+                              f"got {self.team_metrics_interval}")
         if not 0 < self.proxy_head_timeout <= 86400:
             raise ConfigError(f"server.proxy_head_timeout must be in (0, 86400] seconds, got {self.proxy_head_timeout}")
         if not 1 <= self.proxy_max_connections <= 1_000_000:

@@ -114,7 +114,8 @@ class TeamsApi:
     # --- admin ---------------------------------------------------------------
 
     async def admin_list_teams(self, request: web.Request, call: Call) -> web.Response:
-        return json_response([_team_json(t) for t in self.store.teams()])
+        return json_response([{**_team_json(t), "quota": self.store.quota(t.team_id).wire()}
+                              for t in self.store.teams()])
 
     async def admin_create_team(self, request: web.Request, call: Call) -> web.Response:
         return json_response(_team_json(await _store_call(self.store.create_team, call.body["name"])), 201)

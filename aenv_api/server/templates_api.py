@@ -49,6 +49,8 @@ from aenv_wire.listing import iso
 from .responses import json_response, no_content
 from .errors import ApiError
 from .lifecycle import api_error
+from .principal import principal_of
+from .quotas import QuotaGate
 from .routes import Call, Reply, Route
 from .schemas import Field, Schema
 from .views import page
@@ -126,6 +128,7 @@ class TemplateApi:
         self.max_parallel_uploads = max_parallel_uploads
         self.floor = floor if floor is not None else DiskFloor()
         self._uploads = 0
+        self.quotas: QuotaGate | None = None    # the teams' concurrent-build quotas (set by the server)
         self._key = secrets.token_bytes(32)
         # signatures of upload URLs in use or used (until they expire): one upload each
         self._spent: dict[str, float] = {}
@@ -262,11 +265,25 @@ class TemplateApi:
         if why is not None:
             raise ApiError(507, f"the node cannot take this upload now: {why}")
 
+    def admit_build(self, request: web.Request, tid: str, bid: str) -> None:
+        """Count build ``bid`` against its team's concurrent-builds quota (429 at it, quotas.py)."""
+        if self.quotas is None:
+            return
+
+        def active(key: str) -> bool:
+            t, b = key.split("\n", 1)
+            try:
+                return self.builds.status(t, b, 0, 0).status in ("waiting", "building")
+            except VmError:
+                return False
+        self.quotas.build_started(principal_of(request).team_id, f"{tid}\n{bid}", active)
+
     async def start_build(self, request: web.Request, call: Call) -> web.Response:
         tid, bid = call.path["templateID"], call.path["buildID"]
         try:
             self.builds.startable(tid, bid)      # an unknown or started build: 404 / 409 before the body's 400
             spec = parse_build_spec(call.body)
+            self.admit_build(request, tid, bid)
             await self.builds.start_build(tid, bid, spec)
         except MalformedBuild as e:
             raise ApiError(400, f"build {bid}: {e}") from None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import secrets
 import string
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -95,8 +95,11 @@ def dockerfile_spec(text: str, start_cmd: str | None, ready_cmd: str | None) -> 
 
 
 class LegacyTemplateApi:
-    def __init__(self, builds: TemplateBuilds) -> None:
+    def __init__(self, builds: TemplateBuilds,
+                 admit: Callable[[web.Request, str, str], None] | None = None) -> None:
+        """``admit``: counts a build against its team's quota (TemplateApi.admit_build)."""
         self.builds = builds
+        self._admit = admit
 
     def _legacy(self, run: BuildRun) -> dict[str, Any]:
         """E2B's ``TemplateLegacy`` of a just-requested build."""
@@ -151,6 +154,8 @@ class LegacyTemplateApi:
         tid, bid = call.path["templateID"], call.path["buildID"]
         if not _BUILD_ID.match(bid):
             raise ApiError(400, f"Invalid build ID: {bid[:64]}")
+        if self._admit is not None:
+            self._admit(request, tid, bid)
         try:
             await self.builds.start_requested(tid, bid)
         except VmError as e:

@@ -20,7 +20,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+import math
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -28,7 +29,7 @@ from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode, adopt_path, answer_
 from aenv_wire.errors import error_body
 from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER
 
-from ..coord import Binding, CoordError
+from ..coord import Binding, CoordError, TeamGrant, TeamQuotaExceeded
 from .errors import GatewayError, SandboxLost
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
 from .list_merge import lost_note, shown_state
@@ -42,6 +43,32 @@ FORK_CREATES = 16            # children from a snapshot being created at once, o
 NODE_HEADER = "X-Aenv-Node"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 COMMIT_WAIT = 120.0         # how long a fork snapshot's or a pause's background commit is waited for
+# E2B's default team (the nil UUID, what every node calls the deployment key's team)
+DEFAULT_TEAM = "00000000-0000-0000-0000-000000000000"
+
+
+def deployment_team(request: web.Request) -> str:
+    """The team of a request the gateway let in: the deployment key's, the one key a gateway
+    checks today (app.py ``_authorized``); where gateways learn teams' keys, ``Moves.team_of``
+    is what answers instead."""
+    return DEFAULT_TEAM
+
+
+def over_team_quota(e: TeamQuotaExceeded) -> web.Response:
+    """A team's quota's 429, the node's words (aenv_api/server/quotas.py): E2B's body, no
+    ``error_code`` (no other node would take it: the gateway relays it as it is)."""
+    if e.kind == "rate":
+        return _err(429, f"Rate limit exceeded: your team's quota allows {e.limit:g} sandbox creates per second",
+                    {SHOULD_RETRY_HEADER: "true", RETRY_AFTER_HEADER: str(max(1, math.ceil(e.wait)))})
+    return _err(429, f"You have reached the maximum number of concurrent E2B sandboxes ({e.limit:g}). Kill or "
+                     f"pause one of your team's sandboxes, or ask the deployment's admin for a larger quota",
+                {SHOULD_RETRY_HEADER: "false", RETRY_AFTER_HEADER: str(FULL_RETRY_AFTER)})
+
+
+def _refusal_child(e: TeamQuotaExceeded) -> dict[str, Any]:
+    """A child a team's quota refused, as a fork's answer lists it."""
+    body = json.loads(over_team_quota(e).text or "{}")
+    return {"error": {"code": 429, "message": body.get("message", "team quota")}}
 
 
 def _err(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
@@ -88,17 +115,51 @@ class Moves:
     def __init__(self, fleet: FleetView, nodes: NodeClient) -> None:
         self.fleet = fleet
         self.nodes = nodes
+        self.team_of: Callable[[web.Request], str] = deployment_team   # whose quota a start counts against
+
+    async def _settle(self, team: str, grant: TeamGrant, answers: list[Any]) -> None:
+        """The starts ``grant`` reserved made the sandboxes in ``answers`` (a create's answer, a
+        fork's children): each counted for ``team`` (Redis: TEAM_SETTLE); the rest let go."""
+        made = [a["sandboxID"] for a in answers if isinstance(a, dict) and isinstance(a.get("sandboxID"), str)]
+        for i, sid in enumerate(made[:grant.granted]):
+            await self.fleet.coord.team_settle(team, grant.member(i), sid)
+        if len(made) < grant.granted:
+            await self.fleet.coord.team_unreserve(team, grant.rid, grant.granted)
 
     # --- create --------------------------------------------------------------------------
 
     async def place_and_call(self, template: str, method: str, path: str, body: bytes, headers: dict[str, str],
-                             exclude: tuple[str, ...] = ()) -> tuple[str, Answer] | web.Response:
+                             exclude: tuple[str, ...] = (), team: str = "") -> tuple[str, Answer] | web.Response:
         """Reserve a node, call it, release the reservation; next node on 429 or when
-        it cannot be reached."""
+        it cannot be reached. ``team``: a create of that team, whose quota the first
+        placement checks and reserves in the same Redis step (a refusal: its 429); the
+        sandbox made is then counted for the team."""
+        held: list[TeamGrant] = []     # the team's start, once the first placement reserved it
+        try:
+            got = await self._place_and_call(template, method, path, body, headers, exclude, team, held)
+        except TeamQuotaExceeded as e:
+            return over_team_quota(e)
+        except BaseException:
+            if held:
+                await self.fleet.coord.team_unreserve(team, held[0].rid)
+            raise
+        if held:
+            answer = got[1].json() if isinstance(got, tuple) and got[1].status == 201 else None
+            await self._settle(team, held[0], [answer])
+        return got
+
+    async def _place_and_call(self, template: str, method: str, path: str, body: bytes, headers: dict[str, str],
+                              exclude: tuple[str, ...], team: str,
+                              held: list[TeamGrant]) -> tuple[str, Answer] | web.Response:
         tried = list(exclude)
         soonest: int | None = None      # the soonest Retry-After of a node whose restore queue was long
         for _ in range(PLACE_ATTEMPTS):
-            got = await self.fleet.coord.place(template, 0, tuple(tried))
+            if team and not held:
+                got = await self.fleet.coord.place(template, 0, tuple(tried), team=team)
+                if got is not None:     # the team's start is reserved with this first slot
+                    held.append(TeamGrant(got[1], 1, None))
+            else:
+                got = await self.fleet.coord.place(template, 0, tuple(tried))
             if got is None:
                 break
             node, rid = got
@@ -144,7 +205,8 @@ class Moves:
                                           headers)
                 return _relay(a, first)
         try:
-            got = await self.place_and_call(template, "POST", request.rel_url.raw_path_qs, body, headers)
+            got = await self.place_and_call(template, "POST", request.rel_url.raw_path_qs, body, headers,
+                                            team=self.team_of(request))
         except BaseException:
             if key:
                 await self.fleet.coord.settle_idempotency(key, None)
@@ -164,6 +226,23 @@ class Moves:
         b = await self.fleet.binding(sid)
         if b is None:
             return _err(404, f"sandbox {sid} not found", sandboxId=sid)
+        if b.state != "paused":
+            return await self._connect(request, b, body)
+        # resuming is a start of the team: its running quota holds it (no creates-per-second token)
+        team = self.team_of(request)
+        grant = await self.fleet.coord.team_reserve(team, 1, create=False)
+        if grant.granted < 1 and grant.refusal is not None:
+            return over_team_quota(grant.refusal)
+        resp: web.Response | None = None
+        try:
+            resp = await self._connect(request, b, body)
+        finally:
+            await self._settle(team, grant, [{"sandboxID": sid}] if resp is not None and resp.status in (200, 201)
+                               else [])
+        return resp
+
+    async def _connect(self, request: web.Request, b: Binding, body: bytes) -> web.Response:
+        sid = b.sandbox_id
         path = request.rel_url.raw_path_qs
         headers = forwarded_headers(request)
         old = b.node_id
@@ -273,13 +352,26 @@ class Moves:
         except CoordError:
             free = parent.free_slots
         here = min(count, max(free or 0, 0))
+        team = self.team_of(request)
         results: list[dict[str, Any]] = []
         snapshot_id: str | None = None
         if here > 0:
-            # the children beyond the parent's node start from this fork's own snapshot
-            # (a fork child's template), committed by the parent's node in the background
-            a = await self.nodes.call_json("POST", parent.url + f"/sandboxes/{sid}/fork", dict(req, count=here),
-                                           headers)
+            # each child is a start of the team: the parent's node makes as many as its quota leaves
+            # room for (reserved here); the others, placed one by one, are checked by their placement
+            grant = await self.fleet.coord.team_reserve(team, here, create=True)
+            if grant.granted < 1 and grant.refusal is not None:
+                return over_team_quota(grant.refusal)
+            here = grant.granted
+            a: Answer | None = None
+            try:
+                # the children beyond the parent's node start from this fork's own snapshot
+                # (a fork child's template), committed by the parent's node in the background
+                a = await self.nodes.call_json("POST", parent.url + f"/sandboxes/{sid}/fork", dict(req, count=here),
+                                               headers)
+            finally:
+                made = a.json() if a is not None and a.status == 201 else None
+                await self._settle(team, grant, [r.get("sandbox") for r in made if isinstance(r, dict)]
+                                   if isinstance(made, list) else [])
             if answer_code(a.body) is ClusterCode.FULL:
                 log.info("gateway: fork of %s: its node %s has no room for %d, all %d children go elsewhere",
                          sid, parent.node_id, here, count)
@@ -313,7 +405,7 @@ class Moves:
                     try:
                         got = await self.place_and_call(snap_id, "POST", "/v2/sandboxes", create_body,
                                                         {**_keys(headers), "Content-Type": "application/json"},
-                                                        exclude=(parent.node_id,) if here else ())
+                                                        exclude=(parent.node_id,) if here else (), team=team)
                     except NodeFailed as e:
                         return {"error": {"code": 502, "message": f"node failed: {e}"}}
                     if isinstance(got, web.Response):
@@ -341,7 +433,25 @@ class Moves:
         parsed = _fork_request(body)
         if isinstance(parsed, web.Response):
             return parsed
-        req, count = parsed
+        req, asked = parsed
+        # each child is a start of the team: as many as its quota leaves room for
+        team = self.team_of(request)
+        grant = await self.fleet.coord.team_reserve(team, asked, create=True)
+        if grant.granted < 1 and grant.refusal is not None:
+            return over_team_quota(grant.refusal)
+        resp: web.Response | None = None
+        try:
+            resp = await self._fork_batch(request, snapshot_id, req, grant.granted)
+        finally:
+            made = json.loads(resp.text or "[]") if resp is not None and resp.status == 201 else []
+            await self._settle(team, grant, [r.get("sandbox") for r in made if isinstance(r, dict)])
+        if resp.status != 201 or grant.refusal is None:
+            return resp
+        refused = [_refusal_child(grant.refusal)] * (asked - grant.granted)
+        return web.Response(status=201, text=json.dumps(made + refused), content_type="application/json")
+
+    async def _fork_batch(self, request: web.Request, snapshot_id: str, req: dict[str, Any],
+                          count: int) -> web.Response:
         headers = forwarded_headers(request)
         path = request.rel_url.raw_path_qs
         results: list[dict[str, Any]] = []

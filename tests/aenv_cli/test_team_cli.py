@@ -41,7 +41,7 @@ def run(node: InProcessServer, *args: str, admin: bool = True, key: str | None =
 def test_teams_and_keys_through_the_cli(node: InProcessServer, tmp_path: Path) -> None:
     team = run(node, "team", "create", "research").stdout.decode().strip()
     table = run(node, "team", "ls").stdout.decode().splitlines()
-    assert table[0].split() == ["TEAMID", "NAME", "ISDEFAULT", "CREATEDAT"]
+    assert table[0].split() == ["TEAMID", "NAME", "ISDEFAULT", "CREATEDAT", "QUOTA"]
     assert any(line.startswith(team) and "research" in line for line in table[1:])
     teams = json.loads(run(node, "team", "ls", "-o", "json").stdout)
     assert {t["name"] for t in teams} == {"default", "research"}
@@ -61,6 +61,26 @@ def test_teams_and_keys_through_the_cli(node: InProcessServer, tmp_path: Path) -
     # a team with no sandboxes goes, and its keys with it
     assert run(node, "team", "rm", team).stdout.decode().strip() == f"deleted team {team}"
     assert run(node, "key", "ls", admin=False, key=first, ok=False).returncode == 1
+
+
+def test_team_quotas_through_the_cli(node: InProcessServer) -> None:
+    team = run(node, "team", "create", "quoted").stdout.decode().strip()
+    assert run(node, "team", "quota", team).stdout.decode().strip() == "unlimited"
+    shown = run(node, "team", "quota", team, "--running", "3", "--creates-per-second", "2.5").stdout.decode()
+    assert shown.strip() == "running=3 creates/s=2.5"
+    # a flag changes its value only: the others are kept
+    got = json.loads(run(node, "team", "quota", team, "--builds", "1", "--running", "unlimited", "-o", "json").stdout)
+    assert got == {"runningSandboxes": None, "pausedSandboxes": None, "createsPerSecond": 2.5, "concurrentBuilds": 1}
+    row = next(line for line in run(node, "team", "ls").stdout.decode().splitlines() if line.startswith(team))
+    assert row.endswith("creates/s=2.5 builds=1")
+    # what the server refuses, and what is no number: one line, exit 1 / 2 (argparse's)
+    bad = run(node, "team", "quota", team, "--paused", "-1", ok=False)
+    assert bad.returncode == 1 and "400" in bad.stderr.decode() and b"Traceback" not in bad.stderr
+    junk = run(node, "team", "quota", team, "--running", "lots", ok=False)
+    assert junk.returncode == 2 and "not a number nor 'unlimited'" in junk.stderr.decode()
+    gone = run(node, "team", "quota", "no-such-team", ok=False)
+    assert gone.returncode == 1 and "404" in gone.stderr.decode()
+    run(node, "team", "rm", team)
 
 
 def test_cli_errors(node: InProcessServer, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from aenv_fleet.coord import Binding, NodeRecord
+from aenv_fleet.coord import Binding, NodeRecord, TeamGrant
 from aenv_fleet.gateway import placement
 from aenv_fleet.gateway.errors import SandboxLost
 from aenv_fleet.gateway.forward import Answer
@@ -44,12 +44,24 @@ class Coord:
     def __init__(self, fleet: "Fleet") -> None:
         self.fleet = fleet
         self.writes: list[tuple[Any, ...]] = []
+        self.settled: list[tuple[str, str]] = []     # sandboxes counted for a team (team, id)
 
-    async def place(self, template: str, memory_mib: int, exclude: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    async def place(self, template: str, memory_mib: int, exclude: tuple[str, ...] = (),
+                    team: str = "") -> tuple[str, str] | None:
         for n in self.fleet.order:
             if n not in exclude and self.fleet.is_alive(n):
                 return n, "rid"
         return None
+
+    # team quotas: every start granted (tests/aenv_fleet/test_team_quotas.py checks them on Redis)
+    async def team_reserve(self, team: str, n: int, create: bool) -> TeamGrant:
+        return TeamGrant("team-rid", n, None)
+
+    async def team_settle(self, team: str, member: str, sid: str) -> None:
+        self.settled.append((team, sid))
+
+    async def team_unreserve(self, team: str, rid: str, n: int = 1) -> None:
+        pass
 
     async def unreserve(self, node_id: str, rid: str) -> None:
         pass

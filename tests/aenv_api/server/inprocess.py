@@ -82,6 +82,12 @@ class InProcessServer(HttpClient):
     _restore_seconds: float = 0.0
     _guest_routes: Callable[[web.Application], None] | None = None
 
+    @property
+    def server(self) -> ApiServer:
+        """The ``ApiServer`` itself (what the node's assembly wires, e.g. its quota publisher)."""
+        assert self._server is not None
+        return self._server
+
     def cluster_request(self, path: str) -> tuple[int, dict[str, str], Any]:
         """POST one of the node's cluster routes as a fleet's gateway does: with the node
         credential for it, made with the fleet secret (no API key)."""
