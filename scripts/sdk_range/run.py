@@ -6,7 +6,7 @@ versions, and print one line per version × flow.
 
 Python (flows.py): each version in its own venv; ``--js`` (flows.mjs): the npm SDK, each
 version in its own npm prefix; ``--ci`` (flows_ci.py): the code-interpreter SDK
-(``e2b-code-interpreter``, with the newest ``e2b`` it admits), on the node's own
+(``e2b-code-interpreter``, with the ``e2b`` of its day), on the node's own
 ``code-interpreter-v1``. Both are made under ``--cache`` (default
 ``~/.cache/aenv-sdk-range``), outside the repository, once per version. With no
 version given, the spread docs/conformance.md reports is run. Exit status 1 if any
@@ -14,26 +14,45 @@ flow failed (NONE, a call the version lacks, is not a failure)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 import venv
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JS_VERSIONS = ("2.0.1", "2.5.0", "2.9.1", "2.15.0", "2.25.0", "2.35.0", "2.51.0")
-DEFAULT_CI_VERSIONS = ("2.0.0", "2.2.0", "2.4.0", "2.6.0", "2.8.0", "2.10.0", "2.11.5")
+DEFAULT_CI_VERSIONS = ("2.4.0", "2.6.0", "2.8.0", "2.10.0", "2.11.5")
 DEFAULT_VERSIONS = ("2.0.0", "2.3.0", "2.5.0", "2.10.0", "2.15.0", "2.20.0", "2.26.0", "2.30.0", "2.45.0",
                     "2.63.0")
 
 
+def contemporary_e2b(version: str) -> str:
+    """The newest ``e2b`` released before ``e2b-code-interpreter==version``: what its
+    users got when they pinned it (its range, ``e2b>=2,<3``, admits today's e2b, which
+    older code-interpreter SDKs cannot drive: their transports differ)."""
+    def releases(package: str) -> dict[str, str]:
+        with urllib.request.urlopen(f"https://pypi.org/pypi/{package}/json", timeout=60) as r:
+            data = json.load(r)
+        return {v: min(f["upload_time_iso_8601"] for f in files) for v, files in data["releases"].items()
+                if files and re.fullmatch(r"[0-9.]+", v)}
+    released = releases("e2b-code-interpreter")[version]
+    core = sorted((t, v) for v, t in releases("e2b").items() if t <= released)
+    return core[-1][1]
+
+
 def sdk_python(cache: Path, version: str, package: str = "e2b") -> Path:
-    """The Python of a venv holding ``package==version`` (made on first use)."""
+    """The Python of a venv holding ``package==version`` (made on first use); the
+    code-interpreter SDK with its contemporary ``e2b``."""
     d = cache / f"{package}-{version}"
     py = d / "bin" / "python"
     if not (d / ".installed").exists():
         venv.EnvBuilder(with_pip=True, clear=True).create(d)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", f"{package}=={version}"], check=True)
+        extra = [f"e2b=={contemporary_e2b(version)}"] if package == "e2b-code-interpreter" else []
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"{package}=={version}", *extra], check=True)
         (d / ".installed").write_text(version)
     return py
 

@@ -216,10 +216,11 @@ def test_the_default_teams_quota_applies_to_the_deployment_key(node: InProcessSe
     node.kill_all()
 
 
-def test_the_concurrent_builds_quota_holds_a_teams_build_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_concurrent_builds_quota_holds_a_teams_build_starts(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A team at its concurrent-builds quota is refused the start (v2 with steps, and the
     legacy start of a Dockerfile request); the build stays waiting and starts once allowed."""
-    srv = InProcessServer.start(tmp_path / "builds", templates=True, admin_token=ADMIN)
+    # a short dir: the build node's run dir holds QEMU sockets (107 bytes at most)
+    srv = InProcessServer.start(tmp_path_factory.mktemp("qb"), templates=True, admin_token=ADMIN)
     try:
         quota = f"/admin/teams/{DEFAULT_TEAM_ID}/quota"
         assert admin(srv, "PUT", quota, {"concurrentBuilds": 0})[0] == 200
