@@ -129,7 +129,8 @@ def start_node(net: SealedNet, data_dir: Path, mode: str, log: Path,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
     if os.environ.get("AENV_GUEST_CACHE"):
         env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
-    env.update({"AENV_VM__POOL_SIZE": "1", "AENV_VM__NETWORK": mode, "AENV_VM__ISOLATION": "required"})
+    env.update({"AENV_VM__POOL_SIZE": "1", "AENV_VM__NETWORK": mode, "AENV_VM__ISOLATION": "required",
+                "AENV_SERVER__CODE_INTERPRETER": "false"})     # no background build beside the scenario
     env.update(extra_env or {})
     with open(log, "ab") as err:
         proc = subprocess.Popen([*net.exec_argv(net.node), sys.executable, "-m", "aenv_cli.main", "server",
