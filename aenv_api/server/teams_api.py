@@ -141,6 +141,25 @@ class TeamsApi:
         await _store_call(self.store.delete_key, call.path["teamID"], call.path["apiKeyID"])
         return no_content()
 
+    async def admin_kill_sandboxes(self, request: web.Request, call: Call) -> web.Response:
+        """E2B's ``AdminSandboxKillResult``: every sandbox of the team on this node, running
+        or paused, killed at once; one that went away meanwhile counts in neither."""
+        tid = call.path["teamID"]
+        await _store_call(self.store.team, tid)
+        views = await self.lc.list_views(team=tid)
+        results = await asyncio.gather(*(self.lc.kill(v.sandbox_id) for v in views), return_exceptions=True)
+        gone = sum(1 for r in results if isinstance(r, ApiError) and r.status == 404)
+        failed = sum(1 for r in results if isinstance(r, BaseException)) - gone
+        return json_response({"killedCount": len(views) - failed - gone, "failedCount": failed})
+
+    async def create_access_token(self, request: web.Request, call: Call) -> web.Response:
+        raise ApiError(410, "access tokens are deprecated in E2B's API and not issued here: use an API key "
+                            "(POST /api-keys)")
+
+    async def delete_access_token(self, request: web.Request, call: Call) -> web.Response:
+        raise ApiError(404, f"no access token {call.path['accessTokenID']!r}: this server issues none "
+                            f"(use API keys: /api-keys)")
+
     async def admin_running_counts(self, request: web.Request, call: Call) -> web.Response:
         counts: dict[str, int] = {t.team_id: 0 for t in self.store.teams()}
         for v in await self.lc.list_views():
@@ -185,6 +204,16 @@ class TeamsApi:
                   body=S.KEY_NAME, body_required=True, admin=Admin.ONLY, tags=admin),
             Route("DELETE", "/admin/teams/{teamID}/api-keys/{apiKeyID}", wrap(self.admin_delete_key),
                   "delete an API key of a team", (Reply(204, "deleted"), gone_key), admin=Admin.ONLY, tags=admin),
+            Route("POST", "/admin/teams/{teamID}/sandboxes/kill", wrap(self.admin_kill_sandboxes),
+                  "kill every sandbox of a team on this node, running or paused",
+                  (Reply(200, "how many were killed and how many failed", None), gone_team),
+                  admin=Admin.ONLY, tags=admin),
+            Route("POST", "/access-tokens", wrap(self.create_access_token),
+                  "E2B's deprecated access tokens: none issued (use an API key)",
+                  (Reply(410, "deprecated: use an API key", "Error"),), tags=("access-tokens",)),
+            Route("DELETE", "/access-tokens/{accessTokenID}", wrap(self.delete_access_token),
+                  "E2B's deprecated access tokens: none exist here",
+                  (Reply(404, "no such access token", "Error"),), tags=("access-tokens",)),
             Route("GET", "/admin/sandboxes/running-counts", wrap(self.admin_running_counts),
                   "running sandboxes of each team on this node",
                   (Reply(200, "counts by team", None),), admin=Admin.ONLY, tags=admin),

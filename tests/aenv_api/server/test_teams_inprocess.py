@@ -313,3 +313,28 @@ def test_async_sdk_team_keys_see_only_their_own(node: InProcessServer, monkeypat
         assert await AsyncSandbox.kill(a.sandbox_id) is True
 
     asyncio.run(scenario())
+
+
+def test_admin_kills_every_sandbox_of_a_team_and_no_other(node: InProcessServer) -> None:
+    team_a, key_a = new_team(node, "kill-a")
+    _, key_b = new_team(node, "kill-b")
+    made_a = [node.request("POST", "/sandboxes", {"templateID": "base"}, key=key_a)[2]["sandboxID"] for _ in range(2)]
+    keep_b = node.request("POST", "/sandboxes", {"templateID": "base"}, key=key_b)[2]["sandboxID"]
+    assert node.request("POST", f"/sandboxes/{made_a[1]}/pause", key=key_a)[0] == 204    # paused ones too
+    assert node.request("POST", f"/admin/teams/{team_a}/sandboxes/kill", key=key_a)[0] == 401   # admin only
+    status, got = admin(node, "POST", f"/admin/teams/{team_a}/sandboxes/kill")
+    assert status == 200 and got == {"killedCount": 2, "failedCount": 0}, got
+    for sid in made_a:
+        assert node.request("GET", f"/sandboxes/{sid}", key=key_a)[0] == 404
+    assert node.request("GET", f"/sandboxes/{keep_b}", key=key_b)[0] == 200
+    assert admin(node, "POST", f"/admin/teams/{team_a}/sandboxes/kill") == (200, {"killedCount": 0, "failedCount": 0})
+    assert admin(node, "POST", "/admin/teams/no-such-team/sandboxes/kill")[0] == 404
+    assert node.request("DELETE", f"/sandboxes/{keep_b}", key=key_b)[0] == 204
+
+
+def test_access_tokens_are_e2bs_deprecated_answer(node: InProcessServer) -> None:
+    status, _, body = node.request("POST", "/access-tokens", {"name": "ci"})
+    assert status == 410 and "API key" in body["message"] and body["code"] == 410, body
+    status, _, body = node.request("DELETE", "/access-tokens/0b1f5c7e-1111-4e4e-9999-000000000000")
+    assert status == 404 and body["code"] == 404
+    assert node.request("POST", "/access-tokens", {"name": "ci"}, key=None)[0] == 401
