@@ -87,8 +87,14 @@ class ControlPlane:
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
         team = principal_of(request).team_id
-        # another team's named snapshot is no template to this one: the answer to an unknown template
+        # another team's named snapshot or private template is no template to this one: the
+        # answer to an unknown template
         await self._own_snapshot(request, req.template_id, f"template {req.template_id!r} not found")
+        if self.templates is not None:
+            try:
+                self.templates.access.check_read(req.template_id, team)
+            except ApiError:
+                raise ApiError(404, f"template {req.template_id!r} not found") from None
         foreign = self.volumes.foreign_mount(req.volume_mounts or [], team) if self.volumes is not None else None
         if foreign is not None:     # what a volume that does not exist gets (lifecycle.create)
             raise ApiError(404, f"volumeMounts: Volume {foreign[:64]!r} not found", retry=False)
@@ -193,7 +199,7 @@ class ControlPlane:
 
     async def delete_template(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["templateID"]
-        if self.templates is not None and await self.templates.delete_template(tid):
+        if self.templates is not None and await self.templates.delete_template(tid, principal_of(request).team_id):
             return no_content()
         await self._own_snapshot(request, tid)
         await self.lc.delete_snapshot(tid)

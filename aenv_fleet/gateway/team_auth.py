@@ -1,0 +1,93 @@
+"""Who a request to the gateway is: the deployment's key (the default team; its
+unsalted SHA-256 is in ``aenv:apikeys``, written by every node) or a team key of the
+fleet's teams document (``aenv:teams``: salted hashes, aenv_wire/team_keys.py), which
+the nodes write (aenv_api/server/shared_keys.py).
+
+The gateway keeps a copy of the document's keys and its version. ``refresh`` (the fleet
+view's loop, every second) reads the version and, when it moved, the keys again and
+forgets every key it verified or refused: a key deleted on any node fails here within
+that second plus a Redis round trip. A key the copy does not know makes the gateway
+read the version at once before it answers 401, so a key just created works at once."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+from collections import OrderedDict
+
+from redis.exceptions import RedisError
+
+from aenv_wire.team_keys import DEFAULT_TEAM_ID, KeyEntry, fingerprint, key_entries
+
+from .. import keys
+from ..coord import CoordError, Coordinator
+
+log = logging.getLogger(__name__)
+
+TEAM_KEY = "team"       # request[TEAM_KEY]: the caller's team, once its key checked out (app.py)
+MAX_REFUSED = 4096      # refused keys remembered (a client repeating a junk key costs no HMACs)
+
+
+class TeamKeys:
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self.version = -1                  # of the copy held; -1: none read yet
+        self.deployment_digests: set[str] = set()
+        self._entries: list[KeyEntry] = []
+        self._verified: dict[bytes, str] = {}       # fingerprint of a verified key -> its team
+        self._refused: OrderedDict[bytes, None] = OrderedDict()
+
+    async def refresh(self) -> bool:
+        """Read the document again if its version moved (CoordError: Redis did not answer)."""
+        try:
+            async with self.coord.redis.pipeline(transaction=False) as p:
+                p.smembers(keys.APIKEYS)
+                p.hget(keys.TEAMS, "version")
+                digests, version = await p.execute()
+            self.deployment_digests = set(digests)
+            if int(version or 0) == self.version:
+                return False
+            async with self.coord.redis.pipeline(transaction=False) as p:
+                p.hmget(keys.TEAMS, ["doc", "version"])
+                (doc, version), = await p.execute()
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.coord.url}: {e}") from None
+        try:
+            entries = key_entries(doc) if doc else []
+        except ValueError as e:
+            log.error("gateway: the fleet's teams document is not readable (%s); keeping the copy read last", e)
+            return False
+        self._entries, self.version = entries, int(version or 0)
+        self._verified.clear()
+        self._refused.clear()
+        return True
+
+    def _check(self, key: str) -> str | None:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        if any(hmac.compare_digest(digest, d) for d in self.deployment_digests):
+            return DEFAULT_TEAM_ID
+        fp = fingerprint(key)
+        if fp in self._verified:
+            return self._verified[fp]
+        if fp in self._refused:
+            return None
+        for e in self._entries:
+            if e.matches(key):
+                self._verified[fp] = e.team_id
+                return e.team_id
+        self._refused[fp] = None
+        while len(self._refused) > MAX_REFUSED:
+            self._refused.popitem(last=False)
+        return None
+
+    async def team_of(self, key: str | None) -> str | None:
+        """The team ``key`` belongs to, or None (no such key)."""
+        if not key:
+            return None
+        team = self._check(key)
+        if team is None:
+            with contextlib.suppress(CoordError):   # a key made since the last refresh
+                await self.refresh()
+                team = self._check(key)
+        return team
