@@ -1,6 +1,6 @@
 """What builds keep in the store's catalog (docs/templates.md has the table):
 
-``tdef-<name>``   (kind ``template-def``) one E2B template: its name, its tags
+``tdef-<name>``   (kind ``template-def``) one E2B template: its name, owner (team), its tags
                   (tag → the build's template record), its builds, cpu/memory
 ``template.<name>`` alias → the build of its ``default`` tag (what ``find_template`` and
                   so every create resolves), ``ttag-<h>`` alias → the build of ``name:tag``
