@@ -41,7 +41,7 @@ from envd import ENVD_PORT
 from .api import ControlPlane
 from .auth import Credentials
 from .errors import ApiError
-from .keystore import DEFAULT_TEAM_ID, TEAMS_FILE, KeyStore
+from .keystore import DEFAULT_TEAM_ID, TEAMS_FILE, KeyStore, KeyStoreError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .owners import SNAPSHOT_TEAMS_FILE, VOLUME_TEAMS_FILE, OwnerMap
@@ -166,14 +166,20 @@ class ApiServer:
 
     async def _authenticate(self, request: web.Request, route: Route) -> Principal:
         try:
-            return self.teams.authenticate(request, route)
+            return self._principal(request, route)
         except ApiError as e:
             # a fleet's key (or team, X-Team-ID) made on another node since this one last
             # read Redis: read it now
             if e.status not in (401, 404) or not isinstance(self.key_store, SharedKeyStore) \
                     or not await self.key_store.refreshed():
                 raise
+            return self._principal(request, route)
+
+    def _principal(self, request: web.Request, route: Route) -> Principal:
+        try:
             return self.teams.authenticate(request, route)
+        except KeyStoreError as e:      # a fleet's copy of its keys too old to trust (shared_keys.py)
+            raise ApiError(e.status, str(e), retry=True, retry_after=1) from None
 
     async def _check_owner(self, principal: Principal, sid: str) -> None:
         """Another team's sandbox is answered as if it did not exist: 404 with the lifecycle's

@@ -14,20 +14,25 @@ forget every key it verified or refused, so a deleted key fails there within
 ``REFRESH_SECONDS`` plus one Redis round trip (the gateways do the same,
 aenv_fleet/gateway/team_auth.py). A key created on another node is not missed meanwhile:
 a key this node does not know makes it read the version at once (``refresh``) before it
-answers 401. While Redis does not answer, a node keeps the copy it last read."""
+answers 401. A node that could not read the version for ``STALE_AFTER`` seconds (Redis
+down, or cut off from this node only) refuses every team key with 503 until it reads it
+again -- it cannot know which were deleted meanwhile; the deployment key (the default
+team's, configured on the node) keeps working."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
-from .keystore import KeyStore, KeyStoreError, StoreContent, StoredKey, Team
+from .keystore import DEFAULT_TEAM_ID, Caller, KeyStore, KeyStoreError, StoreContent, StoredKey, Team
 
 log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 1.0       # how often a node reads the document's version
 MAX_RETRIES = 8             # a change redone on a fresh copy at most this often
+STALE_AFTER = 5.0           # seconds without reading the version after which team keys are refused
 
 T = TypeVar("T")
 
@@ -60,6 +65,7 @@ class SharedKeyStore(KeyStore):
     def __init__(self, document: TeamsDocument, default_key: str) -> None:
         self._document = document
         self._version = -1       # of the copy held; -1: none read yet (Redis was down)
+        self._confirmed = time.monotonic()     # when the copy was last known current
         super().__init__(Path("fleet-redis:teams"), default_key)
 
     # --- the document ----------------------------------------------------------
@@ -89,6 +95,7 @@ class SharedKeyStore(KeyStore):
             raise StaleCopy()
         self._version = new
         self._content = content
+        self._confirmed = time.monotonic()
 
     def refresh(self) -> bool:
         """Read the document again if its version moved; whether it did."""
@@ -96,10 +103,21 @@ class SharedKeyStore(KeyStore):
             version = self._document.version()
         except OSError as e:
             raise KeyStoreError(503, f"the fleet's teams are not readable: {e}") from None
-        if version == self._version:
-            return False
-        self.reload()
-        return True
+        changed = version != self._version
+        if changed:
+            self.reload()
+        self._confirmed = time.monotonic()
+        return changed
+
+    def verify(self, key: str | None) -> Caller | None:
+        """keystore's, and KeyStoreError 503 for a team key while the copy is not known to
+        be current (``STALE_AFTER``)."""
+        caller = super().verify(key)
+        if caller is not None and caller.team_id != DEFAULT_TEAM_ID \
+                and time.monotonic() - self._confirmed > STALE_AFTER:
+            raise KeyStoreError(503, f"the fleet's teams have not been readable for over {STALE_AFTER:.0f} s: "
+                                     f"team keys are refused until Redis answers (a key may have been deleted)")
+        return caller
 
     async def refreshed(self) -> bool:
         """``refresh`` off the event loop; False when Redis does not answer."""

@@ -7,13 +7,17 @@ The gateway keeps a copy of the document's keys and its version. ``refresh`` (th
 view's loop, every second) reads the version and, when it moved, the keys again and
 forgets every key it verified or refused: a key deleted on any node fails here within
 that second plus a Redis round trip. A key the copy does not know makes the gateway
-read the version at once before it answers 401, so a key just created works at once."""
+read the version at once before it answers 401, so a key just created works at once. A
+gateway that could not read the version for ``STALE_AFTER`` seconds refuses team keys
+(503, as anything else that needs Redis) until it reads it again: it cannot know which
+were deleted meanwhile."""
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import hmac
 import logging
+import time
 from collections import OrderedDict
 
 from redis.exceptions import RedisError
@@ -26,6 +30,7 @@ from ..coord import CoordError, Coordinator
 log = logging.getLogger(__name__)
 
 TEAM_KEY = "team"       # request[TEAM_KEY]: the caller's team, once its key checked out (app.py)
+STALE_AFTER = 5.0       # seconds without reading the version after which team keys are refused
 MAX_REFUSED = 4096      # refused keys remembered (a client repeating a junk key costs no HMACs)
 
 
@@ -37,6 +42,7 @@ class TeamKeys:
         self._entries: list[KeyEntry] = []
         self._verified: dict[bytes, str] = {}       # fingerprint of a verified key -> its team
         self._refused: OrderedDict[bytes, None] = OrderedDict()
+        self._confirmed = time.monotonic()     # when the copy was last known current
 
     async def refresh(self) -> bool:
         """Read the document again if its version moved (CoordError: Redis did not answer)."""
@@ -47,6 +53,7 @@ class TeamKeys:
                 digests, version = await p.execute()
             self.deployment_digests = set(digests)
             if int(version or 0) == self.version:
+                self._confirmed = time.monotonic()
                 return False
             async with self.coord.redis.pipeline(transaction=False) as p:
                 p.hmget(keys.TEAMS, ["doc", "version"])
@@ -61,6 +68,7 @@ class TeamKeys:
         self._entries, self.version = entries, int(version or 0)
         self._verified.clear()
         self._refused.clear()
+        self._confirmed = time.monotonic()
         return True
 
     def _check(self, key: str) -> str | None:
@@ -82,7 +90,8 @@ class TeamKeys:
         return None
 
     async def team_of(self, key: str | None) -> str | None:
-        """The team ``key`` belongs to, or None (no such key)."""
+        """The team ``key`` belongs to, or None (no such key); CoordError for a team key
+        while the copy is not known to be current (``STALE_AFTER``)."""
         if not key:
             return None
         team = self._check(key)
@@ -90,4 +99,7 @@ class TeamKeys:
             with contextlib.suppress(CoordError):   # a key made since the last refresh
                 await self.refresh()
                 team = self._check(key)
+        if team is not None and team != DEFAULT_TEAM_ID and time.monotonic() - self._confirmed > STALE_AFTER:
+            raise CoordError(f"the fleet's teams have not been readable for over {STALE_AFTER:.0f} s: team keys "
+                             f"are refused until Redis answers")
         return team

@@ -136,3 +136,47 @@ def test_redis_holds_no_key_in_clear(fresh: RedisServer) -> None:
         assert key.encode() not in dump and key[4:].encode() not in dump
     aof = b"".join(p.read_bytes() for p in fresh.workdir.rglob("*.aof*") if p.is_file())
     assert all(key[4:].encode() not in aof for key in made)
+
+
+def test_a_copy_not_known_current_refuses_team_keys_until_redis_answers(
+        fresh: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node or gateway cut off from Redis cannot know which keys were deleted meanwhile:
+    past STALE_AFTER without reading the version, team keys get 503; the deployment key
+    still works; once Redis answers again, so do team keys."""
+    from aenv_api.server import shared_keys
+    from aenv_fleet.coord import CoordError
+    from aenv_fleet.gateway import team_auth
+    monkeypatch.setattr(shared_keys, "STALE_AFTER", 0.3)
+    monkeypatch.setattr(team_auth, "STALE_AFTER", 0.3)
+    node = node_store(fresh)
+    team = node.create_team("cut-off")
+    _, key = node.create_key(team.team_id, "k")
+
+    async def main() -> None:
+        coord = Coordinator(fresh.url, FLEET_KEYS)
+        gateway = TeamKeys(coord)
+        await coord.add_api_key(DEPLOYMENT_KEY)
+        try:
+            assert await gateway.team_of(key) == team.team_id
+            fresh.kill()
+            try:
+                with pytest.raises(KeyStoreError):
+                    node.refresh()
+                with pytest.raises(CoordError):
+                    await gateway.refresh()
+                await asyncio.sleep(0.4)
+                with pytest.raises(KeyStoreError) as refused:
+                    node.verify(key)
+                assert refused.value.status == 503
+                with pytest.raises(CoordError):
+                    await gateway.team_of(key)
+                assert node.verify(DEPLOYMENT_KEY) is not None
+                assert await gateway.team_of(DEPLOYMENT_KEY) == DEFAULT_TEAM_ID
+            finally:
+                fresh.restart()
+            assert node.refresh() is False and node.verify(key) is not None
+            await gateway.refresh()
+            assert await gateway.team_of(key) == team.team_id
+        finally:
+            await coord.close()
+    asyncio.run(main())
