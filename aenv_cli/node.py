@@ -130,7 +130,7 @@ class Node:
         lifecycle: Lifecycle | None = None
         builds: TemplateBuilds | None = None
         agent: NodeAgent | None = None
-        teams_doc = RedisTeamsDocument(cluster.redis_url, trust.redis) if trust is not None else None
+        teams_doc = RedisTeamsDocument(cluster.redis_url, trust.redis, trust.keys) if trust is not None else None
         background: list[asyncio.Future[None]] = []
         run_root = node_run_root(config.data_dir)
         confinement = vm.confinement()

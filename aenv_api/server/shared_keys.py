@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 class TeamsDocument(Protocol):
     """Where a fleet keeps its teams document. Every call may raise OSError (the
-    store could not be reached)."""
+    store could not be reached, or what it holds is not the fleet's own)."""
 
     def read(self) -> tuple[str | None, int]:
         """The document (None: none yet) and its version (0: none yet)."""
@@ -78,6 +78,9 @@ class SharedKeyStore(KeyStore):
                 log.warning("teams: the fleet's teams are not readable yet (%s); retrying", e)
                 return StoreContent((), ())
             raise KeyStoreError(503, f"the fleet's teams are not readable: {e}") from None
+        if version < self._version:     # an older document put back: a deleted key would come back
+            raise KeyStoreError(503, f"the fleet's teams document went back from version {self._version} to "
+                                     f"{version}: ignored")
         try:
             content = StoreContent.from_json(text) if text else StoreContent((), ())
         except ValueError as e:

@@ -13,7 +13,7 @@ from typing import Awaitable, Callable
 
 from ..coord import Binding, CoordError, Coordinator, NodeRecord
 from ..trust import RedisTrustError
-from .team_auth import TeamKeys
+from .team_auth import TeamKeys, UnusableTeams
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class FleetView:
         self.refused: str = ""      # why this gateway's Redis was refused ("" = it was not)
         self.nodes: dict[str, NodeRecord] = {}
         self.team_keys = TeamKeys(coord)     # who a request's API key is (team_auth.py)
+        self._teams_refused = ""             # why the teams document was last refused (logged once)
         self._routes: dict[str, tuple[float, Binding]] = {}
         self._task: asyncio.Task | None = None
         self._last_event = "$"
@@ -93,7 +94,14 @@ class FleetView:
             self._verified = True
         await self.coord.expire_nodes()     # any gateway may notice an expiry first; the script is idempotent
         self.nodes = trusted_view(self.nodes, await self.coord.nodes())
-        await self.team_keys.refresh()
+        try:
+            await self.team_keys.refresh()
+        except UnusableTeams as e:     # Redis is fine: only team keys suffer (refused after STALE_AFTER)
+            if str(e) != self._teams_refused:
+                log.error("gateway: %s", e)
+            self._teams_refused = str(e)
+        else:
+            self._teams_refused = ""
         self.redis_ok = True
         self._last_ok = time.time()
         now = time.monotonic()

@@ -26,12 +26,17 @@ from aenv_wire.team_keys import DEFAULT_TEAM_ID, KeyEntry, fingerprint, key_entr
 
 from .. import keys
 from ..coord import CoordError, Coordinator
+from ..teams_doc import ForgedDocument, checked
 
 log = logging.getLogger(__name__)
 
 TEAM_KEY = "team"       # request[TEAM_KEY]: the caller's team, once its key checked out (app.py)
 STALE_AFTER = 5.0       # seconds without reading the version after which team keys are refused
 MAX_REFUSED = 4096      # refused keys remembered (a client repeating a junk key costs no HMACs)
+
+
+class UnusableTeams(CoordError):
+    """Redis answers, but its teams document is not the fleet's own (forged, or put back)."""
 
 
 class TeamKeys:
@@ -56,16 +61,20 @@ class TeamKeys:
                 self._confirmed = time.monotonic()
                 return False
             async with self.coord.redis.pipeline(transaction=False) as p:
-                p.hmget(keys.TEAMS, ["doc", "version"])
-                (doc, version), = await p.execute()
+                p.hmget(keys.TEAMS, ["doc", "version", "sig"])
+                (doc, version, sig), = await p.execute()
         except (RedisError, OSError) as e:
             raise CoordError(f"redis {self.coord.url}: {e}") from None
+        version = int(version or 0)
         try:
+            if version < self.version:      # an older document put back: a deleted key would come back
+                raise ValueError(f"the document went back from version {self.version} to {version}")
+            doc = checked(self.coord.fleet_keys, doc, version, sig)
             entries = key_entries(doc) if doc else []
-        except ValueError as e:
-            log.error("gateway: the fleet's teams document is not readable (%s); keeping the copy read last", e)
-            return False
-        self._entries, self.version = entries, int(version or 0)
+        except (ValueError, ForgedDocument) as e:
+            # the copy is no longer known current: team keys are refused after STALE_AFTER
+            raise UnusableTeams(f"the fleet's teams document is not usable: {e}") from None
+        self._entries, self.version = entries, version
         self._verified.clear()
         self._refused.clear()
         self._confirmed = time.monotonic()

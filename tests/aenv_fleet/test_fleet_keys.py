@@ -35,7 +35,7 @@ def fresh(redis_server: RedisServer) -> RedisServer:
 
 
 def node_store(srv: RedisServer) -> SharedKeyStore:
-    return SharedKeyStore(RedisTeamsDocument(srv.bare_url, RedisAuth(password=srv.password)), DEPLOYMENT_KEY)
+    return SharedKeyStore(RedisTeamsDocument(srv.bare_url, RedisAuth(password=srv.password), FLEET_KEYS), DEPLOYMENT_KEY)
 
 
 def test_a_key_made_on_one_node_works_on_another_and_a_deleted_one_fails(fresh: RedisServer) -> None:
@@ -180,3 +180,55 @@ def test_a_copy_not_known_current_refuses_team_keys_until_redis_answers(
         finally:
             await coord.close()
     asyncio.run(main())
+
+
+def test_a_document_not_signed_with_the_fleet_secret_or_put_back_is_not_taken(fresh: RedisServer) -> None:
+    """Whoever can write Redis but lacks the fleet secret can neither add a key nor bring a
+    deleted one back: a forged or an older document is refused by node and gateway."""
+    from aenv_fleet.coord import CoordError
+    from aenv_fleet.gateway.team_auth import UnusableTeams
+    n1, n2 = node_store(fresh), node_store(fresh)
+    team = n1.create_team("guarded")
+    _, old_key = n1.create_key(team.team_id, "old")
+    r = fresh.client()
+    old = r.hgetall(keys.TEAMS)
+    n1.delete_key(team.team_id, n1.keys(team.team_id)[0].key_id)
+    n2.refresh()
+    assert n2.verify(old_key) is None
+    # a stranger's document: its own key's salted hash, signed with another secret
+    stranger = SharedKeyStore(RedisTeamsDocument(fresh.bare_url, RedisAuth(password=fresh.password),
+                                                 FleetKeys.parse("not-the-fleet-secret-0123456789")), DEPLOYMENT_KEY)
+    with pytest.raises(KeyStoreError):      # it cannot even read the fleet's document
+        stranger.create_team("intruder")
+    forged = dict(r.hgetall(keys.TEAMS))
+    forged_store = SharedKeyStore(RedisTeamsDocument(fresh.bare_url, RedisAuth(password=fresh.password),
+                                                     FleetKeys.parse("not-the-fleet-secret-0123456789")),
+                                  DEPLOYMENT_KEY)
+    r.delete(keys.TEAMS)
+    forged_team = forged_store.create_team("intruder")
+    _, forged_key = forged_store.create_key(forged_team.team_id, "k")
+    r.hset(keys.TEAMS, "version", str(int(forged["version"]) + 5))   # newer than what the fleet has seen
+    with pytest.raises(KeyStoreError) as refused:
+        n2.refresh()
+    assert refused.value.status == 503 and n2.verify(forged_key) is None
+
+    async def at_gateway(expect: type[Exception] | None) -> None:
+        coord = Coordinator(fresh.url, FLEET_KEYS)
+        try:
+            gateway = TeamKeys(coord)
+            if expect is None:
+                await gateway.refresh()
+            else:
+                with pytest.raises(expect):
+                    await gateway.refresh()
+            assert await gateway.team_of(forged_key) is None and await gateway.team_of(old_key) is None
+        finally:
+            await coord.close()
+    asyncio.run(at_gateway(UnusableTeams))
+    # the old, signed document put back: a deleted key would return; refused for going back
+    r.delete(keys.TEAMS)
+    r.hset(keys.TEAMS, mapping=old)
+    with pytest.raises(KeyStoreError, match="went back"):
+        n2.refresh()
+    assert n2.verify(old_key) is None
+    assert issubclass(UnusableTeams, CoordError)

@@ -54,7 +54,7 @@ def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> N
                           KEY, 20, 256, tmp_path / "node", coord=node_coord)
         lifecycle = Lifecycle(agent.observe(FakeSandboxService()), config, metrics, tmp_path / "node")
         await lifecycle.start()
-        doc = RedisTeamsDocument(redis_server.bare_url, trust.redis)
+        doc = RedisTeamsDocument(redis_server.bare_url, trust.redis, trust.keys)
         node = ApiServer(lifecycle, Credentials(KEY, "env", b"s" * 32, admin_token=ADMIN), config, metrics, "test",
                          fleet_keys=trust.keys, key_store=SharedKeyStore(doc, KEY))
         node_url = f"http://127.0.0.1:{await node.start('127.0.0.1', 0)}"
