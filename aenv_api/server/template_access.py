@@ -55,11 +55,18 @@ class TemplateAccess:
     def may_read(self, view: TemplateView, team_id: str) -> bool:
         return view.owner == owner_of(team_id) or view.public or view.template_id in NODE_PUBLIC
 
-    def check_own(self, ref: str, team_id: str) -> None:
-        """404 unless ``ref`` is no E2B template or ``team_id``'s own."""
+    def check_own(self, ref: str, team_id: str, message: str = "") -> None:
+        """404 unless ``ref`` is no E2B template or ``team_id``'s own; ``message``: what the
+        route answers a template or build that does not exist (default: ``unknown``'s), so
+        the two answers are the same."""
         v = self.view(ref)
         if v is not None and v.owner != owner_of(team_id):
-            raise unknown(ref)
+            raise ApiError(404, message) if message else unknown(ref)
+
+    @staticmethod
+    def no_build(ref: str, build_id: str) -> str:
+        """The builder's answer to a build it does not have (template_builds.py)."""
+        return f"no build {build_id} of template {ref}"
 
     def check_read(self, ref: str, team_id: str) -> None:
         """404 unless ``team_id`` may read and use ``ref`` (its own, public, or the node's)."""

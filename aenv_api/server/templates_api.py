@@ -154,10 +154,11 @@ class TemplateApi:
         tid, files_hash = call.path["templateID"], call.path["hash"]
         if not _HASH.match(files_hash):
             raise ApiError(400, f"bad files hash {files_hash[:64]!r}")
-        self.access.check_own(tid, _team(request))
+        missing = f"unknown template {tid!r}: request a build first (POST /v3/templates)"
+        self.access.check_own(tid, _team(request), missing)
         try:
             if not self.builds.template_exists(tid):
-                raise ApiError(404, f"unknown template {tid!r}: request a build first (POST /v3/templates)")
+                raise ApiError(404, missing)
         except VmError as e:
             raise _error(e, "files") from None
         if self.builds.files_present(files_hash):
@@ -253,7 +254,7 @@ class TemplateApi:
     async def start_build(self, request: web.Request, call: Call) -> web.Response:
         tid, bid = call.path["templateID"], call.path["buildID"]
         team = _team(request)
-        self.access.check_own(tid, team)
+        self.access.check_own(tid, team, self.access.no_build(tid, bid))
         try:
             self.builds.startable(tid, bid)      # an unknown or started build: 404 / 409 before the body's 400
             spec = parse_build_spec(call.body)
@@ -268,7 +269,8 @@ class TemplateApi:
 
     async def status(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
-        self.access.check_own(call.path["templateID"], _team(request))
+        tid, bid = call.path["templateID"], call.path["buildID"]
+        self.access.check_own(tid, _team(request), self.access.no_build(tid, bid))
         try:
             view = self.builds.status(call.path["templateID"], call.path["buildID"], q["logsOffset"] or 0,
                                       100 if q["limit"] is None else q["limit"], q["level"])
@@ -287,7 +289,8 @@ class TemplateApi:
 
     async def logs(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
-        self.access.check_own(call.path["templateID"], _team(request))
+        tid, bid = call.path["templateID"], call.path["buildID"]
+        self.access.check_own(tid, _team(request), self.access.no_build(tid, bid))
         try:
             view = self.builds.status(call.path["templateID"], call.path["buildID"], 0, 10**9, q["level"])
         except VmError as e:
@@ -401,7 +404,8 @@ class TemplateApi:
         Another team's: 404."""
         if tid in ("base", self.builds.settings.base_template):
             raise ApiError(409, "the node's base template cannot be deleted through the API")
-        self.access.check_own(tid, team)
+        # another team's: what a name that is neither template nor snapshot gets (api.py)
+        self.access.check_own(tid, team, f"snapshot {tid!r} not found")
         try:
             return await self.builds.delete(tid)
         except BadRequest:

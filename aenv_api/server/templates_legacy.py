@@ -161,7 +161,7 @@ class LegacyTemplateApi:
         tid, bid = call.path["templateID"], call.path["buildID"]
         if not _BUILD_ID.match(bid):
             raise ApiError(400, f"Invalid build ID: {bid[:64]}")
-        self.access.check_own(tid, principal_of(request).team_id)
+        self.access.check_own(tid, principal_of(request).team_id, self.access.no_build(tid, bid))
         try:
             await self.builds.start_requested(tid, bid)
         except VmError as e:

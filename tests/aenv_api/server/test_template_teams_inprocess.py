@@ -82,15 +82,24 @@ def test_another_teams_private_template_is_as_unknown(node: InProcessServer,
     status, got = call(node, key_b, "POST", "/sandboxes", {"templateID": "a-private"})
     assert status == 404 and got["message"] == "template 'a-private' not found", got
     assert call(node, key_b, "POST", "/sandboxes", {"templateID": "a-private:default"})[0] == 404
-    # nor can B change it: publish, tag, rebuild, delete
-    assert call(node, key_b, "PATCH", "/v2/templates/a-private", {"public": True})[0] == 404
-    assert call(node, key_b, "PATCH", "/templates/a-private", {"public": True})[0] == 404
-    assert call(node, key_b, "POST", "/templates/tags", {"target": "a-private", "tags": ["x"]})[0] == 404
-    assert call(node, key_b, "DELETE", "/templates/tags", {"name": "a-private", "tags": ["default"]})[0] == 404
-    assert call(node, key_b, "DELETE", "/templates/a-private")[0] == 404
+    # nor can B change it (publish, tag, rebuild, delete) nor read its builds: each route's
+    # answer to a template or build that does not exist
     bid = records.load_def(node._store, "a-private").builds[0].build_id  # type: ignore[union-attr]
-    assert call(node, key_b, "GET", f"/templates/a-private/builds/{bid}/status")[0] == 404
-    assert call(node, key_b, "GET", f"/templates/a-private/builds/{bid}/logs")[0] == 404
+    for method, path, body in (
+            ("PATCH", "/v2/templates/{}", {"public": True}), ("PATCH", "/templates/{}", {"public": True}),
+            ("POST", "/templates/tags", {"target": "{}", "tags": ["x"]}),
+            ("DELETE", "/templates/tags", {"name": "{}", "tags": ["default"]}),
+            ("DELETE", "/templates/{}", None), ("GET", "/templates/{}/files/" + "f" * 64, None),
+            ("POST", "/templates/{}", {"dockerfile": "FROM alpine:3.20\n"}),
+            ("GET", "/templates/{}/builds/%s/status" % bid, None), ("GET", "/templates/{}/builds/%s/logs" % bid, None),
+            ("POST", "/v2/templates/{}/builds/%s" % bid, {"fromTemplate": "base"}),
+            ("POST", "/templates/{}/builds/%s" % bid, None)):
+        def fill(name: str) -> tuple[str, Any]:
+            return path.format(name), {k: (v.format(name) if isinstance(v, str) else v) for k, v in body.items()} \
+                if body is not None else None
+        mine, none = (call(node, key_b, method, *fill(t)) for t in ("a-private", "no-such-tpl"))
+        assert mine[0] == none[0] == 404, (method, path, mine, none)
+        assert mine[1]["message"] == none[1]["message"].replace("no-such-tpl", "a-private"), (method, path, mine, none)
     assert call(node, key_a, "GET", f"/templates/a-private/builds/{bid}/status")[0] == 200
     # still there, still A's
     assert call(node, key_a, "GET", "/templates/a-private")[1]["public"] is False
