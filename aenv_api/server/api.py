@@ -87,14 +87,16 @@ class ControlPlane:
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
         team = principal_of(request).team_id
-        # another team's named snapshot or private template is no template to this one: the
-        # answer to an unknown template
-        await self._own_snapshot(request, req.template_id, f"template {req.template_id!r} not found")
-        if self.templates is not None:
+        # another team's private template or named snapshot is no template to this one: the
+        # answer to an unknown template. An E2B template is judged by its owner (its build's
+        # frozen VM is also listed among the snapshots, with no snapshot owner recorded)
+        if self.templates is not None and self.templates.access.is_template(req.template_id):
             try:
                 self.templates.access.check_read(req.template_id, team)
             except ApiError:
                 raise ApiError(404, f"template {req.template_id!r} not found") from None
+        else:
+            await self._own_snapshot(request, req.template_id, f"template {req.template_id!r} not found")
         foreign = self.volumes.foreign_mount(req.volume_mounts or [], team) if self.volumes is not None else None
         if foreign is not None:     # what a volume that does not exist gets (lifecycle.create)
             raise ApiError(404, f"volumeMounts: Volume {foreign[:64]!r} not found", retry=False)

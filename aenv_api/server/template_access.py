@@ -52,6 +52,10 @@ class TemplateAccess:
         except VmError:
             return None
 
+    def is_template(self, ref: str) -> bool:
+        """Whether ``ref`` names an E2B template (the node's own, or one with a build record)."""
+        return self.node_public(ref) or self.view(ref) is not None
+
     def may_read(self, view: TemplateView, team_id: str) -> bool:
         return view.owner == owner_of(team_id) or view.public or view.template_id in NODE_PUBLIC
 

@@ -115,9 +115,9 @@ def test_templates_are_their_teams_through_the_sdk(node: Server, monkeypatch: py
     team_b, key_b = new_team(node, "tpl-sdk-b")
     use_sdk_env(node, monkeypatch)
     monkeypatch.setenv("E2B_API_KEY", key_a)
-    Template.build(Template().from_template("base").run_cmd("echo team-a > /home/user/made-by"), "tpl-sdk-a-own",
+    Template.build(Template().from_template("base").run_cmd("echo team-a > /home/user/made-by"), "sdk-a-own-tpl",
                    cpu_count=1, memory_mb=512)
-    a = Sandbox.create("tpl-sdk-a-own", timeout=300)
+    a = Sandbox.create("sdk-a-own-tpl", timeout=300)
     try:
         assert a.files.read("/home/user/made-by").strip() == "team-a"
     finally:
@@ -125,12 +125,12 @@ def test_templates_are_their_teams_through_the_sdk(node: Server, monkeypatch: py
 
     monkeypatch.setenv("E2B_API_KEY", key_b)
     with pytest.raises(Exception) as refused:
-        Sandbox.create("tpl-sdk-a-own", timeout=300)
+        Sandbox.create("sdk-a-own-tpl", timeout=300)
     assert "404" in str(refused.value) or "not found" in str(refused.value).lower(), refused.value
     with pytest.raises(Exception) as refused:
-        Template.build(Template().from_template("tpl-sdk-a-own").run_cmd("true"), "tpl-sdk-b-child",
+        Template.build(Template().from_template("sdk-a-own-tpl").run_cmd("true"), "sdk-b-child-tpl",
                        cpu_count=1, memory_mb=512)
-    assert "tpl-sdk-a-own" in str(refused.value), refused.value
+    assert "sdk-a-own-tpl" in str(refused.value), refused.value
     b = Sandbox.create("base", timeout=300)
     try:
         assert b.commands.run("echo team-b").stdout.strip() == "team-b"
@@ -138,15 +138,15 @@ def test_templates_are_their_teams_through_the_sdk(node: Server, monkeypatch: py
         b.kill()
 
     # published by its team: every team's to create from (and still A's to change)
-    status, _, _ = node.request("PATCH", "/v2/templates/tpl-sdk-a-own", {"public": True}, key=key_a)
+    status, _, _ = node.request("PATCH", "/v2/templates/sdk-a-own-tpl", {"public": True}, key=key_a)
     assert status == 200
-    shared = Sandbox.create("tpl-sdk-a-own", timeout=300)
+    shared = Sandbox.create("sdk-a-own-tpl", timeout=300)
     try:
         assert shared.files.read("/home/user/made-by").strip() == "team-a"
     finally:
         shared.kill()
-    assert node.request("DELETE", "/templates/tpl-sdk-a-own", key=key_b)[0] == 404
-    assert node.request("DELETE", "/templates/tpl-sdk-a-own", key=key_a)[0] == 204
+    assert node.request("DELETE", "/templates/sdk-a-own-tpl", key=key_b)[0] == 404
+    assert node.request("DELETE", "/templates/sdk-a-own-tpl", key=key_a)[0] == 204
     admin = {"X-Admin-Token": ADMIN}
     for team in (team_a, team_b):
         assert node.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
