@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from aenv_api.server.app import ApiServer
+from aenv_api.server.shared_keys import SharedKeyStore
 from aenv_api.server.auth import Credentials
 from aenv_api.server.lifecycle import Lifecycle
 from aenv_api.server.metrics import Metrics
@@ -35,6 +36,7 @@ from aenv_api.server.templates_api import TemplateApi
 from aenv_api.server.volumes_api import VolumeApi
 from aenv_fleet.agent import NodeAgent, RestoreLoad
 from aenv_fleet.coord import CoordError
+from aenv_fleet.teams_doc import RedisTeamsDocument
 from aenv_fleet.trust import check_fleet_redis, cluster_trust, fleet_keys_file, without_credentials
 from aenv_wire.fleet_auth import FleetKeys
 from aenv_store.assembly import open_node_store, peer_source
@@ -130,6 +132,7 @@ class Node:
         lifecycle: Lifecycle | None = None
         builds: TemplateBuilds | None = None
         agent: NodeAgent | None = None
+        teams_doc = RedisTeamsDocument(cluster.redis_url, trust.redis, trust.keys) if trust is not None else None
         background: list[asyncio.Future[None]] = []
         run_root = node_run_root(config.data_dir)
         confinement = vm.confinement()
@@ -195,7 +198,9 @@ class Node:
                                VolumeApi(volumes, server_cfg.volume_domain),
                                # E2B's /nodes: this node, named as its fleet knows it, else by its run dir
                                NodeApi(agent.node_id if agent is not None else manager.rt.node_id, lifecycle,
-                                       metrics, config.data_dir, package_version()), fleet_keys=fleet_keys)
+                                       metrics, config.data_dir, package_version()), fleet_keys=fleet_keys,
+                               # a fleet's teams and keys are its Redis' (every node and gateway reads them)
+                               key_store=SharedKeyStore(teams_doc, creds.api_key) if teams_doc is not None else None)
             try:
                 port = await server.start(server_cfg.host, server_cfg.port)
             except OSError as e:
@@ -251,6 +256,8 @@ class Node:
                 await agent.close()     # after the shutdown's pauses are bound: the lease ends now
             if server is not None:
                 await server.close()
+            if teams_doc is not None:
+                teams_doc.close()
             if manager is not None:
                 await manager.close()  # kills pooled and remaining sandboxes: no QEMU outlives the node
             confinement.close()

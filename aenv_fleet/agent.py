@@ -31,6 +31,8 @@ from aenv_vm.net.policy import NetworkPolicy
 from aenv_vm.service import (ConsoleRead, CreateRequest, ExpiryListener, ForkResult, MetricSample, SandboxInfo,
                              SandboxService, SandboxState, SnapshotInfo, TokenMinter, Usage)
 
+from aenv_wire.team_keys import DEFAULT_TEAM_ID, TEAM_ANNOTATION
+
 from .config import ClusterConfig
 from .coord import Capacity, CoordError, Coordinator
 from .peering import FleetPeering, PeerSync
@@ -46,7 +48,12 @@ def info_record(info: SandboxInfo) -> dict[str, Any]:
             "startedAt": info.started_at, "endAt": info.end_at, "cpuCount": info.vcpus,
             "memoryMB": info.memory_mib, "diskSizeMB": info.disk_mib, "autoPause": info.auto_pause,
             "timeout": info.timeout, "metadata": dict(info.metadata), "envdVersion": info.envd_version,
-            "note": info.note}
+            "note": info.note, "teamID": team_of_info(info)}
+
+
+def team_of_info(info: SandboxInfo) -> str:
+    """The team that owns the sandbox (the node's API annotates it; none: the default team)."""
+    return info.annotations.get(TEAM_ANNOTATION) or DEFAULT_TEAM_ID
 
 
 class SandboxListener(Protocol):

@@ -14,6 +14,7 @@ FREE = PREFIX + "free"              # ZSET node id -> free sandbox slots (placea
 APIKEYS = PREFIX + "apikeys"        # SET sha256 hex digests of the deployment's API keys
 EVENTS = PREFIX + "events"          # STREAM of fleet events (capped, ~10k entries)
 RELEASED = PREFIX + "released"      # SET sandbox ids paused in the repository, held by no node
+TEAMS = PREFIX + "teams"            # HASH doc (the teams document: teams, salted key hashes), version
 EVENTS_MAXLEN = 10_000
 
 

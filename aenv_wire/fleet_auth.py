@@ -2,12 +2,15 @@
 fleet's trust model"): never a client's API key.
 
 Nodes and gateways of one fleet share a *fleet secret* (``[cluster] fleet_secret_file``,
-``[gateway] fleet_secret_file``). Two keys are derived from it, each for one purpose, so
-one never stands in for the other:
+``[gateway] fleet_secret_file``). Three keys are derived from it, each for one purpose, so
+one never stands in for another:
 
 * the **record key** signs each node's record in Redis (``record_mac``): a gateway or a
   peer uses a node's URL, P2P ticket and lease only when the signature is good, so
   whoever can write Redis but does not hold the secret redirects nothing;
+* the **teams key** signs the fleet's teams document in Redis (``teams_mac``: the salted
+  hashes of every team's API keys, with its version), so whoever can write Redis but does
+  not hold the secret can neither add a key nor bring a deleted one back;
 * the **node key** authenticates one HTTP request from a gateway (or a peer node) to a
   node (``request_credential``): ``v1 <unix seconds> <hex HMAC over method, request
   target, time>`` in ``X-Aenv-Node-Auth``. It names the request it was made for, so a
@@ -30,6 +33,7 @@ MAX_SKEW = 300          # seconds a request credential stays good either side of
 MIN_SECRET = 16         # characters of one fleet secret
 _RECORD_LABEL = b"aenv fleet node record v1"
 _NODE_LABEL = b"aenv fleet node credential v1"
+_TEAMS_LABEL = b"aenv fleet teams document v1"
 
 
 class FleetSecretError(ValueError):
@@ -47,12 +51,14 @@ class FleetKeys:
     secrets: tuple[bytes, ...] = field(repr=False)
     _record: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
     _node: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
+    _teams: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.secrets:
             raise FleetSecretError("no fleet secret")
         object.__setattr__(self, "_record", tuple(_derive(s, _RECORD_LABEL) for s in self.secrets))
         object.__setattr__(self, "_node", tuple(_derive(s, _NODE_LABEL) for s in self.secrets))
+        object.__setattr__(self, "_teams", tuple(_derive(s, _TEAMS_LABEL) for s in self.secrets))
 
     @classmethod
     def parse(cls, text: str) -> "FleetKeys":
@@ -77,6 +83,16 @@ class FleetKeys:
 
     def record_ok(self, node_id: str, fields: dict[str, str], mac: str) -> bool:
         return any(hmac.compare_digest(_record_mac(k, node_id, fields), mac) for k in self._record)
+
+    # --- the teams document -------------------------------------------------------------
+
+    def teams_mac(self, version: int, document: str) -> str:
+        """The signature of version ``version`` of the fleet's teams document."""
+        return hmac.new(self._teams[0], _frame(str(version), document), hashlib.sha256).hexdigest()
+
+    def teams_ok(self, version: int, document: str, mac: str) -> bool:
+        return any(hmac.compare_digest(hmac.new(k, _frame(str(version), document), hashlib.sha256).hexdigest(), mac)
+                   for k in self._teams)
 
     # --- requests to nodes -------------------------------------------------------------
 

@@ -87,8 +87,16 @@ class ControlPlane:
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
         team = principal_of(request).team_id
-        # another team's named snapshot is no template to this one: the answer to an unknown template
-        await self._own_snapshot(request, req.template_id, f"template {req.template_id!r} not found")
+        # another team's private template or named snapshot is no template to this one: the
+        # answer to an unknown template. An E2B template is judged by its owner (its build's
+        # frozen VM is also listed among the snapshots, with no snapshot owner recorded)
+        if self.templates is not None and self.templates.access.is_template(req.template_id):
+            try:
+                self.templates.access.check_read(req.template_id, team)
+            except ApiError:
+                raise ApiError(404, f"template {req.template_id!r} not found") from None
+        else:
+            await self._own_snapshot(request, req.template_id, f"template {req.template_id!r} not found")
         foreign = self.volumes.foreign_mount(req.volume_mounts or [], team) if self.volumes is not None else None
         if foreign is not None:     # what a volume that does not exist gets (lifecycle.create)
             raise ApiError(404, f"volumeMounts: Volume {foreign[:64]!r} not found", retry=False)
@@ -195,7 +203,7 @@ class ControlPlane:
 
     async def delete_template(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["templateID"]
-        if self.templates is not None and await self.templates.delete_template(tid):
+        if self.templates is not None and await self.templates.delete_template(tid, principal_of(request).team_id):
             return no_content()
         await self._own_snapshot(request, tid)
         await self.lc.delete_snapshot(tid)

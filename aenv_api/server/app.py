@@ -42,7 +42,7 @@ from envd import ENVD_PORT
 from .api import ControlPlane
 from .auth import Credentials
 from .errors import ApiError
-from .keystore import DEFAULT_TEAM_ID, TEAMS_FILE, KeyStore
+from .keystore import DEFAULT_TEAM_ID, TEAMS_FILE, KeyStore, KeyStoreError
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .owners import SNAPSHOT_TEAMS_FILE, VOLUME_TEAMS_FILE, OwnerMap
@@ -52,6 +52,7 @@ from .responses import json_response
 from .routes import Call, Route, openapi
 from .scrub import KeyScrub
 from .settings import ServerConfig
+from .shared_keys import SharedKeyStore
 from .principal import PRINCIPAL, Principal
 from .quota_api import QuotaApi
 from .quotas import QuotaGate
@@ -110,9 +111,12 @@ def _decoded(raw: bytes, encoding: str) -> bytes:
 class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
                  version: str, templates: TemplateApi | None = None, volumes: VolumeApi | None = None,
-                 nodes: NodeApi | None = None, fleet_keys: FleetKeys | None = None) -> None:
+                 nodes: NodeApi | None = None, fleet_keys: FleetKeys | None = None,
+                 key_store: KeyStore | None = None) -> None:
         """``fleet_keys``: the fleet secret's ([cluster] fleet_secret_file); the cluster
-        routes take only a request credential made with it (None: they refuse everyone)."""
+        routes take only a request credential made with it (None: they refuse everyone).
+        ``key_store``: the teams and keys (default: ``<data-dir>/teams.json``; a fleet
+        node's is its Redis', shared_keys.py)."""
         self.lifecycle = lifecycle
         self.creds = creds
         self.fleet_keys = fleet_keys
@@ -122,8 +126,9 @@ class ApiServer:
         self.proxy = SandboxProxy(lifecycle, metrics, ProxyLimits.of(config), KeyScrub(creds.api_key))
         self.control = ControlPlane(lifecycle, metrics, config, templates, volumes, nodes,
                                     OwnerMap(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE))
-        keystore = KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key)
+        self.key_store = keystore = key_store or KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key)
         self.teams = TeamsApi(keystore, creds.admin_token, lifecycle)
+        self._keys_task: asyncio.Task[None] | None = None
         if volumes is not None:
             volumes.owners = OwnerMap(lifecycle.data_dir / VOLUME_TEAMS_FILE)
         # per-team quotas and metrics (quotas.py, team_metrics.py)
@@ -153,7 +158,7 @@ class ApiServer:
             if route.node_auth:
                 self._check_node_credential(request)
             if route.auth:
-                principal = request[PRINCIPAL] = self.teams.authenticate(request, route)
+                principal = request[PRINCIPAL] = await self._authenticate(request, route)
                 if route.deployment and principal.team_id != DEFAULT_TEAM_ID:
                     raise ApiError(403, "this route is the node's own: only the deployment key (the default "
                                         "team's) may call it")
@@ -173,6 +178,23 @@ class ApiServer:
             request["route"] = route.path
             return await route.handler(request, Call(dict(request.match_info), body, query))
         return handler
+
+    async def _authenticate(self, request: web.Request, route: Route) -> Principal:
+        try:
+            return self._principal(request, route)
+        except ApiError as e:
+            # a fleet's key (or team, X-Team-ID) made on another node since this one last
+            # read Redis: read it now
+            if e.status not in (401, 404) or not isinstance(self.key_store, SharedKeyStore) \
+                    or not await self.key_store.refreshed():
+                raise
+            return self._principal(request, route)
+
+    def _principal(self, request: web.Request, route: Route) -> Principal:
+        try:
+            return self.teams.authenticate(request, route)
+        except KeyStoreError as e:      # a fleet's copy of its keys too old to trust (shared_keys.py)
+            raise ApiError(e.status, str(e), retry=True, retry_after=1) from None
 
     async def _check_owner(self, principal: Principal, sid: str) -> None:
         """Another team's sandbox is answered as if it did not exist: 404 with the lifecycle's
@@ -326,6 +348,8 @@ class ApiServer:
         self._site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await self._site.start()
         self.port = bound_port(self._site, port)
+        if isinstance(self.key_store, SharedKeyStore):
+            self._keys_task = asyncio.ensure_future(self.key_store.run())
         if self.config.tls_cert:
             # the same application behind TLS: control plane and proxy (host-routed or not)
             self._tls_site = web.TCPSite(self._runner, host, self.config.tls_port, reuse_address=True,
@@ -351,6 +375,11 @@ class ApiServer:
                 await self._sampler
             self._sampler = None
         await self.stop_accepting()
+        if self._keys_task is not None:
+            self._keys_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keys_task
+            self._keys_task = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

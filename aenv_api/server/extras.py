@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
+from aenv_wire.team_keys import TEAM_ANNOTATION
+
 from .keystore import DEFAULT_TEAM_ID
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,9 @@ class Extra:
 ANNOTATION = "api.extra"    # the key of ``Extra.annotation`` among a sandbox's annotations
 # The team that owns a sandbox (keystore.py), among its annotations: the sandbox layer keeps
 # it durably in the sandbox's record, fork children inherit it, and it moves with the
-# sandbox to another node. A sandbox made before teams existed has none: the default team's.
-TEAM_ANNOTATION = "api.team"
+# sandbox to another node (a fleet node copies it into the sandbox's Redis binding, for
+# the gateways). A sandbox made before teams existed has none: the default team's.
+# (TEAM_ANNOTATION, aenv_wire/team_keys.py)
 
 
 def team_of(annotations: Mapping[str, str]) -> str:

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from aenv_store.errors import ConfigError
+from aenv_wire.team_keys import DEFAULT_TEAM_ID, salted_digest
 
 from .quotas import TeamQuota
 
-DEFAULT_TEAM_ID = "00000000-0000-0000-0000-000000000000"
 DEFAULT_TEAM_NAME = "default"
 DEFAULT_KEY_ID = "00000000-0000-0000-0000-000000000001"    # the deployment key in /api-keys lists
 TEAMS_FILE = "teams.json"
@@ -118,7 +118,7 @@ class Caller:
 
 
 def _digest(salt: bytes, key: str) -> str:
-    return hmac.new(salt, key.encode(), hashlib.sha256).hexdigest()
+    return salted_digest(salt, key)
 
 
 def generate_key() -> str:
@@ -213,6 +213,14 @@ class KeyStore:
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_durably(self.path, content.to_json())
         self._content = content
+
+    def reload(self) -> None:
+        """Read the store again (another process changed it): every key verified or
+        refused so far is checked afresh."""
+        with self._lock:     # not between a change's read and its write
+            self._content = self._load()
+            self._verified.clear()
+            self._refused.clear()
 
     # --- authentication ------------------------------------------------------
 

@@ -48,6 +48,9 @@ from aenv_wire.listing import iso
 
 from .responses import json_response, no_content
 from .errors import ApiError
+from .keystore import DEFAULT_TEAM_ID
+from .principal import principal_of
+from .template_access import CODE_INTERPRETER, NODE_PUBLIC, TemplateAccess, owner_of
 from .lifecycle import api_error
 from .principal import principal_of
 from .quotas import QuotaGate
@@ -127,6 +130,7 @@ class TemplateApi:
         self.max_upload_bytes = max_upload_bytes
         self.max_parallel_uploads = max_parallel_uploads
         self.floor = floor if floor is not None else DiskFloor()
+        self.access = TemplateAccess(builds)     # which team may do what (template_access.py)
         self._uploads = 0
         self.quotas: QuotaGate | None = None    # the teams' concurrent-build quotas (set by the server)
         self._key = secrets.token_bytes(32)
@@ -160,7 +164,8 @@ class TemplateApi:
             raise ApiError(400, "name is required")
         try:
             run = await self.builds.request(name, b["tags"], BuildResources(b["cpuCount"], b["memoryMB"],
-                                                                            b["minFreeDiskMb"]))
+                                                                            b["minFreeDiskMb"]),
+                                            owner=owner_of(_team(request)))
         except VmError as e:
             raise _error(e, f"template {name!r}") from None
         return json_response({"templateID": run.name, "buildID": run.build_id, "public": False,
@@ -170,9 +175,11 @@ class TemplateApi:
         tid, files_hash = call.path["templateID"], call.path["hash"]
         if not _HASH.match(files_hash):
             raise ApiError(400, f"bad files hash {files_hash[:64]!r}")
+        missing = f"unknown template {tid!r}: request a build first (POST /v3/templates)"
+        self.access.check_own(tid, _team(request), missing)
         try:
             if not self.builds.template_exists(tid):
-                raise ApiError(404, f"unknown template {tid!r}: request a build first (POST /v3/templates)")
+                raise ApiError(404, missing)
         except VmError as e:
             raise _error(e, "files") from None
         if self.builds.files_present(files_hash):
@@ -280,9 +287,13 @@ class TemplateApi:
 
     async def start_build(self, request: web.Request, call: Call) -> web.Response:
         tid, bid = call.path["templateID"], call.path["buildID"]
+        team = _team(request)
+        self.access.check_own(tid, team, self.access.no_build(tid, bid))
         try:
             self.builds.startable(tid, bid)      # an unknown or started build: 404 / 409 before the body's 400
             spec = parse_build_spec(call.body)
+            if spec.from_template:      # built from another team's private template: as if there were none
+                self.access.check_read(spec.from_template, team)
             self.admit_build(request, tid, bid)
             await self.builds.start_build(tid, bid, spec)
         except MalformedBuild as e:
@@ -293,6 +304,8 @@ class TemplateApi:
 
     async def status(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
+        tid, bid = call.path["templateID"], call.path["buildID"]
+        self.access.check_own(tid, _team(request), self.access.no_build(tid, bid))
         try:
             view = self.builds.status(call.path["templateID"], call.path["buildID"], q["logsOffset"] or 0,
                                       100 if q["limit"] is None else q["limit"], q["level"])
@@ -311,6 +324,8 @@ class TemplateApi:
 
     async def logs(self, request: web.Request, call: Call) -> web.Response:
         q = call.query
+        tid, bid = call.path["templateID"], call.path["buildID"]
+        self.access.check_own(tid, _team(request), self.access.no_build(tid, bid))
         try:
             view = self.builds.status(call.path["templateID"], call.path["buildID"], 0, 10**9, q["level"])
         except VmError as e:
@@ -357,9 +372,12 @@ class TemplateApi:
                              for x in v.builds]
         return out
 
-    def _listed(self) -> list[tuple[float, dict[str, Any]]]:
-        """Every template with a finished build, the node's base first: (created, Template)."""
-        out = [(v.created, self._view(v)) for v in self.builds.list_templates() if v.build is not None]
+    def _listed(self, team: str) -> list[tuple[float, dict[str, Any]]]:
+        """The team's templates with a finished build and the node's public ones, the
+        node's base first: (created, Template)."""
+        owner = owner_of(team)
+        out = [(v.created, self._view(v)) for v in self.builds.list_templates()
+               if v.build is not None and (v.owner == owner or v.template_id in NODE_PUBLIC)]
         base = self._base_view()
         tpl = self.builds.base_template()
         if base is not None and tpl is not None:
@@ -368,24 +386,29 @@ class TemplateApi:
         return out
 
     async def list_templates(self, request: web.Request, call: Call) -> web.Response:
-        return json_response([t for _, t in self._listed()])
+        return json_response([t for _, t in self._listed(_team(request))])
 
     async def list_templates_v2(self, request: web.Request, call: Call) -> web.Response:
         """``GET /v2/templates``: the same templates, oldest first, in pages of ``limit``
         (100) continued by ``X-Next-Token`` (the node's keyset token, as its other lists)."""
         q = call.query
-        items, token = page(self._listed(), lambda t: (t[0], t[1]["templateID"]), False, q["limit"],
+        items, token = page(self._listed(_team(request)), lambda t: (t[0], t[1]["templateID"]), False, q["limit"],
                             q["next_token"])
         return json_response([t for _, t in items], headers={NEXT_TOKEN_HEADER: token} if token else None)
 
-    async def _update(self, call: Call) -> list[str]:
-        """Set ``public`` (absent: nothing changes, as E2B); the template's names."""
+    async def _update(self, request: web.Request, call: Call) -> list[str]:
+        """Set ``public`` (absent: nothing changes, as E2B); the template's names. Public:
+        every team of the node may read, create from and build from it (template_access.py)."""
         tid, public = call.path["templateID"], call.body["public"]
         if tid in ("base", self.builds.settings.base_template):
             if public is False:
                 raise ApiError(409, "the node's base template is always public: every caller of this node "
                                     "creates sandboxes from it")
             return ["base"]
+        self.access.check_own(tid, _team(request))
+        if public is False and self.access.node_public(tid):
+            raise ApiError(409, f"{CODE_INTERPRETER} is always public: the code interpreter SDK creates every "
+                                f"team's sandboxes from it")
         try:
             view = self.builds.get(tid) if public is None else await self.builds.set_public(tid, public)
         except VmError as e:
@@ -393,11 +416,11 @@ class TemplateApi:
         return list(view.names)
 
     async def update_template(self, request: web.Request, call: Call) -> web.Response:
-        await self._update(call)
+        await self._update(request, call)
         return json_response(None)      # E2B's v1 answer: 200 with a JSON null
 
     async def update_template_v2(self, request: web.Request, call: Call) -> web.Response:
-        return json_response({"names": await self._update(call)})
+        return json_response({"names": await self._update(request, call)})
 
     async def get_template(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["templateID"]
@@ -405,15 +428,19 @@ class TemplateApi:
             base = self._base_view()
             if base is not None:
                 return json_response(base)
+        self.access.check_read(tid, _team(request))
         try:
             return json_response(self._view(self.builds.get(tid), with_builds=True))
         except VmError as e:
             raise _error(e, f"template {tid!r}") from None
 
-    async def delete_template(self, tid: str) -> bool:
-        """True if ``tid`` was an E2B template (now gone); False: not one (a snapshot, maybe)."""
+    async def delete_template(self, tid: str, team: str = DEFAULT_TEAM_ID) -> bool:
+        """True if ``tid`` was an E2B template (now gone); False: not one (a snapshot, maybe).
+        Another team's: 404."""
         if tid in ("base", self.builds.settings.base_template):
             raise ApiError(409, "the node's base template cannot be deleted through the API")
+        # another team's: what a name that is neither template nor snapshot gets (api.py)
+        self.access.check_own(tid, team, f"snapshot {tid!r} not found")
         try:
             return await self.builds.delete(tid)
         except BadRequest:
@@ -422,6 +449,10 @@ class TemplateApi:
             raise _error(e, f"template {tid!r}") from None
 
     async def alias(self, request: web.Request, call: Call) -> web.Response:
+        try:
+            self.access.check_read(call.path["alias"], _team(request))
+        except ApiError:
+            raise ApiError(404, f"no template named {call.path['alias'][:128]!r}") from None
         try:
             tid = self.builds.alias(call.path["alias"])
         except BadRequest:
@@ -437,6 +468,7 @@ class TemplateApi:
     # ------------------------------------------------------------------ tags
 
     async def assign_tags(self, request: web.Request, call: Call) -> web.Response:
+        self.access.check_own(call.body["target"], _team(request))
         try:
             bid, tags = await self.builds.assign_tags(call.body["target"], call.body["tags"])
         except VmError as e:
@@ -444,6 +476,7 @@ class TemplateApi:
         return json_response({"buildID": bid, "tags": tags}, 201)
 
     async def delete_tags(self, request: web.Request, call: Call) -> web.Response:
+        self.access.check_own(call.body["name"], _team(request))
         try:
             await self.builds.remove_tags(call.body["name"], call.body["tags"])
         except VmError as e:
@@ -451,6 +484,7 @@ class TemplateApi:
         return no_content()
 
     async def list_tags(self, request: web.Request, call: Call) -> web.Response:
+        self.access.check_own(call.path["templateID"], _team(request))
         try:
             tags = self.builds.tags(call.path["templateID"])
         except VmError as e:
@@ -509,6 +543,10 @@ class TemplateApi:
             Route("GET", "/templates/{templateID}/tags", self.list_tags, "the tags of a template",
                   (Reply(200, "the tags", None), Reply(404, "unknown template", "Error")), tags=t),
         ]
+
+
+def _team(request: web.Request) -> str:
+    return principal_of(request).team_id
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -39,6 +39,8 @@ from aenv_wire.listing import iso
 
 from .errors import ApiError
 from .lifecycle import api_error
+from .principal import principal_of
+from .template_access import TemplateAccess, owner_of
 from .responses import json_response
 from .routes import Call, Reply, Route
 from .schemas import Field, Schema
@@ -100,6 +102,7 @@ class LegacyTemplateApi:
         """``admit``: counts a build against its team's quota (TemplateApi.admit_build)."""
         self.builds = builds
         self._admit = admit
+        self.access = TemplateAccess(builds)
 
     def _legacy(self, run: BuildRun) -> dict[str, Any]:
         """E2B's ``TemplateLegacy`` of a just-requested build."""
@@ -116,11 +119,14 @@ class LegacyTemplateApi:
                 "updatedAt": iso(view.updated), "createdBy": None, "lastSpawnedAt": None, "spawnCount": 0,
                 "buildCount": len(view.builds), "envdVersion": (view.build.envd_version or "") if view.build else ""}
 
-    async def _request(self, ref: str, b: dict[str, Any], spec: BuildSpec | None,
+    async def _request(self, request: web.Request, ref: str, b: dict[str, Any], spec: BuildSpec | None,
                        notes: list[str]) -> web.Response:
+        team = principal_of(request).team_id
+        if spec is not None and spec.from_template:     # another team's private template: as if none
+            self.access.check_read(spec.from_template, team)
         try:
             run = await self.builds.request(ref, None, BuildResources(b["cpuCount"], b["memoryMB"]), spec,
-                                            tuple(notes))
+                                            tuple(notes), owner=owner_of(team))
         except VmError as e:
             raise api_error(e, f"template {ref!r}") from None
         return json_response(self._legacy(run), 202)
@@ -129,15 +135,19 @@ class LegacyTemplateApi:
         alias = call.body["alias"]
         if not alias.strip():
             raise ApiError(400, "alias must be a non-empty string")
-        return await self._request(alias, call.body, None, [])
+        return await self._request(request, alias, call.body, None, [])
 
     async def request_dockerfile(self, request: web.Request, call: Call) -> web.Response:
         b = call.body
         spec, notes = dockerfile_spec(b["dockerfile"], b["startCmd"], b["readyCmd"])
-        return await self._request(b["alias"] or generated_id(), b, spec, notes)
+        return await self._request(request, b["alias"] or generated_id(), b, spec, notes)
 
     async def rebuild(self, request: web.Request, call: Call) -> web.Response:
         tid, b = call.path["templateID"], call.body
+        try:
+            self.access.check_own(tid, principal_of(request).team_id)
+        except ApiError:
+            raise ApiError(404, f"Template '{tid[:128]}' not found") from None
         try:
             if not self.builds.template_exists(tid):
                 raise ApiError(404, f"Template '{tid[:128]}' not found")
@@ -148,12 +158,13 @@ class LegacyTemplateApi:
             raise ApiError(400, f"alias {b['alias'][:128]!r} would rename template {name!r}: a template's id is "
                                 f"its name here (request a new template with POST /templates)")
         spec, notes = dockerfile_spec(b["dockerfile"], b["startCmd"], b["readyCmd"])
-        return await self._request(b["alias"] or tid, b, spec, notes)
+        return await self._request(request, b["alias"] or tid, b, spec, notes)
 
     async def start(self, request: web.Request, call: Call) -> web.Response:
         tid, bid = call.path["templateID"], call.path["buildID"]
         if not _BUILD_ID.match(bid):
             raise ApiError(400, f"Invalid build ID: {bid[:64]}")
+        self.access.check_own(tid, principal_of(request).team_id, self.access.no_build(tid, bid))
         if self._admit is not None:
             self._admit(request, tid, bid)
         try:

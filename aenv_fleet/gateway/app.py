@@ -36,6 +36,7 @@ from aenv_wire.errors import error_body
 from aenv_wire.headers import (AGENTENV_ID_HEADER, API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER,
                                SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER)
 from aenv_wire.routing import is_sdk_connect, is_unrouted_signed_url, parse_host
+from aenv_wire.team_keys import DEFAULT_TEAM_ID
 
 from ..config import GatewayConfig
 from ..coord import Binding, CoordError, Coordinator
@@ -46,6 +47,8 @@ from .list_merge import listed_from_binding, lost_note, shown_state
 from .list_routes import Lists
 from .placement import Moves
 from .state import FleetView
+from .team_admin import TeamAdmin, is_admin_call as _is_admin_call
+from .team_auth import TEAM_KEY
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("aenv.gateway.access")
@@ -60,6 +63,7 @@ _FORK = re.compile(r"^/sandboxes/([^/]+)/fork$")
 _SNAPSHOT_FORK = re.compile(r"^/snapshots/([^/]+)/fork$")
 _SANDBOX = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)(/.*)?$")
 _NODE_OP = re.compile(r"^/nodes/([^/]+)/(drain|undrain)$")
+_DEPLOYMENT_ONLY = re.compile(r"^/(nodes|cluster/events)(/.*)?$")    # the fleet's operator's, as on a node
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
@@ -81,6 +85,7 @@ class Gateway:
         self.nodes = NodeClient(config.node_timeout, trust.keys, config.websocket_max_message)
         self.lists = Lists(self.fleet, self.nodes)
         self.moves = Moves(self.fleet, self.nodes)
+        self.admin = TeamAdmin(self.fleet, self.nodes)
         self._runner: JsonErrorRunner | None = None
         self.port: int | None = None
 
@@ -157,11 +162,23 @@ class Gateway:
                 return hit[0], {SANDBOX_ID_HEADER: hit[0], SANDBOX_PORT_HEADER: str(hit[1])}
         return None
 
-    async def _authorized(self, request: web.Request) -> None:
+    async def _authorized(self, request: web.Request) -> str:
+        """The caller's team (GatewayError 401: no key of the fleet)."""
         key = presented_api_key(request.headers.getall(API_KEY_HEADER, []),
                                 request.headers.getall(AUTHORIZATION_HEADER, []))
-        if not await self.fleet.check_key(key):
-            raise GatewayError(401, "Invalid API key: send the deployment's key, once, in the X-API-Key header")
+        team = await self.fleet.team_of(key)
+        if team is None:
+            raise GatewayError(401, "Invalid API key: send the deployment's key or a team's, once, in the "
+                                    "X-API-Key header")
+        request[TEAM_KEY] = team
+        return team
+
+    async def _check_team(self, sid: str, team: str) -> None:
+        """Another team's sandbox is answered as one that does not exist (ids are no oracle);
+        the team is in the sandbox's binding (agent.info_record) and never changes."""
+        b = await self.fleet.binding(sid, cached=True)
+        if b is not None and (b.info.get("teamID") or DEFAULT_TEAM_ID) != team:
+            raise GatewayError(404, f"sandbox {sid} not found", sandboxId=sid)
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if not self.fleet.verified:
@@ -182,7 +199,15 @@ class Gateway:
             # the nodes' cluster routes take the fleet's node credential, which the gateway adds
             # to what it forwards: passed through, any API key holder would hold it
             return error(403, "the fleet's cluster routes are for its gateways and nodes, not for clients")
-        await self._authorized(request)
+        if _is_admin_call(request):
+            return await self.admin.handle(request)     # the admin credential: the nodes check it
+        team = await self._authorized(request)
+        if _DEPLOYMENT_ONLY.match(path) and team != DEFAULT_TEAM_ID:
+            return error(403, "this route is the fleet's own: only the deployment key (the default team's) may "
+                              "call it")
+        m = _SANDBOX.match(path) or _SNAPSHOT_FORK.match(path)
+        if m and m.group(1) != "metrics":
+            await self._check_team(m.group(1), team)
         if _CREATE.match(path):
             if method == "POST":
                 return await self.moves.create(request, await self._body(request))

@@ -17,11 +17,13 @@ from aiohttp import web
 from aenv_wire.errors import BadToken, error_body
 from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER, NEXT_TOKEN_HEADER, TOTAL_RUNNING_HEADER
 from aenv_wire.listing import micros_of, parse_metadata_filter
+from aenv_wire.team_keys import DEFAULT_TEAM_ID
 
 from ..coord import Binding
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable
 from .list_merge import NodePage, decode_cursor, listed_from_binding, matches, merge, page_after, shown_state
 from .state import FleetView
+from .team_auth import TEAM_KEY
 
 LIST_TIMEOUT = 10.0
 STATES = ("running", "paused", "lost")     # "lost": the gateway's own (what Redis shows of a lost sandbox)
@@ -31,6 +33,10 @@ DOWN_HEADER = "X-Aenv-Down-Nodes"
 
 def _bad(message: str) -> web.Response:
     return web.Response(status=400, text=json.dumps(error_body(400, message)), content_type="application/json")
+
+
+def _team(b: Binding) -> str:
+    return b.info.get("teamID") or DEFAULT_TEAM_ID
 
 
 def _key_headers(request: web.Request) -> dict[str, str]:
@@ -118,6 +124,7 @@ class Lists:
         down = sorted(n for n in self.fleet.nodes if n not in alive)
         pages: list[NodePage] = []
         missing: list[str] = []
+        running: dict[str, int] = {}     # node id -> its X-Total-Running
         if node_states:
             params: dict[str, str] = {}
             if metadata_raw:
@@ -138,6 +145,8 @@ class Lists:
                     items = a.json()
                     if a.status != 200 or not isinstance(items, list):
                         raise NodeFailed(f"{nid} answered {a.status}")
+                    if TOTAL_RUNNING_HEADER in a.headers:   # the node's count of the caller's team
+                        running[nid] = int(a.headers[TOTAL_RUNNING_HEADER])
                     return items, a.headers.get(NEXT_TOKEN_HEADER) or None
                 try:
                     return await page_after(fetch, cursor if v2 else None, desc)
@@ -148,27 +157,30 @@ class Lists:
             pages = [p for p in got if p is not None]
             missing = sorted(n for n, p in zip(alive, got) if p is None)
         wanted = tuple(states) if states else ("running", "paused")
+        team = request.get(TEAM_KEY, DEFAULT_TEAM_ID)     # Redis' records show every team's: the caller's only
         extra = [item for b, st in await self._redis_shown(sorted(set(down) | set(missing)))
+                 if _team(b) == team
                  for item in [listed_from_binding(b, st)]
                  if matches(item, wanted, metadata, template, started_after)]
         if "lost" in wanted:
-            extra += await self._lost_on_live_nodes(alive, metadata, template, started_after)
+            extra += await self._lost_on_live_nodes(alive, metadata, template, started_after, team)
         out, token = merge(pages, extra, cursor, desc, limit if v2 else 10**9)
         h = self._headers(missing, [d for d in down if await self.fleet.coord.node_sandbox_ids(d)])
         if token:
             h[NEXT_TOKEN_HEADER] = token
         if v2 and (not states or "running" in states):
-            h[TOTAL_RUNNING_HEADER] = str(sum(n.running for n in self.fleet.nodes.values() if n.node_id in alive))
+            # the caller's team's running sandboxes, as each live node counted them now
+            h[TOTAL_RUNNING_HEADER] = str(sum(running.values()))
         return web.Response(status=200, text=json.dumps(out), content_type="application/json", headers=h)
 
     async def _lost_on_live_nodes(self, alive: list[str], metadata: dict[str, str], template: str | None,
-                                  started_after: int | None) -> list[dict[str, Any]]:
+                                  started_after: int | None, team: str) -> list[dict[str, Any]]:
         """Lost sandboxes a live node reported (found dead at its restart): Redis keeps
         them with their note. Only read when ``state=lost`` is asked for."""
         ids: list[str] = []
         for nid in alive:
             ids += await self.fleet.coord.node_sandbox_ids(nid)
-        return [item for b in await self.fleet.coord.bindings(ids) if b.state == "lost"
+        return [item for b in await self.fleet.coord.bindings(ids) if b.state == "lost" and _team(b) == team
                 for item in [listed_from_binding(b, "lost")] if matches(item, ("lost",), metadata, template,
                                                                         started_after)]
 

@@ -28,12 +28,14 @@ from aiohttp import web
 from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode, adopt_path, answer_code, release_path
 from aenv_wire.errors import error_body
 from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER
+from aenv_wire.team_keys import DEFAULT_TEAM_ID
 
 from ..coord import Binding, CoordError, TeamGrant, TeamQuotaExceeded
 from .errors import GatewayError, SandboxLost
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
 from .list_merge import lost_note, shown_state
 from .state import FleetView
+from .team_auth import TEAM_KEY
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +196,9 @@ class Moves:
         if not isinstance(template, str):
             return _err(400, "templateID must be a string")
         headers = forwarded_headers(request)
-        key = request.headers.get(IDEMPOTENCY_HEADER)
+        given = request.headers.get(IDEMPOTENCY_HEADER)
+        # per team, as on a node: another team's same key is another create
+        key = f"{request.get(TEAM_KEY, DEFAULT_TEAM_ID)}:{given}" if given else None
         if key:
             # a retried create must reach the node that has the first one (it replays it)
             first = await self.fleet.coord.claim_idempotency(key)

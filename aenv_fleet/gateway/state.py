@@ -1,5 +1,5 @@
 """What a gateway knows of the fleet, from Redis, kept fresh by a background loop:
-the node table (a second old at most), the API key digests, and a short-lived cache
+the node table (a second old at most), the API keys (team_auth.py), and a short-lived cache
 of sandbox -> node routes for the proxy's hot path (dropped early when the fleet's
 event stream says the sandbox changed). It is a cache of Redis, never a
 source of truth: any gateway can die or start at any time."""
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from typing import Awaitable, Callable
 
-from ..coord import Binding, CoordError, Coordinator, NodeRecord, key_digest
+from ..coord import Binding, CoordError, Coordinator, NodeRecord
 from ..trust import RedisTrustError
+from .team_auth import TeamKeys, UnusableTeams
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ class FleetView:
         self._verified = verify is None
         self.refused: str = ""      # why this gateway's Redis was refused ("" = it was not)
         self.nodes: dict[str, NodeRecord] = {}
-        self.key_digests: set[str] = set()
+        self.team_keys = TeamKeys(coord)     # who a request's API key is (team_auth.py)
+        self._teams_refused = ""             # why the teams document was last refused (logged once)
         self._routes: dict[str, tuple[float, Binding]] = {}
         self._task: asyncio.Task | None = None
         self._last_event = "$"
@@ -93,7 +94,14 @@ class FleetView:
             self._verified = True
         await self.coord.expire_nodes()     # any gateway may notice an expiry first; the script is idempotent
         self.nodes = trusted_view(self.nodes, await self.coord.nodes())
-        self.key_digests = await self.coord.api_key_digests()
+        try:
+            await self.team_keys.refresh()
+        except UnusableTeams as e:     # Redis is fine: only team keys suffer (refused after STALE_AFTER)
+            if str(e) != self._teams_refused:
+                log.error("gateway: %s", e)
+            self._teams_refused = str(e)
+        else:
+            self._teams_refused = ""
         self.redis_ok = True
         self._last_ok = time.time()
         now = time.monotonic()
@@ -122,14 +130,9 @@ class FleetView:
         n = self.nodes.get(node_id)
         return n.url if n is not None else ""
 
-    async def check_key(self, presented: str | None) -> bool:
-        if presented is None:
-            return False
-        digest = key_digest(presented)
-        if not any(hmac.compare_digest(digest, d) for d in self.key_digests):
-            with contextlib.suppress(CoordError):   # a key added since the last refresh
-                self.key_digests = await self.coord.api_key_digests()
-        return any(hmac.compare_digest(digest, d) for d in self.key_digests)
+    async def team_of(self, presented: str | None) -> str | None:
+        """The team of the API key ``presented``, None when it is no key of the fleet."""
+        return await self.team_keys.team_of(presented)
 
     async def binding(self, sandbox_id: str, cached: bool = False) -> Binding | None:
         if cached:

@@ -1,6 +1,6 @@
 """What builds keep in the store's catalog (docs/templates.md has the table):
 
-``tdef-<name>``   (kind ``template-def``) one E2B template: its name, its tags
+``tdef-<name>``   (kind ``template-def``) one E2B template: its name, owner (team), its tags
                   (tag → the build's template record), its builds, cpu/memory
 ``template.<name>`` alias → the build of its ``default`` tag (what ``find_template`` and
                   so every create resolves), ``ttag-<h>`` alias → the build of ``name:tag``
@@ -96,11 +96,16 @@ class TemplateDef:
     tags: dict[str, tuple[str, str, float]] = field(default_factory=dict)   # tag -> (build id, tpl id, when)
     builds: tuple[BuildEntry, ...] = ()
     public: bool = False
+    # who owns the template, its tags and builds (the API's team id); "" the deployment's
+    # default team, as for every template recorded before teams existed
+    owner: str = ""
 
     def record(self) -> CatalogRecord:
         meta = {"name": self.name, "updated": repr(self.updated), "public": "1" if self.public else "0",
                 "tags": json.dumps({t: list(v) for t, v in sorted(self.tags.items())}),
                 "builds": json.dumps([b.to_json() for b in self.builds])}
+        if self.owner:
+            meta["owner"] = self.owner
         return CatalogRecord(name=def_name(self.name), kind=DEF_KIND, meta=tuple(sorted(meta.items())),
                              created=self.created)
 
@@ -110,7 +115,7 @@ class TemplateDef:
         tags = {t: (str(v[0]), str(v[1]), float(v[2])) for t, v in json.loads(meta.get("tags", "{}")).items()}
         builds = tuple(BuildEntry.from_json(b) for b in json.loads(meta.get("builds", "[]")))
         return cls(meta["name"], rec.created, float(meta.get("updated", rec.created)), tags, builds,
-                   meta.get("public") == "1")
+                   meta.get("public") == "1", meta.get("owner", ""))
 
     def build(self, build_id: str) -> BuildEntry | None:
         return next((b for b in self.builds if b.build_id == build_id), None)

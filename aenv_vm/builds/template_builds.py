@@ -52,6 +52,7 @@ class BuildRun:
     # the steps a request made from a Dockerfile (E2B's legacy ``POST /templates``), started
     # by ``start_requested``; None: the start request brings them (``start_build``)
     requested_spec: BuildSpec | None = None
+    owner: str = ""                         # the template's (records.TemplateDef.owner)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class TemplateView:
     updated: float
     public: bool
     status: str                              # of the latest build
+    owner: str = ""                          # records.TemplateDef.owner ("" the default team)
 
 
 Users = Callable[[str], list[str]]           # template record -> the sandboxes on it
@@ -127,10 +129,12 @@ class TemplateBuilds:
     # ------------------------------------------------------------------ request
 
     async def request(self, ref: str, tags: list[str] | None, resources: BuildResources,
-                      spec: BuildSpec | None = None, notes: tuple[str, ...] = ()) -> BuildRun:
+                      spec: BuildSpec | None = None, notes: tuple[str, ...] = (), owner: str = "") -> BuildRun:
         """A build of ``ref`` (``name`` or ``name:tag``), waiting to be started; ``spec``:
         its steps, when the request already has them (``start_requested`` starts it);
-        ``notes``: lines for its log (warnings about the request)."""
+        ``notes``: lines for its log (warnings about the request); ``owner``: who asks
+        (records.TemplateDef.owner): a new template is theirs, and another owner's name is
+        refused (Conflict: names are one namespace across owners)."""
         if self._closing:
             raise Conflict("the node is shutting down")
         name, tag = records.split_name(ref)
@@ -149,13 +153,16 @@ class TemplateBuilds:
         disk = resources.min_free_disk_mb
         if disk is not None and not 0 <= disk <= 1 << 20:
             raise BadRequest(f"minFreeDiskMB must be 0..{1 << 20}, got {disk}")
-        run = BuildRun(name, str(uuid.uuid4()), tuple(wanted), resources, requested_spec=spec)
+        run = BuildRun(name, str(uuid.uuid4()), tuple(wanted), resources, requested_spec=spec, owner=owner)
         for note in notes:
             run.log.add("warn", note, "base")
         async with self._lock:
             def put() -> None:
                 now = time.time()
-                tdef = records.load_def(self.store, name) or TemplateDef(name, now, now)
+                tdef = records.load_def(self.store, name) or TemplateDef(name, now, now, owner=owner)
+                if tdef.owner != owner:
+                    raise Conflict(f"the template name {name!r} is taken (names are unique across the "
+                                   f"deployment's teams): choose another")
                 entry = BuildEntry(run.build_id, None, "waiting", now, cpu_count=resources.cpu_count or 0,
                                    memory_mb=resources.memory_mb or 0)
                 records.save_def(self.store, replace(tdef, updated=now, builds=tdef.builds + (entry,)))
@@ -334,7 +341,7 @@ class TemplateBuilds:
         async with self._lock:
             def put() -> None:
                 now = time.time()
-                tdef = records.load_def(self.store, run.name) or TemplateDef(run.name, now, now)
+                tdef = records.load_def(self.store, run.name) or TemplateDef(run.name, now, now, owner=run.owner)
                 builds = tuple(replace(b, status="ready", template=tid, finished=now, cpu_count=shape.vcpus,
                                        memory_mb=shape.memory_mib, disk_mb=shape.disk_mib,
                                        envd_version=envd_version)
@@ -392,7 +399,7 @@ class TemplateBuilds:
     def _view(self, tdef: TemplateDef) -> TemplateView:
         latest = max(tdef.builds, key=lambda b: b.created) if tdef.builds else None
         return TemplateView(tdef.name, (tdef.name,), tdef.latest_ready(), tdef.builds, tdef.created, tdef.updated,
-                            tdef.public, latest.status if latest else "waiting")
+                            tdef.public, latest.status if latest else "waiting", tdef.owner)
 
     def list_templates(self) -> list[TemplateView]:
         return sorted((self._view(t) for t in records.list_defs(self.store)), key=lambda v: v.created)

@@ -124,6 +124,7 @@ class Fleet:
     gateways: list[Gateway] = field(default_factory=list)
     max_sandboxes: int = 12
     state: dict[str, Any] = field(default_factory=dict)   # handed from one test to the next
+    admin_token: str = ""       # every node's admin credential (AENV_ADMIN_TOKEN); "" none
     _home_ns: int | None = None
 
     # --- network -------------------------------------------------------------------------
@@ -216,6 +217,8 @@ class Fleet:
             env["AENV_GUEST_CACHE"] = os.environ["AENV_GUEST_CACHE"]
         env.update(AENV_API_KEY=self.api_key, AENV_ENVD_SECRET=self.envd_secret, PYTHONPATH=str(REPO),
                    AENV_SERVER__CODE_INTERPRETER="false")      # no background code-interpreter build
+        if self.admin_token:
+            env["AENV_ADMIN_TOKEN"] = self.admin_token
         return env
 
     def write_node_config(self, node: Node) -> Path:

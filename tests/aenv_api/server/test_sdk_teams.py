@@ -103,3 +103,50 @@ def test_keys_and_ownership_survive_a_restart(node_data_dir: Path, tmp_path: Pat
         admin = {"X-Admin-Token": ADMIN}
         for team in (team_a, team_b):
             assert second.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
+
+
+def test_templates_are_their_teams_through_the_sdk(node: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Team A builds a template with the SDK's Template API; team B can neither create
+    from it nor build from it (404, as a template that does not exist), but creates from
+    the node's ``base``; once A publishes it (``PATCH`` ``public``), B creates from it."""
+    from e2b import Sandbox, Template
+
+    team_a, key_a = new_team(node, "tpl-sdk-a")
+    team_b, key_b = new_team(node, "tpl-sdk-b")
+    use_sdk_env(node, monkeypatch)
+    monkeypatch.setenv("E2B_API_KEY", key_a)
+    Template.build(Template().from_template("base").run_cmd("echo team-a > /home/user/made-by"), "sdk-a-own-tpl",
+                   cpu_count=1, memory_mb=512)
+    a = Sandbox.create("sdk-a-own-tpl", timeout=300)
+    try:
+        assert a.files.read("/home/user/made-by").strip() == "team-a"
+    finally:
+        a.kill()
+
+    monkeypatch.setenv("E2B_API_KEY", key_b)
+    with pytest.raises(Exception) as refused:
+        Sandbox.create("sdk-a-own-tpl", timeout=300)
+    assert "404" in str(refused.value) or "not found" in str(refused.value).lower(), refused.value
+    with pytest.raises(Exception) as refused:
+        Template.build(Template().from_template("sdk-a-own-tpl").run_cmd("true"), "sdk-b-child-tpl",
+                       cpu_count=1, memory_mb=512)
+    assert "sdk-a-own-tpl" in str(refused.value), refused.value
+    b = Sandbox.create("base", timeout=300)
+    try:
+        assert b.commands.run("echo team-b").stdout.strip() == "team-b"
+    finally:
+        b.kill()
+
+    # published by its team: every team's to create from (and still A's to change)
+    status, _, _ = node.request("PATCH", "/v2/templates/sdk-a-own-tpl", {"public": True}, key=key_a)
+    assert status == 200
+    shared = Sandbox.create("sdk-a-own-tpl", timeout=300)
+    try:
+        assert shared.files.read("/home/user/made-by").strip() == "team-a"
+    finally:
+        shared.kill()
+    assert node.request("DELETE", "/templates/sdk-a-own-tpl", key=key_b)[0] == 404
+    assert node.request("DELETE", "/templates/sdk-a-own-tpl", key=key_a)[0] == 204
+    admin = {"X-Admin-Token": ADMIN}
+    for team in (team_a, team_b):
+        assert node.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
