@@ -49,11 +49,10 @@ COMMIT_WAIT = 120.0         # how long a fork snapshot's or a pause's background
 DEFAULT_TEAM = "00000000-0000-0000-0000-000000000000"
 
 
-def deployment_team(request: web.Request) -> str:
-    """The team of a request the gateway let in: the deployment key's, the one key a gateway
-    checks today (app.py ``_authorized``); where gateways learn teams' keys, ``Moves.team_of``
-    is what answers instead."""
-    return DEFAULT_TEAM
+def request_team(request: web.Request) -> str:
+    """The team of a request the gateway let in, as its key check found it (app.py
+    ``_authorized``, team_auth.py): whose quota a start counts against."""
+    return str(request.get(TEAM_KEY) or DEFAULT_TEAM)
 
 
 def over_team_quota(e: TeamQuotaExceeded) -> web.Response:
@@ -117,7 +116,7 @@ class Moves:
     def __init__(self, fleet: FleetView, nodes: NodeClient) -> None:
         self.fleet = fleet
         self.nodes = nodes
-        self.team_of: Callable[[web.Request], str] = deployment_team   # whose quota a start counts against
+        self.team_of: Callable[[web.Request], str] = request_team   # whose quota a start counts against
 
     async def _settle(self, team: str, grant: TeamGrant, answers: list[Any]) -> None:
         """The starts ``grant`` reserved made the sandboxes in ``answers`` (a create's answer, a

@@ -138,9 +138,19 @@ def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> N
                 assert (await call("DELETE", f"/admin/teams/{ids['a']}"))[0] == 401
                 status, counts = await call("GET", "/admin/sandboxes/running-counts", admin=True)
                 assert status == 200 and {"teamID": ids["a"], "runningSandboxes": 2} in counts["teams"], counts
-                for t in ("a", "b"):
-                    for s in (await call("GET", "/sandboxes", key=keys[t]))[1]:
-                        assert (await call("DELETE", f"/sandboxes/{s['sandboxID']}", key=keys[t]))[0] == 204
+                # the gateway counts a team's starts as that team's (its Redis running set)
+                assert len(await node_coord.team_running(ids["a"])) == 2
+                # a team's quota holds at the gateway for that team's key, not the default team's
+                status, got = await call("PUT", f"/admin/teams/{ids['a']}/quota", {"runningSandboxes": 2}, admin=True)
+                assert status == 200, got
+                status, got = await call("POST", "/sandboxes", {"templateID": "base"}, key=keys["a"])
+                assert status == 429 and "maximum number of concurrent" in got["message"], got
+                status, got = await call("POST", "/sandboxes", {"templateID": "base"}, key=keys["b"])
+                assert status == 201, got
+                assert (await call("POST", "/sandboxes", {"templateID": "base"}, key=KEY))[0] == 201
+                for key in (keys["a"], keys["b"], KEY):
+                    for s in (await call("GET", "/sandboxes", key=key))[1]:
+                        assert (await call("DELETE", f"/sandboxes/{s['sandboxID']}", key=key))[0] == 204
                 assert (await call("DELETE", f"/admin/teams/{ids['a']}", admin=True))[0] == 204
                 assert (await call("GET", "/teams", key=keys["a"]))[0] == 401
                 assert (await call("GET", "/teams", key=keys["b"]))[0] == 200
