@@ -230,11 +230,14 @@ def tasks() -> list[Task]:
     )
     background = Task(
         name="background-process",
+        # the agent phase without network: Harbor switches the sandbox's network with
+        # update_network before the solution and back to the baseline after it
         toml="""
             [verifier]
             timeout_sec = 300.0
             [agent]
             timeout_sec = 300.0
+            network_mode = "no-network"
             [environment]
             build_timeout_sec = 900.0
             memory_mb = 384
@@ -341,4 +344,8 @@ def test_harbor_oracle_trials_all_reward_1(node: Server, image: str, tmp_path: P
     for r in results:
         assert r.get("exception_info") is None, context
         assert r["verifier_result"]["rewards"] == {"reward": 1}, context
+    # the no-network agent phase of background-process: Harbor's update_network, twice a trial
+    network_updates = [line for line in node.log().splitlines() if "api PUT /sandboxes/" in line
+                       and line.rstrip().split(" -> ")[-1].startswith("204") and "/network" in line]
+    assert len(network_updates) == 2 * TRIALS_PER_TASK, network_updates
     print(f"harbor: {len(results)} oracle trials, {CONCURRENT} concurrent, all reward 1, in {took:.0f} s")
