@@ -93,7 +93,11 @@ def node(tmp_path_factory: pytest.TempPathFactory, base_seed: BaseSeed) -> Itera
     """A node with the run's ``base``; no warm pool (Harbor creates from its own templates)."""
     require(os.geteuid() == 0, "template builds need root (the guest image build)")
     srv = start_server(tmp_path_factory.mktemp("harbor-node"), tmp_path_factory.mktemp("harbor-logs"),
-                       env={"AENV_VM__POOL_SIZE": "0", "AENV_TEMPLATES__STEP_TIMEOUT": "300"}, seed=base_seed)
+                       env={"AENV_VM__POOL_SIZE": "0", "AENV_TEMPLATES__STEP_TIMEOUT": "300",
+                            # the four tasks' templates build at once (one at a time, the first
+                            # task's trials would be done before the next template is there:
+                            # never 4 sandboxes at once)
+                            "AENV_TEMPLATES__MAX_PARALLEL_BUILDS": str(CONCURRENT)}, seed=base_seed)
     try:
         yield srv
     finally:
@@ -316,6 +320,18 @@ def trial_results(job_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(job_dir.glob("*/result.json"))]
 
 
+def max_live_sandboxes(server_log: str) -> int:
+    """The most sandboxes alive at once, from the node's access log (creates and kills)."""
+    live = most = 0
+    for line in server_log.splitlines():
+        if " api POST /v2/sandboxes -> 201 " in line:
+            live += 1
+            most = max(most, live)
+        elif " api DELETE /sandboxes/" in line and " -> 204 " in line:
+            live -= 1
+    return most
+
+
 def test_harbor_oracle_trials_all_reward_1(node: Server, image: str, tmp_path: Path) -> None:
     harbor = harbor_bin()
     dataset = tmp_path / "dataset"
@@ -348,4 +364,5 @@ def test_harbor_oracle_trials_all_reward_1(node: Server, image: str, tmp_path: P
     network_updates = [line for line in node.log().splitlines() if "api PUT /sandboxes/" in line
                        and line.rstrip().split(" -> ")[-1].startswith("204") and "/network" in line]
     assert len(network_updates) == 2 * TRIALS_PER_TASK, network_updates
+    assert max_live_sandboxes(node.log()) == CONCURRENT, "Harbor never had 4 sandboxes at once"
     print(f"harbor: {len(results)} oracle trials, {CONCURRENT} concurrent, all reward 1, in {took:.0f} s")
