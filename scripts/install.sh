@@ -113,6 +113,7 @@ for lock in tests/harness/*.lock; do
     ".venv-harness/$h/bin/pip" install -q -r "$lock"
     touch "$hstamp"
   fi
+  rm -f ".venv-harness/$h.unavailable"
 done
 # The e2b npm SDKs: e2b for tests/aenv_api/server/node, @e2b/code-interpreter for tests/codeint/node.
 for ndir in tests/aenv_api/server/node tests/codeint/node; do
