@@ -75,18 +75,48 @@ for lock in tests/sdk_range/*.lock; do
     touch "$sstamp"
   fi
 done
+# A CPython X.Y interpreter that really runs (pyenv's `python3.12` shim exists on PATH even
+# when 3.12 is not the selected version, and then fails): $PYTHON<XY> if set, else
+# pythonX.Y on PATH, else pyenv's installed X.Y. Prints its path; fails when there is none.
+find_python() {
+  local want=$1 var="PYTHON${1//./}" c p
+  for c in "${!var:-}" "python$want"; do
+    [[ -n "$c" ]] || continue
+    p=$(command -v "$c" 2>/dev/null) || continue
+    if "$p" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$want'.split('.'))))" 2>/dev/null; then
+      echo "$p"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null && p=$(pyenv prefix "$want" 2>/dev/null) && [[ -x "$p/bin/python$want" ]]; then
+    echo "$p/bin/python$want"; return 0
+  fi
+  return 1
+}
 # Agent and RL harnesses with an E2B backend, each in its own venv with the versions it
-# pins (tests/harness/*.lock), for tests/harness: what their users run against aenv.
+# pins (tests/harness/*.lock), for tests/harness: what their users run against aenv. A
+# lock whose header says `# python: X.Y` needs that Python (Harbor needs 3.12, newer
+# than the project's): without one the venv is not made, the install says so here, and
+# writes why into .venv-harness/<name>.unavailable, which the harness's test fails with.
 for lock in tests/harness/*.lock; do
+  [[ -e "$lock" ]] || continue
   h=$(basename "$lock" .lock)
+  hpy=$PY
+  want=$(sed -n 's/^# python: \([0-9][0-9.]*\).*/\1/p' "$lock" | head -1)
+  if [[ -n "$want" ]] && ! hpy=$(find_python "$want"); then
+    why="no Python $want here (tried \$PYTHON${want//./}, python$want on PATH, pyenv prefix $want): install one and rerun scripts/install.sh"
+    echo "install: harness $h NOT installed: $why"
+    mkdir -p .venv-harness && echo "$why" > ".venv-harness/$h.unavailable"
+    continue
+  fi
   hstamp=.venv-harness/$h/.aenv-lock-$(sha256sum "$lock" | cut -c1-16)
   if [[ ! -f "$hstamp" ]]; then
-    echo "install: harness $h (pinned by $lock)"
-    rm -rf ".venv-harness/$h"
-    "$PY" -m venv ".venv-harness/$h"
+    echo "install: harness $h (pinned by $lock, $("$hpy" --version 2>&1))"
+    rm -rf ".venv-harness/$h" ".venv-harness/$h.unavailable"
+    "$hpy" -m venv ".venv-harness/$h"
     ".venv-harness/$h/bin/pip" install -q -r "$lock"
     touch "$hstamp"
   fi
+  rm -f ".venv-harness/$h.unavailable"
 done
 # The e2b npm SDKs: e2b for tests/aenv_api/server/node, @e2b/code-interpreter for tests/codeint/node.
 for ndir in tests/aenv_api/server/node tests/codeint/node; do

@@ -140,11 +140,33 @@ def list_defs(store: Store) -> list[TemplateDef]:
     return [TemplateDef.from_record(r) for r in store.list_records(DEF_KIND)]
 
 
+def ready_builds(tdef: TemplateDef) -> dict[str, str]:
+    """build id -> template record of every finished build: E2B resolves ``name:<build id>``
+    as it does a tag (Harbor creates its sandboxes from the exact build a tag pointed at,
+    so a later rebuild under the same tag cannot change a running job's template)."""
+    return {b.build_id: b.template for b in tdef.builds if b.status == "ready" and b.template}
+
+
+def has_build_names(store: Store, tdef: TemplateDef) -> bool:
+    """Whether every ready build of ``tdef`` has its ``name:<build id>`` alias."""
+    for build_id in ready_builds(tdef):
+        try:
+            store.get_record(tag_alias_name(tdef.name, build_id))
+        except StoreNotFound:
+            return False
+    return True
+
+
 def save_def(store: Store, tdef: TemplateDef) -> None:
-    """The definition and the aliases creates resolve: ``template.<name>`` (default tag)
-    and one ``ttag-…`` per tag; aliases of tags that went are removed."""
+    """The definition and the aliases creates resolve: ``template.<name>`` (default tag),
+    one ``ttag-…`` per tag and one per ready build (``name:<build id>``); aliases of tags
+    and builds that went are removed. A tag spelled like a build id wins (written after)."""
     old = load_def(store, tdef.name)
     now = time.time()
+    builds = ready_builds(tdef)
+    for build_id, tid in builds.items():
+        store.put_record(CatalogRecord(name=tag_alias_name(tdef.name, build_id), kind=ALIAS, target=tid,
+                                       created=now), exclusive=False)
     for tag, (_bid, tid, _when) in tdef.tags.items():
         store.put_record(CatalogRecord(name=tag_alias_name(tdef.name, tag), kind=ALIAS, target=tid, created=now),
                          exclusive=False)
@@ -153,14 +175,17 @@ def save_def(store: Store, tdef: TemplateDef) -> None:
                              exclusive=False)
     store.put_record(tdef.record(), exclusive=False)
     for tag in (old.tags if old else {}):
-        if tag not in tdef.tags:
+        if tag not in tdef.tags and tag not in builds:
             _delete_quietly(store, tag_alias_name(tdef.name, tag))
             if tag == DEFAULT_TAG:
                 _delete_quietly(store, ALIAS_PREFIX + tdef.name)
+    for build_id in (ready_builds(old) if old else {}):
+        if build_id not in builds and build_id not in tdef.tags:
+            _delete_quietly(store, tag_alias_name(tdef.name, build_id))
 
 
 def delete_def(store: Store, tdef: TemplateDef) -> None:
-    for tag in tdef.tags:
+    for tag in (*tdef.tags, *ready_builds(tdef)):
         _delete_quietly(store, tag_alias_name(tdef.name, tag))
     _delete_quietly(store, ALIAS_PREFIX + tdef.name)
     _delete_quietly(store, def_name(tdef.name))

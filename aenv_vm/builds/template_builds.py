@@ -104,7 +104,8 @@ class TemplateBuilds:
         return self.rt.store
 
     async def start(self) -> None:
-        """Builds a previous process left unfinished failed with it."""
+        """Builds a previous process left unfinished failed with it; templates saved before
+        ready builds were names (``name:<build id>``) get those names."""
         def fix() -> None:
             for tdef in records.list_defs(self.store):
                 stale = [b for b in tdef.builds if b.status in ("waiting", "building")]
@@ -112,6 +113,8 @@ class TemplateBuilds:
                     builds = tuple(replace(b, status="error", finished=time.time()) if b in stale else b
                                    for b in tdef.builds)
                     records.save_def(self.store, replace(tdef, builds=builds))
+                elif not records.has_build_names(self.store, tdef):
+                    records.save_def(self.store, tdef)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # build VMs' disks and memory files a stopped (or killed) process left behind
         await asyncio.to_thread(shutil.rmtree, self.rt.run_root / "builds", True)

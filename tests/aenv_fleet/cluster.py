@@ -125,6 +125,7 @@ class Fleet:
     max_sandboxes: int = 12
     state: dict[str, Any] = field(default_factory=dict)   # handed from one test to the next
     admin_token: str = ""       # every node's admin credential (AENV_ADMIN_TOKEN); "" none
+    node_config: list[str] = field(default_factory=list)  # more TOML lines for every node's config
     _home_ns: int | None = None
 
     # --- network -------------------------------------------------------------------------
@@ -231,6 +232,7 @@ class Fleet:
                   "[cluster]", f'redis_url = "{self.redis.bare_url}"', f'node_id = "{node.node_id}"',
                   f'advertise_url = "{node.url}"', "lease_seconds = 4.0", "heartbeat_seconds = 1.0"]
         lines += [f"{k} = {json.dumps(v)}" for k, v in self.trust_settings().items()]
+        lines += self.node_config
         path = node.data_dir / "config.toml"
         path.write_text("\n".join(lines) + "\n")
         return path

@@ -28,7 +28,7 @@ SERVING_CONFIG = {"Env": ["PATH=/opt/image/bin:/usr/bin:/bin"], "WorkingDir": "/
                           "&& exec busybox httpd -f -p 8080 -h /tmp/www"]}
 
 
-def _host_program_entries(program: str) -> list[Entry]:
+def host_program_entries(program: str) -> list[Entry]:
     """``program`` of this host with the glibc loader and the libraries it links (the loader's
     own list): a real program in an image without building one."""
     loader = Path("/lib64/ld-linux-x86-64.so.2")
@@ -53,7 +53,7 @@ def push_serving_image(reg: Registry, layout_dir: Path, dest: str = "test/servin
         pytest.skip("/usr/bin/curl missing (Debian's curl)")
     entries = alpine_like_entries()
     have = {e.name for e in entries}
-    entries += [e for e in _host_program_entries("/usr/bin/curl") if e.name not in have]
+    entries += [e for e in host_program_entries("/usr/bin/curl") if e.name not in have]
     write_layout(layout_dir, entries, "v1", SERVING_CONFIG)
     reg.push(layout_dir, "v1", dest)
     return f"{reg.host}/{dest}"

@@ -100,7 +100,7 @@ def test_from_template_tags_and_delete(sdk: Server, tmp_path: Path) -> None:
               .run_cmd("echo parent > p.txt"))
     Template.build(parent, "sdk-parent:v1", tags=["v1"])
     child = Template().from_template("sdk-parent:v1").run_cmd("echo child > c.txt")
-    Template.build(child, "sdk-child")
+    child_build = Template.build(child, "sdk-child").build_id
     sbx = Sandbox.create("sdk-child")
     try:
         r = sbx.commands.run("pwd; cat p.txt c.txt; echo $FROM_PARENT")
@@ -119,6 +119,12 @@ def test_from_template_tags_and_delete(sdk: Server, tmp_path: Path) -> None:
         assert sbx.commands.run("cat p.txt").stdout == "parent\n"
     finally:
         sbx.kill()
+    # a build's id goes where a tag goes (E2B's; Harbor creates from name:<build id>)
+    sbx = Sandbox.create(f"sdk-parent:{tags['v1']}")
+    try:
+        assert sbx.commands.run("cat p.txt").stdout == "parent\n"
+    finally:
+        sbx.kill()
     Template.remove_tags("sdk-parent", ["stable"])
     assert {t.tag for t in Template.get_tags("sdk-parent")} == {"v1", "prod"}
     with pytest.raises(Exception):
@@ -130,6 +136,8 @@ def test_from_template_tags_and_delete(sdk: Server, tmp_path: Path) -> None:
     assert not Template.exists("sdk-child")
     with pytest.raises(Exception):
         Sandbox.create("sdk-child")
+    with pytest.raises(Exception):
+        Sandbox.create(f"sdk-child:{child_build}")
     status, _, body = sdk.request("GET", "/templates")
     assert status == 200 and "sdk-child" not in {t["templateID"] for t in body}
     assert {"base", "sdk-parent"} <= {t["templateID"] for t in body}

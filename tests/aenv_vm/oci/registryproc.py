@@ -22,10 +22,11 @@ class Registry:
     port: int
     root: Path
     auth: bool
+    addr: str = "127.0.0.1"
 
     @property
     def host(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.addr}:{self.port}"
 
     @property
     def storage(self) -> Path:
@@ -33,10 +34,12 @@ class Registry:
 
     @classmethod
     def start(cls, root: Path, auth: bool = False, timeout: float = 30.0,
-              auth_yaml: list[str] | None = None, storage_yaml: list[str] | None = None) -> "Registry":
+              auth_yaml: list[str] | None = None, storage_yaml: list[str] | None = None,
+              addr: str = "127.0.0.1") -> "Registry":
         """``auth``: htpasswd basic auth; ``auth_yaml``: another ``auth:`` section (a token
         service's); either way pushes use USER/PASSWORD. ``storage_yaml``: a ``storage:``
-        section instead of the filesystem in ``root``."""
+        section instead of the filesystem in ``root``. ``addr``: the address it listens on
+        (a test fleet's hub address, which its nodes reach)."""
         if shutil.which("docker-registry") is None:
             raise RuntimeError("docker-registry not installed (scripts/install.sh installs it)")
         root.mkdir(parents=True, exist_ok=True)
@@ -44,7 +47,7 @@ class Registry:
         lines = ["version: 0.1", "log:", "  level: warn", "  accesslog:", "    disabled: true",
                  *(storage_yaml or ["storage:", "  filesystem:", f"    rootdirectory: {root / 'storage'}",
                                     "  delete:", "    enabled: true"]),
-                 "http:", f"  addr: 127.0.0.1:{port}"]
+                 "http:", f"  addr: {addr}:{port}"]
         if auth:
             hp = subprocess.run(["htpasswd", "-Bbn", USER, PASSWORD], check=True, capture_output=True, text=True)
             (root / "htpasswd").write_text(hp.stdout)
@@ -58,7 +61,7 @@ class Registry:
         env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE" and "proxy" not in k.lower()}
         proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
-        reg = cls(proc, port, root, auth or bool(auth_yaml))
+        reg = cls(proc, port, root, auth or bool(auth_yaml), addr)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
