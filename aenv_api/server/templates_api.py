@@ -54,7 +54,7 @@ from .template_access import CODE_INTERPRETER, NODE_PUBLIC, TemplateAccess, owne
 from .lifecycle import api_error
 from .principal import principal_of
 from .quotas import QuotaGate
-from .routes import Call, Reply, Route
+from .routes import Admin, Call, Reply, Route
 from .schemas import Field, Schema
 from .views import page
 
@@ -493,9 +493,20 @@ class TemplateApi:
 
     # ------------------------------------------------------------------ table
 
+    async def admin_cancel_builds(self, request: web.Request, call: Call) -> web.Response:
+        """E2B's ``AdminBuildCancelResult``: every build of the team's templates this node runs
+        or holds requested, cancelled (each ends failed, saying so in its status)."""
+        tid = call.path["teamID"]
+        done, failed = await self.builds.cancel_builds(owner_of(tid), "the build was cancelled by the admin")
+        return json_response({"cancelledCount": done, "failedCount": failed})
+
     def routes(self) -> list[Route]:
         t = ("templates",)
         return [
+            Route("POST", "/admin/teams/{teamID}/builds/cancel", self.admin_cancel_builds,
+                  "cancel every running or waiting build of a team's templates on this node",
+                  (Reply(200, "how many were cancelled and how many failed", None),),
+                  admin=Admin.ONLY, tags=("admin",)),
             Route("POST", "/v3/templates", self.request_build, "request a template build",
                   (Reply(202, "the build was requested", None),), body=BUILD_REQUEST, body_required=True, tags=t),
             Route("GET", "/templates/{templateID}/files/{hash}", self.files,

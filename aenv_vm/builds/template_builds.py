@@ -52,6 +52,7 @@ class BuildRun:
     # the steps a request made from a Dockerfile (E2B's legacy ``POST /templates``), started
     # by ``start_requested``; None: the start request brings them (``start_build``)
     requested_spec: BuildSpec | None = None
+    cancelled: str | None = None        # why an admin cancelled it (cancel_builds), else None
     owner: str = ""                         # the template's (records.TemplateDef.owner)
 
 
@@ -254,7 +255,10 @@ class TemplateBuilds:
         """Start a build whose steps came with its request (E2B's legacy flow). BadRequest:
         it came without (it is started with its steps, ``start_build``), or it is not
         waiting (E2B's legacy answer is a 400 there, not a 409)."""
-        run = self._run_of(template_id, build_id)
+        try:
+            run = self._run_of(template_id, build_id)
+        except NotFound:        # ended already (its record and log are all that is left of it)
+            run = self._load_finished(records.split_name(template_id)[0], build_id)
         if run.status != "waiting":
             raise BadRequest(f"build {build_id} is not in waiting state (it is {run.status})")
         if run.requested_spec is None:
@@ -296,7 +300,7 @@ class TemplateBuilds:
         except BuildFailed as e:
             self._fail(run, str(e), e.step)
         except asyncio.CancelledError:
-            self._fail(run, "the build was cancelled (the node shut down)", None)
+            self._fail(run, run.cancelled or "the build was cancelled (the node shut down)", None)
         except (VmError, StoreError, OSError) as e:
             self._fail(run, f"{type(e).__name__}: {e}", None)
         except Exception as e:    # never lose a build's end: the status says what happened
@@ -323,6 +327,25 @@ class TemplateBuilds:
                 self._context_used[files_hash] = ended
             if not self._closing:
                 await self.sweep_contexts()
+
+    async def cancel_builds(self, owner: str, reason: str) -> tuple[int, int]:
+        """Cancel every build of ``owner``'s templates (records.TemplateDef.owner) this node
+        runs or holds requested, each ending as failed with ``reason`` (E2B's admin builds
+        cancel): (cancelled, failed to cancel)."""
+        runs = [r for r in list(self._runs.values()) if r.owner == owner and r.status in ("waiting", "building")]
+        for run in runs:
+            run.cancelled = reason
+            if run.task is not None:
+                run.task.cancel()
+            else:           # requested, never started: it ends here
+                self._fail(run, reason, None)
+                run.finished = time.time()
+                await self._set_build(run, "error")
+                self._write_log(run)
+                self._runs.pop(run.build_id, None)
+        await asyncio.gather(*(r.task for r in runs if r.task is not None), return_exceptions=True)
+        cancelled = sum(1 for r in runs if r.status == "error")
+        return cancelled, len(runs) - cancelled
 
     def _fail(self, run: BuildRun, message: str, step: str | None) -> None:
         run.status = "error"

@@ -170,3 +170,23 @@ def test_published_templates_and_the_nodes_own_are_every_teams(
     assert call(node, node.api_key, "POST", "/sandboxes", {"templateID": "from-before-teams"})[0] == 201
     assert call(node, key_a, "GET", "/templates/from-before-teams")[0] == 404
     node.kill_all()
+
+
+def test_admin_cancels_a_teams_builds_and_no_other(node: InProcessServer,
+                                                   teams: dict[str, tuple[str, str]]) -> None:
+    (team_a, key_a), (_, key_b) = teams["tpl-a"], teams["tpl-b"]
+    status, a = call(node, key_a, "POST", "/v3/templates", {"name": "cancel-a", "cpuCount": 1, "memoryMB": 256})
+    assert status == 202, a
+    status, b = call(node, key_b, "POST", "/v3/templates", {"name": "cancel-b", "cpuCount": 1, "memoryMB": 256})
+    assert status == 202, b
+    path = f"/admin/teams/{team_a}/builds/cancel"
+    assert call(node, key_a, "POST", path)[0] == 401          # the admin's alone
+    status, _, got = node.request("POST", path, headers={"X-Admin-Token": ADMIN}, key=None)
+    # this one, and any the module's earlier tests left requested for team A
+    assert status == 200 and got["cancelledCount"] >= 1 and got["failedCount"] == 0, got
+    status, st = call(node, key_a, "GET", f"/templates/cancel-a/builds/{a['buildID']}/status")
+    assert status == 200 and st["status"] == "error" and "cancelled by the admin" in st["reason"]["message"], st
+    status, st = call(node, key_b, "GET", f"/templates/cancel-b/builds/{b['buildID']}/status")
+    assert status == 200 and st["status"] == "waiting", st
+    status, _, got = node.request("POST", path, headers={"X-Admin-Token": ADMIN}, key=None)
+    assert got == {"cancelledCount": 0, "failedCount": 0}
