@@ -194,7 +194,8 @@ class Node:
             server = ApiServer(lifecycle, creds, server_cfg, metrics, package_version(),
                                TemplateApi(builds, config.data_dir / "template-uploads",
                                            config.templates.max_upload_mib << 20,
-                                           config.templates.max_parallel_uploads, config.cache.floor),
+                                           config.templates.max_parallel_uploads, config.cache.floor,
+                                           config.templates.first_build_wait),
                                VolumeApi(volumes, server_cfg.volume_domain),
                                # E2B's /nodes: this node, named as its fleet knows it, else by its run dir
                                NodeApi(agent.node_id if agent is not None else manager.rt.node_id, lifecycle,

@@ -124,11 +124,13 @@ def _line(e: LogEntry) -> str:
 
 class TemplateApi:
     def __init__(self, builds: TemplateBuilds, upload_dir: Path, max_upload_bytes: int = 4 << 30,
-                 max_parallel_uploads: int = 4, floor: DiskFloor | None = None) -> None:
+                 max_parallel_uploads: int = 4, floor: DiskFloor | None = None,
+                 first_build_wait: float = FIRST_BUILD_PATIENCE) -> None:
         self.builds = builds
         self.upload_dir = upload_dir
         self.max_upload_bytes = max_upload_bytes
         self.max_parallel_uploads = max_parallel_uploads
+        self.first_build_wait = first_build_wait      # [templates] first_build_wait
         self.floor = floor if floor is not None else DiskFloor()
         self.access = TemplateAccess(builds)     # which team may do what (template_access.py)
         self._uploads = 0
@@ -143,15 +145,17 @@ class TemplateApi:
 
     # ------------------------------------------------------------------ build
 
-    async def await_first_build(self, ref: str, patience: float = FIRST_BUILD_PATIENCE) -> None:
+    async def await_first_build(self, ref: str, patience: float | None = None) -> None:
         """Before a create from ``ref``: when its template's first build is running, wait
-        up to ``patience`` seconds for it to end; ApiError 503 (Retry-After) if it has not.
+        up to ``patience`` seconds (default ``[templates] first_build_wait``) for it to end;
+        ApiError 503 (Retry-After) if it has not.
         Returns at once for any other template (ready, unknown, or failed: the create's
         own lookup answers)."""
         task = self.builds.first_build(ref)
         if task is None:
             return
-        done, _ = await asyncio.wait({task}, timeout=patience)   # never cancels the build
+        wait = self.first_build_wait if patience is None else patience
+        done, _ = await asyncio.wait({task}, timeout=wait) if wait > 0 else (set(), set())  # never cancels it
         if not done:
             raise ApiError(503, f"template {ref!r} is being built (its first build, e.g. the node's own "
                                 f"code-interpreter-v1 after its first start): retry shortly",

@@ -28,6 +28,10 @@ class TemplatesConfig:
     # Limits of a build's cpuCount and memoryMB.
     max_vcpus: int = 16
     max_memory_mib: int = 16384
+    # Seconds a create from a template whose first build is running waits for that build
+    # (the node's own code-interpreter-v1 at its first start, say) before it answers 503
+    # with Retry-After; 0 answers at once. Under the SDKs' 60 s request timeout.
+    first_build_wait: float = 45.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_parallel_builds <= 64:
@@ -39,5 +43,7 @@ class TemplatesConfig:
         if self.max_context_mib < 1 or not 1 <= self.max_parallel_uploads <= 1024 or self.context_retention < 0:
             raise ConfigError("templates.max_context_mib must be >= 1, templates.max_parallel_uploads in "
                               "1..1024 and templates.context_retention >= 0")
+        if not 0 <= self.first_build_wait <= 55:
+            raise ConfigError("templates.first_build_wait must be in 0..55 seconds (the SDKs time out at 60)")
         if self.max_vcpus < 1 or self.max_memory_mib < 128:
             raise ConfigError("templates.max_vcpus must be >= 1 and templates.max_memory_mib >= 128")

@@ -38,8 +38,10 @@ def wait_built(srv: Server, timeout: float = 1200) -> float:
     raise AssertionError(f"code-interpreter-v1 not built within {timeout} s:\n" + srv.log()[-4000:])
 
 
+# the early create (CodeInterpreterSeed) waits 5 s for the build, not 45: a quiet machine
+# builds the template within 45 s, and the 503 is what is checked
 SERVER_ENV = {"AENV_VM__POOL_SIZE": "0", "AENV_TEMPLATES__READY_TIMEOUT": "600",
-              "AENV_SERVER__CODE_INTERPRETER": "true"}
+              "AENV_SERVER__CODE_INTERPRETER": "true", "AENV_TEMPLATES__FIRST_BUILD_WAIT": "5"}
 
 
 @dataclass(frozen=True)
