@@ -40,6 +40,8 @@ from .trust import FleetTrust, RedisTrustError, refuse_open_redis
 
 log = logging.getLogger(__name__)
 
+LOAD_POLL = 0.25     # seconds between looks at the restore load (an early heartbeat when it changed)
+
 
 def info_record(info: SandboxInfo) -> dict[str, Any]:
     """What Redis keeps of a sandbox: enough for a gateway to show it (E2B's
@@ -250,6 +252,7 @@ class NodeAgent:
         self._releases: set[str] = set()   # released here while Redis did not take it: RELEASE at reconcile
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._reported_restoring = 0    # the restore load the last heartbeat told Redis
         # with [p2p] enabled: publish this node's ticket, peer with the other live nodes
         self.peering = FleetPeering(self.coord, self.node_id, p2p) if p2p is not None else None
 
@@ -327,9 +330,21 @@ class NodeAgent:
         if not self._verified and self.trust is not None:
             self._verified = await refuse_open_redis(self.trust, self.coord.redis)
 
+    async def _next_beat(self) -> None:
+        """Until the next heartbeat is due, or sooner once the node's restore load differs
+        from what the last one told (looked at every ``LOAD_POLL`` s): placement weighs that
+        load, and a figure up to a heartbeat old steers creates away from a node whose
+        restores have ended (sequential creates then piled onto the others)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.config.heartbeat_seconds
+        while (left := due - loop.time()) > 0:
+            await asyncio.sleep(min(LOAD_POLL, left))
+            if self.restore_load is not None and self.restore_load()[1] != self._reported_restoring:
+                return
+
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.heartbeat_seconds)
+            await self._next_beat()
             try:
                 if not self._verified:
                     await self._verify()
@@ -353,6 +368,7 @@ class NodeAgent:
         infos = await self.service.list_sandboxes()
         facts = await asyncio.to_thread(host_facts, self.data_dir)
         slots, restoring = self.restore_load() if self.restore_load is not None else (0, 0)
+        self._reported_restoring = restoring
         return Capacity(url=self.config.advertise_url, max_sandboxes=self.max_sandboxes, vcpus=facts.vcpus,
                         mem_total_mib=facts.mem_total_mib, mem_avail_mib=facts.mem_avail_mib,
                         disk_free_mib=facts.disk_free_mib, sandbox_mem_mib=self.sandbox_mem_mib,

@@ -257,3 +257,26 @@ def test_a_stale_copy_is_released_through_the_service_and_redis_left_to_its_hold
         assert redis.bound["sbx-mine"].node_id == "n1"
         assert redis.writes == [("bind", "sbx-mine")]
     asyncio.run(main())
+
+
+def test_a_changed_restore_load_brings_the_next_heartbeat_forward() -> None:
+    """Placement weighs the restore load a heartbeat reports: when it changes (a restore
+    started or ended) the agent beats within ``LOAD_POLL``, not at the next interval."""
+    from aenv_fleet.agent import LOAD_POLL
+
+    load = [2, 0]
+    cfg = ClusterConfig(redis_url="redis://127.0.0.1:1/0", node_id="n1", advertise_url="http://127.0.0.1:1",
+                        heartbeat_seconds=5.0, lease_seconds=15.0)
+    agent = NodeAgent(cfg, "key", 4, 256, Path("/"), coord=Redis(),    # type: ignore[arg-type]  # the fake
+                      restore_load=lambda: (load[0], load[1]))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        waiting = asyncio.ensure_future(agent._next_beat())
+        await asyncio.sleep(4 * LOAD_POLL)
+        assert not waiting.done()          # the load is what the last beat told: wait on
+        load[1] = 1                        # a restore began
+        await asyncio.wait_for(waiting, 2 * LOAD_POLL + 0.5)
+        assert loop.time() - t0 < 5.0 - 1.0
+    asyncio.run(main())
