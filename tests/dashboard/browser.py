@@ -58,7 +58,7 @@ class Session:
 def new_session(browser: Any, base: str) -> Session:
     context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
     page = context.new_page()
-    page.set_default_timeout(20_000)
+    page.set_default_timeout(60_000)     # a loaded 2-CPU CI machine: the first page load can take 20 s
     s = Session(page, base)
     page.on("request", lambda r: s.requests.append(r.url))
     page.on("pageerror", lambda e: s.errors.append(f"{e}\n{e.stack}"))

@@ -321,10 +321,13 @@ def test_a_guest_cannot_push_the_node_below_its_free_disk_floor(env: Env, tmp_pa
             r = await sbx.envd.run("dd if=/dev/urandom of=/big bs=1M count=256 oflag=direct status=none; echo rc=$?",
                                    user="root", timeout=180)
             assert b"rc=0" not in r.stdout, r
-            # what it got onto the host stayed within the ~64 MiB above the floor (other
-            # writers on this disk may have left it less)
+            # the guest stopped at the floor: the disk is not below it (4 MiB of slack), or,
+            # if another writer on this disk took space meanwhile, what the guest got onto the
+            # host stayed within the ~64 MiB there were above it (a test on the other worker
+            # freeing space moves the floor's distance the other way: then the first holds)
             upper = tmp_path / "node" / "sandboxes" / sbx.id / "upper" / "upper.data"
-            assert os.stat(upper).st_blocks * 512 <= (64 + 4) << 20
+            got, free_now = os.stat(upper).st_blocks * 512, shutil.disk_usage(tmp_path).free
+            assert free_now >= floor - (4 << 20) or got <= (64 + 4) << 20, (got, free_now, floor)
             await run_ok(sbx, "true")       # the guest still answers
             assert sbx.vm.alive()
             await mgr.kill(sbx.id)
