@@ -8,40 +8,15 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 import time
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import e2b
 from e2b import Sandbox
 
+from flowlib import need, runner  # beside this script (its directory is on sys.path)
+
 VERSION = importlib.metadata.version("e2b")
-
-
-class Missing(Exception):
-    """The SDK version has no such call."""
-
-
-def need(obj: Any, *names: str) -> Any:
-    for name in names:
-        if hasattr(obj, name):
-            return getattr(obj, name)
-    raise Missing("/".join(names))
-
-
-def flow(name: str, fn: Callable[[], object]) -> bool:
-    try:
-        fn()
-    except Missing as e:
-        print(f"{VERSION}\t{name}\tNONE\tno {e} in this version", flush=True)
-        return True
-    except Exception as e:  # noqa: BLE001 - reported, one line per flow
-        why = f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
-        if "-v" in sys.argv:
-            traceback.print_exc()
-        print(f"{VERSION}\t{name}\tFAIL\t{why}", flush=True)
-        return False
-    print(f"{VERSION}\t{name}\tPASS", flush=True)
-    return True
+flow = runner(VERSION)
 
 
 def main() -> int:
