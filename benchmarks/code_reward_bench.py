@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -70,6 +70,17 @@ def summary(name: str, starts: list[float], cycles: list[float], wall: float, n:
             "wall_ms": wall * 1000, "errors": sorted(set(failures))[:5]}
 
 
+async def batch(name: str, cycle: Callable[[int, float], Awaitable[tuple[float, float]]], n: int,
+                retries: Callable[[], int]) -> dict[str, Any]:
+    """``n`` cycles at once, each timed from the batch's start and on its own; the summary."""
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(cycle(i, t0) for i in range(n)), return_exceptions=True)
+    wall = time.monotonic() - t0
+    good = [r for r in results if not isinstance(r, BaseException)]
+    failures = [f"{type(r).__name__}: {str(r)[:120]}" for r in results if isinstance(r, BaseException)]
+    return summary(name, [a for a, _ in good], [b for _, b in good], wall, n, failures, retries())
+
+
 async def aenv_batch(n: int) -> dict[str, Any]:
     from e2b import RateLimitException
     from e2b_code_interpreter import AsyncSandbox
@@ -99,12 +110,7 @@ async def aenv_batch(n: int) -> dict[str, Any]:
         now = time.monotonic()
         return now - t0, now - c0
 
-    t0 = time.monotonic()
-    results = await asyncio.gather(*(cycle(i, t0) for i in range(n)), return_exceptions=True)
-    wall = time.monotonic() - t0
-    good = [r for r in results if not isinstance(r, BaseException)]
-    failures = [f"{type(r).__name__}: {str(r)[:120]}" for r in results if isinstance(r, BaseException)]
-    return summary("aenv", [a for a, _ in good], [b for _, b in good], wall, n, failures, retries)
+    return await batch("aenv", cycle, n, lambda: retries)
 
 
 async def docker_batch(d: Docker, image: str, n: int) -> dict[str, Any]:
@@ -118,24 +124,7 @@ async def docker_batch(d: Docker, image: str, n: int) -> dict[str, Any]:
         now = time.monotonic()
         return now - t0, now - c0
 
-    t0 = time.monotonic()
-    results = await asyncio.gather(*(cycle(i, t0) for i in range(n)), return_exceptions=True)
-    wall = time.monotonic() - t0
-    good = [r for r in results if not isinstance(r, BaseException)]
-    failures = [f"{type(r).__name__}: {str(r)[:120]}" for r in results if isinstance(r, BaseException)]
-    return summary("docker", [a for a, _ in good], [b for _, b in good], wall, n, failures)
-
-
-def wait_code_interpreter(srv: Any, timeout: float = 1800) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        log = srv.log()
-        if "template 'code-interpreter-v1' ready" in log or "template 'code-interpreter-v1': built by a user" in log:
-            return time.monotonic() - t0
-        if "template 'code-interpreter-v1': the build" in log or "template 'code-interpreter-v1': not built" in log:
-            raise RuntimeError("the node's build of code-interpreter-v1 failed:\n" + log[-3000:])
-        time.sleep(2)
-    raise RuntimeError("code-interpreter-v1 not built in time")
+    return await batch("docker", cycle, n, lambda: 0)
 
 
 def main() -> int:
@@ -147,6 +136,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     from tests.aenv_api.server.conftest import start_server
+    from tests.codeint.conftest import wait_built
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="aenv-reward-") as tmp:
@@ -155,7 +145,7 @@ def main() -> int:
         srv = start_server(data, work / "logs", env={"AENV_SERVER__MAX_SANDBOXES": "200", "AENV_VM__POOL_SIZE": "0",
                                                      "AENV_SERVER__CODE_INTERPRETER": "true"})
         try:
-            built = wait_code_interpreter(srv)
+            built = wait_built(srv, timeout=1800)
             print(f"code-interpreter-v1 ready after {built:.0f} s", file=sys.stderr)
             with temp_env(**srv.sdk_env()):
                 for r in range(args.rounds):
