@@ -1,6 +1,7 @@
 """Fixtures shared by every test package."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -15,6 +16,11 @@ from .support import require
 
 
 WEIGHTS = Path(__file__).resolve().parent / "file_weights.json"
+# The network namespace the tests run in. The fleet tests move the test thread into a
+# hub namespace of their own for a module; one that failed to move it back would leave
+# every later test of the worker unable to reach its loopback servers.
+_HOME_NETNS = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,6 +41,20 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return 0.0
         return weights.get(rel, 0.0)
     items.sort(key=weight, reverse=True)        # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test of a module (its module fixtures are gone), the test thread
+    must be back in its own network namespace: put it back and fail that teardown."""
+    result = yield
+    if nextitem is not None and nextitem.path == item.path:
+        return result
+    if os.stat("/proc/thread-self/ns/net").st_ino == os.fstat(_HOME_NETNS).st_ino:
+        return result
+    if _libc.setns(_HOME_NETNS, 0x40000000) != 0:     # CLONE_NEWNET
+        pytest.exit(f"the test thread is stuck in another network namespace (errno {ctypes.get_errno()})")
+    raise AssertionError(f"{item.path.name} left the test thread in another network namespace (moved back)")
 
 
 @pytest.fixture

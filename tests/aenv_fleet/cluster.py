@@ -323,21 +323,31 @@ class Fleet:
             raise AssertionError(f"{node.node_id} did not stop in time")
 
     def stop(self) -> None:
-        errors = []
-        for gw in self.gateways:
-            if gw.proc is not None and gw.proc.poll() is None:
-                gw.proc.terminate()
-                gw.proc.wait(timeout=30)
-        for node in self.nodes:
-            try:
-                self.stop_node(node)
-            except AssertionError as e:
-                errors.append(str(e))
-        if self.moto is not None:
-            self.moto.stop()
-        if self.redis is not None:
-            self.redis.stop()
-        self.remove_network()
+        """Stop everything the fleet started. The test's thread goes home to its own
+        network namespace whatever fails on the way: a worker left in the hub's would
+        find every later test's loopback servers refusing it."""
+        errors: list[str] = []
+        try:
+            for gw in self.gateways:
+                if gw.proc is not None and gw.proc.poll() is None:
+                    gw.proc.terminate()
+                    try:
+                        gw.proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        gw.proc.kill()
+                        gw.proc.wait()
+                        errors.append(f"gateway {gw.url} did not stop in 30 s")
+            for node in self.nodes:
+                try:
+                    self.stop_node(node)
+                except AssertionError as e:
+                    errors.append(str(e))
+            if self.moto is not None:
+                self.moto.stop()
+            if self.redis is not None:
+                self.redis.stop()
+        finally:
+            self.remove_network()
         qemus = [p for p in _descendants(1) if _cmdline(p).startswith("/usr/bin/qemu-system")
                  and str(self.root) in _cmdline(p)]
         for p in qemus:

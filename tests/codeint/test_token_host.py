@@ -41,7 +41,7 @@ def _results(raw: bytes) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def secured() -> Iterator[tuple[int, Envd]]:
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Envd]]:
     """envd with a token and envs (what the node's /init does at a restore), then codeint."""
     require(_has_ipython(), "the host's python3 has no IPython (scripts/install.sh installs python3-ipykernel)")
     envd = start_envd()
@@ -52,8 +52,7 @@ def secured() -> Iterator[tuple[int, Envd]]:
                   {"Content-Type": "application/json"})
         assert c.getresponse().status == 204
         port = free_port()
-        logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"codeint-token-{port}"
-        logs.mkdir(exist_ok=True)
+        logs = tmp_path_factory.mktemp("codeint-token")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         with open(logs / "server.log", "wb") as log:
             proc = subprocess.Popen([PY, "-m", "codeint", "--host", "127.0.0.1", "--port", str(port),

@@ -2,11 +2,12 @@
 // tests/aenv_vm/builds/test_sdk_node.py): build from base with RUN, ENV, WORKDIR, COPY,
 // USER and a start + ready command, exists, tags, create from it, check, delete.
 import { Template, Sandbox, waitForPort } from 'e2b'
-import { mkdtempSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 
 const ctx = mkdtempSync(join(tmpdir(), 'aenv-npm-ctx-'))
+process.on('exit', () => rmSync(ctx, { recursive: true, force: true }))
 writeFileSync(join(ctx, 'data.txt'), 'from npm copy\n')
 const logs = []
 const template = Template({ fileContextPath: ctx })
