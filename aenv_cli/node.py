@@ -181,8 +181,11 @@ class Node:
                                   package_version(), p2p=peer_source(store), restore_load=restore_load(admission),
                                   trust=trust)
                 service = agent.observe(service)
+            # E2B's /nodes and every sandbox's clientID: this node, named as its fleet knows
+            # it, else by its run dir
+            node_id = agent.node_id if agent is not None else manager.rt.node_id
             lifecycle = Lifecycle(service, server_cfg, metrics, config.data_dir, creds.envd_token,
-                                  creds.traffic_token)
+                                  creds.traffic_token, node_id=node_id)
             await lifecycle.start()
             background.append(asyncio.ensure_future(register_gauges(metrics, lifecycle, manager, store, report)()))
             builds = _template_builds(config, manager, tpl, host_ca)
@@ -197,8 +200,7 @@ class Node:
                                            config.templates.max_parallel_uploads, config.cache.floor,
                                            config.templates.first_build_wait),
                                VolumeApi(volumes, server_cfg.volume_domain),
-                               # E2B's /nodes: this node, named as its fleet knows it, else by its run dir
-                               NodeApi(agent.node_id if agent is not None else manager.rt.node_id, lifecycle,
+                               NodeApi(node_id, lifecycle,
                                        metrics, config.data_dir, package_version()), fleet_keys=fleet_keys,
                                # a fleet's teams and keys are its Redis' (every node and gateway reads them)
                                key_store=SharedKeyStore(teams_doc, creds.api_key) if teams_doc is not None else None)

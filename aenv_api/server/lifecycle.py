@@ -53,7 +53,7 @@ from aenv_vm.states import PAUSED_PHASES, Op, Outcome, Phase, Verdict, phase_of,
 
 from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode
 from aenv_wire.errors import GUEST_UNRESPONSIVE
-from aenv_wire.listing import FALLBACK_ENVD_VERSION, parse_metadata_filter, started_at_or_after
+from aenv_wire.listing import CLIENT_ID, FALLBACK_ENVD_VERSION, parse_metadata_filter, started_at_or_after
 
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
@@ -129,11 +129,14 @@ class Lifecycle:
     """Sandbox operations as the API sees them. Use from the server's event loop."""
 
     def __init__(self, service: SandboxService, config: ServerConfig, metrics: Metrics, data_dir: Path,
-                 envd_token: TokenMinter = random_envd_token, traffic_token: TokenMinter | None = None) -> None:
+                 envd_token: TokenMinter = random_envd_token, traffic_token: TokenMinter | None = None,
+                 node_id: str = CLIENT_ID) -> None:
         """``traffic_token`` (default: a key of this Lifecycle's own) mints the traffic access
         token of a sandbox from its id; it must give the same token for the same id across
-        restarts, as ``Credentials.traffic_token`` does."""
+        restarts, as ``Credentials.traffic_token`` does. ``node_id`` is what E2B's
+        ``clientID`` says of every sandbox here: the node that runs it."""
         self.service = service
+        self.node_id = node_id
         self.data_dir = data_dir
         self.envd_token = envd_token
         self.traffic_token = traffic_token or functools.partial(derive_traffic_token, secrets.token_bytes(32))
@@ -244,7 +247,8 @@ class Lifecycle:
             traffic_token=None if extra.public_traffic else self.traffic_token(info.sandbox_id),
             network=network_view(info.network, extra),
             cold_boot=info.cold_boot, envd_unresponsive=info.envd_unresponsive,
-            volume_mounts=tuple(dict(m) for m in info.volume_mounts), team_id=team_of(info.annotations))
+            volume_mounts=tuple(dict(m) for m in info.volume_mounts), team_id=team_of(info.annotations),
+            client_id=self.node_id)
 
     async def _info(self, sid: str) -> SandboxInfo:
         try:

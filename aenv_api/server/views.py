@@ -38,6 +38,7 @@ class SandboxView:
     envd_unresponsive: bool = False             # paused while envd did not answer: resumes by reboot only
     volume_mounts: tuple[dict[str, str], ...] = ()   # E2B's SandboxVolumeMount list ({name, path})
     team_id: str = DEFAULT_TEAM_ID                   # the team that owns it (keystore.py; never shown)
+    client_id: str = CLIENT_ID                       # E2B's clientID: the node running it (its fleet name)
 
     @property
     def secure(self) -> bool:
@@ -46,7 +47,7 @@ class SandboxView:
     def sandbox(self, domain: str) -> dict[str, Any]:
         """E2B's ``Sandbox`` (create / connect / fork answers)."""
         out: dict[str, Any] = {"templateID": self.template_id, "sandboxID": self.sandbox_id,
-                               "clientID": CLIENT_ID, "envdVersion": self.envd_version}
+                               "clientID": self.client_id, "envdVersion": self.envd_version}
         if self.alias:
             out["alias"] = self.alias
         if self.access_token:
@@ -59,7 +60,7 @@ class SandboxView:
     def listed(self) -> dict[str, Any]:
         """E2B's ``ListedSandbox``."""
         out: dict[str, Any] = {"templateID": self.template_id, "sandboxID": self.sandbox_id,
-                               "clientID": CLIENT_ID, "envdVersion": self.envd_version,
+                               "clientID": self.client_id, "envdVersion": self.envd_version,
                                "startedAt": iso(self.started_at), "endAt": iso(self.end_at),
                                "cpuCount": max(1, self.cpu_count), "memoryMB": self.memory_mb,
                                "diskSizeMB": self.disk_size_mb, "metadata": dict(self.metadata),

@@ -129,7 +129,8 @@ def listed_from_binding(b: Binding, state: str) -> dict[str, Any]:
     """E2B's ListedSandbox from what Redis keeps (agent.info_record)."""
     i = b.info
     out: dict[str, Any] = {
-        "templateID": i.get("templateID", ""), "sandboxID": b.sandbox_id, "clientID": CLIENT_ID,
+        "templateID": i.get("templateID", ""), "sandboxID": b.sandbox_id,
+        "clientID": b.node_id or CLIENT_ID,         # the node holding it; none once released
         "envdVersion": i.get("envdVersion") or FALLBACK_ENVD_VERSION,
         "startedAt": iso(float(i.get("startedAt", 0))), "endAt": iso(float(i.get("endAt", 0))),
         "cpuCount": max(1, int(i.get("cpuCount", 1))), "memoryMB": int(i.get("memoryMB", 0)),

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -209,6 +210,45 @@ def test_list_paginates_across_nodes(fleet: Fleet) -> None:
         assert stamps == sorted(stamps)
         assert http("GET", fleet.gateways[0].url + "/v2/sandboxes?nextToken=bogus", key=fleet.api_key)[0] == 400
         assert http("GET", fleet.gateways[0].url + "/v2/sandboxes?limit=0", key=fleet.api_key)[0] == 400
+    finally:
+        kill_all(fleet, made)
+
+
+def test_the_gateways_dashboard_shows_each_sandboxs_node_and_drains_one(fleet: Fleet, tmp_path: Path) -> None:
+    """The dashboard a gateway serves (docs/dashboard.md), in Debian's Chromium, on the real
+    fleet: each sandbox's row names the node running it (E2B's clientID), the nodes page
+    shows the three nodes and drains one, and the gateway agrees."""
+    from tests.dashboard.browser import launched, new_session, screenshot
+
+    made = [Sandbox.create("base", metadata={"suite": "dash"}, timeout=TIMEOUT, **gw(fleet, i % 2)) for i in range(3)]
+    try:
+        where = {s.sandbox_id: binding_node(fleet, s.sandbox_id) for s in made}
+        assert len(set(where.values())) == 3, where
+        status, _, body = http("GET", fleet.gateways[1].url + "/v2/sandboxes?metadata=suite%3Ddash", key=fleet.api_key)
+        assert status == 200 and {b["sandboxID"]: b["clientID"] for b in body} == where
+        for sid, node in where.items():       # a sandbox's detail, relayed from its node, says so too
+            assert http("GET", f"{fleet.gateways[0].url}/sandboxes/{sid}", key=fleet.api_key)[2]["clientID"] == node
+        with launched() as browser:
+            session = new_session(browser, fleet.gateways[0].url)
+            page = session.page
+            page.on("dialog", lambda d: d.accept())
+            session.login(fleet.api_key)
+            for sid, node in where.items():
+                row = page.wait_for_selector(f'.vrow[data-id="{sid}"]')
+                assert row is not None and node in row.inner_text(), (sid, node)
+            session.open("/nodes")
+            page.wait_for_selector('button.node-op[data-node="node3"]')
+            assert page.locator("#fleet-nodes tbody tr").count() == 3
+            page.click('button.node-op[data-node="node3"]')          # Drain (confirmed)
+            page.wait_for_selector('button.node-op[data-node="node3"]:text("Undrain")')
+            assert [n for n, v in nodes_of(fleet, 1).items() if v["drained"]] == ["node3"]
+            screenshot(session, "fleet-nodes", tmp_path)
+            page.click('button.node-op[data-node="node3"]')          # Undrain
+            page.wait_for_selector('button.node-op[data-node="node3"]:text("Drain")')
+            assert not any(v["drained"] for v in nodes_of(fleet, 1).values())
+            page.context.close()
+            assert not session.errors, session.errors
+            assert session.requests and not session.foreign_requests(), session.foreign_requests()
     finally:
         kill_all(fleet, made)
 

@@ -2,10 +2,12 @@
 request the page makes recorded so a test can check that none leaves the server's host."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 CHROMIUM = "/usr/bin/chromium"
@@ -53,6 +55,24 @@ class Session:
         own = urlsplit(self.base)
         return [u for u in self.requests if not u.startswith(("data:", "blob:"))
                 and (urlsplit(u).scheme, urlsplit(u).netloc) != (own.scheme, own.netloc)]
+
+
+@contextlib.contextmanager
+def launched() -> Iterator[Any]:
+    """Debian's Chromium, headless, driven by Playwright (its own browser downloads are
+    never used); a missing Chromium fails the test (scripts/install.sh installs it)."""
+    import pytest
+    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
+        pytest.fail("Debian's chromium is not installed (scripts/install.sh installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        # --no-sandbox: the tests run as root, where Chromium's own sandbox refuses to start
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield b
+        finally:
+            b.close()
 
 
 def new_session(browser: Any, base: str) -> Session:

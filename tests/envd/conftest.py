@@ -17,7 +17,9 @@ import pytest
 from tests.support import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-TEST_USER = "envdtest"
+# One user per xdist worker: a worker's setup removes a leftover user and kills its
+# processes, which must never be the other worker's commands running right then.
+TEST_USER = "envdtest" + os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
 
 
 @dataclass(frozen=True)

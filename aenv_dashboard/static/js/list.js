@@ -3,7 +3,7 @@
 // gateway's merged list, a fixture of 1,000) scrolls as fast as one of ten.
 
 import { call } from "./api.js";
-import { age, h, metadataText, showError, until } from "./ui.js";
+import { age, h, metadataText, nodeOf, showError, until } from "./ui.js";
 
 const POLL_MS = 500;       // a new sandbox shows within a second of its create
 const ROW_HEIGHT = 36;      // px; style.css .vrow has the same height
@@ -14,7 +14,7 @@ const COLUMNS = [
   ["ID", (s) => s.sandboxID],
   ["State", (s) => h("span", { class: "state " + s.state }, s.state)],
   ["Template", (s) => s.alias || s.templateID],
-  ["Node", (s) => s.nodeID || s.node || "—"],
+  ["Node", nodeOf],
   ["Age", (s) => age(s.startedAt)],
   ["Ends", (s) => until(s.endAt)],
   ["CPU / RAM", (s) => `${s.cpuCount} / ${s.memoryMB} MiB`],
@@ -36,7 +36,7 @@ export function parseFilter(text) {
 
 export function matches(s, terms) {
   if (!terms.length) return true;
-  const text = [s.sandboxID, s.alias, s.templateID, s.state, s.nodeID, metadataText(s.metadata)]
+  const text = [s.sandboxID, s.alias, s.templateID, s.state, nodeOf(s), metadataText(s.metadata)]
     .join(" ").toLowerCase();
   return terms.every((t) => text.includes(t));
 }

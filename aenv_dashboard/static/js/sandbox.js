@@ -5,7 +5,7 @@ import { get, post, del } from "./api.js";
 import { lineChart } from "./charts.js";
 import { filesPanel } from "./files.js";
 import { terminalPanel } from "./terminal.js";
-import { act, age, bytes, h, localTime, metadataText, showError, toast, until } from "./ui.js";
+import { act, age, bytes, h, localTime, metadataText, nodeOf, showError, toast, until } from "./ui.js";
 
 const INFO_MS = 2000;
 const METRICS_MS = 5000;    // the node samples a guest every 5 s
@@ -110,7 +110,7 @@ export function sandboxPage(main, [id]) {
     const rows = [["Template", info.alias || info.templateID], ["Started", `${localTime(info.startedAt)} (${age(info.startedAt)} ago)`],
       ["Ends", `${localTime(info.endAt)} (${until(info.endAt)})`], ["On timeout", info.lifecycle ? info.lifecycle.onTimeout : ""],
       ["CPU", info.cpuCount], ["Memory", info.memoryMB + " MiB"], ["Disk", info.diskSizeMB + " MiB"],
-      ["Node", info.nodeID || info.node || "—"], ["Metadata", metadataText(info.metadata) || "—"]];
+      ["Node", nodeOf(info)], ["Metadata", metadataText(info.metadata) || "—"]];
     facts.replaceChildren(...rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v ?? ""))]));
     syncButtons();
   }

@@ -59,6 +59,12 @@ export function bytes(n) {
 
 export const localTime = (iso) => (iso ? new Date(iso).toLocaleString() : "");
 
+// The node running a sandbox: E2B's clientID, which aenv sets to the node's (fleet) name;
+// "aenv" names no node (a sandbox a fleet released to its repository).
+export function nodeOf(s) {
+  return s.clientID && s.clientID !== "aenv" ? s.clientID : "—";
+}
+
 export function metadataText(metadata) {
   return Object.entries(metadata || {}).map(([k, v]) => `${k}=${v}`).join(" ");
 }

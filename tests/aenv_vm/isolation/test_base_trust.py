@@ -61,10 +61,28 @@ def scenario(net: SealedNet, data: Path, log: Path, what: str, env: dict[str, st
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_base_has_the_tools_and_trusts_the_configured_ca(testnet: SealedNet, tls_host: Path,
-                                                         tmp_path_factory: pytest.TempPathFactory,
+@pytest.fixture(scope="module")
+def trust_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One node data dir for the module: the build test makes its base with the CA, the
+    tools test finds that base cached, then turns the setting off (one rebuild)."""
+    return tmp_path_factory.mktemp("trust-node")
+
+
+def test_builds_apt_and_pip_install_through_the_ca(testnet: SealedNet, tls_host: Path, trust_data: Path,
+                                                  tmp_path: Path) -> None:
+    """apt_install and pip_install steps of a template build reach an HTTPS repository
+    and index that only the node's CA bundle vouches for (issue 14, acceptance 2)."""
+    got = scenario(testnet, trust_data, tmp_path / "build.log", "build",
+                   {"AENV_VM__HOST_CA_BUNDLE": str(tls_host / "bundle.pem")})
+    assert got["deb"]["out"].strip().endswith("hello from the test apt repository"), got
+    assert got["wheel"]["out"].strip().endswith("hello from the test index"), got
+    log = got["log"]["out"]
+    assert "apt-get install" in log and "pip install aenv-hello" in log, log[-3000:]
+
+
+def test_base_has_the_tools_and_trusts_the_configured_ca(testnet: SealedNet, tls_host: Path, trust_data: Path,
                                                          tmp_path: Path) -> None:
-    data = tmp_path_factory.mktemp("trust-node")
+    data = trust_data
     got = scenario(testnet, data, tmp_path / "on.log", "full",
                    {"AENV_VM__HOST_CA_BUNDLE": str(tls_host / "bundle.pem")})
     failed = {k: v for k, v in got.items() if v["exit"] != 0}
@@ -95,17 +113,3 @@ def test_base_has_the_tools_and_trusts_the_configured_ca(testnet: SealedNet, tls
     assert "certificate" in off["curl"]["err"].lower(), off["curl"]
     assert off["env"]["out"].strip() == ""
     assert len((tls_host / "requests.log").read_text().splitlines()) == before     # no request got through
-
-
-
-def test_builds_apt_and_pip_install_through_the_ca(testnet: SealedNet, tls_host: Path,
-                                                  tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """apt_install and pip_install steps of a template build reach an HTTPS repository
-    and index that only the node's CA bundle vouches for (issue 14, acceptance 2)."""
-    data = tmp_path_factory.mktemp("trust-build-node")
-    got = scenario(testnet, data, tmp_path / "build.log", "build",
-                   {"AENV_VM__HOST_CA_BUNDLE": str(tls_host / "bundle.pem")})
-    assert got["deb"]["out"].strip().endswith("hello from the test apt repository"), got
-    assert got["wheel"]["out"].strip().endswith("hello from the test index"), got
-    log = got["log"]["out"]
-    assert "apt-get install" in log and "pip install aenv-hello" in log, log[-3000:]
