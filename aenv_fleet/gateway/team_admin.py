@@ -3,7 +3,8 @@ with the admin credential and ``X-Team-ID``). The fleet's teams live in Redis an
 node serves them (aenv_api/server/shared_keys.py), so any live node answers; the node
 checks the admin credential (the gateway holds none). What needs the whole fleet is
 the gateway's: deleting a team that still has a sandbox on any node (or released to
-the repository) is refused (409), and the running counts are summed over the nodes."""
+the repository) is refused (409), and the running and paused counts are summed over
+the nodes."""
 from __future__ import annotations
 
 import asyncio
@@ -100,11 +101,13 @@ class TeamAdmin:
         refused = next((a for a in got if a.status != 200), None)
         if refused is not None:
             return _relay(refused)
-        counts: dict[str, int] = {}
+        counts: dict[str, list[int]] = {}
         for a in got:
             body: Any = a.json()
             for row in (body or {}).get("teams", []) if isinstance(body, dict) else []:
-                counts[str(row.get("teamID"))] = counts.get(str(row.get("teamID")), 0) + int(row.get("runningSandboxes", 0))
-        return web.Response(text=json.dumps({"teams": [{"teamID": t, "runningSandboxes": n}
-                                                       for t, n in counts.items()]}),
+                c = counts.setdefault(str(row.get("teamID")), [0, 0])
+                c[0] += int(row.get("runningSandboxes", 0))
+                c[1] += int(row.get("pausedSandboxes", 0))
+        return web.Response(text=json.dumps({"teams": [{"teamID": t, "runningSandboxes": r, "pausedSandboxes": p}
+                                                       for t, (r, p) in counts.items()]}),
                             content_type="application/json")
