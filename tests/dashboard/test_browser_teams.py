@@ -7,6 +7,7 @@ A team's key sees no Teams page and the admin routes refuse it. Every request th
 makes goes to the server's own host."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -135,8 +136,15 @@ def test_the_admin_runs_a_team_from_the_page(session: Session, node: InProcessSe
     counts = admin(node, "GET", "/admin/sandboxes/running-counts")[1]["teams"]
     assert {"teamID": tid, "runningSandboxes": 0, "pausedSandboxes": 0} in counts
     page.wait_for_selector("#team-running:has-text('0 of 2 running')")
+    # a build the team requested (not started) is cancelled from the page
+    status, _, build = node.request("POST", "/v2/templates", {"alias": "dash-admin-tpl", "cpuCount": 1,
+                                                              "memoryMB": 256}, key=key)
+    assert status == 202, build
     page.click("#team-cancel-builds")
-    page.wait_for_selector("#team-action-result:text('cancelled 0 build(s), failed 0')")
+    page.wait_for_selector("#team-action-result:text('cancelled 1 build(s), failed 0')")
+    status, _, ended = node.request("GET", f"/templates/{build['templateID']}/builds/{build['buildID']}/status",
+                                    key=key)
+    assert status == 200 and ended["status"] == "error" and "cancelled by the admin" in json.dumps(ended), ended
     # the key deleted on the page is refused at once
     kid = next(k["id"] for k in admin(node, "GET", f"/admin/teams/{tid}/api-keys")[1] if k["name"] == "sdk")
     page.click(f'button[data-key="{kid}"]')
@@ -184,6 +192,12 @@ def test_a_wrong_admin_token_sees_only_the_login(session: Session, node: InProce
     session.open("/sandboxes")
     page.wait_for_selector("#wrong-credential")
     assert "API key" in page.inner_text("#wrong-credential")
+    # a team that does not exist: the API's message, no blank page
+    session.open("/teams/no-such-team")
+    page.wait_for_selector(".api-error")
+    status, gone = admin(node, "GET", "/admin/teams/no-such-team/quota")
+    page.wait_for_selector("#quota-error:not(:empty)")
+    assert status == 404 and page.inner_text("#quota-error") == gone["message"], gone
     session.open("/teams")
     page.wait_for_selector("#teams a.team")
     # the keyboard: a team's link keeps the focus across the list's redraws (every 3 s); Enter opens it
