@@ -1,5 +1,5 @@
-"""The admin's team routes through a gateway (``/admin/...``, and ``/api-keys`` called
-with the admin credential and ``X-Team-ID``). The fleet's teams live in Redis and every
+"""The admin's team routes through a gateway (``/admin/...``, and ``/api-keys`` and a
+team's metrics called with the admin credential and ``X-Team-ID``). The fleet's teams live in Redis and every
 node serves them (aenv_api/server/shared_keys.py), so any live node answers; the node
 checks the admin credential (the gateway holds none). What needs the whole fleet is
 the gateway's: deleting a team that still has a sandbox on any node (or released to
@@ -21,6 +21,7 @@ from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_
 from .state import FleetView
 
 _DELETE_TEAM = re.compile(r"^/admin/teams/([^/]+)$")
+_TEAM_METRICS = re.compile(r"^/teams/[^/]+/metrics(/max)?$")
 RUNNING_COUNTS = "/admin/sandboxes/running-counts"
 ADMIN_TIMEOUT = 10.0
 _PASSED = ("content-type", "retry-after", "x-should-retry")
@@ -31,8 +32,8 @@ def is_admin_call(request: web.BaseRequest) -> bool:
     path = request.path
     if path.startswith("/admin/"):
         return True
-    return ((path == "/api-keys" or path.startswith("/api-keys/")) and ADMIN_TOKEN_HEADER in request.headers
-            and API_KEY_HEADER not in request.headers)
+    return ((path == "/api-keys" or path.startswith("/api-keys/") or bool(_TEAM_METRICS.match(path)))
+            and ADMIN_TOKEN_HEADER in request.headers and API_KEY_HEADER not in request.headers)
 
 
 def _relay(a: Answer) -> web.Response:

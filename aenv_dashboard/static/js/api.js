@@ -60,7 +60,9 @@ export async function call(method, path, { body, query, key, admin, team, signal
     init.body = JSON.stringify(body);
   }
   const resp = await fetch(path + queryString(query), init);
-  if (resp.status === 401 && key === undefined && admin === undefined) {
+  // (an admin call for a team that answers 401 is shown, not a logout: the credential may be
+  // right and the route not take it there, as an older gateway's team metrics)
+  if (resp.status === 401 && key === undefined && admin === undefined && !team) {
     forgetApiKey();
     location.hash = "#/login";
   }
