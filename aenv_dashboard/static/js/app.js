@@ -101,14 +101,14 @@ function render() {
     cleanup = loginPage(main);
     return;
   }
-  if (!(admin ? adminRoutes : routes).some(([pattern]) => pattern.test(hash))
-      && (admin ? routes : adminRoutes).some(([pattern]) => pattern.test(hash))) {
+  const [mine, others] = admin ? [adminRoutes, routes] : [routes, adminRoutes];
+  if (!mine.some(([pattern]) => pattern.test(hash)) && others.some(([pattern]) => pattern.test(hash))) {
     main.append(h("p", { class: "error", id: "wrong-credential" }, admin
       ? "This page needs a team's API key: the admin token opens the Teams pages only. Log out and log in with a key."
       : "This page needs the admin token: log out and log in with it."));
     return;
   }
-  for (const [pattern, view] of admin ? adminRoutes : routes) {
+  for (const [pattern, view] of mine) {
     const m = hash.match(pattern);
     if (m) {
       for (const a of document.querySelectorAll("#nav a"))
