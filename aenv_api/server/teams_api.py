@@ -161,11 +161,12 @@ class TeamsApi:
                             f"(use API keys: /api-keys)")
 
     async def admin_running_counts(self, request: web.Request, call: Call) -> web.Response:
-        counts: dict[str, int] = {t.team_id: 0 for t in self.store.teams()}
-        for v in await self.lc.list_views():
-            if v.state == "running":
-                counts[v.team_id] = counts.get(v.team_id, 0) + 1
-        return json_response({"teams": [{"teamID": t, "runningSandboxes": n} for t, n in counts.items()]})
+        """Every team's running sandboxes on this node (E2B's), and its paused ones (aenv's:
+        what the dashboard draws against a team's quotas)."""
+        counts: dict[str, tuple[int, int]] = {t.team_id: (0, 0) for t in self.store.teams()}
+        counts.update(await self.lc.team_counts())
+        return json_response({"teams": [{"teamID": t, "runningSandboxes": r, "pausedSandboxes": p}
+                                        for t, (r, p) in counts.items()]})
 
     def routes(self) -> list[Route]:
         keys = ("api-keys",)
@@ -215,7 +216,7 @@ class TeamsApi:
                   "E2B's deprecated access tokens: none exist here",
                   (Reply(404, "no such access token", "Error"),), tags=("access-tokens",)),
             Route("GET", "/admin/sandboxes/running-counts", wrap(self.admin_running_counts),
-                  "running sandboxes of each team on this node",
+                  "running (and paused) sandboxes of each team on this node",
                   (Reply(200, "counts by team", None),), admin=Admin.ONLY, tags=admin),
         ]
 

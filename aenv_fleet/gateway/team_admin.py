@@ -1,9 +1,10 @@
-"""The admin's team routes through a gateway (``/admin/...``, and ``/api-keys`` called
-with the admin credential and ``X-Team-ID``). The fleet's teams live in Redis and every
+"""The admin's team routes through a gateway (``/admin/...``, and ``/api-keys`` and a
+team's metrics called with the admin credential and ``X-Team-ID``). The fleet's teams live in Redis and every
 node serves them (aenv_api/server/shared_keys.py), so any live node answers; the node
 checks the admin credential (the gateway holds none). What needs the whole fleet is
 the gateway's: deleting a team that still has a sandbox on any node (or released to
-the repository) is refused (409), and the running counts are summed over the nodes."""
+the repository) is refused (409), and the running and paused counts are summed over
+the nodes."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_
 from .state import FleetView
 
 _DELETE_TEAM = re.compile(r"^/admin/teams/([^/]+)$")
+_TEAM_METRICS = re.compile(r"^/teams/[^/]+/metrics(/max)?$")
 RUNNING_COUNTS = "/admin/sandboxes/running-counts"
 ADMIN_TIMEOUT = 10.0
 _PASSED = ("content-type", "retry-after", "x-should-retry")
@@ -30,8 +32,8 @@ def is_admin_call(request: web.BaseRequest) -> bool:
     path = request.path
     if path.startswith("/admin/"):
         return True
-    return ((path == "/api-keys" or path.startswith("/api-keys/")) and ADMIN_TOKEN_HEADER in request.headers
-            and API_KEY_HEADER not in request.headers)
+    return ((path == "/api-keys" or path.startswith("/api-keys/") or bool(_TEAM_METRICS.match(path)))
+            and ADMIN_TOKEN_HEADER in request.headers and API_KEY_HEADER not in request.headers)
 
 
 def _relay(a: Answer) -> web.Response:
@@ -100,11 +102,13 @@ class TeamAdmin:
         refused = next((a for a in got if a.status != 200), None)
         if refused is not None:
             return _relay(refused)
-        counts: dict[str, int] = {}
+        counts: dict[str, list[int]] = {}
         for a in got:
             body: Any = a.json()
             for row in (body or {}).get("teams", []) if isinstance(body, dict) else []:
-                counts[str(row.get("teamID"))] = counts.get(str(row.get("teamID")), 0) + int(row.get("runningSandboxes", 0))
-        return web.Response(text=json.dumps({"teams": [{"teamID": t, "runningSandboxes": n}
-                                                       for t, n in counts.items()]}),
+                c = counts.setdefault(str(row.get("teamID")), [0, 0])
+                c[0] += int(row.get("runningSandboxes", 0))
+                c[1] += int(row.get("pausedSandboxes", 0))
+        return web.Response(text=json.dumps({"teams": [{"teamID": t, "runningSandboxes": r, "pausedSandboxes": p}
+                                                       for t, (r, p) in counts.items()]}),
                             content_type="application/json")

@@ -137,7 +137,12 @@ def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> N
                 assert status == 409 and "sandbox" in got["message"], got
                 assert (await call("DELETE", f"/admin/teams/{ids['a']}"))[0] == 401
                 status, counts = await call("GET", "/admin/sandboxes/running-counts", admin=True)
-                assert status == 200 and {"teamID": ids["a"], "runningSandboxes": 2} in counts["teams"], counts
+                # a team's metrics for the admin (X-Team-ID), as for the team's key: one node's answer
+                for got in (await call("GET", f"/teams/{ids['a']}/metrics", admin=True, **{"X-Team-ID": ids["a"]}),
+                            await call("GET", f"/teams/{ids['a']}/metrics", key=keys["a"])):
+                    assert got[0] == 200 and isinstance(got[1], list), got
+                assert status == 200 and {"teamID": ids["a"], "runningSandboxes": 2,
+                                          "pausedSandboxes": 0} in counts["teams"], counts
                 # the gateway counts a team's starts as that team's (its Redis running set)
                 assert len(await node_coord.team_running(ids["a"])) == 2
                 # a team's quota holds at the gateway for that team's key, not the default team's

@@ -1,8 +1,10 @@
 // The dashboard's one way to the API: the same HTTP API the SDKs use, with the key the
-// user typed (X-API-Key), kept in sessionStorage (gone with the tab). A 401 forgets the
-// key and returns to the login; any other error is thrown with the API's own message.
+// user typed (X-API-Key) or the node's admin credential (X-Admin-Token), kept in
+// sessionStorage (gone with the tab). A 401 forgets the credential and returns to the
+// login; any other error is thrown with the API's own message.
 
 const KEY = "aenv.apiKey";
+const ADMIN = "aenv.adminToken";
 
 export class ApiError extends Error {
   constructor(status, message, body) {
@@ -13,8 +15,12 @@ export class ApiError extends Error {
 }
 
 export const apiKey = () => sessionStorage.getItem(KEY);
-export const setApiKey = (key) => sessionStorage.setItem(KEY, key);
-export const forgetApiKey = () => sessionStorage.removeItem(KEY);
+export const adminToken = () => sessionStorage.getItem(ADMIN);
+// the admin's view: logged in with the admin credential (and no API key)
+export const isAdmin = () => !apiKey() && Boolean(adminToken());
+export const setApiKey = (key) => { sessionStorage.removeItem(ADMIN); sessionStorage.setItem(KEY, key); };
+export const setAdminToken = (token) => { sessionStorage.removeItem(KEY); sessionStorage.setItem(ADMIN, token); };
+export const forgetApiKey = () => { sessionStorage.removeItem(KEY); sessionStorage.removeItem(ADMIN); };
 
 // Turns a query object into a query string; array values repeat the name (state=a&state=b).
 export function queryString(query) {
@@ -37,16 +43,26 @@ async function errorOf(resp) {
   return new ApiError(resp.status, message, body);
 }
 
-// One API call; answers {body, headers}. `key` overrides the stored key (the login's check).
-export async function call(method, path, { body, query, key, signal } = {}) {
-  const headers = { "X-API-Key": key ?? apiKey() ?? "" };
+function credentialHeaders(key, admin, team) {
+  if (admin !== undefined) return { "X-Admin-Token": admin };
+  if (key === undefined && isAdmin())
+    return team ? { "X-Admin-Token": adminToken(), "X-Team-ID": team } : { "X-Admin-Token": adminToken() };
+  return { "X-API-Key": key ?? apiKey() ?? "" };
+}
+
+// One API call; answers {body, headers}. `key` or `admin` overrides the stored credential
+// (the login's check); `team` names the team an admin call is for (X-Team-ID).
+export async function call(method, path, { body, query, key, admin, team, signal } = {}) {
+  const headers = credentialHeaders(key, admin, team);
   const init = { method, headers, signal };
   if (body !== undefined) {
     headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
   }
   const resp = await fetch(path + queryString(query), init);
-  if (resp.status === 401 && key === undefined) {
+  // (an admin call for a team that answers 401 is shown, not a logout: the credential may be
+  // right and the route not take it there, as an older gateway's team metrics)
+  if (resp.status === 401 && key === undefined && admin === undefined && !team) {
     forgetApiKey();
     location.hash = "#/login";
   }
@@ -57,4 +73,5 @@ export async function call(method, path, { body, query, key, signal } = {}) {
 
 export const get = async (path, query, opts = {}) => (await call("GET", path, { query, ...opts })).body;
 export const post = async (path, body, opts = {}) => (await call("POST", path, { body, ...opts })).body;
-export const del = async (path) => (await call("DELETE", path)).body;
+export const put = async (path, body, opts = {}) => (await call("PUT", path, { body, ...opts })).body;
+export const del = async (path, opts = {}) => (await call("DELETE", path, opts)).body;

@@ -1,6 +1,7 @@
 // The caller's team and its API keys (#/keys): the team routes any key of the team may
 // call (GET /teams, GET/POST/DELETE /api-keys; docs/api.md "Teams and API keys"). A new
-// key's value is shown once, as the API answers it once.
+// key's value is shown once, as the API answers it once. `keyPanel` is the list with its
+// create form, also the admin's for any team (team.js, /admin/teams/{id}/api-keys).
 
 import { del, get, post } from "./api.js";
 import { act, h, localTime, table, toast } from "./ui.js";
@@ -10,8 +11,10 @@ function maskText(mask) {
   return `${mask.prefix || ""}${mask.maskedValuePrefix || ""}…${mask.maskedValueSuffix || ""}`;
 }
 
-export function keysPage(main) {
-  const team = h("p", { class: "muted", id: "team" });
+// A team's keys under `base` (/api-keys, or /admin/teams/{id}/api-keys): the list, Create
+// (the value shown once), Delete (confirmed). Answers {element, load}; `changed` runs
+// after a create or delete.
+export function keyPanel(base, changed = () => {}) {
   const created = h("div", { id: "new-key", class: "result" });
   const list = h("div", { id: "keys" });
   const name = h("input", { type: "text", id: "key-name", placeholder: "key name", "aria-label": "key name",
@@ -20,20 +23,17 @@ export function keysPage(main) {
   const form = h("form", { class: "toolbar", onsubmit: (ev) => {
     ev.preventDefault();
     act(make, async () => {
-      const key = await post("/api-keys", { name: name.value.trim() });
+      const key = await post(base, { name: name.value.trim() });
       name.value = "";
       created.replaceChildren(h("span", {}, `New key “${key.name}” — copy it now, it is not shown again: `),
         h("code", { id: "new-key-value" }, key.key));
       await load();
+      changed();
     });
   } }, name, make);
-  main.append(h("section", {}, h("h2", {}, "Team and API keys"), team, form, created, list));
 
   async function load() {
     try {
-      const [teams, keys] = await Promise.all([get("/teams"), get("/api-keys")]);
-      team.textContent = teams.map((t) => `team ${t.name} (${t.teamID})${t.isDefault ? ", the default team" : ""}`)
-        .join("; ");
       list.replaceChildren(table([
         { title: "Name", cell: (k) => k.name },
         { title: "Key", cell: (k) => h("code", {}, maskText(k.mask)) },
@@ -42,18 +42,30 @@ export function keysPage(main) {
           const b = h("button", { type: "button", class: "danger", "data-key": k.id }, "Delete");
           b.addEventListener("click", () => act(b, async () => {
             if (!confirm(`Delete the API key “${k.name}”? Clients using it are refused at once.`)) return;
-            await del("/api-keys/" + encodeURIComponent(k.id));
+            await del(base + "/" + encodeURIComponent(k.id));
             toast("deleted key " + k.name);
             await load();
+            changed();
           }));
           return b;
         } },
-      ], keys));
+      ], await get(base)));
     } catch (e) {
       list.replaceChildren(h("p", { class: "error api-error" }, e.message));
     }
   }
 
-  load();
+  return { element: h("div", {}, form, created, list), load };
+}
+
+export function keysPage(main) {
+  const team = h("p", { class: "muted", id: "team" });
+  const keys = keyPanel("/api-keys");
+  main.append(h("section", {}, h("h2", {}, "Team and API keys"), team, keys.element));
+  get("/teams").then((teams) => {
+    team.textContent = teams.map((t) => `team ${t.name} (${t.teamID})${t.isDefault ? ", the default team" : ""}`)
+      .join("; ");
+  }, (e) => team.replaceChildren(h("span", { class: "error api-error" }, e.message)));
+  keys.load();
   return null;
 }

@@ -8,7 +8,7 @@ const REFRESH_MS = 3000;
 
 // A page that (re)draws itself from `load` every REFRESH_MS until the route changes;
 // `top` (a form) stays above what is redrawn.
-function polled(main, heading, load, top = null) {
+export function polled(main, heading, load, top = null) {
   const box = h("div", { class: "resource" }, h("p", { class: "muted" }, "loading…"));
   main.append(h("section", {}, h("h2", {}, heading), top, box));
   let stopped = false;
@@ -131,7 +131,7 @@ export function volumesPage(main) {
   ], await get("/volumes")));
 }
 
-function bar(used, total, label) {
+export function bar(used, total, label) {
   const pct = total > 0 ? Math.min(100, Math.round((100 * used) / total)) : 0;
   return h("div", { class: "bar", title: label, role: "meter", "aria-valuenow": pct, "aria-valuemin": 0,
     "aria-valuemax": 100, "aria-label": label },

@@ -159,7 +159,7 @@ def test_another_teams_sandbox_is_not_found(node: InProcessServer) -> None:
     status, counts = admin(node, "GET", "/admin/sandboxes/running-counts")
     assert status == 200
     owner_team = node.request("GET", "/teams", key=key_a)[2][0]["teamID"]
-    assert {"teamID": owner_team, "runningSandboxes": 2} in counts["teams"]
+    assert {"teamID": owner_team, "runningSandboxes": 2, "pausedSandboxes": 1} in counts["teams"]
     assert admin(node, "DELETE", f"/admin/teams/{owner_team}")[0] == 409
     node.kill_all()
     assert admin(node, "DELETE", f"/admin/teams/{owner_team}")[0] == 204
