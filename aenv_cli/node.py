@@ -276,7 +276,8 @@ def node_credentials(config: AenvConfig) -> Credentials:
         return config.data_dir / name if name else None
     return Credentials.load(config.data_dir, envd_secret_file=in_data_dir(server_cfg.envd_secret_file),
                             api_key_file=in_data_dir(server_cfg.api_key_file),
-                            admin_token_file=in_data_dir(server_cfg.teams_admin_token_file))
+                            admin_token_file=in_data_dir(server_cfg.teams_admin_token_file),
+                            secrets_key_file=in_data_dir(server_cfg.secrets_key_file))
 
 
 def node_run_root(data_dir: Path) -> Path:
