@@ -202,6 +202,10 @@ class Node:
                                        metrics, config.data_dir, package_version()), fleet_keys=fleet_keys,
                                # a fleet's teams and keys are its Redis' (every node and gateway reads them)
                                key_store=SharedKeyStore(teams_doc, creds.api_key) if teams_doc is not None else None)
+            if nets.egress is not None and server.secret_store is not None:
+                nets.egress.resolve = server.secret_store.resolve   # network.rules' secret markers, at egress
+            report("secrets: " + ("kept, resolved at sandbox egress" if server.secret_store is not None else
+                                  "none (no [server] secrets_key_file / AENV_SECRETS_KEY)"))
             try:
                 port = await server.start(server_cfg.host, server_cfg.port)
             except OSError as e:

@@ -134,7 +134,7 @@ class ApiServer:
         self.secret_store = None if creds.secrets_key is None or fleet else \
             SecretStore(lifecycle.data_dir / SECRETS_FILE, creds.secrets_key)
         self.secrets = SecretsApi(self.secret_store, fleet)
-        self.teams.secret_store = self.secret_store
+        self.teams.secret_store = self.control.secret_store = self.secret_store
         self._keys_task: asyncio.Task[None] | None = None
         if volumes is not None:
             volumes.owners = OwnerMap(lifecycle.data_dir / VOLUME_TEAMS_FILE)

@@ -300,7 +300,8 @@ _EGRESS = (
     Field("egressProxy", "object", attr="egress_proxy", nullable=True,
           description="a SOCKS5 egress proxy: not supported by this server (400); null or absent: none"),
     Field("rules", "object", nullable=True,
-          description="per-domain header transforms: not supported by this server (400 unless empty)"),
+          description="per-domain header transforms applied by the node's egress proxy (values may carry "
+                      "${e2b.secrets.NAME} markers, resolved at egress for an allowed domain)"),
 )
 NETWORK_CONFIG = Schema("SandboxNetworkConfig", _EGRESS + (
     Field("allowPublicTraffic", "boolean", attr="allow_public_traffic", nullable=True,

@@ -14,6 +14,12 @@ the proxy reads the first bytes (sniff.py: TLS SNI or HTTP Host), then:
 * anything else: the original destination (the namespace's connection
   tracking knows it) decided by address, as the table would have.
 
+When the sandbox's ``network.rules`` (transforms.py) name the host of a connection
+allowed by name, its first HTTP request is rewritten on the way (secret_relay.py):
+the rule's headers set, secret markers replaced by the team's values (``resolve``,
+handed in by the node). Only then: a connection allowed by address alone, or to a
+name without a rule, is relayed as it came, markers and all.
+
 Upstream connections leave from the node's own namespace. Nothing here ever
 connects to the node's own addresses or a sandbox network (``never``).
 
@@ -41,6 +47,8 @@ from . import nsock
 from .bounds import Drops, EgressLimits
 from .policy import SPECIAL_RANGES, NetworkPolicy
 from .rules import SANDBOX_NETS, Ports
+from .secret_relay import Resolve, rewrite
+from .transforms import DomainRule
 from .sniff import MAX_SNIFF, NEED_MORE, Name, sniff
 
 log = logging.getLogger(__name__)
@@ -111,6 +119,9 @@ class EgressService:
         self.drops = drops if drops is not None else Drops()
         self._sandboxes: dict[str, _Sandbox] = {}
         self.refused = 0        # connections refused (all sandboxes), for tests and metrics
+        # (team, secret name) -> value, for network.rules' markers (set by the node; None: no secrets)
+        self.resolve: Resolve | None = None
+        self.substituted = 0    # requests that went out with a secret's value, for tests and metrics
 
     async def attach(self, sid: str, namespace: str, bind: str, policy: NetworkPolicy) -> Ports:
         """Listen in ``namespace`` on ``bind`` (127.0.0.1 in user mode, 0.0.0.0 in tap mode)."""
@@ -237,6 +248,11 @@ class EgressService:
                     log.info("egress of %s refused: %s (%d refused so far)", sid, verdict.why, box.refused)
                     box.refusal_logged = now
                 return
+            rule = self._rule(box.policy, name)
+            if rule is not None and name is not None and head[:1] != b"\x16":
+                head = self._rewritten(sid, box.policy, head, name, rule)
+                if not head:
+                    return
             buf = self.limits.buffer // 2
             up_reader, up_writer = await asyncio.wait_for(
                 asyncio.open_connection(verdict.host, verdict.port, limit=buf), CONNECT_TIMEOUT)
@@ -250,6 +266,26 @@ class EgressService:
             for w in (writer, upstream):
                 if w is not None:
                     w.close()
+
+    def _rule(self, policy: NetworkPolicy, name: str | None) -> DomainRule | None:
+        """The transform rule of a connection to ``name``: only for a name the policy allows
+        by name (the proxy then connects to an address it resolved for it)."""
+        if name is None or policy.transforms is None or not policy.hostname_allowed(name):
+            return None
+        return policy.transforms.rule_for(name)
+
+    def _rewritten(self, sid: str, policy: NetworkPolicy, head: bytes, name: str, rule: DomainRule) -> bytes:
+        """``head`` with its request rewritten (secret_relay.py); b"" to drop the connection."""
+        assert policy.transforms is not None
+        resolve = self.resolve or (lambda team, secret: None)
+        rw = rewrite(head, name, rule, policy.transforms.team, resolve)
+        if rw.refused:
+            log.info("egress of %s to %s dropped: %s", sid, name, rw.refused)
+            return b""
+        if rw.substituted:
+            self.substituted += 1
+            log.debug("egress of %s to %s: %d secret marker(s) resolved", sid, name, rw.substituted)
+        return rw.head + rw.rest
 
 
 async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, chunk: int) -> None:
