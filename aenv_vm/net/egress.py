@@ -47,7 +47,9 @@ from . import nsock
 from .bounds import Drops, EgressLimits
 from .policy import SPECIAL_RANGES, NetworkPolicy
 from .rules import SANDBOX_NETS, Ports
-from .secret_relay import Resolve, rewrite
+from .egress_ca import EgressCa
+from .secret_relay import Resolve, Rewrite, rewrite
+from .tls_intercept import intercept
 from .transforms import DomainRule
 from .sniff import MAX_SNIFF, NEED_MORE, Name, sniff
 
@@ -122,6 +124,7 @@ class EgressService:
         # (team, secret name) -> value, for network.rules' markers (set by the node; None: no secrets)
         self.resolve: Resolve | None = None
         self.substituted = 0    # requests that went out with a secret's value, for tests and metrics
+        self.ca: EgressCa | None = None     # TLS to ruled hosts is terminated with it (None: relayed as is)
 
     async def attach(self, sid: str, namespace: str, bind: str, policy: NetworkPolicy) -> Ports:
         """Listen in ``namespace`` on ``bind`` (127.0.0.1 in user mode, 0.0.0.0 in tap mode)."""
@@ -249,6 +252,9 @@ class EgressService:
                     box.refusal_logged = now
                 return
             rule = self._rule(box.policy, name)
+            if rule is not None and name is not None and head[:1] == b"\x16" and self.ca is not None:
+                await self._intercepted(sid, box.policy, reader, writer, head, name, rule, verdict)
+                return
             if rule is not None and name is not None and head[:1] != b"\x16":
                 head = self._rewritten(sid, box.policy, head, name, rule)
                 if not head:
@@ -274,11 +280,35 @@ class EgressService:
             return None
         return policy.transforms.rule_for(name)
 
+    def _rewrite(self, policy: NetworkPolicy, name: str, rule: DomainRule) -> Callable[[bytes], Rewrite]:
+        assert policy.transforms is not None
+        team, resolve = policy.transforms.team, self.resolve or (lambda team, secret: None)
+        return lambda data: rewrite(data, name, rule, team, resolve)
+
+    async def _intercepted(self, sid: str, policy: NetworkPolicy, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter, hello: bytes, name: str, rule: DomainRule,
+                           verdict: Verdict) -> None:
+        """TLS to a ruled host: terminated with a leaf of the egress CA, the first request
+        rewritten, relayed to the real server verified for ``name`` (tls_intercept.py)."""
+        assert self.ca is not None and verdict.host is not None
+        ctx = await asyncio.to_thread(self.ca.leaf, name)
+        why = await intercept(ctx, self.ca.upstream, reader, writer, hello, name, verdict.host, verdict.port,
+                              self._counted(self._rewrite(policy, name, rule)), SNIFF_TIMEOUT, CONNECT_TIMEOUT,
+                              self.limits.buffer // 2)
+        if why:
+            log.info("egress of %s to %s over TLS dropped: %s", sid, name, why)
+
+    def _counted(self, fn: Callable[[bytes], Rewrite]) -> Callable[[bytes], Rewrite]:
+        def counted(data: bytes) -> Rewrite:
+            rw = fn(data)
+            if rw.substituted and not rw.refused:
+                self.substituted += 1
+            return rw
+        return counted
+
     def _rewritten(self, sid: str, policy: NetworkPolicy, head: bytes, name: str, rule: DomainRule) -> bytes:
         """``head`` with its request rewritten (secret_relay.py); b"" to drop the connection."""
-        assert policy.transforms is not None
-        resolve = self.resolve or (lambda team, secret: None)
-        rw = rewrite(head, name, rule, policy.transforms.team, resolve)
+        rw = self._rewrite(policy, name, rule)(head)
         if rw.refused:
             log.info("egress of %s to %s dropped: %s", sid, name, rw.refused)
             return b""
