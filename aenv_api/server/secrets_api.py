@@ -65,7 +65,7 @@ class SecretsApi:
         except SecretError as e:
             raise ApiError(e.status, str(e), retry=False) from None
 
-    async def list(self, request: web.Request, call: Call) -> web.Response:
+    async def list_secrets(self, request: web.Request, call: Call) -> web.Response:
         store = self._store()
         items = store.list(principal_of(request).team_id)
         limit = call.query.get("limit") or 100
@@ -108,7 +108,7 @@ class SecretsApi:
         gone = Reply(404, "no such secret of the team", "Error")
         off = Reply(503, "the node has no secrets key configured", "Error")
         return [
-            Route("GET", "/secrets", self.list, "the team's secrets (never their values)",
+            Route("GET", "/secrets", self.list_secrets, "the team's secrets (never their values)",
                   (Reply(200, "a page of secrets; the next page's token in X-Next-Token", "Secret[]",
                          ("X-Next-Token",)), off), query=S.SECRET_LIST, admin=Admin.ALSO, tags=tags),
             Route("POST", "/secrets", self.create, "create a secret (its value is its first version)",

@@ -156,3 +156,31 @@ def test_the_sdks_secret_api(node: InProcessServer, monkeypatch: pytest.MonkeyPa
     assert Secret.fill("github-token") == "${e2b.secrets.github-token}"
     assert Secret.destroy("github-token") is True and Secret.destroy("github-token") is False
     assert VALUE not in node.log()
+
+
+def test_creates_refer_only_to_their_teams_secrets(node: InProcessServer) -> None:
+    _, key_a = new_team(node, "refs-a")
+    _, key_b = new_team(node, "refs-b")
+    req(node, "POST", "/secrets", {"name": "token", "value": VALUE}, key=key_a)
+    marker = "${e2b.secrets.token}"
+    rules = {"api.example.com": [{"transform": {"headers": {"Authorization": f"Bearer {marker}"}}}]}
+    network = {"allowOut": ["api.example.com"], "rules": rules}
+    status, _, made = req(node, "POST", "/sandboxes", {"templateID": "base", "envVars": {"T": marker},
+                                                       "network": network}, key=key_a)
+    assert status == 201, made
+    status, _, info = req(node, "GET", f"/sandboxes/{made['sandboxID']}", key=key_a)
+    assert info["network"]["rules"] == rules and VALUE not in json.dumps(info)
+    for body in ({"templateID": "base", "envVars": {"T": marker}}, {"templateID": "base", "network": network}):
+        status, _, got = req(node, "POST", "/sandboxes", body, key=key_b)      # A's secret: not B's
+        assert status == 400 and "secret 'token' not found" in got["message"], got
+    status, _, got = req(node, "POST", "/sandboxes", {"templateID": "base", "envVars": {"T": "${e2b.secrets.nope}"}},
+                         key=key_a)
+    assert status == 400 and "envVars.T" in got["message"]
+    # a network update names them the same way
+    status, _, got = node.request("PUT", f"/sandboxes/{made['sandboxID']}/network",
+                                  {"allowOut": ["api.example.com"],
+                                   "rules": {"api.example.com": [{"transform": {"headers": {
+                                       "A": "${e2b.secrets.nope}"}}}]}}, key=key_a)
+    assert status == 400 and "nope" in got["message"]
+    assert req(node, "DELETE", f"/sandboxes/{made['sandboxID']}", key=key_a)[0] == 204
+    assert VALUE not in node.log()
