@@ -90,7 +90,7 @@ class ControlPlane:
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
         team = principal_of(request).team_id
-        check_references(self.secret_store, team, references(req.env_vars, req.network))
+        check_references(self.secret_store, team, references(req.env_vars, req.network), req.network)
         # another team's private template or named snapshot is no template to this one: the
         # answer to an unknown template. An E2B template is judged by its owner (its build's
         # frozen VM is also listed among the snapshots, with no snapshot owner recorded)
@@ -149,7 +149,7 @@ class ControlPlane:
 
     async def update_network(self, request: web.Request, call: Call) -> web.Response:
         team = principal_of(request).team_id
-        check_references(self.secret_store, team, references(None, call.body))
+        check_references(self.secret_store, team, references(None, call.body), call.body)
         await self.lc.update_network(call.path["sandboxID"], call.body, team)
         return no_content()
 

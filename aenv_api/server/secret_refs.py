@@ -32,8 +32,14 @@ def references(env_vars: Mapping[str, str] | None, network: Mapping[str, Any] | 
     return out
 
 
-def check_references(store: SecretStore | None, team: str, refs: list[tuple[str, str]]) -> None:
-    """ApiError 400 unless every referred secret is one of ``team``'s."""
+def check_references(store: SecretStore | None, team: str, refs: list[tuple[str, str]],
+                     network: Mapping[str, Any] | None = None) -> None:
+    """ApiError 400 unless every referred secret is one of ``team``'s. ``network``: its
+    ``rules`` need a node with secrets (its egress CA applies them to HTTPS too: without
+    it they would hold for plain HTTP only)."""
+    if store is None and (network or {}).get("rules"):
+        raise ApiError(400, f"network.rules: this node applies per-domain transforms only with its secrets "
+                            f"configured ({CONFIGURE})", retry=False)
     if not refs:
         return
     if store is None:

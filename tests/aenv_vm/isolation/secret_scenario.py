@@ -20,7 +20,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from e2b import CommandExitException, Sandbox, Secret
+from e2b import Sandbox, Secret
+
+from .trust_scenario import run
 
 NAME = "api-key"
 
@@ -43,14 +45,6 @@ def new_team(name: str) -> str:
     status, key = call("POST", f"/admin/teams/{team['teamID']}/api-keys", {"name": "k"}, **admin)
     assert status == 201, key
     return str(key["key"])
-
-
-def run(sbx: Sandbox, cmd: str, user: str = "user") -> dict[str, Any]:
-    try:
-        r = sbx.commands.run(cmd, user=user, timeout=120)  # type: ignore[arg-type]
-        return {"exit": r.exit_code, "out": r.stdout[-3000:], "err": r.stderr[-3000:]}
-    except CommandExitException as e:
-        return {"exit": e.exit_code, "out": e.stdout[-3000:], "err": e.stderr[-3000:]}
 
 
 def qemu_pids(data_dir: str) -> list[int]:
@@ -121,6 +115,9 @@ def main(data_dir: str) -> None:
         out["https_again"] = run(sbx, f'{curl} https://secret.test/again')      # a cached leaf
         out["unruled_http"] = run(sbx, f'{curl} http://unruled.test/plain -H "X-Own: $TOKEN"')
         out["unruled_https"] = run(sbx, f'{curl} https://unruled.test/tls -H "X-Own: $TOKEN"')
+        # tries: another Host on the ruled name's connection; TLS for the ruled name, Host another
+        out["spoof_host"] = run(sbx, f'{curl} http://secret.test/spoof -H "Host: unruled.test" -H "X-Own: $TOKEN"')
+        out["sni_mismatch"] = run(sbx, f'{curl} https://secret.test/mismatch -H "Host: unruled.test"')
         out["env"] = run(sbx, "env")
         out["canary"] = run(sbx, f"echo {canary} > /tmp/canary && cat /tmp/canary")
         out["info"] = str(getattr(Sandbox.get_info(sbx.sandbox_id, api_key=key_a), "network", None))

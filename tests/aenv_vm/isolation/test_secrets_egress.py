@@ -5,7 +5,8 @@ requests there, and the host (secrethost.py, 192.0.2.10 on the test's own namesp
 receives the value; the guest sees only the marker (its env, and a search of its
 QEMU's whole memory, guest RAM included, finds no value while it finds a canary the
 guest wrote); a request to a name without a rule (unruled.test, same address) carries
-only the marker; team B cannot refer to A's secret; no file of the node's data dir
+only the marker, as does one naming another Host on the ruled name's connection (HTTPS:
+dropped); team B cannot refer to A's secret; no file of the node's data dir
 and no line of its log holds the value.
 
 The node verifies secret.test's certificate with the test's CA ([vm] host_ca_bundle,
@@ -104,6 +105,10 @@ def test_a_secret_reaches_its_host_only_and_never_the_guest(testnet: SealedNet, 
     for path, port in (("/plain", 80), ("/tls", 443)):        # no rule for the name: the marker only
         p, head = received[path]
         assert p == port and f"X-Own: {marker}\r\n" in head and value not in head and "Authorization" not in head
+    # a guest that names another host on the ruled name's connection gets no value out
+    port, head = received["/spoof"]
+    assert f"X-Own: {marker}\r\n" in head and value not in head, head
+    assert got["sni_mismatch"]["exit"] != 0 and "/mismatch" not in received, got["sni_mismatch"]
     # the guest sees the marker, never the value: not in its env, not in its memory
     assert f"TOKEN={marker}" in got["env"]["out"] and value not in json.dumps(got)
     assert got["qemus"] >= 1
