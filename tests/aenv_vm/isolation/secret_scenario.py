@@ -98,7 +98,7 @@ def main(data_dir: str) -> None:
     # team B refers to A's secret: refused, in envVars and in rules alike
     for what, kwargs in (("env", {"envs": {"T": marker}}), ("rules", {"network": network})):
         try:
-            Sandbox.create(api_key=key_b, timeout=120, **kwargs)  # type: ignore[arg-type]
+            Sandbox.create(api_key=key_b, timeout=120, **kwargs)  # type: ignore[arg-type]  # plain dicts for TypedDicts
             out[f"b_{what}"] = "created"
         except Exception as e:      # noqa: BLE001 - the SDK's exception for a 400
             out[f"b_{what}"] = f"{type(e).__name__}: {e}"
@@ -107,7 +107,7 @@ def main(data_dir: str) -> None:
         out["b_info"] = "visible"
     except Exception as e:          # noqa: BLE001
         out["b_info"] = type(e).__name__
-    sbx = Sandbox.create(api_key=key_a, timeout=600, envs={"TOKEN": marker}, network=network)  # type: ignore[arg-type]
+    sbx = Sandbox.create(api_key=key_a, timeout=600, envs={"TOKEN": marker}, network=network)  # type: ignore[arg-type]  # a dict
     try:
         curl = "curl -sS --max-time 30"
         out["http"] = run(sbx, f"{curl} http://secret.test/http -H 'X-Own: {marker}'")

@@ -22,7 +22,7 @@ ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nC
 def main(cert: str, log_path: str) -> None:
     log = open(log_path, "a", buffering=1)
 
-    def handler(port: int):  # type: ignore[no-untyped-def]
+    def handler(port: int):  # type: ignore[no-untyped-def]  # a closure factory, as hosts.py
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
