@@ -93,9 +93,8 @@ class EgressCa:
             key_obj = serialization.load_pem_private_key(key_pem, None)
         except (OSError, ValueError, TypeError) as e:
             raise ConfigError(f"the egress CA ({cert_path}, {key_path}) cannot be read: {e}") from None
-        if cert_obj.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
-                != key_obj.public_key().public_bytes(serialization.Encoding.DER,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo):
+        spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        if cert_obj.public_key().public_bytes(*spki) != key_obj.public_key().public_bytes(*spki):
             raise ConfigError(f"the egress CA's key ({key_path}) is not its certificate's ({cert_path})")
         upstream = ssl.create_default_context()
         if trusted_pem:

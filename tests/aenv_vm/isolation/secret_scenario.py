@@ -107,7 +107,8 @@ def main(data_dir: str) -> None:
         out["b_info"] = "visible"
     except Exception as e:          # noqa: BLE001
         out["b_info"] = type(e).__name__
-    sbx = Sandbox.create(api_key=key_a, timeout=600, envs={"TOKEN": marker}, network=network)  # type: ignore[arg-type]  # a dict
+    sbx = Sandbox.create(api_key=key_a, timeout=600, envs={"TOKEN": marker},
+                         network=network)  # type: ignore[arg-type]  # a dict for the SDK's TypedDict
     try:
         curl = "curl -sS --max-time 30"
         out["http"] = run(sbx, f"{curl} http://secret.test/http -H 'X-Own: {marker}'")
