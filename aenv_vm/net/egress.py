@@ -244,19 +244,14 @@ class EgressService:
                 return
             verdict = await self.decide(box.policy, original, name)
             if verdict.host is None:
-                self.refused += 1
-                box.refused += 1
-                now = time.monotonic()
-                if now - box.refusal_logged >= REFUSAL_LOG_EVERY:   # a guest may refuse itself in a loop
-                    log.info("egress of %s refused: %s (%d refused so far)", sid, verdict.why, box.refused)
-                    box.refusal_logged = now
+                self._refuse(sid, box, verdict.why)
                 return
             rule = self._rule(box.policy, name)
             if rule is not None and name is not None and head[:1] == b"\x16" and self.ca is not None:
-                await self._intercepted(sid, box.policy, reader, writer, head, name, rule, verdict)
+                await self._intercepted(sid, box, reader, writer, head, name, rule, verdict)
                 return
             if rule is not None and name is not None and head[:1] != b"\x16":
-                head = self._rewritten(sid, box.policy, head, name, rule)
+                head = self._rewritten(sid, box, head, name, rule)
                 if not head:
                     return
             buf = self.limits.buffer // 2
@@ -273,6 +268,16 @@ class EgressService:
                 if w is not None:
                     w.close()
 
+    def _refuse(self, sid: str, box: _Sandbox, why: str) -> None:
+        """Count a refused or dropped connection; logged at most every REFUSAL_LOG_EVERY
+        seconds a sandbox (a guest may refuse itself in a loop). ``why`` holds no value."""
+        self.refused += 1
+        box.refused += 1
+        now = time.monotonic()
+        if now - box.refusal_logged >= REFUSAL_LOG_EVERY:
+            log.info("egress of %s refused: %s (%d refused so far)", sid, why, box.refused)
+            box.refusal_logged = now
+
     def _rule(self, policy: NetworkPolicy, name: str | None) -> DomainRule | None:
         """The transform rule of a connection to ``name``: only for a name the policy allows
         by name (the proxy then connects to an address it resolved for it)."""
@@ -285,7 +290,7 @@ class EgressService:
         team, resolve = policy.transforms.team, self.resolve or (lambda team, secret: None)
         return lambda data: rewrite(data, name, rule, team, resolve)
 
-    async def _intercepted(self, sid: str, policy: NetworkPolicy, reader: asyncio.StreamReader,
+    async def _intercepted(self, sid: str, box: _Sandbox, reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter, hello: bytes, name: str, rule: DomainRule,
                            verdict: Verdict) -> None:
         """TLS to a ruled host: terminated with a leaf of the egress CA, the first request
@@ -293,10 +298,10 @@ class EgressService:
         assert self.ca is not None and verdict.host is not None
         ctx = await asyncio.to_thread(self.ca.leaf, name)
         why = await intercept(ctx, self.ca.upstream, reader, writer, hello, name, verdict.host, verdict.port,
-                              self._counted(self._rewrite(policy, name, rule)), SNIFF_TIMEOUT, CONNECT_TIMEOUT,
-                              self.limits.buffer // 2)
+                              self._counted(self._rewrite(box.policy, name, rule)), SNIFF_TIMEOUT,
+                              CONNECT_TIMEOUT, self.limits.buffer // 2)
         if why:
-            log.info("egress of %s to %s over TLS dropped: %s", sid, name, why)
+            self._refuse(sid, box, f"TLS to {name}: {why}")
 
     def _counted(self, fn: Callable[[bytes], Rewrite]) -> Callable[[bytes], Rewrite]:
         def counted(data: bytes) -> Rewrite:
@@ -306,11 +311,11 @@ class EgressService:
             return rw
         return counted
 
-    def _rewritten(self, sid: str, policy: NetworkPolicy, head: bytes, name: str, rule: DomainRule) -> bytes:
+    def _rewritten(self, sid: str, box: _Sandbox, head: bytes, name: str, rule: DomainRule) -> bytes:
         """``head`` with its request rewritten (secret_relay.py); b"" to drop the connection."""
-        rw = self._rewrite(policy, name, rule)(head)
+        rw = self._rewrite(box.policy, name, rule)(head)
         if rw.refused:
-            log.info("egress of %s to %s dropped: %s", sid, name, rw.refused)
+            self._refuse(sid, box, f"HTTP to {name}: {rw.refused}")
             return b""
         if rw.substituted:
             self.substituted += 1
