@@ -184,3 +184,18 @@ def test_creates_refer_only_to_their_teams_secrets(node: InProcessServer) -> Non
     assert status == 400 and "nope" in got["message"]
     assert req(node, "DELETE", f"/sandboxes/{made['sandboxID']}", key=key_a)[0] == 204
     assert VALUE not in node.log()
+
+
+def test_a_fleet_node_refuses_secrets() -> None:
+    """Secrets live in one node's data dir: a fleet node (its teams in Redis) says so."""
+    import asyncio
+
+    from aenv_api.server.errors import ApiError
+    from aenv_api.server.routes import Call
+    from aenv_api.server.secrets_api import SecretsApi
+
+    api = SecretsApi(None, fleet=True)
+    with pytest.raises(ApiError) as e:
+        request: Any = None     # never read: the refusal comes first
+        asyncio.run(api.create(request, Call({}, {"name": "a", "value": "b", "metadata": None}, {})))
+    assert e.value.status == 501 and "fleet" in e.value.message
