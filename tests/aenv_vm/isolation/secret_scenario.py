@@ -122,6 +122,10 @@ def main(data_dir: str) -> None:
         out["env"] = run(sbx, "env")
         out["canary"] = run(sbx, f"echo {canary} > /tmp/canary && cat /tmp/canary")
         out["info"] = str(getattr(Sandbox.get_info(sbx.sandbox_id, api_key=key_a), "network", None))
+        # the rules (and their team) survive a pause: the record keeps them, not the guest
+        sbx.pause()
+        sbx = Sandbox.connect(sbx.sandbox_id, api_key=key_a, timeout=600)
+        out["resumed"] = run(sbx, f"{curl} http://secret.test/resumed")
         pids = qemu_pids(data_dir)
         out["qemus"] = len(pids)
         out["memory"] = {str(p): found_in_memory(p, {"value": value.encode(), "canary": canary.encode()}) for p in pids}

@@ -93,7 +93,7 @@ def test_a_secret_reaches_its_host_only_and_never_the_guest(testnet: SealedNet, 
     assert "not found" in got["b_env"] and "not found" in got["b_rules"], got
     assert got["b_info"] == "SecretNotFoundException"
     # the guest's requests all answered
-    for name in ("http", "https", "https_again", "unruled_http", "unruled_https"):
+    for name in ("http", "https", "https_again", "unruled_http", "unruled_https", "spoof_host"):
         assert got[name]["exit"] == 0 and got[name]["out"].strip() == "ok", (name, got[name])
     received = heads(secret_host)
     port, head = received["/http"]
@@ -101,6 +101,7 @@ def test_a_secret_reaches_its_host_only_and_never_the_guest(testnet: SealedNet, 
     port, head = received["/https"]
     assert port == 443 and f"Authorization: Bearer {value}\r\n" in head and f"X-Own: {value}\r\n" in head, head
     assert f"Bearer {value}" in received["/again"][1]
+    assert got["resumed"]["out"].strip() == "ok" and f"Bearer {value}" in received["/resumed"][1]   # after a pause
     marker = "${e2b.secrets.api-key}"
     for path, port in (("/plain", 80), ("/tls", 443)):        # no rule for the name: the marker only
         p, head = received[path]
