@@ -15,34 +15,24 @@ import json
 import os
 import re
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from e2b import Sandbox, Secret
 
+from tests.aenv_api.server.conftest import HttpClient
 from .trust_scenario import run
 
 NAME = "api-key"
 
 
-def call(method: str, path: str, body: Any = None, **headers: str) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(os.environ["E2B_API_URL"] + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
-
-
 def new_team(name: str) -> str:
+    node = HttpClient(os.environ["E2B_API_URL"], "", Path("."))
     admin = {"X-Admin-Token": os.environ["AENV_ADMIN_TOKEN"]}
-    status, team = call("POST", "/admin/teams", {"name": name}, **admin)
+    status, _, team = node.request("POST", "/admin/teams", {"name": name}, headers=admin, key=None)
     assert status == 201, team
-    status, key = call("POST", f"/admin/teams/{team['teamID']}/api-keys", {"name": "k"}, **admin)
+    status, _, key = node.request("POST", f"/admin/teams/{team['teamID']}/api-keys", {"name": "k"}, headers=admin,
+                                  key=None)
     assert status == 201, key
     return str(key["key"])
 
