@@ -138,7 +138,7 @@ async def intercept(ctx: ssl.SSLContext, upstream_ctx: ssl.SSLContext, reader: a
             await guest.handshake()
             data = await read_head(guest)
     except (ssl.SSLError, ConnectionError, OSError, asyncio.TimeoutError) as e:
-        return f"TLS with the guest failed: {e}"
+        return f"TLS with the guest failed (no handshake or request head in {timeout:.0f} s): {e!r}"
     if not data:
         return "no complete request head"
     rw = rewrite(data)

@@ -25,7 +25,11 @@ assert RULES is not None
 RULE = RULES.rules[0]
 
 
-async def scenario(tmp: Path, server_ca: TestCa, trusted: TestCa, client_trusts_proxy: bool) -> tuple[str, list[bytes]]:
+GOOD = b"GET /x HTTP/1.1\r\nHost: secret.test\r\nX-Own: ${e2b.secrets.key}\r\n\r\n"
+
+
+async def scenario(tmp: Path, server_ca: TestCa, trusted: TestCa, client_trusts_proxy: bool,
+                   request: bytes = GOOD, timeout: float = 5.0) -> tuple[str, list[bytes]]:
     got: list[bytes] = []
     issued = server_ca.issue(NAME)
     (tmp / "c.pem").write_bytes(issued.cert_pem + issued.key_pem)
@@ -55,7 +59,7 @@ async def scenario(tmp: Path, server_ca: TestCa, trusted: TestCa, client_trusts_
         reasons.append(await intercept(ca.leaf(NAME), ca.upstream, r, w, hello, NAME, "127.0.0.1", up_port,
                                        lambda d: rewrite(d, NAME, RULE, "team",
                                                          lambda t, n: VALUE if (t, n) == ("team", "key") else None),
-                                       5.0, 5.0, 1 << 16))
+                                       timeout, 5.0, 1 << 16))
         w.close()
 
     px = await asyncio.start_server(proxy, "127.0.0.1", 0)
@@ -65,7 +69,7 @@ async def scenario(tmp: Path, server_ca: TestCa, trusted: TestCa, client_trusts_
     try:
         r, w = await asyncio.open_connection("127.0.0.1", px.sockets[0].getsockname()[1], ssl=cctx,
                                              server_hostname=NAME)
-        w.write(b"GET /x HTTP/1.1\r\nHost: secret.test\r\nX-Own: ${e2b.secrets.key}\r\n\r\n")
+        w.write(request)
         await w.drain()
         answer = (await asyncio.wait_for(r.read(), 10)).decode()
         w.close()
@@ -94,6 +98,17 @@ def test_a_client_that_does_not_trust_the_egress_ca_sends_nothing(tmp_path: Path
     real = TestCa("real server CA")
     answer, got = asyncio.run(scenario(tmp_path, real, real, False))
     assert got == [] and "client TLS error" in answer, answer
+
+
+@pytest.mark.parametrize("request_bytes,why", [
+    (b"GET / HTTP/1.1\r\nHost: secret.test\r\nX: " + b"a" * (80 << 10), "no complete request head"),
+    (b"", "TLS with the guest failed"),             # a handshake, then silence: the timeout ends it
+    (b"GET / HTTP/1.1\r\nHost: other.test\r\nX: ${e2b.secrets.key}\r\n\r\n", "Host"),
+])
+def test_a_hostile_guest_gets_nothing_out(tmp_path: Path, request_bytes: bytes, why: str) -> None:
+    real = TestCa("real server CA")
+    answer, got = asyncio.run(scenario(tmp_path, real, real, True, request_bytes, timeout=1.0))
+    assert got == [] and why in answer, answer
 
 
 def test_leaves_are_per_name_cached_and_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
