@@ -47,6 +47,7 @@ from aenv_vm.confine.policy import Confinement
 from aenv_vm.errors import NotFound, VmError
 from aenv_vm.guest import GuestImage, ensure_guest
 from aenv_vm.machine.admission import Admission, Headroom
+from aenv_vm.net.egress_ca import EgressCa
 from aenv_vm.net.infra import describe as describe_nets
 from aenv_vm.net.netns import NetError
 from aenv_vm.sandboxes.manager import SandboxManager
@@ -126,6 +127,12 @@ class Node:
         elif cluster.fleet_secret_file:     # nodes sharing a repository, moved by hand: no Redis
             fleet_keys = fleet_keys_file(cluster.fleet_secret_file, config.data_dir, "cluster.fleet_secret_file")
         host_ca = vm.host_ca()     # a bad bundle stops the start here, before anything runs
+        # secrets resolved at egress: TLS to ruled hosts is terminated with the egress CA, which guests trust
+        egress_ca = EgressCa.load(config.data_dir, vm.egress_ca_cert, vm.egress_ca_key,
+                                  host_ca.pem if host_ca is not None else b"") \
+            if creds.secrets_key is not None and trust is None else None
+        if egress_ca is not None and host_ca is not None:
+            host_ca = CaBundle(f"{host_ca.source} and the egress CA", (*host_ca.certificates, egress_ca.cert_der))
         store = await asyncio.to_thread(open_node_store, config.store_settings(), True)
         manager: SandboxManager | None = None
         server: ApiServer | None = None
@@ -204,6 +211,13 @@ class Node:
                                        metrics, config.data_dir, package_version()), fleet_keys=fleet_keys,
                                # a fleet's teams and keys are its Redis' (every node and gateway reads them)
                                key_store=SharedKeyStore(teams_doc, creds.api_key) if teams_doc is not None else None)
+            if nets.egress is not None and server.secret_store is not None:
+                nets.egress.resolve = server.secret_store.resolve   # network.rules' secret markers, at egress
+                nets.egress.ca = egress_ca
+            report("secrets: " + ("kept, resolved at sandbox egress (HTTPS: terminated with the egress CA, "
+                                  + ("which guests trust)" if vm.trust_host_ca else "which guests do not trust: "
+                                     "[vm] trust_host_ca is off)") if server.secret_store is not None else
+                                  "none (no [server] secrets_key_file / AENV_SECRETS_KEY)"))
             try:
                 port = await server.start(server_cfg.host, server_cfg.port)
             except OSError as e:
@@ -278,7 +292,8 @@ def node_credentials(config: AenvConfig) -> Credentials:
         return config.data_dir / name if name else None
     return Credentials.load(config.data_dir, envd_secret_file=in_data_dir(server_cfg.envd_secret_file),
                             api_key_file=in_data_dir(server_cfg.api_key_file),
-                            admin_token_file=in_data_dir(server_cfg.teams_admin_token_file))
+                            admin_token_file=in_data_dir(server_cfg.teams_admin_token_file),
+                            secrets_key_file=in_data_dir(server_cfg.secrets_key_file))
 
 
 def node_run_root(data_dir: Path) -> Path:

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Mapping
 
 from aenv_api.server.auth import ADMIN_TOKEN_ENV, API_KEY_ENV, ENVD_SECRET_ENV
+from aenv_api.server.secret_store import SECRETS_KEY_ENV
 from aenv_store.config import RepositoryConfig
 from aenv_store.errors import ConfigError
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "access_key_id", "AWS_SECRET_ACCESS_KEY": "secret_access_key",
            "AWS_SESSION_TOKEN": "session_token"}
 # every variable the node reads a secret from (AWS_SECURITY_TOKEN: boto's old name of the session token)
-SECRET_ENV = (API_KEY_ENV, ENVD_SECRET_ENV, ADMIN_TOKEN_ENV, *AWS_ENV, "AWS_SECURITY_TOKEN")
+SECRET_ENV = (API_KEY_ENV, ENVD_SECRET_ENV, ADMIN_TOKEN_ENV, SECRETS_KEY_ENV, *AWS_ENV, "AWS_SECURITY_TOKEN")
 # config keys that hold a secret (or may: a Redis URL with a password), whose
 # AENV_<SECTION>__<KEY> override is removed like the variables above
 SECRET_KEYS = frozenset({("repository", "access_key_id"), ("repository", "secret_access_key"),

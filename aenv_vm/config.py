@@ -131,6 +131,14 @@ class VmConfig:
     # PEM bundle of those certificates ("": the host's system bundle, the first of
     # /etc/ssl/certs/ca-certificates.crt, /etc/pki/tls/certs/ca-bundle.crt, ... that exists).
     host_ca_bundle: str = ""
+    # The CA the egress proxy presents to a guest when it terminates TLS to a host whose
+    # network.rules put a secret in its requests (aenv_vm/net/egress_ca.py): PEM files of a
+    # CA certificate and its private key, both or neither. Neither: generated at the first
+    # start of a node that keeps secrets ([server] secrets_key_file), into
+    # <data-dir>/egress-ca/. Guests trust it with the host CA bundle (trust_host_ca: off, they
+    # do not, and such HTTPS requests fail in the guest rather than carry the secret).
+    egress_ca_cert: str = ""
+    egress_ca_key: str = ""
 
     def ksm_settings(self) -> "KsmSettings | None":
         from .ksm import KsmSettings

@@ -27,6 +27,8 @@ from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .templates_legacy import LegacyTemplateApi
+from .secret_refs import check_references, references
+from .secret_store import SecretStore
 from .unsupported import not_supported, reject_unsupported
 from .views import SandboxView
 from .volumes_api import VolumeApi
@@ -58,6 +60,7 @@ class ControlPlane:
         self.openapi_doc: dict[str, Any] = {}
         self.creates = idempotency.IdempotentCreates()
         self._snapshot_owners = snapshot_owners
+        self.secret_store: SecretStore | None = None     # set by the server (secret_refs.py checks against it)
 
     @property
     def snapshot_owners(self) -> OwnerMap:
@@ -87,6 +90,7 @@ class ControlPlane:
         reject_unsupported(req)
         key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
         team = principal_of(request).team_id
+        check_references(self.secret_store, team, references(req.env_vars, req.network), req.network)
         # another team's private template or named snapshot is no template to this one: the
         # answer to an unknown template. An E2B template is judged by its owner (its build's
         # frozen VM is also listed among the snapshots, with no snapshot owner recorded)
@@ -144,7 +148,9 @@ class ControlPlane:
         return no_content()
 
     async def update_network(self, request: web.Request, call: Call) -> web.Response:
-        await self.lc.update_network(call.path["sandboxID"], call.body)
+        team = principal_of(request).team_id
+        check_references(self.secret_store, team, references(None, call.body), call.body)
+        await self.lc.update_network(call.path["sandboxID"], call.body, team)
         return no_content()
 
     async def refresh(self, request: web.Request, call: Call) -> web.Response:

@@ -52,6 +52,8 @@ from .responses import json_response
 from .routes import Call, Route, openapi
 from .scrub import KeyScrub
 from .settings import ServerConfig
+from .secret_store import SECRETS_FILE, SecretStore
+from .secrets_api import SecretsApi
 from .shared_keys import SharedKeyStore
 from .principal import PRINCIPAL, Principal
 from .quota_api import QuotaApi
@@ -128,6 +130,11 @@ class ApiServer:
                                     OwnerMap(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE))
         self.key_store = keystore = key_store or KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key)
         self.teams = TeamsApi(keystore, creds.admin_token, lifecycle)
+        fleet = isinstance(keystore, SharedKeyStore)
+        self.secret_store = None if creds.secrets_key is None or fleet else \
+            SecretStore(lifecycle.data_dir / SECRETS_FILE, creds.secrets_key)
+        self.secrets = SecretsApi(self.secret_store, fleet)
+        self.teams.secret_store = self.control.secret_store = self.secret_store
         self._keys_task: asyncio.Task[None] | None = None
         if volumes is not None:
             volumes.owners = OwnerMap(lifecycle.data_dir / VOLUME_TEAMS_FILE)
@@ -139,7 +146,7 @@ class ApiServer:
         if templates is not None:
             templates.quotas = lifecycle.quotas
         self._sampler: asyncio.Task[None] | None = None
-        self.routes = self.teams.routes() + self.quotas.routes() + self.team_metrics.routes() + self.control.routes()
+        self.routes = self.teams.routes() + self.secrets.routes() + self.quotas.routes() + self.team_metrics.routes() + self.control.routes()
         self._runner: JsonErrorRunner | None = None
         self._site: web.TCPSite | None = None
         self._tls_site: web.TCPSite | None = None

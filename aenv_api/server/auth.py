@@ -27,6 +27,10 @@
   (keystore.py, teams_api.py): ``AENV_ADMIN_TOKEN``, else the file ``[server]
   teams_admin_token_file``; never the config file itself, never generated (a node without
   one answers its admin routes 403). At least 16 characters.
+- The **secrets key** encrypts the teams' secrets at rest (secret_store.py):
+  ``AENV_SECRETS_KEY``, else the file ``[server] secrets_key_file`` (32 bytes as 64 hex
+  digits); never the config file, never generated (a node without one keeps no secrets:
+  its ``/secrets`` routes answer 503).
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ from pathlib import Path
 from typing import Mapping
 
 from aenv_store.errors import ConfigError
+
+from .secret_store import load_key as load_secrets_key
 
 API_KEY_ENV = "AENV_API_KEY"
 API_KEY_FILE = "api-key"
@@ -107,14 +113,16 @@ class Credentials:
     api_key_source: str    # "env" | "file" | "generated" (for the start banner)
     envd_secret: bytes = field(default=b"", repr=False)
     admin_token: str = field(default="", repr=False)     # "" = no admin credential: admin routes answer 403
+    secrets_key: bytes | None = field(default=None, repr=False)  # None: no secrets (secret_store.py)
 
     @classmethod
     def load(cls, data_dir: Path, environ: Mapping[str, str] | None = None,
              envd_secret_file: Path | None = None, api_key_file: Path | None = None,
-             admin_token_file: Path | None = None) -> "Credentials":
+             admin_token_file: Path | None = None, secrets_key_file: Path | None = None) -> "Credentials":
         """``envd_secret_file``, ``api_key_file``: where the envd token secret and the API
         key live (default ``<data_dir>/envd-secret``, ``<data_dir>/api-key``);
-        ``admin_token_file``: the admin credential's file, if any (``AENV_ADMIN_TOKEN`` wins)."""
+        ``admin_token_file``: the admin credential's file, if any (``AENV_ADMIN_TOKEN`` wins);
+        ``secrets_key_file``: the secrets key's (``AENV_SECRETS_KEY`` wins; secret_store.py)."""
         env = os.environ if environ is None else environ
         key_file = api_key_file or data_dir / API_KEY_FILE
         if env.get(API_KEY_ENV):
@@ -131,7 +139,8 @@ class Credentials:
             secret = _read_or_create(envd_secret_file or data_dir / ENVD_SECRET_FILE, secrets.token_hex(32))
         if len(secret) < 16:
             raise ConfigError(f"the envd token secret must be at least 16 characters, got {len(secret)}")
-        return cls(key, source, secret.encode(), _admin_token(env, admin_token_file))
+        return cls(key, source, secret.encode(), _admin_token(env, admin_token_file),
+                   load_secrets_key(env, secrets_key_file))
 
     def envd_token(self, sandbox_id: str) -> str:
         return envd_token(self.envd_secret, sandbox_id)

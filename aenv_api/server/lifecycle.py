@@ -289,7 +289,7 @@ class Lifecycle:
             raise ApiError(400, "autoPauseMemory=false (filesystem-only auto-pause) cannot be combined with "
                                 "autoResume: a filesystem-only snapshot cannot be auto-resumed by traffic and "
                                 "must be resumed explicitly.")
-        net = create_network(req.network, req.allow_internet_access)
+        net = create_network(req.network, req.allow_internet_access, team)
         # v2 creates are always secured (E2B: "all system communication with the sandbox is always secured").
         token = self.envd_token if (v2 or req.secure) else None
         alias = None if req.template_id.startswith("tpl-") else req.template_id
@@ -383,11 +383,11 @@ class Lifecycle:
 
     # --- network -------------------------------------------------------------
 
-    async def update_network(self, sid: str, body: dict[str, Any]) -> None:
+    async def update_network(self, sid: str, body: dict[str, Any], team: str = "") -> None:
         """Replace the egress rules of a running sandbox (E2B's ``PUT .../network``). A paused
         sandbox is 409, as E2B answers: the update is for a running sandbox, and resuming
         one behind its owner's back would restart its TTL and its costs."""
-        policy = update_policy(body)
+        policy = update_policy(body, team)
         self._check(await self.get(sid), Op.UPDATE_NETWORK)   # 409 for a paused one
         try:
             await self.service.update_network(sid, policy)

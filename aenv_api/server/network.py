@@ -13,23 +13,28 @@ Two halves, kept in two places:
   ``httpsPorts``) is fixed at create (E2B's update body has none of them) and
   kept by the API in its extras (extras.py); fork children inherit it.
 
+* **Transforms** (``rules``: headers per domain, their values may carry secret
+  markers) become the policy's ``Transforms`` (aenv_vm/net/transforms.py), with the
+  team whose secrets they name; the egress proxy applies them. A domain whose
+  headers use secrets must be allowed by name in ``allowOut``.
+
 Not supported, and said so with a 400 naming the field (never accepted and
 ignored): ``egressProxy`` (a SOCKS5 "bring your own proxy": the node's egress
-path has no SOCKS5 client) and a non-empty ``rules`` (per-domain header
-transforms rewrite the guest's HTTPS requests, which needs TLS interception
-with a CA the guest trusts).
+path has no SOCKS5 client).
 
 Pure: bodies already type-checked by schemas.py in, records out; ``ApiError``
 400 whose message starts with the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from aenv_vm.errors import BadRequest
 from aenv_vm.net.policy import NetworkPolicy, parse_policy, with_internet
+from aenv_vm.net.transforms import check_allowed, parse_rules
 from envd import ENVD_PORT
 
 from .errors import bad_request
@@ -71,27 +76,29 @@ def _unsupported(body: dict[str, Any]) -> None:
     if body.get("egress_proxy") is not None:
         raise bad_request("network.egressProxy: a SOCKS5 egress proxy is not supported by this server "
                           "(the sandbox's egress goes out through the node itself)")
-    if body.get("rules"):
-        raise bad_request("network.rules: per-domain header transforms are not supported by this server "
-                          "(they need TLS interception of the sandbox's traffic)")
 
 
-def _policy(body: dict[str, Any], allow_internet_access: bool | None) -> NetworkPolicy:
+def _policy(body: dict[str, Any], allow_internet_access: bool | None, team: str) -> NetworkPolicy:
     """``allow_internet_access`` wins over a ``0.0.0.0/0`` in ``denyOut`` both ways: false adds
-    it, true takes it out (finer denials stay)."""
+    it, true takes it out (finer denials stay). ``team``: whose secrets the rules' markers name."""
     _unsupported(body)
     try:
         policy = parse_policy(body.get("allow_out"), body.get("deny_out"), body.get("dns_servers"))
+        transforms = parse_rules(body.get("rules"), team)
+        if transforms is not None:
+            check_allowed(transforms, policy.allow_hosts)
+            policy = dataclasses.replace(policy, transforms=transforms)
     except BadRequest as e:
         raise bad_request(str(e)) from None
     return policy if allow_internet_access is None else with_internet(policy, allow_internet_access)
 
 
-def create_network(body: dict[str, Any] | None, allow_internet_access: bool | None = None) -> NetworkRequest:
+def create_network(body: dict[str, Any] | None, allow_internet_access: bool | None = None,
+                   team: str = "") -> NetworkRequest:
     """The meaning of a create's ``network`` (as schemas.NETWORK_CONFIG parsed it) together
     with its top-level ``allow_internet_access``."""
     if not body:
-        return NetworkRequest(_policy({}, allow_internet_access))
+        return NetworkRequest(_policy({}, allow_internet_access, team))
     mask = body.get("mask_request_host")
     if mask is not None and not _HOST_MASK.match(mask):
         raise bad_request(f"network.maskRequestHost: {mask[:80]!r} is not a host (letters, digits, '.', '-', "
@@ -100,13 +107,13 @@ def create_network(body: dict[str, Any] | None, allow_internet_access: bool | No
     if ENVD_PORT in ports:
         raise bad_request(f"network.httpsPorts: the envd port ({ENVD_PORT}) cannot be listed")
     public = body.get("allow_public_traffic")
-    return NetworkRequest(_policy(body, allow_internet_access), public is not False, mask, ports)
+    return NetworkRequest(_policy(body, allow_internet_access, team), public is not False, mask, ports)
 
 
-def update_policy(body: dict[str, Any]) -> NetworkPolicy:
+def update_policy(body: dict[str, Any], team: str = "") -> NetworkPolicy:
     """The egress policy a ``PUT /sandboxes/{id}/network`` body (schemas.NETWORK_UPDATE) puts
-    in force: what it names, nothing kept from before."""
-    return _policy(body, body.get("allow_internet_access"))
+    in force: what it names, nothing kept from before (E2B: the rules too)."""
+    return _policy(body, body.get("allow_internet_access"), team)
 
 
 def egress_choice(allow_internet_access: bool | None, policy: NetworkPolicy) -> bool | None:
@@ -129,4 +136,6 @@ def network_view(policy: NetworkPolicy, extra: Extra) -> dict[str, Any]:
         out["maskRequestHost"] = extra.mask_request_host
     if extra.https_ports:
         out["httpsPorts"] = list(extra.https_ports)
+    if policy.transforms is not None:
+        out["rules"] = policy.transforms.wire()     # markers, never a value
     return out

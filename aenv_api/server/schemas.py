@@ -300,7 +300,8 @@ _EGRESS = (
     Field("egressProxy", "object", attr="egress_proxy", nullable=True,
           description="a SOCKS5 egress proxy: not supported by this server (400); null or absent: none"),
     Field("rules", "object", nullable=True,
-          description="per-domain header transforms: not supported by this server (400 unless empty)"),
+          description="per-domain header transforms applied by the node's egress proxy (values may carry "
+                      "${e2b.secrets.NAME} markers, resolved at egress for an allowed domain)"),
 )
 NETWORK_CONFIG = Schema("SandboxNetworkConfig", _EGRESS + (
     Field("allowPublicTraffic", "boolean", attr="allow_public_traffic", nullable=True,
@@ -487,6 +488,21 @@ ADMIN_TEAM = Schema("AdminTeam", (Field("teamID", "string", required=True), Fiel
                                   Field("isDefault", "boolean", required=True),
                                   Field("createdAt", "date-time", required=True)))
 
+# secrets (secrets_api.py, secret_store.py), E2B's shapes; the store checks E2B's finer limits
+NEW_SECRET = Schema("NewSecret", (
+    Field("name", "string", required=True, max_length=128, description="[a-zA-Z0-9_-], lower-cased"),
+    Field("value", "string", required=True, max_length=16384, description="write-only, never returned"),
+    Field("metadata", "strmap", nullable=True)))
+SECRET_UPDATE = Schema("SecretUpdate", (
+    Field("value", "string", required=True, max_length=16384, description="write-only, never returned"),
+    Field("metadata", "strmap", nullable=True)))
+SECRET_LIST = Schema("SecretListQuery", (Field("limit", "integer", minimum=1, maximum=100),
+                                         Field("nextToken", "string", attr="next_token", max_length=512)))
+SECRET = Schema("Secret", (
+    Field("secretID", "string", required=True), Field("name", "string", required=True),
+    Field("currentVersion", "integer", required=True), Field("metadata", "strmap", required=True),
+    Field("createdAt", "date-time", required=True), Field("updatedAt", "date-time", required=True)))
+
 # team quotas (quotas.py) and metrics (team_metrics.py)
 _COUNT = 1_000_000
 TEAM_QUOTA = Schema("TeamQuota", (
@@ -511,5 +527,5 @@ MAX_TEAM_METRIC = Schema("MaxTeamMetric", (
     Field("timestamp", "date-time", required=True), Field("timestampUnix", "integer", required=True),
     Field("value", "number", required=True)))
 
-RESPONSE_SCHEMAS = (TEAM_METRIC, MAX_TEAM_METRIC, KEY_MASK, TEAM_API_KEY, CREATED_TEAM_API_KEY, TEAM, ADMIN_TEAM, ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
+RESPONSE_SCHEMAS = (SECRET, TEAM_METRIC, MAX_TEAM_METRIC, KEY_MASK, TEAM_API_KEY, CREATED_TEAM_API_KEY, TEAM, ADMIN_TEAM, ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
                     LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)

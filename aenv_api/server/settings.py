@@ -71,6 +71,12 @@ class ServerConfig:
     # unless AENV_ADMIN_TOKEN is set (read once, then removed from the environment). A
     # relative path is relative to the data dir. Never the credential itself in the config.
     teams_admin_token_file: str = ""
+    # File holding the key that encrypts the teams' secrets at rest (E2B's /secrets, AES-256-GCM,
+    # docs/api.md "Secrets"): 32 random bytes as 64 hex digits (`openssl rand -hex 32`). "" =
+    # none, and the secret routes answer 503 unless AENV_SECRETS_KEY is set (read once, then
+    # removed from the environment). A relative path is relative to the data dir. Never the key
+    # itself in the config; never generated (a lost key loses the secrets, not more).
+    secrets_key_file: str = ""
     # Seconds between two samples of each team's running sandboxes and starts, what E2B's
     # GET /teams/{teamID}/metrics answers (aenv_api/server/team_metrics.py; kept in memory,
     # the newest 8640 samples a team).

@@ -26,6 +26,7 @@ from .lifecycle import Lifecycle
 from .principal import BAD_KEY, Principal, principal_of
 from .responses import json_response, no_content
 from .routes import Admin, Call, Reply, Route
+from .secret_store import SecretStore
 
 def _key_json(k: StoredKey) -> dict[str, Any]:
     return {"id": k.key_id, "name": k.name, "mask": k.mask.wire(), "createdAt": iso(k.created),
@@ -49,6 +50,7 @@ class TeamsApi:
         self.store = store
         self._admin_token = admin_token
         self.lc = lifecycle
+        self.secret_store: SecretStore | None = None     # a deleted team's secrets go with it
 
     # --- who is asking -------------------------------------------------------
 
@@ -128,6 +130,8 @@ class TeamsApi:
             raise ApiError(409, f"team {tid} still has {len(held)} sandbox(es) on this node "
                                 f"(running or paused): kill them first")
         await _store_call(self.store.delete_team, tid)
+        if self.secret_store is not None:
+            await asyncio.to_thread(self.secret_store.drop_team, tid)
         return no_content()
 
     async def admin_list_keys(self, request: web.Request, call: Call) -> web.Response:

@@ -14,6 +14,12 @@ the proxy reads the first bytes (sniff.py: TLS SNI or HTTP Host), then:
 * anything else: the original destination (the namespace's connection
   tracking knows it) decided by address, as the table would have.
 
+When the sandbox's ``network.rules`` (transforms.py) name the host of a connection
+allowed by name, its first HTTP request is rewritten on the way (secret_relay.py):
+the rule's headers set, secret markers replaced by the team's values (``resolve``,
+handed in by the node). Only then: a connection allowed by address alone, or to a
+name without a rule, is relayed as it came, markers and all.
+
 Upstream connections leave from the node's own namespace. Nothing here ever
 connects to the node's own addresses or a sandbox network (``never``).
 
@@ -41,6 +47,10 @@ from . import nsock
 from .bounds import Drops, EgressLimits
 from .policy import SPECIAL_RANGES, NetworkPolicy
 from .rules import SANDBOX_NETS, Ports
+from .egress_ca import EgressCa
+from .secret_relay import Resolve, Rewrite, rewrite
+from .tls_intercept import intercept
+from .transforms import DomainRule
 from .sniff import MAX_SNIFF, NEED_MORE, Name, sniff
 
 log = logging.getLogger(__name__)
@@ -111,6 +121,10 @@ class EgressService:
         self.drops = drops if drops is not None else Drops()
         self._sandboxes: dict[str, _Sandbox] = {}
         self.refused = 0        # connections refused (all sandboxes), for tests and metrics
+        # (team, secret name) -> value, for network.rules' markers (set by the node; None: no secrets)
+        self.resolve: Resolve | None = None
+        self.substituted = 0    # requests that went out with a secret's value, for tests and metrics
+        self.ca: EgressCa | None = None     # TLS to ruled hosts is terminated with it (None: relayed as is)
 
     async def attach(self, sid: str, namespace: str, bind: str, policy: NetworkPolicy) -> Ports:
         """Listen in ``namespace`` on ``bind`` (127.0.0.1 in user mode, 0.0.0.0 in tap mode)."""
@@ -230,13 +244,16 @@ class EgressService:
                 return
             verdict = await self.decide(box.policy, original, name)
             if verdict.host is None:
-                self.refused += 1
-                box.refused += 1
-                now = time.monotonic()
-                if now - box.refusal_logged >= REFUSAL_LOG_EVERY:   # a guest may refuse itself in a loop
-                    log.info("egress of %s refused: %s (%d refused so far)", sid, verdict.why, box.refused)
-                    box.refusal_logged = now
+                self._refuse(sid, box, verdict.why)
                 return
+            rule = self._rule(box.policy, name)
+            if rule is not None and name is not None and head[:1] == b"\x16" and self.ca is not None:
+                await self._intercepted(sid, box, reader, writer, head, name, rule, verdict)
+                return
+            if rule is not None and name is not None and head[:1] != b"\x16":
+                head = self._rewritten(sid, box, head, name, rule)
+                if not head:
+                    return
             buf = self.limits.buffer // 2
             up_reader, up_writer = await asyncio.wait_for(
                 asyncio.open_connection(verdict.host, verdict.port, limit=buf), CONNECT_TIMEOUT)
@@ -250,6 +267,60 @@ class EgressService:
             for w in (writer, upstream):
                 if w is not None:
                     w.close()
+
+    def _refuse(self, sid: str, box: _Sandbox, why: str) -> None:
+        """Count a refused or dropped connection; logged at most every REFUSAL_LOG_EVERY
+        seconds a sandbox (a guest may refuse itself in a loop). ``why`` holds no value."""
+        self.refused += 1
+        box.refused += 1
+        now = time.monotonic()
+        if now - box.refusal_logged >= REFUSAL_LOG_EVERY:
+            log.info("egress of %s refused: %s (%d refused so far)", sid, why, box.refused)
+            box.refusal_logged = now
+
+    def _rule(self, policy: NetworkPolicy, name: str | None) -> DomainRule | None:
+        """The transform rule of a connection to ``name``: only for a name the policy allows
+        by name (the proxy then connects to an address it resolved for it)."""
+        if name is None or policy.transforms is None or not policy.hostname_allowed(name):
+            return None
+        return policy.transforms.rule_for(name)
+
+    def _rewrite(self, policy: NetworkPolicy, name: str, rule: DomainRule) -> Callable[[bytes], Rewrite]:
+        assert policy.transforms is not None
+        team, resolve = policy.transforms.team, self.resolve or (lambda team, secret: None)
+        return lambda data: rewrite(data, name, rule, team, resolve)
+
+    async def _intercepted(self, sid: str, box: _Sandbox, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter, hello: bytes, name: str, rule: DomainRule,
+                           verdict: Verdict) -> None:
+        """TLS to a ruled host: terminated with a leaf of the egress CA, the first request
+        rewritten, relayed to the real server verified for ``name`` (tls_intercept.py)."""
+        assert self.ca is not None and verdict.host is not None
+        ctx = await asyncio.to_thread(self.ca.leaf, name)
+        why = await intercept(ctx, self.ca.upstream, reader, writer, hello, name, verdict.host, verdict.port,
+                              self._counted(self._rewrite(box.policy, name, rule)), SNIFF_TIMEOUT,
+                              CONNECT_TIMEOUT, self.limits.buffer // 2)
+        if why:
+            self._refuse(sid, box, f"TLS to {name}: {why}")
+
+    def _counted(self, fn: Callable[[bytes], Rewrite]) -> Callable[[bytes], Rewrite]:
+        def counted(data: bytes) -> Rewrite:
+            rw = fn(data)
+            if rw.substituted and not rw.refused:
+                self.substituted += 1
+            return rw
+        return counted
+
+    def _rewritten(self, sid: str, box: _Sandbox, head: bytes, name: str, rule: DomainRule) -> bytes:
+        """``head`` with its request rewritten (secret_relay.py); b"" to drop the connection."""
+        rw = self._rewrite(box.policy, name, rule)(head)
+        if rw.refused:
+            self._refuse(sid, box, f"HTTP to {name}: {rw.refused}")
+            return b""
+        if rw.substituted:
+            self.substituted += 1
+            log.debug("egress of %s to %s: %d secret marker(s) resolved", sid, name, rw.substituted)
+        return rw.head + rw.rest
 
 
 async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, chunk: int) -> None:

@@ -21,12 +21,15 @@ the field), and the decisions a filter needs (``decide_ip``, ``hostname_allowed`
 """
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import BadRequest
+from .hostnames import host_matches as host_matches  # re-exported: the policy's matching
+from .hostnames import is_hostname
+from .transforms import Transforms
 
 MAX_RULES = 128             # entries per list (E2B documents no limit; bounds what one request costs)
 MAX_DNS_SERVERS = 10        # E2B: "up to 10 entries"
@@ -49,8 +52,6 @@ SPECIAL_RANGES: tuple[IPNet, ...] = tuple(ipaddress.IPv4Network(n) for n in (
     "240.0.0.0/4",        # reserved, broadcast
 ))
 
-_LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
-_HOSTNAME = re.compile(rf"^(\*\.)?{_LABEL}(\.{_LABEL})+$")
 
 Decision = Literal["allow", "deny"]
 
@@ -61,6 +62,8 @@ class NetworkPolicy:
     allow_hosts: tuple[str, ...] = ()           # lower-case, "*.x.y" for a suffix
     deny_nets: tuple[IPNet, ...] = ()
     dns_servers: tuple[str, ...] | None = None  # None: the node's upstream resolvers
+    # E2B's ``rules``: header transforms (and secrets) per domain, applied by the egress proxy
+    transforms: Transforms | None = None
 
     @property
     def allow_out(self) -> list[str]:
@@ -78,20 +81,25 @@ class NetworkPolicy:
 
     @property
     def needs_proxy(self) -> bool:
-        """Hostname rules are decided by name on the way out (the egress proxy)."""
-        return bool(self.allow_hosts)
+        """Hostname rules are decided by name on the way out, and transforms applied there
+        (the egress proxy)."""
+        return bool(self.allow_hosts) or self.transforms is not None
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {"allow_out": self.allow_out, "deny_out": self.deny_out}
         if self.dns_servers is not None:
             out["dns_servers"] = list(self.dns_servers)
+        if self.transforms is not None:
+            out["transforms"] = self.transforms.to_json()
         return out
 
     @classmethod
     def from_json(cls, raw: dict[str, object] | None) -> "NetworkPolicy":
         """From ``to_json``'s form (a record's JSON: parse_policy checks every value)."""
         raw = raw or {}
-        return parse_policy(raw.get("allow_out") or [], raw.get("deny_out") or [], raw.get("dns_servers"))
+        policy = parse_policy(raw.get("allow_out") or [], raw.get("deny_out") or [], raw.get("dns_servers"))
+        t = raw.get("transforms")
+        return dataclasses.replace(policy, transforms=Transforms.from_json(t)) if isinstance(t, dict) else policy
 
     def decide_ip(self, addr: ipaddress.IPv4Address) -> Decision:
         """Where a connection to ``addr`` (no hostname known) may go: an explicit allow
@@ -110,15 +118,6 @@ class NetworkPolicy:
 
 def _show(net: IPNet) -> str:
     return str(net.network_address) if net.prefixlen == 32 else str(net)
-
-
-def host_matches(pattern: str, name: str) -> bool:
-    """``example.com`` matches itself; ``*.example.com`` matches every name below it
-    (not ``example.com`` itself, as TLS wildcards)."""
-    name = name.lower().rstrip(".")
-    if pattern.startswith("*."):
-        return name.endswith(pattern[1:]) and len(name) > len(pattern) - 1
-    return name == pattern
 
 
 def _entries(value: object, field_name: str) -> list[str]:
@@ -150,7 +149,7 @@ def parse_policy(allow_out: object = None, deny_out: object = None,
         elif ":" in entry:
             raise BadRequest(f"network.allowOut: {entry!r}: IPv6 destinations are not supported (IPv4 CIDRs, IPs "
                              f"or hostnames)")
-        elif _HOSTNAME.match(entry.lower()):
+        elif is_hostname(entry.lower()):
             hosts.append(entry.lower())
         else:
             raise BadRequest(f"network.allowOut: {entry!r} is neither an IPv4 CIDR, an IP nor a hostname")
@@ -179,4 +178,4 @@ def with_internet(policy: NetworkPolicy, allowed: bool) -> NetworkPolicy:
     deny = tuple(n for n in policy.deny_nets if n.prefixlen != 0)
     if not allowed:
         deny = deny + (ipaddress.IPv4Network(ALL_TRAFFIC),)
-    return NetworkPolicy(policy.allow_nets, policy.allow_hosts, deny, policy.dns_servers)
+    return dataclasses.replace(policy, deny_nets=deny)

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 FAKE = {"AENV_API_KEY": "e2b_" + "7" * 40, "AENV_ENVD_SECRET": "envd-secret-" + "8" * 40,
         "AWS_ACCESS_KEY_ID": "AKIAFAKEFAKEFAKE", "AWS_SECRET_ACCESS_KEY": "aws-secret-fake-value-123",
         "AWS_SESSION_TOKEN": "aws-session-fake-456", "AENV_REPOSITORY__SECRET_ACCESS_KEY": "override-secret-789",
-        "AENV_GATEWAY__REDIS_URL": "redis://:redis-password-0@127.0.0.1:6379/0"}
+        "AENV_GATEWAY__REDIS_URL": "redis://:redis-password-0@127.0.0.1:6379/0", "AENV_SECRETS_KEY": "5e" * 32}
 
 
 def test_repository_secrets_from_files(tmp_path: Path) -> None:

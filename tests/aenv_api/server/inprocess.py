@@ -99,13 +99,15 @@ class InProcessServer(HttpClient):
               default_timeout: int = 300, templates: bool = False, admission: AdmissionLimits | None = None,
               restore_seconds: float = 0.0, server: dict[str, Any] | None = None,
               guest_routes: Callable[[web.Application], None] | None = None,
-              admin_token: str = "") -> "InProcessServer":
+              admin_token: str = "", secrets_key: str = "") -> "InProcessServer":
         """``admission``: the fake's restores pass a real restore gate with these limits
         (its waits and refusals in /metrics as on a node), each taking ``restore_seconds``.
         ``server``: more ``[server]`` keys; ``guest_routes`` adds routes to the stub guest;
-        ``admin_token``: the node's admin credential (as AENV_ADMIN_TOKEN gives it)."""
+        ``admin_token``: the node's admin credential (as AENV_ADMIN_TOKEN gives it);
+        ``secrets_key``: the secrets key (as AENV_SECRETS_KEY gives it)."""
         data_dir.mkdir(parents=True, exist_ok=True)
-        creds = Credentials.load(data_dir, environ={"AENV_ADMIN_TOKEN": admin_token} if admin_token else {})
+        env = {"AENV_ADMIN_TOKEN": admin_token} if admin_token else {}
+        creds = Credentials.load(data_dir, environ={**env, **({"AENV_SECRETS_KEY": secrets_key} if secrets_key else {})})
         config = ServerConfig(domain="aenv.test", max_forks=max_forks, max_sandboxes=max_sandboxes,
                               default_timeout=default_timeout, **(server or {}))
         srv = cls(url="", api_key=creds.api_key, data_dir=data_dir, config=config)

@@ -26,7 +26,7 @@ SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    srv = InProcessServer.start(tmp_path_factory.mktemp("fuzz"), templates=True)
+    srv = InProcessServer.start(tmp_path_factory.mktemp("fuzz"), templates=True, secrets_key="cd" * 32)
     try:
         yield srv
     finally:

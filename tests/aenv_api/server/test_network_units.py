@@ -4,6 +4,8 @@ what ``get_info`` shows, the traffic access token, the per-sandbox fields kept i
 extras, and TLS to a guest port (httpsPorts) in the proxy's upstream client."""
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import base64
 import hashlib
@@ -27,6 +29,7 @@ from aenv_api.server.network import (ProxyRules, create_network, egress_choice, 
 from aenv_api.server.schemas import NETWORK_UPDATE, new_sandbox_schema
 from aenv_api.server.upstream import Upstreams
 from aenv_vm.net.policy import NetworkPolicy, parse_policy
+from aenv_vm.net.transforms import parse_rules
 
 NEW = new_sandbox_schema(3600)
 NETWORK_FIELDS = ["allowOut", "denyOut", "dnsServers", "allowPublicTraffic", "maskRequestHost", "httpsPorts",
@@ -86,10 +89,11 @@ def test_create_network_accepts_or_names_the_field(raw: Any) -> None:
     assert net.public_traffic is (raw.get("allowPublicTraffic") is not False)
     assert all(1 <= p <= 65535 and p != 49983 for p in net.https_ports)
     assert net.mask_request_host is None or not any(c in net.mask_request_host for c in " \r\n\t\x00")
-    assert not raw.get("rules") and raw.get("egressProxy") is None   # unsupported: never accepted
+    assert raw.get("egressProxy") is None   # unsupported: never accepted
     # what get_info shows parses back to the very same policy (nothing lost, nothing added)
     view = network_view(net.policy, Extra(public_traffic=net.public_traffic))
-    assert parse_policy(view["allowOut"], view["denyOut"], view.get("dnsServers")) == net.policy
+    shown = parse_policy(view["allowOut"], view["denyOut"], view.get("dnsServers"))
+    assert dataclasses.replace(shown, transforms=parse_rules(view.get("rules"), "")) == net.policy
 
 
 @given(st.lists(allow_entries, max_size=8), st.lists(st.one_of(ips, cidrs), max_size=8),
@@ -148,8 +152,9 @@ def test_update_body_accepts_or_names_the_field(raw: Any) -> None:
     ({"egressProxy": {"address": "proxy.example.com:1080"}}, "network.egressProxy: a SOCKS5 egress proxy is not "
                                                              "supported by this server"),
     ({"egressProxy": {}}, "not supported by this server"),
-    ({"rules": {"api.example.com": [{"transform": {"headers": {"A": "b"}}}]}}, "network.rules: per-domain header "
-                                                                               "transforms are not supported"),
+    ({"rules": {"api.example.com": [{"transform": {"headers": {"A": "${e2b.secrets.k}"}}}]}},
+     "network.rules.api.example.com: a domain whose headers use secrets must be allowed by name"),
+    ({"rules": {"api.example.com": [{"transform": {"headers": {"Host": "b"}}}]}}, "frames the request"),
     ({"rules": []}, "network.rules must be an object"),
     ({"allow_out": ["1.1.1.1"]}, "network.allow_out is not a known field"),
     ({"allowInternetAccess": False}, "network.allowInternetAccess is not a known field"),
@@ -164,7 +169,7 @@ def test_bad_create_networks_are_400_naming_the_field(network: Any, words: str) 
 @pytest.mark.parametrize("body, words", [
     ({"allowOut": ["bad_host"]}, "network.allowOut"),
     ({"egressProxy": {"address": "p:1080"}}, "network.egressProxy"),
-    ({"rules": {"a.com": []}}, "network.rules"),
+    ({"rules": {"a.com": [{"x": 1}]}}, "network.rules"),
     ({"allowPublicTraffic": False}, "network.allowPublicTraffic is not a known field"),   # create-only
     ({"maskRequestHost": "x"}, "network.maskRequestHost is not a known field"),
     ({"allow_internet_access": "yes"}, "network.allow_internet_access must be a boolean"),
@@ -194,6 +199,17 @@ def test_create_network_examples() -> None:
     assert created(None).policy == created({}).policy == NetworkPolicy()
     assert created({"allowPublicTraffic": None}).public_traffic               # null: the default (public)
     assert created({"dnsServers": []}).policy.dns_servers == ()               # [] means none, not the default
+
+
+def test_rules_become_the_policys_transforms_and_show_as_given() -> None:
+    rules = {"api.example.com": [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.key}"}}}]}
+    body = {"allowOut": ["api.example.com"], "rules": rules}
+    net = created(body)
+    assert net.policy.transforms is not None and net.policy.transforms.rules[0].domain == "api.example.com"
+    assert network_view(net.policy, Extra())["rules"] == rules      # markers, never a value
+    assert update_policy(NETWORK_UPDATE.parse_body(body), "t").transforms is not None
+    assert update_policy(NETWORK_UPDATE.parse_body({"allowOut": ["api.example.com"]})
+                         ).transforms is None                       # E2B: an update without rules clears them
 
 
 def test_allow_internet_access_and_deny_all_are_one_thing() -> None:

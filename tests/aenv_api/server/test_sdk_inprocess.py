@@ -118,7 +118,8 @@ UNSUPPORTED = [
     ({"mcp": {"github": {"githubPersonalAccessToken": "x"}}}, "mcp is not supported by aenv"),
     ({"iam": {"tokens": {"aws": {"audience": "sts.amazonaws.com", "tokenType": "JWT-SVID"}}}},
      "iam is not supported by aenv"),
-    ({"envVars": {"KEY": "${e2b.secrets.openai}"}}, "secret placeholder is not supported by aenv"),
+    # a secret marker on a node without the secrets key (secret_refs.py)
+    ({"envVars": {"KEY": "${e2b.secrets.openai}"}}, "this node keeps no secrets"),
 ]
 
 
@@ -264,7 +265,7 @@ def test_malformed_rules_are_400_naming_the_field(api_env: InProcessServer, rule
                            ({"egress_proxy": {"address": "proxy.example.com:1080"}},
                             "network.egressProxy: a SOCKS5 egress proxy is not supported by this server"),
                            ({"rules": {"api.example.com": [{"transform": {"headers": {"X-K": "v"}}}]}},
-                            "network.rules: per-domain header transforms are not supported by this server")]:
+                            "network.rules: this node applies per-domain transforms only with its secrets")]:
         with pytest.raises(SandboxException, match="400") as exc:
             Sandbox.create(network=network)                # type: ignore[arg-type]
         assert words in str(exc.value), (network, exc.value)

@@ -317,8 +317,9 @@ def test_unsupported_options_named() -> None:
     from aenv_api.server.unsupported import reject_unsupported
 
     reject_unsupported(NewSandbox("base", mcp=None, iam={"tokens": {}}, volume_mounts=[], env_vars={"A": "$B"}))
-    for req in (NewSandbox("base", mcp={"x": {}}), NewSandbox("base", iam={"tokens": {"t": {}}}),
-                NewSandbox("base", env_vars={"K": "${e2b.secrets.k}"})):
+    # secret markers are the secrets API's (secret_refs.py), no longer refused as unsupported
+    reject_unsupported(NewSandbox("base", env_vars={"K": "${e2b.secrets.k}"}))
+    for req in (NewSandbox("base", mcp={"x": {}}), NewSandbox("base", iam={"tokens": {"t": {}}})):
         with pytest.raises(ApiError) as e:
             reject_unsupported(req)
         assert e.value.status == 400 and "not supported by aenv" in e.value.message

@@ -2,6 +2,7 @@
 after the last:
 
     [node ns] ── inet0 203.0.113.1/24, 198.51.100.1/24 ══ [inet ns] 203.0.113.10, 198.51.100.10
+                    192.0.2.1/24                                   192.0.2.10 (test_secrets_egress.py's host)
               │                                           HTTP 80, TLS-ish 443, TCP 8080, DNS 53
               └─ lan0  10.99.0.1, 192.168.77.1, 172.16.77.1, 169.254.77.1, 100.64.77.1
                                                       ══ [lan ns] the same nets' .10: TCP 7777
@@ -73,9 +74,9 @@ def testnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SealedNet]:
             ip("-n", ns, "link", "set", "lo", "up")
         ip("-n", net.node, "link", "add", "inet0", "type", "veth", "peer", "name", "eth0", "netns", net.inet)
         ip("-n", net.node, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", net.lan)
-        for addr in ("203.0.113.1/24", "198.51.100.1/24"):
+        for addr in ("203.0.113.1/24", "198.51.100.1/24", "192.0.2.1/24"):
             ip("-n", net.node, "addr", "add", addr, "dev", "inet0")
-        for addr in ("203.0.113.10/24", "198.51.100.10/24"):
+        for addr in ("203.0.113.10/24", "198.51.100.10/24", "192.0.2.10/24"):
             ip("-n", net.inet, "addr", "add", addr, "dev", "eth0")
         for prefix, plen in (("10.99.0", 24), ("192.168.77", 24), ("172.16.77", 24), ("169.254.77", 16),
                              ("100.64.77", 24)):

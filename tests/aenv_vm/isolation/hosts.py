@@ -29,6 +29,8 @@ NAMES = {
     "other.test": INET_IP,          # another name on the same address as allowed.test
     "far.test": OTHER_INET_IP,
     "rebind.test": "10.99.0.10",    # a public name resolving into a private range
+    "secret.test": "192.0.2.10",    # the secrets test's own host (secrethost.py): a ruled name
+    "unruled.test": "192.0.2.10",   # ... and a name on it without a rule
 }
 # a name only the resolver on OTHER_INET_IP knows (who asked which resolver)
 OTHER_NAMES = {**NAMES, "only-other.test": OTHER_INET_IP}
@@ -117,8 +119,9 @@ def main(role: str, log_path: str) -> None:
     async def run() -> None:
         servers = []
         if role == "inet":
-            servers.append(await asyncio.start_server(http, "0.0.0.0", 80))
-            servers.append(await asyncio.start_server(tls, "0.0.0.0", 443))
+            for ip in (INET_IP, OTHER_INET_IP):     # 192.0.2.10's 80 and 443 are secrethost.py's
+                servers.append(await asyncio.start_server(http, ip, 80))
+                servers.append(await asyncio.start_server(tls, ip, 443))
             servers.append(await asyncio.start_server(plain(8080, b"inet-8080\n"), "0.0.0.0", 8080))
             for ip, names in ((INET_IP, NAMES), (OTHER_INET_IP, OTHER_NAMES)):
                 servers.append(await asyncio.start_server(dns_tcp(names), ip, 53))
