@@ -48,6 +48,7 @@ from .list_routes import Lists
 from .placement import Moves
 from .state import FleetView
 from .team_admin import TeamAdmin, is_admin_call as _is_admin_call
+from .team_metrics import TEAM_METRICS, FleetTeamMetrics
 from .team_auth import TEAM_KEY
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class Gateway:
         self.lists = Lists(self.fleet, self.nodes)
         self.moves = Moves(self.fleet, self.nodes)
         self.admin = TeamAdmin(self.fleet, self.nodes)
+        self.team_metrics = FleetTeamMetrics(self.fleet, self.nodes)
         self._runner: JsonErrorRunner | None = None
         self.port: int | None = None
 
@@ -199,6 +201,12 @@ class Gateway:
             # the nodes' cluster routes take the fleet's node credential, which the gateway adds
             # to what it forwards: passed through, any API key holder would hold it
             return error(403, "the fleet's cluster routes are for its gateways and nodes, not for clients")
+        if method == "GET" and TEAM_METRICS.match(path):
+            # the whole fleet's, summed over the nodes (each checks the key or admin credential;
+            # a key is the gateway's to check first, so a wrong one is not fanned out)
+            if not _is_admin_call(request):
+                await self._authorized(request)
+            return await self.team_metrics.handle(request)
         if _is_admin_call(request):
             return await self.admin.handle(request)     # the admin credential: the nodes check it
         team = await self._authorized(request)

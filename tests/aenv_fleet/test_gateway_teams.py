@@ -137,7 +137,7 @@ def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> N
                 assert status == 409 and "sandbox" in got["message"], got
                 assert (await call("DELETE", f"/admin/teams/{ids['a']}"))[0] == 401
                 status, counts = await call("GET", "/admin/sandboxes/running-counts", admin=True)
-                # a team's metrics for the admin (X-Team-ID), as for the team's key: one node's answer
+                # a team's metrics for the admin (X-Team-ID), as for the team's key (the fleet's sum)
                 for got in (await call("GET", f"/teams/{ids['a']}/metrics", admin=True, **{"X-Team-ID": ids["a"]}),
                             await call("GET", f"/teams/{ids['a']}/metrics", key=keys["a"])):
                     assert got[0] == 200 and isinstance(got[1], list), got
