@@ -60,6 +60,7 @@ from .quota_api import QuotaApi
 from .quotas import QuotaGate
 from .team_metrics import TeamMetrics
 from .teams_api import TeamsApi
+from .template_access import owner_of
 from .templates_api import TemplateApi
 from .volumes_api import VolumeApi
 
@@ -145,6 +146,9 @@ class ApiServer:
         lifecycle.team_metrics = self.team_metrics
         if templates is not None:
             templates.quotas = lifecycle.quotas
+            builds = templates.builds
+            self.teams.templates_of = lambda team: [v.template_id for v in builds.list_templates()
+                                                    if v.owner == owner_of(team)]
         self._sampler: asyncio.Task[None] | None = None
         self.routes = self.teams.routes() + self.secrets.routes() + self.quotas.routes() + self.team_metrics.routes() + self.control.routes()
         self._runner: JsonErrorRunner | None = None

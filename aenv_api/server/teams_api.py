@@ -51,6 +51,9 @@ class TeamsApi:
         self._admin_token = admin_token
         self.lc = lifecycle
         self.secret_store: SecretStore | None = None     # a deleted team's secrets go with it
+        # the names of the templates a team owns (the builder's records: in the repository,
+        # so a fleet's nodes all see them); None: this server builds no templates
+        self.templates_of: Callable[[str], list[str]] | None = None
 
     # --- who is asking -------------------------------------------------------
 
@@ -129,6 +132,13 @@ class TeamsApi:
         if held:
             raise ApiError(409, f"team {tid} still has {len(held)} sandbox(es) on this node "
                                 f"(running or paused): kill them first")
+        if self.templates_of is not None:
+            owned = await asyncio.to_thread(self.templates_of, tid)
+            if owned:
+                # a team's templates would outlive it, usable by nobody: they go first
+                raise ApiError(409, f"team {tid} still owns {len(owned)} template(s) "
+                                    f"({', '.join(sorted(owned)[:5])}{', …' if len(owned) > 5 else ''}): "
+                                    f"delete them first")
         await _store_call(self.store.delete_team, tid)
         if self.secret_store is not None:
             await asyncio.to_thread(self.secret_store.drop_team, tid)

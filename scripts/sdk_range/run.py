@@ -10,7 +10,13 @@ version in its own npm prefix; ``--ci`` (flows_ci.py): the code-interpreter SDK
 ``code-interpreter-v1``. Both are made under ``--cache`` (default
 ``~/.cache/aenv-sdk-range``), outside the repository, once per version. With no
 version given, the spread docs/conformance.md reports is run. Exit status 1 if any
-flow failed (NONE, a call the version lacks, is not a failure)."""
+flow failed (NONE, a call the version lacks, is not a failure).
+
+``--hosts CERT`` (Python SDKs): the node serves ``https://<port>-<id>.<E2B_DOMAIN>``
+([server] domain, tls_cert = CERT, tls_port 443: what SDKs that ignore
+``E2B_SANDBOX_URL`` call); in the flows' processes names under ``E2B_DOMAIN`` resolve
+to 127.0.0.1, as a wildcard DNS record pointing at the node would
+(scripts/e2b_conformance/sitecustomize.py), and CERT is trusted (``SSL_CERT_FILE``)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +30,7 @@ import venv
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESOLVER = HERE.parent / "e2b_conformance"      # its sitecustomize.py: the wildcard name, locally
 DEFAULT_JS_VERSIONS = ("2.0.1", "2.5.0", "2.9.1", "2.15.0", "2.25.0", "2.35.0", "2.51.0")
 DEFAULT_CI_VERSIONS = ("2.4.0", "2.6.0", "2.8.0", "2.10.0", "2.11.5")
 DEFAULT_VERSIONS = ("2.0.0", "2.3.0", "2.5.0", "2.10.0", "2.15.0", "2.20.0", "2.26.0", "2.30.0", "2.45.0",
@@ -76,11 +83,22 @@ def main() -> int:
     p.add_argument("--js", action="store_true", help="the npm SDK (flows.mjs) instead of the Python one")
     p.add_argument("--ci", action="store_true", help="the code-interpreter SDK (flows_ci.py)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "aenv-sdk-range")
+    p.add_argument("--hosts", type=Path, metavar="CERT",
+                   help="host names over TLS: E2B_DOMAIN resolves to this machine, CERT (the node's) is trusted")
     args = p.parse_args()
     missing = [v for v in ("E2B_API_KEY", "E2B_API_URL") if not os.environ.get(v)]
+    if args.hosts is not None and not os.environ.get("E2B_DOMAIN"):
+        missing.append("E2B_DOMAIN")
     if missing:
         print(f"sdk_range: set {', '.join(missing)} (what `aenv server` prints)", file=sys.stderr)
         return 2
+    env = dict(os.environ)
+    if args.hosts is not None:
+        if args.js:
+            print("sdk_range: --hosts is for the Python SDKs", file=sys.stderr)
+            return 2
+        env.update(AENV_CONFORMANCE_LOCAL_DOMAIN=env["E2B_DOMAIN"], SSL_CERT_FILE=str(args.hosts.resolve()),
+                   PYTHONPATH=os.pathsep.join(p for p in (str(RESOLVER), env.get("PYTHONPATH", "")) if p))
     args.cache.mkdir(parents=True, exist_ok=True)
     failed = False
     defaults = DEFAULT_JS_VERSIONS if args.js else DEFAULT_CI_VERSIONS if args.ci else DEFAULT_VERSIONS
@@ -98,8 +116,8 @@ def main() -> int:
             print(f"{version}\t(install)\tFAIL\t{e.cmd[0]} exited {e.returncode}", flush=True)
             failed = True
             continue
-        done = subprocess.run(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=1800)
+        done = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=1800)
         lines = [line for line in done.stdout.splitlines() if line.startswith(version + "\t")]
         for line in lines:
             print(line, flush=True)

@@ -190,3 +190,20 @@ def test_admin_cancels_a_teams_builds_and_no_other(node: InProcessServer,
     assert status == 200 and st["status"] == "waiting", st
     status, _, got = node.request("POST", path, headers={"X-Admin-Token": ADMIN}, key=None)
     assert got == {"cancelledCount": 0, "failedCount": 0}
+
+
+def test_a_team_that_owns_templates_is_not_deleted(node: InProcessServer) -> None:
+    """Its templates would outlive it, usable by nobody: 409 naming them, until they go."""
+    admin = {"X-Admin-Token": ADMIN}
+    status, _, team = node.request("POST", "/admin/teams", {"name": "tpl-goes"}, headers=admin, key=None)
+    assert status == 201, team
+    tid = team["teamID"]
+    ready_template(node, "goes-one", owner=tid)
+    status, _, got = node.request("DELETE", f"/admin/teams/{tid}", headers=admin, key=None)
+    assert status == 409 and "1 template(s) (goes-one)" in got["message"], got
+    assert tid in [t["teamID"] for t in node.request("GET", "/admin/teams", headers=admin, key=None)[2]]
+    tdef = records.load_def(node._store, "goes-one")
+    assert tdef is not None
+    node.do(lambda: records.delete_def(node._store, tdef))
+    status, _, got = node.request("DELETE", f"/admin/teams/{tid}", headers=admin, key=None)
+    assert status == 204, got
