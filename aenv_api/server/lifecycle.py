@@ -434,7 +434,13 @@ class Lifecycle:
     # --- timeouts ------------------------------------------------------------
 
     async def set_timeout(self, sid: str, seconds: int) -> SandboxView:
-        self._check(await self.get(sid), Op.SET_TIMEOUT)
+        view = await self.get(sid)
+        if view_phase(view) in PAUSED_PHASES:
+            # E2B's answer (its paused sandboxes have no TTL), which SDKs rely on: the JS
+            # SDK before 2.7 connects by setting the timeout and resumes when that fails
+            raise ApiError(404, f"sandbox {sid} is paused: a timeout is for a running sandbox (connect resumes "
+                                f"it with one)", sandboxId=sid)
+        self._check(view, Op.SET_TIMEOUT)
         try:
             info = await self.service.set_timeout(sid, seconds)
         except VmError as e:

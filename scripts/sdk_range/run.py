@@ -12,11 +12,12 @@ version in its own npm prefix; ``--ci`` (flows_ci.py): the code-interpreter SDK
 version given, the spread docs/conformance.md reports is run. Exit status 1 if any
 flow failed (NONE, a call the version lacks, is not a failure).
 
-``--hosts CERT`` (Python SDKs): the node serves ``https://<port>-<id>.<E2B_DOMAIN>``
+``--hosts CERT``: the node serves ``https://<port>-<id>.<E2B_DOMAIN>``
 ([server] domain, tls_cert = CERT, tls_port 443: what SDKs that ignore
 ``E2B_SANDBOX_URL`` call); in the flows' processes names under ``E2B_DOMAIN`` resolve
 to 127.0.0.1, as a wildcard DNS record pointing at the node would
-(scripts/e2b_conformance/sitecustomize.py), and CERT is trusted (``SSL_CERT_FILE``)."""
+(scripts/e2b_conformance/sitecustomize.py; for node, scripts/e2b_js_conformance/
+resolve-local.cjs), and CERT is trusted (``SSL_CERT_FILE``; ``NODE_EXTRA_CA_CERTS``)."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESOLVER = HERE.parent / "e2b_conformance"      # its sitecustomize.py: the wildcard name, locally
+JS_RESOLVER = HERE.parent / "e2b_js_conformance" / "resolve-local.cjs"      # the same for node
 DEFAULT_JS_VERSIONS = ("2.0.1", "2.5.0", "2.9.1", "2.15.0", "2.25.0", "2.35.0", "2.51.0")
 DEFAULT_CI_VERSIONS = ("2.4.0", "2.6.0", "2.8.0", "2.10.0", "2.11.5")
 DEFAULT_VERSIONS = ("2.0.0", "2.3.0", "2.5.0", "2.10.0", "2.15.0", "2.20.0", "2.26.0", "2.30.0", "2.45.0",
@@ -94,11 +96,11 @@ def main() -> int:
         return 2
     env = dict(os.environ)
     if args.hosts is not None:
-        if args.js:
-            print("sdk_range: --hosts is for the Python SDKs", file=sys.stderr)
-            return 2
-        env.update(AENV_CONFORMANCE_LOCAL_DOMAIN=env["E2B_DOMAIN"], SSL_CERT_FILE=str(args.hosts.resolve()),
-                   PYTHONPATH=os.pathsep.join(p for p in (str(RESOLVER), env.get("PYTHONPATH", "")) if p))
+        cert = str(args.hosts.resolve())
+        env.update(AENV_CONFORMANCE_LOCAL_DOMAIN=env["E2B_DOMAIN"], SSL_CERT_FILE=cert,
+                   PYTHONPATH=os.pathsep.join(p for p in (str(RESOLVER), env.get("PYTHONPATH", "")) if p),
+                   AENV_JS_CONFORMANCE_LOCAL_DOMAIN=env["E2B_DOMAIN"], NODE_EXTRA_CA_CERTS=cert,
+                   NODE_OPTIONS=f"{env.get('NODE_OPTIONS', '')} --require {JS_RESOLVER}".strip())
     args.cache.mkdir(parents=True, exist_ok=True)
     failed = False
     defaults = DEFAULT_JS_VERSIONS if args.js else DEFAULT_CI_VERSIONS if args.ci else DEFAULT_VERSIONS
