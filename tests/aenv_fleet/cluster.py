@@ -1,14 +1,16 @@
 """A 3-node test fleet on this machine, every part real and separate:
 
     [hub ns]  br0 198.18.0.1/24: redis-server :6379 (AOF), moto S3 :9000 (the shared
-              "oss" repository), gateway 1 :8081, gateway 2 :8082 -- and this test
-              process's main thread (it joins the hub namespace, so every helper
-              process it starts lives on the test's own network)
-      ├─ veth ── [this test's own ns] 198.18.0.254: the threads that did not join.
-      │          setns moves one thread only: an HTTP client's worker threads made
-      │          before the join (the e2b SDK's shared transport) stay in the host
-      │          namespace, and without a route of its own there a packet for
-      │          198.18.0.0/24 would take the host's default route off the machine
+              "oss" repository), gateway 1 :8081, gateway 2 :8082, each started by a
+              short-lived thread that joined the hub namespace (``in_hub``: a process
+              is born in its parent thread's namespace)
+      ├─ veth ── [this test's own ns] 198.18.0.254: the test process and all its
+      │          threads, which never leave it: setns moves one thread only, so a
+      │          test thread in the hub would make an HTTP client's worker threads
+      │          there (the e2b SDK's shared transport) and every later test of the
+      │          worker would find its loopback servers refusing them. Without this
+      │          link's route a packet for 198.18.0.0/24 would take the host's
+      │          default route off the machine
       ├─ veth ── [node1 ns] 198.18.0.11  aenv server :8000
       ├─ veth ── [node2 ns] 198.18.0.12  aenv server :8000
       └─ veth ── [node3 ns] 198.18.0.13  aenv server :8000
@@ -37,7 +39,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from tests.aenv_store.backends.motoserver import MotoServer
 from tests.aenv_vm.vm.procs import qemu_children
@@ -58,13 +60,37 @@ def ip(*args: str) -> None:
 
 
 def setns(path: str) -> None:
-    """Move this thread (the test's main thread) into a network namespace."""
+    """Move the calling thread into a network namespace (in_namespace's threads only)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if _libc.setns(fd, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns {path}")
     finally:
         os.close(fd)
+
+
+T = TypeVar("T")
+
+
+def in_namespace(path: str, fn: Callable[[], T]) -> T:
+    """``fn()`` run by a thread of its own that joined the network namespace at ``path``
+    and ends with it: a process ``fn`` starts is born there, and the caller's thread
+    never leaves its own namespace."""
+    out: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            setns(path)
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            errors.append(e)
+    t = threading.Thread(target=run, name="in-namespace")
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+    return out[0]
 
 
 def http(method: str, url: str, body: Any = None, key: str | None = None,
@@ -126,12 +152,10 @@ class Fleet:
     state: dict[str, Any] = field(default_factory=dict)   # handed from one test to the next
     admin_token: str = ""       # every node's admin credential (AENV_ADMIN_TOKEN); "" none
     node_config: list[str] = field(default_factory=list)  # more TOML lines for every node's config
-    _home_ns: int | None = None
 
     # --- network -------------------------------------------------------------------------
 
     def make_network(self) -> None:
-        self._home_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         ip("netns", "add", self.hub)
         ip("-n", self.hub, "link", "set", "lo", "up")
         ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
@@ -154,35 +178,20 @@ class Fleet:
             ip("-n", ns, "addr", "add", f"{node.addr}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
             self.nodes.append(node)
-        setns(f"/run/netns/{self.hub}")
+
+    def in_hub(self, fn: Callable[[], T]) -> T:
+        """``fn()`` from a thread in the hub's namespace (what must listen on HUB_IP is
+        started so: the test's own threads stay home, docstring)."""
+        return in_namespace(f"/run/netns/{self.hub}", fn)
 
     def listen_on_host_link(self) -> socket.socket:
-        """A TCP listener on HOST_IP, in the test's own namespace (made from a thread that
-        joins it: the main thread is in the hub's)."""
-        assert self._home_ns is not None
-        made: list[socket.socket] = []
-
-        def make() -> None:
-            if _libc.setns(self._home_ns, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns back to the test's own namespace")
-            sock = socket.socket()
-            sock.bind((HOST_IP, 0))
-            sock.listen()
-            made.append(sock)
-
-        t = threading.Thread(target=make)
-        t.start()
-        t.join()
-        if not made:
-            raise OSError(f"no listener on {HOST_IP}")
-        return made[0]
+        """A TCP listener on HOST_IP, in the test's own namespace."""
+        sock = socket.socket()
+        sock.bind((HOST_IP, 0))
+        sock.listen()
+        return sock
 
     def remove_network(self) -> None:
-        if self._home_ns is not None:
-            if _libc.setns(self._home_ns, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns back to the test's own namespace")
-            os.close(self._home_ns)
-            self._home_ns = None
         for ns in [n.ns for n in self.nodes] + [self.hub]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
@@ -205,11 +214,11 @@ class Fleet:
 
     def start_services(self) -> None:
         # as a deployment's: a password (requirepass) and TLS only, its CA given to nodes and gateways
-        self.redis = RedisServer.start(self.root / "redis", host=HUB_IP, port=6379, tls=True)
+        self.redis = self.in_hub(lambda: RedisServer.start(self.root / "redis", host=HUB_IP, port=6379, tls=True))
         self.redis.write_password(self.redis_password_file)
         self.fleet_secret_file.write_text(secrets.token_hex(32) + "\n")
         self.fleet_secret_file.chmod(0o600)
-        self.moto = MotoServer.start(self.root / "moto.log", host=HUB_IP, port=9000)
+        self.moto = self.in_hub(lambda: MotoServer.start(self.root / "moto.log", host=HUB_IP, port=9000))
         self.bucket = self.moto.new_bucket()
 
     def node_env(self) -> dict[str, str]:
@@ -282,10 +291,10 @@ class Fleet:
         env["PYTHONPATH"] = str(REPO)
         env.update({f"AENV_GATEWAY__{k.upper()}": v for k, v in self.trust_settings().items()})
         err = open(gw.log, "ab")
-        gw.proc = subprocess.Popen([sys.executable, "-m", "aenv_cli.main", "gateway", "--data-dir",
-                                    str(self.root / "gateway-data"), "--host", HUB_IP, "--port", str(port),
-                                    "--redis-url", self.redis.bare_url], cwd=REPO, env=env,
-                                   stdout=subprocess.DEVNULL, stderr=err)
+        argv = [sys.executable, "-m", "aenv_cli.main", "gateway", "--data-dir", str(self.root / "gateway-data"),
+                "--host", HUB_IP, "--port", str(port), "--redis-url", self.redis.bare_url]
+        gw.proc = self.in_hub(lambda: subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                                       stderr=err))
         err.close()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -323,9 +332,7 @@ class Fleet:
             raise AssertionError(f"{node.node_id} did not stop in time")
 
     def stop(self) -> None:
-        """Stop everything the fleet started. The test's thread goes home to its own
-        network namespace whatever fails on the way: a worker left in the hub's would
-        find every later test's loopback servers refusing it."""
+        """Stop everything the fleet started; the namespaces go whatever fails on the way."""
         errors: list[str] = []
         try:
             for gw in self.gateways:

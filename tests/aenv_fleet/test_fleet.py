@@ -319,9 +319,10 @@ def test_guests_cannot_reach_the_fleet_services(fleet: Fleet) -> None:
 def test_an_open_redis_or_no_credential_is_refused_at_start(fleet: Fleet) -> None:
     """A node and a gateway against a Redis that takes commands without a password (or
     configured with none) do not start: a message naming the setting, a non-zero exit,
-    no traceback, nothing written to that Redis. Runs in the hub's namespace, before
-    any VM (the check is the first thing a node does after reading its secrets)."""
-    open_redis = RedisServer.start(fleet.root / "open-redis", host="198.18.0.1", port=6390, password=None)
+    no traceback, nothing written to that Redis. Run in the hub's namespace (``in_hub``),
+    before any VM (the check is the first thing a node does after reading its secrets)."""
+    open_redis = fleet.in_hub(lambda: RedisServer.start(fleet.root / "open-redis", host="198.18.0.1", port=6390,
+                                                        password=None))
     try:
         data = fleet.root / "refused-node"
         data.mkdir(exist_ok=True)
@@ -334,15 +335,16 @@ def test_an_open_redis_or_no_credential_is_refused_at_start(fleet: Fleet) -> Non
         node = [sys.executable, "-m", "aenv_cli.main", "server", "--data-dir", str(data), "--port", "0"]
         for extra, needle in (({}, "cluster.redis_password_file is required"),
                               ({"AENV_CLUSTER__REDIS_PASSWORD_FILE": "redis-password"}, "without a password")):
-            out = subprocess.run(node, cwd=REPO, env={**env, **cluster, **extra}, capture_output=True, text=True,
-                                 timeout=300)
+            out = fleet.in_hub(lambda: subprocess.run(node, cwd=REPO, env={**env, **cluster, **extra},
+                                                      capture_output=True, text=True, timeout=300))
             assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
             assert needle in out.stderr and "cluster.insecure_redis" in out.stderr, out.stderr[-3000:]
         gateway = [sys.executable, "-m", "aenv_cli.main", "gateway", "--data-dir", str(data), "--port", "0",
                    "--host", "198.18.0.1", "--redis-url", open_redis.bare_url]
         gw_env = {**env, "AENV_GATEWAY__FLEET_SECRET_FILE": str(fleet.fleet_secret_file),
                   "AENV_GATEWAY__REDIS_PASSWORD_FILE": "redis-password"}
-        out = subprocess.run(gateway, cwd=REPO, env=gw_env, capture_output=True, text=True, timeout=120)
+        out = fleet.in_hub(lambda: subprocess.run(gateway, cwd=REPO, env=gw_env, capture_output=True, text=True,
+                                                  timeout=120))
         assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
         assert "without a password" in out.stderr and "gateway.insecure_redis" in out.stderr, out.stderr[-3000:]
         r = open_redis.client()
@@ -492,7 +494,7 @@ def test_redis_restart_loses_nothing(fleet: Fleet) -> None:
                     "sets": {n: sorted(r.smembers(f"aenv:node:{n}:sbx")) for n in ("node1", "node2", "node3")}}
         before = state()
         assert all(before["bindings"].values()) and before["keys"]
-        fleet.redis.restart()          # SIGKILL, then a start from the AOF
+        fleet.in_hub(fleet.redis.restart)          # SIGKILL, then a start from the AOF
         assert state() == before
         # the fleet carries on: nodes heartbeat again, gateways route and list
         deadline = time.monotonic() + 30

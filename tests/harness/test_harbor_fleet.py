@@ -37,9 +37,10 @@ def fleet_with_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     f = make_fleet(tmp_path_factory.mktemp("harbor-fleet"))
     reg: Registry | None = None
     try:
-        f.make_network()        # this thread now lives in the hub's namespace
+        f.make_network()
         f.start_services()
-        reg = Registry.start(tmp_path_factory.mktemp("harbor-fleet-reg"), addr=HUB_IP)
+        reg_dir = tmp_path_factory.mktemp("harbor-fleet-reg")
+        reg = f.in_hub(lambda: Registry.start(reg_dir, addr=HUB_IP))      # on the hub's bridge
         image = push_image(reg, tmp_path_factory.mktemp("harbor-fleet-layout"))
         f.node_config = ["[oci]", f'insecure_registries = ["{reg.host}"]',
                          "[templates]", f"max_parallel_builds = {CONCURRENT}", "step_timeout = 300"]
