@@ -1,22 +1,25 @@
 """A 3-node test fleet on this machine, every part real and separate:
 
-    [hub ns]  br0 198.18.0.1/24: redis-server :6379 (AOF), moto S3 :9000 (the shared
+    [hub ns]  br0 198.18.K.1/24: redis-server :6379 (AOF), moto S3 :9000 (the shared
               "oss" repository), gateway 1 :8081, gateway 2 :8082, each started by a
               short-lived thread that joined the hub namespace (``in_hub``: a process
               is born in its parent thread's namespace)
-      ├─ veth ── [this test's own ns] 198.18.0.254: the test process and all its
+      ├─ veth ── [this test's own ns] 198.18.K.254: the test process and all its
       │          threads, which never leave it: setns moves one thread only, so a
       │          test thread in the hub would make an HTTP client's worker threads
       │          there (the e2b SDK's shared transport) and every later test of the
       │          worker would find its loopback servers refusing them. Without this
-      │          link's route a packet for 198.18.0.0/24 would take the host's
+      │          link's route a packet for 198.18.K.0/24 would take the host's
       │          default route off the machine
-      ├─ veth ── [node1 ns] 198.18.0.11  aenv server :8000
-      ├─ veth ── [node2 ns] 198.18.0.12  aenv server :8000
-      └─ veth ── [node3 ns] 198.18.0.13  aenv server :8000
+      ├─ veth ── [node1 ns] 198.18.K.11  aenv server :8000
+      ├─ veth ── [node2 ns] 198.18.K.12  aenv server :8000
+      └─ veth ── [node3 ns] 198.18.K.13  aenv server :8000
 
 198.18.0.0/15 is the benchmarking range (RFC 2544): it exists only on the test's
-namespaces, made before the first packet and removed after the last. Each node is a
+namespaces, made before the first packet and removed after the last. K is the first
+/24 no interface of the test's namespace holds yet (chosen under a lock file): two
+fleets alive at once (two test workers) each have their own, as the test's own
+namespace holds a link to each. Each node is a
 separate host as far as the fleet can tell (own address, own data dir, own cache);
 they share the API key and envd secret (env) and the repository (moto), as a
 deployment does. Guests cannot reach Redis, moto or the gateways: every node's
@@ -26,6 +29,7 @@ sandboxes are denied private and benchmarking ranges by its egress rules
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import secrets
@@ -33,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -47,8 +52,7 @@ from .redisserver import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = f"{os.getpid() % 100000}"
-HUB_IP = "198.18.0.1"
-HOST_IP = "198.18.0.254"      # the test's own namespace on the hub's bridge
+SUBNET_LOCK = Path(tempfile.gettempdir()) / "aenv-test-fleet-subnets.lock"
 NODE_PORT = 8000
 GATEWAY_PORTS = (8081, 8082)
 CLONE_NEWNET = 0x40000000
@@ -130,11 +134,21 @@ class Node:
 class Gateway:
     port: int
     log: Path
+    host: str                   # the hub's address
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{HUB_IP}:{self.port}"
+        return f"http://{self.host}:{self.port}"
+
+
+def _free_subnet() -> int:
+    """The first K of 198.18.K.0/24 that no interface of this namespace holds."""
+    held = subprocess.run(["ip", "-4", "-o", "addr", "show"], check=True, capture_output=True, text=True).stdout
+    for k in range(256):
+        if f" 198.18.{k}." not in held:
+            return k
+    raise RuntimeError("every 198.18.K.0/24 is in use here")
 
 
 @dataclass
@@ -152,6 +166,21 @@ class Fleet:
     state: dict[str, Any] = field(default_factory=dict)   # handed from one test to the next
     admin_token: str = ""       # every node's admin credential (AENV_ADMIN_TOKEN); "" none
     node_config: list[str] = field(default_factory=list)  # more TOML lines for every node's config
+    subnet: int = -1            # K of 198.18.K.0/24, this fleet's (make_network)
+
+    @property
+    def hub_ip(self) -> str:
+        return f"198.18.{self.subnet}.1"
+
+    @property
+    def host_ip(self) -> str:
+        """The test's own namespace on the hub's bridge."""
+        return f"198.18.{self.subnet}.254"
+
+    @property
+    def prefix(self) -> str:
+        """What every address of this fleet starts with."""
+        return f"198.18.{self.subnet}."
 
     # --- network -------------------------------------------------------------------------
 
@@ -159,18 +188,22 @@ class Fleet:
         ip("netns", "add", self.hub)
         ip("-n", self.hub, "link", "set", "lo", "up")
         ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        ip("-n", self.hub, "addr", "add", f"{HUB_IP}/24", "dev", "br0")
-        ip("-n", self.hub, "link", "set", "br0", "up")
         # before anything is sent: this namespace's threads reach the hub on a link of
-        # the test's own (deleting the hub namespace deletes both ends)
+        # the test's own (deleting the hub namespace deletes both ends), on a /24 no
+        # other fleet of the machine uses (chosen and taken under the lock)
         host_if = f"aenvfl-h{TAG}"
         ip("link", "add", host_if, "type", "veth", "peer", "name", "vh", "netns", self.hub)
         ip("-n", self.hub, "link", "set", "vh", "master", "br0", "up")
-        ip("addr", "add", f"{HOST_IP}/24", "dev", host_if)
+        with open(SUBNET_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.subnet = _free_subnet()
+            ip("addr", "add", f"{self.host_ip}/24", "dev", host_if)
+        ip("-n", self.hub, "addr", "add", f"{self.hub_ip}/24", "dev", "br0")
+        ip("-n", self.hub, "link", "set", "br0", "up")
         ip("link", "set", host_if, "up")
         for i in (1, 2, 3):
             ns = f"aenvfl-n{i}-{TAG}"
-            node = Node(f"node{i}", ns, f"198.18.0.1{i}", self.root / f"node{i}", self.root / f"node{i}.log")
+            node = Node(f"node{i}", ns, f"{self.prefix}1{i}", self.root / f"node{i}", self.root / f"node{i}.log")
             ip("netns", "add", ns)
             ip("-n", ns, "link", "set", "lo", "up")
             ip("-n", self.hub, "link", "add", f"vn{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -180,14 +213,14 @@ class Fleet:
             self.nodes.append(node)
 
     def in_hub(self, fn: Callable[[], T]) -> T:
-        """``fn()`` from a thread in the hub's namespace (what must listen on HUB_IP is
+        """``fn()`` from a thread in the hub's namespace (what must listen on the hub's address is
         started so: the test's own threads stay home, docstring)."""
         return in_namespace(f"/run/netns/{self.hub}", fn)
 
     def listen_on_host_link(self) -> socket.socket:
-        """A TCP listener on HOST_IP, in the test's own namespace."""
+        """A TCP listener on ``host_ip``, in the test's own namespace."""
         sock = socket.socket()
-        sock.bind((HOST_IP, 0))
+        sock.bind((self.host_ip, 0))
         sock.listen()
         return sock
 
@@ -214,11 +247,11 @@ class Fleet:
 
     def start_services(self) -> None:
         # as a deployment's: a password (requirepass) and TLS only, its CA given to nodes and gateways
-        self.redis = self.in_hub(lambda: RedisServer.start(self.root / "redis", host=HUB_IP, port=6379, tls=True))
+        self.redis = self.in_hub(lambda: RedisServer.start(self.root / "redis", host=self.hub_ip, port=6379, tls=True))
         self.redis.write_password(self.redis_password_file)
         self.fleet_secret_file.write_text(secrets.token_hex(32) + "\n")
         self.fleet_secret_file.chmod(0o600)
-        self.moto = self.in_hub(lambda: MotoServer.start(self.root / "moto.log", host=HUB_IP, port=9000))
+        self.moto = self.in_hub(lambda: MotoServer.start(self.root / "moto.log", host=self.hub_ip, port=9000))
         self.bucket = self.moto.new_bucket()
 
     def node_env(self) -> dict[str, str]:
@@ -285,14 +318,14 @@ class Fleet:
         assert self.redis is not None
         gw = next((g for g in self.gateways if g.port == port), None)
         if gw is None:
-            gw = Gateway(port, self.root / f"gateway-{port}.log")
+            gw = Gateway(port, self.root / f"gateway-{port}.log", self.hub_ip)
             self.gateways.append(gw)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
         env["PYTHONPATH"] = str(REPO)
         env.update({f"AENV_GATEWAY__{k.upper()}": v for k, v in self.trust_settings().items()})
         err = open(gw.log, "ab")
         argv = [sys.executable, "-m", "aenv_cli.main", "gateway", "--data-dir", str(self.root / "gateway-data"),
-                "--host", HUB_IP, "--port", str(port), "--redis-url", self.redis.bare_url]
+                "--host", self.hub_ip, "--port", str(port), "--redis-url", self.redis.bare_url]
         gw.proc = self.in_hub(lambda: subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                                        stderr=err))
         err.close()

@@ -26,7 +26,7 @@ from e2b import Sandbox, SandboxQuery
 from aenv_wire.cluster import ClusterCode, adopt_path, release_path
 
 from tests.guest_servers import GUEST_SERVER
-from .cluster import GATEWAY_PORTS, HOST_IP, REPO, Fleet, http, make_fleet
+from .cluster import GATEWAY_PORTS, REPO, Fleet, http, make_fleet
 from .redisserver import RedisServer
 from tests.support import require
 
@@ -141,7 +141,7 @@ def test_nodes_registered_with_capacity(fleet: Fleet) -> None:
         for n in nodes.values():
             assert n["alive"] and not n["drained"] and n["maxSandboxes"] == fleet.max_sandboxes
             assert n["freeSlots"] == fleet.max_sandboxes and n["memTotalMiB"] > 0 and n["vcpus"] >= 1
-            assert "base" in n["templates"] and n["url"].startswith("http://198.18.0.1")
+            assert "base" in n["templates"] and n["url"].startswith(f"http://{fleet.prefix}1")
     out = aenv(fleet, "cluster", "nodes")
     assert out.returncode == 0 and all(f"node{i}" in out.stdout for i in (1, 2, 3)), out.stderr
     # the gateway checks the deployment's key itself
@@ -298,15 +298,16 @@ def test_sandbox_ports_sse_and_websocket_through_the_gateway(fleet: Fleet) -> No
 
 
 def test_guests_cannot_reach_the_fleet_services(fleet: Fleet) -> None:
-    # nor the test's own namespace (HOST_IP): a listener there is tried with the rest
+    # nor the test's own namespace (host_ip): a listener there is tried with the rest
     listener = fleet.listen_on_host_link()
     with contextlib.ExitStack() as stack:
         stack.callback(listener.close)
         bound = [listener.getsockname()[1]]
         s = Sandbox.create("base", timeout=TIMEOUT, **gw(fleet, 0))
         stack.callback(kill_all, fleet, [s])
-        targets = (f"198.18.0.1:6379 198.18.0.1:9000 198.18.0.1:8081 198.18.0.11:8000 198.18.0.12:8000 "
-                   f"198.18.0.13:8000 {HOST_IP}:{bound[0]}")
+        hub = fleet.hub_ip
+        targets = " ".join([f"{hub}:6379", f"{hub}:9000", f"{hub}:8081", *(f"{n.addr}:8000" for n in fleet.nodes),
+                            f"{fleet.host_ip}:{bound[0]}"])
         probe = (f"for t in {targets}; do h=${{t%:*}}; p=${{t#*:}}; if timeout 3 bash -c \"</dev/tcp/$h/$p\" "
                  "2>/dev/null; then echo open $t; else echo closed $t; fi; done")
         out = s.commands.run(probe, timeout=120).stdout
@@ -321,7 +322,7 @@ def test_an_open_redis_or_no_credential_is_refused_at_start(fleet: Fleet) -> Non
     configured with none) do not start: a message naming the setting, a non-zero exit,
     no traceback, nothing written to that Redis. Run in the hub's namespace (``in_hub``),
     before any VM (the check is the first thing a node does after reading its secrets)."""
-    open_redis = fleet.in_hub(lambda: RedisServer.start(fleet.root / "open-redis", host="198.18.0.1", port=6390,
+    open_redis = fleet.in_hub(lambda: RedisServer.start(fleet.root / "open-redis", host=fleet.hub_ip, port=6390,
                                                         password=None))
     try:
         data = fleet.root / "refused-node"
@@ -330,7 +331,7 @@ def test_an_open_redis_or_no_credential_is_refused_at_start(fleet: Fleet) -> Non
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
         env.update(PYTHONPATH=str(REPO), AENV_API_KEY=fleet.api_key, AENV_ENVD_SECRET=fleet.envd_secret)
         cluster = {"AENV_CLUSTER__REDIS_URL": open_redis.bare_url,
-                   "AENV_CLUSTER__ADVERTISE_URL": "http://198.18.0.1:8999",
+                   "AENV_CLUSTER__ADVERTISE_URL": f"http://{fleet.hub_ip}:8999",
                    "AENV_CLUSTER__FLEET_SECRET_FILE": str(fleet.fleet_secret_file)}
         node = [sys.executable, "-m", "aenv_cli.main", "server", "--data-dir", str(data), "--port", "0"]
         for extra, needle in (({}, "cluster.redis_password_file is required"),
@@ -340,7 +341,7 @@ def test_an_open_redis_or_no_credential_is_refused_at_start(fleet: Fleet) -> Non
             assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
             assert needle in out.stderr and "cluster.insecure_redis" in out.stderr, out.stderr[-3000:]
         gateway = [sys.executable, "-m", "aenv_cli.main", "gateway", "--data-dir", str(data), "--port", "0",
-                   "--host", "198.18.0.1", "--redis-url", open_redis.bare_url]
+                   "--host", fleet.hub_ip, "--redis-url", open_redis.bare_url]
         gw_env = {**env, "AENV_GATEWAY__FLEET_SECRET_FILE": str(fleet.fleet_secret_file),
                   "AENV_GATEWAY__REDIS_PASSWORD_FILE": "redis-password"}
         out = fleet.in_hub(lambda: subprocess.run(gateway, cwd=REPO, env=gw_env, capture_output=True, text=True,
@@ -364,7 +365,7 @@ def test_a_forged_node_url_in_redis_redirects_nothing(fleet: Fleet) -> None:
     listener sees no connection."""
     listener = fleet.listen_on_host_link()
     listener.setblocking(False)
-    forged = f"http://{HOST_IP}:{listener.getsockname()[1]}"
+    forged = f"http://{fleet.host_ip}:{listener.getsockname()[1]}"
     stranger = fleet.redis.client() if fleet.redis is not None else None
     assert stranger is not None
     s = Sandbox.create("base", metadata={"suite": "forged"}, timeout=TIMEOUT, **gw(fleet, 0))
@@ -417,7 +418,7 @@ def test_a_forged_node_url_in_redis_redirects_nothing(fleet: Fleet) -> None:
         kill_all(fleet, made)
     # the node's next heartbeat put its own record back: nothing of the forgery stays
     time.sleep(2)
-    assert nodes_of(fleet)[victim]["url"].startswith("http://198.18.0.1")
+    assert nodes_of(fleet)[victim]["url"].startswith(f"http://{fleet.prefix}1")
 
 
 def test_a_client_api_key_cannot_call_the_cluster_routes(fleet: Fleet) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.aenv_fleet.cluster import GATEWAY_PORTS, HUB_IP, Fleet, make_fleet
+from tests.aenv_fleet.cluster import GATEWAY_PORTS, Fleet, make_fleet
 from tests.aenv_vm.oci.registryproc import Registry
 from tests.support import require
 
@@ -40,7 +40,7 @@ def fleet_with_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
         f.make_network()
         f.start_services()
         reg_dir = tmp_path_factory.mktemp("harbor-fleet-reg")
-        reg = f.in_hub(lambda: Registry.start(reg_dir, addr=HUB_IP))      # on the hub's bridge
+        reg = f.in_hub(lambda: Registry.start(reg_dir, addr=f.hub_ip))      # on the hub's bridge
         image = push_image(reg, tmp_path_factory.mktemp("harbor-fleet-layout"))
         f.node_config = ["[oci]", f'insecure_registries = ["{reg.host}"]',
                          "[templates]", f"max_parallel_builds = {CONCURRENT}", "step_timeout = 300"]
