@@ -213,7 +213,6 @@ class ControlPlane:
         tid = call.path["templateID"]
         if self.templates is not None and await self.templates.delete_template(tid, principal_of(request).team_id):
             return no_content()
-        await self._own_snapshot(request, tid)
         snap = await self._own_snapshot(request, tid)
         await self.lc.delete_snapshot(tid)
         if snap is not None and snap.team is None:      # an entry of the fallback map
