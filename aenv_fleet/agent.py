@@ -141,8 +141,8 @@ class ObservedService:
         await self.listener.bound(info)
         return info
 
-    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotInfo:
-        snap = await self.inner.snapshot(sandbox_id, name)
+    async def snapshot(self, sandbox_id: str, name: str | None = None, team: str | None = None) -> SnapshotInfo:
+        snap = await self.inner.snapshot(sandbox_id, name, team)
         await self._bound_now(sandbox_id)
         return snap
 

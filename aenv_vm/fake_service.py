@@ -61,6 +61,7 @@ class FakeTemplate:
     snapshot_of: str | None = None      # the sandbox a snapshot was taken of
     hidden: bool = False                # a fork's or a pause's snapshot: not listed, dropped when unused
     created: float = 0.0
+    team: str | None = None             # a named snapshot's owner, as its record names it
 
 
 BASE = FakeTemplate("tpl-0000000000000000", ("base",))
@@ -370,22 +371,24 @@ class FakeSandboxService:
             self._template(name)
             raise Conflict(f"a template or snapshot named {name!r} already exists")
 
-    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotInfo:
+    async def snapshot(self, sandbox_id: str, name: str | None = None, team: str | None = None) -> SnapshotInfo:
         if name is not None:
             self._check_name_free(name)
         sbx = self._check(sandbox_id, Op.SNAPSHOT)
-        tpl = self._snapshot_of(sbx, (name,) if name else (), hidden=False)
-        return SnapshotInfo(tpl.template_id, tpl.names, sandbox_id, tpl.created)
+        tpl = self._snapshot_of(sbx, (name,) if name else (), hidden=False, team=team)
+        return SnapshotInfo(tpl.template_id, tpl.names, sandbox_id, tpl.created, team)
 
-    def _snapshot_of(self, sbx: _Sandbox, names: tuple[str, ...], hidden: bool) -> FakeTemplate:
+    def _snapshot_of(self, sbx: _Sandbox, names: tuple[str, ...], hidden: bool,
+                     team: str | None = None) -> FakeTemplate:
         tpl = FakeTemplate(_new_id("tpl-"), names, sbx.info.vcpus, sbx.info.memory_mib, sbx.info.disk_mib,
                            sbx.info.envd_version, snapshot_of=sbx.info.sandbox_id, hidden=hidden,
-                           created=self.clock())
+                           created=self.clock(), team=team)
         self.templates[tpl.template_id] = tpl
         return tpl
 
     async def list_snapshots(self) -> list[SnapshotInfo]:
-        return sorted((SnapshotInfo(t.template_id, t.names, t.snapshot_of, t.created) for t in self.templates.values()
+        return sorted((SnapshotInfo(t.template_id, t.names, t.snapshot_of, t.created, t.team)
+                       for t in self.templates.values()
                        if t.snapshot_of is not None and not t.hidden), key=lambda s: s.created)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:

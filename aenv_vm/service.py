@@ -80,6 +80,9 @@ class SnapshotInfo:
     names: tuple[str, ...]
     sandbox_id: str
     created: float
+    # the API team its record names as its owner (None: recorded before snapshots carried
+    # their team; the API then asks the node's own map)
+    team: str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,10 @@ class SandboxService(Protocol):
         resume, fork and snapshot)."""
         ...
 
-    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotInfo: ...
+    async def snapshot(self, sandbox_id: str, name: str | None = None, team: str | None = None) -> SnapshotInfo:
+        """A named snapshot whose record names ``team`` as its owner (every node sharing the
+        repository lists it with that team)."""
+        ...
 
     async def list_snapshots(self) -> list[SnapshotInfo]: ...
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from aenv_vm.service import SnapshotInfo
 from aenv_wire.cluster import ADOPT_ROUTE, FORCE_PARAM, RELEASE_ROUTE
 from aenv_wire.headers import AGENTENV_ID_HEADER, NEXT_TOKEN_HEADER, TOTAL_RUNNING_HEADER
 from aenv_wire.listing import iso
@@ -14,7 +15,6 @@ from aenv_wire.listing import iso
 from . import idempotency
 from . import schemas as S
 from .errors import ApiError
-from .keystore import DEFAULT_TEAM_ID
 from .lifecycle import Lifecycle
 from .metric_series import sandbox_ids
 from .metrics import Metrics
@@ -49,8 +49,9 @@ class ControlPlane:
     def __init__(self, lifecycle: Lifecycle, metrics: Metrics, config: ServerConfig,
                  templates: TemplateApi | None = None, volumes: VolumeApi | None = None,
                  nodes: NodeApi | None = None, snapshot_owners: OwnerMap | None = None) -> None:
-        """``snapshot_owners``: which team owns each named snapshot (the server reads the node's
-        map at start, so a torn file stops it there; None: read from the data dir on first use)."""
+        """``snapshot_owners``: which team owns each named snapshot recorded before records
+        named their team (the server reads the node's map at start, so a torn file stops it
+        there; None: read from the data dir on first use)."""
         self.lc = lifecycle
         self.nodes = nodes
         self.templates = templates
@@ -195,8 +196,9 @@ class ControlPlane:
         if call.body.get("memory") is False:
             raise not_supported("memory: false (a filesystem-only snapshot)",
                                 "aenv's snapshots always keep memory; pause(mode=\"filesystem\") is supported")
-        snap = await self.lc.snapshot(call.path["sandboxID"], call.body.get("name"))
-        await asyncio.to_thread(self.snapshot_owners.put, snap["snapshotID"], principal_of(request).team_id)
+        # its owner is written into its record, which every node sharing the repository reads
+        # (not into this node's map: another node of a fleet would not know it)
+        snap = await self.lc.snapshot(call.path["sandboxID"], call.body.get("name"), principal_of(request).team_id)
         return json_response(snap, 201)
 
     async def list_snapshots(self, request: web.Request, call: Call) -> web.Response:
@@ -204,28 +206,34 @@ class ControlPlane:
         team = principal_of(request).team_id
         page, token = await self.lc.list_snapshots(sandbox_id=q["sandbox_id"], name=q["name"], limit=q["limit"],
                                                    next_token=q["next_token"],
-                                                   keep=lambda sid: self.snapshot_owners.owner(sid) == team)
+                                                   keep=lambda snap: self.snapshot_team(snap) == team)
         return json_response(page, headers={NEXT_TOKEN_HEADER: token} if token else None)
 
     async def delete_template(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["templateID"]
         if self.templates is not None and await self.templates.delete_template(tid, principal_of(request).team_id):
             return no_content()
-        await self._own_snapshot(request, tid)
+        snap = await self._own_snapshot(request, tid)
         await self.lc.delete_snapshot(tid)
-        await asyncio.to_thread(self.snapshot_owners.drop, tid)
+        if snap is not None and snap.team is None:      # an entry of the fallback map
+            await asyncio.to_thread(self.snapshot_owners.drop, snap.snapshot_id)
         return no_content()
 
-    async def _own_snapshot(self, request: web.Request, ref: str, message: str = "") -> None:
-        """Another team's named snapshot is answered as if there were none: 404 with
-        ``message`` (default: the lifecycle's for an unknown snapshot). A deployment without
-        teams pays nothing: the default team's caller looks only once some team has snapshots."""
-        team = principal_of(request).team_id
-        if team == DEFAULT_TEAM_ID and not self.snapshot_owners.any_team():
-            return
-        sid = await self.lc.named_snapshot(ref)
-        if sid is not None and self.snapshot_owners.owner(sid) != team:
+    def snapshot_team(self, snap: SnapshotInfo) -> str:
+        """The team that owns a named snapshot: the one its record names, for a snapshot
+        recorded before records named their team the one this node's map has (the default
+        team when it has none), so no existing snapshot changes owner."""
+        return snap.team if snap.team is not None else self.snapshot_owners.owner(snap.snapshot_id)
+
+    async def _own_snapshot(self, request: web.Request, ref: str, message: str = "") -> SnapshotInfo | None:
+        """The named snapshot ``ref`` is the id or a name of (None: none is); another team's
+        is answered as if there were none: 404 with ``message`` (default: the lifecycle's for
+        an unknown snapshot). The default team's caller looks too: in a fleet this node's map
+        says nothing of the snapshots other nodes made."""
+        snap = await self.lc.named_snapshot(ref)
+        if snap is not None and self.snapshot_team(snap) != principal_of(request).team_id:
             raise ApiError(404, message or f"snapshot {ref!r} not found")
+        return snap
 
     async def fork(self, request: web.Request, call: Call) -> web.Response:
         self._refuse_new()

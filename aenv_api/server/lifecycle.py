@@ -48,7 +48,7 @@ from envd import signing
 from aenv_vm.errors import (AdmissionRefused, BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, Unsupported,
                             UnresponsiveSnapshot, VmError)
 from aenv_vm.volumes.registry import VolumeNotFound
-from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, TokenMinter
+from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, SnapshotInfo, TokenMinter
 from aenv_vm.states import PAUSED_PHASES, Op, Outcome, Phase, Verdict, phase_of, transition
 
 from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode
@@ -545,11 +545,12 @@ class Lifecycle:
 
     # --- snapshots and forks -------------------------------------------------
 
-    async def snapshot(self, sid: str, name: str | None) -> dict[str, Any]:
+    async def snapshot(self, sid: str, name: str | None, team: str = DEFAULT_TEAM_ID) -> dict[str, Any]:
+        """A named snapshot of ``sid`` whose record names ``team`` as its owner."""
         await self.get(sid)
         t0 = time.monotonic()
         try:
-            snap = await self.service.snapshot(sid, name)
+            snap = await self.service.snapshot(sid, name, team)
         except VmError as e:
             raise api_error(e, f"snapshot of {sid}") from None
         self.metrics.observe("aenv_lifecycle_seconds", time.monotonic() - t0, (("op", "snapshot"),))
@@ -557,27 +558,27 @@ class Lifecycle:
         return {"snapshotID": snap.snapshot_id, "names": list(snap.names)}
 
     async def list_snapshots(self, *, sandbox_id: str | None, name: str | None, limit: int | None,
-                             next_token: str | None, keep: Callable[[str], bool] | None = None
+                             next_token: str | None, keep: Callable[[SnapshotInfo], bool] | None = None
                              ) -> tuple[list[dict[str, Any]], str | None]:
-        """``keep``: only the snapshots whose id it accepts (the caller's team's)."""
+        """``keep``: only the snapshots it accepts (the caller's team's)."""
         try:
             snaps = await self.service.list_snapshots()
         except VmError as e:
             raise api_error(e, "listing snapshots") from None
         items = [s for s in snaps
-                 if (keep is None or keep(s.snapshot_id))
+                 if (keep is None or keep(s))
                  and (sandbox_id is None or s.sandbox_id == sandbox_id)
                  and (name is None or name == s.snapshot_id or name in s.names)]
         out, token = page(items, lambda s: (float(s.created), s.snapshot_id), True, limit, next_token)
         return [{"snapshotID": s.snapshot_id, "names": list(s.names)} for s in out], token
 
-    async def named_snapshot(self, ref: str) -> str | None:
-        """The id of the named snapshot ``ref`` is the id or a name of, None if none is."""
+    async def named_snapshot(self, ref: str) -> SnapshotInfo | None:
+        """The named snapshot ``ref`` is the id or a name of, None if none is."""
         try:
             snaps = await self.service.list_snapshots()
         except VmError as e:
             raise api_error(e, "listing snapshots") from None
-        return next((s.snapshot_id for s in snaps if ref == s.snapshot_id or ref in s.names), None)
+        return next((s for s in snaps if ref == s.snapshot_id or ref in s.names), None)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         try:

@@ -1,7 +1,9 @@
 """Which team owns each of a kind of thing the node's API made that outlives any
-sandbox record: named snapshots (``POST /sandboxes/{id}/snapshots``,
-``<data-dir>/api-snapshot-teams.json``) and volumes (``POST /volumes``,
-``<data-dir>/api-volume-teams.json``). Id → team id, written durably
+sandbox record: volumes (``POST /volumes``, ``<data-dir>/api-volume-teams.json``) and
+the named snapshots recorded before a snapshot's record named its team
+(``<data-dir>/api-snapshot-teams.json``: only read now, and an entry dropped with its
+snapshot; a newer snapshot's owner is in its record, templates/meta.py ``team``, which
+every node sharing the repository reads). Id → team id, written durably
 (keystore.write_durably). A thing with no entry — made before teams existed, or on
 another node of a fleet — is the default team's, so a deployment without teams sees
 everything as before (and its map stays empty: the default needs no entry)."""
@@ -37,10 +39,6 @@ class OwnerMap:
 
     def owner(self, thing_id: str) -> str:
         return self._owners.get(thing_id, DEFAULT_TEAM_ID)
-
-    def any_team(self) -> bool:
-        """Whether anything belongs to a team other than the default one."""
-        return any(t != DEFAULT_TEAM_ID for t in self._owners.values())
 
     def put(self, thing_id: str, team: str) -> None:
         if team == DEFAULT_TEAM_ID and thing_id not in self._owners:

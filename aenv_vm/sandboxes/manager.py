@@ -611,16 +611,16 @@ class SandboxManager:
         self._locks.pop(sid, None)
 
     # ------------------------------------------------------------ snapshots / fork
-    async def snapshot(self, sid: str, name: str | None = None) -> tuple[str, list[str]]:
-        """A named snapshot of a running sandbox, usable as a template. The VM is
-        stopped only for the capture and the disk seal."""
+    async def snapshot(self, sid: str, name: str | None = None, team: str | None = None) -> tuple[str, list[str]]:
+        """A named snapshot of a running sandbox, usable as a template, its record naming
+        ``team`` as its owner. The VM is stopped only for the capture and the disk seal."""
         if name is not None:
             self.snapshots.check_name_free(name)
         async with self.lock(sid):
             sbx = self._running_for(sid, Op.SNAPSHOT)
             await self.forks.wait_committed(sbx)
             await self.metrics.quiesce(sid)
-            local = await self.snapshots.take_local(sbx, self.records_store.get(sid), hidden=False)
+            local = await self.snapshots.take_local(sbx, self.records_store.get(sid), hidden=False, team=team)
         try:
             await asyncio.to_thread(self.snapshots.commit, local, name)
         except BaseException:

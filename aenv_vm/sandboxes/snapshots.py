@@ -68,10 +68,11 @@ class NamedSnapshots:
             return
         raise Conflict(f"a template or snapshot named {name!r} already exists")
 
-    async def take_local(self, sbx: Sandbox, rec: SandboxRecord | None, hidden: bool) -> LocalSnapshot:
+    async def take_local(self, sbx: Sandbox, rec: SandboxRecord | None, hidden: bool,
+                         team: str | None = None) -> LocalSnapshot:
         """Capture, seal the disk, let the VM run again, write the full memory file:
         everything a restore on this node needs, nothing committed yet. The caller holds
-        the sandbox's lock."""
+        the sandbox's lock. ``team``: the owner a named snapshot's record carries."""
         tpl = sbx.template
         tid = f"tpl-{secrets.token_hex(6)}"
         d = self.rt.templates.dir(tid)
@@ -96,7 +97,8 @@ class NamedSnapshots:
             finally:
                 self.capturer.give_back(cap.delta.data)
             t3 = time.monotonic()
-            meta = snapshot_meta(tpl.meta, sbx.id, tpl.id, sbx.guest_token, rec, self.rt.node_id if hidden else None)
+            meta = snapshot_meta(tpl.meta, sbx.id, tpl.id, sbx.guest_token, rec, self.rt.node_id if hidden else None,
+                                 team=None if hidden else team)
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             raise
@@ -120,7 +122,7 @@ class NamedSnapshots:
         out = []
         for tpl, aliases in list_templates(self.rt.store):
             if tpl.meta.snapshot_of is not None and tpl.meta.hidden is None:
-                out.append(SnapshotInfo(tpl.id, tuple(aliases), tpl.meta.snapshot_of, tpl.created))
+                out.append(SnapshotInfo(tpl.id, tuple(aliases), tpl.meta.snapshot_of, tpl.created, tpl.meta.team))
         return sorted(out, key=lambda s: s.created)
 
     def delete(self, snapshot_id: str, users: list[str]) -> None:
@@ -167,11 +169,13 @@ class NamedSnapshots:
 
 
 def snapshot_meta(parent: TemplateMeta, of: str, parent_template: str, token: str | None,
-                  rec: SandboxRecord | None, fork_node: str | None, hidden: str = HIDDEN_FORK) -> TemplateMeta:
+                  rec: SandboxRecord | None, fork_node: str | None, hidden: str = HIDDEN_FORK,
+                  team: str | None = None) -> TemplateMeta:
     """The meta of a snapshot of sandbox ``of`` (running ``parent_template``, whose meta is
     ``parent``: the machine, and a build's settings and start command, which a cold boot of
     the snapshot's sandboxes needs) with the snapshot's own keys set. ``token``: what its
-    envd demands now; ``fork_node``: a hidden snapshot (of kind ``hidden``) made on that node."""
+    envd demands now; ``fork_node``: a hidden snapshot (of kind ``hidden``) made on that node;
+    ``team``: the API team that owns a named snapshot."""
     meta = dataclasses.replace(
         parent, snapshot_of=of, parent_template=parent_template,
         # what the frozen envd demands (the memory image holds it anyway; restores need
@@ -179,7 +183,8 @@ def snapshot_meta(parent: TemplateMeta, of: str, parent_template: str, token: st
         envd_token=token or None,
         # the parent's own snapshot keys are not this snapshot's: a named snapshot of a
         # fork child is not hidden, and what was mounted or set is this sandbox's
-        hidden=None, fork_node=None, metadata=None, volume_paths=None)
+        # (nor is its owner: a snapshot of a sandbox made from team A's snapshot is its taker's)
+        hidden=None, fork_node=None, metadata=None, volume_paths=None, team=team)
     if fork_node is not None:   # only its maker drops it (drop_unused)
         meta = dataclasses.replace(meta, hidden=hidden, fork_node=fork_node)
     if rec is not None:

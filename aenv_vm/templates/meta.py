@@ -69,6 +69,9 @@ class TemplateMeta:
     fork_node: str | None = None        # the node that made a hidden snapshot ("": before nodes were named)
     metadata: tuple[tuple[str, str], ...] | None = None   # the sandbox's metadata, sorted by key
     volume_paths: tuple[str, ...] | None = None           # volumes mounted in the frozen guest
+    # the API team that owns a named snapshot: on the record, so every node sharing the
+    # repository knows it (None: a hidden snapshot, or one recorded before teams travelled)
+    team: str | None = None
     # -- keys this version does not know, kept as they are (sorted) ---------------------
     extra: tuple[tuple[str, str], ...] = ()
 

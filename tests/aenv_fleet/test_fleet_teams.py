@@ -3,6 +3,7 @@ namespaces, a password- and TLS-protected redis-server, a moto S3 repository, on
 gateway; the real e2b SDK at the gateway). Team A's key, made through node 1, works on
 node 2 and at the gateway; team B's key neither sees, connects to, pauses, snapshots,
 forks nor kills A's sandbox through the gateway (404, as an id that does not exist);
+A's named snapshot is A's on every node (its record names its team);
 a deleted key fails on every node and at the gateway within the bound docs/cluster.md
 states; no key is in clear in Redis or in any log.
 
@@ -160,6 +161,34 @@ def test_another_teams_sandbox_is_unknown_through_the_gateway(fleet: Fleet) -> N
     status, counts = call("GET", gw + "/admin/sandboxes/running-counts", admin=True)
     assert status == 200 and any(c["teamID"] == st["team_a"] and c["runningSandboxes"] == 1
                                   for c in counts["teams"]), counts
+
+
+def test_a_teams_snapshot_is_its_own_on_every_node(fleet: Fleet) -> None:
+    """A named snapshot's team is in its record in the shared repository: every node lists
+    it to its team only, and a create from it, placed on any node, is its team's alone."""
+    gw, st = fleet.gateways[0].url, fleet.state
+    ka, kb = st["key_a"], st["key_b"]
+    a = Sandbox.connect(st["sandbox"], **sdk(fleet, ka))
+    a.files.write("/home/user/team.txt", "team a's")
+    status, snap = call("POST", gw + f"/sandboxes/{a.sandbox_id}/snapshots", {"name": "fleet-a-snap"}, key=ka)
+    assert status == 201, snap
+    sid = snap["snapshotID"]
+    try:
+        for url in (fleet.nodes[0].url, fleet.nodes[1].url, gw):
+            assert [x["snapshotID"] for x in call("GET", url + "/snapshots", key=ka)[1]] == [sid], url
+            for key in (kb, fleet.api_key):      # team B, and the default team
+                assert call("GET", url + "/snapshots", key=key) == (200, []), url
+                for ref in (sid, "fleet-a-snap"):
+                    status, got = call("POST", url + "/v2/sandboxes", {"templateID": ref}, key=key)
+                    assert status == 404, (url, got)
+                assert call("DELETE", url + f"/templates/{sid}", key=key)[0] == 404, url
+        c = Sandbox.create("fleet-a-snap", timeout=TIMEOUT, **sdk(fleet, ka))
+        try:
+            assert c.files.read("/home/user/team.txt") == "team a's"
+        finally:
+            c.kill()
+    finally:
+        assert call("DELETE", gw + f"/templates/{sid}", key=ka)[0] == 204
 
 
 def test_a_deleted_key_fails_everywhere_within_the_bound(fleet: Fleet) -> None:

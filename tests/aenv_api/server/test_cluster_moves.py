@@ -11,13 +11,16 @@ import hmac
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
+from aenv_api.server.keystore import TEAMS_FILE, KeyStore
 from aenv_wire.cluster import ClusterCode, adopt_path, release_path
 from aenv_wire.fleet_auth import NODE_AUTH_HEADER, FleetKeys
 from tests.aenv_store.backends.motoserver import MotoServer
@@ -33,6 +36,7 @@ class Pair:
     b: Server
     repo_env: dict[str, str]
     backend: str
+    team_keys: dict[str, str]       # "a", "b": a key of each of two teams both nodes know
 
     def only_posix_fs(self) -> None:
         """Checks that do not depend on the repository's backend run once (the suite stays lean)."""
@@ -103,8 +107,6 @@ def release(node: Server, sid: str, auth: str | None = "fleet") -> tuple[int, An
 
 @pytest.fixture(scope="module", params=["posix_fs", "oss"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    import shutil
-
     require(shutil.which("qemu-system-x86_64") is not None, "qemu-system-x86_64 not installed")
     require(os.geteuid() == 0, "building the guest image needs root")
     root = tmp_path_factory.mktemp(f"moves-{request.param}")
@@ -122,15 +124,27 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     env = {**repo_env, "AENV_API_KEY": "moves-" + secrets.token_hex(8), "AENV_ENVD_SECRET": secrets.token_hex(32),
            "AENV_CLUSTER__FLEET_SECRET_FILE": str(root / "fleet-secret"),
            "AENV_VM__POOL_SIZE": "0", "AENV_VM__MEMORY_MIB": "256"}
+    team_keys = _shared_teams(root / "node-a", root / "node-b", api_key=env["AENV_API_KEY"])
     a = start_server(root / "node-a", root / "logs", env=env)   # oss: builds the base template into the repository
     b = None
     try:
         b = start_server(root / "node-b", root / "logs", env=env)   # finds it there
-        yield Pair(a, b, repo_env, request.param)
+        yield Pair(a, b, repo_env, request.param, team_keys)
     finally:
         for srv in (b, a):
             if srv is not None:
                 srv.stop()
+
+
+def _shared_teams(*data_dirs: Path, api_key: str) -> dict[str, str]:
+    """Two teams with a key each, in the same teams file of every node (as a fleet's
+    nodes share one teams document): written before the nodes start."""
+    store = KeyStore(data_dirs[0] / TEAMS_FILE, api_key)
+    keys = {name: store.create_key(store.create_team(f"moves-{name}").team_id, "key")[1] for name in ("a", "b")}
+    for d in data_dirs[1:]:
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(data_dirs[0] / TEAMS_FILE, d / TEAMS_FILE)
+    return keys
 
 
 def test_pause_release_adopt_connect_continues_on_the_other_node(pair: Pair) -> None:
@@ -285,6 +299,50 @@ def test_snapshot_and_fork_snapshot_of_a_create_sandboxes_on_b(pair: Pair) -> No
         for node, sid in reversed(made):
             Sandbox.kill(sid, **pair.sdk(node))
     Sandbox.delete_snapshot(snap["snapshotID"], **pair.sdk(a))
+
+
+def test_a_teams_snapshot_is_its_own_on_the_other_node(pair: Pair) -> None:
+    """A named snapshot's team is in its record in the repository (issue 31): on the node
+    that did not take it, its team lists it and creates from it, another team and the
+    default team get what an unknown snapshot gets."""
+    from e2b import Sandbox
+
+    pair.only_posix_fs()
+    a, b = pair.a, pair.b
+    key_a, key_b = pair.team_keys["a"], pair.team_keys["b"]
+
+    def sdk(node: Server, key: str) -> dict[str, Any]:
+        return {**pair.sdk(node), "api_key": key}
+
+    s = Sandbox.create(timeout=300, **sdk(a, key_a))
+    made: list[tuple[Server, str]] = [(a, s.sandbox_id)]
+    name = f"team-{secrets.token_hex(4)}"
+    snap_id = None
+    try:
+        s.files.write("/home/user/team.txt", "team a's")
+        status, _, snap = a.request("POST", f"/sandboxes/{s.sandbox_id}/snapshots", body={"name": name}, key=key_a)
+        assert status == 201, snap
+        snap_id = snap["snapshotID"]
+        assert [x["snapshotID"] for x in b.request("GET", f"/snapshots?name={name}", key=key_a)[2]] == [snap_id]
+        assert snap_id in [x["snapshotID"] for x in b.request("GET", "/snapshots", key=key_a)[2]]
+        for key in (key_b, b.api_key):      # another team, and the default team (the deployment key)
+            assert snap_id not in [x["snapshotID"] for x in b.request("GET", "/snapshots", key=key)[2]]
+            assert b.request("GET", f"/snapshots?name={name}", key=key)[2] == []
+            for ref in (snap_id, name):
+                status, _, got = b.request("POST", "/v2/sandboxes", body={"templateID": ref}, key=key)
+                assert status == 404, got
+                status, _, got = b.request("POST", f"/snapshots/{ref}/fork", body={"count": 1}, key=key)
+                assert status == 404, got
+            status, _, got = b.request("DELETE", f"/templates/{snap_id}", key=key)
+            assert status == 404, got
+        c = Sandbox.create(name, timeout=300, **sdk(b, key_a))      # by name, on the other node
+        made.append((b, c.sandbox_id))
+        assert c.files.read("/home/user/team.txt") == "team a's"
+    finally:
+        for node, sid in reversed(made):
+            Sandbox.kill(sid, **sdk(node, key_a))
+        if snap_id is not None:     # its team deletes it on the node that did not take it
+            assert b.request("DELETE", f"/templates/{snap_id}", key=key_a)[0] == 204
 
 
 def test_bad_input(pair: Pair) -> None:

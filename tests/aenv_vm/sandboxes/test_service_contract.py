@@ -333,11 +333,12 @@ def test_snapshot_and_create_from_it(svc: Impl) -> None:
         s = svc.service
         a = await _create(svc, timeout=600)
         name = f"contract-{svc.name}-{int(time.time() * 1000) % 10**8}"
-        snap = await s.snapshot(a.sandbox_id, name)
+        snap = await s.snapshot(a.sandbox_id, name, team="team-contract")
         assert isinstance(snap, SnapshotInfo) and snap.snapshot_id.startswith("tpl-")
-        assert snap.names == (name,) and snap.sandbox_id == a.sandbox_id
+        assert snap.names == (name,) and snap.sandbox_id == a.sandbox_id and snap.team == "team-contract"
         listed = {x.snapshot_id: x for x in await s.list_snapshots()}
         assert listed[snap.snapshot_id].names == (name,) and listed[snap.snapshot_id].sandbox_id == a.sandbox_id
+        assert listed[snap.snapshot_id].team == "team-contract"     # its record names its owner
         await _refused(s.snapshot(a.sandbox_id, name), Conflict, f"named '{name}' already exists")
         await _refused(s.snapshot(a.sandbox_id, "no/slashes here"), BadRequest, "snapshot name")
         assert (await s.get(a.sandbox_id)).state == SandboxState.RUNNING      # the parent runs on

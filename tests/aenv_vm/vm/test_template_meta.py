@@ -151,21 +151,24 @@ def test_a_snapshot_carries_its_templates_settings(store: Store, tmp_path: Path)
     rec = SandboxRecord("sbx-1", parent.id, SandboxState.RUNNING, 0.0, 0.0, metadata={"b": "2", "a": "1"},
                         volume_mounts=[{"path": "/v2", "name": "v"}, {"path": "/v1", "name": "w"}])
     snap = frozen(store, tmp_path, "tpl-000000000003",
-                  snapshot_meta(parent.meta, "sbx-1", parent.id, "sbx-token", rec, None))
+                  snapshot_meta(parent.meta, "sbx-1", parent.id, "sbx-token", rec, None, team="team-a"))
     assert store.get_record(snap.id).meta_dict() == {
         **built, "snapshot_of": "sbx-1", "parent_template": parent.id, "envd_token": "sbx-token",
-        "metadata": '{"a": "1", "b": "2"}', "volume_paths": '["/v1", "/v2"]'}
+        "metadata": '{"a": "1", "b": "2"}', "volume_paths": '["/v1", "/v2"]', "team": "team-a"}
+    assert TemplateMeta.from_meta(store.get_record(snap.id).meta_dict()).team == "team-a"
     assert snap.hidden_fork_node is None and snap.volume_paths == ("/v1", "/v2") and snap.ready_cmd == "check"
     assert guest_settings(store, snap) == GuestSettings({"A": "1"}, "user", "/w", "serve")
     # a fork's hidden snapshot of a sandbox with no token: not listed, and no token kept
     fork = snapshot_meta(snap.meta, "sbx-2", snap.id, None, None, "node-a")
     assert fork.hidden == HIDDEN_FORK and fork.fork_node == "node-a" and fork.envd_token is None
     assert "metadata" not in fork.to_meta() and "volume_paths" not in fork.to_meta()   # no record: none
+    assert fork.team is None        # a hidden snapshot is no team's: it is listed to none
     # a named snapshot of a fork child is listed (not hidden like the fork's own snapshot)
     # and shows its own sandbox's metadata, not what the snapshot it descends from had
     child = SandboxRecord("sbx-3", "tpl-fork", SandboxState.RUNNING, 0.0, 0.0, metadata={"c": "3"})
-    named = snapshot_meta(fork, "sbx-3", "tpl-fork", "t", child, None)
+    named = snapshot_meta(fork, "sbx-3", "tpl-fork", "t", child, None, team="team-b")
     assert named.hidden is None and named.fork_node is None and named.volume_paths is None
+    assert named.team == "team-b"       # its taker's, whoever owned what it descends from
     assert named.to_meta()["metadata"] == '{"c": "3"}'
 
 
