@@ -28,6 +28,9 @@ from .conftest import AENV, REPO, Server, start_server
 from tests.support import require
 
 pytestmark = [pytest.mark.qemu]
+# Checks that do not depend on the repository's backend run once, with the posix_fs pair
+# (the suite stays lean; never a skip)
+POSIX_FS_ONLY = pytest.mark.parametrize("pair", ["posix_fs"], indirect=True)
 
 
 @dataclass
@@ -37,11 +40,6 @@ class Pair:
     repo_env: dict[str, str]
     backend: str
     team_keys: dict[str, str]       # "a", "b": a key of each of two teams both nodes know
-
-    def only_posix_fs(self) -> None:
-        """Checks that do not depend on the repository's backend run once (the suite stays lean)."""
-        if self.backend != "posix_fs":
-            pytest.skip("backend-independent: run with the posix_fs pair")
 
     def sdk(self, node: Server) -> dict[str, Any]:
         """Connection options of the e2b SDK for ``node`` (two nodes: no environment variables).
@@ -301,13 +299,13 @@ def test_snapshot_and_fork_snapshot_of_a_create_sandboxes_on_b(pair: Pair) -> No
     Sandbox.delete_snapshot(snap["snapshotID"], **pair.sdk(a))
 
 
+@POSIX_FS_ONLY
 def test_a_teams_snapshot_is_its_own_on_the_other_node(pair: Pair) -> None:
     """A named snapshot's team is in its record in the repository (issue 31): on the node
     that did not take it, its team lists it and creates from it, another team and the
     default team get what an unknown snapshot gets."""
     from e2b import Sandbox
 
-    pair.only_posix_fs()
     a, b = pair.a, pair.b
     key_a, key_b = pair.team_keys["a"], pair.team_keys["b"]
 
@@ -361,10 +359,10 @@ def test_bad_input(pair: Pair) -> None:
     assert adopt(b, "sbx-!")[0] == 404      # "!" cannot be in a record name: no such sandbox
 
 
+@POSIX_FS_ONLY
 def test_a_sandbox_with_volumes_cannot_move(pair: Pair) -> None:
     from e2b import Sandbox
 
-    pair.only_posix_fs()
     a, b = pair.a, pair.b
     status, _, body = a.request("POST", "/volumes", body={"name": f"mv{secrets.token_hex(4)}"})
     assert status == 201, body
@@ -382,13 +380,13 @@ def test_a_sandbox_with_volumes_cannot_move(pair: Pair) -> None:
     a.request("DELETE", f"/volumes/{vol['volumeID']}")
 
 
+@POSIX_FS_ONLY
 def test_a_guest_cannot_reach_the_node_endpoints(pair: Pair) -> None:
     """The endpoints are on the API port, which no guest can open a connection to
     (tests/aenv_vm/isolation tries every port of the node); here a guest tries this API port
     through every address it could name the node by."""
     from e2b import Sandbox
 
-    pair.only_posix_fs()
     b = pair.b
     port = int(b.url.rsplit(":", 1)[1])
     s = Sandbox.create(timeout=300, **pair.sdk(b))
