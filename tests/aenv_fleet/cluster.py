@@ -167,6 +167,7 @@ class Fleet:
     admin_token: str = ""       # every node's admin credential (AENV_ADMIN_TOKEN); "" none
     node_config: list[str] = field(default_factory=list)  # more TOML lines for every node's config
     subnet: int = -1            # K of 198.18.K.0/24, this fleet's (make_network)
+    host_if: str = ""           # the test namespace's end of its link to the hub (make_network)
 
     @property
     def hub_ip(self) -> str:
@@ -191,7 +192,9 @@ class Fleet:
         # before anything is sent: this namespace's threads reach the hub on a link of
         # the test's own (deleting the hub namespace deletes both ends), on a /24 no
         # other fleet of the machine uses (chosen and taken under the lock)
-        host_if = f"aenvfl-h{TAG}"
+        # a name of this fleet's own: a namespace is destroyed after `ip netns del` returns,
+        # so the link of a fleet just removed may still be there when the next one starts
+        host_if = self.host_if = f"aenvfl-h{secrets.token_hex(3)}"
         ip("link", "add", host_if, "type", "veth", "peer", "name", "vh", "netns", self.hub)
         ip("-n", self.hub, "link", "set", "vh", "master", "br0", "up")
         with open(SUBNET_LOCK, "a") as lock:
@@ -225,6 +228,8 @@ class Fleet:
         return sock
 
     def remove_network(self) -> None:
+        if self.host_if:        # both ends at once, now (the namespaces' go when the kernel gets to it)
+            subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
         for ns in [n.ns for n in self.nodes] + [self.hub]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
