@@ -2,7 +2,8 @@
 by E2B_* variables: team A's key creates a sandbox and runs in it; team B's key neither
 lists, connects to, pauses nor kills it (404 as for an unknown id); the deployment key
 still works as it did, and sees neither team's sandbox. Keys and ownership survive a
-restart of the node (the keys in teams.json, the team in the sandbox's record)."""
+restart of the node (the keys in teams.json, the team in the sandbox's record). The npm
+SDK and the Python async SDK do the same with forks, snapshots and volumes too."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -150,3 +151,66 @@ def test_templates_are_their_teams_through_the_sdk(node: Server, monkeypatch: py
     admin = {"X-Admin-Token": ADMIN}
     for team in (team_a, team_b):
         assert node.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
+
+
+NODE_DIR = Path(__file__).resolve().parent / "node"
+
+
+def test_two_teams_through_the_npm_and_async_sdks(node: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The npm SDK (node/teams_flow.mjs) and the Python async SDK, each with two teams'
+    keys: A creates, lists, forks, snapshots, pauses, connects and makes a volume; B sees
+    none of it and gets "not found" wherever it names A's, as for an id that does not exist."""
+    import asyncio
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    from e2b import AsyncSandbox, NotFoundException
+
+    from tests.support import require
+
+    require(shutil.which("node") is not None, "node is not installed (scripts/install.sh installs it)")
+    require((NODE_DIR / "node_modules" / "e2b").is_dir(), "e2b npm package missing: run scripts/install.sh")
+    team_a, key_a = new_team(node, "npm-team-a")
+    team_b, key_b = new_team(node, "npm-team-b")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(node.sdk_env(), KEY_A=key_a, KEY_B=key_b)
+    env.pop("E2B_API_KEY", None)
+    done = subprocess.run(["node", "teams_flow.mjs"], cwd=NODE_DIR, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(got["aLists"]) == 1 and got["bLists"] == [], got
+    for what in ("bConnect", "bInfo", "bFork", "bSnapshot", "bFromSnapshot", "bVolumeInfo", "bResume"):
+        assert got[what] == "not found", (what, got)
+    assert got["bKill"] is False and got["bVolumes"] is False and got["aVolumes"] is True, got
+    assert got["aFromSnapshot"] == got["aForked"] == got["aResumed"] == "from team a", got
+    assert got["aPaused"] and got["bListsSnapshots"] == [] and got["aDeletesSnapshot"] is True, got
+    assert got["bDeletesSnapshot"] in (False, "not found"), got      # and A's delete after it found it
+
+    use_sdk_env(node, monkeypatch)
+
+    async def async_flow() -> None:
+        a = await AsyncSandbox.create(api_key=key_a, timeout=300)
+        try:
+            await a.files.write("/home/user/async", "a's")
+            assert [s.sandbox_id for s in await AsyncSandbox.list(api_key=key_a).next_items()] == [a.sandbox_id]
+            assert await AsyncSandbox.list(api_key=key_b).next_items() == []
+            with pytest.raises(NotFoundException):
+                await AsyncSandbox.connect(a.sandbox_id, api_key=key_b)
+            with pytest.raises(NotFoundException):
+                await AsyncSandbox.get_info(a.sandbox_id, api_key=key_b)
+            assert await AsyncSandbox.kill(a.sandbox_id, api_key=key_b) is False
+            await a.pause()
+            with pytest.raises(NotFoundException):
+                await AsyncSandbox.connect(a.sandbox_id, api_key=key_b)     # nor resumes it
+            back = await AsyncSandbox.connect(a.sandbox_id, api_key=key_a)
+            assert await back.files.read("/home/user/async") == "a's"
+        finally:
+            await AsyncSandbox.kill(a.sandbox_id, api_key=key_a)
+    asyncio.run(async_flow())
+    admin = {"X-Admin-Token": ADMIN}
+    for team in (team_a, team_b):
+        status, _, body = node.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)
+        assert status == 204, body
