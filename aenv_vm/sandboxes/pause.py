@@ -111,7 +111,7 @@ class PausedSandboxes:
         d.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         try:
-            # fsync for host crashes happens in the background commit, before anything is staged
+            # written without fsync, then made durable together before the record says paused
             flush: list[asyncio.Future] = []
             try:
                 cap = await self.capturer.capture(sbx, d / "device-state", sync=False, flush=flush)
@@ -123,6 +123,10 @@ class PausedSandboxes:
             finally:
                 for f in flush:
                     await f
+            # A host crash keeps only what was fsynced: the record (LMDB, synchronous)
+            # must never name a pause whose files could be lost, else the sandbox
+            # resumes neither from it nor, its record moved on, from the intact one before.
+            await asyncio.to_thread(make_pause_durable, d, self.rt.sandbox_dir(sid) / "upper")
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             with contextlib.suppress(Exception):
@@ -348,6 +352,22 @@ def write_pause_delta(path: Path, delta: Delta, previous: SnapshotRef | None) ->
             return write_incremental(path, delta, parent, previous.seq, spare=path.parent.parent / SPARE)
     write_delta(path, delta, False, spare=path.parent.parent / SPARE)
     return len(delta.pages)
+
+
+def make_pause_durable(pause_dir: Path, upper: Path) -> None:
+    """fsync what a paused record depends on, files and every directory entry
+    leading to them: ``memory.delta`` and ``device-state`` (written without fsync),
+    their directory up to the run root (``paused/<sid>/<seq>`` may be new, so may
+    ``paused/<sid>``), and the directories holding the disk's upper layer (its data
+    and block map are fsynced by the flush; the entries of ``upper/`` and
+    ``sandboxes/<sid>/`` were made when the sandbox started, without fsync)."""
+    for f in (pause_dir / "memory.delta", pause_dir / "device-state"):
+        sync_file(f)
+    for d in (pause_dir, pause_dir.parent, pause_dir.parent.parent, pause_dir.parent.parent.parent):
+        sync_file(d)
+    if upper.is_dir():
+        for d in (upper, upper.parent, upper.parent.parent):
+            sync_file(d)
 
 
 def retire(pause_dir: Path) -> None:
