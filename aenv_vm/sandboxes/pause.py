@@ -4,13 +4,13 @@ What a pause captures and guarantees is in docs/snapshots.md. In short:
 
 * **pause** (``PausedSandboxes.pause``): capture (capture.py), write
   ``memory.delta`` + ``device-state`` into ``<run_root>/paused/<id>/<seq>/``
-  (renamed complete: durable against a crash of this process at once), record
-  the sandbox as paused (LMDB).
+  (renamed complete), fsync them and every directory entry they and the disk's
+  upper layer depend on (durable against a host crash), then record the sandbox
+  as paused (LMDB, synchronous): never a record naming files a crash could lose.
 * **finish** (shielded from cancellation: the record already says paused):
   kill QEMU (its memory is released), keep the disk image open, and start a
   background commit that seals the disk's upper layer and commits delta,
-  device state and a ``paused-<id>`` catalog record to the store (fsync for
-  host crashes happens there, before anything is staged). A resume waits for
+  device state and a ``paused-<id>`` catalog record to the store. A resume waits for
   that commit, so a resumed VM never writes into an upper layer that is still
   being sealed. Up to ``standby_limit`` recently paused sandboxes also get
   their next QEMU started in advance (aenv_vm/machine ``start_standby``; a resume
@@ -59,7 +59,7 @@ class PauseTiming:
     stop: float             # QMP stop
     device_state: float     # xen-save-devices-state + splice
     pages: float            # pagemap + read of the private pages + xxh3
-    write: float            # memory.delta written, disk flush (ran concurrently since stop) done, record put
+    write: float            # memory.delta written, disk flush (ran concurrently since stop) done, fsyncs, record put
     total: float            # until the pause is durable (QEMU is killed right after)
     dirty_pages: int        # pages the sandbox holds privately (the flattened delta)
     written_pages: int = 0  # of those, written by this pause (new or changed since the previous one)

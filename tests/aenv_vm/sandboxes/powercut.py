@@ -21,9 +21,11 @@ commits metadata on its own every few seconds).
 
 Not covered, precisely:
 * fsyncs made by other processes or by C code inside this one are not seen.
-  The node's LMDB files (``*.mdb``: the sandbox records, the cache index) are
-  taken as they are at the crash: LMDB fsyncs each ``sync=True`` transaction
-  itself before the commit returns. QEMU fsyncs nothing a pause depends on: its
+  LMDB files (``*.mdb``) are taken as they are at the crash: the sandbox
+  records' LMDB fsyncs each (``sync=True``) transaction itself before the
+  commit returns; the node cache's LMDB does not, but the cache empties itself
+  after a reboot (the test gives each restart a new boot id), so its state at
+  the crash is never used. QEMU fsyncs nothing a pause depends on: its
   device state goes through a ``.raw`` file the node reads back and writes itself,
   its disk writes go to the node's NBD server, its memory is read by the node.
 * a file that existed at the checkpoint and was changed in place since without

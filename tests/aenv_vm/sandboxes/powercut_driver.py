@@ -18,6 +18,7 @@ from .powercut import install_from_env
 install_from_env()   # before anything opens a file of the node: every fsync is seen
 
 import asyncio  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -26,6 +27,8 @@ from aenv_vm.guest import ensure_guest  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
 from aenv_vm.sandboxes.records import SandboxState  # noqa: E402
 from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
+
+from aenv_store.cache import node_cache  # noqa: E402
 
 from .conftest import store_settings  # noqa: E402
 from .test_pause_resume import ash, read_counter, start_worker  # noqa: E402
@@ -43,7 +46,17 @@ async def mark(sbx: Sandbox, m: str) -> None:
     await ash(sbx, WRITE_MARK.format(m=m))
 
 
+def new_boot() -> None:
+    """A power cut is a reboot: the node cache, which fsyncs nothing, empties itself
+    when it finds another boot id than the one it was opened under (AENV_POWERCUT_BOOT:
+    one per cut, set by the test)."""
+    boot = os.environ.get("AENV_POWERCUT_BOOT")
+    if boot:
+        node_cache.boot_id = lambda: boot.encode()   # type: ignore[assignment]
+
+
 async def main(data: Path, run_root: Path, mode: str, args: list[str]) -> int:
+    new_boot()
     store = Store.open(store_settings(data))
     try:
         async with SandboxManager(store, ensure_guest(quiet=True), run_root) as mgr:

@@ -79,13 +79,14 @@ def test_acknowledged_pause_survives_power_cut(env: Env, base_seed: BaseSeed, tm
     sid, digest, pid = out.split()[1:4]
     rng = random.Random(int(os.environ.get("AENV_FAULT_SEED", "29")))
     allowed = {"0"}            # marks a resume may find: the acknowledged pause's, or an unacknowledged newer one's
-    acked_cuts = discarded = 0
+    acked_cuts = discarded = fallbacks = 0
     kept: set[str] = set()
     t0 = time.monotonic()
     for cut in range(1, CUTS + 1):
         cp = Checkpoint.take([data, run_root], tmp_path / "pc")
         delay = rng.uniform(*WINDOWS[cut % 2])
-        proc = driver(data, run_root, "cycle", sid, digest, pid, str(cut), env=cp.env())
+        proc = driver(data, run_root, "cycle", sid, digest, pid, str(cut),
+                      env={**cp.env(), "AENV_POWERCUT_BOOT": f"cut-{cut}"})
         lines = cut_after_pause(proc, delay)
         err = proc.stderr.read() if proc.stderr else ""
         assert lines and lines[0].startswith("state paused"), f"cut {cut}: {lines}\n{err[-3000:]}"
@@ -93,6 +94,9 @@ def test_acknowledged_pause_survives_power_cut(env: Env, base_seed: BaseSeed, tm
         assert marks is not None, f"cut {cut}: not resumed: {lines}\n{err[-3000:]}"
         assert marks[0] == marks[1] and marks[0] in allowed, \
             f"cut {cut}: resumed marks {marks}, expected one of {sorted(allowed)}: {lines}"
+        if cut > 1 and marks[0] != str(cut - 1):   # the previous cut came before the ack: the pause before it
+            assert "paused from pause" in lines[0], f"cut {cut}: no note of the fallback: {lines[0]}"
+            fallbacks += 1
         assert "phase pause" in lines, f"cut {cut}: {lines}\n{err[-3000:]}"
         acked = "acked" in lines
         acked_cuts += acked
@@ -107,10 +111,11 @@ def test_acknowledged_pause_survives_power_cut(env: Env, base_seed: BaseSeed, tm
         print(f"cut {cut}: {delay:.2f}s after the pause began, acked={acked} "
               f"committed={'committed' in lines}; {r.fsyncs} fsyncs; {r.discarded} files discarded or cut short "
               f"({r.lost} of them named durably, their data not)")
-    print(f"[powercut] {CUTS} cuts ({acked_cuts} after the ack) in {time.monotonic() - t0:.0f}s; "
+    print(f"[powercut] {CUTS} cuts ({acked_cuts} after the ack, {fallbacks} resumed the pause before) "
+          f"in {time.monotonic() - t0:.0f}s; "
           f"{discarded} files discarded or cut short; kept as at the crash: {sorted(kept)}")
     assert 0 < acked_cuts < CUTS     # both sides of the acknowledgement were hit
-    final = driver(data, run_root, "cycle", sid, digest, pid, "-")
+    final = driver(data, run_root, "cycle", sid, digest, pid, "-", env={"AENV_POWERCUT_BOOT": "final"})
     out, err = final.communicate(timeout=300)
     assert final.returncode == 0 and "done" in out, out + err[-3000:]
     marks = next(x.split()[1:] for x in out.splitlines() if x.startswith("marks"))
