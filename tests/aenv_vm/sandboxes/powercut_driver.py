@@ -19,13 +19,14 @@ install_from_env()   # before anything opens a file of the node: every fsync is 
 
 import asyncio  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from aenv_store.store import Store  # noqa: E402
 from aenv_vm.guest import ensure_guest  # noqa: E402
 from aenv_vm.sandboxes.manager import SandboxManager  # noqa: E402
-from aenv_vm.sandboxes.records import SandboxState  # noqa: E402
+from aenv_vm.sandboxes.records import RecordStore, SandboxRecord, SandboxState  # noqa: E402
 from aenv_vm.sandboxes.sandbox import Sandbox  # noqa: E402
 
 from aenv_store.cache import node_cache  # noqa: E402
@@ -55,8 +56,24 @@ def new_boot() -> None:
         node_cache.boot_id = lambda: boot.encode()   # type: ignore[assignment]
 
 
+def cut_at_record() -> None:
+    """AENV_POWERCUT_AT=record: the process kills itself just before the pause's record
+    is written (its files are as durable as they will be before the acknowledgement):
+    the one cut point a random delay hits only by chance."""
+    if os.environ.get("AENV_POWERCUT_AT") != "record":
+        return
+    put = RecordStore.put
+
+    def put_or_die(self: RecordStore, rec: SandboxRecord) -> None:
+        if rec.state == SandboxState.PAUSED and rec.snapshot is not None and not rec.snapshot.committed:
+            os.kill(os.getpid(), signal.SIGKILL)    # only a pause writes such a record
+        put(self, rec)
+    RecordStore.put = put_or_die    # type: ignore[method-assign]
+
+
 async def main(data: Path, run_root: Path, mode: str, args: list[str]) -> int:
     new_boot()
+    cut_at_record()
     store = Store.open(store_settings(data))
     try:
         async with SandboxManager(store, ensure_guest(quiet=True), run_root) as mgr:
