@@ -121,6 +121,9 @@ def test_acknowledged_pause_survives_power_cut(env: Env, base_seed: BaseSeed, tm
           f"in {time.monotonic() - t0:.0f}s; "
           f"{discarded} files discarded or cut short; kept as at the crash: {sorted(kept)}")
     assert 0 < acked_cuts <= CUTS - CUTS // AT_RECORD    # both sides of the acknowledgement were hit
+    # changed in place without an fsync since a checkpoint: only a retired pause's memory.delta
+    # (overwritten as the next pause's spare; its directory, unreferenced, is removed at start)
+    assert all("/paused/" in k and k.endswith("/memory.delta") for k in kept), kept
     final = driver(data, run_root, "cycle", sid, digest, pid, "-", env={"AENV_POWERCUT_BOOT": "final"})
     out, err = final.communicate(timeout=300)
     assert final.returncode == 0 and "done" in out, out + err[-3000:]
