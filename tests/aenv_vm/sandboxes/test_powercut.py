@@ -30,7 +30,7 @@ from .test_faults import our_qemus
 pytestmark = pytest.mark.qemu
 
 REPO = Path(__file__).resolve().parents[3]
-CUTS = int(os.environ.get("AENV_POWERCUT_CUTS", "20"))
+CUTS = 20
 # When to cut: every fourth cut just before the pause's record is written (the driver kills
 # itself there); the others at a random delay after the pause starts, alternately inside the
 # pause (it acknowledged 0.2-0.3 s after its start here) and in its commit (~1 s) or after it.
