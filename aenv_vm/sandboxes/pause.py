@@ -263,13 +263,16 @@ class PausedSandboxes:
             raise
         finally:
             self._commits.pop(sid, None)
-        if sid not in self._standby or squashed:   # a squash: resume reopens on the new layer
-            await self.release(sid)
+        # The record says committed before the release removes the sandbox's directory:
+        # a crash in between left a pending pause without its sealed upper layer, and
+        # commit_pending then took the disk as it was before the pause (ref.disk_top).
         rec = self.records.get(sid)
         if rec is not None and rec.snapshot is not None and rec.snapshot.seq == snap.seq:
             self.records.put(rec.replace(snapshot=done))
             if previous is not None and previous.local != done.local:
                 retire(Path(previous.local))
+        if sid not in self._standby or squashed:   # a squash: resume reopens on the new layer
+            await self.release(sid)
 
     def _commit_work(self, sid: str, image: BlockImage, snap: SnapshotRef, previous: SnapshotRef | None,
                      meta: dict[str, str], record_meta: dict[str, str]) -> tuple[SnapshotRef, bool]:
