@@ -38,6 +38,8 @@ Not covered, precisely:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -102,16 +104,35 @@ class Recorder:
                 copy_sparse(rfd, self.data / str(n))
             finally:
                 os.close(rfd)
-            try:   # pinned: the inode number of a file deleted later is never reused while the log lives
-                os.link(f"/proc/self/fd/{fd}", self.data / f"pin-{st.st_ino}", follow_symlinks=True)
-            except OSError:
-                pass
+            # Pinned (a link to the inode itself): its number, the key of this content, is never
+            # reused by another file while the log lives. A file already unlinked has no name a
+            # durable directory could hold: its content is not recorded.
+            if not pin(fd, self.data / f"pin-{st.st_ino}"):
+                return
         else:
             return
         # the entry counts only once complete: a kill while copying loses it (= before the fsync returned)
         tmp = self.log / f".{n}.tmp"
         tmp.write_text(json.dumps(entry))
         os.rename(tmp, self.log / f"{n:08d}.json")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
+
+
+def pin(fd: int, dst: Path) -> bool:
+    """Link the open file ``fd`` at ``dst`` (linkat AT_EMPTY_PATH: needs root, as these
+    tests run; a link through /proc/self/fd fails across the proc mount). False when
+    the file has no link left."""
+    if _libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(dst), _AT_EMPTY_PATH) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:      # fsynced before: pinned already
+        return True
+    if err == errno.ENOENT:      # unlinked
+        return False
+    raise OSError(err, f"pin {dst}: {os.strerror(err)}")
 
 
 def install_from_env() -> None:
