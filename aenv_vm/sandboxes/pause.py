@@ -4,13 +4,13 @@ What a pause captures and guarantees is in docs/snapshots.md. In short:
 
 * **pause** (``PausedSandboxes.pause``): capture (capture.py), write
   ``memory.delta`` + ``device-state`` into ``<run_root>/paused/<id>/<seq>/``
-  (renamed complete: durable against a crash of this process at once), record
-  the sandbox as paused (LMDB).
+  (renamed complete), fsync them and every directory entry they and the disk's
+  upper layer depend on (durable against a host crash), then record the sandbox
+  as paused (LMDB, synchronous): never a record naming files a crash could lose.
 * **finish** (shielded from cancellation: the record already says paused):
   kill QEMU (its memory is released), keep the disk image open, and start a
   background commit that seals the disk's upper layer and commits delta,
-  device state and a ``paused-<id>`` catalog record to the store (fsync for
-  host crashes happens there, before anything is staged). A resume waits for
+  device state and a ``paused-<id>`` catalog record to the store. A resume waits for
   that commit, so a resumed VM never writes into an upper layer that is still
   being sealed. Up to ``standby_limit`` recently paused sandboxes also get
   their next QEMU started in advance (aenv_vm/machine ``start_standby``; a resume
@@ -59,7 +59,7 @@ class PauseTiming:
     stop: float             # QMP stop
     device_state: float     # xen-save-devices-state + splice
     pages: float            # pagemap + read of the private pages + xxh3
-    write: float            # memory.delta written, disk flush (ran concurrently since stop) done, record put
+    write: float            # memory.delta written, disk flush (ran concurrently since stop) done, fsyncs, record put
     total: float            # until the pause is durable (QEMU is killed right after)
     dirty_pages: int        # pages the sandbox holds privately (the flattened delta)
     written_pages: int = 0  # of those, written by this pause (new or changed since the previous one)
@@ -111,7 +111,7 @@ class PausedSandboxes:
         d.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         try:
-            # fsync for host crashes happens in the background commit, before anything is staged
+            # written without fsync, then made durable together before the record says paused
             flush: list[asyncio.Future] = []
             try:
                 cap = await self.capturer.capture(sbx, d / "device-state", sync=False, flush=flush)
@@ -123,6 +123,10 @@ class PausedSandboxes:
             finally:
                 for f in flush:
                     await f
+            # A host crash keeps only what was fsynced: the record (LMDB, synchronous)
+            # must never name a pause whose files could be lost, else the sandbox
+            # resumes neither from it nor, its record moved on, from the intact one before.
+            await asyncio.to_thread(make_pause_durable, d, self.rt.sandbox_dir(sid) / "upper")
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             with contextlib.suppress(Exception):
@@ -259,13 +263,16 @@ class PausedSandboxes:
             raise
         finally:
             self._commits.pop(sid, None)
-        if sid not in self._standby or squashed:   # a squash: resume reopens on the new layer
-            await self.release(sid)
+        # The record says committed before the release removes the sandbox's directory:
+        # a crash in between left a pending pause without its sealed upper layer, and
+        # commit_pending then took the disk as it was before the pause (ref.disk_top).
         rec = self.records.get(sid)
         if rec is not None and rec.snapshot is not None and rec.snapshot.seq == snap.seq:
             self.records.put(rec.replace(snapshot=done))
             if previous is not None and previous.local != done.local:
                 retire(Path(previous.local))
+        if sid not in self._standby or squashed:   # a squash: resume reopens on the new layer
+            await self.release(sid)
 
     def _commit_work(self, sid: str, image: BlockImage, snap: SnapshotRef, previous: SnapshotRef | None,
                      meta: dict[str, str], record_meta: dict[str, str]) -> tuple[SnapshotRef, bool]:
@@ -348,6 +355,22 @@ def write_pause_delta(path: Path, delta: Delta, previous: SnapshotRef | None) ->
             return write_incremental(path, delta, parent, previous.seq, spare=path.parent.parent / SPARE)
     write_delta(path, delta, False, spare=path.parent.parent / SPARE)
     return len(delta.pages)
+
+
+def make_pause_durable(pause_dir: Path, upper: Path) -> None:
+    """fsync what a paused record depends on, files and every directory entry
+    leading to them: ``memory.delta`` and ``device-state`` (written without fsync),
+    their directory up to the run root (``paused/<sid>/<seq>`` may be new, so may
+    ``paused/<sid>``), and the directories holding the disk's upper layer (its data
+    and block map are fsynced by the flush; the entries of ``upper/`` and
+    ``sandboxes/<sid>/`` were made when the sandbox started, without fsync)."""
+    for f in (pause_dir / "memory.delta", pause_dir / "device-state"):
+        sync_file(f)
+    for d in (pause_dir, pause_dir.parent, pause_dir.parent.parent, pause_dir.parent.parent.parent):
+        sync_file(d)
+    if upper.is_dir():
+        for d in (upper, upper.parent, upper.parent.parent):
+            sync_file(d)
 
 
 def retire(pause_dir: Path) -> None:

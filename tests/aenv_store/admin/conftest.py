@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import random
 import sys
 import time
@@ -44,6 +45,15 @@ def write_config(data_dir: Path, repo: Path | None = None) -> None:
     (data_dir / "config.toml").write_text("\n".join(lines) + "\n")
 
 
+def write_remote_config(data_dir: Path, repository: dict[str, object]) -> None:
+    """As ``write_config``, with the [repository] table of a remote (S3) repository."""
+    write_config(data_dir)
+    with open(data_dir / "config.toml", "a") as f:
+        f.write("[repository]\n")
+        for k, v in repository.items():
+            f.write(f"{k} = {json.dumps(v)}\n")
+
+
 def open_store(data_dir: Path, create: bool = False) -> Store:
     return Store.open(load_config(data_dir, overrides={}).store_settings(), create=create)
 
@@ -54,6 +64,7 @@ class Repo:
 
     data_dir: Path
     tmp: Path
+    remote: dict[str, object] | None = None    # the [repository] table of a remote repository
 
     @property
     def path(self) -> Path:
@@ -78,7 +89,10 @@ class Repo:
         """Read every record (or ``names``) through a fresh Store with a cold node cache
         and compare with the workload content; returns the names checked."""
         cold = self.tmp / f"cold-{time.monotonic_ns()}"
-        write_config(cold, repo=self.path)
+        if self.remote is not None:
+            write_remote_config(cold, self.remote)
+        else:
+            write_config(cold, repo=self.path)
         with open_store(cold) as store:
             recs = store.list_records() if names is None else [store.get_record(n) for n in names]
             for rec in recs:
