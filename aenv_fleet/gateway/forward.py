@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 import aiohttp
 from aiohttp import web
@@ -112,6 +112,17 @@ class NodeClient:
             raise NodeUnreachable(str(e)) from None
         except (aiohttp.ClientError, TimeoutError) as e:
             raise NodeFailed(f"{type(e).__name__}: {e}") from None
+
+    async def answers(self, urls: Iterable[str], method: str, path_qs: str, headers: dict[str, str],
+                      timeout: float | None = None) -> list[Answer]:
+        """``method path_qs`` of every node at ``urls`` at once: the answers of those that
+        answered (a node unreachable or failing is left out)."""
+        async def one(url: str) -> Answer | None:
+            try:
+                return await self.call(method, url + path_qs, None, headers, timeout)
+            except (NodeUnreachable, NodeFailed):
+                return None
+        return [a for a in await asyncio.gather(*(one(u) for u in urls)) if a is not None]
 
     async def call_json(self, method: str, url: str, payload: Any, headers: dict[str, str],
                         timeout: float | None = None) -> Answer:

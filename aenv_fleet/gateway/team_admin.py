@@ -7,7 +7,6 @@ the repository) is refused (409), and the running and paused counts are summed o
 the nodes."""
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from typing import Any
@@ -89,14 +88,8 @@ class TeamAdmin:
 
     async def _running_counts(self, request: web.Request) -> web.Response:
         """Every live node's counts, summed by team."""
-        headers = forwarded_headers(request)
-
-        async def one(url: str) -> Answer | None:
-            try:
-                return await self.nodes.call("GET", url + RUNNING_COUNTS, None, headers, ADMIN_TIMEOUT)
-            except (NodeUnreachable, NodeFailed):
-                return None
-        got = [a for a in await asyncio.gather(*(one(n.url) for n in self.fleet.alive())) if a is not None]
+        got = await self.nodes.answers([n.url for n in self.fleet.alive()], "GET", RUNNING_COUNTS,
+                                       forwarded_headers(request), ADMIN_TIMEOUT)
         if not got:
             return _error(503, "no node of the fleet answered")
         refused = next((a for a in got if a.status != 200), None)

@@ -15,7 +15,6 @@ first refusal is relayed as it came. A node that does not answer is left out of 
 (its samples live in its memory only); none answering is 503."""
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
@@ -28,7 +27,7 @@ from aiohttp import web
 from aenv_wire.errors import error_body
 from aenv_wire.listing import iso
 
-from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
+from .forward import Answer, NodeClient, forwarded_headers
 from .state import FleetView
 
 TEAM_METRICS = re.compile(r"^/teams/([^/]+)/metrics(/max)?$")
@@ -93,16 +92,10 @@ class FleetTeamMetrics:
                       end: int | None) -> list[list[dict[str, Any]]] | web.Response:
         """Every live node's ``/teams/{team}/metrics`` for the range; a refusal as the
         response to give."""
-        headers = forwarded_headers(request)
         query = urlencode({k: v for k, v in (("start", start), ("end", end)) if v is not None})
         path = f"/teams/{team}/metrics" + (f"?{query}" if query else "")
-
-        async def one(url: str) -> Answer | None:
-            try:
-                return await self.nodes.call("GET", url + path, None, headers, METRICS_TIMEOUT)
-            except (NodeUnreachable, NodeFailed):
-                return None
-        got = [a for a in await asyncio.gather(*(one(n.url) for n in self.fleet.alive())) if a is not None]
+        got = await self.nodes.answers([n.url for n in self.fleet.alive()], "GET", path, forwarded_headers(request),
+                                       METRICS_TIMEOUT)
         if not got:
             return _error(503, "no node of the fleet answered")
         refused = next((a for a in got if a.status != 200), None)
