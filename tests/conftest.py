@@ -67,9 +67,10 @@ def data_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(autouse=True)
 def _isolate_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # Tests never touch the user's real data dir or pick up a developer's AENV_* overrides.
+    # Tests never touch the user's real data dir or pick up a developer's AENV_* overrides
+    # (but the guest cache, and AENV_FAULT_SEED: the seed of the crash tests' random points).
     for name in list(os.environ):
-        if name.startswith("AENV_") and name not in ("AENV_GUEST_CACHE",):
+        if name.startswith("AENV_") and name not in ("AENV_GUEST_CACHE", "AENV_FAULT_SEED"):
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AENV_DATA_DIR", str(tmp_path / "default-data-dir"))
     # an in-process node builds no code-interpreter-v1 in the background (tests/codeint does)
