@@ -145,6 +145,11 @@ def test_the_admin_runs_a_team_from_the_page(session: Session, node: InProcessSe
     status, _, ended = node.request("GET", f"/templates/{build['templateID']}/builds/{build['buildID']}/status",
                                     key=key)
     assert status == 200 and ended["status"] == "error" and "cancelled by the admin" in json.dumps(ended), ended
+    # a team that owns a template is not deleted (the API's 409, shown); the template goes first
+    page.click("#team-delete")
+    page.wait_for_selector("#toast.show.error:has-text('template')")
+    assert "still owns 1 template(s) (dash-admin-tpl)" in page.inner_text("#toast")
+    assert node.request("DELETE", f"/templates/{build['templateID']}", key=key)[0] == 204
     # the key deleted on the page is refused at once
     kid = next(k["id"] for k in admin(node, "GET", f"/admin/teams/{tid}/api-keys")[1] if k["name"] == "sdk")
     page.click(f'button[data-key="{kid}"]')
