@@ -83,4 +83,11 @@ async def serve_dashboard(request: web.Request) -> web.StreamResponse:
         return _not_found(request.path)
     headers = dict(SECURITY_HEADERS)
     headers["Content-Type"] = CONTENT_TYPES[found.suffix]
-    return web.FileResponse(found, headers=headers)
+    # Read here, on the loop: the files are the project's own and small (the largest, xterm,
+    # ~340 KiB, from the page cache), and a FileResponse waits for the loop's default
+    # executor, which a node's blocking work (commits, stores) can hold for a long time.
+    try:
+        body = found.read_bytes()
+    except OSError:
+        return _not_found(request.path)
+    return web.Response(body=body, headers=headers)

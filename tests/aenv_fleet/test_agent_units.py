@@ -41,7 +41,7 @@ ANSWERS: dict[str, Any] = {
 CALLS: dict[str, tuple[Any, ...]] = {
     "create": (CreateRequest(template="base"),), "get": ("sbx-1",), "list_sandboxes": (), "kill": ("sbx-1",),
     "pause": ("sbx-1", False, True), "resume": ("sbx-1", 60.0, False), "set_timeout": ("sbx-1", 60.0),
-    "update_network": ("sbx-1", NetworkPolicy()), "snapshot": ("sbx-1", "n"), "list_snapshots": (),
+    "update_network": ("sbx-1", NetworkPolicy()), "snapshot": ("sbx-1", "n", "team-a"), "list_snapshots": (),
     "delete_snapshot": ("snap-1",), "fork": ("sbx-1", 2, 60.0, None), "endpoint": ("sbx-1", 8080),
     "usage": ("sbx-1",), "metrics": ("sbx-1", 1.0, 2.0), "latest_metrics": (["sbx-1"],),
     "console": ("sbx-1", "qemu-1", 0, 100), "adopt": ("sbx-1", True), "release": ("sbx-1",)}

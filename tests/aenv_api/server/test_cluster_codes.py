@@ -53,6 +53,9 @@ class Refusing:
             raise NotFound(f"unknown sandbox {sid!r}")
         return paused(sid)
 
+    async def list_snapshots(self) -> list[Any]:
+        return []       # a create names a template, or a snapshot of the team's: none here
+
     async def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise self.error
 

@@ -148,7 +148,12 @@ def test_templates_are_their_teams_through_the_sdk(node: Server, monkeypatch: py
         shared.kill()
     assert node.request("DELETE", "/templates/sdk-a-own-tpl", key=key_b)[0] == 404
     assert node.request("DELETE", "/templates/sdk-a-own-tpl", key=key_a)[0] == 204
+    # B's refused build still made B's template (the SDK names it before its build is
+    # refused): a team that owns a template is not deleted until it goes
     admin = {"X-Admin-Token": ADMIN}
+    status, _, body = node.request("DELETE", f"/admin/teams/{team_b}", headers=admin, key=None)
+    assert status == 409 and "sdk-b-child-tpl" in body["message"], body
+    assert node.request("DELETE", "/templates/sdk-b-child-tpl", key=key_b)[0] == 204
     for team in (team_a, team_b):
         assert node.request("DELETE", f"/admin/teams/{team}", headers=admin, key=None)[0] == 204
 

@@ -439,9 +439,9 @@ def test_sandboxes_from_a_paused_sandboxs_pause(svc: Impl) -> None:
     svc.run(case())
 
 
+# a node's child fails only on a fault (tests/aenv_vm/sandboxes/test_faults.py): the fakes only
+@pytest.mark.parametrize("impl", ["fake", "observed"], indirect=True)
 def test_fork_results_carry_each_childs_error(svc: Impl) -> None:
-    if svc.name == "node":
-        pytest.skip("a node's child fails only on a fault (tests/aenv_vm/sandboxes/test_faults.py)")
     # the observed wrapper's inner service (the protocol does not have it)
     fake = svc.service if isinstance(svc.service, FakeSandboxService) else svc.service.inner  # type: ignore[attr-defined]
 
