@@ -468,13 +468,17 @@ class TemplateBuilds:
 
     async def delete(self, template_id: str) -> bool:
         """Delete an E2B template and its builds; False when ``template_id`` is none (the
-        caller may then try snapshots). Conflict while sandboxes use one of its builds."""
+        caller may then try snapshots). Conflict while a build of it runs or sandboxes use
+        one of its builds."""
         name, _ = records.split_name(template_id)
         async with self._lock:
             tdef = records.load_def(self.store, name)
             if tdef is None:
                 return False
-            if any(r.name == name and r.status in ("waiting", "building") for r in self._runs.values()):
+            # a build that started (running, or queued for a slot) holds the template; one
+            # only requested (its start never came, or was refused) goes with it
+            if any(r.name == name and (r.status == "building" or (r.task is not None and not r.task.done()))
+                   for r in self._runs.values()):
                 raise Conflict(f"template {name} has a build running: wait for it to end")
             tids = sorted({b.template for b in tdef.builds if b.template})
             users = sorted(u for t in tids for u in self.users(t))
