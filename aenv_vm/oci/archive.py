@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ class _Source:
                  on_bytes: Callable[[int], None] | None = None) -> str:
         """Copy member ``name`` to ``dest`` (via a .part file), checking digest and size
         when given; returns its sha256 digest."""
-        part = dest.with_name(dest.name + f".part{os.getpid()}")
+        part = dest.with_name(dest.name + f".part{os.getpid()}-{secrets.token_hex(4)}")
         sha = hashlib.sha256()
         n = 0
         try:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,7 +366,7 @@ class RegistryClient:
         digest and size check out). ``on_bytes(n)`` after each piece; a retry from another
         endpoint reports negative bytes first to undo a partial count."""
         what = f"blob {digest}"
-        part = dest.with_name(dest.name + f".part{os.getpid()}")
+        part = dest.with_name(dest.name + f".part{os.getpid()}-{secrets.token_hex(4)}")
 
         async def fetch(ep: Endpoint) -> None:
             resp = await self._get(ep, f"blobs/{digest}", {}, what)

@@ -319,3 +319,26 @@ def test_rm_then_gc_leaves_nothing(filled_registry: Registry, data_dir: Path) ->
     again = run_aenv(data_dir, "image", "pull", ref, "--output", "json").json()
     assert not again["reused"] and again["cached_layers"] == 3 and again["downloaded_bytes"] < 2000
     assert_verify_clean(data_dir)
+
+
+def test_concurrent_pulls_of_one_image_share_its_blobs(filled_registry: Registry, images: PushedImages,
+                                                       data_dir: Path) -> None:
+    """Two builds from one image at once (a harness starting trials together) download the
+    same blobs into the node's cache at the same time: each through a part file of its own,
+    so neither renames, truncates nor loses the other's."""
+    import asyncio
+
+    from aenv_vm.oci.config import OciConfig
+    from aenv_vm.oci.pull import Puller
+
+    store = open_node_store(StoreSettings(paths=StorePaths(data_dir)), create=True)
+    try:
+        async def both() -> list:
+            pullers = [Puller(store, OciConfig(), data_dir, f"{filled_registry.host}/test/img:multi") for _ in range(3)]
+            return await asyncio.gather(*(p.run_async() for p in pullers), return_exceptions=True)
+        got = asyncio.run(both())
+        assert not [r for r in got if isinstance(r, BaseException)], got
+        assert {r.digest for r in got} == {images.amd64["digest"]}
+        assert not [p for p in (data_dir / "oci-cache").rglob("*") if ".part" in p.name]
+    finally:
+        store.close()
