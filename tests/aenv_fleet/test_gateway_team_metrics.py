@@ -21,14 +21,14 @@ from aenv_api.server.settings import ServerConfig
 from aenv_api.server.shared_keys import SharedKeyStore
 from aenv_fleet.agent import NodeAgent
 from aenv_fleet.config import ClusterConfig, GatewayConfig
-from aenv_fleet.coord import Capacity, Coordinator
+from aenv_fleet.coord import Coordinator
 from aenv_fleet.gateway.app import Gateway
 from aenv_fleet.gateway.team_metrics import maximum, merged
 from aenv_fleet.teams_doc import RedisTeamsDocument
-from aenv_fleet.trust import gateway_trust
 from aenv_vm.fake_service import FakeSandboxService
 
 from .redisserver import RedisServer
+from .test_gateway_teams import cap, fleet_trust
 
 KEY = "e2b_" + "8" * 40
 ADMIN = "gateway-metrics-admin-" + "m" * 12
@@ -54,17 +54,8 @@ def test_merged_sums_each_bucket_over_the_nodes(nodes: list[list[tuple[int, int,
     assert best["value"] == max((b["concurrentSandboxes"] for b in got), default=0)
 
 
-def cap(url: str) -> Capacity:
-    return Capacity(url=url, max_sandboxes=20, vcpus=2, mem_total_mib=100_000, mem_avail_mib=100_000,
-                    disk_free_mib=10_000, sandbox_mem_mib=256, running=0, paused=0)
-
-
 def test_a_teams_metrics_through_a_gateway_are_the_fleets(tmp_path: Path, redis_server: RedisServer) -> None:
-    redis_server.client().flushall()
-    (tmp_path / "fleet-secret").write_text(SECRET + "\n")
-    redis_server.write_password(tmp_path / "redis-password")
-    trust = gateway_trust(GatewayConfig(redis_url=redis_server.bare_url, fleet_secret_file="fleet-secret",
-                                        redis_password_file=str(tmp_path / "redis-password")), tmp_path)
+    trust = fleet_trust(tmp_path, redis_server, SECRET)
 
     async def main() -> None:
         nodes: list[tuple[ApiServer, Lifecycle, Coordinator, RedisTeamsDocument, str]] = []

@@ -24,7 +24,7 @@ from aenv_fleet.config import ClusterConfig, GatewayConfig
 from aenv_fleet.coord import Capacity, Coordinator
 from aenv_fleet.gateway.app import Gateway
 from aenv_fleet.teams_doc import RedisTeamsDocument
-from aenv_fleet.trust import gateway_trust
+from aenv_fleet.trust import FleetTrust, gateway_trust
 from aenv_vm.fake_service import FakeSandboxService
 
 from .redisserver import RedisServer
@@ -39,12 +39,17 @@ def cap(url: str) -> Capacity:
                     disk_free_mib=10_000, sandbox_mem_mib=256, running=0, paused=0)
 
 
-def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> None:
+def fleet_trust(tmp_path: Path, redis_server: RedisServer, secret: str) -> FleetTrust:
+    """An emptied Redis with a password and a fleet secret: the trust a gateway and its nodes share."""
     redis_server.client().flushall()
-    (tmp_path / "fleet-secret").write_text(SECRET + "\n")
+    (tmp_path / "fleet-secret").write_text(secret + "\n")
     redis_server.write_password(tmp_path / "redis-password")
-    trust = gateway_trust(GatewayConfig(redis_url=redis_server.bare_url, fleet_secret_file="fleet-secret",
-                                        redis_password_file=str(tmp_path / "redis-password")), tmp_path)
+    return gateway_trust(GatewayConfig(redis_url=redis_server.bare_url, fleet_secret_file="fleet-secret",
+                                       redis_password_file=str(tmp_path / "redis-password")), tmp_path)
+
+
+def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> None:
+    trust = fleet_trust(tmp_path, redis_server, SECRET)
 
     async def main() -> None:
         config, metrics = ServerConfig(port=0), Metrics()
