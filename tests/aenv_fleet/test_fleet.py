@@ -240,11 +240,11 @@ def test_the_gateways_dashboard_shows_each_sandboxs_node_and_drains_one(fleet: F
             page.wait_for_selector('button.node-op[data-node="node3"]')
             assert page.locator("#fleet-nodes tbody tr").count() == 3
             page.click('button.node-op[data-node="node3"]')          # Drain (confirmed)
-            page.wait_for_selector('button.node-op[data-node="node3"]:text("Undrain")')
+            page.wait_for_selector('button.node-op[data-node="node3"]:text-is("Undrain")')
             assert [n for n, v in nodes_of(fleet, 1).items() if v["drained"]] == ["node3"]
             screenshot(session, "fleet-nodes", tmp_path)
             page.click('button.node-op[data-node="node3"]')          # Undrain
-            page.wait_for_selector('button.node-op[data-node="node3"]:text("Drain")')
+            page.wait_for_selector('button.node-op[data-node="node3"]:text-is("Drain")')
             assert not any(v["drained"] for v in nodes_of(fleet, 1).values())
             page.context.close()
             assert not session.errors, session.errors

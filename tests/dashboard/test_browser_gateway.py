@@ -116,7 +116,7 @@ def test_two_nodes_and_one_drained(session: Session, gateway: tuple[str, Coordin
     assert page.locator("#fleet-nodes tbody tr").count() == 2
     assert "3 running, 1 paused, 8 of 8 free" in page.inner_text("#fleet-nodes tbody tr:nth-child(2)")
     page.click(f'button.node-op[data-node="{NODES[0]}"]')       # Drain (confirmed)
-    page.wait_for_selector(f'button.node-op[data-node="{NODES[0]}"]:text("Undrain")')
+    page.wait_for_selector(f'button.node-op[data-node="{NODES[0]}"]:text-is("Undrain")')
     drained = {n.node_id: n.drained for n in loop.run(agent.nodes())}
     assert drained == {NODES[0]: True, NODES[1]: False}, drained
     page.wait_for_selector("#fleet-nodes tbody tr:first-child:has-text('(drained)')")
@@ -126,5 +126,5 @@ def test_two_nodes_and_one_drained(session: Session, gateway: tuple[str, Coordin
     assert NODES[0] in page.inner_text("#fleet-events tbody tr:first-child")
     screenshot(session, "gateway-nodes", tmp_path)
     page.click(f'button.node-op[data-node="{NODES[0]}"]')       # Undrain
-    page.wait_for_selector(f'button.node-op[data-node="{NODES[0]}"]:text("Drain")')
+    page.wait_for_selector(f'button.node-op[data-node="{NODES[0]}"]:text-is("Drain")')
     assert not any(n.drained for n in loop.run(agent.nodes()))
