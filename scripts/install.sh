@@ -143,4 +143,12 @@ if command -v npm >/dev/null; then
     touch "$dstamp"
   fi
 fi
+# The guest (kernel, root image, tools; fixtures/build_guest.py, cached by its inputs under
+# /var/cache/aenv/guest and shared by every checkout): built here, where the host's apt
+# reaches Debian's mirrors, not on a first start inside a network namespace that does not
+# (the isolation and fleet tests start their nodes in such namespaces). Needs root; a
+# non-root install leaves it to the server's first start (as root).
+if [[ $(id -u) -eq 0 && "${AENV_SKIP_GUEST:-0}" != 1 ]]; then
+  .venv/bin/python fixtures/build_guest.py >/dev/null
+fi
 echo "install: ok ($(.venv/bin/aenv --version))"
