@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from aenv_api.server.app import ApiServer
 from aenv_api.server.shared_keys import SharedKeyStore
@@ -265,21 +265,49 @@ class Node:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-            if builds is not None:
-                await builds.close()   # running builds end (their VMs stop) before the manager's QEMUs
+            if builds is not None:   # running builds end (their VMs stop) before the manager's QEMUs
+                await shutdown_part("the template builds", builds.close(), report)
             if lifecycle is not None:
-                await lifecycle.shutdown()
+                await shutdown_part("the sandboxes' pauses", lifecycle.shutdown(), report)
             if agent is not None:
-                await agent.close()     # after the shutdown's pauses are bound: the lease ends now
+                # after the shutdown's pauses are bound: the lease ends now. Bounded: a Redis
+                # that does not answer only lets the lease run out, as a crash would
+                await shutdown_part("leaving the fleet", agent.close(), report, give_up_after=AGENT_CLOSE_LIMIT)
             if server is not None:
-                await server.close()
+                await shutdown_part("the API's connections", server.close(), report)
             if teams_doc is not None:
                 teams_doc.close()
-            if manager is not None:
-                await manager.close()  # kills pooled and remaining sandboxes: no QEMU outlives the node
+            if manager is not None:  # kills pooled and remaining sandboxes: no QEMU outlives the node
+                await shutdown_part("the sandboxes' QEMUs", manager.close(), report)
             confinement.close()
             await asyncio.to_thread(store.close)
             report("stopped")
+
+
+SHUTDOWN_SLOW_AFTER = 10.0     # s: a shutdown part still running then is named in the log
+AGENT_CLOSE_LIMIT = 15.0       # s: leaving the fleet (a reconcile, the lease's end, Redis closed)
+
+
+async def shutdown_part(name: str, work: Awaitable[None], report: Report,
+                        give_up_after: float | None = None) -> None:
+    """One part of the node's shutdown. One still running after SHUTDOWN_SLOW_AFTER is
+    reported by name (a node that does not stop says where it stands); ``give_up_after``:
+    the part is cancelled then (only for parts whose end others do not wait on)."""
+    task = asyncio.ensure_future(work)
+    t0 = time.monotonic()
+    done, _ = await asyncio.wait({task}, timeout=SHUTDOWN_SLOW_AFTER)
+    if not done:
+        report(f"shutting down: {name} still running after {SHUTDOWN_SLOW_AFTER:.0f} s")
+        rest = None if give_up_after is None else max(0.0, give_up_after - SHUTDOWN_SLOW_AFTER)
+        done, _ = await asyncio.wait({task}, timeout=rest)
+        if not done:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            report(f"shutting down: {name} given up after {give_up_after:.0f} s")
+            return
+        report(f"shutting down: {name} done after {time.monotonic() - t0:.1f} s")
+    await task      # its exception, if any, as before
 
 
 def node_credentials(config: AenvConfig) -> Credentials:
