@@ -56,8 +56,10 @@ class Pair:
 
 
 def envd_token(node: Server, sid: str) -> str:
-    """docs/api.md's envd token, computed independently from the deployment's secret."""
-    mac = hmac.new(node.env["AENV_ENVD_SECRET"].encode(), sid.encode(), hashlib.sha256).digest()
+    """docs/security.md's client envd token (generation 0), computed independently from the
+    deployment's secret."""
+    key = hmac.new(node.env["AENV_ENVD_SECRET"].encode(), b"aenv envd client token v1", hashlib.sha256).digest()
+    mac = hmac.new(key, f"{sid}/0".encode(), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
 
