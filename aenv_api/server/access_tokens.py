@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from .errors import ApiError
 if TYPE_CHECKING:
     from .lifecycle import Lifecycle
     from .views import SandboxView
+
+log = logging.getLogger(__name__)
 
 GENERATION_ANNOTATION = "api.token_generation"    # among the sandbox's annotations (extras.py's sibling)
 _GUEST_LABEL = b"aenv envd guest token v1"
@@ -92,6 +95,15 @@ class AccessTokens:
 
     def client(self, sandbox_id: str, generation: int = 0) -> str:
         return _mac(_key(self.secret, _CLIENT_LABEL), f"{sandbox_id}/{generation}")
+
+    def client_of(self, sandbox_id: str, annotations: Mapping[str, str]) -> str:
+        """The client token of a secured sandbox whose record has these annotations. An
+        unreadable generation fails closed: a token nobody holds, never an open sandbox."""
+        try:
+            return self.client(sandbox_id, generation_of(annotations))
+        except BadGeneration as e:
+            log.error("sandbox %s: %s; its client token is unknown", sandbox_id, e)
+            return secrets.token_urlsafe(32)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode
 from aenv_wire.errors import GUEST_UNRESPONSIVE
 from aenv_wire.listing import CLIENT_ID, FALLBACK_ENVD_VERSION, parse_metadata_filter, started_at_or_after
 
-from .access_tokens import AccessTokens, BadGeneration, SandboxKeys, generation_of
+from .access_tokens import AccessTokens, SandboxKeys
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError, error_code
@@ -245,7 +245,8 @@ class Lifecycle:
             sandbox_id=info.sandbox_id, template_id=info.template_id, alias=extra.alias, started_at=info.started_at,
             end_at=info.end_at, cpu_count=info.vcpus, memory_mb=info.memory_mib,
             disk_size_mb=info.disk_mib or extra.disk_mb, state=info.state.value,
-            access_token=self._client_token(info), guest_token=info.access_token,
+            access_token=self.tokens.client_of(info.sandbox_id, info.annotations) if info.access_token else None,
+            guest_token=info.access_token,
             auto_pause=info.auto_pause, auto_resume=extra.auto_resume, metadata=dict(info.metadata),
             allow_internet_access=info.allow_internet_access,
             envd_version=info.envd_version or FALLBACK_ENVD_VERSION,
@@ -254,16 +255,6 @@ class Lifecycle:
             cold_boot=info.cold_boot, envd_unresponsive=info.envd_unresponsive,
             volume_mounts=tuple(dict(m) for m in info.volume_mounts), team_id=team_of(info.annotations),
             client_id=self.node_id)
-
-    def _client_token(self, info: SandboxInfo) -> str | None:
-        """What the client holds for the sandbox (access_tokens.py); None: not secured."""
-        if not info.access_token:
-            return None
-        try:
-            return self.tokens.client(info.sandbox_id, generation_of(info.annotations))
-        except BadGeneration as e:   # fail closed: a token nobody holds, never an unsecured sandbox
-            log.error("sandbox %s: %s; its client token is unknown", info.sandbox_id, e)
-            return secrets.token_urlsafe(32)
 
     async def _info(self, sid: str) -> SandboxInfo:
         try:
