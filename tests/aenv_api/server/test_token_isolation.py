@@ -22,7 +22,7 @@ from .conftest import Server, use_sdk_env
 pytestmark = pytest.mark.qemu
 
 # Run as root in a guest: every 43-character base64url word (an HMAC-SHA256 token's
-# shape) in the readable memory of envd's processes and in every process's environment,
+# shape) in the writable memory of envd's processes and in every process's environment,
 # and whether each needle (argv) occurs there at all.
 SCAN = r"""
 import json, os, re, sys
@@ -42,7 +42,8 @@ for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
         with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
             for line in maps:
                 span, perms = line.split()[:2]
-                if not perms.startswith("r") or "[v" in line:
+                # writable mappings: the heap and anonymous memory, where strings live
+                if not perms.startswith("rw") or "[v" in line:
                     continue
                 lo, hi = (int(x, 16) for x in span.split("-"))
                 try:
