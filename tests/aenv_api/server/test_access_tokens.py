@@ -5,10 +5,12 @@ guest echoes what the proxy sent it, so what reaches a guest is observable. The 
 story with real VMs and the real SDK: test_token_isolation.py."""
 from __future__ import annotations
 
+import asyncio
 import time
 from urllib.parse import urlencode
 from typing import Any, Iterator
 
+import aiohttp
 import pytest
 from aiohttp import web
 from hypothesis import given
@@ -108,9 +110,19 @@ async def _echo(request: web.Request) -> web.Response:
     return web.json_response({"headers": dict(request.headers), "query": dict(request.query)})
 
 
+async def _ws(request: web.Request) -> web.WebSocketResponse:
+    """A WebSocket that says which token its handshake carried."""
+    ws = web.WebSocketResponse()
+    await ws.prepare(request)
+    await ws.send_str(request.headers.get("X-Access-Token", "<none>"))
+    await ws.close()
+    return ws
+
+
 def _routes(app: web.Application) -> None:
     app.router.add_route("*", "/files", _echo)
     app.router.add_get("/execute", _echo)
+    app.router.add_get("/ws", _ws)
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +190,24 @@ def test_the_guest_gets_its_own_token_never_the_clients(api: InProcessServer) ->
     status, _, got = api.request("GET", signed_url("/a", client), key=None)
     assert status == 200 and got["headers"]["X-Access-Token"] == guest, got
     assert api.request("GET", signed_url("/a", guest), key=None)[0] == 401
+
+
+def test_websocket_handshakes_are_translated_too(api: InProcessServer) -> None:
+    sbx = create(api)
+    sid, client = sbx["sandboxID"], sbx["envdAccessToken"]
+
+    async def seen(token: str, port: int) -> str | int:
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port), "X-Access-Token": token}
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.ws_connect(f"{api.url}/ws", headers=headers) as ws:
+                    return (await ws.receive()).data
+            except aiohttp.WSServerHandshakeError as e:
+                return e.status
+    assert asyncio.run(seen(client, 49983)) == api.guest_token(sid)
+    assert asyncio.run(seen(api.guest_token(sid), 49983)) == 401
+    assert asyncio.run(seen(client, 8080)) == api.guest_token(sid)
+    assert asyncio.run(seen(api.guest_token(sid), 8080)) == "<none>"
 
 
 def test_fork_children_have_tokens_of_their_own(api: InProcessServer) -> None:
