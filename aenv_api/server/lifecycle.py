@@ -128,10 +128,11 @@ class Lifecycle:
     def __init__(self, service: SandboxService, config: ServerConfig, metrics: Metrics, data_dir: Path,
                  tokens: AccessTokens | None = None, traffic_token: TokenMinter | None = None,
                  node_id: str = CLIENT_ID) -> None:
-        """``tokens``: the deployment's envd token derivations (default: a key of this
-        Lifecycle's own, library use and unit tests). ``traffic_token`` (default: a key of this Lifecycle's own) mints the traffic access
-        token of a sandbox from its id; it must give the same token for the same id across
-        restarts, as ``Credentials.traffic_token`` does. ``node_id`` is what E2B's
+        """``tokens``: the deployment's envd token derivations (access_tokens.py; default: a
+        key of this Lifecycle's own, for library use and unit tests). ``traffic_token``
+        (default: a key of this Lifecycle's own) mints the traffic access token of a sandbox
+        from its id; it must give the same token for the same id across restarts, as
+        ``Credentials.traffic_token`` does. ``node_id`` is what E2B's
         ``clientID`` says of every sandbox here: the node that runs it."""
         self.service = service
         self.node_id = node_id
@@ -215,6 +216,7 @@ class Lifecycle:
     # --- views ---------------------------------------------------------------
 
     def check_op(self, view: SandboxView, op: Op) -> Outcome:
+        """``_check`` for operations implemented beside this class (access_tokens.rotate)."""
         return self._check(view, op)
 
     def view_of(self, info: SandboxInfo) -> SandboxView:
