@@ -23,21 +23,26 @@ pytestmark = pytest.mark.qemu
 
 # Run as root in a guest: every 43-character base64url word (an HMAC-SHA256 token's
 # shape) in the writable memory of envd's processes and in every process's environment,
-# and whether each needle (argv) occurs there at all.
+# and whether each needle occurs there at all. The needles come reversed: the command
+# line goes through envd, whose memory must not get them from the test itself.
 SCAN = r"""
 import json, os, re, sys
 word = re.compile(rb"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])")
-needles = [n.encode() for n in sys.argv[1:]]
-found, seen, scanned = set(), dict.fromkeys(sys.argv[1:], False), 0
-def take(data):
+needles = [n[::-1].encode() for n in sys.argv[1:]]
+found, seen, scanned = set(), {n.decode(): False for n in needles}, 0
+where = {}
+def take(data, what=""):
     found.update(m.group().decode() for m in word.finditer(data))
     for n in needles:
-        if n in data:
+        at = data.find(n)
+        if at >= 0:
             seen[n.decode()] = True
+            where.setdefault(n.decode()[:6], f"{what}: {data[max(0, at - 160):at + 50]!r}")
 for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
     try:
-        take(open(f"/proc/{pid}/environ", "rb").read())
-        if b"envd" not in open(f"/proc/{pid}/cmdline", "rb").read():
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        take(open(f"/proc/{pid}/environ", "rb").read(), f"environ of {cmd[:60]!r}")
+        if b"envd" not in cmd:
             continue
         with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
             for line in maps:
@@ -48,19 +53,20 @@ for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
                 lo, hi = (int(x, 16) for x in span.split("-"))
                 try:
                     mem.seek(lo)
-                    take(mem.read(hi - lo))
+                    take(mem.read(hi - lo), f"{cmd[:60]!r} {line.strip()}")
                     scanned += hi - lo
                 except (OSError, ValueError, OverflowError):
                     pass
     except OSError:
         pass
-print(json.dumps({"words": sorted(found), "seen": seen, "scanned": scanned}))
+print(json.dumps({"words": sorted(found), "seen": seen, "scanned": scanned, "where": where}))
 """
 
 
 def scan(sbx: Any, *needles: str) -> dict[str, Any]:
     sbx.files.write("/tmp/scan.py", SCAN)
-    out = sbx.commands.run("python3 /tmp/scan.py " + " ".join(needles), user="root", timeout=600)
+    out = sbx.commands.run("python3 /tmp/scan.py " + " ".join(n[::-1] for n in needles), user="root",
+                           timeout=600)
     result: dict[str, Any] = json.loads(out.stdout)
     assert result["scanned"] > 1 << 20, result["scanned"]      # it did read envd's memory
     return result
@@ -102,8 +108,9 @@ def reach_nothing_of(server: Server, http: httpx.Client, a: Any, clone: Any) -> 
     found = scan(clone, client_a, guest_a, clone._envd_access_token)
     # the client-facing tokens never entered a guest: A's not in the clone nor in A itself,
     # the clone's own not in the clone
-    assert not found["seen"][client_a] and not found["seen"][clone._envd_access_token]
-    assert not scan(a, client_a)["seen"][client_a]
+    assert not found["seen"][client_a] and not found["seen"][clone._envd_access_token], found["where"]
+    in_a = scan(a, client_a)
+    assert not in_a["seen"][client_a], in_a["where"]
     candidates = sorted(set(found["words"]) | {guest_a, server.guest_token(clone.sandbox_id)})
     assert len(candidates) < 5000, len(candidates)
     refused = {c: attempts(server, http, a.sandbox_id, c) for c in candidates}
