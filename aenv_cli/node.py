@@ -191,7 +191,7 @@ class Node:
             # E2B's /nodes and every sandbox's clientID: this node, named as its fleet knows
             # it, else by its run dir
             node_id = agent.node_id if agent is not None else manager.rt.node_id
-            lifecycle = Lifecycle(service, server_cfg, metrics, config.data_dir, creds.envd_token,
+            lifecycle = Lifecycle(service, server_cfg, metrics, config.data_dir, creds.access_tokens,
                                   creds.traffic_token, node_id=node_id)
             await lifecycle.start()
             background.append(asyncio.ensure_future(register_gauges(metrics, lifecycle, manager, store, report)()))

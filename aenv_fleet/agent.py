@@ -136,6 +136,11 @@ class ObservedService:
         await self.listener.bound(info)
         return info
 
+    async def annotate(self, sandbox_id: str, annotations: dict[str, str]) -> SandboxInfo:
+        info = await self.inner.annotate(sandbox_id, annotations)
+        await self.listener.bound(info)
+        return info
+
     async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
         info = await self.inner.update_network(sandbox_id, policy)
         await self.listener.bound(info)

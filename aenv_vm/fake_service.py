@@ -353,6 +353,11 @@ class FakeSandboxService:
         sbx.info = dataclasses.replace(sbx.info, end_at=self.clock() + seconds, timeout=seconds)
         return sbx.info
 
+    async def annotate(self, sandbox_id: str, annotations: dict[str, str]) -> SandboxInfo:
+        sbx = self._check(sandbox_id, Op.ANNOTATE)
+        sbx.info = dataclasses.replace(sbx.info, annotations={**sbx.info.annotations, **annotations})
+        return sbx.info
+
     async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
         sbx = self._check(sandbox_id, Op.UPDATE_NETWORK)
         sbx.info = dataclasses.replace(sbx.info, network=policy,

@@ -148,6 +148,11 @@ class SandboxService(Protocol):
         resume, fork and snapshot)."""
         ...
 
+    async def annotate(self, sandbox_id: str, annotations: dict[str, str]) -> SandboxInfo:
+        """Set these keys of a running sandbox's ``annotations`` (the others stay), durably
+        in its record: kept by its next pause and moved with it. Conflict when paused."""
+        ...
+
     async def snapshot(self, sandbox_id: str, name: str | None = None, team: str | None = None) -> SnapshotInfo:
         """A named snapshot whose record names ``team`` as its owner (every node sharing the
         repository lists it with that team)."""

@@ -63,6 +63,7 @@ class Op(str, enum.Enum):
     AUTO_RESUME = "auto-resume"             # traffic to a paused sandbox created with autoResume
     SET_TIMEOUT = "set-timeout"
     UPDATE_NETWORK = "update-network"
+    ANNOTATE = "annotate"                   # change the layer above's fields in its record
     SNAPSHOT = "snapshot"
     FORK = "fork"
     FORK_PAUSE = "fork-pause"               # new sandboxes from its last pause (it stays paused)
@@ -144,6 +145,8 @@ NOT_RESUMABLE = _no(Conflict, "sandbox {sid} cannot be resumed (state {state}{no
 UNRESPONSIVE = _no(UnresponsiveSnapshot, "sandbox {sid} was paused while its guest agent (envd) was not "
                                          "responding: it resumes only by cold boot")
 NETWORK_OF_PAUSED = _no(Conflict, "sandbox {sid} is paused: resume it (connect) before updating its network")
+ANNOTATE_PAUSED = _no(Conflict, "sandbox {sid} is paused: connect to resume it first (a paused sandbox's "
+                                "record is the one its pause committed)")
 FORK_OF_PAUSED = _no(Conflict, "sandbox {sid} is paused; only a running sandbox can be forked")
 TRAFFIC_NEVER_BOOTS = _no(Conflict, "The sandbox {sid} was not found: its pause kept only its filesystem (or its "
                                     "guest agent was not responding), so it must be resumed explicitly (connect)")
@@ -188,6 +191,9 @@ def _build() -> dict[tuple[Phase, Op], Outcome]:
     # paused sandboxes have no TTL at all)
     row(Op.SET_TIMEOUT, _ok(R), _ok(P), _ok(PF), _ok(PU), _ok(L))
     row(Op.UPDATE_NETWORK, _ok(R), NETWORK_OF_PAUSED, NETWORK_OF_PAUSED, NETWORK_OF_PAUSED, NOT_RUNNING)
+    # a pause commits the record (handover.py): a change after it would not move with the
+    # sandbox to the node that adopts it, so only a running sandbox's record changes
+    row(Op.ANNOTATE, _ok(R), ANNOTATE_PAUSED, ANNOTATE_PAUSED, ANNOTATE_PAUSED, NOT_RUNNING)
     row(Op.SNAPSHOT, _ok(R), NOT_RUNNING, NOT_RUNNING, NOT_RUNNING, NOT_RUNNING)
     row(Op.FORK, _ok(R), FORK_OF_PAUSED, FORK_OF_PAUSED, FORK_OF_PAUSED, NOT_RUNNING)
     # a batch from a paused sandbox's last pause leaves it paused; one this node does not

@@ -13,6 +13,7 @@ from aenv_wire.headers import AGENTENV_ID_HEADER, NEXT_TOKEN_HEADER, TOTAL_RUNNI
 from aenv_wire.listing import iso
 
 from . import idempotency
+from .access_tokens import rotate
 from . import schemas as S
 from .errors import ApiError
 from .lifecycle import Lifecycle
@@ -153,6 +154,9 @@ class ControlPlane:
         check_references(self.secret_store, team, references(None, call.body), call.body)
         await self.lc.update_network(call.path["sandboxID"], call.body, team)
         return no_content()
+
+    async def rotate_token(self, request: web.Request, call: Call) -> web.Response:
+        return json_response((await rotate(self.lc, call.path["sandboxID"])).sandbox(self.domain))
 
     async def refresh(self, request: web.Request, call: Call) -> web.Response:
         rec = await self.lc.get(call.path["sandboxID"])
@@ -338,6 +342,10 @@ class ControlPlane:
                   "replace the egress rules of a running sandbox (an omitted field is cleared)",
                   (nc("updated"), gone, Reply(409, "the sandbox is paused", "Error")), body=S.NETWORK_UPDATE,
                   body_required=True, tags=sbx),
+            Route("POST", "/sandboxes/{sandboxID}/rotate-token", self.rotate_token,
+                  "a new envdAccessToken for a running sandbox: the old one is refused from now on",
+                  (Reply(200, "the sandbox with its new envdAccessToken", "Sandbox"), gone,
+                   Reply(409, "the sandbox is paused, or not secured", "Error")), tags=sbx),
             Route("POST", "/sandboxes/{sandboxID}/refreshes", self.refresh, "extend the time to live",
                   (nc("refreshed"), gone), body=S.REFRESH, tags=sbx),
             Route("POST", "/sandboxes/{sandboxID}/connect", self.connect, "connect (resumes a paused sandbox)",

@@ -6,20 +6,18 @@
   digits, so the SDK's format checks pass) and written there with mode 0600.
   ``aenv server`` removes both variables from its environment once read
   (aenv_cli/node_secrets.py); deployments give the secrets as files.
-- A sandbox's ``envdAccessToken`` is ``base64url(HMAC-SHA256(secret, sandbox
-  id))`` (unpadded), the secret being per deployment: ``AENV_ENVD_SECRET``,
-  else the file ``[server] envd_secret_file`` (default ``<data-dir>/envd-secret``),
-  else generated there on first start (32 random bytes as hex, mode 0600). A
-  token therefore survives restarts (paused sandboxes resume with the token
-  their clients hold), every sandbox — fork children and sandboxes created
-  from a snapshot too — has its own, and nodes sharing the secret agree on
-  them. The sandbox records keep the token as well (the proxy's check, and
-  the re-keying of envd after a restore); ``check_token`` compares in constant
-  time.
+- A sandbox's envd tokens (the client's ``envdAccessToken`` and the guest's own,
+  access_tokens.py) are HMAC-SHA256 derivations of the envd secret, per
+  deployment: ``AENV_ENVD_SECRET``, else the file ``[server] envd_secret_file``
+  (default ``<data-dir>/envd-secret``), else generated there on first start (32
+  random bytes as hex, mode 0600). Tokens therefore survive restarts (paused
+  sandboxes resume with the token their clients hold), every sandbox — fork
+  children and sandboxes created from a snapshot too — has its own, and nodes
+  sharing the secret agree on them. ``check_token`` compares in constant time.
 - A sandbox created with ``allowPublicTraffic: false`` has a
   ``trafficAccessToken``: ``base64url(HMAC-SHA256(K, sandbox id))`` with its own
   key ``K = HMAC-SHA256(secret, "aenv traffic access token v1")``, so it never
-  equals the envd token and one never gives away the other. Derived, not
+  equals an envd token and one never gives away the other. Derived, not
   stored: it survives restarts and pause/resume with the secret, fork children
   and sandboxes created from a snapshot get the token of their own id, and
   the guest never learns it (the proxy drops the header).
@@ -45,6 +43,7 @@ from typing import Mapping
 
 from aenv_store.errors import ConfigError
 
+from .access_tokens import AccessTokens
 from .secret_store import load_key as load_secrets_key
 
 API_KEY_ENV = "AENV_API_KEY"
@@ -93,18 +92,15 @@ def generate_api_key() -> str:
     return "e2b_" + secrets.token_hex(20)
 
 
-def envd_token(secret: bytes, sandbox_id: str) -> str:
-    """The envd access token of ``sandbox_id``: ``base64url(HMAC-SHA256(secret, id))``, unpadded."""
-    mac = hmac.new(secret, sandbox_id.encode(), hashlib.sha256).digest()
-    return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
-
-
 _TRAFFIC_LABEL = b"aenv traffic access token v1"
 
 
 def traffic_token(secret: bytes, sandbox_id: str) -> str:
-    """The traffic access token of ``sandbox_id``: the envd derivation under a key of its own."""
-    return envd_token(hmac.new(secret, _TRAFFIC_LABEL, hashlib.sha256).digest(), sandbox_id)
+    """The traffic access token of ``sandbox_id``: ``base64url(HMAC-SHA256(K, id))``, unpadded,
+    ``K`` the secret's key for traffic tokens alone."""
+    key = hmac.new(secret, _TRAFFIC_LABEL, hashlib.sha256).digest()
+    mac = hmac.new(key, sandbox_id.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
 
 @dataclass(frozen=True)
@@ -142,8 +138,10 @@ class Credentials:
         return cls(key, source, secret.encode(), _admin_token(env, admin_token_file),
                    load_secrets_key(env, secrets_key_file))
 
-    def envd_token(self, sandbox_id: str) -> str:
-        return envd_token(self.envd_secret, sandbox_id)
+    @property
+    def access_tokens(self) -> AccessTokens:
+        """The envd token derivations of this deployment (access_tokens.py)."""
+        return AccessTokens(self.envd_secret)
 
     def traffic_token(self, sandbox_id: str) -> str:
         return traffic_token(self.envd_secret, sandbox_id)

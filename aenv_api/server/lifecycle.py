@@ -11,11 +11,12 @@ with the paused sandboxes it belongs to. The service is one node's
 node): nothing here touches VM internals. A fleet's gateway is no service under
 this module: it routes HTTP to the nodes' APIs (docs/cluster.md).
 
-envd access tokens: derived from the sandbox id (``envd_token``, the
-deployment's HMAC, auth.py) and handed to the service as that function at
-create and fork (the id is known only once the node has picked a pooled or
-restored VM; envd gets the token in the same ``/init``). The service's record
-keeps it: that is where the proxy checks it.
+envd access tokens (access_tokens.py): the guest token is derived from the
+sandbox id and handed to the service as that function at create and fork (the
+id is known only once the node has picked a pooled or restored VM; envd gets
+the token in the same ``/init``); the service's record keeps it. Clients get
+the client token, derived from the id and the generation the record keeps;
+the proxy checks that one and puts the guest token in its place.
 
 Network (network.py): the egress rules go to the service (its records keep
 them); what the proxy applies (``allowPublicTraffic``, ``maskRequestHost``,
@@ -55,6 +56,7 @@ from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode
 from aenv_wire.errors import GUEST_UNRESPONSIVE
 from aenv_wire.listing import CLIENT_ID, FALLBACK_ENVD_VERSION, parse_metadata_filter, started_at_or_after
 
+from .access_tokens import AccessTokens, SandboxKeys
 from .auth import check_token
 from .auth import traffic_token as derive_traffic_token
 from .errors import ApiError, error_code
@@ -75,11 +77,6 @@ log = logging.getLogger(__name__)
 VISIBLE_STATES = (SandboxState.RUNNING, SandboxState.PAUSED)
 # E2B's proxy answer, word for word (its SDKs' tests compare it); the id is in sandboxId
 SANDBOX_NOT_FOUND = "The sandbox was not found"
-
-
-def random_envd_token(_sandbox_id: str) -> str:
-    """Tokens of a Lifecycle given no deployment secret (library use, unit tests)."""
-    return secrets.token_urlsafe(24)
 
 
 def view_phase(view: SandboxView) -> Phase:
@@ -129,25 +126,27 @@ class Lifecycle:
     """Sandbox operations as the API sees them. Use from the server's event loop."""
 
     def __init__(self, service: SandboxService, config: ServerConfig, metrics: Metrics, data_dir: Path,
-                 envd_token: TokenMinter = random_envd_token, traffic_token: TokenMinter | None = None,
+                 tokens: AccessTokens | None = None, traffic_token: TokenMinter | None = None,
                  node_id: str = CLIENT_ID) -> None:
-        """``traffic_token`` (default: a key of this Lifecycle's own) mints the traffic access
-        token of a sandbox from its id; it must give the same token for the same id across
-        restarts, as ``Credentials.traffic_token`` does. ``node_id`` is what E2B's
+        """``tokens``: the deployment's envd token derivations (access_tokens.py; default: a
+        key of this Lifecycle's own, for library use and unit tests). ``traffic_token``
+        (default: a key of this Lifecycle's own) mints the traffic access token of a sandbox
+        from its id; it must give the same token for the same id across restarts, as
+        ``Credentials.traffic_token`` does. ``node_id`` is what E2B's
         ``clientID`` says of every sandbox here: the node that runs it."""
         self.service = service
         self.node_id = node_id
         self.data_dir = data_dir
-        self.envd_token = envd_token
+        self.tokens = tokens or AccessTokens.ephemeral()
         self.traffic_token = traffic_token or functools.partial(derive_traffic_token, secrets.token_bytes(32))
         self.config = config
         self.metrics = metrics
         self.extras = ApiExtras(data_dir / "api-sandboxes.json")
         self.logs = SandboxLogs(data_dir / "sandbox-logs", config.sandbox_log_mib << 20)
-        # Hot path of the proxy: a running sandbox's envd token (immutable per sandbox)
-        # and the (host, port) reaching each guest port, until it pauses or goes.
+        # Hot path of the proxy: a running sandbox's envd tokens (until it pauses, goes or
+        # is given a new client token) and the (host, port) reaching each guest port.
         self._ports: dict[tuple[str, int], tuple[str, int]] = {}
-        self._tokens: dict[str, str | None] = {}
+        self._tokens: dict[str, SandboxKeys] = {}
         self._rules: dict[str, ProxyRules] = {}
         self._killing: set[str] = set()     # a kill in progress: not there for the proxy
         self._closing = False
@@ -216,6 +215,13 @@ class Lifecycle:
 
     # --- views ---------------------------------------------------------------
 
+    def check_op(self, view: SandboxView, op: Op) -> Outcome:
+        """``_check`` for operations implemented beside this class (access_tokens.rotate)."""
+        return self._check(view, op)
+
+    def view_of(self, info: SandboxInfo) -> SandboxView:
+        return self._view(info)
+
     @staticmethod
     def _check(view: SandboxView, op: Op) -> Outcome:
         """What ``op`` does to the sandbox ``view`` shows; the table's refusal as an ApiError."""
@@ -240,7 +246,9 @@ class Lifecycle:
         return SandboxView(
             sandbox_id=info.sandbox_id, template_id=info.template_id, alias=extra.alias, started_at=info.started_at,
             end_at=info.end_at, cpu_count=info.vcpus, memory_mb=info.memory_mib,
-            disk_size_mb=info.disk_mib or extra.disk_mb, state=info.state.value, access_token=info.access_token,
+            disk_size_mb=info.disk_mib or extra.disk_mb, state=info.state.value,
+            access_token=self.tokens.client_of(info.sandbox_id, info.annotations) if info.access_token else None,
+            guest_token=info.access_token,
             auto_pause=info.auto_pause, auto_resume=extra.auto_resume, metadata=dict(info.metadata),
             allow_internet_access=info.allow_internet_access,
             envd_version=info.envd_version or FALLBACK_ENVD_VERSION,
@@ -291,7 +299,7 @@ class Lifecycle:
                                 "must be resumed explicitly.")
         net = create_network(req.network, req.allow_internet_access, team)
         # v2 creates are always secured (E2B: "all system communication with the sandbox is always secured").
-        token = self.envd_token if (v2 or req.secure) else None
+        token = self.tokens.guest if (v2 or req.secure) else None
         alias = None if req.template_id.startswith("tpl-") else req.template_id
         extra = Extra(alias, bool(req.auto_resume), 0, net.public_traffic, net.mask_request_host, net.https_ports)
         t0 = time.monotonic()
@@ -374,6 +382,14 @@ class Lifecycle:
         self._forget_ports(sid)
         self.extras.drop([sid])
         self.logs.remove(sid)
+
+    def forget_tokens(self, sid: str) -> None:
+        """The proxy reads ``sid``'s tokens afresh (its client token was rotated)."""
+        self._tokens.pop(sid, None)
+
+    def proxy_keys(self, sid: str) -> SandboxKeys | None:
+        """The tokens ``target`` found for ``sid`` (None before it ran)."""
+        return self._tokens.get(sid)
 
     def _forget_ports(self, sid: str) -> None:
         for key in [k for k in self._ports if k[0] == sid]:
@@ -648,7 +664,7 @@ class Lifecycle:
             # each child is a start of the parent's team: as many as its quota leaves room for
             async with self._starts(view.team_id, count, create=True) as grant:
                 results: list[Any] = await self.service.fork(sid, grant.granted, timeout,
-                                                             access_token=self.envd_token)
+                                                             access_token=self.tokens.guest)
         except VmError as e:
             raise api_error(e, f"fork of {sid}") from None
         if grant.refusal is not None:
@@ -735,7 +751,7 @@ class Lifecycle:
         E2B SDK's debug mode). ApiError 401 with the proxy's message when none has it, so
         an unknown token learns nothing."""
         for sid, known in list(self._tokens.items()):
-            if known and check_token(known, token):
+            if known.accepts(token):
                 return sid
         for view in await self.list_views():
             if view.access_token and check_token(view.access_token, token):
@@ -761,7 +777,7 @@ class Lifecycle:
             raise ApiError(502, SANDBOX_NOT_FOUND, sandboxId=sid)
         where = self._ports.get((sid, port))
         if where is not None and sid in self._tokens:
-            self._check_envd_token(self._tokens[sid], port, access_token, signed)
+            self._check_envd_token(self._tokens[sid].client, port, access_token, signed)
             return where
         if sid not in self._tokens:
             try:
@@ -780,8 +796,8 @@ class Lifecycle:
             if outcome.verdict is Verdict.ALLOWED:
                 self._check_envd_token(view.access_token, port, access_token, signed)
                 await self._resume(sid, None, True, outcome)   # None: another request resumed it first
-            self._tokens[sid] = view.access_token
-        self._check_envd_token(self._tokens[sid], port, access_token, signed)
+            self._tokens[sid] = SandboxKeys(view.access_token, view.guest_token)
+        self._check_envd_token(self._tokens[sid].client, port, access_token, signed)
         try:
             where = await self.service.endpoint(sid, port)
         except NotFound:

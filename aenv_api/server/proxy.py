@@ -21,8 +21,10 @@ The proxy's cost is CPU in this process, mostly per send and per wake-up
 (docs/benchmarks.md, "API"): whole bodies go upstream with their head in one
 send, and envd's answers go back in as few sends as envd made pieces.
 
-Security: for a ``secure`` sandbox the envd port requires its
-``X-Access-Token`` (checked here, and by envd itself); a sandbox created with
+Security: for a ``secure`` sandbox the envd port requires its client token
+(``X-Access-Token`` or a ``/files`` URL signed with it, checked here); the
+request goes in with the guest's own token instead, which envd checks
+(access_tokens.py: a token found in a clone's memory opens nothing); a sandbox created with
 ``allowPublicTraffic: false`` demands its traffic access token in
 ``e2b-traffic-access-token`` on every other port (checked before anything
 else, so a request without it never resumes a paused sandbox), answered 403
@@ -62,6 +64,7 @@ from aenv_wire.routing import (FILES_PATH, PROXY_PREFIX, SandboxAddress, has_pro
 from envd import ENVD_PORT, signing
 from envd.signing import SignedRequest
 
+from .access_tokens import upstream_headers
 from .auth import check_token
 from .errors import ApiError
 from .lifecycle import Lifecycle
@@ -164,12 +167,13 @@ class _PassThrough(_RelayResponse):
 
 
 def _upstream_head(request: web.Request, host: str, framing: str, length: int | None,
-                   scrub: KeyScrub = NO_KEY) -> bytes:
-    """Request line and headers for the sandbox (``host``: its Host header): hop-by-hop
+                   headers: list[tuple[str, str]], scrub: KeyScrub = NO_KEY) -> bytes:
+    """Request line and ``headers`` for the sandbox (``host``: its Host header): hop-by-hop
     headers, routing headers and credentials for the proxy dropped, the API key wherever
-    it is (scrub.py); the body's framing as the proxy sends it."""
+    it is (scrub.py; ``headers`` come scrubbed, the envd token translated:
+    ``access_tokens.upstream_headers``); the body's framing as the proxy sends it."""
     lines = [f"{request.method} {scrub.target(forward_target(request))} HTTP/1.1", f"Host: {host}"]
-    for k, v in scrub.headers(request.headers.items()):
+    for k, v in headers:
         if k.lower() not in _DROP_REQUEST:
             lines.append(f"{k}: {v}")
     if framing == "chunked":
@@ -246,12 +250,16 @@ class SandboxProxy:
         if rules.traffic_token and port != ENVD_PORT:
             _check_traffic_token(rules.traffic_token, request, sid)
         signed = signed_files(request) if port == ENVD_PORT else None
-        host, host_port = await self.lifecycle.target(sid, port, request.headers.get(ACCESS_TOKEN_HEADER), signed)
+        given = request.headers.get(ACCESS_TOKEN_HEADER)
+        host, host_port = await self.lifecycle.target(sid, port, given, signed)
+        # the client's token (or signature) was checked for envd's port: the guest's goes in
+        # its place; on other ports only a right client token is translated (access_tokens.py)
+        sent = upstream_headers(self.scrub.headers(request.headers.items()), self.lifecycle.proxy_keys(sid),
+                                given, checked=port == ENVD_PORT)
         tls = port in rules.https_ports
         host_header = rules.host_header(port) or f"{host}:{host_port}"
         if request.headers.get("Upgrade", "").lower() == "websocket":
-            headers = [(k, v) for k, v in self.scrub.headers(request.headers.items())
-                       if k.lower() not in _DROP_REQUEST]
+            headers = [(k, v) for k, v in sent if k.lower() not in _DROP_REQUEST]
             if rules.mask_request_host is not None:
                 headers.append(("Host", host_header))
             return await self._websocket(request, sid, port, f"{host}:{host_port}", headers, rid, tls)
@@ -278,10 +286,10 @@ class SandboxProxy:
                 streamed = True
         if streamed:
             framing = "length" if request.content_length is not None and not chunked else "chunked"
-            head = _upstream_head(request, host_header, framing, request.content_length, self.scrub)
+            head = _upstream_head(request, host_header, framing, request.content_length, sent, self.scrub)
         else:
             head = _upstream_head(request, host_header, "length" if body is not None else "none",
-                                  len(body) if body is not None else None, self.scrub)
+                                  len(body) if body is not None else None, sent, self.scrub)
         conn: UpstreamConn | None = None
         sender: asyncio.Future[None] | None = None
         try:

@@ -3,7 +3,7 @@ service's ``SandboxInfo`` plus the API's own per-sandbox fields (extras.py), and
 the node's keyset pagination (its token format is aenv_wire.listing's)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aenv_wire.errors import BadToken
@@ -39,6 +39,8 @@ class SandboxView:
     volume_mounts: tuple[dict[str, str], ...] = ()   # E2B's SandboxVolumeMount list ({name, path})
     team_id: str = DEFAULT_TEAM_ID                   # the team that owns it (keystore.py; never shown)
     client_id: str = CLIENT_ID                       # E2B's clientID: the node running it (its fleet name)
+    # the token envd itself holds (access_tokens.py): the proxy's to send, never shown
+    guest_token: str | None = field(default=None, repr=False)
 
     @property
     def secure(self) -> bool:

@@ -499,6 +499,17 @@ class SandboxManager:
             self.records_store.put(rec)
             return rec
 
+    async def annotate(self, sid: str, annotations: dict[str, str]) -> SandboxRecord:
+        """Set these annotations of a running sandbox (the layer above's fields: the API's
+        token generation), durably; under its lock so that no pause commits the record
+        meanwhile without them."""
+        async with self.lock(sid):
+            self._running_for(sid, Op.ANNOTATE)
+            rec = self.record(sid)
+            rec = rec.replace(annotations={**rec.annotations, **annotations})
+            self.records_store.put(rec)
+            return rec
+
     # ------------------------------------------------------------ timeouts
     async def set_timeout(self, sid: str, seconds: float) -> SandboxRecord:
         if seconds < 0:

@@ -109,6 +109,9 @@ class NodeSandboxService:
     async def update_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
         return self._info(await self.manager.update_network(sandbox_id, policy))
 
+    async def annotate(self, sandbox_id: str, annotations: dict[str, str]) -> SandboxInfo:
+        return self._info(await self.manager.annotate(sandbox_id, annotations))
+
     async def snapshot(self, sandbox_id: str, name: str | None = None, team: str | None = None) -> SnapshotInfo:
         tid, names = await self.manager.snapshot(sandbox_id, name, team)
         return SnapshotInfo(tid, tuple(names), sandbox_id, time.time(), team)

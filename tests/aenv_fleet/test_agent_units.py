@@ -33,7 +33,7 @@ SAMPLE = MetricSample(1.7e9, 1, 1.0, 1, 2, 0, 1, 2)
 # what the node's service answers, by method
 ANSWERS: dict[str, Any] = {
     "create": info(), "get": info(), "list_sandboxes": [info()], "kill": None, "pause": info(state=SandboxState.PAUSED),
-    "resume": info(), "set_timeout": info(), "update_network": info(), "snapshot": SNAP, "list_snapshots": [SNAP],
+    "resume": info(), "set_timeout": info(), "update_network": info(), "annotate": info(), "snapshot": SNAP, "list_snapshots": [SNAP],
     "delete_snapshot": None, "fork": [info("sbx-2"), NotFound("x")], "endpoint": ("10.0.0.1", 49983),
     "usage": Usage(1, 1.0, 1), "metrics": [SAMPLE], "latest_metrics": {"sbx-1": SAMPLE},
     "console": ConsoleRead("qemu-1", 0, b""), "adopt": info(state=SandboxState.PAUSED), "release": None}
@@ -41,7 +41,7 @@ ANSWERS: dict[str, Any] = {
 CALLS: dict[str, tuple[Any, ...]] = {
     "create": (CreateRequest(template="base"),), "get": ("sbx-1",), "list_sandboxes": (), "kill": ("sbx-1",),
     "pause": ("sbx-1", False, True), "resume": ("sbx-1", 60.0, False), "set_timeout": ("sbx-1", 60.0),
-    "update_network": ("sbx-1", NetworkPolicy()), "snapshot": ("sbx-1", "n", "team-a"), "list_snapshots": (),
+    "update_network": ("sbx-1", NetworkPolicy()), "annotate": ("sbx-1", {"k": "v"}), "snapshot": ("sbx-1", "n", "team-a"), "list_snapshots": (),
     "delete_snapshot": ("snap-1",), "fork": ("sbx-1", 2, 60.0, None), "endpoint": ("sbx-1", 8080),
     "usage": ("sbx-1",), "metrics": ("sbx-1", 1.0, 2.0), "latest_metrics": (["sbx-1"],),
     "console": ("sbx-1", "qemu-1", 0, 100), "adopt": ("sbx-1", True), "release": ("sbx-1",)}
@@ -50,6 +50,7 @@ TOLD: dict[str, list[tuple[Any, ...]]] = {
     "create": [("bound", "sbx-1", "base", False)], "kill": [("gone", "sbx-1")],
     "pause": [("bound", "sbx-1", None, True)], "resume": [("bound", "sbx-1", None, False)],
     "set_timeout": [("bound", "sbx-1", None, False)], "update_network": [("bound", "sbx-1", None, False)],
+    "annotate": [("bound", "sbx-1", None, False)],
     "snapshot": [("bound", "sbx-1", None, False)],
     "fork": [("bound", "sbx-2", None, False), ("bound", "sbx-1", None, False)],
     "adopt": [("bound", "sbx-1", None, False)], "release": [("released", "sbx-1")]}
@@ -92,7 +93,7 @@ class Listener:
 
 def test_every_protocol_method_is_spelled_out() -> None:
     methods = protocol_methods()
-    assert len(methods) == 21 and set(CALLS) | {"on_expiry", "pause_snapshot"} == set(methods)
+    assert len(methods) == 22 and set(CALLS) | {"on_expiry", "pause_snapshot"} == set(methods)
     assert "__getattr__" not in vars(ObservedService)
     for name in methods:
         mine, theirs = vars(ObservedService).get(name), vars(SandboxService)[name]

@@ -47,11 +47,20 @@ class HttpClient:
         return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url,
                 "E2B_VOLUME_API_URL": self.url}
 
-    def envd_token(self, sandbox_id: str) -> str:
-        """What the issue specifies, computed independently: base64url(HMAC-SHA256(the
-        deployment's secret file, sandbox id)), unpadded."""
+    def envd_token(self, sandbox_id: str, generation: int = 0) -> str:
+        """The client's envd token docs/security.md specifies, computed independently:
+        base64url(HMAC-SHA256(K, "<sandbox id>/<generation>")), unpadded, with the key
+        K = HMAC-SHA256(the deployment's secret file, "aenv envd client token v1")."""
+        return self._derived(b"aenv envd client token v1", f"{sandbox_id}/{generation}")
+
+    def guest_token(self, sandbox_id: str) -> str:
+        """The token the sandbox's own envd holds (never a client's), computed independently."""
+        return self._derived(b"aenv envd guest token v1", sandbox_id)
+
+    def _derived(self, label: bytes, message: str) -> str:
         secret = (self.data_dir / "envd-secret").read_text().strip().encode()
-        mac = hmac.new(secret, sandbox_id.encode(), hashlib.sha256).digest()
+        key = hmac.new(secret, label, hashlib.sha256).digest()
+        mac = hmac.new(key, message.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
     def traffic_token(self, sandbox_id: str) -> str:

@@ -165,7 +165,7 @@ class InProcessServer(HttpClient):
                                        endpoint=lambda _sid, _port: ("127.0.0.1", guest_port),
                                        admission=gate, restore_seconds=self._restore_seconds)
         await self.fake.start()
-        self.lifecycle = Lifecycle(self.fake, self.config, metrics, self.data_dir, creds.envd_token,
+        self.lifecycle = Lifecycle(self.fake, self.config, metrics, self.data_dir, creds.access_tokens,
                                    creds.traffic_token)
         await self.lifecycle.start()
         template_api = await self._template_api() if templates else None

@@ -55,9 +55,10 @@ class Pair:
                               capture_output=True, text=True, timeout=600)
 
 
-def envd_token(node: Server, sid: str) -> str:
-    """docs/api.md's envd token, computed independently from the deployment's secret."""
-    mac = hmac.new(node.env["AENV_ENVD_SECRET"].encode(), sid.encode(), hashlib.sha256).digest()
+def envd_token(node: Server, sid: str, generation: int = 0) -> str:
+    """docs/api.md's client envd token, computed independently from the deployment's secret."""
+    key = hmac.new(node.env["AENV_ENVD_SECRET"].encode(), b"aenv envd client token v1", hashlib.sha256).digest()
+    mac = hmac.new(key, f"{sid}/{generation}".encode(), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
 
@@ -156,7 +157,12 @@ def test_pause_release_adopt_connect_continues_on_the_other_node(pair: Pair) -> 
     try:
         s.files.write("/home/user/moved.txt", "written on A")
         h = s.commands.run("sleep 3600", background=True)
-        token = s._envd_access_token
+        # a rotated token moves with the sandbox: its generation is in the record the pause commits
+        first = s._envd_access_token
+        status, _, rotated = a.request("POST", f"/sandboxes/{sid}/rotate-token")
+        assert status == 200, rotated
+        token = rotated["envdAccessToken"]
+        assert token == envd_token(a, sid, 1) != first == envd_token(a, sid)
         s.pause()
         status, body = release(a, sid)
         assert status == 204, body
@@ -180,7 +186,11 @@ def test_pause_release_adopt_connect_continues_on_the_other_node(pair: Pair) -> 
         assert Sandbox.get_info(sid, **pair.sdk(b)).state == SandboxState.RUNNING
         assert t.files.read("/home/user/moved.txt") == "written on A"
         assert t.commands.run(f"kill -0 {h.pid} && echo alive").stdout.strip() == "alive"
-        assert t._envd_access_token == token == envd_token(b, sid)        # same id, same token
+        assert t._envd_access_token == token == envd_token(b, sid, 1)     # same id and generation, same token
+        for old, want in ((first, 401), (token, 200)):
+            status, _, _ = b.request("GET", "/files?path=/home/user/moved.txt", key=None,
+                                     headers={"E2b-Sandbox-Id": sid, "X-Access-Token": old})
+            assert status == want, (old == first, status)
         info = Sandbox.get_info(sid, **pair.sdk(b))
         assert info.metadata == {"suite": "moves"}
         # what the proxy applies moved too (the API's annotation): autoResume, the traffic token

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from hypothesis import given, strategies as st
 
-from aenv_api.server.auth import Credentials, envd_token, traffic_token
+from aenv_api.server.access_tokens import AccessTokens
+from aenv_api.server.auth import Credentials, traffic_token
 from aenv_api.server.errors import ApiError
 from aenv_api.server.extras import ApiExtras, Extra
 from aenv_api.server.network import (ProxyRules, create_network, egress_choice, network_view,
@@ -247,11 +248,12 @@ def test_traffic_token_is_its_own_hmac(tmp_path: Path) -> None:
     key = hmac.new(secret, b"aenv traffic access token v1", hashlib.sha256).digest()
     want = base64.urlsafe_b64encode(hmac.new(key, b"sbx-1", hashlib.sha256).digest()).rstrip(b"=").decode()
     assert traffic_token(secret, "sbx-1") == want
-    assert traffic_token(secret, "sbx-1") != envd_token(secret, "sbx-1")     # neither gives the other away
+    envd = AccessTokens(secret)
+    assert traffic_token(secret, "sbx-1") not in (envd.client("sbx-1"), envd.guest("sbx-1"))  # none gives another away
     assert traffic_token(secret, "sbx-1") != traffic_token(secret, "sbx-2")
     creds = Credentials.load(tmp_path, environ={})
     again = Credentials.load(tmp_path, environ={})                            # a restart: the same token
-    assert creds.traffic_token("sbx-9") == again.traffic_token("sbx-9") != creds.envd_token("sbx-9")
+    assert creds.traffic_token("sbx-9") == again.traffic_token("sbx-9") != creds.access_tokens.client("sbx-9")
 
 
 def test_extras_keep_the_proxy_fields(tmp_path: Path) -> None:

@@ -112,15 +112,23 @@ def test_envd_secret_generated_once_and_tokens_are_its_hmac(tmp_path: Path) -> N
     a = Credentials.load(tmp_path, environ={})
     secret = (tmp_path / "envd-secret").read_text().strip()
     assert len(secret) == 64 and stat.S_IMODE(os.stat(tmp_path / "envd-secret").st_mode) == 0o600
-    mac = hmac.new(secret.encode(), b"sbx-0123456789abcdef", hashlib.sha256).digest()
-    assert a.envd_token("sbx-0123456789abcdef") == base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
-    assert Credentials.load(tmp_path, environ={}).envd_token("sbx-1") == a.envd_token("sbx-1")  # stable
-    assert a.envd_token("sbx-1") != a.envd_token("sbx-2")
+
+    def spec(secret: bytes, label: bytes, message: bytes) -> str:    # access_tokens.py, independently
+        key = hmac.new(secret, label, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(hmac.new(key, message, hashlib.sha256).digest()).rstrip(b"=").decode()
+
+    client, guest = b"aenv envd client token v1", b"aenv envd guest token v1"
+    t = a.access_tokens
+    assert t.client("sbx-0123456789abcdef") == spec(secret.encode(), client, b"sbx-0123456789abcdef/0")
+    assert t.client("sbx-0123456789abcdef", 3) == spec(secret.encode(), client, b"sbx-0123456789abcdef/3")
+    assert t.guest("sbx-0123456789abcdef") == spec(secret.encode(), guest, b"sbx-0123456789abcdef")
+    assert Credentials.load(tmp_path, environ={}).access_tokens.client("sbx-1") == t.client("sbx-1")  # stable
+    assert t.client("sbx-1") != t.client("sbx-2") and t.client("sbx-1") != t.client("sbx-1", 1)
+    assert t.client("sbx-1") != t.guest("sbx-1")    # the client's token is never the guest's
     other = Credentials.load(tmp_path, environ={}, envd_secret_file=tmp_path / "sub" / "secret")
-    assert other.envd_token("sbx-1") != a.envd_token("sbx-1")
+    assert other.access_tokens.client("sbx-1") != t.client("sbx-1")
     env = Credentials.load(tmp_path, environ={"AENV_ENVD_SECRET": "s" * 32})
-    assert env.envd_token("x") == base64.urlsafe_b64encode(
-        hmac.new(b"s" * 32, b"x", hashlib.sha256).digest()).rstrip(b"=").decode()
+    assert env.access_tokens.client("x") == spec(b"s" * 32, client, b"x/0")
     with pytest.raises(ConfigError, match="at least 16"):
         Credentials.load(tmp_path, environ={"AENV_ENVD_SECRET": "short"})
     assert secret not in repr(a) and a.api_key not in repr(a)

@@ -326,6 +326,22 @@ def test_update_network(svc: Impl) -> None:
     svc.run(case())
 
 
+def test_annotate(svc: Impl) -> None:
+    """The layer above's fields (the API's token generation): set on a running sandbox,
+    the others kept, kept across pause and resume, refused while paused."""
+    async def case() -> None:
+        s = svc.service
+        a = await _create(svc, annotations={"mine": "1"})
+        got = await s.annotate(a.sandbox_id, {"gen": "2"})
+        assert got.annotations == {"mine": "1", "gen": "2"}
+        assert (await s.get(a.sandbox_id)).annotations == {"mine": "1", "gen": "2"}
+        await s.pause(a.sandbox_id)
+        await _refused(s.annotate(a.sandbox_id, {"gen": "3"}), Conflict, "is paused: connect")
+        assert (await s.resume(a.sandbox_id)).annotations == {"mine": "1", "gen": "2"}
+        await _refused(s.annotate("sbx-nope", {"gen": "1"}), NotFound, "unknown sandbox 'sbx-nope'")
+    svc.run(case())
+
+
 # -- snapshots and forks ------------------------------------------------------------------
 
 def test_snapshot_and_create_from_it(svc: Impl) -> None:

@@ -198,9 +198,10 @@ def test_hostile_guest(vsdk: Server) -> None:
         with pytest.raises(Exception):
             vol.read_file("/x/shadow")                  # /volumecontent never follows it either
         # the channel endpoint refuses every connection from inside the guest
+        # (with the token envd itself holds: the guest's, never the client's)
         token = sbx._envd_access_token
         sbx.files.write("/tmp/probe.py", PROBE)
-        got = json.loads(_sh(sbx, f"python3 /tmp/probe.py {token}", user="root"))
+        got = json.loads(_sh(sbx, f"python3 /tmp/probe.py {vsdk.guest_token(sbx.sandbox_id)}", user="root"))
         assert got == {"loopback-no-token": "HTTP/1.1 403 Forbidden", "loopback-token": "HTTP/1.1 403 Forbidden",
                        "own-address-token": "HTTP/1.1 403 Forbidden"}, got
         assert "/mnt/evil" not in _sh(sbx, "cat /proc/mounts")
