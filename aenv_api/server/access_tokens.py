@@ -32,17 +32,9 @@ import logging
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Iterable, Mapping
 
-from aenv_vm.errors import VmError
-from aenv_vm.states import Op
 from aenv_wire.headers import ACCESS_TOKEN_HEADER
-
-from .errors import ApiError
-
-if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
-    from .views import SandboxView
 
 log = logging.getLogger(__name__)
 
@@ -136,28 +128,3 @@ def upstream_headers(headers: Iterable[tuple[str, str]], keys: SandboxKeys | Non
     if keys is not None and keys.guest is not None and (checked or keys.accepts(given)):
         out.append((ACCESS_TOKEN_HEADER, keys.guest))
     return out
-
-
-async def rotate(lc: "Lifecycle", sid: str) -> "SandboxView":
-    """A new client token for running sandbox ``sid`` (``POST /sandboxes/{id}/rotate-token``):
-    its generation goes up by one in its record, and the proxy forgets the old token at once.
-    409 for a paused sandbox (the table's refusal: its record is the one its pause committed;
-    connect first) and for one that is not secured (no token to rotate)."""
-    view = await lc.get(sid)
-    lc.check_op(view, Op.ANNOTATE)
-    if not view.secure:
-        raise ApiError(409, f"sandbox {sid} is not secured: it has no envd access token to rotate")
-    info = await lc.service.get(sid)
-    try:
-        generation = generation_of(info.annotations) + 1
-    except BadGeneration as e:
-        raise ApiError(500, f"sandbox {sid}: {e}") from None
-    try:
-        info = await lc.service.annotate(sid, {GENERATION_ANNOTATION: str(generation)})
-    except VmError as e:
-        from .lifecycle import api_error    # the module that imports this one
-        raise api_error(e, f"token rotation of {sid}") from None
-    finally:        # whatever happened, the proxy reads the record afresh
-        lc.forget_tokens(sid)
-    lc.logs.event(sid, "envd access token rotated", generation=generation)
-    return lc.view_of(info)

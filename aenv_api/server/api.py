@@ -13,7 +13,6 @@ from aenv_wire.headers import AGENTENV_ID_HEADER, NEXT_TOKEN_HEADER, TOTAL_RUNNI
 from aenv_wire.listing import iso
 
 from . import idempotency
-from .access_tokens import rotate
 from . import schemas as S
 from .errors import ApiError
 from .lifecycle import Lifecycle
@@ -28,6 +27,7 @@ from .sandbox_logs import LogEntry
 from .settings import ServerConfig
 from .templates_api import TEMPLATE_ID_PATH, TemplateApi
 from .templates_legacy import LegacyTemplateApi
+from .token_rotation import rotate
 from .secret_refs import check_references, references
 from .secret_store import SecretStore
 from .unsupported import not_supported, reject_unsupported

@@ -216,7 +216,7 @@ class Lifecycle:
     # --- views ---------------------------------------------------------------
 
     def check_op(self, view: SandboxView, op: Op) -> Outcome:
-        """``_check`` for operations implemented beside this class (access_tokens.rotate)."""
+        """``_check`` for operations implemented beside this class (token_rotation.rotate)."""
         return self._check(view, op)
 
     def view_of(self, info: SandboxInfo) -> SandboxView:
