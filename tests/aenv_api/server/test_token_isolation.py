@@ -23,21 +23,24 @@ pytestmark = pytest.mark.qemu
 
 # Run as root in a guest: every 43-character base64url word (an HMAC-SHA256 token's
 # shape) in the writable memory of envd's processes and in every process's environment,
-# and whether each needle occurs there at all. The needles come reversed: the command
-# line goes through envd, whose memory must not get them from the test itself.
+# and whether each needle occurs there at all. The needles come reversed, and the answer
+# names them reversed too: the command line and the answer go through envd, whose memory
+# must not get them from the test itself (a fork made after a scan of its parent holds
+# the parent envd's buffers: an answer naming a token in clear was found there once).
 SCAN = r"""
 import json, os, re, sys
 word = re.compile(rb"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])")
-needles = [n[::-1].encode() for n in sys.argv[1:]]
-found, seen, scanned = set(), {n.decode(): False for n in needles}, 0
+needles = [(a, a[::-1].encode()) for a in sys.argv[1:]]     # (as given, as searched)
+found, seen, scanned = set(), {a: False for a in sys.argv[1:]}, 0
 where = {}
 def take(data, what=""):
     found.update(m.group().decode() for m in word.finditer(data))
-    for n in needles:
+    for given, n in needles:
         at = data.find(n)
         if at >= 0:
-            seen[n.decode()] = True
-            where.setdefault(n.decode()[:6], f"{what}: {data[max(0, at - 160):at + 50]!r}")
+            seen[given] = True
+            # the context without the needle itself
+            where.setdefault(given[:6], f"{what}: {data[max(0, at - 160):at]!r} <hit> {data[at + len(n):at + len(n) + 50]!r}")
 for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
     try:
         cmd = open(f"/proc/{pid}/cmdline", "rb").read()
@@ -68,6 +71,7 @@ def scan(sbx: Any, *needles: str) -> dict[str, Any]:
     out = sbx.commands.run("python3 /tmp/scan.py " + " ".join(n[::-1] for n in needles), user="root",
                            timeout=600)
     result: dict[str, Any] = json.loads(out.stdout)
+    result["seen"] = {given[::-1]: hit for given, hit in result["seen"].items()}
     assert result["scanned"] > 1 << 20, result["scanned"]      # it did read envd's memory
     return result
 
