@@ -76,6 +76,13 @@ class AccessTokens:
     """The two derivations of one deployment's envd secret."""
 
     secret: bytes = field(repr=False)
+    # the two label keys, derived once: every view of a secured sandbox derives its client token
+    _guest_key: bytes = field(init=False, repr=False, compare=False)
+    _client_key: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_guest_key", _key(self.secret, _GUEST_LABEL))
+        object.__setattr__(self, "_client_key", _key(self.secret, _CLIENT_LABEL))
 
     @classmethod
     def ephemeral(cls) -> "AccessTokens":
@@ -83,10 +90,10 @@ class AccessTokens:
         return cls(secrets.token_bytes(32))
 
     def guest(self, sandbox_id: str) -> str:
-        return _mac(_key(self.secret, _GUEST_LABEL), sandbox_id)
+        return _mac(self._guest_key, sandbox_id)
 
     def client(self, sandbox_id: str, generation: int = 0) -> str:
-        return _mac(_key(self.secret, _CLIENT_LABEL), f"{sandbox_id}/{generation}")
+        return _mac(self._client_key, f"{sandbox_id}/{generation}")
 
     def client_of(self, sandbox_id: str, annotations: Mapping[str, str]) -> str:
         """The client token of a secured sandbox whose record has these annotations. An
