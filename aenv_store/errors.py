@@ -15,6 +15,11 @@ class AlreadyExists(StoreError):
     """An atomic create lost: the name is taken."""
 
 
+class Conflict(StoreError):
+    """A conditional replace lost: the object is not what the writer read (someone else
+    wrote it in between)."""
+
+
 class CorruptData(StoreError):
     """Bytes read back do not match their identity or their format."""
 

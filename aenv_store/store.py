@@ -21,7 +21,7 @@ from .formats.manifest import Extent, Manifest, check_chunk_size
 from .manifest_cache import ManifestCache
 from .repository.backends.base import Backend
 from .repository.backends.factory import open_backend_for, repository_path
-from .repository.repository import Repository
+from .repository.repository import RecordVersion, Repository
 from .workspace import Workspace, clean_stale_workspaces
 
 log = logging.getLogger(__name__)
@@ -246,6 +246,16 @@ class Store:
             if not self.repository.has_manifest(mid):
                 raise StoreNotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
         self.repository.put_record(record, exclusive)
+
+    def get_record_version(self, name: str) -> RecordVersion:
+        return self.repository.get_record_version(name)
+
+    def swap_record(self, record: CatalogRecord, replaces: RecordVersion) -> None:
+        """``put_record`` only over ``replaces`` (``Conflict`` if the record changed since)."""
+        for role, mid in record.manifests:
+            if not self.repository.has_manifest(mid):
+                raise StoreNotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
+        self.repository.swap_record(record, replaces)
 
     def delete_record(self, name: str) -> None:
         self.repository.delete_record(name)

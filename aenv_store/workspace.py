@@ -35,7 +35,7 @@ from .formats.chunker import add_range, merge_zero_runs, pieces, zero_digest
 from .formats.ids import Digest
 from .formats.index import IndexEntry
 from .formats.manifest import BLOB, Extent, Manifest, check_chunk_size
-from .repository.repository import Repository, pack_key
+from .repository.repository import RecordVersion, Repository, pack_key
 
 log = logging.getLogger(__name__)
 
@@ -320,8 +320,11 @@ class Workspace(AbstractContextManager["Workspace"]):
 
     # -- commit / abort ----------------------------------------------------------
 
-    def commit(self, record: CatalogRecord | None = None, exclusive: bool = True) -> CommitResult:
-        """Publish: packs -> index -> manifests -> catalog record, each durable."""
+    def commit(self, record: CatalogRecord | None = None, exclusive: bool = True,
+               replaces: RecordVersion | None = None) -> CommitResult:
+        """Publish: packs -> index -> manifests -> catalog record, each durable.
+        ``replaces``: the record is written only over that version of it (``Conflict``
+        otherwise; what was published stays, unreferenced, for gc)."""
         self._check_open()
         if self._writers:
             raise StoreError(f"{len(self._writers)} blob writer(s) still open: close them before commit")
@@ -352,7 +355,9 @@ class Workspace(AbstractContextManager["Workspace"]):
             for m in self._manifests.values():
                 repo.put_manifest(m)
             self._published = True
-        if record is not None:
+        if record is not None and replaces is not None:
+            repo.swap_record(record, replaces)
+        elif record is not None:
             repo.put_record(record, exclusive=exclusive)
         result = CommitResult(
             manifests=tuple(Digest(m) for m in self._manifests),

@@ -110,6 +110,16 @@ class RepoStats:
     records: int
 
 
+
+@dataclass(frozen=True)
+class RecordVersion:
+    """A catalog record's stored bytes as read (``raw`` None: there was no such record)."""
+    name: str
+    raw: bytes | None
+
+    def record(self) -> CatalogRecord | None:
+        return CatalogRecord.decode(self.raw) if self.raw is not None else None
+
 class Repository:
     """Formats + merged index over one Backend. Thread-safe for reads."""
 
@@ -369,6 +379,22 @@ class Repository:
                 raise AlreadyExists(f"catalog record {record.name!r} already exists") from None
         else:
             self.backend.put(key, record.encode())
+
+    def get_record_version(self, name: str) -> RecordVersion:
+        """The record named ``name`` as stored now, for a later ``swap_record``."""
+        try:
+            data = self.backend.get(catalog_key(name))
+        except StoreNotFound:
+            return RecordVersion(name, None)
+        return RecordVersion(name, data)
+
+    def swap_record(self, record: CatalogRecord, replaces: RecordVersion) -> None:
+        """Write ``record`` only if its name still holds what ``replaces`` read
+        (``Conflict`` otherwise): a record with one holder at a time, like a sandbox's
+        pause, is never overwritten by a holder that lost it in between."""
+        if replaces.name != record.name:
+            raise ValueError(f"swap of record {record.name!r} against a version of {replaces.name!r}")
+        self.backend.swap(catalog_key(record.name), record.encode(), replaces.raw)
 
     def get_record(self, name: str) -> CatalogRecord:
         try:

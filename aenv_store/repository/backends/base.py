@@ -56,6 +56,12 @@ class Backend(abc.ABC):
         concurrent creators of one key: exactly one wins."""
 
     @abc.abstractmethod
+    def swap(self, key: str, data: bytes, expect: bytes | None) -> None:
+        """Replace ``key`` with ``data`` only if it now holds exactly ``expect`` (``None``:
+        only if it does not exist); else raise ``Conflict``. Of two writers that read the
+        same ``expect``, exactly one wins (compare-and-swap, for records with one holder)."""
+
+    @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """The whole object; ``StoreNotFound`` if absent."""
 

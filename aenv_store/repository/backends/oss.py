@@ -36,7 +36,7 @@ import botocore.exceptions
 from botocore.config import Config
 
 from ...config import MiB, RepositoryConfig
-from ...errors import AlreadyExists, BackendError, ConfigError, StoreNotFound
+from ...errors import AlreadyExists, BackendError, ConfigError, Conflict, StoreNotFound
 from .base import Backend, ObjectInfo
 from .retry import PermanentError, RetryPolicy
 
@@ -387,6 +387,42 @@ class OssBackend(Backend):
                                 mine, CLAIM_STALE_SECONDS)
             time.sleep(rng.uniform(0, min(1.0, 0.02 * 2 ** attempt)))
         raise BackendError(f"create {key}: still contended after {CREATE_ATTEMPTS} attempts")
+
+    def swap(self, key: str, data: bytes, expect: bytes | None) -> None:
+        """GET the object and its ETag, compare the bytes, then PUT with ``If-Match`` on
+        that ETag: S3 refuses the PUT (412) if anyone wrote the key in between. A server
+        without conditional writes is refused here (501): a swap it cannot make atomic
+        would let two holders both win."""
+        if expect is None:
+            try:
+                self.create(key, data)
+            except AlreadyExists:
+                raise Conflict(f"{key} exists (expected none)") from None
+            return
+        k = self._key(key)
+
+        def read() -> tuple[bytes, str]:
+            r = self._client.get_object(Bucket=self.bucket, Key=k)
+            return cast(bytes, r["Body"].read()), str(r["ETag"])
+        try:
+            current, etag = self._call(f"swap {key}", read)
+        except StoreNotFound:
+            raise Conflict(f"{key} is gone (expected it to hold {len(expect)} bytes)") from None
+        if current != expect:
+            raise Conflict(f"{key} changed since it was read")
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=k, Body=data, IfMatch=etag)
+        except botocore.exceptions.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                raise Conflict(f"{key} changed since it was read") from None
+            if code == "NotImplemented" or status == 501:
+                raise PermanentError(f"swap {key}: the S3 server has no conditional writes (If-Match)") from None
+            raise _classify(e, f"swap {key}") from None
+        except Exception as e:
+            raise _classify(e, f"swap {key}") from None
+        self._count("put", nbytes_out=len(data))
 
     def _put_if_absent(self, key: str, data: bytes) -> None:
         k = self._key(key)

@@ -6,6 +6,7 @@ dot-named temp file, which listing ignores and ``cleanup_tmp`` removes)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import stat
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from ... import durable
-from ...errors import AlreadyExists, BackendError, StoreNotFound
+from ...errors import AlreadyExists, BackendError, Conflict, StoreNotFound
 from .base import Backend, ObjectInfo
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")
@@ -136,6 +137,36 @@ class PosixFsBackend(Backend):
             durable.fsync_dir(final.parent)
         except OSError as e:
             raise BackendError(f"{self.root}: create {key}: {e.strerror}") from None
+
+    def swap(self, key: str, data: bytes, expect: bytes | None) -> None:
+        """Compare and replace under an exclusive ``flock`` of a hidden lock file next to
+        the key (hidden names are never listed): every swapper of the key takes it, so
+        the read, the compare and the rename are one step for them. (A plain ``put`` of
+        the same key does not take it: records written by swap are written only by swap.)"""
+        final = self._prepare(key)
+        if expect is None:
+            try:
+                self.create(key, data)
+            except AlreadyExists:
+                raise Conflict(f"{key} exists (expected none)") from None
+            return
+        try:
+            fd = os.open(final.parent / f".{final.name}.swap-lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BackendError(f"{self.root}: swap {key}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = final.read_bytes()
+            except FileNotFoundError:
+                raise Conflict(f"{key} is gone (expected it to hold {len(expect)} bytes)") from None
+            if current != expect:
+                raise Conflict(f"{key} changed since it was read")
+            durable.write_file_durable(final, data)
+        except OSError as e:
+            raise BackendError(f"{self.root}: swap {key}: {e.strerror}") from None
+        finally:
+            os.close(fd)        # and with it the lock
 
     def get(self, key: str) -> bytes:
         path = self._path(key)

@@ -4,7 +4,7 @@ how often and how long to retry lives here, once.
 
 What is retried: ``BackendError`` (I/O, 5xx, throttling, connection resets),
 except ``PermanentError`` (access denied, missing bucket, bad request: asking
-again cannot help). ``StoreNotFound`` and ``AlreadyExists`` are answers, not
+again cannot help). ``StoreNotFound``, ``AlreadyExists`` and ``Conflict`` are answers, not
 failures, and pass straight through.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, TypeVar
 
-from ...errors import AlreadyExists, BackendError, StoreNotFound
+from ...errors import AlreadyExists, BackendError, Conflict, StoreNotFound
 from .base import Backend, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,23 @@ class RetryBackend(Backend):
             return self.inner.get(key) == data
         except (StoreNotFound, BackendError):
             return False
+
+    def swap(self, key: str, data: bytes, expect: bytes | None) -> None:
+        # like create: an attempt that landed but whose answer was lost reads back as a
+        # Conflict on the retry, with our own bytes in place
+        tries = 0
+
+        def attempt() -> None:
+            nonlocal tries
+            tries += 1
+            try:
+                self.inner.swap(key, data, expect)
+            except Conflict:
+                if tries > 1 and self._holds(key, data):
+                    return
+                raise
+
+        self._call(f"swap {key}", attempt)
 
     def get(self, key: str) -> bytes:
         return self._call(f"get {key}", lambda: self.inner.get(key))

@@ -213,6 +213,10 @@ class CrashingBackend(Backend):
         self._mutate(key)
         self.inner.create(key, data)
 
+    def swap(self, key: str, data: bytes, expect: bytes | None) -> None:
+        self._mutate(key)
+        self.inner.swap(key, data, expect)
+
     def delete(self, key: str) -> None:
         self._mutate(key)
         self.inner.delete(key)

@@ -195,6 +195,10 @@ class _Flaky(Backend):
         self.inner.create(key, data)  # succeeds on the server...
         self._maybe_fail()  # ...but the answer is lost
 
+    def swap(self, key: str, data: bytes, expect: bytes | None) -> None:
+        self.inner.swap(key, data, expect)  # as create
+        self._maybe_fail()
+
     def get(self, key: str) -> bytes:
         self._maybe_fail()
         return self.inner.get(key)

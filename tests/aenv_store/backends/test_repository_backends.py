@@ -12,12 +12,12 @@ import pytest
 from aenv_store.admin.gc import gc
 from aenv_store.admin.verify import verify
 from aenv_store.config import CacheConfig, RepositoryConfig, StoreConfig, StorePaths, StoreSettings
-from aenv_store.errors import AlreadyExists, BackendError
+from aenv_store.errors import AlreadyExists, BackendError, Conflict
 from aenv_store.formats.catalog import CatalogRecord
 from aenv_store.formats.ids import Digest
 from aenv_store.repository.backends.base import Backend
 from aenv_store.repository.backends.factory import open_backend
-from aenv_store.repository.repository import Repository
+from aenv_store.repository.repository import RecordVersion, Repository
 from aenv_store.store import Store, describe_location
 from aenv_store.workspace import Workspace
 
@@ -91,6 +91,63 @@ def test_concurrent_exclusive_commits_one_winner(repository_config: RepositoryCo
             s.close()
 
 
+def test_swap_record_has_one_winner_per_version(repository_config: RepositoryConfig, tmp_path: Path) -> None:
+    """A pause record's compare-and-swap (issue 29's fencing): of four nodes that read the
+    same version, exactly one replaces it; then every node increments a counter in the
+    record through read-swap-retry loops, and no increment is lost."""
+    Store.open(settings(tmp_path / "init", repository_config), create=True).close()
+    n = 4
+    stores = [Store.open(settings(tmp_path / f"n{i}", repository_config)) for i in range(n)]
+    try:
+        stores[0].swap_record(CatalogRecord(name="held", kind="paused", meta=(("n", "0"),)),
+                              stores[0].get_record_version("held"))
+        with pytest.raises(Conflict):       # None: only if absent
+            stores[1].swap_record(CatalogRecord(name="held", kind="paused"), RecordVersion("held", None))
+        seen = [s.get_record_version("held") for s in stores]
+        wins: list[int] = []
+        barrier = threading.Barrier(n)
+
+        def claim(i: int) -> None:
+            barrier.wait()
+            try:
+                stores[i].swap_record(CatalogRecord(name="held", kind="paused", meta=(("holder", str(i)),)), seen[i])
+                wins.append(i)
+            except Conflict:
+                pass
+        threads = [threading.Thread(target=claim, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(wins) == 1
+        assert stores[0].get_record("held").meta_dict() == {"holder": str(wins[0])}
+
+        per, conflicts = 5, []
+
+        def count(i: int) -> None:
+            for _ in range(per):
+                while True:
+                    v = stores[i].get_record_version("held")
+                    rec = v.record()
+                    assert rec is not None
+                    k = int(rec.meta_dict().get("count", "0"))
+                    try:
+                        stores[i].swap_record(CatalogRecord(name="held", kind="paused", meta=(("count", str(k + 1)),)), v)
+                        break
+                    except Conflict:
+                        conflicts.append(i)
+        threads = [threading.Thread(target=count, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert stores[0].get_record("held").meta_dict() == {"count": str(n * per)}
+        print(f"{len(conflicts)} conflicts retried")
+    finally:
+        for s in stores:
+            s.close()
+
+
 class _FailAt(Backend):
     """Fails every write whose key starts with ``prefix`` (a crash at that point of a commit)."""
 
@@ -113,6 +170,10 @@ class _FailAt(Backend):
     def create(self, key: str, data: bytes) -> None:
         self._check(key)
         self.inner.create(key, data)
+
+    def swap(self, key: str, data: bytes, expect: bytes | None) -> None:
+        self._check(key)
+        self.inner.swap(key, data, expect)
 
     def get(self, key: str) -> bytes:
         return self.inner.get(key)
