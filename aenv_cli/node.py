@@ -172,7 +172,8 @@ class Node:
                                      isolation=vm.isolation, confine=confinement, volumes=volumes,
                                      lazy_memory=vm.lazy_memory, admission=admission,
                                      egress_limits=vm.egress_limits(), console_bytes=vm.console_kib << 10,
-                                     infrastructure=config.infrastructure())
+                                     infrastructure=config.infrastructure(),
+                                     fence_wait=cluster.fence_wait if trust is not None else 0.0)
             register_guest_drops(metrics, manager.rt.networks.drops)
             try:
                 await manager.start()

@@ -35,6 +35,7 @@ from aenv_wire.team_keys import DEFAULT_TEAM_ID, TEAM_ANNOTATION
 
 from .config import ClusterConfig
 from .coord import Capacity, CoordError, Coordinator
+from .fence import Fence
 from .peering import FleetPeering, PeerSync
 from .trust import FleetTrust, RedisTrustError, refuse_open_redis
 
@@ -72,6 +73,11 @@ class SandboxListener(Protocol):
 
     async def gone(self, sandbox_id: str) -> None:
         """The sandbox was killed here."""
+        ...
+
+    def check_serving(self) -> None:
+        """Before anything that starts a sandbox here: NodeFenced while the node may not
+        (it lost its fleet lease: fence.py)."""
         ...
 
 
@@ -113,6 +119,7 @@ class ObservedService:
         self._expiry.append(listener)
 
     async def create(self, req: CreateRequest) -> SandboxInfo:
+        self.listener.check_serving()
         info = await self.inner.create(req)
         await self.listener.bound(info, req.template)
         return info
@@ -127,6 +134,7 @@ class ObservedService:
         return info
 
     async def resume(self, sandbox_id: str, timeout: float | None = None, memory: bool = True) -> SandboxInfo:
+        self.listener.check_serving()
         info = await self.inner.resume(sandbox_id, timeout, memory)
         await self.listener.bound(info)
         return info
@@ -153,6 +161,7 @@ class ObservedService:
 
     async def fork(self, sandbox_id: str, count: int, timeout: float | None = None,
                    access_token: TokenMinter | None = None) -> list[ForkResult]:
+        self.listener.check_serving()
         results = await self.inner.fork(sandbox_id, count, timeout, access_token)
         for r in results:
             if isinstance(r, SandboxInfo):
@@ -161,6 +170,7 @@ class ObservedService:
         return results
 
     async def adopt(self, sandbox_id: str, force: bool = False) -> SandboxInfo:
+        self.listener.check_serving()
         info = await self.inner.adopt(sandbox_id, force)
         await self.listener.bound(info)
         return info
@@ -168,6 +178,12 @@ class ObservedService:
     async def release(self, sandbox_id: str) -> None:
         await self.inner.release(sandbox_id)
         await self.listener.released(sandbox_id)
+
+    async def reclaim(self, sandbox_id: str) -> bool:
+        held = await self.inner.reclaim(sandbox_id)
+        if not held:
+            await self.listener.gone(sandbox_id)
+        return held
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self.inner.delete_snapshot(snapshot_id)     # changes no sandbox
@@ -231,11 +247,13 @@ class NodeAgent:
     def __init__(self, config: ClusterConfig, api_key: str, max_sandboxes: int, sandbox_mem_mib: int,
                  data_dir: Path, version: str = "", coord: Coordinator | None = None,
                  p2p: PeerSync | None = None, restore_load: RestoreLoad | None = None,
-                 trust: FleetTrust | None = None) -> None:
+                 trust: FleetTrust | None = None, fence_keeper: bool | None = None) -> None:
         """``restore_load``: the node's restore gate as (slots, restores running or queued),
         reported at each heartbeat so placement can spread a burst by queue length.
         ``trust``: the fleet's secrets ([cluster], trust.py); with it the agent makes its
-        own ``coord`` and refuses a Redis that takes commands without a password."""
+        own ``coord`` and refuses a Redis that takes commands without a password.
+        ``fence_keeper``: run the fence keeper process (fence.py; default: on a real node,
+        the one with ``trust``)."""
         self.config = config
         self.node_id = config.node_id or socket.gethostname()
         if coord is None:
@@ -260,6 +278,8 @@ class NodeAgent:
         self._reported_restoring = 0    # the restore load the last heartbeat told Redis
         # with [p2p] enabled: publish this node's ticket, peer with the other live nodes
         self.peering = FleetPeering(self.coord, self.node_id, p2p) if p2p is not None else None
+        self.fence = Fence(config, lambda: self.service,
+                           keeper=trust is not None if fence_keeper is None else fence_keeper)
 
     def observe(self, service: SandboxService) -> ObservedService:
         observed = ObservedService(service, self)
@@ -300,6 +320,9 @@ class NodeAgent:
             self._releases.add(sandbox_id)
             self._dirty = True
 
+    def check_serving(self) -> None:
+        self.fence.check_serving()
+
     async def gone(self, sandbox_id: str) -> None:
         self._releases.discard(sandbox_id)
         if not self._verified:
@@ -318,6 +341,7 @@ class NodeAgent:
         ``heartbeat_seconds``. A Redis that is down at start is retried by the loop."""
         self._templates |= {t for t in templates if t}
         await self._verify()        # RedisTrustError: the node does not start
+        self.fence.start()
         try:
             if not self._verified:
                 raise CoordError(f"redis {self.coord.url}: not reachable to check its authentication")
@@ -385,7 +409,10 @@ class NodeAgent:
     async def tick(self) -> None:
         if self._dirty:
             await self.reconcile()
-        await self.heartbeat(await self.capacity())
+        cap = await self.capacity()
+        started = time.monotonic()
+        await self.heartbeat(cap)
+        await self.fence.renewed(started)
 
     async def heartbeat(self, cap: Capacity) -> None:
         """Renew the lease with ``cap`` (its ``p2p`` is the ticket published), then
@@ -446,6 +473,7 @@ class NodeAgent:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
+        await self.fence.close()
         if self._verified:      # never written to a Redis that was refused
             with contextlib.suppress(CoordError):
                 await self.reconcile()

@@ -36,6 +36,27 @@ class ClusterConfig:
     # A development fleet: run on a Redis that takes commands without a password.
     insecure_redis: bool = False
 
+    @property
+    def fence_after(self) -> float:
+        """Seconds after the start of its last successful heartbeat at which a node that
+        could not renew its lease fences itself (pauses its running sandboxes): once one
+        more missed heartbeat would let the lease end."""
+        return self.lease_seconds - self.heartbeat_seconds
+
+    @property
+    def freeze_after(self) -> float:
+        """Seconds after that start at which the node's fence keeper, a process of its own,
+        freezes every QEMU of the node if the node has not renewed by then (its event loop
+        stalled): when the lease can end, a whole ``fence_wait`` before an adopter may take
+        the sandboxes over."""
+        return self.lease_seconds
+
+    @property
+    def fence_wait(self) -> float:
+        """How long a forced adopt waits for the old holder's self-fence to write the
+        sandbox's pause record before taking over the last pause (handover.await_fence)."""
+        return 2 * self.lease_seconds
+
     def __post_init__(self) -> None:
         _check_redis_url(self.redis_url, "cluster.redis_url")
         if self.redis_url and not self.advertise_url.startswith(("http://", "https://")):

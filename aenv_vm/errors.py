@@ -46,6 +46,16 @@ class AdmissionRefused(CapacityError):
         self.retry_after = retry_after      # whole seconds, at least 1
 
 
+class NodeFenced(VmError):
+    """This fleet node could not renew its lease: it has stopped its running sandboxes
+    and starts none until it renews (docs/cluster.md, "Fencing"); retry after
+    ``retry_after`` seconds, or through a gateway, which places it elsewhere."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class VmTimeout(VmError):
     """A VM did not reach the awaited state in time."""
 

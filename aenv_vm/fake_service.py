@@ -520,6 +520,16 @@ class FakeSandboxService:
         self._sandboxes[sandbox_id] = sbx
         return sbx.info
 
+    async def reclaim(self, sandbox_id: str) -> bool:
+        """The fake's repository holds paused sandboxes only: a running one here is this
+        node's unless another node adopted a pause of it since."""
+        self._check(sandbox_id, Op.GET)
+        held = self.repository.paused.get(sandbox_id)
+        if held is not None and held[0] != self.node_id:
+            del self._sandboxes[sandbox_id]
+            return False
+        return True
+
     async def release(self, sandbox_id: str) -> None:
         sbx = self._check(sandbox_id, Op.RELEASE)
         if sbx.info.volume_mounts:

@@ -214,3 +214,10 @@ class SandboxService(Protocol):
         """Forget a paused sandbox, its pause committed and kept in the repository, so that
         another node can adopt it. NotFound: unknown; Conflict: running (or not movable)."""
         ...
+
+    async def reclaim(self, sandbox_id: str) -> bool:
+        """After a lapse of this node's fleet lease, before a running sandbox runs on: say
+        again in the shared repository that it runs here, over the record as read. True:
+        it is still this node's; False: another node took it over meanwhile, and this
+        node's copy is gone (killed, its pause left to the new holder). NotFound: unknown."""
+        ...

@@ -46,8 +46,8 @@ from envd import ENVD_PORT
 from envd.signing import SignedRequest
 from envd import signing
 
-from aenv_vm.errors import (AdmissionRefused, BadRequest, CapacityError, Conflict, GuestUnresponsive, NotFound, Unsupported,
-                            UnresponsiveSnapshot, VmError)
+from aenv_vm.errors import (AdmissionRefused, BadRequest, CapacityError, Conflict, GuestUnresponsive, NodeFenced,
+                            NotFound, Unsupported, UnresponsiveSnapshot, VmError)
 from aenv_vm.volumes.registry import VolumeNotFound
 from aenv_vm.service import CreateRequest, SandboxInfo, SandboxService, SandboxState, SnapshotInfo, TokenMinter
 from aenv_vm.states import PAUSED_PHASES, Op, Outcome, Phase, Verdict, phase_of, transition
@@ -117,6 +117,8 @@ def api_error(e: VmError, what: str) -> ApiError:
         return ApiError(501, f"{what}: {e}", retry=False)
     if isinstance(e, AdmissionRefused):   # the restore queue is long: retry as told
         return ApiError(429, str(e), retry=True, retry_after=e.retry_after, **error_code(e))
+    if isinstance(e, NodeFenced):         # lost its fleet lease: back once it renews
+        return ApiError(503, str(e), retry=True, retry_after=e.retry_after)
     if isinstance(e, CapacityError):      # the node is full: no retry by the SDK, a harness may
         return ApiError(429, str(e), retry=False, retry_after=FULL_RETRY_AFTER, **error_code(e))
     return ApiError(500, f"{what} failed: {e}")

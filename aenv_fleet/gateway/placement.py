@@ -44,6 +44,7 @@ MAX_FORK = 100               # children per fork call: E2B's bound on count
 FORK_CREATES = 16            # children from a snapshot being created at once, over the fleet
 NODE_HEADER = "X-Aenv-Node"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+HOLDER_BACK_WAIT = 15.0     # a holder that reclaimed its sandbox shows alive again within this (heartbeats)
 COMMIT_WAIT = 120.0         # how long a fork snapshot's or a pause's background commit is waited for
 # E2B's default team (the nil UUID, what every node calls the deployment key's team)
 DEFAULT_TEAM = "00000000-0000-0000-0000-000000000000"
@@ -267,7 +268,25 @@ class Moves:
                 return _relay(r, old)
         elif shown_state(b, False) == "lost":
             raise SandboxLost(sid, lost_note(b))
-        return await self._adopt_and_connect(b, path, body, headers)
+        answer = await self._adopt_and_connect(b, path, body, headers)
+        if old and answer.status == 409 and isinstance(answer.body, bytes) \
+                and answer_code(answer.body) is ClusterCode.RESUMED_ELSEWHERE \
+                and await self._back_again(old):
+            # the holder renewed its lease and reclaimed the sandbox while the adopter waited
+            # for its self-fence (docs/cluster.md, "Fencing"): it runs there, the client goes there
+            fresh = await self.fleet.binding(sid)
+            if fresh is not None and fresh.node_id == old:
+                return await self._connect(request, fresh, body)
+        return answer
+
+    async def _back_again(self, node_id: str, wait: float = HOLDER_BACK_WAIT) -> bool:
+        """Whether ``node_id`` is (or within ``wait`` seconds becomes) alive to this gateway."""
+        deadline = time.monotonic() + wait
+        while not self.fleet.is_alive(node_id):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.25)
+        return True
 
     async def _adopt_and_connect(self, b: Binding, path: str, body: bytes,
                                  headers: dict[str, str]) -> web.Response:

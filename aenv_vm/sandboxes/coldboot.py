@@ -39,7 +39,7 @@ from ..machine.machine import close
 from ..machine.plan import Disk, Greeting, MachinePlan, identity
 from ..templates.meta import GuestSettings
 from ..templates.template import guest_settings
-from .handover import check_held, mark_running
+from .handover import claim_held
 from .pause import PausedSandboxes, digest_of
 from .records import SandboxRecord, SandboxState
 from .restore import sandbox_of
@@ -86,8 +86,9 @@ async def cold_boot(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord
         rec = paused.records.get(sid) or rec
     snap = rec.snapshot
     assert snap is not None and snap.committed
-    held = await asyncio.to_thread(check_held, rt, rec)   # Moved: another node holds it now
-    marking = asyncio.ensure_future(asyncio.to_thread(mark_running, rt, held)) if held is not None else None
+    # Moved: another node holds it now; else the repository says it runs here from now on,
+    # before the guest runs (a takeover racing this write is refused, or refuses it)
+    await asyncio.to_thread(claim_held, rt, rec)
     tpl = rt.templates.resolve(rec.template)
     mem, _ = await rt.templates.files(tpl)
     settings = await asyncio.to_thread(guest_settings, rt.store, tpl)
@@ -111,8 +112,6 @@ async def cold_boot(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord
         await close(rt, machine)
         raise
     sbx.created = rec.started_at
-    if marking is not None:
-        await marking
     return sbx, time.monotonic() - t0
 
 

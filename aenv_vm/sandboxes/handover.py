@@ -27,13 +27,22 @@ kill removes the repository record, it reads the repository record: if that
 names another holder, or a later pause than its own, the local copy is stale
 (``Moved``, a 409): it is not resumed, its pending pause is not committed
 over the newer one, and a kill forgets it locally without touching the
-record. The check and the write are not one atomic step (the repository has
-no compare-and-swap): which node may resume a sandbox is decided above the
-nodes (the fleet's binding in Redis); the check makes a stale node's mistake
-loud instead of silent.
+record.
+
+Every write of a ``paused-<id>`` record (a pause's commit, the running mark of a
+resume, an adopt) is a compare-and-swap over the version of it the writer read
+and checked (``Store.swap_record``): of a stale holder and the node that took
+the sandbox over, whichever writes first wins and the other is refused
+(``Moved`` or ``ResumedElsewhere``), so two nodes never both believe they hold
+it (the fencing invariant, docs/cluster.md). A forced adopt (the holder's lease
+ran out) whose record says the sandbox runs on its holder first waits
+``NodeRuntime.fence_wait`` for that holder's self-fence to write it (a pause,
+adopted then as usual, or a reclaim: then the holder is alive and the adopt is
+refused); only a record untouched all that time is taken over by force.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -43,9 +52,10 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from aenv_store.errors import AlreadyExists, StoreError
+from aenv_store.errors import AlreadyExists, Conflict, StoreError
 from aenv_store.errors import StoreNotFound
 from aenv_store.formats.catalog import CatalogRecord, check_name
+from aenv_store.repository.repository import RecordVersion
 from aenv_store.store import Store
 
 from ..errors import AlreadyHeld, Moved, NotCommitted, NotMovable, NotPaused, ResumedElsewhere, SnapshotError, VmError
@@ -145,19 +155,26 @@ def pause_meta(rec: SandboxRecord, seq: int, holder: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class CommittedPause:
-    """A ``paused-<id>`` record as read from the repository."""
+    """A ``paused-<id>`` record as read from the repository, with the stored version it
+    was read from (what a compare-and-swap of it replaces)."""
     record: CatalogRecord
     seq: int
     holder: str | None              # None: committed by a node that did not name itself
+    version: RecordVersion
 
     @classmethod
-    def of(cls, rec: CatalogRecord) -> "CommittedPause":
+    def of(cls, rec: CatalogRecord, version: RecordVersion) -> "CommittedPause":
         meta = rec.meta_dict()
         try:
             seq = int(meta.get(META_SEQ, "0"))
         except ValueError:
             seq = 0
-        return cls(rec, seq, meta.get(META_HOLDER) or None)
+        return cls(rec, seq, meta.get(META_HOLDER) or None, version)
+
+    @property
+    def running_on(self) -> str | None:
+        """The node that resumed the sandbox after this pause (None: it is paused)."""
+        return self.record.meta_dict().get(META_RUNNING) or None
 
 
 def read_committed(rt: NodeRuntime, sid: str) -> CommittedPause | None:
@@ -167,13 +184,28 @@ def read_committed(rt: NodeRuntime, sid: str) -> CommittedPause | None:
         check_name(paused_name(sid))
     except ValueError:
         return None
-    try:
-        rec = rt.store.get_record(paused_name(sid))
-    except StoreNotFound:
+    version = rt.store.get_record_version(paused_name(sid))
+    rec = version.record()
+    if rec is None or rec.name != paused_name(sid) or rec.kind != PAUSED_KIND:
         return None
-    if rec.kind != PAUSED_KIND:
-        return None
-    return CommittedPause.of(rec)
+    return CommittedPause.of(rec, version)
+
+
+def commit_version(rt: NodeRuntime, sid: str, seq: int) -> RecordVersion:
+    """The version of ``paused-<sid>`` this node's pause ``seq`` may replace (worker
+    thread): Moved if another node holds the sandbox now or the repository has a newer
+    pause. The commit swaps over exactly this version, so a takeover between this read
+    and the write still refuses it."""
+    cp = read_committed(rt, sid)
+    if cp is not None:
+        if cp.holder is not None and cp.holder != rt.node_id:
+            raise Moved(f"sandbox {sid} moved: node {cp.holder} holds it now (its pause {cp.seq} in the "
+                        f"repository); pause {seq} of this node is not committed (release it here)")
+        if cp.seq > seq:
+            raise Moved(f"sandbox {sid} moved: the repository has its pause {cp.seq}, newer than this node's "
+                        f"pause {seq}, which is not committed (release it here)")
+        return cp.version
+    return rt.store.get_record_version(paused_name(sid))
 
 
 def stale_reason(rt: NodeRuntime, sid: str, seq: int, committed: bool) -> tuple[str | None, CommittedPause | None]:
@@ -208,17 +240,51 @@ def check_held(rt: NodeRuntime, rec: SandboxRecord) -> CommittedPause | None:
 
 
 def mark_running(rt: NodeRuntime, cp: CommittedPause) -> None:
-    """Say in the repository that this node resumed the sandbox after that pause, so
-    that an adopt elsewhere refuses it unless forced (worker thread, next to the
-    resume; the next pause's commit replaces the record). A failure is logged: the
-    resume does not depend on it."""
+    """Say in the repository that this node resumes the sandbox after that pause, so
+    that an adopt elsewhere refuses it unless forced (worker thread, before the resume
+    starts the guest; the next pause's commit replaces the record). Moved if the record
+    changed since ``cp`` was read (another node took the sandbox over in between: the
+    resume must not run a second copy). Any other failure is logged: the resume does
+    not depend on it."""
     meta = {**cp.record.meta_dict(), META_RUNNING: rt.node_id}
     rec = CatalogRecord(name=cp.record.name, kind=PAUSED_KIND, manifests=cp.record.manifests,
                         meta=tuple(sorted(meta.items())), created=cp.record.created)
     try:   # the manifests are those of the record just read: no need to check them again
-        rt.store.repository.put_record(rec, exclusive=False)
+        rt.store.repository.swap_record(rec, cp.version)
+    except Conflict:
+        raise Moved(f"sandbox {cp.record.name.removeprefix('paused-')} moved: its pause record changed while "
+                    f"this node resumed it (another node took it over); this node's copy is stale") from None
     except (StoreError, OSError) as e:
         log.warning("%s: the running mark was not written: %s", cp.record.name, e)
+
+
+def claim_held(rt: NodeRuntime, rec: SandboxRecord) -> None:
+    """Before a resume or boot of paused ``rec`` (worker thread): ``check_held``, then
+    ``mark_running`` over the version it read. Moved: this node's copy is stale."""
+    cp = check_held(rt, rec)
+    if cp is not None:
+        mark_running(rt, cp)
+
+
+def reclaim(rt: NodeRuntime, sid: str) -> bool:
+    """This node kept running ``sid`` through a lapse of its lease (frozen, not paused):
+    rewrite its pause record, still naming this node as where it runs, over the version
+    read (worker thread). True: this node still holds it, and a forced adopt that read
+    the older version is refused; False: another node adopted it meanwhile (or the
+    record names another holder): this node's running copy is stale."""
+    cp = read_committed(rt, sid)
+    if cp is None:
+        return True     # never paused: nothing in the repository another node could adopt
+    if (cp.holder is not None and cp.holder != rt.node_id) or cp.running_on not in (None, rt.node_id):
+        return False
+    meta = {**cp.record.meta_dict(), META_RUNNING: rt.node_id, "reclaimed_at": str(round(time.time(), 3))}
+    rec = CatalogRecord(name=cp.record.name, kind=PAUSED_KIND, manifests=cp.record.manifests,
+                        meta=tuple(sorted(meta.items())), created=cp.record.created)
+    try:
+        rt.store.repository.swap_record(rec, cp.version)
+    except Conflict:
+        return False
+    return True
 
 
 def delete_if_held(rt: NodeRuntime, sid: str) -> None:
@@ -236,6 +302,32 @@ def delete_if_held(rt: NodeRuntime, sid: str) -> None:
         pass
 
 
+FENCE_POLL = 0.5       # seconds between reads of the record while a holder's self-fence is awaited
+
+
+async def await_fence(rt: NodeRuntime, sid: str, cp: CommittedPause) -> tuple[CommittedPause, bool]:
+    """Before a forced adopt of ``sid``, whose record ``cp`` says it runs on a node whose
+    lease ran out: wait up to ``rt.fence_wait`` for that node's self-fence to write the
+    record (its pause, or a reclaim). Returns the record to adopt from and whether the
+    adopt is still forced: the newer version, unforced, if the holder wrote it (a pause is
+    then adopted as any; a record still naming where it runs is refused); ``cp``, forced,
+    if nothing changed (the holder is gone: its running state since that pause is lost)."""
+    deadline = time.monotonic() + rt.fence_wait
+    while time.monotonic() < deadline:
+        await asyncio.sleep(FENCE_POLL)
+        now = await asyncio.to_thread(read_committed, rt, sid)
+        if now is None:
+            raise NotCommitted(f"sandbox {sid}: its pause record left the repository while this node waited "
+                               f"to adopt it (killed?)")
+        if now.version != cp.version:
+            log.info("sandbox %s: its holder %s wrote its pause record while this node waited to adopt it",
+                     sid, cp.running_on)
+            return now, False
+    log.info("sandbox %s: its record still says it runs on %s after %.0f s: adopted by force from pause %d",
+             sid, cp.running_on, rt.fence_wait, cp.seq)
+    return cp, True
+
+
 class Moves:
     """Adopt and release of paused sandboxes on this node (the manager holds the lock)."""
 
@@ -243,17 +335,19 @@ class Moves:
         self.rt = rt
         self.records = records
 
-    def adopt(self, sid: str, force: bool = False) -> SandboxRecord:
+    def adopt(self, sid: str, force: bool = False, cp: CommittedPause | None = None) -> SandboxRecord:
         """Take over sandbox ``sid`` that another node paused and committed (worker thread):
         NotCommitted if the repository has no pause of it, AlreadyHeld if this node holds
         it, NotMovable if it cannot move (volume mounts, an older record format, its
         template gone), ResumedElsewhere if its holder resumed it after that pause, unless
         ``force`` (the caller knows that node is gone: the sandbox then continues from that
-        pause)."""
+        pause). ``cp``: the record as the caller read it (else read here); the takeover is
+        written over exactly that version (ResumedElsewhere if it changed since)."""
         held = self.records.get(sid)
         if held is not None:
             raise AlreadyHeld(f"this node already holds sandbox {sid} ({held.state.value})")
-        cp = read_committed(self.rt, sid)
+        if cp is None:
+            cp = read_committed(self.rt, sid)
         if cp is None:
             raise NotCommitted(f"the repository has no paused sandbox {sid!r}")
         meta = cp.record.meta_dict()
@@ -291,9 +385,14 @@ class Moves:
         meta[META_HOLDER] = self.rt.node_id
         if cp.holder:
             meta["adopted_from"] = cp.holder
-        self.rt.store.put_record(CatalogRecord(name=cp.record.name, kind=PAUSED_KIND, manifests=cp.record.manifests,
-                                               meta=tuple(sorted(meta.items())), created=cp.record.created),
-                                 exclusive=False)
+        try:
+            self.rt.store.swap_record(CatalogRecord(name=cp.record.name, kind=PAUSED_KIND,
+                                                    manifests=cp.record.manifests,
+                                                    meta=tuple(sorted(meta.items())), created=cp.record.created),
+                                      cp.version)
+        except Conflict:
+            raise ResumedElsewhere(f"sandbox {sid}: its pause record changed while this node adopted it (its "
+                                   f"holder {cp.holder or '?'} wrote it: alive after all); not adopted") from None
         for d in (self.rt.paused_dir(sid), self.rt.sandbox_dir(sid)):
             shutil.rmtree(d, ignore_errors=True)
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -61,7 +61,7 @@ from .coldboot import cold_boot, prepare_pause
 from .lazymem import start_lazy_memory, stop_lazy_memory
 from .fork import MAX_FORK, Child, Forks
 from .metrics import MetricsRecorder
-from .handover import Moves, check_releasable, mark_shared, node_identity
+from .handover import Moves, await_fence, check_releasable, mark_shared, node_identity, read_committed, reclaim
 from .pause import PausedSandboxes, PauseTiming
 from .pausefork import committed_source, held_source, make_pause_snapshot
 from .pool import REFILL_DELAY, WarmPool
@@ -99,7 +99,8 @@ class SandboxManager:
                  confine: Confinement | str = "auto", min_free_disk: int | None = None,
                  volumes: VolumeRegistry | None = None, lazy_memory: bool = True,
                  admission: Admission | None = None, egress_limits: EgressLimits = EgressLimits(),
-                 console_bytes: int = CONSOLE_BYTES, infrastructure: Sequence[InfraHost] = ()) -> None:
+                 console_bytes: int = CONSOLE_BYTES, infrastructure: Sequence[InfraHost] = (),
+                 fence_wait: float = 0.0) -> None:
         """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
         "required", "off") for a policy of the manager's own, or a shared ``Confinement``
         (started and closed by its owner). ``min_free_disk``: the free space guests' disk
@@ -111,7 +112,9 @@ class SandboxManager:
         ``egress_limits``: what one sandbox may ask of the node's DNS forwarder and egress
         proxy (aenv_vm/net/bounds.py). ``console_bytes``: the most of each QEMU's serial
         console the node keeps (aenv_vm/qemu/console.py). ``infrastructure``: addresses no
-        sandbox reaches whatever its rules say (aenv_vm/net/infra.py)."""
+        sandbox reaches whatever its rules say (aenv_vm/net/infra.py). ``fence_wait``: how long
+        a forced adopt waits for the old holder's self-fence (handover.await_fence; a fleet
+        sets it from its lease)."""
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self._own_confinement = not isinstance(confine, Confinement)
         confinement = confine if isinstance(confine, Confinement) else Confinement(confine)
@@ -123,7 +126,7 @@ class SandboxManager:
                               fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead,
                               min_free_disk=min_free_disk if min_free_disk is not None else
                               store.cache.config.min_free_disk if store.cache is not None else 0,
-                              node_id=node_identity(run_root), admission=admission)
+                              node_id=node_identity(run_root), admission=admission, fence_wait=fence_wait)
         self.lazy_memory = lazy_memory
         self.default_timeout = default_timeout
         self.volumes = SandboxVolumes(volumes, self.rt.min_free_disk)   # volume channels of running sandboxes
@@ -603,12 +606,32 @@ class SandboxManager:
 
     # ------------------------------------------------------------ moves between nodes (handover.py)
     async def adopt(self, sid: str, force: bool = False) -> SandboxRecord:
-        """Take over a sandbox another node paused into the shared repository (resumed here next)."""
+        """Take over a sandbox another node paused into the shared repository (resumed here
+        next). ``force``: its holder's lease ran out; if the record says it runs there, the
+        holder's self-fence is waited for first (handover.await_fence)."""
         async with self.lock(sid):
             self.check(sid, Op.ADOPT)           # Conflict: this node holds it already
             self._check_capacity()
             assert self._moves is not None
-            return await asyncio.to_thread(self._moves.adopt, sid, force)
+            cp = await asyncio.to_thread(read_committed, self.rt, sid)
+            if force and cp is not None and cp.running_on not in (None, self.rt.node_id):
+                cp, force = await await_fence(self.rt, sid, cp)
+            return await asyncio.to_thread(self._moves.adopt, sid, force, cp)
+
+    async def reclaim(self, sid: str) -> bool:
+        """A running sandbox after a lapse of the node's lease (handover.reclaim): True if
+        it is still this node's; else its copy here is killed (a stale copy's kill leaves
+        the pause record to its new holder) and False."""
+        async with self.lock(sid):
+            self.check(sid, Op.GET)
+            if sid not in self._running:
+                return True
+            if await asyncio.to_thread(reclaim, self.rt, sid):
+                return True
+        log.warning("sandbox %s: another node took it over while this node's lease had lapsed: its copy here "
+                    "is stopped", sid)
+        await self.kill(sid)
+        return False
 
     async def release(self, sid: str) -> None:
         """Forget a paused sandbox here, its pause kept in the repository for another node."""

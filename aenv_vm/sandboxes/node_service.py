@@ -182,6 +182,9 @@ class NodeSandboxService:
     async def release(self, sandbox_id: str) -> None:
         await self.manager.release(sandbox_id)
 
+    async def reclaim(self, sandbox_id: str) -> bool:
+        return await self.manager.reclaim(sandbox_id)
+
 
 def _usage(pid: int, upper: Path) -> Usage:
     """RSS and CPU time of a QEMU process (from /proc) and the bytes its upper layer holds."""

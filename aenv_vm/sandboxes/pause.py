@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from aenv_store.formats.catalog import CatalogRecord
-from aenv_store.errors import StoreError
+from aenv_store.errors import Conflict as StoreConflict, StoreError
 from aenv_store.formats.ids import Digest
 
 from ..blockimage.image import BlockImage
@@ -46,7 +46,7 @@ from ..memory.memory_image import (SPARE, Delta, hashes_match, parent_seq, read_
 from ..qemu.launcher import QemuProcess
 from ..templates.template import DEVICE_STATE
 from .capture import Capturer
-from .handover import PAUSED_KIND, delete_if_held, paused_name, pause_meta, stale_reason
+from .handover import PAUSED_KIND, commit_version, delete_if_held, paused_name, pause_meta
 from .records import RecordStore, SandboxRecord, SandboxState, SnapshotRef
 from .runtime import NodeRuntime
 from .sandbox import Sandbox
@@ -305,11 +305,16 @@ class PausedSandboxes:
             roles = ((("disk", top),) if top is not None else ()) + (
                 ("memory", mid), ("base", delta.base), ("state", state_id))
             # never over a newer pause or one another node took over: this copy is stale then
-            if (why := stale_reason(self.rt, sid, snap.seq, committed=False)[0]) is not None:
-                raise Moved(f"sandbox {sid} moved: {why}; pause {snap.seq} of this node is not committed "
-                            f"(release it here)")
-            ws.commit(CatalogRecord(name=paused_name(sid), kind=PAUSED_KIND, manifests=roles,
-                                    meta=tuple(sorted(record_meta.items())), created=time.time()), exclusive=False)
+            # (Moved); the record is swapped over the version checked, so a takeover in between
+            # refuses it too
+            version = commit_version(self.rt, sid, snap.seq)
+            try:
+                ws.commit(CatalogRecord(name=paused_name(sid), kind=PAUSED_KIND, manifests=roles,
+                                        meta=tuple(sorted(record_meta.items())), created=time.time()),
+                          replaces=version)
+            except StoreConflict:
+                raise Moved(f"sandbox {sid} moved: its pause record changed during the commit of pause "
+                            f"{snap.seq} (another node took it over); not committed (release it here)") from None
         parent = parent_seq(d / "memory.delta")
         if parent is not None:   # self-contained again (durably) before its parent is removed
             write_delta(d / "memory.delta", delta)

@@ -23,7 +23,7 @@ from aenv_store.store import Store
 from ..errors import Conflict, SnapshotError
 from ..memory.device_state import durable_write
 from ..memory.memory_image import fetch_delta, read_delta, write_delta
-from .handover import check_held, mark_running
+from .handover import claim_held
 from .pause import PausedSandboxes, digest_of
 from .records import SandboxRecord, SandboxState, SnapshotRef
 from .restore import RestorePlan, greeting, restore
@@ -57,8 +57,9 @@ async def resume(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord) -
         rec = paused.records.get(sid) or rec
     snap = rec.snapshot
     assert snap is not None and snap.committed
-    held = await asyncio.to_thread(check_held, rt, rec)   # Moved: another node holds it now
-    marking = asyncio.ensure_future(asyncio.to_thread(mark_running, rt, held)) if held is not None else None
+    # Moved: another node holds it now; else the repository says it runs here from now on,
+    # before the guest runs (a takeover racing this write is refused, or refuses it)
+    await asyncio.to_thread(claim_held, rt, rec)
     tpl = rt.templates.resolve(rec.template)
     mem, _ = await rt.templates.files(tpl)
     d = Path(snap.local)
@@ -79,8 +80,6 @@ async def resume(rt: NodeRuntime, paused: PausedSandboxes, rec: SandboxRecord) -
                        policy=rec.policy)
     sbx, t = await restore(rt, plan, standby)
     sbx.created = rec.started_at
-    if marking is not None:
-        await marking
     done = time.monotonic()
     return sbx, ResumeTiming(fetch, t.qemu_start, t.inject, t.state_load, t.first_answer, t.init,
                              t.running_at - t0, done - t0)

@@ -60,6 +60,7 @@ class NodeRuntime:
     min_free_disk: int = 0              # a guest's disk writes fail rather than leave less free here
     node_id: str = ""                   # this node as the holder of pauses in a shared repository (handover.py)
     admission: Admission | None = None  # the gate every restore passes (None: restores start at once)
+    fence_wait: float = 0.0             # a forced adopt waits this long for the holder's self-fence (handover.py)
 
     def __post_init__(self) -> None:
         # every QEMU's sockets live in its run dir: a run root too long for them would

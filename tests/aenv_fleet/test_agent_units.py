@@ -36,7 +36,8 @@ ANSWERS: dict[str, Any] = {
     "resume": info(), "set_timeout": info(), "update_network": info(), "annotate": info(), "snapshot": SNAP, "list_snapshots": [SNAP],
     "delete_snapshot": None, "fork": [info("sbx-2"), NotFound("x")], "endpoint": ("10.0.0.1", 49983),
     "usage": Usage(1, 1.0, 1), "metrics": [SAMPLE], "latest_metrics": {"sbx-1": SAMPLE},
-    "console": ConsoleRead("qemu-1", 0, b""), "adopt": info(state=SandboxState.PAUSED), "release": None}
+    "console": ConsoleRead("qemu-1", 0, b""), "adopt": info(state=SandboxState.PAUSED), "release": None,
+    "reclaim": True}
 # the arguments each method is called with here
 CALLS: dict[str, tuple[Any, ...]] = {
     "create": (CreateRequest(template="base"),), "get": ("sbx-1",), "list_sandboxes": (), "kill": ("sbx-1",),
@@ -44,7 +45,8 @@ CALLS: dict[str, tuple[Any, ...]] = {
     "update_network": ("sbx-1", NetworkPolicy()), "annotate": ("sbx-1", {"k": "v"}), "snapshot": ("sbx-1", "n", "team-a"), "list_snapshots": (),
     "delete_snapshot": ("snap-1",), "fork": ("sbx-1", 2, 60.0, None), "endpoint": ("sbx-1", 8080),
     "usage": ("sbx-1",), "metrics": ("sbx-1", 1.0, 2.0), "latest_metrics": (["sbx-1"],),
-    "console": ("sbx-1", "qemu-1", 0, 100), "adopt": ("sbx-1", True), "release": ("sbx-1",)}
+    "console": ("sbx-1", "qemu-1", 0, 100), "adopt": ("sbx-1", True), "release": ("sbx-1",),
+    "reclaim": ("sbx-1",)}
 # what the listener hears of each (reads: nothing)
 TOLD: dict[str, list[tuple[Any, ...]]] = {
     "create": [("bound", "sbx-1", "base", False)], "kill": [("gone", "sbx-1")],
@@ -90,10 +92,13 @@ class Listener:
     async def gone(self, sandbox_id: str) -> None:
         self.heard.append(("gone", sandbox_id))
 
+    def check_serving(self) -> None:
+        """Serving: nothing to hear (a fenced node: test_fence_units.py)."""
+
 
 def test_every_protocol_method_is_spelled_out() -> None:
     methods = protocol_methods()
-    assert len(methods) == 22 and set(CALLS) | {"on_expiry", "pause_snapshot"} == set(methods)
+    assert len(methods) == 23 and set(CALLS) | {"on_expiry", "pause_snapshot"} == set(methods)
     assert "__getattr__" not in vars(ObservedService)
     for name in methods:
         mine, theirs = vars(ObservedService).get(name), vars(SandboxService)[name]
