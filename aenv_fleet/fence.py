@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 KEEPER_SCRIPT = Path(__file__).with_name("fence_keeper.py")
 CHECK_EVERY = 0.25      # seconds between the fence's looks at the lease
+STALL = 1.0             # a look this late (or a heartbeat period, if longer) means the node stalled
 
 
 class Keeper:
@@ -96,6 +97,7 @@ class Fence:
         self._lapsed = False            # fenced, or the lease may have run out: reclaim at the next renewal
         self._task: asyncio.Task[None] | None = None
         self._fencing: asyncio.Task[None] | None = None
+        self._reclaiming = asyncio.Lock()
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._watch())
@@ -124,6 +126,10 @@ class Fence:
             self.fenced = False
 
     async def _reclaim(self) -> bool:
+        async with self._reclaiming:
+            return await self._reclaim_running()
+
+    async def _reclaim_running(self) -> bool:
         service = self._service()
         if service is None:
             return True
@@ -148,15 +154,35 @@ class Fence:
         return sure
 
     async def _watch(self) -> None:
+        last = self._clock()
+        grace_until = 0.0
         while True:
             await asyncio.sleep(CHECK_EVERY)
-            since = self._clock() - self._renewed_at
-            if not self.fenced and since > self.config.fence_after:
+            now = self._clock()
+            if now - last > max(STALL, self.config.heartbeat_seconds):
+                # the node itself stalled (this loop did not run): the heartbeat gets a
+                # turn to renew before the node fences
+                log.warning("cluster: this node's event loop stalled for %.1f s", now - last)
+                self._lapsed = True
+                grace_until = now + self.config.heartbeat_seconds
+            last = now
+            since = now - self._renewed_at
+            if not self.fenced and since > self.config.fence_after and now >= grace_until:
                 self.fenced = self._lapsed = True
-                if self._keeper is not None:    # the node pauses them itself: the keeper waits longer
-                    self._keeper.hold_until(self._renewed_at + self.config.lease_seconds + self.config.fence_wait / 2)
                 log.warning("cluster: lease not renewed for %.1f s: fencing (pausing every running sandbox)", since)
-                self._fencing = asyncio.ensure_future(self._pause_all())
+                self._fencing = asyncio.ensure_future(self._fence(since))
+
+    async def _fence(self, since: float) -> None:
+        if self._keeper is not None:
+            if since > self.config.freeze_after:
+                # the keeper may have frozen them (the node stalled): each is paused only once
+                # the repository says it is still this node's (a reclaim: then no forced
+                # adopt can take it over), the rest are dropped; then they thaw to be paused
+                await self._reclaim()
+                self._keeper.hold_until(self._clock() + self.config.fence_wait / 2)
+            else:       # the node pauses them itself: the keeper waits longer
+                self._keeper.hold_until(self._renewed_at + self.config.lease_seconds + self.config.fence_wait / 2)
+        await self._pause_all()
 
     async def _pause_all(self) -> None:
         service = self._service()

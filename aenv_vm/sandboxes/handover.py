@@ -282,8 +282,9 @@ def reclaim(rt: NodeRuntime, sid: str) -> bool:
                         meta=tuple(sorted(meta.items())), created=cp.record.created)
     try:
         rt.store.repository.swap_record(rec, cp.version)
-    except Conflict:
-        return False
+    except Conflict:        # written in between: by another node, or by this one (a pause, a reclaim)
+        now = read_committed(rt, sid)
+        return now is None or (now.holder in (None, rt.node_id) and now.running_on in (None, rt.node_id))
     return True
 
 

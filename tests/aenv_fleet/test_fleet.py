@@ -596,6 +596,153 @@ def test_fork_of_24_across_nodes_children_diverge(fleet: Fleet) -> None:
 # --- node failure and rejoin (last: they change the fleet) ----------------------------------
 
 
+class CopyWatch:
+    """Samples every 0.1 s how many QEMUs of a sandbox exist on the machine (every node
+    of the fleet is here) and how many of them run guest code (not stopped by SIGSTOP):
+    the fencing invariant is that the second never exceeds one."""
+
+    def __init__(self, sid: str) -> None:
+        self.sid = sid
+        self.most_running = 0
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def copies(self) -> tuple[int, int]:
+        total = running = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if stat[stat.index("(") + 1:stat.rindex(")")].startswith("qemu-system") and self.sid.encode() in cmd:
+                total += 1
+                running += stat[stat.rindex(")") + 2] != "T"
+        return total, running
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total, running = self.copies()
+            self.samples.append((time.monotonic(), total, running))
+            self.most_running = max(self.most_running, running)
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _counting_on(fleet: Fleet, node: str) -> tuple[Sandbox, int]:
+    """A sandbox on ``node`` that counts in /tmp/counter, paused once (committed), then
+    resumed there: its pause record says it runs on that node. Returns it and a count
+    read after the resume."""
+    _drain_others(fleet, node, True)
+    try:
+        s = Sandbox.create("base", metadata={"suite": "fence"}, timeout=TIMEOUT, **gw(fleet, 0))
+    finally:
+        _drain_others(fleet, node, False)
+    assert binding_node(fleet, s.sandbox_id) == node
+    s.commands.run("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
+                   "mv /tmp/counter.new /tmp/counter; sleep 0.2; done' >/dev/null 2>&1 &")
+    s.commands.run("until [ -s /tmp/counter ]; do sleep 0.1; done", timeout=60)
+    s.pause()
+    wait_committed(fleet, s.sandbox_id)
+    s = Sandbox.connect(s.sandbox_id, timeout=TIMEOUT, **gw(fleet, 0))
+    assert binding_node(fleet, s.sandbox_id) == node
+    time.sleep(1.0)
+    return s, int(s.commands.run("cat /tmp/counter").stdout)
+
+
+def _wait_alive(fleet: Fleet, node: str, alive: bool, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while nodes_of(fleet)[node]["alive"] != alive:
+        assert time.monotonic() < deadline, f"{node} did not become {'alive' if alive else 'expired'} in {timeout} s"
+        time.sleep(0.2)
+
+
+def test_a_node_cut_off_from_redis_fences_itself_and_its_sandbox_moves_with_its_latest_state(fleet: Fleet) -> None:
+    """Issue 29, acceptance 2: node A loses Redis (its packets to Redis dropped in its
+    namespace) while a sandbox counts there. A pauses it itself before its lease ends; a
+    client's connect through a gateway adopts that pause on another node, so the count
+    goes on from A's latest state, never from the older pause; at no moment do two
+    copies run. Once Redis is back, A drops its stale copy."""
+    a = fleet.nodes[0]
+    assert fleet.redis is not None
+    s, before = _counting_on(fleet, a.node_id)
+    watch = CopyWatch(s.sandbox_id)
+    nft = ["ip", "netns", "exec", a.ns, "nft"]
+    subprocess.run([*nft, "add", "table", "inet", "aenvfence"], check=True)
+    try:
+        subprocess.run([*nft, "add", "chain", "inet", "aenvfence", "out",
+                        "{ type filter hook output priority 0 ; }"], check=True)
+        subprocess.run([*nft, "add", "rule", "inet", "aenvfence", "out", "ip", "daddr", fleet.hub_ip,
+                        "tcp", "dport", "6379", "drop"], check=True)
+        _wait_alive(fleet, a.node_id, False, 30)
+        c = Sandbox.connect(s.sandbox_id, timeout=TIMEOUT, **gw(fleet, 1))
+        moved_to = binding_node(fleet, s.sandbox_id)
+        assert moved_to not in ("", a.node_id)
+        after = int(c.commands.run("cat /tmp/counter").stdout)
+        assert after > before, f"the count went back from {before} to {after}: an older pause was resumed"
+        assert "fencing" in a.log.read_text()
+    finally:
+        subprocess.run([*nft, "delete", "table", "inet", "aenvfence"], check=False)
+        watch.stop()
+    assert watch.most_running == 1, [x for x in watch.samples if x[2] > 1][:5]
+    _wait_alive(fleet, a.node_id, True, 120)
+    deadline = time.monotonic() + 120
+    while s.sandbox_id in {x["sandboxID"] for x in http("GET", a.url + "/v2/sandboxes", key=fleet.api_key)[2]}:
+        assert time.monotonic() < deadline, "the partitioned node kept its stale copy"
+        time.sleep(1)
+    assert binding_node(fleet, s.sandbox_id) == moved_to
+    assert int(c.commands.run("cat /tmp/counter").stdout) > after
+    Sandbox.kill(s.sandbox_id, **gw(fleet, 0))
+
+
+def test_a_node_whose_loop_stalls_past_its_lease_keeps_its_sandbox_and_no_second_copy_runs(fleet: Fleet) -> None:
+    """Issue 29, acceptance 2, the stall: node A's server is stopped (SIGSTOP) past its
+    lease while a sandbox counts there. A's fence keeper freezes the guest; a client's
+    connect through a gateway waits while the adopting node waits for A's self-fence;
+    A comes back, reclaims the sandbox and the connect lands on A, the count going on
+    from A's state. No second copy ever starts."""
+    a = fleet.nodes[0]
+    assert a.proc is not None
+    s, before = _counting_on(fleet, a.node_id)
+    watch = CopyWatch(s.sandbox_id)
+    connected: list[Any] = []
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        _wait_alive(fleet, a.node_id, False, 30)
+        deadline = time.monotonic() + 10
+        while watch.copies() != (1, 0):     # the keeper froze the guest
+            assert time.monotonic() < deadline, f"the guest was not frozen: {watch.copies()}"
+            time.sleep(0.1)
+
+        def connect() -> None:
+            try:
+                connected.append(Sandbox.connect(s.sandbox_id, timeout=TIMEOUT, **gw(fleet, 1)))
+            except Exception as e:      # noqa: BLE001 -- checked below
+                connected.append(e)
+        t = threading.Thread(target=connect)
+        t.start()
+        time.sleep(3.0)         # the adopter waits for A's self-fence (2 leases)
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    t.join(120)
+    watch.stop()
+    assert connected and isinstance(connected[0], Sandbox), connected
+    assert binding_node(fleet, s.sandbox_id) == a.node_id
+    after = int(connected[0].commands.run("cat /tmp/counter").stdout)
+    assert after > before, f"the count went back from {before} to {after}"
+    assert watch.most_running == 1 and max(x[1] for x in watch.samples) == 1, \
+        [x for x in watch.samples if x[1] > 1][:5]
+    assert "frozen" in a.log.read_text() and "thawed" in a.log.read_text()
+    Sandbox.kill(s.sandbox_id, **gw(fleet, 0))
+
+
 def test_node_sigkill_paused_resume_elsewhere_running_reported_lost(fleet: Fleet) -> None:
     victim = fleet.nodes[2]
     _drain_others(fleet, victim.node_id, True)
