@@ -333,7 +333,7 @@ class Workspace(AbstractContextManager["Workspace"]):
             for role, mid in record.manifests:
                 if bytes(mid) not in self._manifests and not repo.has_manifest(mid):
                     raise StoreNotFound(f"record {record.name!r}: manifest {role}={bytes(mid).hex()} does not exist")
-            if exclusive and repo.backend.exists(f"catalog/{record.name}"):
+            if exclusive and replaces is None and repo.backend.exists(f"catalog/{record.name}"):
                 # fail before uploading anything; create() below stays the real arbiter
                 raise AlreadyExists(f"catalog record {record.name!r} already exists")
         packs_added = 0

@@ -148,6 +148,27 @@ def test_swap_record_has_one_winner_per_version(repository_config: RepositoryCon
             s.close()
 
 
+def test_a_commit_replaces_only_the_version_it_read(repository_config: RepositoryConfig, tmp_path: Path) -> None:
+    """A pause's commit (pause -> resume -> pause of one sandbox): the record exists, and
+    the commit swaps over the version read; over a stale version it is refused."""
+    with Store.open(settings(tmp_path / "a", repository_config), create=True) as store:
+        commit_blob(store, b"first", "paused-x")
+        v1 = store.get_record_version("paused-x")
+        for data, version, ok in ((b"second", v1, True), (b"third", v1, False)):
+            with store.workspace() as ws:
+                w = ws.blob_writer(size=len(data))
+                w.write(0, data)
+                mid = w.close()
+                rec = CatalogRecord(name="paused-x", kind="snapshot", manifests=(("disk", mid),))
+                if ok:
+                    ws.commit(rec, replaces=version)
+                else:
+                    with pytest.raises(Conflict):
+                        ws.commit(rec, replaces=version)
+        blob = store.open_blob(store.get_record("paused-x").manifests[0][1])
+        assert blob.read(0, blob.size) == b"second"
+
+
 class _FailAt(Backend):
     """Fails every write whose key starts with ``prefix`` (a crash at that point of a commit)."""
 
