@@ -597,20 +597,29 @@ def test_fork_of_24_across_nodes_children_diverge(fleet: Fleet) -> None:
 
 
 class CopyWatch:
-    """Samples every 0.1 s how many QEMUs of a sandbox exist on the machine (every node
-    of the fleet is here) and how many of them run guest code (not stopped by SIGSTOP):
-    the fencing invariant is that the second never exceeds one."""
+    """Samples every 0.25 s the QEMUs of a sandbox on the machine (every node of the fleet
+    is here) and how many of them run its guest: not stopped (SIGSTOP: the fence
+    keeper's freeze), past their first 2 s (a QEMU's own start-up), and using CPU over the
+    last second (a standby QEMU waiting for a device state, which a node keeps after a
+    pause, runs no guest and is idle; the guest's counting loop keeps a running one
+    busy). The fencing invariant is that no sample finds two."""
+
+    WINDOW = 1.0
 
     def __init__(self, sid: str) -> None:
         self.sid = sid
         self.most_running = 0
         self.samples: list[tuple[float, int, int]] = []
+        self._cpu: dict[int, list[tuple[float, int]]] = {}
+        self._tick = os.sysconf("SC_CLK_TCK")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def copies(self) -> tuple[int, int]:
-        total = running = 0
+    def qemus(self) -> dict[int, tuple[str, int, float]]:
+        """pid -> (state, CPU ticks, age in seconds) of each QEMU of the sandbox."""
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        found = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -620,16 +629,29 @@ class CopyWatch:
             except OSError:
                 continue
             if stat[stat.index("(") + 1:stat.rindex(")")].startswith("qemu-system") and self.sid.encode() in cmd:
-                total += 1
-                running += stat[stat.rindex(")") + 2] != "T"
-        return total, running
+                f = stat[stat.rindex(")") + 2:].split()
+                found[int(entry.name)] = (f[0], int(f[11]) + int(f[12]), uptime - int(f[19]) / self._tick)
+        return found
+
+    def copies(self) -> tuple[int, int]:
+        """(QEMUs of the sandbox, those not stopped)."""
+        q = self.qemus()
+        return len(q), sum(st != "T" for st, _, _ in q.values())
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            total, running = self.copies()
-            self.samples.append((time.monotonic(), total, running))
+            now = time.monotonic()
+            q = self.qemus()
+            running = 0
+            for pid, (st, cpu, age) in q.items():
+                hist = self._cpu.setdefault(pid, [])
+                hist.append((now, cpu))
+                old = [c for t, c in hist if t <= now - self.WINDOW]
+                if st != "T" and age > 2.0 and old and cpu > old[-1]:
+                    running += 1
+            self.samples.append((now, len(q), running))
             self.most_running = max(self.most_running, running)
-            time.sleep(0.1)
+            time.sleep(0.25)
 
     def stop(self) -> None:
         self._stop.set()
@@ -717,7 +739,7 @@ def test_a_node_whose_loop_stalls_past_its_lease_keeps_its_sandbox_and_no_second
     try:
         _wait_alive(fleet, a.node_id, False, 30)
         deadline = time.monotonic() + 10
-        while watch.copies() != (1, 0):     # the keeper froze the guest
+        while watch.copies()[1] != 0:     # the keeper froze the guest (and a standby if any)
             assert time.monotonic() < deadline, f"the guest was not frozen: {watch.copies()}"
             time.sleep(0.1)
 
@@ -737,8 +759,7 @@ def test_a_node_whose_loop_stalls_past_its_lease_keeps_its_sandbox_and_no_second
     assert binding_node(fleet, s.sandbox_id) == a.node_id
     after = int(connected[0].commands.run("cat /tmp/counter").stdout)
     assert after > before, f"the count went back from {before} to {after}"
-    assert watch.most_running == 1 and max(x[1] for x in watch.samples) == 1, \
-        [x for x in watch.samples if x[1] > 1][:5]
+    assert watch.most_running == 1, [x for x in watch.samples if x[2] > 1][:5]
     assert "frozen" in a.log.read_text() and "thawed" in a.log.read_text()
     Sandbox.kill(s.sandbox_id, **gw(fleet, 0))
 
