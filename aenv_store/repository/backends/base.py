@@ -25,6 +25,16 @@ class ObjectInfo:
     mtime: float  # seconds since the epoch, when the object was written
 
 
+def create_for_swap(backend: "Backend", key: str, data: bytes) -> None:
+    """``swap`` over no object: ``create``, with ``Conflict`` if the key exists."""
+    from ...errors import AlreadyExists, Conflict
+
+    try:
+        backend.create(key, data)
+    except AlreadyExists:
+        raise Conflict(f"{key} exists (expected none)") from None
+
+
 class Backend(abc.ABC):
     """Bytes by key. Implementations: posix_fs.PosixFsBackend, oss.OssBackend."""
 

@@ -37,7 +37,7 @@ from botocore.config import Config
 
 from ...config import MiB, RepositoryConfig
 from ...errors import AlreadyExists, BackendError, ConfigError, Conflict, StoreNotFound
-from .base import Backend, ObjectInfo
+from .base import Backend, ObjectInfo, create_for_swap
 from .retry import PermanentError, RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -394,10 +394,7 @@ class OssBackend(Backend):
         without conditional writes is refused here (501): a swap it cannot make atomic
         would let two holders both win."""
         if expect is None:
-            try:
-                self.create(key, data)
-            except AlreadyExists:
-                raise Conflict(f"{key} exists (expected none)") from None
+            create_for_swap(self, key, data)
             return
         k = self._key(key)
 

@@ -16,7 +16,7 @@ from typing import BinaryIO, Iterator
 
 from ... import durable
 from ...errors import AlreadyExists, BackendError, Conflict, StoreNotFound
-from .base import Backend, ObjectInfo
+from .base import Backend, ObjectInfo, create_for_swap
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")
 
@@ -145,10 +145,7 @@ class PosixFsBackend(Backend):
         the same key does not take it: records written by swap are written only by swap.)"""
         final = self._prepare(key)
         if expect is None:
-            try:
-                self.create(key, data)
-            except AlreadyExists:
-                raise Conflict(f"{key} exists (expected none)") from None
+            create_for_swap(self, key, data)
             return
         try:
             fd = os.open(final.parent / f".{final.name}.swap-lock", os.O_RDWR | os.O_CREAT, 0o644)
