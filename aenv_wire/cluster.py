@@ -9,6 +9,10 @@ on the nodes (docs/cluster.md, docs/api.md "Moving sandboxes"):
 * ``POST /_aenv/cluster/sandboxes/{sandboxID}/adopt[?force=true]`` on the node that
   takes it over: 200 and E2B's ``ListedSandbox`` (paused, on that node now).
 
+A gateway finds the sandbox of a signed ``/files`` URL that names none with
+``GET /_aenv/cluster/signed-owner?path=&username=&signature=&signature_expiration=&method=``:
+200 ``{"sandboxID": ...}`` from the node whose sandbox made the signature, 401 elsewhere.
+
 A refusal is E2B's error body with ``error_code`` set to a ``ClusterCode`` (the same
 codes mark the E2B routes' answers the gateway acts on: a full node's 429, a stale
 copy's 409). The gateway decides by the code, never by the message: messages are for
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import urllib.parse
+from typing import Mapping
 
 from .errors import read_error
 
@@ -25,6 +30,18 @@ PREFIX = "/_aenv/cluster"
 ADOPT_ROUTE = PREFIX + "/sandboxes/{sandboxID}/adopt"        # the route tables' (OpenAPI) form
 RELEASE_ROUTE = PREFIX + "/sandboxes/{sandboxID}/release"
 FORCE_PARAM = "force"
+# Which sandbox on this node a signed /files URL naming no sandbox is for (a gateway asks
+# before it streams the request to that node): the URL's path, username, signature and
+# signature_expiration, plus the request's method (the signature covers read or write).
+SIGNED_OWNER_ROUTE = PREFIX + "/signed-owner"
+SIGNED_PARAMS = ("path", "username", "signature", "signature_expiration")
+METHOD_PARAM = "method"
+
+
+def signed_owner_path(method: str, query: Mapping[str, str]) -> str:
+    """The request target asking a node which of its sandboxes signed ``query``."""
+    params = {k: query[k] for k in SIGNED_PARAMS if k in query}
+    return SIGNED_OWNER_ROUTE + "?" + urllib.parse.urlencode({**params, METHOD_PARAM: method})
 
 
 def adopt_path(sandbox_id: str, force: bool = False) -> str:

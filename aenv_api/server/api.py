@@ -8,9 +8,11 @@ from typing import Any
 from aiohttp import web
 
 from aenv_vm.service import SnapshotInfo
-from aenv_wire.cluster import ADOPT_ROUTE, FORCE_PARAM, RELEASE_ROUTE
+from aenv_wire.cluster import ADOPT_ROUTE, FORCE_PARAM, RELEASE_ROUTE, SIGNED_OWNER_ROUTE
 from aenv_wire.headers import AGENTENV_ID_HEADER, NEXT_TOKEN_HEADER, TOTAL_RUNNING_HEADER
 from aenv_wire.listing import iso
+
+from envd import signing
 
 from . import idempotency
 from . import schemas as S
@@ -266,6 +268,13 @@ class ControlPlane:
         await self.lc.release(call.path["sandboxID"])
         return no_content()
 
+    async def signed_owner(self, request: web.Request, call: Call) -> web.Response:
+        try:
+            signed = signing.parse(str(call.query["method"]), request.query)
+        except signing.BadExpiration as e:
+            raise ApiError(400, str(e)) from None
+        return json_response({"sandboxID": await self.lc.signed_sandbox(signed)})
+
     async def sandbox_metrics(self, request: web.Request, call: Call) -> web.Response:
         start, end = call.query["start"], call.query["end"]
         return json_response(await self.lc.sandbox_metrics(call.path["sandboxID"], start, end))
@@ -396,6 +405,11 @@ class ControlPlane:
                          "Error"),
                    Reply(429, "this node is full (sandbox_capacity_unavailable)", "Error")),
                   query=S.ADOPT, tags=("cluster",), auth=False, node_auth=True),
+            Route("GET", SIGNED_OWNER_ROUTE, self.signed_owner,
+                  "which sandbox of this node made a signed /files URL that names none",
+                  (Reply(200, "the sandbox", "SignedOwner"),
+                   Reply(401, "no sandbox here made this signature", "Error")),
+                  query=S.SIGNED_OWNER, tags=("cluster",), auth=False, node_auth=True),
             Route("POST", RELEASE_ROUTE, self.release,
                   "forget a paused sandbox here, keeping it in the repository for another node",
                   (nc("released"), Reply(404, "this node does not hold it (sandbox_not_held)", "Error"),

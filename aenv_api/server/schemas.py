@@ -417,6 +417,13 @@ LOGS_V2 = Schema("SandboxLogsQueryV2", (
 ADOPT = Schema("AdoptQuery", (
     Field(FORCE_PARAM, "boolean", description="adopt even if its holder resumed it after its last pause (that node "
                                           "is known to be gone: the sandbox continues from that pause)"),))
+SIGNED_OWNER = Schema("SignedOwnerQuery", (
+    Field("method", "string", required=True, max_length=16, description="the signed request's HTTP method"),
+    Field("path", "string", max_length=4096, description="the signed URL's path parameter"),
+    Field("username", "string", max_length=256, description="the signed URL's username parameter"),
+    Field("signature", "string", required=True, max_length=256, description="the signed URL's signature"),
+    Field("signature_expiration", "string", max_length=32, description="the signed URL's expiry (unix seconds)"),
+))
 METRICS_QUERY = Schema("MetricsQuery", (Field("start", "integer", minimum=0, maximum=2**62),
                                         Field("end", "integer", minimum=0, maximum=2**62)))
 METRICS_LIST = Schema("SandboxesMetricsQuery", (
@@ -527,5 +534,6 @@ MAX_TEAM_METRIC = Schema("MaxTeamMetric", (
     Field("timestamp", "date-time", required=True), Field("timestampUnix", "integer", required=True),
     Field("value", "number", required=True)))
 
-RESPONSE_SCHEMAS = (SECRET, TEAM_METRIC, MAX_TEAM_METRIC, KEY_MASK, TEAM_API_KEY, CREATED_TEAM_API_KEY, TEAM, ADMIN_TEAM, ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
+SIGNED_OWNER_ANSWER = Schema("SignedOwner", (Field("sandboxID", "string", required=True),))
+RESPONSE_SCHEMAS = (SIGNED_OWNER_ANSWER, SECRET, TEAM_METRIC, MAX_TEAM_METRIC, KEY_MASK, TEAM_API_KEY, CREATED_TEAM_API_KEY, TEAM, ADMIN_TEAM, ERROR, SANDBOX, NETWORK_CONFIG, LISTED_SANDBOX, SANDBOX_DETAIL, SNAPSHOT_INFO, FORK_RESULT, METRIC, SANDBOXES_METRICS, LOG_LINE,
                     LOG_ENTRY, LOGS, LOGS_V2_RESPONSE)

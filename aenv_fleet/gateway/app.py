@@ -46,6 +46,7 @@ from .forward import NodeClient, NodeFailed, NodeRefused, NodeUnreachable, forwa
 from .list_merge import listed_from_binding, lost_note, shown_state
 from .list_routes import Lists
 from .placement import Moves
+from .signed_urls import SignedOwners
 from .state import FleetView
 from .team_admin import TeamAdmin, is_admin_call as _is_admin_call
 from .team_metrics import TEAM_METRICS, FleetTeamMetrics
@@ -55,7 +56,6 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("aenv.gateway.access")
 
 MAX_BODY = 1 << 20
-SIGNED_BODY_MAX = 256 << 20     # a signed upload is buffered to be offered to each node
 CLOSE_WAIT = 5.0                # seconds each part of a shutdown may take (close)
 
 _CREATE = re.compile(r"^/(?:v2/)?sandboxes/?$")
@@ -84,6 +84,7 @@ class Gateway:
         # nothing of Redis is used before it is known to ask for a password (trust.py)
         self.fleet = FleetView(self.coord, verify=lambda: refuse_open_redis(trust, self.coord.redis))
         self.nodes = NodeClient(config.node_timeout, trust.keys, config.websocket_max_message)
+        self.signed = SignedOwners(self.nodes)
         self.lists = Lists(self.fleet, self.nodes)
         self.moves = Moves(self.fleet, self.nodes)
         self.admin = TeamAdmin(self.fleet, self.nodes)
@@ -323,36 +324,26 @@ class Gateway:
     # --- sandbox traffic -----------------------------------------------------------------
 
     async def _signed_file(self, request: web.Request) -> web.StreamResponse:
-        """A signed file URL naming no sandbox (the SDK's download_url / upload_url): only
-        the node holding the sandbox recognises the signature (it is made with that
-        sandbox's envd token), so the live nodes are asked in turn; the first that does
-        not answer 401/403/404 is the answer. The body is read once (bounded)."""
-        if request.content_length is not None and request.content_length > SIGNED_BODY_MAX:
-            return error(413, f"a signed upload through the gateway is limited to {SIGNED_BODY_MAX} bytes; "
-                              f"send it with the {SANDBOX_ID_HEADER} header instead")
-        body = None
-        if request.body_exists:     # read past the app's 1 MiB control-plane limit, bounded here
-            parts, size = [], 0
-            async for piece in request.content.iter_any():
-                size += len(piece)
-                if size > SIGNED_BODY_MAX:
-                    return error(413, f"a signed upload through the gateway is limited to {SIGNED_BODY_MAX} bytes")
-                parts.append(piece)
-            body = b"".join(parts)
-        last = error(404, "no node recognises this signed URL")
-        for n in sorted(self.fleet.alive(), key=lambda n: n.node_id):
-            try:
-                a = await self.nodes.call(request.method, n.url + request.rel_url.raw_path_qs, body,
-                                          forwarded_headers(request))
-            except (NodeUnreachable, NodeFailed):
-                continue
-            resp = web.Response(status=a.status, body=a.body, headers={
-                k: v for k, v in a.headers.items() if k.lower() not in (
-                    "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")})
-            if a.status not in (401, 403, 404):
-                return resp
-            last = resp
-        return last
+        """A signed file URL naming no sandbox (the SDK's download_url / upload_url on
+        ``E2B_SANDBOX_URL``): only the node holding the sandbox recognises the signature,
+        so the nodes are asked which sandbox made it (no body; remembered, limited per
+        client: signed_urls.py), then the request is streamed to that node alone."""
+        method = "GET" if request.method == "HEAD" else request.method
+        got = await self.signed.find(method, request.query, request.remote or "?",
+                                     [n.url for n in self.fleet.alive()])
+        if got.retry_after:
+            return error(429, "too many signed URLs no sandbox is known for, from this client: retry later",
+                         headers={"Retry-After": str(got.retry_after)})
+        if got.sandbox_id is None:
+            return error(401, "invalid signature")
+        try:
+            resp = await self._proxy(request, got.sandbox_id, {SANDBOX_ID_HEADER: got.sandbox_id})
+        except NodeUnreachable:
+            self.signed.forget(method, request.query)
+            raise
+        if resp.status in (401, 404, 502):     # moved, killed or paused since: look again next time
+            self.signed.forget(method, request.query)
+        return resp
 
     async def _proxy(self, request: web.Request, sid: str, extra: dict[str, str]) -> web.StreamResponse:
         b = await self.fleet.binding(sid, cached=True)

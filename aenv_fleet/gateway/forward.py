@@ -33,6 +33,22 @@ _DROP_RESPONSE = _HOP | {"date", "server"}
 _SMALL = 1 << 20
 
 
+# The most of a node's answer the gateway reads whole (control-plane answers: lists,
+# forks, metrics; sandbox traffic is streamed, never read whole)
+MAX_ANSWER = 64 << 20
+
+
+async def _read_bounded(r: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The answer's body; NodeFailed past ``limit`` bytes (read no further)."""
+    parts, size = [], 0
+    async for piece in r.content.iter_any():
+        size += len(piece)
+        if size > limit:
+            raise NodeFailed(f"the node's answer is over {limit} bytes")
+        parts.append(piece)
+    return b"".join(parts)
+
+
 class NodeUnreachable(Exception):
     """The node could not be connected to (nothing was sent: safe to try elsewhere)."""
 
@@ -106,7 +122,7 @@ class NodeClient:
                                             allow_redirects=False,
                                             timeout=aiohttp.ClientTimeout(total=timeout or self.timeout,
                                                                           sock_connect=5)) as r:
-                data = await r.read()
+                data = await _read_bounded(r, MAX_ANSWER)
                 return Answer(r.status, {k: v for k, v in r.headers.items()}, data)
         except aiohttp.ClientConnectorError as e:
             raise NodeUnreachable(str(e)) from None
