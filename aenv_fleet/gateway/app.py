@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import logging
 import re
 import secrets
@@ -46,6 +47,7 @@ from .forward import NodeClient, NodeFailed, NodeRefused, NodeUnreachable, forwa
 from .list_merge import listed_from_binding, lost_note, shown_state
 from .list_routes import Lists
 from .placement import Moves
+from .limits import ClientBuckets
 from .signed_urls import SignedOwners
 from .state import FleetView
 from .team_admin import TeamAdmin, is_admin_call as _is_admin_call
@@ -85,6 +87,9 @@ class Gateway:
         self.fleet = FleetView(self.coord, verify=lambda: refuse_open_redis(trust, self.coord.redis))
         self.nodes = NodeClient(config.node_timeout, trust.keys, config.websocket_max_message)
         self.signed = SignedOwners(self.nodes)
+        # a client whose keys keep failing is told to wait (each costs a look at Redis'
+        # teams document): 5 a second, 50 saved up
+        self.refused_keys = ClientBuckets(5.0, 50.0)
         self.lists = Lists(self.fleet, self.nodes)
         self.moves = Moves(self.fleet, self.nodes)
         self.admin = TeamAdmin(self.fleet, self.nodes)
@@ -131,7 +136,7 @@ class Gateway:
         try:
             resp = await self._dispatch(request)
         except GatewayError as e:
-            resp = error(e.status, e.message, **e.extra)
+            resp = error(e.status, e.message, e.headers, **e.extra)
         except CoordError as e:
             resp = error(503, f"the fleet's Redis is unreachable: {e}")
         except NodeUnreachable as e:
@@ -169,8 +174,13 @@ class Gateway:
         """The caller's team (GatewayError 401: no key of the fleet)."""
         key = presented_api_key(request.headers.getall(API_KEY_HEADER, []),
                                 request.headers.getall(AUTHORIZATION_HEADER, []))
+        client = request.remote or "?"
+        if (wait := self.refused_keys.wait(client)) > 0:
+            raise GatewayError(429, "too many requests with an invalid API key from this client: retry later",
+                               {"Retry-After": str(max(1, math.ceil(wait)))})
         team = await self.fleet.team_of(key)
         if team is None:
+            self.refused_keys.take(client)
             raise GatewayError(401, "Invalid API key: send the deployment's key or a team's, once, in the "
                                     "X-API-Key header")
         request[TEAM_KEY] = team

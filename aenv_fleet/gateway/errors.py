@@ -7,9 +7,9 @@ from aenv_wire.cluster import ClusterCode
 
 
 class GatewayError(Exception):
-    def __init__(self, status: int, message: str, **extra: Any) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
         super().__init__(message)
-        self.status, self.message, self.extra = status, message, extra
+        self.status, self.message, self.extra, self.headers = status, message, extra, headers
 
 
 class SandboxLost(GatewayError):

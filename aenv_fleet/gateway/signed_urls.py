@@ -30,13 +30,13 @@ from typing import Callable, Iterable, Mapping
 from aenv_wire.cluster import signed_owner_path
 
 from .forward import NodeClient, NodeFailed, NodeUnreachable
+from .limits import ClientBuckets
 
 OWNER_TTL = 300.0           # seconds a found signature's sandbox is remembered (at most: its expiry)
 UNKNOWN_TTL = 30.0          # seconds a signature no node knows is answered 401 without asking
 MAX_REMEMBERED = 10_000     # entries in each of the two memories
 LOOKUPS_PER_SECOND = 10.0   # lookups one client address may start, sustained
 LOOKUP_BURST = 40.0
-MAX_CLIENTS = 10_000        # client addresses whose buckets are kept
 LOOKUP_TIMEOUT = 10.0       # seconds a node may take to say whether a signature is its
 
 
@@ -66,26 +66,6 @@ class _Expiring:
         self.items.pop(key, None)
 
 
-class _Buckets:
-    """A token bucket per client address, at most ``MAX_CLIENTS`` of them."""
-
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float]) -> None:
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-
-    def take(self, client: str) -> float:
-        """0 if ``client`` may start a lookup now, else the seconds until it may."""
-        now = self.clock()
-        tokens, stamp = self.buckets.get(client, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - stamp) * self.rate)
-        wait = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
-        self.buckets[client] = (tokens - 1 if tokens >= 1 else tokens, now)
-        self.buckets.move_to_end(client)
-        while len(self.buckets) > MAX_CLIENTS:
-            self.buckets.popitem(last=False)
-        return wait
-
-
 @dataclass(frozen=True)
 class Lookup:
     """What the gateway knows of a signed URL: its sandbox, or why it has none."""
@@ -107,7 +87,7 @@ class SignedOwners:
         self.clock = clock
         self.owners = _Expiring(MAX_REMEMBERED, clock)
         self.unknown = _Expiring(MAX_REMEMBERED, clock)
-        self.buckets = _Buckets(LOOKUPS_PER_SECOND, LOOKUP_BURST, clock)
+        self.buckets = ClientBuckets(LOOKUPS_PER_SECOND, LOOKUP_BURST, clock)
 
     async def find(self, method: str, query: Mapping[str, str], client: str, node_urls: Iterable[str]) -> Lookup:
         key = signature_key(method, query)

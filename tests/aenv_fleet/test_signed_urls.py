@@ -10,7 +10,7 @@ the memories; tests/aenv_fleet/test_fleet.py downloads a signed URL from a real 
   node in turn) goes through, and a download comes back whole;
 * a found signature is remembered (no more questions), an unknown one too (401 at once);
 * one client trying many signatures is limited (429 with Retry-After), the nodes asked
-  at most the burst.
+  at most the burst; so is one whose API keys keep failing.
 """
 from __future__ import annotations
 
@@ -167,4 +167,33 @@ def test_a_signed_url_is_found_once_streamed_to_its_node_and_lookups_are_bounded
             for node in nodes:
                 await node.close()
             await envd_runner.cleanup()
+    asyncio.run(main())
+
+
+def test_a_client_whose_api_keys_keep_failing_is_told_to_wait(tmp_path: Path, redis_server: RedisServer) -> None:
+    """Each unknown key costs the gateway a look at Redis' teams document: past a burst,
+    a client's failing keys are answered 429 with Retry-After, asking nothing."""
+    trust = gateway_trust(GatewayConfig(redis_url=redis_server.bare_url, **files(tmp_path, redis_server)), tmp_path)
+    redis_server.client().flushall()
+
+    async def main() -> None:
+        agent = Coordinator(trust.redis_url, trust.keys, trust.redis)
+        await agent.add_api_key(KEY)
+        gateway = Gateway(GatewayConfig(redis_url=redis_server.bare_url), trust)
+        gw = f"http://127.0.0.1:{await gateway.start('127.0.0.1', 0)}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                statuses = []
+                for i in range(80):
+                    async with http.get(f"{gw}/sandboxes", headers={"X-API-Key": f"e2b_{i:040d}"}) as r:
+                        statuses.append(r.status)
+                        if r.status == 429:
+                            assert int(r.headers["Retry-After"]) >= 1
+                assert statuses[:50] == [401] * 50 and statuses.count(429) >= 20, statuses
+                await asyncio.sleep(0.5)        # the bucket refills: the right key goes through
+                async with http.get(f"{gw}/sandboxes", headers={"X-API-Key": KEY}) as r:
+                    assert r.status == 200
+        finally:
+            await gateway.close()
+            await agent.close()
     asyncio.run(main())
