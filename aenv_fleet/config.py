@@ -87,6 +87,9 @@ class GatewayConfig:
     redis_username: str = ""
     redis_ca_file: str = ""
     insecure_redis: bool = False
+    # The CA that signed the nodes' certificates, for nodes whose advertise_url is
+    # https:// (their [server] tls_cert); "" = the system's CAs. Relative: in the data dir.
+    node_ca_file: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -9,6 +9,8 @@ anyone who reaches it could rewrite the fleet's placement. Only a development fl
 says otherwise (``insecure_redis = true``)."""
 from __future__ import annotations
 
+import dataclasses
+import ssl
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +69,8 @@ class FleetTrust:
     keys: FleetKeys
     insecure_redis: bool
     section: str            # "cluster" or "gateway": where the settings are, for messages
+    # how a gateway checks the nodes it calls over https:// (None: the system's CAs)
+    node_tls: ssl.SSLContext | None = None
 
 
 def _in_data_dir(data_dir: Path, name: str) -> Path:
@@ -189,9 +193,17 @@ def cluster_trust(cfg: ClusterConfig, data_dir: Path) -> FleetTrust:
 
 def gateway_trust(cfg: GatewayConfig, data_dir: Path) -> FleetTrust:
     """A gateway's trust from its ``[gateway]`` section."""
-    return load_trust("gateway", cfg.redis_url, data_dir, fleet_secret_file=cfg.fleet_secret_file,
-                      redis_password_file=cfg.redis_password_file, redis_username=cfg.redis_username,
-                      redis_ca_file=cfg.redis_ca_file, insecure_redis=cfg.insecure_redis)
+    trust = load_trust("gateway", cfg.redis_url, data_dir, fleet_secret_file=cfg.fleet_secret_file,
+                       redis_password_file=cfg.redis_password_file, redis_username=cfg.redis_username,
+                       redis_ca_file=cfg.redis_ca_file, insecure_redis=cfg.insecure_redis)
+    if not cfg.node_ca_file:
+        return trust
+    path = _in_data_dir(data_dir, cfg.node_ca_file)
+    try:
+        ctx = ssl.create_default_context(cafile=str(path))
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"gateway.node_ca_file {path}: {e}") from None
+    return dataclasses.replace(trust, node_tls=ctx)
 
 
 def fleet_keys_file(path: str, data_dir: Path, setting: str) -> FleetKeys:

@@ -85,7 +85,7 @@ class Gateway:
         self.coord = coord or Coordinator(config.redis_url, trust.keys, trust.redis)
         # nothing of Redis is used before it is known to ask for a password (trust.py)
         self.fleet = FleetView(self.coord, verify=lambda: refuse_open_redis(trust, self.coord.redis))
-        self.nodes = NodeClient(config.node_timeout, trust.keys, config.websocket_max_message)
+        self.nodes = NodeClient(config.node_timeout, trust.keys, config.websocket_max_message, trust.node_tls)
         self.signed = SignedOwners(self.nodes)
         # a client whose keys keep failing is told to wait (each costs a look at Redis'
         # teams document): 5 a second, 50 saved up

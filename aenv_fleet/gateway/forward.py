@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable
@@ -92,14 +93,18 @@ def forwarded_headers(request: web.BaseRequest, extra: dict[str, str] | None = N
 
 
 class NodeClient:
-    def __init__(self, timeout: float, fleet_keys: FleetKeys, websocket_max_message: int = MAX_MESSAGE) -> None:
+    def __init__(self, timeout: float, fleet_keys: FleetKeys, websocket_max_message: int = MAX_MESSAGE,
+                 node_tls: ssl.SSLContext | None = None) -> None:
+        """``node_tls``: how nodes reached over https:// are checked (None: the system's CAs)."""
+        self.node_tls = node_tls
         self.timeout = timeout
         self.fleet_keys = fleet_keys
         self.websocket_max_message = websocket_max_message    # bytes, either way (wsbridge.py)
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, force_close=False)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, force_close=False,
+                                         ssl=self.node_tls if self.node_tls is not None else True)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
 

@@ -332,3 +332,54 @@ def test_aenv_gateway_refuses_an_open_redis_with_a_message(tmp_path: Path, open_
     out = subprocess.run(base, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert "answers commands without a password" in out.stderr and "gateway.insecure_redis" in out.stderr
+
+
+def test_a_gateway_reaches_nodes_over_tls_checked_with_its_node_ca(tmp_path: Path, redis_server: RedisServer) -> None:
+    """Gateway -> node over TLS: a node serving its API on ``[server] tls_cert`` and
+    advertising ``https://``, a gateway given the CA of the nodes' certificates
+    (``[gateway] node_ca_file``) reaches it; one that trusts only the system's CAs does
+    not (the API key never goes to a node it cannot verify)."""
+    from tests.tlsca import TestCa
+
+    ca = TestCa("aenv test node CA")
+    issued = ca.issue("127.0.0.1")
+    (tmp_path / "node.pem").write_bytes(issued.cert_pem)
+    (tmp_path / "node.key").write_bytes(issued.key_pem)
+    (tmp_path / "node-ca.pem").write_bytes(ca.pem)
+    base = dict(redis_url=redis_server.bare_url, **files(tmp_path, redis_server))
+    verifying = gateway_trust(GatewayConfig(**base, node_ca_file="node-ca.pem"), tmp_path)
+    system_only = gateway_trust(GatewayConfig(**base), tmp_path)
+    redis_server.client().flushall()
+
+    async def main() -> None:
+        config = ServerConfig(port=0, tls_cert=str(tmp_path / "node.pem"), tls_key=str(tmp_path / "node.key"),
+                              tls_port=0)
+        metrics = Metrics()
+        lifecycle = Lifecycle(Holding(), config, metrics, tmp_path / "node")    # type: ignore[arg-type]
+        await lifecycle.start()
+        node = ApiServer(lifecycle, Credentials(KEY, "env", b"s" * 32), config, metrics, "test",
+                         fleet_keys=verifying.keys)
+        await node.start("127.0.0.1", 0)
+        agent = Coordinator(verifying.redis_url, verifying.keys, verifying.redis)
+        await agent.add_api_key(KEY)
+        await agent.heartbeat("n1", cap(f"https://127.0.0.1:{node.tls_port}"), 30)
+        await agent.bind("sbx-1", "n1", "paused", {"templateID": "tpl-1"})
+        gateways = []
+        try:
+            for trust in (verifying, system_only):
+                gateway = Gateway(GatewayConfig(redis_url=redis_server.bare_url), trust)
+                gateways.append(gateway)
+                gw = f"http://127.0.0.1:{await gateway.start('127.0.0.1', 0)}"
+                async with aiohttp.ClientSession(headers={"X-API-Key": KEY}) as http:
+                    async with http.get(f"{gw}/sandboxes/sbx-1") as r:
+                        body = await r.json()
+                        if trust is verifying:
+                            assert r.status == 200 and body["sandboxID"] == "sbx-1", body
+                        else:
+                            assert r.status == 502 and "certificate" in body["message"].lower(), body
+        finally:
+            for g in gateways:
+                await g.close()
+            await agent.close()
+            await node.close()
+    asyncio.run(main())
