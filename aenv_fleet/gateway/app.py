@@ -50,6 +50,7 @@ from .placement import Moves
 from .limits import ClientBuckets
 from .signed_urls import SignedOwners
 from .state import FleetView
+from .volumes import CONTENT as VOLUME_CONTENT, VOLUME, FleetVolumes
 from .team_admin import TeamAdmin, is_admin_call as _is_admin_call
 from .team_metrics import TEAM_METRICS, FleetTeamMetrics
 from .team_auth import TEAM_KEY
@@ -91,7 +92,8 @@ class Gateway:
         # teams document): 5 a second, 50 saved up
         self.refused_keys = ClientBuckets(5.0, 50.0)
         self.lists = Lists(self.fleet, self.nodes)
-        self.moves = Moves(self.fleet, self.nodes)
+        self.volumes = FleetVolumes(self.fleet, self.nodes)
+        self.moves = Moves(self.fleet, self.nodes, self.volumes)
         self.admin = TeamAdmin(self.fleet, self.nodes)
         self.team_metrics = FleetTeamMetrics(self.fleet, self.nodes)
         self._runner: JsonErrorRunner | None = None
@@ -206,6 +208,12 @@ class Gateway:
             return await serve_dashboard(request)     # static files, no credential (the page asks with its key)
         if is_unrouted_signed_url(request.path, request.query):
             return await self._signed_file(request)
+        m = VOLUME_CONTENT.match(path)
+        if m:       # the volume's token, no API key: its node checks it
+            where = await self.volumes.content_node(m.group(1))
+            if isinstance(where, web.Response):
+                return where
+            return await self._to_node(request, where[0], where[1] + request.rel_url.raw_path_qs)
         if path == "/health" and method == "GET":
             return web.Response(status=204) if self.fleet.redis_ok else error(503, "redis unreachable")
         if re.sub("/+", "/", path).startswith(CLUSTER_PREFIX + "/"):
@@ -232,6 +240,13 @@ class Gateway:
                 return await self.moves.create(request, await self._body(request))
             if method == "GET":
                 return await self.lists.list_sandboxes(request, v2=path.startswith("/v2/"))
+        if path == "/volumes" and method == "POST":
+            return await self.volumes.create(request, await self._body(request), team)
+        if path == "/volumes" and method == "GET":
+            return await self.volumes.list(request)
+        m = VOLUME.match(path)
+        if m and method in ("GET", "DELETE"):
+            return await self.volumes.one(request, m.group(1))
         if path == "/sandboxes/metrics" and method == "GET":
             return await self.lists.latest_metrics(request)
         if path == "/nodes" and method == "GET":

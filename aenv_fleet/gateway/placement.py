@@ -35,6 +35,7 @@ from .errors import GatewayError, SandboxLost
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
 from .list_merge import lost_note, shown_state
 from .state import FleetView
+from .volumes import FleetVolumes
 from .team_auth import TEAM_KEY
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,10 @@ def _json(body: bytes) -> Any:
 
 
 class Moves:
-    def __init__(self, fleet: FleetView, nodes: NodeClient) -> None:
+    def __init__(self, fleet: FleetView, nodes: NodeClient, volumes: FleetVolumes) -> None:
         self.fleet = fleet
         self.nodes = nodes
+        self.volumes = volumes          # a create with volumeMounts goes to its volumes' node
         self.team_of: Callable[[web.Request], str] = request_team   # whose quota a start counts against
 
     async def _settle(self, team: str, grant: TeamGrant, answers: list[Any]) -> None:
@@ -196,6 +198,11 @@ class Moves:
         if not isinstance(template, str):
             return _err(400, "templateID must be a string")
         headers = forwarded_headers(request)
+        pinned = await self.volumes.mounts_node(req.get("volumeMounts"))
+        if isinstance(pinned, web.Response):
+            return pinned
+        # placed only on the node of its volumes: every other node is passed over
+        exclude = tuple(n.node_id for n in self.fleet.alive() if n.node_id != pinned) if pinned else ()
         given = request.headers.get(IDEMPOTENCY_HEADER)
         # per team, as on a node: another team's same key is another create
         key = f"{request.get(TEAM_KEY, DEFAULT_TEAM_ID)}:{given}" if given else None
@@ -210,7 +217,7 @@ class Moves:
                 return _relay(a, first)
         try:
             got = await self.place_and_call(template, "POST", request.rel_url.raw_path_qs, body, headers,
-                                            team=self.team_of(request))
+                                            exclude, team=self.team_of(request))
         except BaseException:
             if key:
                 await self.fleet.coord.settle_idempotency(key, None)

@@ -16,6 +16,7 @@ from aenv_fleet.coord import Binding, NodeRecord, TeamGrant
 from aenv_fleet.gateway import placement
 from aenv_fleet.gateway.errors import SandboxLost
 from aenv_fleet.gateway.forward import Answer
+from aenv_fleet.gateway.volumes import FleetVolumes
 from aenv_fleet.gateway.placement import Moves
 from aenv_wire.cluster import ClusterCode, adopt_path, release_path
 from aenv_wire.errors import error_body
@@ -135,7 +136,7 @@ class Nodes:
 
 def moves(fleet: Fleet, script: dict[tuple[str, str], list[Answer]]) -> tuple[Moves, Nodes]:
     nodes = Nodes(script)
-    return Moves(fleet, nodes), nodes     # type: ignore[arg-type]
+    return Moves(fleet, nodes, FleetVolumes(fleet, nodes)), nodes     # type: ignore[arg-type]
 
 
 def status(got: Any) -> int:
