@@ -71,3 +71,13 @@ def team_reservations(team: str) -> str:
 def team_bucket(team: str) -> str:
     """HASH: tokens, stamp (unix ms) of the team's creates-per-second bucket."""
     return f"{PREFIX}team:{team}:bucket"
+
+
+def volume(volume_id: str) -> str:
+    """HASH: node, name, team of a volume made through a gateway (gateway/volumes.py)."""
+    return f"{PREFIX}vol:{volume_id}"
+
+
+def volume_name(name: str) -> str:
+    """STRING: the id of the volume named ``name`` in the fleet (``pending`` while it is made)."""
+    return f"{PREFIX}volname:{name}"

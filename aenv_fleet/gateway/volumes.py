@@ -39,12 +39,7 @@ CLAIM_PENDING = "pending"
 CLAIM_SECONDS = 120         # a name claimed by a create still running (a gateway that died keeps it no longer)
 
 
-def vol_key(volume_id: str) -> str:
-    return f"{keys.PREFIX}vol:{volume_id}"
-
-
-def name_key(name: str) -> str:
-    return f"{keys.PREFIX}volname:{name}"
+vol_key, name_key = keys.volume, keys.volume_name
 
 
 def _error(status: int, message: str) -> web.Response:
