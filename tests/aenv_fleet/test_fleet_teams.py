@@ -191,6 +191,50 @@ def test_a_teams_snapshot_is_its_own_on_every_node(fleet: Fleet) -> None:
         assert call("DELETE", gw + f"/templates/{sid}", key=ka)[0] == 204
 
 
+def test_a_teams_volume_through_the_gateway_is_mounted_on_its_node_and_only_for_it(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Volumes through the gateway with the real SDK (``E2B_VOLUME_API_URL`` = the
+    gateway): team A makes one (the gateway places it on a node and records it), writes
+    it through the content routes, and a sandbox that mounts it, placed on the volume's
+    node, reads it; team B neither sees it nor mounts it (404)."""
+    from e2b import Volume
+    from e2b.exceptions import NotFoundException as SdkNotFound
+
+    gw, st = fleet.gateways[0].url, fleet.state
+    monkeypatch.setenv("E2B_VOLUME_API_URL", gw)
+    conn = {"api_key": st["key_a"], "api_url": gw, "request_timeout": TIMEOUT}
+    vol = Volume.create("fleet-team-a-data", **conn)
+    try:
+        r = fleet.redis.client()    # type: ignore[union-attr]
+        try:
+            where = r.hget(f"aenv:vol:{vol.volume_id}", "node").decode()
+        finally:
+            r.close()
+        assert where in (fleet.nodes[0].node_id, fleet.nodes[1].node_id)
+        vol.write_file("/hello.txt", "from team a, through the gateway")
+        s = Sandbox.create(volume_mounts={"/mnt/data": vol.name}, timeout=600, **sdk(fleet, st["key_a"]))
+        try:
+            r = fleet.redis.client()    # type: ignore[union-attr]
+            try:
+                assert r.hget(f"aenv:sbx:{s.sandbox_id}", "node").decode() == where
+            finally:
+                r.close()
+            assert s.commands.run("cat /mnt/data/hello.txt").stdout == "from team a, through the gateway"
+            s.commands.run("echo back > /mnt/data/back.txt")
+            assert vol.read_file("/back.txt") == "back\n"
+        finally:
+            s.kill()
+        kb = st["key_b"]
+        assert [v.name for v in Volume.list(api_key=kb, api_url=gw, request_timeout=TIMEOUT)] == []
+        with pytest.raises(SdkNotFound):
+            Volume.get_info(vol.volume_id, api_key=kb, api_url=gw, request_timeout=TIMEOUT)
+        status, got = call("POST", gw + "/sandboxes", {"templateID": "base", "volumeMounts": [
+            {"name": vol.name, "path": "/mnt/data"}]}, key=kb)
+        assert status == 404, got
+    finally:
+        assert Volume.destroy(vol.volume_id, **conn)
+
+
 def test_a_deleted_key_fails_everywhere_within_the_bound(fleet: Fleet) -> None:
     st = fleet.state
     urls = [fleet.nodes[0].url, fleet.nodes[1].url, fleet.gateways[0].url]
