@@ -161,9 +161,9 @@ class Fence:
             now = self._clock()
             if now - last > max(STALL, self.config.heartbeat_seconds):
                 # the node itself stalled (this loop did not run): the heartbeat gets a
-                # turn to renew before the node fences
+                # turn to renew before the node fences (a renewal begun more than a lease
+                # after the last one reclaims first: renewed)
                 log.warning("cluster: this node's event loop stalled for %.1f s", now - last)
-                self._lapsed = True
                 grace_until = now + self.config.heartbeat_seconds
             last = now
             since = now - self._renewed_at
