@@ -97,6 +97,7 @@ class Fence:
         self._lapsed = False            # fenced, or the lease may have run out: reclaim at the next renewal
         self._task: asyncio.Task[None] | None = None
         self._fencing: asyncio.Task[None] | None = None
+        self._recovering: asyncio.Task[None] | None = None
         self._reclaiming = asyncio.Lock()
 
     def start(self) -> None:
@@ -110,17 +111,36 @@ class Fence:
 
     async def renewed(self, started: float) -> None:
         """A heartbeat that began at ``started`` (clock) renewed the lease. After a lapse,
-        each running sandbox is reclaimed before the keeper thaws the node's QEMUs."""
-        if self._lapsed or started - self._renewed_at > self.config.lease_seconds:
-            if self._fencing is not None:
-                with contextlib.suppress(BaseException):
-                    await self._fencing
-            if not await self._reclaim():
-                return      # unsure (the repository did not answer): frozen ones stay frozen; next renewal
-            self._lapsed = False
+        each running sandbox is reclaimed before the keeper thaws the node's QEMUs and the
+        node serves again; that runs beside the heartbeats (pauses of the fence may still
+        be running, and a reclaim waits for each), which go on renewing meanwhile."""
+        lapsed = self._lapsed or started - self._renewed_at > self.config.lease_seconds
         self._renewed_at = started
+        if lapsed:
+            self._lapsed = True
+            if self._recovering is None or self._recovering.done():
+                self._recovering = asyncio.ensure_future(self._recover())
+            return
+        if self._recovering is not None and not self._recovering.done():
+            return      # the keeper's deadline moves once the reclaim is done
         if self._keeper is not None:
             self._keeper.hold_until(started + self.config.freeze_after)
+
+    async def recovered(self) -> None:
+        """Until the recovery from a lapse that a renewal started (if any) is over."""
+        if self._recovering is not None:
+            await asyncio.shield(self._recovering)
+
+    async def _recover(self) -> None:
+        """After a lapse: reclaim, then thaw and serve (retried at each renewal if unsure)."""
+        if self._fencing is not None:
+            with contextlib.suppress(BaseException):
+                await self._fencing
+        if not await self._reclaim():
+            return      # unsure (the repository did not answer): frozen ones stay frozen; next renewal
+        self._lapsed = False
+        if self._keeper is not None:
+            self._keeper.hold_until(self._renewed_at + self.config.freeze_after)
         if self.fenced:
             log.warning("cluster: lease renewed: this node serves again")
             self.fenced = False
@@ -202,7 +222,7 @@ class Fence:
         await asyncio.gather(*(pause(s) for s in running))
 
     async def close(self) -> None:
-        for task in (self._task, self._fencing):
+        for task in (self._task, self._fencing, self._recovering):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):

@@ -87,6 +87,7 @@ def test_a_node_that_cannot_renew_pauses_its_sandboxes_refuses_starts_and_reclai
             states = {i.sandbox_id: i.state for i in await node.list_sandboxes()}
             assert states == {a.sandbox_id: SandboxState.PAUSED, b.sandbox_id: SandboxState.PAUSED}
             await fence.renewed(time.monotonic())      # renewed after the lapse: serving again
+            await fence.recovered()
             fence.check_serving()
         finally:
             await fence.close()
@@ -109,6 +110,7 @@ def test_after_a_stall_a_sandbox_another_node_took_over_is_dropped_and_the_rest_
         repo.paused[b.sandbox_id] = ("b", None)     # type: ignore[assignment]  # node b adopted a pause of it
         now[0] += 30            # the stall: no fence ran, and the lease has run out
         await fence.renewed(now[0])
+        await fence.recovered()
         left = {i.sandbox_id: i.state for i in await node.list_sandboxes()}
         assert left == {a.sandbox_id: SandboxState.RUNNING}
         fence.check_serving()
