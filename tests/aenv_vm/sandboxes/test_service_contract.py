@@ -55,6 +55,9 @@ class Heard:
     async def gone(self, sandbox_id: str) -> None:
         self.events.append(("gone", sandbox_id, None))
 
+    def check_serving(self) -> None:
+        """Serving (a fenced node refuses starts: tests/aenv_fleet/test_fence_units.py)."""
+
     def of(self, sid: str) -> list[tuple[str, Any]]:
         return [(kind, what) for kind, s, what in self.events if s == sid]
 
@@ -524,6 +527,10 @@ def test_release_and_adopt(svc: Impl) -> None:
         assert back.state == SandboxState.PAUSED and back.metadata == {"k": "v"} and "adopted from" in back.note
         assert (await s.resume(a.sandbox_id)).state == SandboxState.RUNNING
         await _refused(s.adopt("sbx-0000000000000000"), NotFound, "the repository has no paused sandbox")
+        # after a lapse of a fleet node's lease: nobody took it over, so it stays this node's
+        assert await s.reclaim(a.sandbox_id) is True
+        assert (await s.get(a.sandbox_id)).state == SandboxState.RUNNING
+        await _refused(s.reclaim("sbx-0000000000000000"), NotFound, "unknown sandbox")
     svc.run(case())
 
 
