@@ -207,7 +207,7 @@ def test_a_teams_volume_through_the_gateway_is_mounted_on_its_node_and_only_for_
     try:
         r = fleet.redis.client()    # type: ignore[union-attr]
         try:
-            where = r.hget(f"aenv:vol:{vol.volume_id}", "node").decode()
+            where = r.hget(f"aenv:vol:{vol.volume_id}", "node")
         finally:
             r.close()
         assert where in (fleet.nodes[0].node_id, fleet.nodes[1].node_id)
@@ -216,7 +216,7 @@ def test_a_teams_volume_through_the_gateway_is_mounted_on_its_node_and_only_for_
         try:
             r = fleet.redis.client()    # type: ignore[union-attr]
             try:
-                assert r.hget(f"aenv:sbx:{s.sandbox_id}", "node").decode() == where
+                assert r.hget(f"aenv:sbx:{s.sandbox_id}", "node") == where
             finally:
                 r.close()
             assert s.commands.run("cat /mnt/data/hello.txt").stdout == "from team a, through the gateway"

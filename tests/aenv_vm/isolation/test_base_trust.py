@@ -15,6 +15,7 @@ from typing import Iterator
 
 import pytest
 
+from tests.seed import BaseSeed
 from tests.tlsca import TestCa
 from .conftest import REPO, SealedNet, start_node
 from .hosts import INET_IP
@@ -61,11 +62,20 @@ def scenario(net: SealedNet, data: Path, log: Path, what: str, env: dict[str, st
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def seeded(tmp_path_factory: pytest.TempPathFactory, base_seed: BaseSeed, name: str) -> Path:
+    """A node data dir whose repository holds the run's ``base``, built without a host CA
+    (tests/seed.py)."""
+    d = tmp_path_factory.mktemp(name)
+    base_seed.copy_repository(d / "repo")
+    return d
+
+
 @pytest.fixture(scope="module")
-def trust_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One node data dir for the module: the build test makes its base with the CA, the
-    tools test finds that base cached, then turns the setting off (one rebuild)."""
-    return tmp_path_factory.mktemp("trust-node")
+def trust_data(tmp_path_factory: pytest.TempPathFactory, base_seed: BaseSeed) -> Path:
+    """One node data dir for the module, holding the run's ``base`` (no CA): the build
+    test's node finds it stale (the CA setting differs) and rebuilds it with the CA, the
+    tools test finds that base cached."""
+    return seeded(tmp_path_factory, base_seed, "trust-node")
 
 
 def test_builds_apt_and_pip_install_through_the_ca(testnet: SealedNet, tls_host: Path, trust_data: Path,
@@ -78,10 +88,14 @@ def test_builds_apt_and_pip_install_through_the_ca(testnet: SealedNet, tls_host:
     assert got["wheel"]["out"].strip().endswith("hello from the test index"), got
     log = got["log"]["out"]
     assert "apt-get install" in log and "pip install aenv-hello" in log, log[-3000:]
+    # the seeded base was made without the CA: the node rebuilt it, and said why
+    assert "the host CA certificates guests trust ([vm] trust_host_ca, host_ca_bundle) changed" in \
+        (tmp_path / "build.log").read_text()
 
 
 def test_base_has_the_tools_and_trusts_the_configured_ca(testnet: SealedNet, tls_host: Path, trust_data: Path,
-                                                         tmp_path: Path) -> None:
+                                                         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                         base_seed: BaseSeed) -> None:
     data = trust_data
     got = scenario(testnet, data, tmp_path / "on.log", "full",
                    {"AENV_VM__HOST_CA_BUNDLE": str(tls_host / "bundle.pem")})
@@ -102,12 +116,12 @@ def test_base_has_the_tools_and_trusts_the_configured_ca(testnet: SealedNet, tls
     requests = (tls_host / "requests.log").read_text()
     assert "/packages/aenv_hello-1.0-py3-none-any.whl" in requests and "aenv-hello_1.0_all.deb" in requests
 
-    # the same node with the setting off: the template is rebuilt without the CA, and
-    # nothing in the guest accepts the host's certificate any more
+    # a node with the setting off (on the run's base, made without the CA: no rebuild):
+    # nothing in the guest accepts the host's certificate
     before = len((tls_host / "requests.log").read_text().splitlines())
-    off = scenario(testnet, data, tmp_path / "off.log", "tls",
+    off = scenario(testnet, seeded(tmp_path_factory, base_seed, "trust-off"), tmp_path / "off.log", "tls",
                    {"AENV_VM__TRUST_HOST_CA": "false", "AENV_VM__HOST_CA_BUNDLE": str(tls_host / "bundle.pem")})
-    assert "host CA certificates guests trust" in (tmp_path / "off.log").read_text()     # the rebuild's reason
+    assert "building template" not in (tmp_path / "off.log").read_text()
     for name in ("curl", "wget", "python_tls", "node_tls", "pip_install"):
         assert off[name]["exit"] != 0, (name, off[name])
     assert "certificate" in off["curl"]["err"].lower(), off["curl"]
