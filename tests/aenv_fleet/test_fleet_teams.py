@@ -235,6 +235,31 @@ def test_a_teams_volume_through_the_gateway_is_mounted_on_its_node_and_only_for_
         assert Volume.destroy(vol.volume_id, **conn)
 
 
+def test_two_teams_through_the_npm_sdk_at_the_gateway(fleet: Fleet) -> None:
+    """The npm SDK's two-team flow (tests/aenv_api/server/node/teams_flow.mjs) against the
+    gateway: A creates, lists, forks, snapshots, pauses, connects and makes a volume; B
+    sees none of it and gets "not found" wherever it names A's."""
+    import subprocess
+
+    from tests.aenv_api.server.test_sdk_teams import NODE_DIR
+
+    require(shutil.which("node") is not None, "node is not installed (scripts/install.sh installs it)")
+    require((NODE_DIR / "node_modules" / "e2b").is_dir(), "e2b npm package missing: run scripts/install.sh")
+    gw, st = fleet.gateways[0].url, fleet.state
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(E2B_API_URL=gw, E2B_SANDBOX_URL=gw, E2B_VOLUME_API_URL=gw, KEY_A=st["key_a"], KEY_B=st["key_b"])
+    done = subprocess.run(["node", "teams_flow.mjs"], cwd=NODE_DIR, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(got["aLists"]) >= 1 and got["bLists"] == [], got
+    for what in ("bConnect", "bInfo", "bFork", "bSnapshot", "bFromSnapshot", "bVolumeInfo", "bResume"):
+        assert got[what] == "not found", (what, got)
+    assert got["bKill"] is False and got["bVolumes"] is False and got["aVolumes"] is True, got
+    assert got["aFromSnapshot"] == got["aForked"] == got["aResumed"] == "from team a", got
+    assert got["aPaused"] and got["bListsSnapshots"] == [] and got["aDeletesSnapshot"] is True, got
+
+
 def test_a_deleted_key_fails_everywhere_within_the_bound(fleet: Fleet) -> None:
     st = fleet.state
     urls = [fleet.nodes[0].url, fleet.nodes[1].url, fleet.gateways[0].url]
