@@ -235,6 +235,30 @@ def test_a_teams_volume_through_the_gateway_is_mounted_on_its_node_and_only_for_
         assert Volume.destroy(vol.volume_id, **conn)
 
 
+def test_a_teams_template_built_through_the_gateway_is_its_own(fleet: Fleet) -> None:
+    """Team A builds a template through the gateway with the SDK's Template API (built on
+    a node, committed to the shared repository with A's name on it): A creates from it,
+    B can neither create nor build from it (as a template that does not exist)."""
+    from e2b import Template
+
+    gw, st = fleet.gateways[0].url, fleet.state
+    conn_a = {"api_key": st["key_a"], "api_url": gw, "request_timeout": TIMEOUT}
+    Template.build(Template().from_template("base").run_cmd("echo fleet-team-a > /home/user/made-by"),
+                   "fleet-a-tpl", cpu_count=1, memory_mb=512, **conn_a)
+    a = Sandbox.create("fleet-a-tpl", timeout=600, **sdk(fleet, st["key_a"]))
+    try:
+        assert a.files.read("/home/user/made-by").strip() == "fleet-team-a"
+    finally:
+        a.kill()
+    with pytest.raises(Exception) as refused:
+        Sandbox.create("fleet-a-tpl", timeout=600, **sdk(fleet, st["key_b"]))
+    assert "404" in str(refused.value) or "not found" in str(refused.value).lower(), refused.value
+    status, got = call("POST", gw + "/sandboxes", {"templateID": "fleet-a-tpl"}, key=st["key_b"])
+    assert status == 404, got
+    assert call("DELETE", gw + "/templates/fleet-a-tpl", key=st["key_b"])[0] == 404
+    assert call("DELETE", gw + "/templates/fleet-a-tpl", key=st["key_a"])[0] == 204
+
+
 def test_two_teams_through_the_npm_sdk_at_the_gateway(fleet: Fleet) -> None:
     """The npm SDK's two-team flow (tests/aenv_api/server/node/teams_flow.mjs) against the
     gateway: A creates, lists, forks, snapshots, pauses, connects and makes a volume; B
