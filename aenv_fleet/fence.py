@@ -101,6 +101,11 @@ class Fence:
         self._reclaiming = asyncio.Lock()
 
     def start(self) -> None:
+        """The node joins now (its API listens, the first heartbeat follows): the lease's
+        clock and the keeper's deadline start from here, not from the node's assembly."""
+        self._renewed_at = self._clock()
+        if self._keeper is not None:
+            self._keeper.hold_until(self._renewed_at + self.config.freeze_after)
         self._task = asyncio.ensure_future(self._watch())
 
     def check_serving(self) -> None:
