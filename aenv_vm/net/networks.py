@@ -247,6 +247,11 @@ class NodeNetworks:
         for w in self.infra_warnings:
             log.warning("%s", w)
         await asyncio.to_thread(netns.enable_host_egress)
+        # no QEMU outlives its node: every namespace of this node's tag is a dead one's (a
+        # node that was killed made them); a restarted node makes its sandboxes new ones
+        gone = await asyncio.to_thread(netns.remove_orphans, self.tag, set())
+        if gone:
+            log.info("removed %d network namespaces left by this node's last run", len(gone))
         self._never = await asyncio.to_thread(node_addresses) + self.infra_nets
         upstream = dns.nameservers()
         if not upstream:

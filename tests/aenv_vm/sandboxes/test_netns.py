@@ -262,8 +262,11 @@ def test_node_networks_modes(tmp_path: Path) -> None:
             return
         for mode in ("user", "tap"):
             node = networks.NodeNetworks(mode, tmp_path)
+            # what a killed run of this node left: its namespaces go when it starts again
+            left = await asyncio.to_thread(netns.create, node.tag, "sbx-leftbehind0001", OPEN_RULES)
             await node.start()
             assert node.isolated and "one namespace per sandbox" in node.describe()
+            assert left.name not in netns.list_namespaces(node.tag)
             sid = f"sbx-000000000000000{2 if mode == 'user' else 3}"
             fields = await node.attach(sid, DENY_ALL)
             net = node.get(sid)
