@@ -243,10 +243,18 @@ def list_namespaces(tag: str) -> list[str]:
 
 
 def remove_orphans(tag: str, keep: set[str]) -> list[str]:
-    """Remove this node's namespaces that no live sandbox owns; returns their names."""
+    """Remove this node's namespaces that no live sandbox owns; returns their names. A
+    name whose namespace is gone already (its bind mount was made in a mount namespace
+    that died with the node that made it, e.g. one run under ``ip netns exec``) is only
+    an empty file: it is unlinked."""
     gone = [n for n in list_namespaces(tag) if n not in keep]
     for n in gone:
-        destroy(n)
+        path = NETNS_DIR / n
+        if os.path.ismount(path):
+            destroy(n)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
     return gone
 
 

@@ -249,9 +249,13 @@ class NodeNetworks:
         await asyncio.to_thread(netns.enable_host_egress)
         # no QEMU outlives its node: every namespace of this node's tag is a dead one's (a
         # node that was killed made them); a restarted node makes its sandboxes new ones
-        gone = await asyncio.to_thread(netns.remove_orphans, self.tag, set())
-        if gone:
-            log.info("removed %d network namespaces left by this node's last run", len(gone))
+        try:
+            gone = await asyncio.to_thread(netns.remove_orphans, self.tag, set())
+        except NetError as e:       # never a reason not to start: new sandboxes get new names' /30s
+            log.warning("network namespaces left by this node's last run: not all removed: %s", e)
+        else:
+            if gone:
+                log.info("removed %d network namespaces left by this node's last run", len(gone))
         self._never = await asyncio.to_thread(node_addresses) + self.infra_nets
         upstream = dns.nameservers()
         if not upstream:
