@@ -247,15 +247,26 @@ def remove_orphans(tag: str, keep: set[str]) -> list[str]:
     name whose namespace is gone already (its bind mount was made in a mount namespace
     that died with the node that made it, e.g. one run under ``ip netns exec``) is only
     an empty file: it is unlinked."""
-    gone = [n for n in list_namespaces(tag) if n not in keep]
-    for n in gone:
+    gone = []
+    for n in list_namespaces(tag):
+        if n in keep:
+            continue
         path = NETNS_DIR / n
         if os.path.ismount(path):
+            if _has_processes(n):       # a QEMU still in it is no orphan's (whoever runs it)
+                continue
             destroy(n)
         else:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        gone.append(n)
     return gone
+
+
+def _has_processes(name: str) -> bool:
+    done = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30,
+                          env=child_env())
+    return bool(done.stdout.split())
 
 
 def enable_host_egress(outbound_if: str | None = None) -> None:

@@ -208,8 +208,19 @@ def test_remove_orphans(tmp_path: Path) -> None:
     # that was killed): only an empty file is left, which ip(8) cannot enter
     ghost = netns.NETNS_DIR / f"aenv-{tag}-ghost0000001"
     ghost.touch()
+    # one with a process in it is somebody's live sandbox: kept
+    busy = subprocess.Popen(["ip", "netns", "exec", a.name, "sleep", "60"])
     try:
-        assert sorted(netns.remove_orphans(tag, keep={b.name})) == sorted([a.name, ghost.name])
+        deadline = time.monotonic() + 10
+        while not subprocess.run(["ip", "netns", "pids", a.name], capture_output=True, text=True).stdout.strip():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert netns.remove_orphans(tag, keep={b.name}) == [ghost.name]
+    finally:
+        busy.kill()
+        busy.wait()
+    try:
+        assert netns.remove_orphans(tag, keep={b.name}) == [a.name]
         assert netns.list_namespaces(tag) == [b.name] and not ghost.exists()
     finally:
         netns.destroy(a)
