@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import threading
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,7 +54,7 @@ def build_shim(directory: Path) -> Path:
         raise ConfinementError("no C compiler (cc) to build the read-only RAM shim "
                                "(apt-get install gcc libc6-dev)")
     directory.mkdir(parents=True, exist_ok=True, mode=0o755)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
     done = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp), str(SOURCE), "-ldl"],
                           capture_output=True, text=True, env=child_env())
     if done.returncode != 0:

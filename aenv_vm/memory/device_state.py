@@ -13,6 +13,7 @@ state with ``load_device_state`` (aenv_vm.qemu.migration).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ class DeviceSave:
 def durable_write(path: Path, data: bytes | bytearray | memoryview, sync: bool = True) -> None:
     """tmp → [fsync] → rename → [fsync dir]: the file is either absent or complete
     (and with ``sync`` also survives a host crash)."""
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +173,7 @@ def _open_tmp(path: Path, spare: Path | None) -> tuple[Path, BinaryIO]:
     of the same sandbox, no longer referenced) taken over when there is one.
     Overwriting a file whose pages are in the page cache skips allocating them:
     26 MiB took 4-5 ms that way here, 67-112 ms into a new file at load 10."""
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
     if spare is not None:
         try:
             os.replace(spare, tmp)
@@ -411,7 +412,7 @@ def consolidate(base_file: Path, delta: Delta, out: Path, sync: bool = True) -> 
     """A full memory file: the base (holes kept) with the delta's pages written over it.
     ``sync`` False: not flushed to disk (the caller syncs it, ``sync_file``, before
     anything that outlives a crash names it)."""
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
     size = os.path.getsize(base_file)
     if size != delta.memory_size:
         raise MemoryImageError(f"base {base_file} has {size} bytes, delta wants {delta.memory_size}")

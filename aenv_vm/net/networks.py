@@ -33,6 +33,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import threading
 import shutil
 import socket
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ def device_state(state: Path) -> Path:
         raise NetError(f"cannot drop the user-mode network state from {state}: {e}") from None
     if len(stripped) == len(raw):
         return state
-    tmp = tap.with_name(tap.name + f".tmp-{os.getpid()}")
+    tmp = tap.with_name(tap.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_bytes(stripped)
     os.replace(tmp, tap)
     return tap

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import shutil
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _write_blob(store: Store, mid: Digest, path: Path, media: str, tid: str) -> 
     reader = store.open_blob(mid)
     if reader.manifest.media_type != media:
         raise TemplateError(f"template {tid}: {path.name} has media type {reader.manifest.media_type}")
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "wb") as f:
         f.truncate(reader.size)
         for e in reader.extents():
