@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from aenv_vm.childenv import ChildKind, child_env
-from aenv_vm.errors import NodeFenced, NotFound, VmError
+from aenv_vm.errors import NodeFenced, NotFound
 from aenv_vm.service import SandboxService, SandboxState
 
 from .config import ClusterConfig
@@ -168,11 +168,7 @@ class Fence:
                                 "its copy here is gone", info.sandbox_id)
             except NotFound:
                 continue
-            except VmError as e:
-                log.warning("cluster: %s: not reclaimed (%s): it stays frozen until the next renewal",
-                            info.sandbox_id, e)
-                sure = False
-            except Exception as e:      # noqa: BLE001 -- a store error: same, retried at the next renewal
+            except Exception as e:      # noqa: BLE001 -- a VM or store error: retried at the next renewal
                 log.warning("cluster: %s: not reclaimed (%s): it stays frozen until the next renewal",
                             info.sandbox_id, e)
                 sure = False

@@ -171,6 +171,11 @@ class CommittedPause:
             seq = 0
         return cls(rec, seq, meta.get(META_HOLDER) or None, version)
 
+    def with_meta(self, meta: dict[str, str]) -> CatalogRecord:
+        """This record with ``meta`` instead of its own (manifests and time kept)."""
+        return CatalogRecord(name=self.record.name, kind=PAUSED_KIND, manifests=self.record.manifests,
+                             meta=tuple(sorted(meta.items())), created=self.record.created)
+
     @property
     def running_on(self) -> str | None:
         """The node that resumed the sandbox after this pause (None: it is paused)."""
@@ -246,9 +251,7 @@ def mark_running(rt: NodeRuntime, cp: CommittedPause) -> None:
     changed since ``cp`` was read (another node took the sandbox over in between: the
     resume must not run a second copy). Any other failure is logged: the resume does
     not depend on it."""
-    meta = {**cp.record.meta_dict(), META_RUNNING: rt.node_id}
-    rec = CatalogRecord(name=cp.record.name, kind=PAUSED_KIND, manifests=cp.record.manifests,
-                        meta=tuple(sorted(meta.items())), created=cp.record.created)
+    rec = cp.with_meta({**cp.record.meta_dict(), META_RUNNING: rt.node_id})
     try:   # the manifests are those of the record just read: no need to check them again
         rt.store.repository.swap_record(rec, cp.version)
     except Conflict:
@@ -277,9 +280,8 @@ def reclaim(rt: NodeRuntime, sid: str) -> bool:
         return True     # never paused: nothing in the repository another node could adopt
     if (cp.holder is not None and cp.holder != rt.node_id) or cp.running_on not in (None, rt.node_id):
         return False
-    meta = {**cp.record.meta_dict(), META_RUNNING: rt.node_id, "reclaimed_at": str(round(time.time(), 3))}
-    rec = CatalogRecord(name=cp.record.name, kind=PAUSED_KIND, manifests=cp.record.manifests,
-                        meta=tuple(sorted(meta.items())), created=cp.record.created)
+    rec = cp.with_meta({**cp.record.meta_dict(), META_RUNNING: rt.node_id,
+                        "reclaimed_at": str(round(time.time(), 3))})
     try:
         rt.store.repository.swap_record(rec, cp.version)
     except Conflict:        # written in between: by another node, or by this one (a pause, a reclaim)
@@ -387,10 +389,7 @@ class Moves:
         if cp.holder:
             meta["adopted_from"] = cp.holder
         try:
-            self.rt.store.swap_record(CatalogRecord(name=cp.record.name, kind=PAUSED_KIND,
-                                                    manifests=cp.record.manifests,
-                                                    meta=tuple(sorted(meta.items())), created=cp.record.created),
-                                      cp.version)
+            self.rt.store.swap_record(cp.with_meta(meta), cp.version)
         except Conflict:
             raise ResumedElsewhere(f"sandbox {sid}: its pause record changed while this node adopted it (its "
                                    f"holder {cp.holder or '?'} wrote it: alive after all); not adopted") from None
