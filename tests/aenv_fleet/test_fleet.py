@@ -662,6 +662,10 @@ def _counting_on(fleet: Fleet, node: str) -> tuple[Sandbox, int]:
     """A sandbox on ``node`` that counts in /tmp/counter, paused once (committed), then
     resumed there: its pause record says it runs on that node. Returns it and a count
     read after the resume."""
+    deadline = time.monotonic() + 60        # placeable again (a test before may have cut it off)
+    while not (nodes_of(fleet)[node]["alive"] and nodes_of(fleet)[node]["freeSlots"]):
+        assert time.monotonic() < deadline, f"{node} is not placeable: {nodes_of(fleet)[node]}"
+        time.sleep(0.5)
     _drain_others(fleet, node, True)
     try:
         s = Sandbox.create("base", metadata={"suite": "fence"}, timeout=TIMEOUT, **gw(fleet, 0))
