@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 import os
 import shutil
 import socket
@@ -276,6 +277,11 @@ class NodeAgent:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._reported_restoring = 0    # the restore load the last heartbeat told Redis
+        # the host's facts are read on a thread of the agent's own: the default executor may
+        # be busy with commits for seconds, and a heartbeat queued behind them lets the
+        # lease lapse (the node would fence itself while it is merely busy)
+        self._facts_thread = ThreadPoolExecutor(1, thread_name_prefix="aenv-agent-facts")
+        self._facts: HostFacts | None = None
         # with [p2p] enabled: publish this node's ticket, peer with the other live nodes
         self.peering = FleetPeering(self.coord, self.node_id, p2p) if p2p is not None else None
         self.fence = Fence(config, lambda: self.service,
@@ -395,7 +401,7 @@ class NodeAgent:
     async def capacity(self) -> Capacity:
         assert self.service is not None
         infos = await self.service.list_sandboxes()
-        facts = await asyncio.to_thread(host_facts, self.data_dir)
+        facts = await self._host_facts()
         slots, restoring = self.restore_load() if self.restore_load is not None else (0, 0)
         self._reported_restoring = restoring
         return Capacity(url=self.config.advertise_url, max_sandboxes=self.max_sandboxes, vcpus=facts.vcpus,
@@ -406,13 +412,31 @@ class NodeAgent:
                         p2p=self.peering.ticket if self.peering is not None else "",
                         restore_slots=slots, restoring=restoring)
 
+    async def _host_facts(self) -> HostFacts:
+        """The host's memory and disk now; the last ones read when the read takes longer
+        than half a heartbeat (a disk under load answering statvfs late): the lease matters
+        more than a fresh figure."""
+        read = asyncio.get_running_loop().run_in_executor(self._facts_thread, host_facts, self.data_dir)
+        if self._facts is None:
+            self._facts = await read
+            return self._facts
+        try:
+            self._facts = await asyncio.wait_for(asyncio.shield(read), self.config.heartbeat_seconds / 2)
+        except asyncio.TimeoutError:
+            log.warning("cluster: the host's facts took over %.1f s to read; the last ones are reported",
+                        self.config.heartbeat_seconds / 2)
+        return self._facts
+
     async def tick(self) -> None:
-        if self._dirty:
-            await self.reconcile()
+        """One heartbeat; then, when the node is out of sync with Redis, a reconcile. The
+        lease is renewed first: a reconcile makes a round trip per binding, and a node
+        with many of them must not let its lease lapse while it writes them."""
         cap = await self.capacity()
         started = time.monotonic()
         await self.heartbeat(cap)
         await self.fence.renewed(started)
+        if self._dirty:
+            await self.reconcile()
 
     async def heartbeat(self, cap: Capacity) -> None:
         """Renew the lease with ``cap`` (its ``p2p`` is the ticket published), then
@@ -479,3 +503,4 @@ class NodeAgent:
                 await self.reconcile()
                 await self.coord.stop_node(self.node_id)
         await self.coord.close()
+        self._facts_thread.shutdown(wait=False)

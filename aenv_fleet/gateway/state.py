@@ -51,7 +51,7 @@ class FleetView:
         self._task: asyncio.Task | None = None
         self._last_event = "$"
         self.redis_ok = False
-        self._last_ok = 0.0     # when Redis last answered: leases are judged as of then while it does not
+        self._last_ok = 0.0     # when the nodes' leases were last read: they are judged as of then (_now)
 
     async def start(self) -> None:
         with contextlib.suppress(CoordError, RedisTrustError):
@@ -93,7 +93,9 @@ class FleetView:
                 raise CoordError(f"redis {self.coord.url}: not reachable to check its authentication")
             self._verified = True
         await self.coord.expire_nodes()     # any gateway may notice an expiry first; the script is idempotent
+        read_at = time.time()
         self.nodes = trusted_view(self.nodes, await self.coord.nodes())
+        self._last_ok = read_at
         try:
             await self.team_keys.refresh()
         except UnusableTeams as e:     # Redis is fine: only team keys suffer (refused after STALE_AFTER)
@@ -103,7 +105,6 @@ class FleetView:
         else:
             self._teams_refused = ""
         self.redis_ok = True
-        self._last_ok = time.time()
         now = time.monotonic()
         self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
         # a sandbox that moved, paused or went since: its cached route goes at once
@@ -113,10 +114,13 @@ class FleetView:
                 self._routes.pop(ev.get("id", ""), None)
 
     def _now(self) -> float:
-        """Leases are judged by the clock while Redis answers; while it does not, nodes
-        cannot heartbeat either, so their leases are judged as of Redis' last answer (a
-        Redis outage does not make every node look dead to the proxy)."""
-        return time.time() if self.redis_ok else self._last_ok
+        """Leases are judged as of the last read of them: a lease that ended before it is
+        over; one that ends after it may have been renewed since, which this gateway
+        learns at its next refresh (a second later). So a gateway whose refreshes run late
+        (its loop busy, Redis slow to answer) never takes a live node for a dead one and
+        a running sandbox for a lost one; nor does a Redis outage, during which nodes
+        cannot heartbeat either, make every node look dead to the proxy."""
+        return self._last_ok
 
     def alive(self) -> list[NodeRecord]:
         now = self._now()

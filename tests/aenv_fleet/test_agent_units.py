@@ -286,3 +286,45 @@ def test_a_changed_restore_load_brings_the_next_heartbeat_forward() -> None:
         await asyncio.wait_for(waiting, 2 * LOAD_POLL + 0.5)
         assert loop.time() - t0 < 5.0 - 1.0
     asyncio.run(main())
+
+
+class Beats(Redis):
+    """Redis that also takes heartbeats, and a reconcile that says when it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beats: list[str] = []
+
+    async def heartbeat(self, node: str, cap: Any, lease_seconds: float) -> int:
+        self._check()
+        self.beats.append(node)
+        self.writes.append(("heartbeat", node))
+        return 1
+
+
+def test_a_heartbeat_is_not_queued_behind_the_busy_default_executor_nor_a_reconcile() -> None:
+    """A node whose default executor is taken by long work (commits hashing and fsyncing)
+    still renews its lease: the host's facts are read on the agent's own thread. And the
+    lease is renewed before a reconcile's writes, not after them."""
+    redis, node = Beats(), Held(info())
+    a, _ = agent(redis, node)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        release = __import__("threading").Event()
+        busy = [loop.run_in_executor(None, release.wait) for _ in range(64)]   # every default worker
+        try:
+            await asyncio.wait_for(a.tick(), 10)        # before the fix: waited for a default worker
+            assert redis.beats == ["n1"]
+            assert redis.writes.index(("heartbeat", "n1")) < redis.writes.index(("bind", "sbx-1"))
+            a.config = ClusterConfig(redis_url="redis://unused", node_id="n1", advertise_url="http://n1:8000",
+                                     heartbeat_seconds=0.2, lease_seconds=1.0)
+            slow = __import__("threading").Event()
+            a._facts_thread.submit(slow.wait)           # the facts' own thread stuck (a disk answering late)
+            await asyncio.wait_for(a.tick(), 10)       # the last facts are reported; the beat goes out
+            assert redis.beats == ["n1", "n1"]
+            slow.set()
+        finally:
+            release.set()
+            await asyncio.gather(*busy)
+    asyncio.run(main())

@@ -233,6 +233,35 @@ def test_a_strangers_record_is_ignored_and_a_gateway_keeps_the_signed_one(
     assert any("'n9'" in m for m in logged) and any("'n2'" in m for m in logged), logged
 
 
+def test_a_gateway_judges_leases_as_of_its_last_read_of_them(redis_server: RedisServer) -> None:
+    """A gateway whose refreshes run late (its loop busy) does not take a live node for a
+    dead one: a lease whose end passed after the gateway last read it may have been
+    renewed since. Once a read finds it not renewed, the node is dead."""
+    redis_server.client().flushall()
+
+    async def main() -> None:
+        node = Coordinator(redis_server.url, FleetKeys.parse(SECRET))
+        gw = Coordinator(redis_server.url, FleetKeys.parse(SECRET))
+        view = FleetView(gw)
+        try:
+            await node.heartbeat("n1", cap("http://10.0.0.1:8000"), 1.0)
+            await view.refresh()
+            await asyncio.sleep(1.3)        # the lease's end passes; the node renews, unread yet
+            await node.heartbeat("n1", cap("http://10.0.0.1:8000"), 1.0)
+            assert view.nodes["n1"].lease_deadline < time.time()
+            assert view.is_alive("n1") and [n.node_id for n in view.alive()] == ["n1"]
+            await view.refresh()
+            assert view.is_alive("n1")
+            await asyncio.sleep(1.3)        # no renewal this time
+            assert view.is_alive("n1")      # not read since: it may have renewed
+            await view.refresh()
+            assert not view.is_alive("n1") and view.alive() == []
+        finally:
+            await node.close()
+            await gw.close()
+    asyncio.run(main())
+
+
 # --- a gateway in front of a node's API ----------------------------------------------------
 
 
