@@ -14,7 +14,8 @@ from .common import CliError, Subcommands
 COLUMNS = ["teamID", "name", "isDefault", "createdAt", "quota"]
 # the flags of `aenv team quota`, the quota's wire field each sets, and what it shows as in the table
 QUOTA_FLAGS = (("running", "runningSandboxes", "running"), ("paused", "pausedSandboxes", "paused"),
-               ("creates_per_second", "createsPerSecond", "creates/s"), ("builds", "concurrentBuilds", "builds"))
+               ("creates_per_second", "createsPerSecond", "creates/s"), ("builds", "concurrentBuilds", "builds"),
+               ("volume_bytes", "volumeBytes", "volume-bytes"))
 UNLIMITED = ("unlimited", "none")
 
 
@@ -45,6 +46,8 @@ def register(subparsers: Subcommands) -> None:
     q.add_argument("--creates-per-second", type=_limit(float), default=None, metavar="R",
                    help="sandbox creates per second (a token bucket of one second's worth)")
     q.add_argument("--builds", type=_limit(int), default=None, metavar="N", help="template builds at once")
+    q.add_argument("--volume-bytes", type=_limit(int), default=None, metavar="B",
+                   help="bytes the team's volumes may hold (the sum of their maxBytes)")
     q.set_defaults(handler=cmd_quota)
 
 
@@ -63,8 +66,12 @@ def _limit(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 def quota_text(quota: dict[str, Any] | None) -> str:
     """A quota as the table shows it: ``running=3 creates/s=2.5``, or ``unlimited``."""
     values = quota or {}
-    shown = [f"{label}={values[wire]:g}" for _, wire, label in QUOTA_FLAGS if values.get(wire) is not None]
+    shown = [f"{label}={_number(values[wire])}" for _, wire, label in QUOTA_FLAGS if values.get(wire) is not None]
     return " ".join(shown) or "unlimited"
+
+
+def _number(v: Any) -> str:
+    return str(v) if isinstance(v, int) else f"{v:g}"     # a byte count whole, a rate short
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

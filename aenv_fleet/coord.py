@@ -27,6 +27,16 @@ class CoordError(Exception):
     """Redis could not be reached or answered an error."""
 
 
+@dataclass(frozen=True)
+class VolumeRoom:
+    """Whether a volume was recorded under its team's volumeBytes quota; if not, the bytes
+    the team's other volumes hold (-1: one of them is unbounded) and the quota."""
+
+    recorded: bool
+    held: int = 0
+    limit: int = 0
+
+
 class TeamQuotaExceeded(Exception):
     """A team's quota leaves no room for a start (scripts.py ``team_room``): ``kind`` is
     "running" (``limit`` sandboxes run already) or "rate" (``limit`` creates a second; the
@@ -173,7 +183,7 @@ class Coordinator:
         self._scripts = {name: self.redis.register_script(getattr(scripts, name))
                          for name in ("HEARTBEAT", "STOP", "EXPIRE", "PLACE", "UNRESERVE", "BIND", "UNBIND",
                                       "RELEASE", "LOST", "DRAIN", "TEAM_RESERVE", "TEAM_SETTLE",
-                                      "TEAM_UNRESERVE")}
+                                      "TEAM_UNRESERVE", "VOLUME_ADD", "VOLUME_DROP")}
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -311,6 +321,20 @@ class Coordinator:
         if isinstance(node, str) and node.startswith("!"):
             raise TeamQuotaExceeded.parse(node[1:])
         return (node, rid) if node else None
+
+    # --- volumes (gateway/volumes.py) ------------------------------------------------------
+
+    async def add_volume(self, team: str, volume_id: str, node: str, name: str, max_bytes: int) -> VolumeRoom:
+        """Record a volume a node made, if ``team``'s volumeBytes quota has room for its
+        bound ``max_bytes`` (0: unbounded) beside its other volumes' (scripts.py VOLUME_ADD)."""
+        got = await self._run("VOLUME_ADD", team, volume_id, node, name, max_bytes)
+        if int(got[0]) == 1:
+            return VolumeRoom(True)
+        return VolumeRoom(False, int(got[1]), int(got[2]))
+
+    async def drop_volume(self, volume_id: str) -> bool:
+        """Forget a volume (its record, its name, its place in its team's bytes)."""
+        return int(await self._run("VOLUME_DROP", volume_id)) == 1
 
     # --- team quotas (scripts.py "Team quotas") --------------------------------------------
 

@@ -74,8 +74,14 @@ def team_bucket(team: str) -> str:
 
 
 def volume(volume_id: str) -> str:
-    """HASH: node, name, team of a volume made through a gateway (gateway/volumes.py)."""
+    """HASH: node, name, team, bytes (its bound; 0: none) of a volume made through a gateway
+    (gateway/volumes.py, scripts.py VOLUME_ADD)."""
     return f"{PREFIX}vol:{volume_id}"
+
+
+def team_volumes(team: str) -> str:
+    """SET: ids of the team's volumes made through a gateway (its volumeBytes quota)."""
+    return f"{PREFIX}team:{team}:vols"
 
 
 def volume_name(name: str) -> str:

@@ -290,6 +290,44 @@ if prev ~= 'lost' then event('sandbox-lost', sid, redis.call('HGET', sk, 'node')
 return 1
 """
 
+# A volume made through a gateway is recorded here (gateway/volumes.py) once its node made
+# it, in one step with the check of its team's volumeBytes quota: the team's volumes'
+# byte bounds (aenv:team:<team>:vols, each aenv:vol:<id>'s ``bytes``; 0: unbounded) plus
+# this one's must fit. Two gateways recording at once see each other's volumes whole.
+# ARGV: team, volume id, node, name, bytes (its bound; 0: none)
+# -> {1} recorded | {0, held, limit} refused (held -1: a volume of the team is unbounded)
+VOLUME_ADD = _LIB + """
+local t, vid, bytes = ARGV[1], ARGV[2], tonumber(ARGV[5])
+local vols = P .. 'team:' .. t .. ':vols'
+local limit = tonumber(redis.call('HGET', P .. 'quota:' .. t, 'volumeBytes') or '')
+if limit then
+  if bytes == 0 then return {0, -1, limit} end
+  local held = 0
+  for _, other in ipairs(redis.call('SMEMBERS', vols)) do
+    local b = redis.call('HGET', P .. 'vol:' .. other, 'bytes')
+    if not b then redis.call('SREM', vols, other)
+    elseif tonumber(b) == 0 then return {0, -1, limit}
+    else held = held + tonumber(b) end
+  end
+  if held + bytes > limit then return {0, held, limit} end
+end
+redis.call('HSET', P .. 'vol:' .. vid, 'node', ARGV[3], 'name', ARGV[4], 'team', t, 'bytes', ARGV[5])
+redis.call('SADD', vols, vid)
+redis.call('SET', P .. 'volname:' .. ARGV[4], vid)
+return {1}
+"""
+
+# ARGV: volume id -> 1 | 0 (no such volume recorded)
+VOLUME_DROP = _LIB + """
+local vk = P .. 'vol:' .. ARGV[1]
+local v = redis.call('HMGET', vk, 'name', 'team')
+if not v[1] then return 0 end
+redis.call('DEL', vk)
+if redis.call('GET', P .. 'volname:' .. v[1]) == ARGV[1] then redis.call('DEL', P .. 'volname:' .. v[1]) end
+if v[2] then redis.call('SREM', P .. 'team:' .. v[2] .. ':vols', ARGV[1]) end
+return 1
+"""
+
 # ARGV: node, drained ('1' | '0'), now_ms
 DRAIN = _LIB + """
 local id = ARGV[1]

@@ -137,9 +137,10 @@ class ApiServer:
         self.secrets = SecretsApi(self.secret_store, fleet)
         self.teams.secret_store = self.control.secret_store = self.secret_store
         self._keys_task: asyncio.Task[None] | None = None
+        # per-team quotas and metrics (quotas.py, team_metrics.py)
         if volumes is not None:
             volumes.owners = OwnerMap(lifecycle.data_dir / VOLUME_TEAMS_FILE)
-        # per-team quotas and metrics (quotas.py, team_metrics.py)
+            volumes.quota_of = keystore.quota
         self.quotas = QuotaApi(keystore)
         self.team_metrics = TeamMetrics(metrics, config.team_metrics_interval)
         lifecycle.quotas = QuotaGate(keystore.quota, self._team_count)

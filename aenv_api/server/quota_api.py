@@ -19,8 +19,8 @@ from .routes import Admin, Call, Reply, Route
 
 log = logging.getLogger(__name__)
 
-# the byte quotas E2B's issue names that aenv does not measure yet: refused rather than accepted and ignored
-NOT_ENFORCED = ("volumeBytes", "snapshotBytes")
+# the byte quota aenv does not measure yet: refused rather than accepted and ignored
+NOT_ENFORCED = ("snapshotBytes",)
 
 Publish = Callable[[str, TeamQuota], Awaitable[None]]
 

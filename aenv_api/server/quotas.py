@@ -3,8 +3,10 @@
 every sandbox start of the team to it (``QuotaGate``).
 
 The quotas: running sandboxes, paused sandboxes, creates per second (a token bucket of
-one second's worth), concurrent template builds. ``None`` is unlimited, the default, and a
-team with no quota set pays nothing: the gate returns before taking its lock.
+one second's worth), concurrent template builds, and the bytes the team's volumes may
+hold (the volumes' own bounds summed: held by the volume API, volumes_api.py). ``None``
+is unlimited, the default, and a team with no quota set pays nothing: the gate returns
+before taking its lock.
 
 Atomicity: the node's API serves on one event loop. A start of a team with a running
 quota takes the gate's lock, counts the team's running sandboxes (the sandbox layer's
@@ -31,6 +33,7 @@ from .errors import ApiError
 
 MAX_COUNT = 1_000_000           # a running/paused/builds quota's upper bound (a sane number, not a limit)
 MAX_RATE = 10_000.0             # creates per second
+MAX_BYTES = 1 << 60             # a byte quota's upper bound (an exbibyte)
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,12 @@ class TeamQuota:
     paused: int | None = None
     creates_per_second: float | None = None
     builds: int | None = None
+    volume_bytes: int | None = None
 
     # wire (and teams.json) names, E2B-style camelCase
     WIRE: ClassVar[dict[str, str]] = {"running": "runningSandboxes", "paused": "pausedSandboxes",
-            "creates_per_second": "createsPerSecond", "builds": "concurrentBuilds"}
+            "creates_per_second": "createsPerSecond", "builds": "concurrentBuilds",
+            "volume_bytes": "volumeBytes"}
 
     @property
     def unlimited(self) -> bool:
@@ -68,8 +73,9 @@ class TeamQuota:
                     raise ValueError(f"{w} must be a number in (0, {MAX_RATE:g}], got {v!r:.40}")
                 values[attr] = float(v)
             else:
-                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
-                    raise ValueError(f"{w} must be an integer in [0, {MAX_COUNT}], got {v!r:.40}")
+                bound = MAX_BYTES if attr == "volume_bytes" else MAX_COUNT
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= bound:
+                    raise ValueError(f"{w} must be an integer in [0, {bound}], got {v!r:.40}")
                 values[attr] = v
         return cls(**values)
 
@@ -127,6 +133,14 @@ def over_rate(rate: float, wait: float) -> ApiError:
 def over_builds(limit: int) -> ApiError:
     return ApiError(429, f"You have reached the maximum number of concurrent template builds ({limit}) of your "
                          f"team's quota: wait for one to finish", retry=False, retry_after=FULL_RETRY_AFTER)
+
+
+def over_volume_bytes(limit: int, held: int, asked: int) -> ApiError:
+    # waiting does not help (volumes keep their bounds until deleted): no Retry-After
+    return ApiError(507, f"Your team's volumes may hold {limit} bytes (volumeBytes quota); its volumes' bounds "
+                         f"already sum to {held} bytes, so a volume of {asked} more bytes is refused: delete a "
+                         f"volume, make a smaller one (maxBytes) or ask the deployment's admin for a larger quota",
+                    retry=False)
 
 
 @dataclass(frozen=True)

@@ -521,7 +521,8 @@ TEAM_QUOTA = Schema("TeamQuota", (
           description="sandbox creates per second, a token bucket of one second's worth (null: unlimited)"),
     Field("concurrentBuilds", "integer", minimum=0, maximum=_COUNT, nullable=True,
           description="template builds of the team running at once (null: unlimited)"),
-    Field("volumeBytes", "integer", minimum=0, nullable=True, description="not enforced by aenv: only null"),
+    Field("volumeBytes", "integer", minimum=0, maximum=1 << 60, nullable=True,
+          description="bytes the team's volumes may hold: the sum of their maxBytes bounds (null: unlimited)"),
     Field("snapshotBytes", "integer", minimum=0, nullable=True, description="not enforced by aenv: only null"),
 ), closed=True)
 TEAM_METRICS_MAX = Schema("TeamMetricsMaxQuery", (

@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
 from aenv_vm.volumes.charged import ChargedTree
+from aenv_vm.volumes.quota import VolumeQuota
 from aenv_vm.volumes.registry import (InvalidVolumeName, VolumeInUse, VolumeNameTaken, VolumeNotFound,
                                       VolumeRecord, VolumeRegistry, is_volume_id)
 from aenv_vm.volumes.tree import CHUNK, MAX_DEPTH, MAX_PATH, VolumeTree
@@ -36,6 +37,7 @@ from .errors import ApiError
 from .keystore import DEFAULT_TEAM_ID
 from .owners import OwnerMap
 from .principal import principal_of
+from .quotas import TeamQuota, over_volume_bytes
 from .responses import json_response, no_content
 from .routes import Call, Reply, Route
 from .schemas import Field, Schema
@@ -64,9 +66,11 @@ _STATUS = {errno.ENOENT: 404, errno.EEXIST: 409, errno.ENOTEMPTY: 409, errno.ENO
            errno.EPERM: 403, errno.EROFS: 403, errno.ENOSPC: 507, errno.EDQUOT: 507, errno.EFBIG: 413}
 
 
-def _volume(rec: VolumeRecord, domain: str) -> dict[str, Any]:
-    # E2B's VolumeAndToken as it is: a volume's quota is set at create, not answered
-    out: dict[str, Any] = {"volumeID": rec.volume_id, "name": rec.name, "token": rec.token}
+def _volume(rec: VolumeRecord, domain: str, quota: VolumeQuota) -> dict[str, Any]:
+    # E2B's VolumeAndToken, and aenv's own: the bounds the volume was made with (0: none;
+    # a fleet's gateway holds a team's volumeBytes quota by them)
+    out: dict[str, Any] = {"volumeID": rec.volume_id, "name": rec.name, "token": rec.token,
+                           "maxBytes": quota.max_bytes, "maxInodes": quota.max_inodes}
     if domain:
         out["domain"] = domain
     return out
@@ -89,6 +93,10 @@ class VolumeApi:
         # which team owns each volume (owners.py); the server (app.py) sets the node's map.
         # Without one every volume is the default team's.
         self.owners: OwnerMap | None = None
+        # each team's quota (keystore.py; app.py sets it): its volumeBytes bounds the sum
+        # of its volumes' maxBytes, checked and the volume made under one lock
+        self.quota_of: Callable[[str], TeamQuota] | None = None
+        self._creating = asyncio.Lock()
 
     def owner(self, volume_id: str) -> str:
         return self.owners.owner(volume_id) if self.owners is not None else DEFAULT_TEAM_ID
@@ -111,6 +119,17 @@ class VolumeApi:
                               if self.owner(r.volume_id) == team])
 
     async def create(self, request: web.Request, call: Call) -> web.Response:
+        team = principal_of(request).team_id
+        limit = self.quota_of(team).volume_bytes if self.quota_of is not None else None
+        if limit is None:
+            rec = await self._make(call, team)
+        else:
+            async with self._creating:      # the check, the make and its owner, one create at a time
+                self._check_volume_bytes(team, limit, call.body["maxBytes"])
+                rec = await self._make(call, team)
+        return json_response(_volume(rec, self.domain, self.registry.quota(rec)), 201)
+
+    async def _make(self, call: Call, team: str) -> VolumeRecord:
         try:
             rec = await asyncio.to_thread(self.registry.create, call.body["name"], call.body["maxBytes"],
                                           call.body["maxInodes"])
@@ -119,8 +138,33 @@ class VolumeApi:
         except VolumeNameTaken as e:
             raise ApiError(400, str(e)) from None   # E2B's status and message for a taken name
         if self.owners is not None:
-            await asyncio.to_thread(self.owners.put, rec.volume_id, principal_of(request).team_id)
-        return json_response(_volume(rec, self.domain), 201)
+            await asyncio.to_thread(self.owners.put, rec.volume_id, team)
+        return rec
+
+    def bound_of(self, max_bytes: int | None) -> int:
+        """The byte bound a volume made with ``max_bytes`` gets (0: unbounded)."""
+        return self.registry.default_quota.max_bytes if max_bytes is None else max_bytes
+
+    def _check_volume_bytes(self, team: str, limit: int, max_bytes: int | None) -> None:
+        """The ApiError when a volume of ``max_bytes`` would take ``team``'s volumes' bounds
+        past ``limit``. A volume without a byte bound could hold anything: none is made
+        under a byte quota, and one made before the quota leaves no room."""
+        asked = self.bound_of(max_bytes)
+        if asked == 0:
+            raise ApiError(400, "your team has a volumeBytes quota, so its volumes need a byte bound: send maxBytes "
+                                "> 0 (this node's default, [volumes] max_bytes, is unbounded)")
+        held = 0
+        for rec in self.registry.list():
+            if self.owner(rec.volume_id) != team:
+                continue
+            bound = self.registry.quota(rec).max_bytes
+            if bound == 0:
+                raise ApiError(507, f"your team's volume {rec.name!r} has no byte bound (made before the "
+                                    f"volumeBytes quota): it leaves no room under the quota; delete it first",
+                               retry=False)
+            held += bound
+        if held + asked > limit:
+            raise over_volume_bytes(limit, held, asked)
 
     def _record(self, request: web.Request, volume_id: str) -> VolumeRecord:
         """The caller's team's volume; another team's is not found, as an unknown id."""
@@ -135,7 +179,8 @@ class VolumeApi:
         return rec
 
     async def get(self, request: web.Request, call: Call) -> web.Response:
-        return json_response(_volume(self._record(request, call.path["volumeID"]), self.domain))
+        rec = self._record(request, call.path["volumeID"])
+        return json_response(_volume(rec, self.domain, self.registry.quota(rec)))
 
     async def delete(self, request: web.Request, call: Call) -> web.Response:
         rec = self._record(request, call.path["volumeID"])
@@ -276,7 +321,8 @@ class VolumeApi:
             Route("GET", "/volumes", self.list_volumes, "list the node's volumes", (Reply(200, "the volumes", None),),
                   tags=t),
             Route("POST", "/volumes", self.create, "create a volume",
-                  (Reply(201, "the volume and its token", None), Reply(400, "bad or taken name", "Error")),
+                  (Reply(201, "the volume and its token", None), Reply(400, "bad or taken name", "Error"),
+                   Reply(507, "its bound does not fit the team's volumeBytes quota", "Error")),
                   body=NEW_VOLUME, body_required=True, tags=t),
             Route("GET", "/volumes/{volumeID}", self.get, "a volume and its token",
                   (Reply(200, "the volume", None), Reply(400, "not a volume ID", "Error"), gone), tags=t),

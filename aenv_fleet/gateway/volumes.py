@@ -3,9 +3,12 @@
 A volume is a directory tree of the node that made it (docs/volumes.md): in a fleet it
 stays there, and the gateway keeps where it is. A volume made through the gateway is
 placed on the live, undrained node with the most free disk; the gateway records
-``aenv:vol:<volumeID>`` (its node, name and team) and ``aenv:volname:<name>`` (its id:
-names are unique in the fleet, as on one node, claimed before the node makes it, so two
-gateways cannot make the same name twice). Then:
+``aenv:vol:<volumeID>`` (its node, name, team and byte bound) and ``aenv:volname:<name>``
+(its id: names are unique in the fleet, as on one node, claimed before the node makes
+it, so two gateways cannot make the same name twice). A team's volumeBytes quota holds
+across the fleet: the node checks its own share, and the record is made in one Redis
+step with the check of the team's volumes' bounds everywhere (scripts.py VOLUME_ADD); a
+volume that no longer fits (another gateway's took the room) is deleted again, 507. Then:
 
 * ``GET/DELETE /volumes/{id}`` go to its node (which checks the team: another team's is
   404 there); ``GET /volumes`` asks every live node and joins their lists;
@@ -52,6 +55,16 @@ def _relay(a: Answer) -> web.Response:
         if k.lower() not in ("content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")})
 
 
+def _over_volume_bytes(limit: int, held: int, asked: int) -> str:
+    """A node's words for the quota (aenv_api/server/quotas.py ``over_volume_bytes``)."""
+    if held < 0:
+        return (f"your team's volumes include one with no byte bound: it leaves no room under the team's "
+                f"volumeBytes quota ({limit} bytes); delete it first")
+    return (f"Your team's volumes may hold {limit} bytes (volumeBytes quota); its volumes' bounds already sum to "
+            f"{held} bytes, so a volume of {asked} more bytes is refused: delete a volume, make a smaller one "
+            f"(maxBytes) or ask the deployment's admin for a larger quota")
+
+
 class FleetVolumes:
     """Where each volume of the fleet is, and the routes that need it (module doc)."""
 
@@ -96,20 +109,26 @@ class FleetVolumes:
             raise CoordError(f"redis: {e}") from None
         if not claimed:
             return _error(400, f"Volume with name {name!r} already exists")
-        made = None
+        recorded = False
         try:
             node = candidates[0]
-            a = await self.nodes.call("POST", node.url + request.rel_url.raw_path_qs, body, forwarded_headers(request))
-            if a.status == 201:
-                made = json.loads(a.body)
-                vid = str(made["volumeID"])
-                await self._redis.hset(vol_key(vid), mapping={"node": node.node_id, "name": name, "team": team})
-                await self._redis.set(name_key(name), vid)
+            headers = forwarded_headers(request)
+            a = await self.nodes.call("POST", node.url + request.rel_url.raw_path_qs, body, headers)
+            if a.status != 201:
+                return _relay(a)
+            made = json.loads(a.body)
+            vid, bound = str(made["volumeID"]), int(made.get("maxBytes", 0))
+            room = await self.fleet.coord.add_volume(team, vid, node.node_id, name, bound)
+            if not room.recorded:
+                # another gateway's volume of the team took the room meanwhile: this one goes
+                await self.nodes.call("DELETE", node.url + f"/volumes/{vid}", None, headers)
+                return _error(507, _over_volume_bytes(room.limit, room.held, bound))
+            recorded = True
             return _relay(a)
         except (RedisError, OSError) as e:
             raise CoordError(f"redis: {e}") from None
         finally:
-            if made is None:
+            if not recorded:
                 await self._redis.delete(name_key(name))
 
     async def list(self, request: web.Request) -> web.Response:
@@ -133,13 +152,7 @@ class FleetVolumes:
         a = await self.nodes.call(request.method, self.fleet.url(node) + request.rel_url.raw_path_qs, None,
                                   forwarded_headers(request))
         if request.method == "DELETE" and a.status == 204:
-            try:
-                name = await self._redis.hget(vol_key(volume_id), "name")
-                await self._redis.delete(vol_key(volume_id))
-                if name:
-                    await self._redis.delete(name_key(name))
-            except (RedisError, OSError) as e:
-                raise CoordError(f"redis: {e}") from None
+            await self.fleet.coord.drop_volume(volume_id)
         return _relay(a)
 
     # --- the volume token's routes --------------------------------------------------------

@@ -69,10 +69,12 @@ def test_team_quotas_through_the_cli(node: InProcessServer) -> None:
     shown = run(node, "team", "quota", team, "--running", "3", "--creates-per-second", "2.5").stdout.decode()
     assert shown.strip() == "running=3 creates/s=2.5"
     # a flag changes its value only: the others are kept
-    got = json.loads(run(node, "team", "quota", team, "--builds", "1", "--running", "unlimited", "-o", "json").stdout)
-    assert got == {"runningSandboxes": None, "pausedSandboxes": None, "createsPerSecond": 2.5, "concurrentBuilds": 1}
+    got = json.loads(run(node, "team", "quota", team, "--builds", "1", "--running", "unlimited",
+                         "--volume-bytes", "1073741824", "-o", "json").stdout)
+    assert got == {"runningSandboxes": None, "pausedSandboxes": None, "createsPerSecond": 2.5, "concurrentBuilds": 1,
+                   "volumeBytes": 1 << 30}
     row = next(line for line in run(node, "team", "ls").stdout.decode().splitlines() if line.startswith(team))
-    assert row.endswith("creates/s=2.5 builds=1")
+    assert row.endswith("creates/s=2.5 builds=1 volume-bytes=1073741824")
     # what the server refuses, and what is no number: one line, exit 1 / 2 (argparse's)
     bad = run(node, "team", "quota", team, "--paused", "-1", ok=False)
     assert bad.returncode == 1 and "400" in bad.stderr.decode() and b"Traceback" not in bad.stderr

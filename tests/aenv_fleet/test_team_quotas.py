@@ -232,3 +232,37 @@ def test_the_gateway_holds_a_resume_to_the_teams_running_quota() -> None:
     fleet.coord.team_reserve = real          # type: ignore[method-assign]
     assert status(run(m.connect(connect_request("sbx-1"), "sbx-1", b"{}"))) == 201
     assert fleet.coord.settled == [(DEFAULT_TEAM, "sbx-1")]
+
+
+def test_two_gateways_recording_volumes_at_once_never_exceed_a_teams_volume_bytes(fresh: RedisServer) -> None:
+    """A team's volumeBytes quota across the fleet (scripts.py VOLUME_ADD): volumes made on
+    any node, recorded by two gateways at once, never sum past it; a volume without a byte
+    bound never fits under it; dropping one makes room; a team without the quota is not
+    held."""
+    mib = 1 << 20
+
+    async def main() -> None:
+        gw1, gw2 = Coordinator(fresh.url, FLEET_KEYS), Coordinator(fresh.url, FLEET_KEYS)
+        await gw1.set_team_quota("a", {"volumeBytes": 10 * mib})
+        rooms = await asyncio.gather(*[(gw1 if i % 2 else gw2).add_volume("a", f"v{i}", f"n{i % 3}", f"vol-{i}",
+                                                                          3 * mib) for i in range(12)])
+        recorded = [i for i, r in enumerate(rooms) if r.recorded]
+        assert len(recorded) == 3, rooms
+        refused = [r for r in rooms if not r.recorded]
+        assert all(r.limit == 10 * mib and r.held == 9 * mib for r in refused), refused
+        assert fresh.client().smembers("aenv:team:a:vols") == {f"v{i}" for i in recorded}
+        assert fresh.client().get(f"aenv:volname:vol-{recorded[0]}") == f"v{recorded[0]}"
+        assert not (await gw1.add_volume("a", "v-unbounded", "n1", "unbounded", 0)).recorded
+        assert (await gw1.add_volume("a", "v-one", "n1", "one", mib)).recorded       # 10 MiB exactly
+        assert not (await gw2.add_volume("a", "v-byte", "n1", "byte", 1)).recorded
+        assert await gw2.drop_volume(f"v{recorded[0]}") and not await gw2.drop_volume(f"v{recorded[0]}")
+        assert fresh.client().get(f"aenv:volname:vol-{recorded[0]}") is None
+        assert (await gw1.add_volume("a", "v-again", "n2", "again", 3 * mib)).recorded
+        # without the quota: anything, unbounded too; the quota cleared: team a is free again
+        assert (await gw1.add_volume("b", "vb", "n1", "b-big", 1 << 50)).recorded
+        assert (await gw1.add_volume("b", "vb0", "n1", "b-none", 0)).recorded
+        await gw1.set_team_quota("a", {"volumeBytes": None})
+        assert (await gw2.add_volume("a", "v-free", "n1", "free", 1 << 40)).recorded
+        await gw1.close()
+        await gw2.close()
+    run(main())

@@ -56,16 +56,18 @@ def test_the_admin_sets_reads_and_clears_a_quota(node: InProcessServer) -> None:
     tid, key = new_team(node, "settings")
     path = f"/admin/teams/{tid}/quota"
     assert admin(node, "GET", path) == (200, {"runningSandboxes": None, "pausedSandboxes": None,
-                                              "createsPerSecond": None, "concurrentBuilds": None})
-    status, got = admin(node, "PUT", path, {"runningSandboxes": 3, "createsPerSecond": 2.5, "concurrentBuilds": 0})
+                                              "createsPerSecond": None, "concurrentBuilds": None,
+                                              "volumeBytes": None})
+    status, got = admin(node, "PUT", path, {"runningSandboxes": 3, "createsPerSecond": 2.5, "concurrentBuilds": 0,
+                                            "volumeBytes": 1 << 30})
     assert status == 200 and got == {"runningSandboxes": 3, "pausedSandboxes": None, "createsPerSecond": 2.5,
-                                      "concurrentBuilds": 0}
+                                      "concurrentBuilds": 0, "volumeBytes": 1 << 30}
     assert admin(node, "GET", path)[1] == got
     status, teams = admin(node, "GET", "/admin/teams")
     assert next(t for t in teams if t["teamID"] == tid)["quota"] == got
-    # refused, and nothing changed: byte quotas aenv does not measure, bad values, unknown fields
-    for bad, word in [({"volumeBytes": 1 << 30}, "volumeBytes is not supported"),
-                      ({"snapshotBytes": 1}, "snapshotBytes is not supported"),
+    # refused, and nothing changed: the byte quota aenv does not measure, bad values, unknown fields
+    for bad, word in [({"snapshotBytes": 1}, "snapshotBytes is not supported"),
+                      ({"volumeBytes": -1}, "volumeBytes"), ({"volumeBytes": 1 << 61}, "volumeBytes"),
                       ({"runningSandboxes": -1}, "runningSandboxes"), ({"createsPerSecond": 0}, "createsPerSecond"),
                       ({"createsPerSecond": "fast"}, "createsPerSecond"), ({"running": 1}, "not a known field")]:
         status, err = admin(node, "PUT", path, bad)
@@ -75,6 +77,44 @@ def test_the_admin_sets_reads_and_clears_a_quota(node: InProcessServer) -> None:
     # a team's key is no admin credential
     assert node.request("PUT", path, {"runningSandboxes": 100}, key=key)[0] == 401
     assert admin(node, "PUT", path, {"volumeBytes": None})[1]["runningSandboxes"] is None   # all unlimited again
+
+
+def test_a_teams_volumes_bounds_are_held_to_its_volume_bytes_quota(node: InProcessServer) -> None:
+    """volumeBytes bounds the sum of the team's volumes' maxBytes: a volume past it is
+    refused (507, nothing made), one without a byte bound too (400: this node's default is
+    unbounded); deleting one makes room; concurrent creates never pass it; another team
+    and the default team are not held."""
+    mib = 1 << 20
+    _, key_a = new_team(node, "vols", volumeBytes=10 * mib)
+    _, key_b = new_team(node, "vols-free")
+
+    def make(key: str, name: str, max_bytes: int | None) -> tuple[int, Any]:
+        body: dict[str, Any] = {"name": name}
+        if max_bytes is not None:
+            body["maxBytes"] = max_bytes
+        status, _, got = node.request("POST", "/volumes", body, key=key)
+        return status, got
+
+    def names(key: str) -> set[str]:
+        return {v["name"] for v in node.request("GET", "/volumes", key=key)[2]}
+
+    status, six = make(key_a, "qa-six", 6 * mib)
+    assert status == 201, six
+    status, err = make(key_a, "qa-five", 5 * mib)
+    assert status == 507 and "volumeBytes" in err["message"] and str(6 * mib) in err["message"], err
+    status, err = make(key_a, "qa-unbounded", None)
+    assert status == 400 and "maxBytes" in err["message"], err
+    assert make(key_a, "qa-four", 4 * mib)[0] == 201
+    assert make(key_a, "qa-one-more", 1)[0] == 507
+    assert names(key_a) == {"qa-six", "qa-four"}
+    assert make(key_b, "qb-big", 1 << 40)[0] == 201 and make(key_b, "qb-unbounded", None)[0] == 201
+    assert make(node.api_key, "q-default", 1 << 40)[0] == 201
+    assert node.request("DELETE", f"/volumes/{six['volumeID']}", key=key_a)[0] == 204
+    # 6 MiB free again; eight creates of 2 MiB at once: exactly three are made
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: make(key_a, f"qa-race-{i}", 2 * mib), range(8)))
+    assert sorted(s for s, _ in got) == [201] * 3 + [507] * 5, got
+    assert len(names(key_a)) == 4
 
 
 def test_a_team_at_its_running_quota_gets_429_while_another_creates(node: InProcessServer) -> None:

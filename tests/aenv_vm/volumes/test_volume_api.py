@@ -277,7 +277,7 @@ def test_bad_input_is_a_clear_4xx(vol_server: Server) -> None:
     status, _, body = srv.request("POST", "/volumes", {"name": "bad-input"})
     assert status == 201, body
     vid, token = body["volumeID"], body["token"]
-    assert set(body) == {"volumeID", "name", "token"}            # no domain unless configured
+    assert set(body) == {"volumeID", "name", "token", "maxBytes", "maxInodes"}   # no domain unless configured
     try:
         for bad_body in ({"name": "a b"}, {"name": ""}, {"name": 7}, {}, {"name": "x" * 300}, {"name": "../x"},
                          {"name": "q", "maxBytes": -1}, {"name": "q", "maxInodes": "many"},
