@@ -15,7 +15,7 @@ COLUMNS = ["teamID", "name", "isDefault", "createdAt", "quota"]
 # the flags of `aenv team quota`, the quota's wire field each sets, and what it shows as in the table
 QUOTA_FLAGS = (("running", "runningSandboxes", "running"), ("paused", "pausedSandboxes", "paused"),
                ("creates_per_second", "createsPerSecond", "creates/s"), ("builds", "concurrentBuilds", "builds"),
-               ("volume_bytes", "volumeBytes", "volume-bytes"))
+               ("volume_bytes", "volumeBytes", "volume-bytes"), ("snapshot_bytes", "snapshotBytes", "snapshot-bytes"))
 UNLIMITED = ("unlimited", "none")
 
 
@@ -48,6 +48,8 @@ def register(subparsers: Subcommands) -> None:
     q.add_argument("--builds", type=_limit(int), default=None, metavar="N", help="template builds at once")
     q.add_argument("--volume-bytes", type=_limit(int), default=None, metavar="B",
                    help="bytes the team's volumes may hold (the sum of their maxBytes)")
+    q.add_argument("--snapshot-bytes", type=_limit(int), default=None, metavar="B",
+                   help="bytes the team's named snapshots may take")
     q.set_defaults(handler=cmd_quota)
 
 

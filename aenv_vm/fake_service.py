@@ -381,7 +381,7 @@ class FakeSandboxService:
             self._check_name_free(name)
         sbx = self._check(sandbox_id, Op.SNAPSHOT)
         tpl = self._snapshot_of(sbx, (name,) if name else (), hidden=False, team=team)
-        return SnapshotInfo(tpl.template_id, tpl.names, sandbox_id, tpl.created, team)
+        return SnapshotInfo(tpl.template_id, tpl.names, sandbox_id, tpl.created, team, tpl.memory_mib << 20)
 
     def _snapshot_of(self, sbx: _Sandbox, names: tuple[str, ...], hidden: bool,
                      team: str | None = None) -> FakeTemplate:
@@ -392,7 +392,8 @@ class FakeSandboxService:
         return tpl
 
     async def list_snapshots(self) -> list[SnapshotInfo]:
-        return sorted((SnapshotInfo(t.template_id, t.names, t.snapshot_of, t.created, t.team)
+        # a snapshot takes its memory image's size here (a real one: snapshots.py ``own_bytes``)
+        return sorted((SnapshotInfo(t.template_id, t.names, t.snapshot_of, t.created, t.team, t.memory_mib << 20)
                        for t in self.templates.values()
                        if t.snapshot_of is not None and not t.hidden), key=lambda s: s.created)
 

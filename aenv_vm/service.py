@@ -83,6 +83,10 @@ class SnapshotInfo:
     # the API team its record names as its owner (None: recorded before snapshots carried
     # their team; the API then asks the node's own map)
     team: str | None = None
+    # what it takes on its own: its memory image as allocated (holes free) plus its disk's
+    # data above its template, before the repository's deduplication and compression
+    # (None: recorded before snapshots carried their size)
+    bytes: int | None = None
 
 
 @dataclass(frozen=True)

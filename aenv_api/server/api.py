@@ -32,6 +32,8 @@ from .templates_legacy import LegacyTemplateApi
 from .token_rotation import rotate
 from .secret_refs import check_references, references
 from .secret_store import SecretStore
+from .quotas import TeamQuota
+from .snapshot_quota import SnapshotQuota
 from .unsupported import not_supported, reject_unsupported
 from .views import SandboxView
 from .volumes_api import VolumeApi
@@ -65,6 +67,10 @@ class ControlPlane:
         self.creates = idempotency.IdempotentCreates()
         self._snapshot_owners = snapshot_owners
         self.secret_store: SecretStore | None = None     # set by the server (secret_refs.py checks against it)
+        # each team's snapshotBytes quota; the quotas are the lifecycle's gate's (set by the server)
+        self.snapshot_quota = SnapshotQuota(
+            lambda team: self.lc.quotas.quota_of(team) if self.lc.quotas is not None else TeamQuota(),
+            self.lc.snapshots, self.snapshot_team, self.lc.delete_snapshot)
 
     @property
     def snapshot_owners(self) -> OwnerMap:
@@ -204,7 +210,9 @@ class ControlPlane:
                                 "aenv's snapshots always keep memory; pause(mode=\"filesystem\") is supported")
         # its owner is written into its record, which every node sharing the repository reads
         # (not into this node's map: another node of a fleet would not know it)
-        snap = await self.lc.snapshot(call.path["sandboxID"], call.body.get("name"), principal_of(request).team_id)
+        team = principal_of(request).team_id
+        snap = await self.snapshot_quota.take(
+            team, lambda: self.lc.snapshot(call.path["sandboxID"], call.body.get("name"), team))
         return json_response(snap, 201)
 
     async def list_snapshots(self, request: web.Request, call: Call) -> web.Response:
@@ -369,7 +377,8 @@ class ControlPlane:
             Route("POST", "/sandboxes/{sandboxID}/pause", self.pause, "pause a sandbox",
                   (nc("paused"), gone, Reply(409, "already paused", "Error")), body=S.PAUSE, tags=sbx),
             Route("POST", "/sandboxes/{sandboxID}/snapshots", self.snapshot, "snapshot a running sandbox",
-                  (Reply(201, "the snapshot", "SnapshotInfo"), gone), body=S.SNAPSHOT, tags=sbx),
+                  (Reply(201, "the snapshot", "SnapshotInfo"), gone,
+                   Reply(507, "the team's snapshots hold its snapshotBytes quota", "Error")), body=S.SNAPSHOT, tags=sbx),
             Route("POST", "/snapshots/{snapshotID}/fork", self.fork_snapshot,
                   "count new sandboxes from a named snapshot, whether or not its sandbox still exists, "
                   "or from a paused sandbox's last pause (it stays paused)",

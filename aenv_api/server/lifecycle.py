@@ -579,24 +579,23 @@ class Lifecycle:
                              next_token: str | None, keep: Callable[[SnapshotInfo], bool] | None = None
                              ) -> tuple[list[dict[str, Any]], str | None]:
         """``keep``: only the snapshots it accepts (the caller's team's)."""
-        try:
-            snaps = await self.service.list_snapshots()
-        except VmError as e:
-            raise api_error(e, "listing snapshots") from None
-        items = [s for s in snaps
+        items = [s for s in await self.snapshots()
                  if (keep is None or keep(s))
                  and (sandbox_id is None or s.sandbox_id == sandbox_id)
                  and (name is None or name == s.snapshot_id or name in s.names)]
         out, token = page(items, lambda s: (float(s.created), s.snapshot_id), True, limit, next_token)
         return [{"snapshotID": s.snapshot_id, "names": list(s.names)} for s in out], token
 
-    async def named_snapshot(self, ref: str) -> SnapshotInfo | None:
-        """The named snapshot ``ref`` is the id or a name of, None if none is."""
+    async def snapshots(self) -> list[SnapshotInfo]:
+        """Every named snapshot the repository holds, oldest first."""
         try:
-            snaps = await self.service.list_snapshots()
+            return await self.service.list_snapshots()
         except VmError as e:
             raise api_error(e, "listing snapshots") from None
-        return next((s for s in snaps if ref == s.snapshot_id or ref in s.names), None)
+
+    async def named_snapshot(self, ref: str) -> SnapshotInfo | None:
+        """The named snapshot ``ref`` is the id or a name of, None if none is."""
+        return next((s for s in await self.snapshots() if ref == s.snapshot_id or ref in s.names), None)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         try:
@@ -617,11 +616,7 @@ class Lifecycle:
         of, so the batch does not need it; a paused sandbox stays paused and untouched, and
         its pause is named as a hidden snapshot for the batch (the service's
         ``pause_snapshot``) that lives on with the new sandboxes, whatever becomes of it."""
-        try:
-            snaps = await self.service.list_snapshots()
-        except VmError as e:
-            raise api_error(e, "listing snapshots") from None
-        found = [s for s in snaps if snapshot_id == s.snapshot_id or snapshot_id in s.names]
+        found = [s for s in await self.snapshots() if snapshot_id == s.snapshot_id or snapshot_id in s.names]
         if found:
             return await self._batch(found[0].snapshot_id, count, timeout, metadata, snapshot_id, team)
         try:

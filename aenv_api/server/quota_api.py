@@ -19,9 +19,6 @@ from .routes import Admin, Call, Reply, Route
 
 log = logging.getLogger(__name__)
 
-# the byte quota aenv does not measure yet: refused rather than accepted and ignored
-NOT_ENFORCED = ("snapshotBytes",)
-
 Publish = Callable[[str, TeamQuota], Awaitable[None]]
 
 
@@ -51,10 +48,6 @@ class QuotaApi:
     async def put(self, request: web.Request, call: Call) -> web.Response:
         tid = call.path["teamID"]
         b = call.body
-        for wire in NOT_ENFORCED:
-            if b.get(wire) is not None:
-                raise ApiError(400, f"{wire} is not supported by aenv: a team's stored bytes are not measured "
-                                    f"yet, so such a quota would not be enforced (send null or leave it out)")
         try:
             quota = TeamQuota.from_wire({w: b[w] for w in TeamQuota.WIRE.values() if b.get(w) is not None})
         except ValueError as e:

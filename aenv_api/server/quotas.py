@@ -3,8 +3,10 @@
 every sandbox start of the team to it (``QuotaGate``).
 
 The quotas: running sandboxes, paused sandboxes, creates per second (a token bucket of
-one second's worth), concurrent template builds, and the bytes the team's volumes may
-hold (the volumes' own bounds summed: held by the volume API, volumes_api.py). ``None``
+one second's worth), concurrent template builds, the bytes the team's volumes may
+hold (the volumes' own bounds summed: held by the volume API, volumes_api.py) and the
+bytes its named snapshots take (each one's own bytes summed: held by the snapshot route,
+snapshot_quota.py). ``None``
 is unlimited, the default, and a team with no quota set pays nothing: the gate returns
 before taking its lock.
 
@@ -45,11 +47,12 @@ class TeamQuota:
     creates_per_second: float | None = None
     builds: int | None = None
     volume_bytes: int | None = None
+    snapshot_bytes: int | None = None
 
     # wire (and teams.json) names, E2B-style camelCase
     WIRE: ClassVar[dict[str, str]] = {"running": "runningSandboxes", "paused": "pausedSandboxes",
             "creates_per_second": "createsPerSecond", "builds": "concurrentBuilds",
-            "volume_bytes": "volumeBytes"}
+            "volume_bytes": "volumeBytes", "snapshot_bytes": "snapshotBytes"}
 
     @property
     def unlimited(self) -> bool:
@@ -73,7 +76,7 @@ class TeamQuota:
                     raise ValueError(f"{w} must be a number in (0, {MAX_RATE:g}], got {v!r:.40}")
                 values[attr] = float(v)
             else:
-                bound = MAX_BYTES if attr == "volume_bytes" else MAX_COUNT
+                bound = MAX_BYTES if attr in ("volume_bytes", "snapshot_bytes") else MAX_COUNT
                 if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= bound:
                     raise ValueError(f"{w} must be an integer in [0, {bound}], got {v!r:.40}")
                 values[attr] = v

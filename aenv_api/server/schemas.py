@@ -523,7 +523,8 @@ TEAM_QUOTA = Schema("TeamQuota", (
           description="template builds of the team running at once (null: unlimited)"),
     Field("volumeBytes", "integer", minimum=0, maximum=1 << 60, nullable=True,
           description="bytes the team's volumes may hold: the sum of their maxBytes bounds (null: unlimited)"),
-    Field("snapshotBytes", "integer", minimum=0, nullable=True, description="not enforced by aenv: only null"),
+    Field("snapshotBytes", "integer", minimum=0, maximum=1 << 60, nullable=True,
+          description="bytes the team's named snapshots may take, each its own (null: unlimited)"),
 ), closed=True)
 TEAM_METRICS_MAX = Schema("TeamMetricsMaxQuery", (
     Field("start", "integer", minimum=0, maximum=2**62), Field("end", "integer", minimum=0, maximum=2**62),

@@ -645,9 +645,11 @@ class SandboxManager:
         self._locks.pop(sid, None)
 
     # ------------------------------------------------------------ snapshots / fork
-    async def snapshot(self, sid: str, name: str | None = None, team: str | None = None) -> tuple[str, list[str]]:
+    async def snapshot(self, sid: str, name: str | None = None,
+                       team: str | None = None) -> tuple[str, list[str], int | None]:
         """A named snapshot of a running sandbox, usable as a template, its record naming
-        ``team`` as its owner. The VM is stopped only for the capture and the disk seal."""
+        ``team`` as its owner: its id, names and bytes (snapshots.py ``own_bytes``). The VM
+        is stopped only for the capture and the disk seal."""
         if name is not None:
             self.snapshots.check_name_free(name)
         async with self.lock(sid):
@@ -660,7 +662,7 @@ class SandboxManager:
         except BaseException:
             shutil.rmtree(local.dir, ignore_errors=True)
             raise
-        return local.tid, ([name] if name else [])
+        return local.tid, ([name] if name else []), local.meta.snapshot_bytes
 
     async def fork(self, sid: str, count: int, timeout: float | None = None,
                    access_token: TokenMinter | None = None) -> list[Sandbox | Exception]:

@@ -113,8 +113,8 @@ class NodeSandboxService:
         return self._info(await self.manager.annotate(sandbox_id, annotations))
 
     async def snapshot(self, sandbox_id: str, name: str | None = None, team: str | None = None) -> SnapshotInfo:
-        tid, names = await self.manager.snapshot(sandbox_id, name, team)
-        return SnapshotInfo(tid, tuple(names), sandbox_id, time.time(), team)
+        tid, names, size = await self.manager.snapshot(sandbox_id, name, team)
+        return SnapshotInfo(tid, tuple(names), sandbox_id, time.time(), team, size)
 
     async def list_snapshots(self) -> list[SnapshotInfo]:
         return await self.manager.list_snapshots()

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import secrets
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from aenv_store.errors import StoreError
 from aenv_store.errors import StoreNotFound
 from aenv_store.formats.catalog import check_name
 from aenv_store.formats.ids import Digest
+from aenv_store.formats.manifest import Manifest
 
 from ..errors import BadRequest, Conflict, NotFound, VmError
 from ..memory.memory_image import consolidate, sync_file
@@ -99,6 +102,7 @@ class NamedSnapshots:
             t3 = time.monotonic()
             meta = snapshot_meta(tpl.meta, sbx.id, tpl.id, sbx.guest_token, rec, self.rt.node_id if hidden else None,
                                  team=None if hidden else team)
+            meta = dataclasses.replace(meta, snapshot_bytes=own_bytes(d / "memory", sbx.image.layers, tpl.disk))
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             raise
@@ -122,7 +126,8 @@ class NamedSnapshots:
         out = []
         for tpl, aliases in list_templates(self.rt.store):
             if tpl.meta.snapshot_of is not None and tpl.meta.hidden is None:
-                out.append(SnapshotInfo(tpl.id, tuple(aliases), tpl.meta.snapshot_of, tpl.created, tpl.meta.team))
+                out.append(SnapshotInfo(tpl.id, tuple(aliases), tpl.meta.snapshot_of, tpl.created, tpl.meta.team,
+                                        tpl.meta.snapshot_bytes))
         return sorted(out, key=lambda s: s.created)
 
     def delete(self, snapshot_id: str, users: list[str]) -> None:
@@ -166,6 +171,19 @@ class NamedSnapshots:
         with contextlib.suppress(StoreError, VmError):   # already gone, or the store is away (gc finds it)
             remove_template(self.rt.store, tid)
         self.rt.templates.forget(tid)
+
+
+def own_bytes(memory: Path, layers: Sequence[Manifest], template_disk: Digest) -> int:
+    """What a snapshot takes on its own: its full memory image as allocated (a hole costs
+    nothing) plus the data of its disk's layers above its template's (``template_disk``,
+    their parent), zero runs free; before the repository's deduplication and compression,
+    which can only make it smaller."""
+    disk = 0
+    for layer in reversed(layers):
+        if layer.id == template_disk:
+            break
+        disk += sum(e.length for e in layer.extents if e.chunk is not None)
+    return os.stat(memory).st_blocks * 512 + disk
 
 
 def snapshot_meta(parent: TemplateMeta, of: str, parent_template: str, token: str | None,

@@ -72,6 +72,9 @@ class TemplateMeta:
     # the API team that owns a named snapshot: on the record, so every node sharing the
     # repository knows it (None: a hidden snapshot, or one recorded before teams travelled)
     team: str | None = None
+    # what the snapshot takes on its own (sandboxes/snapshots.py ``own_bytes``; a team's
+    # snapshotBytes quota sums them): None before snapshots carried it
+    snapshot_bytes: int | None = None
     # -- keys this version does not know, kept as they are (sorted) ---------------------
     extra: tuple[tuple[str, str], ...] = ()
 
@@ -153,7 +156,7 @@ _REQUIRED = frozenset(("memory_mib", "vcpus", "accel", "guest_key", "kernel_cmdl
 # what its parser made (Any: the value types differ per key)
 _PARSE: dict[str, Callable[[str], object]] = {
     "memory_mib": int, "vcpus": int, "disk_mib": int, "base_layer": Digest.from_hex, "metadata": _pairs,
-    "volume_paths": _paths}
+    "volume_paths": _paths, "snapshot_bytes": int}
 _FORMAT: dict[str, Callable[[Any], str]] = {
     "base_layer": lambda d: d.hex(), "metadata": lambda pairs: json.dumps(dict(pairs), sort_keys=True),
     "volume_paths": lambda paths: json.dumps(list(paths))}

@@ -72,7 +72,7 @@ def test_team_quotas_through_the_cli(node: InProcessServer) -> None:
     got = json.loads(run(node, "team", "quota", team, "--builds", "1", "--running", "unlimited",
                          "--volume-bytes", "1073741824", "-o", "json").stdout)
     assert got == {"runningSandboxes": None, "pausedSandboxes": None, "createsPerSecond": 2.5, "concurrentBuilds": 1,
-                   "volumeBytes": 1 << 30}
+                   "volumeBytes": 1 << 30, "snapshotBytes": None}
     row = next(line for line in run(node, "team", "ls").stdout.decode().splitlines() if line.startswith(team))
     assert row.endswith("creates/s=2.5 builds=1 volume-bytes=1073741824")
     # what the server refuses, and what is no number: one line, exit 1 / 2 (argparse's)

@@ -77,21 +77,20 @@ def test_the_admin_runs_a_team_from_the_page(session: Session, node: InProcessSe
     assert any(t["teamID"] == tid and t["name"] == "dash-admin" for t in admin(node, "GET", "/admin/teams")[1])
     page.wait_for_selector("#team-title:text('dash-admin')")
     # its quota; a byte quota is the API's 400, shown as its message
-    page.fill("#quota-snapshotBytes", "1000000")
+    page.fill("#quota-createsPerSecond", "0")
     page.click("#quota-save")
     page.wait_for_selector("#quota-error:not(:empty)")
-    status, refused = admin(node, "PUT", f"/admin/teams/{tid}/quota", {"snapshotBytes": 1000000})
+    status, refused = admin(node, "PUT", f"/admin/teams/{tid}/quota", {"createsPerSecond": 0})
     assert status == 400 and page.inner_text("#quota-error") == refused["message"]
-    page.fill("#quota-snapshotBytes", "")
     for field, value in (("runningSandboxes", "2"), ("pausedSandboxes", "1"), ("createsPerSecond", "50"),
-                         ("concurrentBuilds", "1"), ("volumeBytes", "1000000")):
+                         ("concurrentBuilds", "1"), ("volumeBytes", "1000000"), ("snapshotBytes", "2000000")):
         page.fill(f"#quota-{field}", value)
     page.click("#quota-save")
     page.wait_for_selector("#toast.show:text('quota saved')")
     assert page.inner_text("#quota-error") == ""
     assert admin(node, "GET", f"/admin/teams/{tid}/quota")[1] == {
         "runningSandboxes": 2, "pausedSandboxes": 1, "createsPerSecond": 50.0, "concurrentBuilds": 1,
-        "volumeBytes": 1000000}
+        "volumeBytes": 1000000, "snapshotBytes": 2000000}
     # a key, shown once; the real SDK creates with it until the quota answers 429
     page.fill("#key-name", "sdk")
     page.click("#key-create")

@@ -20,7 +20,7 @@ const QUOTA_FIELDS = [
   ["createsPerSecond", "creates per second", { min: 0, step: "any" }],
   ["concurrentBuilds", "concurrent builds", { min: 0, step: 1 }],
   ["volumeBytes", "volume bytes (sum of maxBytes)", { min: 0, step: 1 }],
-  ["snapshotBytes", "snapshot bytes (not enforced: refused)", { min: 0, step: 1 }],
+  ["snapshotBytes", "snapshot bytes", { min: 0, step: 1 }],
 ];
 
 async function usage(teamID) {

@@ -149,7 +149,7 @@ def test_paused_quota_and_builds_quota() -> None:
 
 quotas = st.builds(TeamQuota, running=st.none() | st.integers(0, 10**6), paused=st.none() | st.integers(0, 10**6),
                    creates_per_second=st.none() | st.floats(0.001, 10_000), builds=st.none() | st.integers(0, 10**6),
-                   volume_bytes=st.none() | st.integers(0, 1 << 60))
+                   volume_bytes=st.none() | st.integers(0, 1 << 60), snapshot_bytes=st.none() | st.integers(0, 1 << 60))
 
 
 @given(quotas)
@@ -160,7 +160,7 @@ def test_quota_records_round_trip(q: TeamQuota) -> None:
 
 
 @pytest.mark.parametrize("bad", [{"runningSandboxes": -1}, {"runningSandboxes": 1.5}, {"runningSandboxes": True},
-                                 {"createsPerSecond": 0}, {"createsPerSecond": "5"}, {"snapshotBytes": 1}, [],
+                                 {"createsPerSecond": 0}, {"createsPerSecond": "5"}, {"snapshotBytes": -1}, [],
                                  {"volumeBytes": -1}, {"volumeBytes": (1 << 60) + 1}, {"volumeBytes": 2.0},
                                  {"concurrentBuilds": 10**7}])
 def test_a_quota_record_that_is_not_one_is_refused(bad: object) -> None:

@@ -57,16 +57,16 @@ def test_the_admin_sets_reads_and_clears_a_quota(node: InProcessServer) -> None:
     path = f"/admin/teams/{tid}/quota"
     assert admin(node, "GET", path) == (200, {"runningSandboxes": None, "pausedSandboxes": None,
                                               "createsPerSecond": None, "concurrentBuilds": None,
-                                              "volumeBytes": None})
+                                              "volumeBytes": None, "snapshotBytes": None})
     status, got = admin(node, "PUT", path, {"runningSandboxes": 3, "createsPerSecond": 2.5, "concurrentBuilds": 0,
-                                            "volumeBytes": 1 << 30})
+                                            "volumeBytes": 1 << 30, "snapshotBytes": 1 << 40})
     assert status == 200 and got == {"runningSandboxes": 3, "pausedSandboxes": None, "createsPerSecond": 2.5,
-                                      "concurrentBuilds": 0, "volumeBytes": 1 << 30}
+                                      "concurrentBuilds": 0, "volumeBytes": 1 << 30, "snapshotBytes": 1 << 40}
     assert admin(node, "GET", path)[1] == got
     status, teams = admin(node, "GET", "/admin/teams")
     assert next(t for t in teams if t["teamID"] == tid)["quota"] == got
-    # refused, and nothing changed: the byte quota aenv does not measure, bad values, unknown fields
-    for bad, word in [({"snapshotBytes": 1}, "snapshotBytes is not supported"),
+    # refused, and nothing changed: bad values, unknown fields
+    for bad, word in [({"snapshotBytes": -1}, "snapshotBytes"), ({"snapshotBytes": 0.5}, "snapshotBytes"),
                       ({"volumeBytes": -1}, "volumeBytes"), ({"volumeBytes": 1 << 61}, "volumeBytes"),
                       ({"runningSandboxes": -1}, "runningSandboxes"), ({"createsPerSecond": 0}, "createsPerSecond"),
                       ({"createsPerSecond": "fast"}, "createsPerSecond"), ({"running": 1}, "not a known field")]:
@@ -115,6 +115,37 @@ def test_a_teams_volumes_bounds_are_held_to_its_volume_bytes_quota(node: InProce
         got = list(pool.map(lambda i: make(key_a, f"qa-race-{i}", 2 * mib), range(8)))
     assert sorted(s for s, _ in got) == [201] * 3 + [507] * 5, got
     assert len(names(key_a)) == 4
+
+
+def test_a_teams_snapshots_are_held_to_its_snapshot_bytes_quota(node: InProcessServer) -> None:
+    """snapshotBytes bounds the sum of the team's named snapshots' own bytes (the fake's:
+    its memory, 512 MiB each): one that does not fit is deleted again (507, not listed);
+    at the quota none is taken; deleting one makes room; another team is not held."""
+    mib = 1 << 20
+    tid, key_a = new_team(node, "snaps", snapshotBytes=1200 * mib)
+    _, key_b = new_team(node, "snaps-free")
+
+    def snapshot(key: str, sid: str) -> tuple[int, Any]:
+        status, _, got = node.request("POST", f"/sandboxes/{sid}/snapshots", {}, key=key)
+        return status, got
+
+    def listed(key: str) -> list[str]:
+        return [s["snapshotID"] for s in node.request("GET", "/snapshots", key=key)[2]]
+
+    sid = create(node, key_a)[2]["sandboxID"]
+    made = [snapshot(key_a, sid) for _ in range(2)]
+    assert [s for s, _ in made] == [201, 201], made
+    status, err = snapshot(key_a, sid)          # 1 GiB held, < 1200 MiB: taken, does not fit, deleted
+    assert status == 507 and "deleted again" in err["message"] and str(1024 * mib) in err["message"], err
+    assert sorted(listed(key_a)) == sorted(m["snapshotID"] for _, m in made)
+    assert admin(node, "PUT", f"/admin/teams/{tid}/quota", {"snapshotBytes": 1024 * mib})[0] == 200
+    status, err = snapshot(key_a, sid)          # at the quota: refused before it is taken
+    assert status == 507 and "deleted again" not in err["message"], err
+    other = create(node, key_b)[2]["sandboxID"]
+    assert all(snapshot(key_b, other)[0] == 201 for _ in range(3))
+    assert node.request("DELETE", f"/templates/{made[0][1]['snapshotID']}", key=key_a)[0] == 204
+    assert snapshot(key_a, sid)[0] == 201
+    assert len(listed(key_a)) == 2
 
 
 def test_a_team_at_its_running_quota_gets_429_while_another_creates(node: InProcessServer) -> None:

@@ -24,10 +24,12 @@ def test_snapshot_then_create_and_fork(env: Env, tmp_path: Path) -> None:
             _, digest, pid = await start_worker(parent, T)
             await ash(parent, "echo before > /home/user/shared", T)
 
-            snap_id, names = await mgr.snapshot(parent.id, "snap-a")
+            snap_id, names, size = await mgr.snapshot(parent.id, "snap-a")
             assert names == ["snap-a"] and snap_id.startswith("tpl-")
-            assert [(s.snapshot_id, s.names, s.sandbox_id) for s in await mgr.list_snapshots()] == \
-                [(snap_id, ("snap-a",), parent.id)]
+            assert [(s.snapshot_id, s.names, s.sandbox_id, s.bytes) for s in await mgr.list_snapshots()] == \
+                [(snap_id, ("snap-a",), parent.id, size)]
+            # its own bytes: a memory image that holds a booted guest, not the whole disk
+            assert size is not None and 16 << 20 < size < 2 << 30
             with pytest.raises(Conflict, match="already exists"):
                 await mgr.snapshot(parent.id, "snap-a")
             with pytest.raises(BadRequest, match="snapshot name"):   # refused before the VM is touched

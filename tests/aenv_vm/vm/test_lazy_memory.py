@@ -72,7 +72,7 @@ def made(guest: GuestImage, tmp_path_factory: pytest.TempPathFactory, base_seed:
                     "head -c 48M /dev/urandom > /dev/shm/blob && "
                     f"(setsid bash -c 'v={SECRET}; while :; do echo $v-$$ > /dev/shm/beat; sleep 0.1; done' "
                     ">/dev/null 2>&1 < /dev/null &) && sleep 0.3 && sha256sum /dev/shm/blob"))
-                sid, _ = await mgr.snapshot(sbx.id, "lazy-src")
+                sid, _, _ = await mgr.snapshot(sbx.id, "lazy-src")
                 await mgr.kill(sbx.id)
                 return find_template(store, sid), out.split()[0]
         snap, sha = asyncio.run(make())
