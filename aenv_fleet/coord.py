@@ -40,7 +40,8 @@ class VolumeRoom:
 class TeamQuotaExceeded(Exception):
     """A team's quota leaves no room for a start (scripts.py ``team_room``): ``kind`` is
     "running" (``limit`` sandboxes run already) or "rate" (``limit`` creates a second; the
-    next token in ``wait`` seconds)."""
+    next token in ``wait`` seconds); or for a pause (``TEAM_PAUSE``): "paused" (``limit``
+    sandboxes are paused already)."""
 
     def __init__(self, kind: str, limit: float, wait: float = 0.0) -> None:
         super().__init__(f"team quota: {kind} {limit:g}")
@@ -183,7 +184,8 @@ class Coordinator:
         self._scripts = {name: self.redis.register_script(getattr(scripts, name))
                          for name in ("HEARTBEAT", "STOP", "EXPIRE", "PLACE", "UNRESERVE", "BIND", "UNBIND",
                                       "RELEASE", "LOST", "DRAIN", "TEAM_RESERVE", "TEAM_SETTLE",
-                                      "TEAM_UNRESERVE", "VOLUME_ADD", "VOLUME_DROP")}
+                                      "TEAM_UNRESERVE", "TEAM_PAUSE", "TEAM_PAUSED", "VOLUME_ADD",
+                                      "VOLUME_DROP")}
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -364,6 +366,25 @@ class Coordinator:
     async def team_unreserve(self, team: str, rid: str, n: int = 1) -> None:
         """Drop the starts reserved under ``rid`` that were not settled (settled ones are gone already)."""
         await self._run("TEAM_UNRESERVE", team, rid, n)
+
+    async def team_pause(self, team: str, ttl: float = 300.0) -> str:
+        """Reserve a pause of ``team``'s (scripts.py TEAM_PAUSE): the reservation's id, to
+        give ``team_paused`` once the pause was answered. TeamQuotaExceeded ("paused")
+        when the team's paused sandboxes and pauses in flight are at its quota."""
+        rid = secrets.token_hex(8)
+        got = await self._run("TEAM_PAUSE", team, rid, now_ms(), int(ttl * 1000))
+        if int(got[0]) != 1:
+            raise TeamQuotaExceeded("paused", float(got[1]))
+        return rid
+
+    async def team_paused(self, team: str, rid: str) -> None:
+        await self._run("TEAM_PAUSED", team, rid)
+
+    async def team_paused_ids(self, team: str) -> set[str]:
+        try:
+            return set(await cast(Awaitable[set[str]], self.redis.smembers(keys.team_paused(team))))
+        except (RedisError, OSError) as e:
+            raise CoordError(f"redis {self.url}: {e}") from None
 
     async def team_running(self, team: str) -> set[str]:
         try:

@@ -63,6 +63,16 @@ def team_running(team: str) -> str:
     return f"{PREFIX}team:{team}:run"
 
 
+def team_paused(team: str) -> str:
+    """SET: ids of the team's sandboxes paused in the fleet (on a node or released)."""
+    return f"{PREFIX}team:{team}:paused"
+
+
+def team_pause_reservations(team: str) -> str:
+    """ZSET: the team's pauses in flight through a gateway (reservation id -> expiry, unix ms)."""
+    return f"{PREFIX}team:{team}:presv"
+
+
 def team_reservations(team: str) -> str:
     """ZSET: the team's starts in flight (reservation member -> expiry, unix ms)."""
     return f"{PREFIX}team:{team}:resv"

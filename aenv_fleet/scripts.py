@@ -18,13 +18,16 @@ between. A node leaves ``aenv:free`` when drained, stopped or found expired.
 
 Team quotas (docs/cluster.md "Team quotas"): a team's quota is the hash
 ``aenv:quota:<team>`` (what the admin set on a node); its running sandboxes the set
-``aenv:team:<team>:run``, its starts in flight ``aenv:team:<team>:resv`` (like a node's
-reservations, with an expiry), its creates-per-second bucket ``aenv:team:<team>:bucket``.
+``aenv:team:<team>:run``, its paused ones ``aenv:team:<team>:paused`` (pauses in
+flight ``aenv:team:<team>:presv``: ``TEAM_PAUSE``), its starts in flight
+``aenv:team:<team>:resv`` (like a node's reservations, with an expiry), its
+creates-per-second bucket ``aenv:team:<team>:bucket``.
 ``PLACE`` checks and reserves a create's team start in the same step as its node slot;
 ``TEAM_SETTLE`` turns the reservation into the sandbox (``aenv:sbxteam`` maps it to its
-team), and from then on ``BIND`` keeps it in the running set while it runs, ``UNBIND``,
-``RELEASE`` and ``LOST`` take it out: a pause, a kill, an expiry free the team's place as
-they free (or not) a node's slot.
+team), and from then on ``BIND`` keeps it in the running set while it runs (and in the
+paused set while paused), ``UNBIND``, ``RELEASE`` and ``LOST`` take it out (``RELEASE``
+keeps it paused): a pause, a kill, an expiry free the team's place as they free (or not)
+a node's slot.
 """
 from __future__ import annotations
 
@@ -42,12 +45,16 @@ local function drop_from_node(sid, node)
     free_add(node, 1)
   end
 end
--- team quotas: a sandbox counted for a team (aenv:sbxteam) is in its running set while it runs
-local function team_track(sid, running)
+-- team quotas: a sandbox counted for a team (aenv:sbxteam) is in its running set while it
+-- runs, in its paused set while it is paused (on a node or released to the repository)
+local function team_track(sid, state)
   local t = redis.call('HGET', P .. 'sbxteam', sid)
   if t then
-    if running then redis.call('SADD', P .. 'team:' .. t .. ':run', sid)
-    else redis.call('SREM', P .. 'team:' .. t .. ':run', sid) end
+    local tk = P .. 'team:' .. t
+    if state == 'running' then redis.call('SADD', tk .. ':run', sid)
+    else redis.call('SREM', tk .. ':run', sid) end
+    if state == 'paused' then redis.call('SADD', tk .. ':paused', sid)
+    else redis.call('SREM', tk .. ':paused', sid) end
   end
   return t
 end
@@ -215,9 +222,32 @@ TEAM_SETTLE = _LIB + """
 local t, sid = ARGV[1], ARGV[3]
 redis.call('ZREM', P .. 'team:' .. t .. ':resv', ARGV[2])
 redis.call('HSET', P .. 'sbxteam', sid, t)
-if redis.call('HGET', P .. 'sbx:' .. sid, 'state') == 'running' then
-  redis.call('SADD', P .. 'team:' .. t .. ':run', sid)
+team_track(sid, redis.call('HGET', P .. 'sbx:' .. sid, 'state') or 'gone')
+return 1
+"""
+
+# A pause of a team's sandbox through a gateway, held to the team's pausedSandboxes quota
+# across the fleet: its paused set plus its pauses in flight (aenv:team:<team>:presv, like
+# the starts' reservations) must leave room; the pause is reserved in the same step. Once
+# the node answered (its agent has bound the sandbox paused by then) the gateway drops the
+# reservation (TEAM_PAUSED).
+# ARGV: team, reservation id, now_ms, ttl_ms -> {1} reserved | {0, limit} refused
+TEAM_PAUSE = _LIB + """
+local t, rid, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local limit = tonumber(redis.call('HGET', P .. 'quota:' .. t, 'pausedSandboxes') or '')
+if not limit then return {1} end
+local rk = P .. 'team:' .. t .. ':presv'
+redis.call('ZREMRANGEBYSCORE', rk, '-inf', now)
+if redis.call('SCARD', P .. 'team:' .. t .. ':paused') + redis.call('ZCARD', rk) >= limit then
+  return {0, limit}
 end
+redis.call('ZADD', rk, now + tonumber(ARGV[4]), rid)
+return {1}
+"""
+
+# ARGV: team, reservation id  (the pause it was for has been answered, either way)
+TEAM_PAUSED = _LIB + """
+redis.call('ZREM', P .. 'team:' .. ARGV[1] .. ':presv', ARGV[2])
 return 1
 """
 
@@ -244,7 +274,7 @@ local prev = redis.call('HGET', sk, 'state')
 redis.call('HSET', sk, 'node', node, 'state', ARGV[3], 'info', ARGV[4], 'updated', ARGV[5], 'note', ARGV[7])
 if ARGV[6] ~= '' then redis.call('HSET', sk, 'paused_at', ARGV[6]) end
 if redis.call('SADD', P .. 'node:' .. node .. ':sbx', sid) == 1 then free_add(node, -1) end
-team_track(sid, ARGV[3] == 'running')
+team_track(sid, ARGV[3])
 if old ~= node or prev ~= ARGV[3] then event('sandbox-' .. ARGV[3], sid, node) end
 return 1
 """
@@ -256,7 +286,7 @@ local sk = P .. 'sbx:' .. sid
 local old = redis.call('HGET', sk, 'node')
 if not old or (ARGV[2] ~= '' and old ~= ARGV[2]) then return 0 end
 drop_from_node(sid, old)
-if team_track(sid, false) then redis.call('HDEL', P .. 'sbxteam', sid) end
+if team_track(sid, 'gone') then redis.call('HDEL', P .. 'sbxteam', sid) end
 redis.call('SREM', P .. 'released', sid)
 redis.call('DEL', sk)
 event('sandbox-killed', sid, old)
@@ -270,7 +300,7 @@ local sk = P .. 'sbx:' .. sid
 local old = redis.call('HGET', sk, 'node')
 if not old or old ~= ARGV[2] then return 0 end
 drop_from_node(sid, old)
-team_track(sid, false)
+team_track(sid, 'paused')
 redis.call('HSET', sk, 'node', '', 'state', 'paused', 'updated', ARGV[3])
 redis.call('SADD', P .. 'released', sid)
 event('sandbox-released', sid, old)
@@ -285,7 +315,7 @@ local sk = P .. 'sbx:' .. sid
 if redis.call('EXISTS', sk) == 0 then return 0 end
 local prev = redis.call('HGET', sk, 'state')
 redis.call('HSET', sk, 'state', 'lost', 'note', ARGV[2], 'updated', ARGV[3])
-team_track(sid, false)
+team_track(sid, 'lost')
 if prev ~= 'lost' then event('sandbox-lost', sid, redis.call('HGET', sk, 'node')) end
 return 1
 """

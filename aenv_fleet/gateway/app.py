@@ -40,13 +40,13 @@ from aenv_wire.routing import is_sdk_connect, is_unrouted_signed_url, parse_host
 from aenv_wire.team_keys import DEFAULT_TEAM_ID
 
 from ..config import GatewayConfig
-from ..coord import Binding, CoordError, Coordinator
+from ..coord import Binding, CoordError, Coordinator, TeamQuotaExceeded
 from ..trust import FleetTrust, refuse_open_redis
 from .errors import GatewayError, SandboxLost
 from .forward import NodeClient, NodeFailed, NodeRefused, NodeUnreachable, forwarded_headers
 from .list_merge import listed_from_binding, lost_note, shown_state
 from .list_routes import Lists
-from .placement import Moves
+from .placement import Moves, over_team_quota
 from .limits import ClientBuckets
 from .signed_urls import SignedOwners
 from .state import FleetView
@@ -288,12 +288,28 @@ class Gateway:
         if b is None:
             return error(404, f"sandbox {sid} not found", sandboxId=sid)
         if b.node_id and self.fleet.is_alive(b.node_id):
+            if request.method == "POST" and rest == "/pause" and b.state == "running":
+                return await self._pause(request, b)
             resp = await self._to_node(request, b.node_id, self.fleet.url(b.node_id) + request.rel_url.raw_path_qs)
             if request.method == "DELETE" and rest == "" and resp.status == 404:
                 # the node does not hold it: a binding no live node holds is the gateway's to remove
                 await self.coord.unbind(sid, b.node_id)
             return resp
         return await self._orphan(request, b, rest)
+
+    async def _pause(self, request: web.Request, b: Binding) -> web.StreamResponse:
+        """A pause of a running sandbox on its node, held to its team's pausedSandboxes
+        quota across the fleet (docs/cluster.md "Team quotas"): reserved in Redis first, the
+        reservation dropped once the node answered (its agent has bound it paused by then)."""
+        team = str(b.info.get("teamID") or DEFAULT_TEAM_ID)
+        try:
+            rid = await self.coord.team_pause(team)
+        except TeamQuotaExceeded as e:
+            return over_team_quota(e)
+        try:
+            return await self._to_node(request, b.node_id, self.fleet.url(b.node_id) + request.rel_url.raw_path_qs)
+        finally:
+            await self.coord.team_paused(team, rid)
 
     async def _orphan(self, request: web.Request, b: Binding, rest: str) -> web.StreamResponse:
         """A sandbox on a node that is down, or released to the repository: Redis answers."""

@@ -63,6 +63,10 @@ def over_team_quota(e: TeamQuotaExceeded) -> web.Response:
     if e.kind == "rate":
         return _err(429, f"Rate limit exceeded: your team's quota allows {e.limit:g} sandbox creates per second",
                     {SHOULD_RETRY_HEADER: "true", RETRY_AFTER_HEADER: str(max(1, math.ceil(e.wait)))})
+    if e.kind == "paused":
+        return _err(429, f"You have reached the maximum number of paused sandboxes ({e.limit:g}) of your team's "
+                         f"quota: kill a paused one first",
+                    {SHOULD_RETRY_HEADER: "false", RETRY_AFTER_HEADER: str(FULL_RETRY_AFTER)})
     return _err(429, f"You have reached the maximum number of concurrent E2B sandboxes ({e.limit:g}). Kill or "
                      f"pause one of your team's sandboxes, or ask the deployment's admin for a larger quota",
                 {SHOULD_RETRY_HEADER: "false", RETRY_AFTER_HEADER: str(FULL_RETRY_AFTER)})

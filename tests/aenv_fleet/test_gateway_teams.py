@@ -158,8 +158,18 @@ def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> N
                 status, got = await call("POST", "/sandboxes", {"templateID": "base"}, key=keys["b"])
                 assert status == 201, got
                 assert (await call("POST", "/sandboxes", {"templateID": "base"}, key=KEY))[0] == 201
+                # the paused quota holds at the gateway across the fleet: here only Redis has it
+                # (the node's own copy says unlimited), so the 429 is the gateway's (TEAM_PAUSE)
+                await node_coord.set_team_quota(ids["a"], {"runningSandboxes": 2, "pausedSandboxes": 1})
+                first, second = [s["sandboxID"] for s in (await call("GET", "/sandboxes", key=keys["a"]))[1]]
+                assert (await call("POST", f"/sandboxes/{first}/pause", None, key=keys["a"]))[0] == 204
+                status, got = await call("POST", f"/sandboxes/{second}/pause", None, key=keys["a"])
+                assert status == 429 and "maximum number of paused sandboxes (1)" in got["message"], got
+                assert await node_coord.team_paused_ids(ids["a"]) == {first}
+                assert (await call("POST", f"/sandboxes/{first}/connect", {"timeout": 30}, key=keys["a"]))[0] == 201
+                assert (await call("POST", f"/sandboxes/{second}/pause", None, key=keys["a"]))[0] == 204
                 for key in (keys["a"], keys["b"], KEY):
-                    for s in (await call("GET", "/sandboxes", key=key))[1]:
+                    for s in (await call("GET", "/v2/sandboxes?state=running,paused", key=key))[1]:
                         assert (await call("DELETE", f"/sandboxes/{s['sandboxID']}", key=key))[0] == 204
                 assert (await call("DELETE", f"/admin/teams/{ids['a']}", admin=True))[0] == 204
                 assert (await call("GET", "/teams", key=keys["a"]))[0] == 401

@@ -266,3 +266,57 @@ def test_two_gateways_recording_volumes_at_once_never_exceed_a_teams_volume_byte
         await gw1.close()
         await gw2.close()
     run(main())
+
+
+def test_two_gateways_pausing_at_once_never_exceed_a_teams_paused_quota(fresh: RedisServer) -> None:
+    """The pausedSandboxes quota across the fleet (TEAM_PAUSE): each gateway reserves a
+    pause in one step with the count of the team's paused sandboxes and pauses in flight;
+    the node's agent binds it paused; the gateway drops the reservation. Ten pauses at once
+    through two gateways under a quota of 3: exactly 3. A resume, a kill or a lost sandbox
+    frees a place; a release to the repository keeps it (still paused)."""
+    async def main() -> None:
+        agent, gw1, gw2 = (Coordinator(fresh.url, FLEET_KEYS) for _ in range(3))
+        for n in ("n1", "n2"):
+            await agent.heartbeat(n, cap(50), 30)
+        sids = [await create(gw1, agent, "a", i) for i in range(10)]
+        await gw1.set_team_quota("a", {"pausedSandboxes": 3})
+
+        async def pause(gw: Coordinator, sid: str, i: int, team: str = "a") -> bool:
+            try:
+                rid = await gw.team_pause(team)
+            except TeamQuotaExceeded as e:
+                assert e.kind == "paused" and e.limit == 3
+                return False
+            try:
+                await asyncio.sleep(0.001 * (i % 4))        # the node pausing it
+                b = await agent.binding(sid)
+                assert b is not None
+                await agent.bind(sid, b.node_id, "paused", {})
+                return True
+            finally:
+                await gw.team_paused(team, rid)
+        done = await asyncio.gather(*[pause(gw1 if i % 2 else gw2, sid, i)     # type: ignore[arg-type]
+                                      for i, sid in enumerate(sids)])
+        paused = [sid for sid, ok in zip(sids, done) if ok]
+        assert len(paused) == 3 and await agent.team_paused_ids("a") == set(paused)
+        assert fresh.client().zcard("aenv:team:a:presv") == 0
+        rest = [sid for sid in sids if sid not in paused]
+        assert not await pause(gw1, rest[0], 0)
+        # resumed (bound running again): a place is free; the release of another keeps its place
+        b = await agent.binding(paused[0])
+        await agent.bind(paused[0], b.node_id, "running", {})           # type: ignore[union-attr]
+        assert await pause(gw2, rest[0], 0) and not await pause(gw2, rest[1], 0)
+        await agent.release(paused[1], (await agent.binding(paused[1])).node_id)   # type: ignore[union-attr]
+        assert paused[1] in await agent.team_paused_ids("a") and not await pause(gw1, rest[1], 0)
+        await agent.unbind(paused[1], "")                                 # killed in the repository
+        assert await pause(gw1, rest[1], 0)
+        assert await agent.mark_lost(rest[1], "its node is gone")
+        assert await pause(gw1, rest[2], 0)
+        assert await agent.team_paused_ids("a") == {paused[2], rest[0], rest[2]}
+        # a team without the quota pauses freely
+        other = [await create(gw2, agent, "b", 50 + i) for i in range(4)]
+        for i, sid in enumerate(other):
+            assert await pause(gw2, sid, i, "b")                          # type: ignore[arg-type]
+        for c in (agent, gw1, gw2):
+            await c.close()
+    run(main())
