@@ -36,6 +36,7 @@ from aenv_api.server.templates_api import TemplateApi
 from aenv_api.server.volumes_api import VolumeApi
 from aenv_fleet.agent import NodeAgent, RestoreLoad
 from aenv_fleet.coord import CoordError
+from aenv_fleet import keys as fleet_keys_mod
 from aenv_fleet.teams_doc import RedisTeamsDocument
 from aenv_fleet.trust import check_fleet_redis, cluster_trust, fleet_keys_file, without_credentials
 from aenv_wire.fleet_auth import FleetKeys
@@ -127,10 +128,11 @@ class Node:
         elif cluster.fleet_secret_file:     # nodes sharing a repository, moved by hand: no Redis
             fleet_keys = fleet_keys_file(cluster.fleet_secret_file, config.data_dir, "cluster.fleet_secret_file")
         host_ca = vm.host_ca()     # a bad bundle stops the start here, before anything runs
-        # secrets resolved at egress: TLS to ruled hosts is terminated with the egress CA, which guests trust
+        # secrets resolved at egress: TLS to ruled hosts is terminated with the egress CA, which
+        # guests trust (a fleet's nodes are given one CA, [vm] egress_ca_cert/_key: docs/cluster.md)
         egress_ca = EgressCa.load(config.data_dir, vm.egress_ca_cert, vm.egress_ca_key,
                                   host_ca.pem if host_ca is not None else b"") \
-            if creds.secrets_key is not None and trust is None else None
+            if creds.secrets_key is not None else None
         if egress_ca is not None and host_ca is not None:
             host_ca = CaBundle(f"{host_ca.source} and the egress CA", (*host_ca.certificates, egress_ca.cert_der))
         store = await asyncio.to_thread(open_node_store, config.store_settings(), True)
@@ -140,6 +142,9 @@ class Node:
         builds: TemplateBuilds | None = None
         agent: NodeAgent | None = None
         teams_doc = RedisTeamsDocument(cluster.redis_url, trust.redis, trust.keys) if trust is not None else None
+        # the fleet's secrets, sealed with the secrets key every node of it holds
+        secrets_doc = RedisTeamsDocument(cluster.redis_url, trust.redis, trust.keys, key=fleet_keys_mod.SECRETS) \
+            if trust is not None and creds.secrets_key is not None else None
         background: list[asyncio.Future[None]] = []
         run_root = node_run_root(config.data_dir)
         confinement = vm.confinement()
@@ -211,7 +216,8 @@ class Node:
                                NodeApi(node_id, lifecycle,
                                        metrics, config.data_dir, package_version()), fleet_keys=fleet_keys,
                                # a fleet's teams and keys are its Redis' (every node and gateway reads them)
-                               key_store=SharedKeyStore(teams_doc, creds.api_key) if teams_doc is not None else None)
+                               key_store=SharedKeyStore(teams_doc, creds.api_key) if teams_doc is not None else None,
+                               secrets_doc=secrets_doc)
             if nets.egress is not None and server.secret_store is not None:
                 nets.egress.resolve = server.secret_store.resolve   # network.rules' secret markers, at egress
                 nets.egress.ca = egress_ca
@@ -276,8 +282,9 @@ class Node:
                 await shutdown_part("leaving the fleet", agent.close(), report, give_up_after=AGENT_CLOSE_LIMIT)
             if server is not None:
                 await shutdown_part("the API's connections", server.close(), report)
-            if teams_doc is not None:
-                teams_doc.close()
+            for doc in (teams_doc, secrets_doc):
+                if doc is not None:
+                    doc.close()
             if manager is not None:  # kills pooled and remaining sandboxes: no QEMU outlives the node
                 await shutdown_part("the sandboxes' QEMUs", manager.close(), report)
             confinement.close()

@@ -15,6 +15,7 @@ APIKEYS = PREFIX + "apikeys"        # SET sha256 hex digests of the deployment's
 EVENTS = PREFIX + "events"          # STREAM of fleet events (capped, ~10k entries)
 RELEASED = PREFIX + "released"      # SET sandbox ids paused in the repository, held by no node
 TEAMS = PREFIX + "teams"            # HASH doc (the teams document: teams, salted key hashes), version
+SECRETS = PREFIX + "secrets"        # HASH doc (the teams' secrets, each value sealed with the secrets key), version
 EVENTS_MAXLEN = 10_000
 
 

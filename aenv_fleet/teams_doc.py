@@ -1,9 +1,13 @@
-"""The fleet's teams document in Redis (``aenv:teams``: the JSON of the node's key
-store, aenv_api/server/keystore.py, a version every change increments, and the
-signature of both with the fleet secret's teams key, aenv_wire/fleet_auth.py), as a
-node's key store reads and writes it (aenv_api/server/shared_keys.py ``TeamsDocument``).
-A document whose signature fails (someone without the fleet secret wrote it) is not
-read: ``ForgedDocument``.
+"""The fleet's shared documents in Redis: the teams document (``aenv:teams``: the JSON
+of the node's key store, aenv_api/server/keystore.py) and the secrets document
+(``aenv:secrets``: the JSON of the node's secret store, its values sealed with the
+deployment's secrets key, aenv_api/server/secret_store.py). Each is a hash of the
+document, a version every change increments, and the signature of both with the fleet
+secret's teams key (aenv_wire/fleet_auth.py; a document other than the teams one is
+signed with its Redis key in front, so one cannot pass for another), as a node's store
+reads and writes it (aenv_api/server/shared_keys.py ``TeamsDocument``). A document
+whose signature fails (someone without the fleet secret wrote it) is not read:
+``ForgedDocument``.
 
 Synchronous on purpose: the key store's changes run in a worker thread (an fsync'd file
 on a lone node), so its Redis calls do too, on a small connection pool of their own.
@@ -32,24 +36,34 @@ TIMEOUT = 2.0   # seconds: a Redis that does not answer fails a change (503) rat
 
 
 class ForgedDocument(OSError):
-    """The teams document in Redis is not signed with the fleet secret."""
+    """A document in Redis is not signed with the fleet secret."""
 
 
-def checked(fleet_keys: FleetKeys, doc: str | None, version: int, sig: str | None) -> str | None:
+def _signed(key: str, doc: str) -> str:
+    """What a document's signature covers: the teams document as it always was, any
+    other with its Redis key in front."""
+    return doc if key == keys.TEAMS else f"{key}\n{doc}"
+
+
+def checked(fleet_keys: FleetKeys, doc: str | None, version: int, sig: str | None,
+            key: str = keys.TEAMS) -> str | None:
     """``doc`` if its signature as ``version`` is good (None and version 0: no document
     yet); ForgedDocument otherwise."""
     if doc is None and version == 0:
         return None
-    if doc is None or not sig or not fleet_keys.teams_ok(version, doc, sig):
-        raise ForgedDocument(f"the fleet's teams document (version {version}) is not signed with the fleet "
+    if doc is None or not sig or not fleet_keys.teams_ok(version, _signed(key, doc), sig):
+        raise ForgedDocument(f"the fleet's document {key} (version {version}) is not signed with the fleet "
                              f"secret: someone without it wrote Redis; ignored")
     return doc
 
 
 class RedisTeamsDocument:
-    def __init__(self, url: str, auth: RedisAuth, fleet_keys: FleetKeys) -> None:
+    """One signed, versioned document of the fleet (``key``: ``aenv:teams`` by default)."""
+
+    def __init__(self, url: str, auth: RedisAuth, fleet_keys: FleetKeys, key: str = keys.TEAMS) -> None:
         self.url = without_credentials(url)
         self.fleet_keys = fleet_keys
+        self.key = key
         self.redis = redis.Redis.from_url(url, decode_responses=True, socket_timeout=TIMEOUT,
                                           socket_connect_timeout=TIMEOUT, **auth.client_kwargs())
         self._replace = self.redis.register_script(REPLACE)
@@ -57,21 +71,21 @@ class RedisTeamsDocument:
     def read(self) -> tuple[str | None, int]:
         try:
             # redis-py types its sync and async replies as one union: this client's are sync
-            doc, version, sig = cast("list[str | None]", self.redis.hmget(keys.TEAMS, ["doc", "version", "sig"]))
+            doc, version, sig = cast("list[str | None]", self.redis.hmget(self.key, ["doc", "version", "sig"]))
         except RedisError as e:
             raise OSError(f"redis {self.url}: {e}") from None
-        return checked(self.fleet_keys, doc, int(version or 0), sig), int(version or 0)
+        return checked(self.fleet_keys, doc, int(version or 0), sig, self.key), int(version or 0)
 
     def version(self) -> int:
         try:
-            return int(cast("str | None", self.redis.hget(keys.TEAMS, "version")) or 0)
+            return int(cast("str | None", self.redis.hget(self.key, "version")) or 0)
         except RedisError as e:
             raise OSError(f"redis {self.url}: {e}") from None
 
     def replace(self, text: str, expected_version: int) -> int | None:
         try:
-            new = int(self._replace(keys=[keys.TEAMS], args=[
-                expected_version, text, self.fleet_keys.teams_mac(expected_version + 1, text)]))
+            new = int(self._replace(keys=[self.key], args=[
+                expected_version, text, self.fleet_keys.teams_mac(expected_version + 1, _signed(self.key, text))]))
         except RedisError as e:
             raise OSError(f"redis {self.url}: {e}") from None
         return None if new < 0 else new

@@ -54,7 +54,7 @@ from .scrub import KeyScrub
 from .settings import ServerConfig
 from .secret_store import SECRETS_FILE, SecretStore
 from .secrets_api import SecretsApi
-from .shared_keys import SharedKeyStore
+from .shared_keys import SharedKeyStore, TeamsDocument
 from .principal import PRINCIPAL, Principal
 from .quota_api import QuotaApi
 from .quotas import QuotaGate
@@ -115,11 +115,12 @@ class ApiServer:
     def __init__(self, lifecycle: Lifecycle, creds: Credentials, config: ServerConfig, metrics: Metrics,
                  version: str, templates: TemplateApi | None = None, volumes: VolumeApi | None = None,
                  nodes: NodeApi | None = None, fleet_keys: FleetKeys | None = None,
-                 key_store: KeyStore | None = None) -> None:
+                 key_store: KeyStore | None = None, secrets_doc: TeamsDocument | None = None) -> None:
         """``fleet_keys``: the fleet secret's ([cluster] fleet_secret_file); the cluster
         routes take only a request credential made with it (None: they refuse everyone).
         ``key_store``: the teams and keys (default: ``<data-dir>/teams.json``; a fleet
-        node's is its Redis', shared_keys.py)."""
+        node's is its Redis', shared_keys.py). ``secrets_doc``: a fleet node's secrets
+        document (its Redis', aenv_fleet/teams_doc.py; default: ``<data-dir>/secrets.json``)."""
         self.lifecycle = lifecycle
         self.creds = creds
         self.fleet_keys = fleet_keys
@@ -131,10 +132,13 @@ class ApiServer:
                                     OwnerMap(lifecycle.data_dir / SNAPSHOT_TEAMS_FILE))
         self.key_store = keystore = key_store or KeyStore(lifecycle.data_dir / TEAMS_FILE, creds.api_key)
         self.teams = TeamsApi(keystore, creds.admin_token, lifecycle)
-        fleet = isinstance(keystore, SharedKeyStore)
-        self.secret_store = None if creds.secrets_key is None or fleet else \
-            SecretStore(lifecycle.data_dir / SECRETS_FILE, creds.secrets_key)
-        self.secrets = SecretsApi(self.secret_store, fleet)
+        # a fleet node keeps its secrets where every node reads them (its Redis); one
+        # without that document refuses them (501) rather than keep them on itself alone
+        unshared = isinstance(keystore, SharedKeyStore) and secrets_doc is None
+        self.secret_store = None if creds.secrets_key is None or unshared else \
+            SecretStore(lifecycle.data_dir / SECRETS_FILE, creds.secrets_key, shared=secrets_doc)
+        self._secrets_task: asyncio.Task[None] | None = None
+        self.secrets = SecretsApi(self.secret_store, unshared)
         self.teams.secret_store = self.control.secret_store = self.secret_store
         self._keys_task: asyncio.Task[None] | None = None
         # per-team quotas and metrics (quotas.py, team_metrics.py)
@@ -362,6 +366,8 @@ class ApiServer:
         self.port = bound_port(self._site, port)
         if isinstance(self.key_store, SharedKeyStore):
             self._keys_task = asyncio.ensure_future(self.key_store.run())
+        if self.secret_store is not None and self.secret_store.shared:
+            self._secrets_task = asyncio.ensure_future(self.secret_store.run())
         if self.config.tls_cert:
             # the same application behind TLS: control plane and proxy (host-routed or not)
             self._tls_site = web.TCPSite(self._runner, host, self.config.tls_port, reuse_address=True,
@@ -387,11 +393,12 @@ class ApiServer:
                 await self._sampler
             self._sampler = None
         await self.stop_accepting()
-        if self._keys_task is not None:
-            self._keys_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keys_task
-            self._keys_task = None
+        for task in (self._keys_task, self._secrets_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._keys_task = self._secrets_task = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

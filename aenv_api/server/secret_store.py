@@ -2,7 +2,9 @@
 encrypted at rest, never shown by any route and never logged.
 
 **Where and how.** ``<data-dir>/secrets.json``, rewritten whole crash-safely
-(keystore.py ``write_durably``, mode 0600). Every version's value is sealed with
+(keystore.py ``write_durably``, mode 0600); on a fleet node the same JSON is the
+fleet's secrets document in its Redis (``aenv:secrets``, signed with the fleet secret:
+aenv_fleet/teams_doc.py), so every node serves and resolves every secret. Every version's value is sealed with
 AES-256-GCM under the deployment's secrets key (``AENV_SECRETS_KEY`` or ``[server]
 secrets_key_file``: 32 bytes as 64 hex digits; never the config file, never
 generated), a fresh 96-bit nonce each, and the secret's team, id and version as
@@ -21,8 +23,10 @@ secret by name.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
 import os
 import re
 import secrets
@@ -30,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -39,6 +43,9 @@ from aenv_store.errors import ConfigError
 from aenv_wire.secret_markers import MAX_NAME
 
 from .keystore import write_durably
+from .shared_keys import MAX_RETRIES, REFRESH_SECONDS, TeamsDocument
+
+log = logging.getLogger(__name__)
 
 SECRETS_FILE = "secrets.json"
 SECRETS_KEY_ENV = "AENV_SECRETS_KEY"
@@ -164,13 +171,46 @@ def _from_json(text: str) -> tuple[Secret, ...]:
         raise ValueError(f"malformed secrets file: {e!r}") from None
 
 
-class SecretStore:
-    """The secrets of one node. Thread-safe; a change is durable when its method returns."""
+def _find(items: tuple[Secret, ...], team_id: str, ref: str) -> Secret:
+    """``team_id``'s secret named or identified by ``ref``; 404 otherwise (another team's too)."""
+    by_id = bool(_ID.match(ref))
+    name = ref.lower()
+    for s in items:
+        if s.team_id == team_id and (s.secret_id == ref if by_id else s.name == name):
+            return s
+    raise SecretError(404, f"secret {ref[:140]!r} not found")
 
-    def __init__(self, path: Path, key: bytes) -> None:
+
+T = TypeVar("T")
+Change = Callable[[tuple[Secret, ...]], tuple[tuple[Secret, ...], T]]
+
+
+class SecretStore:
+    """The secrets of one node, or of a fleet (``shared``: the fleet's secrets document,
+    aenv_fleet/teams_doc.py, every node holding the same secrets key). Thread-safe; a
+    change is durable when its method returns.
+
+    Shared: a change is made on a fresh copy of the document and written by compare-and-set
+    on its version (redone on a newer copy when another node came first, as the teams
+    document's: shared_keys.py); reads use this node's copy, which ``run`` brings up to
+    date every ``REFRESH_SECONDS``: a secret changed or deleted on one node is resolved so
+    on every other within that (while Redis answers; a node cut off keeps its last copy)."""
+
+    def __init__(self, path: Path | None, key: bytes, shared: TeamsDocument | None = None) -> None:
         self.path = path
         self._aead = AESGCM(key)
         self._lock = threading.Lock()
+        self._shared = shared
+        self._items: tuple[Secret, ...] = ()
+        self._version = -1          # of the shared document this copy is (-1: not read yet)
+        self._unread = ""           # why it could not be read yet
+        if shared is not None:
+            try:
+                self._items, self._version = self._read_shared()
+            except SecretError as e:    # Redis away at start: ``run`` reads it later
+                self._unread = str(e)
+            return
+        assert path is not None
         try:
             self._items = _from_json(path.read_text())
         except FileNotFoundError:
@@ -178,10 +218,75 @@ class SecretStore:
         except (OSError, ValueError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read the secrets file {path}: {e}") from None
 
-    def _save(self, items: tuple[Secret, ...]) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_durably(self.path, _to_json(items))
-        self._items = items
+    @property
+    def shared(self) -> bool:
+        """The fleet's secrets (a document in its Redis), not this node's file."""
+        return self._shared is not None
+
+    def _read_shared(self) -> tuple[tuple[Secret, ...], int]:
+        assert self._shared is not None
+        try:
+            doc, version = self._shared.read()
+            items = _from_json(doc) if doc is not None else ()
+        except (OSError, ValueError) as e:
+            raise SecretError(503, f"the fleet's secrets cannot be read: {e}") from None
+        if version < self._version:     # a signed document, but an old one: a deleted secret would come back
+            raise SecretError(503, f"the fleet's secrets document in Redis (version {version}) is older than the "
+                                   f"one this node read last ({self._version}): not taken")
+        return items, version
+
+    def _change(self, change: "Change[T]") -> T:
+        """Apply ``change`` to the current secrets and keep what it made, durably."""
+        with self._lock:
+            if self._shared is None:
+                items, result = change(self._items)
+                assert self.path is not None
+                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                write_durably(self.path, _to_json(items))
+                self._items = items
+                return result
+            for _ in range(MAX_RETRIES):
+                current, version = self._read_shared()
+                items, result = change(current)
+                try:
+                    written = self._shared.replace(_to_json(items), version)
+                except OSError as e:
+                    raise SecretError(503, f"the fleet's secrets cannot be written: {e}") from None
+                if written is not None:
+                    self._items, self._version = items, written
+                    return result
+            raise SecretError(503, f"the fleet's secrets changed under each of {MAX_RETRIES} tries: send it again")
+
+    def refresh(self) -> bool:
+        """A shared store: read the document again if its version moved (True then). OSError
+        or SecretError when Redis cannot be reached."""
+        if self._shared is None or self._shared.version() == self._version:
+            return False
+        with self._lock:
+            try:
+                self._items, self._version = self._read_shared()
+            except SecretError as e:
+                self._unread = str(e)
+                raise
+        return True
+
+    async def run(self) -> None:
+        """Keep a shared store's copy up to date (until cancelled)."""
+        failing = False
+        while True:
+            try:
+                await asyncio.to_thread(self.refresh)
+                failing = False
+            except (OSError, SecretError) as e:
+                if not failing:
+                    log.warning("secrets: the fleet's document is not readable (keeping the copy read last): %s", e)
+                failing = True
+            await asyncio.sleep(REFRESH_SECONDS)
+
+    def _ready(self) -> None:
+        if self._shared is not None and self._version < 0:
+            raise SecretError(503, f"the fleet's secrets have not been read from its Redis yet ({self._unread}): "
+                                   f"retry")
 
     @staticmethod
     def _ad(team_id: str, secret_id: str, version: int) -> bytes:
@@ -196,18 +301,16 @@ class SecretStore:
 
     def list(self, team_id: str) -> list[Secret]:
         """``team_id``'s secrets, oldest first (ties by id)."""
+        self._ready()
         return sorted((s for s in self._items if s.team_id == team_id), key=lambda s: (s.created, s.secret_id))
 
     def get(self, team_id: str, ref: str) -> Secret:
         """``team_id``'s secret named or identified by ``ref``; 404 otherwise (another team's too)."""
-        by_id = bool(_ID.match(ref))
-        name = ref.lower()
-        for s in self._items:
-            if s.team_id == team_id and (s.secret_id == ref if by_id else s.name == name):
-                return s
-        raise SecretError(404, f"secret {ref[:140]!r} not found")
+        self._ready()
+        return _find(self._items, team_id, ref)
 
     def exists(self, team_id: str, name: str) -> bool:
+        self._ready()
         return any(s.team_id == team_id and s.name == name for s in self._items)
 
     def resolve(self, team_id: str, name: str) -> bytes | None:
@@ -228,36 +331,37 @@ class SecretStore:
         name = check_name(name)
         meta = check_metadata(metadata)
         raw = _check_value(value)
-        with self._lock:
-            if self.exists(team_id, name):
+
+        def change(items: tuple[Secret, ...]) -> tuple[tuple[Secret, ...], Secret]:
+            if any(s.team_id == team_id and s.name == name for s in items):
                 raise SecretError(409, f"a secret named {name!r} exists")
-            if sum(1 for s in self._items if s.team_id == team_id) >= MAX_SECRETS:
+            if sum(1 for s in items if s.team_id == team_id) >= MAX_SECRETS:
                 raise SecretError(409, f"a team keeps at most {MAX_SECRETS} secrets")
             sid = ID_PREFIX + secrets.token_hex(12)
             now = time.time()
             made = Secret(sid, team_id, name, meta, now, now, (self._seal(team_id, sid, 1, raw),))
-            self._save(self._items + (made,))
-        return made
+            return items + (made,), made
+        return self._change(change)
 
     def update(self, team_id: str, ref: str, value: str, metadata: Mapping[str, Any] | None) -> Secret:
         """A new current version; ``metadata`` replaces the old when given."""
         raw = _check_value(value)
         meta = None if metadata is None else check_metadata(metadata)
-        with self._lock:
-            old = self.get(team_id, ref)
+
+        def change(items: tuple[Secret, ...]) -> tuple[tuple[Secret, ...], Secret]:
+            old = _find(items, team_id, ref)
             version = self._seal(team_id, old.secret_id, old.current + 1, raw)
             new = dataclasses.replace(old, metadata=old.metadata if meta is None else meta, updated=time.time(),
                                       versions=(old.versions + (version,))[-MAX_VERSIONS:])
-            self._save(tuple(new if s.secret_id == old.secret_id else s for s in self._items))
-        return new
+            return tuple(new if s.secret_id == old.secret_id else s for s in items), new
+        return self._change(change)
 
     def delete(self, team_id: str, ref: str) -> None:
-        with self._lock:
-            old = self.get(team_id, ref)
-            self._save(tuple(s for s in self._items if s.secret_id != old.secret_id))
+        def change(items: tuple[Secret, ...]) -> tuple[tuple[Secret, ...], None]:
+            old = _find(items, team_id, ref)
+            return tuple(s for s in items if s.secret_id != old.secret_id), None
+        self._change(change)
 
     def drop_team(self, team_id: str) -> None:
         """Every secret of a deleted team."""
-        with self._lock:
-            if any(s.team_id == team_id for s in self._items):
-                self._save(tuple(s for s in self._items if s.team_id != team_id))
+        self._change(lambda items: (tuple(s for s in items if s.team_id != team_id), None))

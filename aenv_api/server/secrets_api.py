@@ -3,9 +3,9 @@ the caller's team: a team key sees and changes its own team's secrets only (anot
 team's answers 404, as an unknown one); the admin acts for the team ``X-Team-ID``
 names. No answer ever carries a value.
 
-Without the deployment's secrets key every route answers 503 saying how to set it;
-on a fleet node (whose teams live in the fleet's Redis) 501: the secrets are kept on
-one node only and a fleet has no shared copy of them yet."""
+Without the deployment's secrets key every route answers 503 saying how to set it. A
+fleet node keeps them in the fleet's Redis (secret_store.py, shared); one assembled
+without that document answers 501 rather than keep a fleet's secrets on itself alone."""
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +24,8 @@ from .responses import json_response, no_content
 from .routes import Admin, Call, Reply, Route
 from .secret_store import CONFIGURE, Secret, SecretError, SecretStore
 
-FLEET_REFUSAL = ("secrets are not supported on a fleet node yet: the node keeps them in its own data dir "
-                 "and the fleet has no shared copy (use a single node)")
+FLEET_REFUSAL = ("secrets are not served by this fleet node: it was started without the fleet's secrets "
+                 "document, and a fleet's secrets are not kept on one node alone")
 
 
 def secret_json(s: Secret) -> dict[str, Any]:
@@ -46,7 +46,8 @@ def _after(token: str) -> str:
 
 
 class SecretsApi:
-    """``store`` None: no secrets key configured (503); ``fleet``: a fleet node (501)."""
+    """``store`` None: no secrets key configured (503); ``fleet``: a fleet node without the
+    fleet's secrets document (501)."""
 
     def __init__(self, store: SecretStore | None, fleet: bool = False) -> None:
         self.store = store

@@ -19,6 +19,7 @@ from aenv_api.server.lifecycle import Lifecycle
 from aenv_api.server.metrics import Metrics
 from aenv_api.server.settings import ServerConfig
 from aenv_api.server.shared_keys import SharedKeyStore
+from aenv_fleet import keys as fleet_keys_mod
 from aenv_fleet.agent import NodeAgent
 from aenv_fleet.config import ClusterConfig, GatewayConfig
 from aenv_fleet.coord import Capacity, Coordinator
@@ -60,8 +61,10 @@ def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> N
         lifecycle = Lifecycle(agent.observe(FakeSandboxService()), config, metrics, tmp_path / "node")
         await lifecycle.start()
         doc = RedisTeamsDocument(redis_server.bare_url, trust.redis, trust.keys)
-        node = ApiServer(lifecycle, Credentials(KEY, "env", b"s" * 32, admin_token=ADMIN), config, metrics, "test",
-                         fleet_keys=trust.keys, key_store=SharedKeyStore(doc, KEY))
+        secrets_doc = RedisTeamsDocument(redis_server.bare_url, trust.redis, trust.keys, key=fleet_keys_mod.SECRETS)
+        node = ApiServer(lifecycle, Credentials(KEY, "env", b"s" * 32, admin_token=ADMIN, secrets_key=bytes(32)),
+                         config, metrics, "test", fleet_keys=trust.keys, key_store=SharedKeyStore(doc, KEY),
+                         secrets_doc=secrets_doc)
         node_url = f"http://127.0.0.1:{await node.start('127.0.0.1', 0)}"
         await node_coord.add_api_key(KEY)
         await node_coord.heartbeat("n1", cap(node_url), 60)
@@ -128,6 +131,17 @@ def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> N
                                                                 key=keys["b"]))[1]]
                 assert "sbx-released" in paused_a and "sbx-released" not in paused_b
                 await node_coord.unbind("sbx-released")
+                # secrets: the fleet's (its Redis' document), the team's own
+                status, secret = await call("POST", "/secrets", {"name": "tok", "value": "v-" + "9" * 20},
+                                            key=keys["a"])
+                assert status == 201, secret
+                assert [x["name"] for x in (await call("GET", "/secrets", key=keys["a"]))[1]] == ["tok"]
+                assert (await call("GET", "/secrets", key=keys["b"]))[1] == []
+                assert (await call("GET", f"/secrets/{secret['secretID']}", key=keys["b"]))[0] == 404
+                assert node.secret_store is not None and node.secret_store.shared
+                assert node.secret_store.resolve(ids["a"], "tok") == b"v-" + b"9" * 20
+                stored = redis_server.client().hget("aenv:secrets", "doc") or ""
+                assert "tok" in stored and "9" * 20 not in stored
                 # the same Idempotency-Key in two teams: two creates
                 got = [await call("POST", "/sandboxes", {"templateID": "base"}, key=keys[t],
                                   **{"Idempotency-Key": "same-key"}) for t in ("a", "b")]
@@ -180,4 +194,5 @@ def test_teams_through_a_gateway(tmp_path: Path, redis_server: RedisServer) -> N
             await lifecycle.shutdown()
             await node_coord.close()
             doc.close()
+            secrets_doc.close()
     asyncio.run(main())

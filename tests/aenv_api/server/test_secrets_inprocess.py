@@ -187,7 +187,8 @@ def test_creates_refer_only_to_their_teams_secrets(node: InProcessServer) -> Non
 
 
 def test_a_fleet_node_refuses_secrets() -> None:
-    """Secrets live in one node's data dir: a fleet node (its teams in Redis) says so."""
+    """A fleet node assembled without the fleet's secrets document says so (501) rather
+    than keep a fleet's secrets on itself alone (a real one has it: aenv_cli/node.py)."""
     import asyncio
 
     from aenv_api.server.errors import ApiError
