@@ -87,6 +87,9 @@ class ClusterCode(enum.StrEnum):
     MOVED = "sandbox_moved"
     # 410 from the gateway: no node holds it and the repository has no pause of it
     LOST = "sandbox_lost"
+    # 503 on a create, resume or adopt: this node lost its fleet lease and starts nothing
+    # until it renews and has recovered (docs/cluster.md "Fencing"): next node
+    FENCED = "node_fenced"
 
 
 def answer_code(body: bytes) -> ClusterCode | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aenv_vm.errors import (AlreadyHeld, CapacityError, Moved, NotCommitted, NotMovable, NotPaused,
+from aenv_vm.errors import (AlreadyHeld, CapacityError, Moved, NodeFenced, NotCommitted, NotMovable, NotPaused,
                             ResumedElsewhere, VmError)
 from aenv_wire.cluster import ClusterCode
 from aenv_wire.errors import error_body
@@ -45,6 +45,7 @@ _CODES: tuple[tuple[type[VmError], ClusterCode], ...] = (
     (NotMovable, ClusterCode.NOT_MOVABLE),
     (NotPaused, ClusterCode.NOT_PAUSED),
     (Moved, ClusterCode.MOVED),
+    (NodeFenced, ClusterCode.FENCED),
 )
 
 

@@ -118,7 +118,7 @@ def api_error(e: VmError, what: str) -> ApiError:
     if isinstance(e, AdmissionRefused):   # the restore queue is long: retry as told
         return ApiError(429, str(e), retry=True, retry_after=e.retry_after, **error_code(e))
     if isinstance(e, NodeFenced):         # lost its fleet lease: back once it renews
-        return ApiError(503, str(e), retry=True, retry_after=e.retry_after)
+        return ApiError(503, str(e), retry=True, retry_after=e.retry_after, **error_code(e))
     if isinstance(e, CapacityError):      # the node is full: no retry by the SDK, a harness may
         return ApiError(429, str(e), retry=False, retry_after=FULL_RETRY_AFTER, **error_code(e))
     return ApiError(500, f"{what} failed: {e}")

@@ -78,6 +78,12 @@ def _refusal_child(e: TeamQuotaExceeded) -> dict[str, Any]:
     return {"error": {"code": 429, "message": body.get("message", "team quota")}}
 
 
+def _not_here(a: Answer) -> bool:
+    """The node starts nothing now, another may: it is full, or it lost its fleet lease
+    (fenced until it renews and recovers)."""
+    return answer_code(a.body) in (ClusterCode.FULL, ClusterCode.FENCED)
+
+
 def _err(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
     return web.Response(status=status, text=json.dumps(error_body(status, message, **extra)),
                         content_type="application/json", headers=headers)
@@ -183,7 +189,7 @@ class Moves:
                 continue
             finally:
                 await self.fleet.coord.unreserve(node, rid)
-            if answer_code(a.body) is ClusterCode.FULL:
+            if _not_here(a):
                 tried.append(node)
                 after = _retry_after(a)
                 if after is not None:
@@ -266,7 +272,7 @@ class Moves:
             fits = not n.drained and n.mem_avail_mib >= max(n.sandbox_mem_mib, 1)
             if b.state == "running" or fits:
                 a = await self.nodes.call("POST", n.url + path, body, headers)
-                if answer_code(a.body) is not ClusterCode.FULL or b.state == "running":
+                if not _not_here(a) or b.state == "running":
                     return _relay(a, old)
             # full or drained: hand it to another node (its agent records the release)
             r = await self.nodes.call("POST", n.url + release_path(sid), None, _keys(headers))
@@ -526,7 +532,7 @@ class Moves:
                         raise a
                     tried.add(n.node_id)
                     continue
-                if answer_code(a.body) is ClusterCode.FULL:
+                if _not_here(a):
                     tried.add(n.node_id)
                     continue
                 if a.status != 201:

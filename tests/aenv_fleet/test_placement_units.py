@@ -155,9 +155,12 @@ def run(coro: Any) -> Any:
 
 # --- placement: FULL goes to the next node, nothing else does -----------------------------------------
 
-def test_a_full_node_is_passed_over_by_its_code() -> None:
+@pytest.mark.parametrize("refused", [refusal(429, ClusterCode.FULL), refusal(503, ClusterCode.FENCED)])
+def test_a_full_or_fenced_node_is_passed_over_by_its_code(refused: Answer) -> None:
+    """Full, or fenced (it lost its lease and has not recovered yet: docs/cluster.md
+    "Fencing"): another node takes the create."""
     fleet = Fleet(node("n1"), node("n2"))
-    m, nodes = moves(fleet, {("POST", "http://n1/v2/sandboxes"): [refusal(429, ClusterCode.FULL)],
+    m, nodes = moves(fleet, {("POST", "http://n1/v2/sandboxes"): [refused],
                              ("POST", "http://n2/v2/sandboxes"): [Answer(201, {}, b"{}")]})
     got = run(m.place_and_call("base", "POST", "/v2/sandboxes", b"{}", {}))
     assert not isinstance(got, web.Response) and got[0] == "n2" and got[1].status == 201
@@ -300,10 +303,11 @@ def paused_on(node_id: str) -> Binding:
     return Binding("sbx-1", node_id, "paused", INFO, paused_at=1.0)
 
 
-def test_connect_on_a_full_node_moves_it_and_the_nodes_record_the_move() -> None:
+@pytest.mark.parametrize("refused", [refusal(429, ClusterCode.FULL), refusal(503, ClusterCode.FENCED)])
+def test_connect_on_a_full_or_fenced_node_moves_it_and_the_nodes_record_the_move(refused: Answer) -> None:
     fleet = Fleet(node("n1"), node("n2"))
     fleet.bindings["sbx-1"] = paused_on("n1")
-    m, nodes = moves(fleet, {("POST", "http://n1/sandboxes/sbx-1/connect"): [refusal(429, ClusterCode.FULL)],
+    m, nodes = moves(fleet, {("POST", "http://n1/sandboxes/sbx-1/connect"): [refused],
                              ("POST", "http://n1" + release_path("sbx-1")): [GONE],
                              ("POST", "http://n2" + adopt_path("sbx-1")): [OK],
                              ("POST", "http://n2/sandboxes/sbx-1/connect"): [Answer(201, {}, b"{}")]})
