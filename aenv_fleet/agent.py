@@ -52,7 +52,9 @@ def info_record(info: SandboxInfo) -> dict[str, Any]:
             "startedAt": info.started_at, "endAt": info.end_at, "cpuCount": info.vcpus,
             "memoryMB": info.memory_mib, "diskSizeMB": info.disk_mib, "autoPause": info.auto_pause,
             "timeout": info.timeout, "metadata": dict(info.metadata), "envdVersion": info.envd_version,
-            "note": info.note, "teamID": team_of_info(info)}
+            "note": info.note, "teamID": team_of_info(info),
+            # the volumes mounted in it live on this node: its fork children stay here too
+            "volumes": sorted(m.get("name", "") for m in info.volume_mounts)}
 
 
 def team_of_info(info: SandboxInfo) -> str:

@@ -391,6 +391,11 @@ class Moves:
         except CoordError:
             free = parent.free_slots
         here = min(count, max(free or 0, 0))
+        if b.info.get("volumes"):
+            # its volumes are directories of its node: a child elsewhere could not mount them
+            # (its template drops the mounts). All go to its node, which makes those it has
+            # room for and answers 429 for each other child
+            here = count
         team = self.team_of(request)
         results: list[dict[str, Any]] = []
         snapshot_id: str | None = None
@@ -411,10 +416,10 @@ class Moves:
                 made = a.json() if a is not None and a.status == 201 else None
                 await self._settle(team, grant, [r.get("sandbox") for r in made if isinstance(r, dict)]
                                    if isinstance(made, list) else [])
-            if answer_code(a.body) is ClusterCode.FULL:
+            if answer_code(a.body) is ClusterCode.FULL and not b.info.get("volumes"):
                 log.info("gateway: fork of %s: its node %s has no room for %d, all %d children go elsewhere",
                          sid, parent.node_id, here, count)
-            elif a.status != 201:
+            elif a.status != 201 or b.info.get("volumes"):
                 return _relay(a, parent.node_id)
             else:
                 answered = a.json() or []

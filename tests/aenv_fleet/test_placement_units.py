@@ -398,6 +398,24 @@ def test_a_fork_on_a_full_node_goes_the_snapshot_way() -> None:
     assert status(got) == 201 and body_of(got) == [{"sandbox": child}]
 
 
+def test_a_fork_of_a_sandbox_with_volumes_stays_on_its_node() -> None:
+    """Its volumes are directories of its node: every child goes there (the node answers
+    429 for each it has no room for); none is placed on another node, which could not
+    mount them."""
+    fleet = Fleet(node("n1"), node("n2"))
+    fleet.bindings["sbx-1"] = Binding("sbx-1", "n1", "running", {**INFO, "volumes": ["data"]})
+    answered = _sandboxes("sbx-2") + [{"error": {"code": 429, "message": "the node is full"}}] * 2
+    m, nodes = moves(fleet, {("POST", "http://n1/sandboxes/sbx-1/fork"): [_answer(answered)]})
+    req = make_mocked_request("POST", "/sandboxes/sbx-1/fork", headers={"X-API-Key": "k"})
+    got = run(m.fork(req, "sbx-1", json.dumps({"count": 3}).encode()))
+    assert status(got) == 201 and body_of(got) == answered
+    assert nodes.calls == [("POST", "http://n1/sandboxes/sbx-1/fork")] and nodes.bodies[0]["count"] == 3
+    # the node full altogether: its 429 is the answer, no snapshot, no other node
+    m, nodes = moves(fleet, {("POST", "http://n1/sandboxes/sbx-1/fork"): [refusal(429, ClusterCode.FULL)]})
+    got = run(m.fork(req, "sbx-1", json.dumps({"count": 3}).encode()))
+    assert status(got) == 429 and nodes.calls == [("POST", "http://n1/sandboxes/sbx-1/fork")]
+
+
 async def _no_sleep(_seconds: float) -> None:
     return None
 
