@@ -33,7 +33,6 @@ from aenv_http.bodies import is_blank
 from aenv_http.runner import MAX_FIELD, MAX_LINE, JsonErrorRunner, bound_port
 from aenv_wire.api_key import presented_api_key
 from aenv_wire.cluster import PREFIX as CLUSTER_PREFIX
-from aenv_wire.errors import error_body
 from aenv_wire.headers import (AGENTENV_ID_HEADER, API_KEY_HEADER, AUTHORIZATION_HEADER, REQUEST_ID_HEADER,
                                SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER)
 from aenv_wire.routing import is_sdk_connect, is_unrouted_signed_url, parse_host
@@ -42,6 +41,7 @@ from aenv_wire.team_keys import DEFAULT_TEAM_ID
 from ..config import GatewayConfig
 from ..coord import Binding, CoordError, Coordinator, TeamQuotaExceeded
 from ..trust import FleetTrust, refuse_open_redis
+from .answers import error, json_answer
 from .errors import GatewayError, SandboxLost
 from .forward import NodeClient, NodeFailed, NodeRefused, NodeUnreachable, forwarded_headers
 from .list_merge import listed_from_binding, lost_note, shown_state
@@ -68,15 +68,6 @@ _SNAPSHOT_FORK = re.compile(r"^/snapshots/([^/]+)/fork$")
 _SANDBOX = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)(/.*)?$")
 _NODE_OP = re.compile(r"^/nodes/([^/]+)/(drain|undrain)$")
 _DEPLOYMENT_ONLY = re.compile(r"^/(nodes|cluster/events)(/.*)?$")    # the fleet's operator's, as on a node
-
-
-def error(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
-    return web.Response(status=status, text=json.dumps(error_body(status, message, **extra)),
-                        content_type="application/json", headers=headers)
-
-
-def json_answer(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, text=json.dumps(payload), content_type="application/json", headers=headers)
 
 
 class Gateway:

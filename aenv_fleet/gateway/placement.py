@@ -26,11 +26,11 @@ from typing import Any, Callable
 from aiohttp import web
 
 from aenv_wire.cluster import FULL_RETRY_AFTER, ClusterCode, adopt_path, answer_code, release_path
-from aenv_wire.errors import error_body
 from aenv_wire.headers import API_KEY_HEADER, AUTHORIZATION_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER
 from aenv_wire.team_keys import DEFAULT_TEAM_ID
 
 from ..coord import Binding, CoordError, TeamGrant, TeamQuotaExceeded
+from .answers import NODE_HEADER, error, relay
 from .errors import GatewayError, SandboxLost
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
 from .list_merge import lost_note, shown_state
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 PLACE_ATTEMPTS = 4
 MAX_FORK = 100               # children per fork call: E2B's bound on count
 FORK_CREATES = 16            # children from a snapshot being created at once, over the fleet
-NODE_HEADER = "X-Aenv-Node"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 HOLDER_BACK_WAIT = 15.0     # a holder that reclaimed its sandbox shows alive again within this (heartbeats)
 COMMIT_WAIT = 120.0         # how long a fork snapshot's or a pause's background commit is waited for
@@ -61,13 +60,13 @@ def over_team_quota(e: TeamQuotaExceeded) -> web.Response:
     """A team's quota's 429, the node's words (aenv_api/server/quotas.py): E2B's body, no
     ``error_code`` (no other node would take it: the gateway relays it as it is)."""
     if e.kind == "rate":
-        return _err(429, f"Rate limit exceeded: your team's quota allows {e.limit:g} sandbox creates per second",
+        return error(429, f"Rate limit exceeded: your team's quota allows {e.limit:g} sandbox creates per second",
                     {SHOULD_RETRY_HEADER: "true", RETRY_AFTER_HEADER: str(max(1, math.ceil(e.wait)))})
     if e.kind == "paused":
-        return _err(429, f"You have reached the maximum number of paused sandboxes ({e.limit:g}) of your team's "
+        return error(429, f"You have reached the maximum number of paused sandboxes ({e.limit:g}) of your team's "
                          f"quota: kill a paused one first",
                     {SHOULD_RETRY_HEADER: "false", RETRY_AFTER_HEADER: str(FULL_RETRY_AFTER)})
-    return _err(429, f"You have reached the maximum number of concurrent E2B sandboxes ({e.limit:g}). Kill or "
+    return error(429, f"You have reached the maximum number of concurrent E2B sandboxes ({e.limit:g}). Kill or "
                      f"pause one of your team's sandboxes, or ask the deployment's admin for a larger quota",
                 {SHOULD_RETRY_HEADER: "false", RETRY_AFTER_HEADER: str(FULL_RETRY_AFTER)})
 
@@ -82,11 +81,6 @@ def _not_here(a: Answer) -> bool:
     """The node starts nothing now, another may: it is full, or it lost its fleet lease
     (fenced until it renews and recovers)."""
     return answer_code(a.body) in (ClusterCode.FULL, ClusterCode.FENCED)
-
-
-def _err(status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
-    return web.Response(status=status, text=json.dumps(error_body(status, message, **extra)),
-                        content_type="application/json", headers=headers)
 
 
 def _retry_after(a: Answer) -> int | None:
@@ -106,15 +100,7 @@ def no_room(message: str, queued_retry_after: int | None) -> web.Response:
         headers = {SHOULD_RETRY_HEADER: "true", RETRY_AFTER_HEADER: str(queued_retry_after)}
     else:
         headers = {SHOULD_RETRY_HEADER: "false", RETRY_AFTER_HEADER: str(FULL_RETRY_AFTER)}
-    return _err(429, message, headers, error_code=ClusterCode.FULL.value)
-
-
-def _relay(a: Answer, node_id: str) -> web.Response:
-    headers = {k: v for k, v in a.headers.items()
-               if k.lower() not in ("content-length", "transfer-encoding", "connection", "keep-alive", "date",
-                                    "server")}
-    headers[NODE_HEADER] = node_id
-    return web.Response(status=a.status, body=a.body, headers=headers)
+    return error(429, message, headers, error_code=ClusterCode.FULL.value)
 
 
 def _json(body: bytes) -> Any:
@@ -203,10 +189,10 @@ class Moves:
     async def create(self, request: web.Request, body: bytes) -> web.Response:
         req = _json(body)
         if not isinstance(req, dict):
-            return _err(400, "request body must be a JSON object")
+            return error(400, "request body must be a JSON object")
         template = req.get("templateID") or req.get("template_id") or ""
         if not isinstance(template, str):
-            return _err(400, "templateID must be a string")
+            return error(400, "templateID must be a string")
         headers = forwarded_headers(request)
         pinned = await self.volumes.mounts_node(req.get("volumeMounts"))
         if isinstance(pinned, web.Response):
@@ -220,11 +206,11 @@ class Moves:
             # a retried create must reach the node that has the first one (it replays it)
             first = await self.fleet.coord.claim_idempotency(key)
             if first == "pending":
-                return _err(409, f"a create with this {IDEMPOTENCY_HEADER} is in progress; retry shortly")
+                return error(409, f"a create with this {IDEMPOTENCY_HEADER} is in progress; retry shortly")
             if first is not None and self.fleet.is_alive(first):
                 a = await self.nodes.call("POST", self.fleet.url(first) + request.rel_url.raw_path_qs, body,
                                           headers)
-                return _relay(a, first)
+                return relay(a, first)
         try:
             got = await self.place_and_call(template, "POST", request.rel_url.raw_path_qs, body, headers,
                                             exclude, team=self.team_of(request))
@@ -235,18 +221,18 @@ class Moves:
         if isinstance(got, web.Response) or got[1].status >= 400:
             if key:
                 await self.fleet.coord.settle_idempotency(key, None)
-            return got if isinstance(got, web.Response) else _relay(got[1], got[0])
+            return got if isinstance(got, web.Response) else relay(got[1], got[0])
         node, a = got
         if key:
             await self.fleet.coord.settle_idempotency(key, node)
-        return _relay(a, node)
+        return relay(a, node)
 
     # --- connect / resume ----------------------------------------------------------------
 
     async def connect(self, request: web.Request, sid: str, body: bytes) -> web.Response:
         b = await self.fleet.binding(sid)
         if b is None:
-            return _err(404, f"sandbox {sid} not found", sandboxId=sid)
+            return error(404, f"sandbox {sid} not found", sandboxId=sid)
         if b.state != "paused":
             return await self._connect(request, b, body)
         # resuming is a start of the team: its running quota holds it (no creates-per-second token)
@@ -273,16 +259,16 @@ class Moves:
             if b.state == "running" or fits:
                 a = await self.nodes.call("POST", n.url + path, body, headers)
                 if not _not_here(a) or b.state == "running":
-                    return _relay(a, old)
+                    return relay(a, old)
             # full or drained: hand it to another node (its agent records the release)
             r = await self.nodes.call("POST", n.url + release_path(sid), None, _keys(headers))
             code = answer_code(r.body)
             if code in (ClusterCode.NOT_PAUSED, ClusterCode.NOT_MOVABLE):     # running after all: it stays
-                return _relay(await self.nodes.call("POST", n.url + path, body, headers), old)
+                return relay(await self.nodes.call("POST", n.url + path, body, headers), old)
             if code is ClusterCode.NOT_HELD:   # the node has no copy: nobody holds it, the gateway records it
                 await self.fleet.coord.release(sid, old)
             elif r.status != 204:
-                return _relay(r, old)
+                return relay(r, old)
         elif shown_state(b, False) == "lost":
             raise SandboxLost(sid, lost_note(b))
         answer = await self._adopt_and_connect(b, path, body, headers)
@@ -310,7 +296,7 @@ class Moves:
         got = await self.adopt(b, headers)
         if isinstance(got, web.Response):
             return got
-        return _relay(await self.nodes.call("POST", self.fleet.url(got) + path, body, headers), got)
+        return relay(await self.nodes.call("POST", self.fleet.url(got) + path, body, headers), got)
 
     async def kill_orphan(self, b: Binding, headers: dict[str, str]) -> web.Response:
         """Kill a paused sandbox no live node holds (released, or its node is down): a node
@@ -330,7 +316,7 @@ class Moves:
             await self.fleet.coord.unbind(b.sandbox_id, got)
         if a.status in (204, 404):
             self.fleet.forget(b.sandbox_id)
-        return _relay(a, got)
+        return relay(a, got)
 
     async def adopt(self, b: Binding, headers: dict[str, str]) -> str | web.Response:
         """A node that adopted ``b`` from the repository (its agent bound it there), or the
@@ -362,7 +348,7 @@ class Moves:
             await self.fleet.coord.mark_lost(sid, note)
             raise SandboxLost(sid, note)
         if a.status != 200 and code is not ClusterCode.ALREADY_HELD:
-            return _relay(a, node)      # cannot move (volume mounts, template gone, ...): the node says why
+            return relay(a, node)      # cannot move (volume mounts, template gone, ...): the node says why
         self.fleet.forget(sid)
         log.info("gateway: %s adopted by %s (was on %s)", sid, node, b.node_id or "the repository")
         return node
@@ -376,9 +362,9 @@ class Moves:
         req, count = parsed
         b = await self.fleet.binding(sid)
         if b is None:
-            return _err(404, f"sandbox {sid} not found", sandboxId=sid)
+            return error(404, f"sandbox {sid} not found", sandboxId=sid)
         if not (b.node_id and self.fleet.is_alive(b.node_id)):
-            return _err(409, f"sandbox {sid} is not running on a node that is up; only a running sandbox is forked")
+            return error(409, f"sandbox {sid} is not running on a node that is up; only a running sandbox is forked")
         parent = self.fleet.nodes[b.node_id]
         headers = forwarded_headers(request)
         # on the parent's node as many as it has room for: they share its memory; the rest
@@ -420,12 +406,12 @@ class Moves:
                 log.info("gateway: fork of %s: its node %s has no room for %d, all %d children go elsewhere",
                          sid, parent.node_id, here, count)
             elif a.status != 201 or b.info.get("volumes"):
-                return _relay(a, parent.node_id)
+                return relay(a, parent.node_id)
             else:
                 answered = a.json() or []
                 results += [r for r in answered if not _refused_child(r)]
                 if len(results) == count:
-                    return _relay(a, parent.node_id)
+                    return relay(a, parent.node_id)
                 snapshot_id = next((r["sandbox"].get("templateID") for r in results if "sandbox" in r), None)
         rest = count - len(results)
         if snapshot_id is None:
@@ -434,7 +420,7 @@ class Moves:
                                               _keys(headers))
             snapshot_id = (snap.json() or {}).get("snapshotID") if snap.status == 201 else None
             if snapshot_id is None:
-                return _relay(snap, parent.node_id)
+                return relay(snap, parent.node_id)
         create = {"templateID": snapshot_id, "metadata": dict(b.info.get("metadata") or {}), "secure": True}
         if req.get("timeout") is not None:
             create["timeout"] = req["timeout"]
@@ -551,7 +537,7 @@ class Moves:
                     else:
                         results.append(r)
             if wrong is not None and not results:
-                return _relay(*wrong)       # the request itself is wrong (or not found): every node says so
+                return relay(*wrong)       # the request itself is wrong (or not found): every node says so
         missing = count - len(results)
         if missing > 0:
             why = refused or {"error": {"code": 429, "message": "no node had room for this child"}}
@@ -598,12 +584,12 @@ def _fork_request(body: bytes) -> tuple[dict[str, Any], int] | web.Response:
     """A fork's body and its ``count`` (E2B's 1-100), or the 400 saying what is wrong."""
     req = _json(body)
     if not isinstance(req, dict):
-        return _err(400, "request body must be a JSON object")
+        return error(400, "request body must be a JSON object")
     count = req.get("count", 1)
     if count is None:
         count = 1
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_FORK:
-        return _err(400, f"count must be an integer in [1, {MAX_FORK}]")
+        return error(400, f"count must be an integer in [1, {MAX_FORK}]")
     return req, count
 
 

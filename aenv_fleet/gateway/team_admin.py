@@ -13,9 +13,9 @@ from typing import Any
 
 from aiohttp import web
 
-from aenv_wire.errors import error_body
 from aenv_wire.headers import ADMIN_TOKEN_HEADER, API_KEY_HEADER
 
+from .answers import error, relay
 from .forward import Answer, NodeClient, NodeFailed, NodeUnreachable, forwarded_headers
 from .state import FleetView
 
@@ -33,15 +33,6 @@ def is_admin_call(request: web.BaseRequest) -> bool:
         return True
     return ((path == "/api-keys" or path.startswith("/api-keys/") or bool(_TEAM_METRICS.match(path)))
             and ADMIN_TOKEN_HEADER in request.headers and API_KEY_HEADER not in request.headers)
-
-
-def _relay(a: Answer) -> web.Response:
-    return web.Response(status=a.status, body=a.body,
-                        headers={k: v for k, v in a.headers.items() if k.lower() in _PASSED})
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, text=json.dumps(error_body(status, message)), content_type="application/json")
 
 
 class TeamAdmin:
@@ -65,17 +56,17 @@ class TeamAdmin:
         if request.method == "DELETE" and m:
             probe = await self._call(request, "GET", "/admin/teams", None)   # the credential, checked by a node
             if probe is None:
-                return _error(503, "no node of the fleet answered")
+                return error(503, "no node of the fleet answered")
             if probe.status != 200:
-                return _relay(probe)
+                return relay(probe, passed=_PASSED)
             held = await self._sandboxes_of(m.group(1))
             if held:
-                return _error(409, f"team {m.group(1)} still has {held} sandbox(es) in the fleet (running or "
+                return error(409, f"team {m.group(1)} still has {held} sandbox(es) in the fleet (running or "
                                    f"paused): kill them first")
         if request.method == "GET" and request.path == RUNNING_COUNTS:
             return await self._running_counts(request)
         a = await self._call(request, request.method, request.rel_url.raw_path_qs, body)
-        return _relay(a) if a is not None else _error(503, "no node of the fleet answered")
+        return relay(a, passed=_PASSED) if a is not None else error(503, "no node of the fleet answered")
 
     async def _sandboxes_of(self, team: str) -> int:
         coord = self.fleet.coord
@@ -91,10 +82,10 @@ class TeamAdmin:
         got = await self.nodes.answers([n.url for n in self.fleet.alive()], "GET", RUNNING_COUNTS,
                                        forwarded_headers(request), ADMIN_TIMEOUT)
         if not got:
-            return _error(503, "no node of the fleet answered")
+            return error(503, "no node of the fleet answered")
         refused = next((a for a in got if a.status != 200), None)
         if refused is not None:
-            return _relay(refused)
+            return relay(refused, passed=_PASSED)
         counts: dict[str, list[int]] = {}
         for a in got:
             body: Any = a.json()

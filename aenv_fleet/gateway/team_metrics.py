@@ -27,22 +27,14 @@ from aiohttp import web
 from aenv_wire.errors import error_body
 from aenv_wire.listing import iso
 
-from .forward import Answer, NodeClient, forwarded_headers
+from .answers import error, relay
+from .forward import NodeClient, forwarded_headers
 from .state import FleetView
 
 TEAM_METRICS = re.compile(r"^/teams/([^/]+)/metrics(/max)?$")
 METRICS_TIMEOUT = 10.0
 METRIC_NAMES = ("concurrent_sandboxes", "sandbox_start_rate")
 _PASSED = ("content-type", "retry-after", "x-should-retry")
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, text=json.dumps(error_body(status, message)), content_type="application/json")
-
-
-def _relay(a: Answer) -> web.Response:
-    return web.Response(status=a.status, body=a.body,
-                        headers={k: v for k, v in a.headers.items() if k.lower() in _PASSED})
 
 
 def _bound(value: str | None, name: str) -> int | None:
@@ -97,15 +89,15 @@ class FleetTeamMetrics:
         got = await self.nodes.answers([n.url for n in self.fleet.alive()], "GET", path, forwarded_headers(request),
                                        METRICS_TIMEOUT)
         if not got:
-            return _error(503, "no node of the fleet answered")
+            return error(503, "no node of the fleet answered")
         refused = next((a for a in got if a.status != 200), None)
         if refused is not None:
-            return _relay(refused)
+            return relay(refused, passed=_PASSED)
         out: list[list[dict[str, Any]]] = []
         for a in got:
             body = a.json()
             if not isinstance(body, list):
-                return _error(502, "a node answered the team's metrics with something that is not a list")
+                return error(502, "a node answered the team's metrics with something that is not a list")
             out.append(body)
         return out
 
@@ -118,10 +110,10 @@ class FleetTeamMetrics:
         except web.HTTPBadRequest as e:
             return web.Response(status=400, text=e.text, content_type="application/json")
         if start is not None and end is not None and start > end:
-            return _error(400, "Invalid time range for metrics: start time cannot be after end time")
+            return error(400, "Invalid time range for metrics: start time cannot be after end time")
         metric = request.query.get("metric")
         if is_max and metric not in METRIC_NAMES:
-            return _error(400, f"metric must be one of {', '.join(METRIC_NAMES)}")
+            return error(400, f"metric must be one of {', '.join(METRIC_NAMES)}")
         got = await self._series(request, team, start, end)
         if isinstance(got, web.Response):
             return got

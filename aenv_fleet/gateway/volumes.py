@@ -29,11 +29,11 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from aenv_wire.errors import error_body
 
 from .. import keys
 from ..coord import CoordError
-from .forward import Answer, NodeClient, forwarded_headers
+from .answers import error, relay
+from .forward import NodeClient, forwarded_headers
 from .state import FleetView
 
 CONTENT = re.compile(r"^/volumecontent/([^/]+)(/.*)?$")
@@ -43,16 +43,6 @@ CLAIM_SECONDS = 120         # a name claimed by a create still running (a gatewa
 
 
 vol_key, name_key = keys.volume, keys.volume_name
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, text=json.dumps(error_body(status, message)), content_type="application/json")
-
-
-def _relay(a: Answer) -> web.Response:
-    return web.Response(status=a.status, body=a.body, headers={
-        k: v for k, v in a.headers.items()
-        if k.lower() not in ("content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")})
 
 
 def _over_volume_bytes(limit: int, held: int, asked: int) -> str:
@@ -99,32 +89,32 @@ class FleetVolumes:
         except (ValueError, AttributeError):
             name = None
         if not isinstance(name, str) or not name:
-            return _error(400, "Invalid volume name: a name is required")   # the node says why in detail
+            return error(400, "Invalid volume name: a name is required")   # the node says why in detail
         candidates = sorted((n for n in self.fleet.alive() if not n.drained), key=lambda n: -n.disk_free_mib)
         if not candidates:
-            return _error(503, "no undrained node of the fleet is up to make the volume on")
+            return error(503, "no undrained node of the fleet is up to make the volume on")
         try:
             claimed = await self._redis.set(name_key(name), CLAIM_PENDING, nx=True, ex=CLAIM_SECONDS)
         except (RedisError, OSError) as e:
             raise CoordError(f"redis: {e}") from None
         if not claimed:
-            return _error(400, f"Volume with name {name!r} already exists")
+            return error(400, f"Volume with name {name!r} already exists")
         recorded = False
         try:
             node = candidates[0]
             headers = forwarded_headers(request)
             a = await self.nodes.call("POST", node.url + request.rel_url.raw_path_qs, body, headers)
             if a.status != 201:
-                return _relay(a)
+                return relay(a)
             made = json.loads(a.body)
             vid, bound = str(made["volumeID"]), int(made.get("maxBytes", 0))
             room = await self.fleet.coord.add_volume(team, vid, node.node_id, name, bound)
             if not room.recorded:
                 # another gateway's volume of the team took the room meanwhile: this one goes
                 await self.nodes.call("DELETE", node.url + f"/volumes/{vid}", None, headers)
-                return _error(507, _over_volume_bytes(room.limit, room.held, bound))
+                return error(507, _over_volume_bytes(room.limit, room.held, bound))
             recorded = True
-            return _relay(a)
+            return relay(a)
         except (RedisError, OSError) as e:
             raise CoordError(f"redis: {e}") from None
         finally:
@@ -137,7 +127,7 @@ class FleetVolumes:
         out: list[Any] = []
         for a in answers:
             if a.status != 200:
-                return _relay(a)        # the key is wrong for every node alike: their answer
+                return relay(a)        # the key is wrong for every node alike: their answer
             out.extend(a.json())
         out.sort(key=lambda v: (v.get("name", ""), v.get("volumeID", "")))
         return web.Response(text=json.dumps(out), content_type="application/json")
@@ -146,14 +136,14 @@ class FleetVolumes:
         """GET or DELETE ``/volumes/{id}`` on its node."""
         node = await self.node_of(volume_id)
         if node is None:
-            return _error(404, "Volume not found")
+            return error(404, "Volume not found")
         if not self.fleet.is_alive(node):
-            return _error(503, f"volume {volume_id} is on node {node}, which is down: retry when it is back")
+            return error(503, f"volume {volume_id} is on node {node}, which is down: retry when it is back")
         a = await self.nodes.call(request.method, self.fleet.url(node) + request.rel_url.raw_path_qs, None,
                                   forwarded_headers(request))
         if request.method == "DELETE" and a.status == 204:
             await self.fleet.coord.drop_volume(volume_id)
-        return _relay(a)
+        return relay(a)
 
     # --- the volume token's routes --------------------------------------------------------
 
@@ -161,9 +151,9 @@ class FleetVolumes:
         """(node id, its URL) of a volume's content routes, or the answer why none."""
         node = await self.node_of(volume_id)
         if node is None:
-            return _error(404, "Volume not found")
+            return error(404, "Volume not found")
         if not self.fleet.is_alive(node):
-            return _error(503, f"volume {volume_id} is on node {node}, which is down: retry when it is back")
+            return error(503, f"volume {volume_id} is on node {node}, which is down: retry when it is back")
         return node, self.fleet.url(node)
 
     # --- creates with volumeMounts ---------------------------------------------------------
@@ -180,12 +170,12 @@ class FleetVolumes:
                 return None         # malformed: the node answers it (400) with its reason
             node = await self.node_of_name(name)
             if node is None:
-                return _error(404, f"volumeMounts: Volume {name[:64]!r} not found")
+                return error(404, f"volumeMounts: Volume {name[:64]!r} not found")
             found.add(node)
         if len(found) > 1:
-            return _error(400, f"volumeMounts: the volumes are on different nodes ({', '.join(sorted(found))}); "
+            return error(400, f"volumeMounts: the volumes are on different nodes ({', '.join(sorted(found))}); "
                                f"a sandbox mounts volumes of one node")
         node = found.pop()
         if not self.fleet.is_alive(node):
-            return _error(503, f"volumeMounts: the volumes are on node {node}, which is down: retry when it is back")
+            return error(503, f"volumeMounts: the volumes are on node {node}, which is down: retry when it is back")
         return node
