@@ -367,15 +367,16 @@ class Coordinator:
         """Drop the starts reserved under ``rid`` that were not settled (settled ones are gone already)."""
         await self._run("TEAM_UNRESERVE", team, rid, n)
 
-    async def team_pause(self, team: str, ttl: float = 300.0) -> str:
+    async def team_pause(self, team: str, ttl: float = 300.0) -> str | None:
         """Reserve a pause of ``team``'s (scripts.py TEAM_PAUSE): the reservation's id, to
-        give ``team_paused`` once the pause was answered. TeamQuotaExceeded ("paused")
-        when the team's paused sandboxes and pauses in flight are at its quota."""
+        give ``team_paused`` once the pause was answered (None: the team has no paused
+        quota, nothing reserved). TeamQuotaExceeded ("paused") when the team's paused
+        sandboxes and pauses in flight are at its quota."""
         rid = secrets.token_hex(8)
         got = await self._run("TEAM_PAUSE", team, rid, now_ms(), int(ttl * 1000))
-        if int(got[0]) != 1:
+        if int(got[0]) == 0:
             raise TeamQuotaExceeded("paused", float(got[1]))
-        return rid
+        return rid if int(got[0]) == 1 else None
 
     async def team_paused(self, team: str, rid: str) -> None:
         await self._run("TEAM_PAUSED", team, rid)

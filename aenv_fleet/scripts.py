@@ -231,11 +231,12 @@ return 1
 # the starts' reservations) must leave room; the pause is reserved in the same step. Once
 # the node answered (its agent has bound the sandbox paused by then) the gateway drops the
 # reservation (TEAM_PAUSED).
-# ARGV: team, reservation id, now_ms, ttl_ms -> {1} reserved | {0, limit} refused
+# ARGV: team, reservation id, now_ms, ttl_ms -> {1} reserved | {2} no quota: nothing
+# reserved | {0, limit} refused
 TEAM_PAUSE = _LIB + """
 local t, rid, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local limit = tonumber(redis.call('HGET', P .. 'quota:' .. t, 'pausedSandboxes') or '')
-if not limit then return {1} end
+if not limit then return {2} end
 local rk = P .. 'team:' .. t .. ':presv'
 redis.call('ZREMRANGEBYSCORE', rk, '-inf', now)
 if redis.call('SCARD', P .. 'team:' .. t .. ':paused') + redis.call('ZCARD', rk) >= limit then

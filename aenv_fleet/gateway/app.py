@@ -300,7 +300,8 @@ class Gateway:
         try:
             return await self._to_node(request, b.node_id, self.fleet.url(b.node_id) + request.rel_url.raw_path_qs)
         finally:
-            await self.coord.team_paused(team, rid)
+            if rid is not None:
+                await self.coord.team_paused(team, rid)
 
     async def _orphan(self, request: web.Request, b: Binding, rest: str) -> web.StreamResponse:
         """A sandbox on a node that is down, or released to the repository: Redis answers."""

@@ -287,6 +287,7 @@ def test_two_gateways_pausing_at_once_never_exceed_a_teams_paused_quota(fresh: R
             except TeamQuotaExceeded as e:
                 assert e.kind == "paused" and e.limit == 3
                 return False
+            assert (rid is None) == (team == "b")          # team b has no paused quota: nothing reserved
             try:
                 await asyncio.sleep(0.001 * (i % 4))        # the node pausing it
                 b = await agent.binding(sid)
@@ -294,7 +295,8 @@ def test_two_gateways_pausing_at_once_never_exceed_a_teams_paused_quota(fresh: R
                 await agent.bind(sid, b.node_id, "paused", {})
                 return True
             finally:
-                await gw.team_paused(team, rid)
+                if rid is not None:
+                    await gw.team_paused(team, rid)
         done = await asyncio.gather(*[pause(gw1 if i % 2 else gw2, sid, i)     # type: ignore[arg-type]
                                       for i, sid in enumerate(sids)])
         paused = [sid for sid, ok in zip(sids, done) if ok]
