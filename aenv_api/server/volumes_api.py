@@ -141,7 +141,7 @@ class VolumeApi:
             await asyncio.to_thread(self.owners.put, rec.volume_id, team)
         return rec
 
-    def bound_of(self, max_bytes: int | None) -> int:
+    def _bound_of(self, max_bytes: int | None) -> int:
         """The byte bound a volume made with ``max_bytes`` gets (0: unbounded)."""
         return self.registry.default_quota.max_bytes if max_bytes is None else max_bytes
 
@@ -149,7 +149,7 @@ class VolumeApi:
         """The ApiError when a volume of ``max_bytes`` would take ``team``'s volumes' bounds
         past ``limit``. A volume without a byte bound could hold anything: none is made
         under a byte quota, and one made before the quota leaves no room."""
-        asked = self.bound_of(max_bytes)
+        asked = self._bound_of(max_bytes)
         if asked == 0:
             raise ApiError(400, "your team has a volumeBytes quota, so its volumes need a byte bound: send maxBytes "
                                 "> 0 (this node's default, [volumes] max_bytes, is unbounded)")
