@@ -242,13 +242,35 @@ async def _pss_both_ways(mgr: SandboxManager, pids: list[int]) -> dict[str, dict
     return out
 
 
-async def fork(mgr: SandboxManager, count: int) -> dict:
+async def _neighbour_p50(sbx: Sandbox, stop: asyncio.Event | None, n: int = 10) -> tuple[float, int]:
+    """p50 (ms) of a running neighbour's ``true`` commands: ``n`` of them, or (``stop``)
+    one after another until it is set; and how many ran."""
+    times: list[float] = []
+    while (len(times) < n) if stop is None else not stop.is_set():
+        t = time.perf_counter()
+        await guest(sbx, "true")
+        times.append((time.perf_counter() - t) * 1000)
+    return float(np.median(times)), len(times)
+
+
+async def fork(mgr: SandboxManager, count: int, busy: bool = False) -> dict:
+    """``busy``: the parent runs a busy loop when forked (so does each child at once), and
+    a neighbour sandbox runs ``true`` commands throughout: its p50 against its idle p50."""
     parent = await mgr.create("base")
     await guest(parent, "true")
     one_mem = await _pss_both_ways(mgr, [parent.vm.pid])
+    neighbour = await mgr.create("base") if busy else None
+    idle_p50 = 0.0
+    if neighbour is not None:
+        await guest(parent, "nohup sh -c 'while :; do :; done' >/dev/null 2>&1 &")
+        idle_p50, _ = await _neighbour_p50(neighbour, None)
+    stop = asyncio.Event()
+    watching = asyncio.ensure_future(_neighbour_p50(neighbour, stop)) if neighbour is not None else None
     t0, c0 = time.perf_counter(), _self_cpu()
     kids = await mgr.fork(parent.id, count)
     answering, manager_cpu = time.perf_counter() - t0, _self_cpu() - c0
+    stop.set()
+    during = await watching if watching is not None else None
     failed = [k for k in kids if isinstance(k, Exception)]
     if failed:
         raise BenchError(f"{len(failed)} fork children failed: {failed[0]}")
@@ -260,9 +282,12 @@ async def fork(mgr: SandboxManager, count: int) -> dict:
     await asyncio.gather(*(asyncio.to_thread(first_command, k) for k in ok))
     all_commands = time.perf_counter() - t0
     kids_mem = await _pss_both_ways(mgr, [k.vm.pid for k in ok])
-    for k in ok + [parent]:
+    for k in ok + [parent] + ([neighbour] if neighbour is not None else []):
         await mgr.kill(k.id)
-    return {"count": count, "answering": answering, "children_cpu_ms_at_answering": cpu_before,
+    nb = None if during is None else {"idle_p50_ms": idle_p50, "fork_p50_ms": during[0], "commands": during[1],
+                                      "ratio": during[0] / idle_p50 if idle_p50 else 0.0}
+    return {"count": count, "busy": busy, "neighbour": nb, "answering": answering,
+            "children_cpu_ms_at_answering": cpu_before,
             "snapshot_s": mgr.last_fork_snapshot,
             "manager_cpu_ms": manager_cpu * 1000, "per_child_s": per_child,
             "snapshot_parts_s": mgr.last_fork_timing,
@@ -303,7 +328,7 @@ async def _run(args: argparse.Namespace) -> dict:
                     res["resume_nostandby"] = await resumes(mgr, args.resumes, standby=False)
                     print("[bench] resumes done", file=sys.stderr)
                 if args.fork and "fork" in parts:
-                    res["fork"] = await fork(mgr, args.fork)
+                    res["fork"] = await fork(mgr, args.fork, busy=args.fork_busy)
                     print("[bench] fork done", file=sys.stderr)
             if args.cold and "cold" in parts:
                 res["cold"] = await cold_resumes(store, guest_img, work, args.cold)
@@ -359,7 +384,11 @@ def report(res: dict, markdown: bool) -> None:
                  f"{f['children_cpu_ms_at_answering']:.0f}, manager CPU {f.get('manager_cpu_ms', 0):.0f}; "
                  "per child p50: " + ", ".join(f"{k} {v * 1000:.0f}" for k, v in f.get("per_child_s", {}).items())])
     rows.append([f"fork {f['count']} → every child's first commands.run done", f"{f['all_first_command'] * 1000:.0f}",
-                 "", 1, ""])
+                 "", 1, "a busy parent (and children)" if f.get("busy") else ""])
+    if f.get("neighbour"):
+        nb = f["neighbour"]
+        rows.append(["a running neighbour's `true` during the fork, p50", f"{nb['fork_p50_ms']:.0f}", "",
+                     nb["commands"], f"idle p50 {nb['idle_p50_ms']:.0f}: {nb['ratio']:.2f}× idle"])
     header = ["what (ms)", "p50", "p99", "n", "p50 breakdown (ms)"]
     modes = [m for m in ("plain", "ksm") if m in f["mem_children"]]
     one, kids = f["mem_one"], f["mem_children"]
@@ -396,6 +425,8 @@ def main() -> int:
     p.add_argument("--resumes", type=int, default=10)
     p.add_argument("--cold", type=int, default=3)
     p.add_argument("--fork", type=int, default=16)
+    p.add_argument("--fork-busy", action="store_true",
+                   help="fork a parent running a busy loop, a neighbour running commands meanwhile (its p50 ratio)")
     p.add_argument("--no-ksm", action="store_true", help="the node without its default [vm] ksm settings")
     p.add_argument("--network", choices=("auto", "user", "tap"), default="auto",
                    help="[vm] network of the node (default: auto, what `aenv server` uses)")
