@@ -70,7 +70,7 @@ class ControlPlane:
         # each team's snapshotBytes quota; the quotas are the lifecycle's gate's (set by the server)
         self.snapshot_quota = SnapshotQuota(
             lambda team: self.lc.quotas.quota_of(team) if self.lc.quotas is not None else TeamQuota(),
-            self.lc.snapshots, self.snapshot_team, self.lc.delete_snapshot)
+            lambda: self.lc.snapshots(), self.snapshot_team, lambda sid: self.lc.delete_snapshot(sid))
 
     @property
     def snapshot_owners(self) -> OwnerMap:
