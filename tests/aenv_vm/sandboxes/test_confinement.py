@@ -215,7 +215,9 @@ def test_every_qemu_the_node_starts_is_confined(env: Env, tmp_path: Path, monkey
             ids.update(a=a.id, kid=kid.id)
             await run_ok(kid)
             seen.append(inspect("fork child, running", kid.vm, data_dirs + [node / "vm" / a.id]))
-            await wait_for(lambda: len(mgr.pooled("base")) == 1, 60)   # the pool's refill
+            # the pools' refills (base's after b's create, confined's after a's): none may be
+            # cut off by the manager's close while it warms, at its low priority still
+            await wait_for(lambda: len(mgr.pooled("base")) == 1 and len(mgr.pooled("confined")) == 1, 120)
             for sbx in (a, b, kid):
                 await mgr.kill(sbx.id)
         label[0] = "accelerator probe"
