@@ -70,7 +70,8 @@ class Priority(enum.Enum):
     its envd answered /init), a running neighbour's commands during a fork of 16 went
     from 2.3-2.9x to 1.8-1.9x of idle, but a fork of 16 of a busy parent took 30-35 s
     instead of ~8: each child runs its parent's busy loop at full weight once started,
-    starving the siblings still starting."""
+    starving the siblings still starting. Nor are a fork's siblings held back together
+    until all answered (docs/benchmarks.md: slower on every count)."""
     RUNNING = (0, 1)
     BACKGROUND = (10, 8)
 
