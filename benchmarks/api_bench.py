@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable
 
 from envd import ENVD_PORT
 
@@ -112,12 +113,49 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_proxy(calls: int, server_pid: int | None) -> dict:
+def guest_tokens(data_dir: Path) -> Callable[[str], str]:
+    """The guest token of each sandbox of the server this benchmark started on ``data_dir``
+    (its envd secret: AENV_ENVD_SECRET, else the file it made there). A secured sandbox's
+    envd takes that token only; the client's token is the proxy's (access_tokens.py)."""
+    from aenv_api.server.access_tokens import AccessTokens
+    from aenv_api.server.auth import ENVD_SECRET_ENV, ENVD_SECRET_FILE
+
+    secret = os.environ.get(ENVD_SECRET_ENV, "").strip() or (data_dir / ENVD_SECRET_FILE).read_text().strip()
+    return AccessTokens(secret.encode()).guest
+
+
+def has_guest_tokens() -> bool:
+    """Whether this tree's node gives guests a token of their own (issue 29)."""
+    try:
+        from aenv_api.server.access_tokens import AccessTokens  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def direct_client(sandbox_id: str, guest_token: Callable[[str], str] | None) -> Any:
+    """A client of the sandbox's envd straight through its host forward, no node code
+    between (with the guest's own token when it is secured)."""
+    from e2b import Sandbox
+
+    url = f"http://{envd_address(sandbox_id)}"
+    if guest_token is None:      # a node whose client and guest tokens are one (before issue 29)
+        return Sandbox.connect(sandbox_id, sandbox_url=url)
+    from e2b.connection_config import ConnectionConfig
+    from e2b.envd.versions import ENVD_DEBUG_FALLBACK
+
+    token = guest_token(sandbox_id)
+    config = ConnectionConfig(sandbox_url=url, extra_sandbox_headers={"X-Access-Token": token})
+    return Sandbox(sandbox_id=sandbox_id, sandbox_domain=None, envd_version=ENVD_DEBUG_FALLBACK,
+                   envd_access_token=token, connection_config=config)
+
+
+def bench_proxy(calls: int, server_pid: int | None, guest_token: Callable[[str], str] | None = None) -> dict:
     from e2b import Sandbox
 
     sbx = Sandbox.create(timeout=3600)
     try:
-        direct = Sandbox.connect(sbx.sandbox_id, sandbox_url=f"http://{envd_address(sbx.sandbox_id)}")
+        direct = direct_client(sbx.sandbox_id, guest_token)
         for c in (sbx, direct):
             for _ in range(5):
                 c.commands.run("true")
@@ -232,7 +270,8 @@ def main() -> int:
             wait_pool(url, key, args.pool_size, timeout=300)
         result = {"machine": machine_info(), "load_before": os.getloadavg()[0]}
         print("api_bench: proxy overhead ...", file=sys.stderr)
-        result["proxy"] = bench_proxy(args.calls, proc.pid if proc is not None else None)
+        tokens = guest_tokens(data_dir) if proc is not None and has_guest_tokens() else None
+        result["proxy"] = bench_proxy(args.calls, proc.pid if proc is not None else None, tokens)
         if args.only_proxy:
             result["create"] = result["throughput"] = None
         if not args.only_proxy:
