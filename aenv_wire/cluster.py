@@ -89,7 +89,7 @@ class ClusterCode(enum.StrEnum):
     LOST = "sandbox_lost"
     # 503 on a create, resume or adopt: this node lost its fleet lease and starts nothing
     # until it renews and has recovered (docs/cluster.md "Fencing"): next node
-    FENCED = "node_fenced"
+    FENCED = "sandbox_node_fenced"
 
 
 def answer_code(body: bytes) -> ClusterCode | None:

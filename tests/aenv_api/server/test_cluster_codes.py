@@ -19,7 +19,7 @@ from aenv_api.server.auth import Credentials
 from aenv_api.server.lifecycle import Lifecycle
 from aenv_api.server.metrics import Metrics
 from aenv_api.server.settings import ServerConfig
-from aenv_vm.errors import (AlreadyHeld, CapacityError, Moved, NotCommitted, NotFound, NotMovable, NotPaused,
+from aenv_vm.errors import (AlreadyHeld, CapacityError, Moved, NodeFenced, NotCommitted, NotFound, NotMovable, NotPaused,
                             ResumedElsewhere, VmError)
 from aenv_vm.service import SandboxInfo, SandboxState
 from aenv_wire.cluster import PREFIX, ClusterCode, adopt_path, release_path
@@ -81,6 +81,10 @@ CASES = [
     (ClusterCode.MOVED, Moved("sandbox sbx-1 moved: node x holds it now"), ("POST", "/v2/sandboxes/sbx-1/connect"),
      409),
     (ClusterCode.MOVED, Moved("sandbox sbx-1 moved: node x holds it now"), ("POST", "/sandboxes/sbx-1/resume"), 409),
+    (ClusterCode.FENCED, NodeFenced("this node could not renew its fleet lease", retry_after=1),
+     ("POST", "/v2/sandboxes"), 503),
+    (ClusterCode.FENCED, NodeFenced("this node could not renew its fleet lease", retry_after=1),
+     ("POST", adopt_path("sbx-9")), 503),
 ]
 
 
