@@ -23,7 +23,8 @@ CHUNK = 4096
 def files(seed: int, i: int) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], bytes]:
     """(disk writes, memory extents, device state) of template ``i`` of ``seed``."""
     rng = random.Random(seed * 100_003 + i)
-    disk = [(rng.randrange(0, 256) * CHUNK, rng.randbytes(rng.randint(1, 3) * CHUNK)) for _ in range(rng.randint(1, 6))]
+    # writes within the 1 MiB base image (256 chunks): at most 3 chunks from chunk 0..252
+    disk = [(rng.randrange(0, 253) * CHUNK, rng.randbytes(rng.randint(1, 3) * CHUNK)) for _ in range(rng.randint(1, 6))]
     mem = [(rng.randrange(0, MEM // CHUNK - 8) * CHUNK, rng.randbytes(rng.randint(1, 8) * CHUNK))
            for _ in range(rng.randint(1, 12))]
     return disk, mem, rng.randbytes(rng.randint(100, 9000))

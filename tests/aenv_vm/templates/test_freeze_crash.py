@@ -94,8 +94,9 @@ def test_sigkill_during_template_commits(tmp_path: Path) -> None:
         proc = start(data_dir, round_seed, journal, tmp_path / f"work-{rnd}")
         time.sleep(rng.uniform(0.0, 1.0))
         proc.send_signal(signal.SIGKILL)
-        proc.communicate()
-        assert proc.returncode == -signal.SIGKILL
+        _, err = proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, f"round {rnd} (seed {seed}): the committer failed:\n" \
+            f"{err.decode(errors='replace')[-3000:]}"
         r = run_aenv(data_dir, "repo", "verify", "--read-data")
         assert r.rc == 0, f"round {rnd} (seed {seed}): verify failed:\n{r.out}{r.err}"
         committed = {line.split()[1] for line in journal.read_text().splitlines()} if journal.exists() else set()
