@@ -278,7 +278,7 @@ class Gateway:
         b = await self.fleet.binding(sid)
         if b is None:
             return error(404, f"sandbox {sid} not found", sandboxId=sid)
-        if b.node_id and self.fleet.is_alive(b.node_id):
+        if b.node_id and await self.fleet.alive_now(b.node_id):
             if request.method == "POST" and rest == "/pause" and b.state == "running":
                 return await self._pause(request, b)
             resp = await self._to_node(request, b.node_id, self.fleet.url(b.node_id) + request.rel_url.raw_path_qs)
@@ -384,7 +384,7 @@ class Gateway:
             return error(404, "The sandbox was not found", sandboxId=sid)
         if not (b.node_id and self.fleet.is_alive(b.node_id)):
             b = await self.fleet.binding(sid)            # the cache may be behind a move
-            if b is None or not (b.node_id and self.fleet.is_alive(b.node_id)):
+            if b is None or not (b.node_id and await self.fleet.alive_now(b.node_id)):
                 return error(502, f"sandbox {sid} is not on a running node: connect to resume it",
                              sandboxId=sid)
         url = self.fleet.url(b.node_id) + request.rel_url.raw_path_qs

@@ -253,7 +253,7 @@ class Moves:
         path = request.rel_url.raw_path_qs
         headers = forwarded_headers(request)
         old = b.node_id
-        if old and self.fleet.is_alive(old):
+        if old and await self.fleet.alive_now(old):
             n = self.fleet.nodes[old]
             fits = not n.drained and n.mem_avail_mib >= max(n.sandbox_mem_mib, 1)
             if b.state == "running" or fits:

@@ -130,6 +130,18 @@ class FleetView:
         n = self.nodes.get(node_id)
         return n is not None and n.lease_deadline >= self._now()
 
+    async def alive_now(self, node_id: str) -> bool:
+        """Whether ``node_id`` is alive, its lease read again when this gateway's view says
+        it is not: before a sandbox is answered as unreachable or lost, or a connect goes
+        another way. A node back from a stall renews before it answers anything, and this
+        view may be up to a refresh behind that (or its last read may have straddled the
+        renewal)."""
+        if self.is_alive(node_id):
+            return True
+        with contextlib.suppress(CoordError, RedisTrustError):
+            await self.refresh()
+        return self.is_alive(node_id)
+
     def url(self, node_id: str) -> str:
         n = self.nodes.get(node_id)
         return n.url if n is not None else ""

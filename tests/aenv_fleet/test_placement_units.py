@@ -98,6 +98,9 @@ class Fleet:
     def is_alive(self, node_id: str) -> bool:
         return node_id in self.nodes and self.nodes[node_id].alive
 
+    async def alive_now(self, node_id: str) -> bool:
+        return self.is_alive(node_id)
+
     def alive(self) -> list[NodeRecord]:
         return [n for n in self.nodes.values() if n.alive]
 

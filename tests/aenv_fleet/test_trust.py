@@ -256,6 +256,10 @@ def test_a_gateway_judges_leases_as_of_its_last_read_of_them(redis_server: Redis
             assert view.is_alive("n1")      # not read since: it may have renewed
             await view.refresh()
             assert not view.is_alive("n1") and view.alive() == []
+            # back (it renews before it answers anything): the view is behind until its next
+            # refresh, so a gateway about to answer "unreachable" or "lost" reads it again
+            await node.heartbeat("n1", cap("http://10.0.0.1:8000"), 5.0)
+            assert not view.is_alive("n1") and await view.alive_now("n1") and view.is_alive("n1")
         finally:
             await node.close()
             await gw.close()
