@@ -46,7 +46,7 @@ def parse_host(host: str, domain: str) -> SandboxAddress | None:
         return None
     label = name[: -len(suffix)]
     port, sep, sid = label.partition("-")
-    if not sep or not sid or "." in sid or not port.isdigit():
+    if not sep or not sid or "." in sid or not (port.isascii() and port.isdigit()):
         return None
     return SandboxAddress(sid, int(port))
 
@@ -101,7 +101,8 @@ def sandbox_route(headers: Mapping[str, str], host: str, path: str, domain: str,
     if sid is not None:
         name = AGENTENV_PORT_HEADER if AGENTENV_PORT_HEADER in headers else SANDBOX_PORT_HEADER
         raw = headers.get(name, str(default_port))
-        if not raw.isdigit() or not 0 < int(raw) < 65536:
+        # ASCII digits only: str.isdigit() takes "²", which int() does not
+        if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) < 65536:
             raise BadRoute(f"{name} must be a port number, got {raw[:20]!r}")
         if not sid.strip():
             raise BadRoute("the sandbox routing header is empty: it names the sandbox the request is for")
