@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
 import os
 import shutil
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,6 +284,7 @@ class NodeAgent:
         # lease lapse (the node would fence itself while it is merely busy)
         self._facts_thread = ThreadPoolExecutor(1, thread_name_prefix="aenv-agent-facts")
         self._facts: HostFacts | None = None
+        self._facts_read: asyncio.Future[HostFacts] | None = None     # the read in flight, if one is
         # with [p2p] enabled: publish this node's ticket, peer with the other live nodes
         self.peering = FleetPeering(self.coord, self.node_id, p2p) if p2p is not None else None
         self.fence = Fence(config, lambda: self.service,
@@ -418,7 +419,10 @@ class NodeAgent:
         """The host's memory and disk now; the last ones read when the read takes longer
         than half a heartbeat (a disk under load answering statvfs late): the lease matters
         more than a fresh figure."""
-        read = asyncio.get_running_loop().run_in_executor(self._facts_thread, host_facts, self.data_dir)
+        if self._facts_read is None or self._facts_read.done():     # a read stuck in statvfs is not queued again
+            self._facts_read = asyncio.get_running_loop().run_in_executor(self._facts_thread, host_facts,
+                                                                          self.data_dir)
+        read = self._facts_read
         if self._facts is None:
             self._facts = await read
             return self._facts

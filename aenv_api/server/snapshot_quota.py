@@ -39,9 +39,9 @@ class SnapshotQuota:
         self._delete = delete
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def _held(self, team: str) -> tuple[int, dict[str, int]]:
-        sizes = {s.snapshot_id: s.bytes or 0 for s in await self._listed() if self._team_of(s) == team}
-        return sum(sizes.values()), sizes
+    async def _sizes(self, team: str) -> dict[str, int]:
+        """The bytes of each of ``team``'s snapshots, by id."""
+        return {s.snapshot_id: s.bytes or 0 for s in await self._listed() if self._team_of(s) == team}
 
     async def take(self, team: str, make: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """``make()`` (a snapshot of ``team``: its answer, ``snapshotID`` in it) within the
@@ -51,12 +51,11 @@ class SnapshotQuota:
             return await make()
         lock = self._locks.setdefault(team, asyncio.Lock())
         async with lock:
-            held, _ = await self._held(team)
+            held = sum((await self._sizes(team)).values())
             if held >= limit:
                 raise over_snapshot_bytes(limit, held, None)
             snap = await make()
-            _, sizes = await self._held(team)
-            size = sizes.get(snap["snapshotID"], 0)
+            size = (await self._sizes(team)).get(snap["snapshotID"], 0)
             if held + size > limit:
                 with contextlib.suppress(ApiError):     # gone already: nothing to take back
                     await self._delete(snap["snapshotID"])

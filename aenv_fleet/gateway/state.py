@@ -52,6 +52,7 @@ class FleetView:
         self._last_event = "$"
         self.redis_ok = False
         self._last_ok = 0.0     # when the nodes' leases were last read: they are judged as of then (_now)
+        self._reread: asyncio.Future[None] | None = None    # alive_now's read of the leases, in flight
 
     async def start(self) -> None:
         with contextlib.suppress(CoordError, RedisTrustError):
@@ -138,8 +139,11 @@ class FleetView:
         renewal)."""
         if self.is_alive(node_id):
             return True
+        # requests for a dead node's sandboxes share one read: at most one in flight
+        if self._reread is None or self._reread.done():
+            self._reread = asyncio.ensure_future(self.refresh())
         with contextlib.suppress(CoordError, RedisTrustError):
-            await self.refresh()
+            await asyncio.shield(self._reread)
         return self.is_alive(node_id)
 
     def url(self, node_id: str) -> str:
