@@ -178,7 +178,8 @@ class Node:
                                      lazy_memory=vm.lazy_memory, admission=admission,
                                      egress_limits=vm.egress_limits(), console_bytes=vm.console_kib << 10,
                                      infrastructure=config.infrastructure(),
-                                     fence_wait=cluster.fence_wait if trust is not None else 0.0)
+                                     fence_wait=cluster.fence_wait if trust is not None else 0.0,
+                                     fork_starting_weight=vm.fork_starting_weight)
             register_guest_drops(metrics, manager.rt.networks.drops)
             try:
                 await manager.start()

@@ -101,6 +101,13 @@ class VmConfig:
     restore_slots: int = 0
     restore_queue: int = 256
     restore_max_wait: float = 30.0
+    # The CPU weight a fork's children still starting have together, in running sandboxes
+    # (aenv_vm/machine/cpushare.py); each child that answered weighs one. Under TCG a
+    # restore translates its guest's code again (~0.5 s of a CPU): at a running sandbox's
+    # weight each, a fork of 16 kept running neighbours' commands at 2.1-3.3x their idle
+    # time, at 0.25 at 1.0-1.6x. 1.0: forks start faster on a busy node, at its neighbours'
+    # expense. Only matters under contention, and only on a node with per-QEMU cgroups.
+    fork_starting_weight: float = 0.25
     # A create, resume or fork child is answered 429 (the node is full for now) while the
     # host's available memory is below this (0: no bound), or the data dir's free disk
     # below [cache] min_free_disk: a burst stops before the host runs out, not after.
@@ -195,6 +202,8 @@ class VmConfig:
                 not 0 < self.restore_max_wait <= 3600:
             raise ConfigError("vm.restore_slots must be in 0..1024, vm.restore_queue in 0..100000 and "
                               "vm.restore_max_wait in (0, 3600]")
+        if not 0.01 <= self.fork_starting_weight <= 1.0:
+            raise ConfigError(f"vm.fork_starting_weight must be in 0.01..1, got {self.fork_starting_weight}")
         self.egress_limits()     # ConfigError naming the field when one is out of range
         if not 128 <= self.console_kib <= 1 << 20:
             raise ConfigError(f"vm.console_kib must be in 128..1048576, got {self.console_kib}")

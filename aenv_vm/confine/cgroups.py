@@ -228,6 +228,14 @@ def host_layout() -> Layout | str:
     return find_layout(mountinfo, proc_cgroup, v2_controllers)
 
 
+def cpu_weight(full: int, share: float) -> int:
+    """The weight file's value for ``share`` of ``full`` (a running sandbox's weight),
+    never below 2 (v1's least; v2's is 1)."""
+    if not share > 0:
+        raise ValueError(f"a CPU share must be positive, not {share}")
+    return max(2, round(full * min(share, 1.0)))
+
+
 # ---------------------------------------------------------------- groups (I/O)
 
 @dataclass(frozen=True)
@@ -238,15 +246,15 @@ class VmCgroup:
     cpu_weight_file: Path | None = None     # cpu.shares (v1) or cpu.weight (v2)
     cpu_weight_full: int = 0                # that file's default: a running sandbox's weight
 
-    def set_cpu_weight(self, divisor: int) -> None:
-        """Give the QEMU 1/``divisor`` of a running sandbox's CPU weight (1: all of it).
+    def set_cpu_share(self, share: float) -> None:
+        """Give the QEMU ``share`` of a running sandbox's CPU weight (1.0: all of it).
         Each QEMU is alone in its group, so its nice value weighs only against its own
         threads; between QEMUs the groups' weights decide who runs under contention.
         Best effort: a group that is gone (its QEMU died) is no error."""
         if self.cpu_weight_file is None:
             return
         try:
-            _write(self.cpu_weight_file, str(max(2, self.cpu_weight_full // divisor)))
+            _write(self.cpu_weight_file, str(cpu_weight(self.cpu_weight_full, share)))
         except OSError:
             pass
 
@@ -285,7 +293,7 @@ class VmCgroup:
 
 
 def _write(path: Path, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)     # cgroupfs ignores the truncation (as `echo >` does)
     try:
         os.write(fd, value.encode())
     finally:

@@ -14,7 +14,8 @@ In this order, for every mode of ``MachinePlan`` (plan.py):
 4. the **jail** (the host's confinement; its uid is the machine's until teardown);
 5. the **network** (``NodeNetworks.attach`` → a typed ``Attachment``);
 6. the ``VmSpec`` (spec.py) and ``QemuProcess.start``; a background machine's QEMU
-   yields the CPU (``Priority.BACKGROUND``: its nice value and its cgroup's weight);
+   yields the CPU (``Priority.BACKGROUND``: its nice value and its cgroup's weight); a
+   fork child's joins its fork's ``StartingGroup`` (cpushare.py) until its envd answers;
 7. a restore: a resume's delta pages written into its RAM through /proc/PID/mem,
    then the device state loaded (tap nodes: without its ``slirp`` section);
 8. the **envd greeting**: ``/health`` (the version it reports; a boot that never
@@ -59,29 +60,25 @@ from .spec import envd_address, machine_spec
 log = logging.getLogger(__name__)
 
 class Priority(enum.Enum):
-    """A QEMU's claim on the CPU while other QEMUs want it too: (nice value, 1/x of a
+    """A QEMU's claim on the CPU while other QEMUs want it too: (nice value, share of a
     running sandbox's cgroup CPU weight). A pool refill (nobody waits for it) yields to
     every sandbox in use until it is warm. Each confined QEMU is alone in its cgroup,
     where its nice value weighs only against its own threads: between QEMUs the
     groups' weights decide (1/8: about what nice 10 weighs against nice 0); unconfined,
     the nice value does.
 
-    Foreground restores are not held back: tried (a restore at 1/8 of the weight until
-    its envd answered /init), a running neighbour's commands during a fork of 16 went
-    from 2.3-2.9x to 1.8-1.9x of idle, but a fork of 16 of a busy parent took 30-35 s
-    instead of ~8: each child runs its parent's busy loop at full weight once started,
-    starving the siblings still starting. Nor are a fork's siblings held back together
-    until all answered (docs/benchmarks.md: slower on every count)."""
-    RUNNING = (0, 1)
-    BACKGROUND = (10, 8)
+    A fork's children share a ``StartingGroup`` while they start (cpushare.py); other
+    foreground restores (a create without a pooled clone, a resume) have the full weight."""
+    RUNNING = (0, 1.0)
+    BACKGROUND = (10, 1 / 8)
 
 
 def prioritise(vm: QemuProcess, priority: Priority) -> None:
     """Give ``vm`` ``priority`` (best effort: raising it back needs root)."""
-    nice, divisor = priority.value
+    nice, share = priority.value
     renice(vm.pid, nice)
     if vm.cgroup is not None:
-        vm.cgroup.set_cpu_weight(divisor)
+        vm.cgroup.set_cpu_share(share)
 
 
 @dataclass
@@ -173,6 +170,8 @@ async def _bring_up(host: Host, plan: MachinePlan, standby: Standby | None) -> t
             net = host.networks.get(name)
         if plan.background:
             prioritise(vm, Priority.BACKGROUND)
+        elif plan.starting is not None:
+            plan.starting.started(vm)
         assert image is not None
         t2 = t3 = time.monotonic()
         start = plan.start
@@ -205,7 +204,11 @@ async def _bring_up(host: Host, plan: MachinePlan, standby: Standby | None) -> t
         else:
             await envd.init_when_ready(body, greeting.timeout, vm.alive)
         t6 = time.monotonic()
+        if plan.starting is not None:
+            plan.starting.answered(vm)
     except BaseException as e:
+        if plan.starting is not None and vm is not None:
+            plan.starting.left(vm)
         await teardown(host, name, vm, image, plan.work, plan.keep_work)
         if isinstance(e, Exception) and plan.memory is not None and (
                 lazy := host.lazy_image(plan.memory)) is not None and lazy.error:

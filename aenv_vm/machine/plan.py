@@ -29,6 +29,7 @@ from ..guest import kernel_cmdline
 from ..memory.memory_image import Delta
 from ..net.policy import NetworkPolicy
 from ..qemu.launcher import Accel
+from .cpushare import StartingGroup
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class MachinePlan:
     policy: NetworkPolicy = NetworkPolicy()   # what the guest may open connections to
     user_mode: bool = False         # QEMU's user-mode network even on a tap node
     background: bool = False        # QEMU at a low CPU priority (pool refills, until handed out)
+    starting: StartingGroup | None = None   # a fork child's: its siblings' CPU weight while they start
     keep_work: bool = False         # ``work`` is the caller's: teardown removes only the machine's files in it
     # the host's read-ahead on its disk: a sandbox's (restored or cold-booted) disk may be
     # cold on this node; a build VM's layer was just written here, and read-ahead only
@@ -123,8 +125,9 @@ class MachinePlan:
     @classmethod
     def restore(cls, name: str, work: Path, shape: Shape, memory: Path, state: Restore, disk: Disk,
                 greeting: Greeting, *, policy: NetworkPolicy = NetworkPolicy(),
-                background: bool = False) -> "MachinePlan":
-        return cls(name, work, shape, memory, disk, state, greeting, policy=policy, background=background)
+                background: bool = False, starting: StartingGroup | None = None) -> "MachinePlan":
+        return cls(name, work, shape, memory, disk, state, greeting, policy=policy, background=background,
+                   starting=starting)
 
     @classmethod
     def cold_boot(cls, name: str, work: Path, shape: Shape, memory: Path, disk: Disk, greeting: Greeting,

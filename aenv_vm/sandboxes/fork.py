@@ -33,6 +33,8 @@ from typing import Mapping
 from aenv_store.errors import StoreError
 
 from ..errors import SnapshotError, VmError
+from ..machine.cpushare import StartingGroup
+from ..qemu.launcher import QemuProcess
 from ..machine.plan import identity
 from ..service import TokenMinter
 from ..templates.meta import HIDDEN_PAUSE
@@ -99,13 +101,19 @@ class Forks:
         self.last_timing: dict[str, float] | None = None
 
     async def restore_children(self, local: LocalSnapshot, parent: SandboxRecord, count: int,
-                               access_token: TokenMinter | None) -> list[Child | Exception]:
+                               access_token: TokenMinter | None,
+                               parent_vm: QemuProcess | None = None) -> list[Child | Exception]:
         """Restore ``count`` children from ``local`` (taken ``snapshot_seconds`` ago).
-        A secured parent's children get ``access_token(child id)`` (default: random)."""
+        A secured parent's children get ``access_token(child id)`` (default: random).
+        ``parent_vm``: the parent's QEMU, which shares the CPU with its starting children
+        (machine/cpushare.py)."""
         t1 = time.monotonic()
         tid = local.tid
         mem, state = local.dir / "memory", local.dir / "device-state"
         policy = parent.policy
+        starting = StartingGroup(self.rt.fork_starting_weight)   # their CPU weight while they start
+        if parent_vm is not None:
+            starting.running(parent_vm)
         plans = []
         tokens: dict[str, str | None] = {}
         for _ in range(count):
@@ -117,7 +125,8 @@ class Forks:
             if token is not None:
                 body["accessToken"] = token
             plans.append(RestorePlan(sid, local.provisional, mem, state, local.layer,
-                                     greeting(self.rt, body, local.token, probe_health=False), policy=policy))
+                                     greeting(self.rt, body, local.token, probe_health=False), policy=policy,
+                                     starting=starting))
         tasks = [asyncio.ensure_future(restore(self.rt, p)) for p in plans]
         answered: list[float] = []      # when each child's /init answered (or it failed)
         for task in tasks:
@@ -125,6 +134,7 @@ class Forks:
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)
         except BaseException:
+            starting.close()
             # nobody else knows these children yet: stop them (and anything still starting)
             for task in tasks:
                 task.cancel()
@@ -134,6 +144,7 @@ class Forks:
                     await teardown_sandbox(self.rt, task.result()[0])
             self._discard(local)
             raise
+        starting.close()
         out: list[Child | Exception] = []
         for r in results:
             if isinstance(r, BaseException):

@@ -47,6 +47,7 @@ from ..errors import BadRequest, CapacityError, Conflict, GuestUnresponsive, Not
 from ..guest import GuestImage
 from ..ksm import KsmSettings, enable as ksm_enable
 from ..machine.admission import Admission
+from ..machine.cpushare import STARTING_WEIGHT
 from ..net.policy import NetworkPolicy, with_internet
 from ..net.bounds import EgressLimits
 from ..net.infra import InfraHost
@@ -100,7 +101,7 @@ class SandboxManager:
                  volumes: VolumeRegistry | None = None, lazy_memory: bool = True,
                  admission: Admission | None = None, egress_limits: EgressLimits = EgressLimits(),
                  console_bytes: int = CONSOLE_BYTES, infrastructure: Sequence[InfraHost] = (),
-                 fence_wait: float = 0.0) -> None:
+                 fence_wait: float = 0.0, fork_starting_weight: float = STARTING_WEIGHT) -> None:
         """``confine``: how its QEMUs are confined (aenv_vm/confine): a level ("auto",
         "required", "off") for a policy of the manager's own, or a shared ``Confinement``
         (started and closed by its owner). ``min_free_disk``: the free space guests' disk
@@ -114,7 +115,8 @@ class SandboxManager:
         console the node keeps (aenv_vm/qemu/console.py). ``infrastructure``: addresses no
         sandbox reaches whatever its rules say (aenv_vm/net/infra.py). ``fence_wait``: how long
         a forced adopt waits for the old holder's self-fence (handover.await_fence; a fleet
-        sets it from its lease)."""
+        sets it from its lease). ``fork_starting_weight``: the CPU weight of a fork's children
+        still starting, together, in running sandboxes (aenv_vm/machine/cpushare.py)."""
         self.ksm = ksm   # None: QEMU's default (only guest RAM is mergeable, if ksmd runs)
         self._own_confinement = not isinstance(confine, Confinement)
         confinement = confine if isinstance(confine, Confinement) else Confinement(confine)
@@ -126,7 +128,8 @@ class SandboxManager:
                               fixed_layout=ksm is not None and ksm.fixed_layout, readahead=readahead,
                               min_free_disk=min_free_disk if min_free_disk is not None else
                               store.cache.config.min_free_disk if store.cache is not None else 0,
-                              node_id=node_identity(run_root), admission=admission, fence_wait=fence_wait)
+                              node_id=node_identity(run_root), admission=admission, fence_wait=fence_wait,
+                              fork_starting_weight=fork_starting_weight)
         self.lazy_memory = lazy_memory
         self.default_timeout = default_timeout
         self.volumes = SandboxVolumes(volumes, self.rt.min_free_disk)   # volume channels of running sandboxes
@@ -687,7 +690,7 @@ class SandboxManager:
                 await self.metrics.quiesce(sid)
                 local = await self.snapshots.take_local(sbx, parent, hidden=True)
             self.last_fork_snapshot = time.monotonic() - t0
-            children = await self.forks.restore_children(local, parent, fits, access_token)
+            children = await self.forks.restore_children(local, parent, fits, access_token, sbx.vm)
             born = [c for c in children if isinstance(c, Child)]
             for kid in born:
                 self._running[kid.sandbox.id] = kid.sandbox

@@ -34,6 +34,7 @@ from aenv_store.formats.ids import Digest
 
 from ..machine.bringup import BringUpTiming, Standby, bring_up
 from ..machine.machine import Machine, teardown
+from ..machine.cpushare import StartingGroup
 from ..machine.plan import Disk, Greeting, MachinePlan, Restore, identity
 from ..memory.memory_image import Delta
 from ..net.policy import NetworkPolicy
@@ -58,6 +59,7 @@ class RestorePlan:
     delta: Delta | None = None      # pages written over the memory before the state loads (resume, a pause's snapshot)
     policy: NetworkPolicy = NetworkPolicy()   # what the guest may open connections to
     background: bool = False        # pool refills: QEMU at a low CPU priority until handed out
+    starting: StartingGroup | None = None   # a fork child's: shares the CPU with its siblings (cpushare.py)
 
 
 def greeting(rt: NodeRuntime, body: dict[str, str | dict[str, str]], token: str | None, *,
@@ -72,7 +74,8 @@ async def restore(rt: NodeRuntime, plan: RestorePlan, standby: Standby | None = 
     machine_plan = MachinePlan.restore(sid, rt.sandbox_dir(sid), tpl.shape, plan.memory,
                                        Restore(plan.device_state, plan.delta),
                                        Disk(plan.disk_top, fresh_upper=plan.fresh_upper), plan.greeting,
-                                       policy=plan.policy, background=plan.background)
+                                       policy=plan.policy, background=plan.background,
+                                       starting=plan.starting)
     machine, timing = await bring_up(rt, machine_plan, standby)
     return sandbox_of(tpl, machine), timing
 

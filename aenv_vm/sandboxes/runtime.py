@@ -33,6 +33,7 @@ from ..blockimage.nbd_server import NbdServer
 from ..confine.policy import Confinement
 from ..guest import GuestImage
 from ..machine.admission import Admission
+from ..machine.cpushare import STARTING_WEIGHT
 from ..memory.lazyfs import LazyImage
 from ..net.networks import NodeNetworks
 from ..qemu.console import CONSOLE_BYTES
@@ -61,6 +62,7 @@ class NodeRuntime:
     node_id: str = ""                   # this node as the holder of pauses in a shared repository (handover.py)
     admission: Admission | None = None  # the gate every restore passes (None: restores start at once)
     fence_wait: float = 0.0             # a forced adopt waits this long for the holder's self-fence (handover.py)
+    fork_starting_weight: float = STARTING_WEIGHT   # a fork's starting children together (machine/cpushare.py)
 
     def __post_init__(self) -> None:
         # every QEMU's sockets live in its run dir: a run root too long for them would

@@ -36,6 +36,8 @@ def test_file_values_and_env_override(data_dir: Path) -> None:
     ('[store]\nchunk_size = "big"\n', "store.chunk_size"),
     ('[nope]\nx = 1\n', "[nope]"),
     ('[cache]\nhigh_watermark = true\n', "cache.high_watermark"),
+    ('[vm]\nfork_starting_weight = 0.0\n', "vm.fork_starting_weight"),
+    ('[vm]\nfork_starting_weight = 2.0\n', "vm.fork_starting_weight"),
 ])
 def test_bad_config_names_the_key(data_dir: Path, text: str, key: str) -> None:
     (data_dir / "config.toml").write_text(text)

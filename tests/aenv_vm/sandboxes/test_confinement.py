@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv_vm.confine.cgroups import Layout, host_layout
-from aenv_vm.machine import bringup
+from aenv_vm.confine.cgroups import Layout, cpu_weight, host_layout
+from aenv_vm.machine import bringup, cpushare
 from aenv_vm.sandboxes import pool as pool_module
 from aenv_vm.confine.policy import Confinement
 from aenv_vm.confine.syscall_filter import Mode
@@ -181,6 +181,16 @@ def test_every_qemu_the_node_starts_is_confined(env: Env, tmp_path: Path, monkey
     real_prioritise = bringup.prioritise
     monkeypatch.setattr(bringup, "prioritise", recording_prioritise)
     monkeypatch.setattr(pool_module, "prioritise", recording_prioritise)
+    # a fork child's cgroup weight while it started (its fork's StartingGroup), and after
+    child_weights: list[tuple[str, int]] = []
+    real_answered = cpushare.StartingGroup.answered
+
+    def recording_answered(self: cpushare.StartingGroup, vm: QemuProcess) -> None:
+        assert vm.cgroup is not None and vm.cgroup.cpu_weight_file is not None
+        child_weights.append(("starting", int(vm.cgroup.cpu_weight_file.read_text())))
+        real_answered(self, vm)
+
+    monkeypatch.setattr(cpushare.StartingGroup, "answered", recording_answered)
 
     async def run() -> None:
         label[0] = "template build"
@@ -212,6 +222,10 @@ def test_every_qemu_the_node_starts_is_confined(env: Env, tmp_path: Path, monkey
             label[0] = "fork child"
             (kid,) = await mgr.fork(a.id, 1)
             assert isinstance(kid, Sandbox)
+            assert kid.vm.cgroup is not None and kid.vm.cgroup.cpu_weight_file is not None
+            child_weights.append(("forked", int(kid.vm.cgroup.cpu_weight_file.read_text())))
+            assert a.vm.cgroup is not None and a.vm.cgroup.cpu_weight_file is not None
+            child_weights.append(("parent", int(a.vm.cgroup.cpu_weight_file.read_text())))
             ids.update(a=a.id, kid=kid.id)
             await run_ok(kid)
             seen.append(inspect("fork child, running", kid.vm, data_dirs + [node / "vm" / a.id]))
@@ -245,12 +259,17 @@ def test_every_qemu_the_node_starts_is_confined(env: Env, tmp_path: Path, monkey
     for s in seen:
         assert not any(d.exists() for d in s.cgroup_dirs), s.label
     # a pool refill yields the CPU to sandboxes in use (1/8 of their cgroup weight) until
-    # it is warm, then has the full weight; nothing else is held back
+    # it is warm, then has the full weight; nothing else is held back by ``prioritise``
     full = max(w for *_, w in priorities)
     assert full in (1024, 100), priorities
     P = bringup.Priority
     for _, name, priority, weight in priorities:
-        assert weight == max(2, full // priority.value[1]), priorities
+        assert weight == cpu_weight(full, priority.value[1]), priorities
+    # a fork child shared its parent's weight (the two: 1 + the starting weight) until it
+    # answered; then both had the full weight again
+    shared = cpu_weight(full, cpushare.member_share(1, 1))
+    assert shared < full
+    assert child_weights == [("starting", shared), ("forked", full), ("parent", full)]
     refills = [name for lab, name, p, _ in priorities if p is P.BACKGROUND]
     assert len(set(refills)) >= 2, priorities        # the first fill and the refill after b's create
     for name in refills:
