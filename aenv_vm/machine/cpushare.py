@@ -4,8 +4,8 @@ Under TCG a restored QEMU translates its guest's code again before its envd answ
 ~0.3-0.5 s of one CPU per restore here. A fork's children restore two at a time (the
 admission gate's slots, admission.py), so at the weight of a running sandbox each, two
 starting children kept both CPUs of this 2-CPU host busy and a running neighbour's
-commands took 2.1-3.3x their idle time while a fork of 16 started
-(benchmarks/hostile_bench.py, docs/benchmarks.md).
+commands took 2.1-3.3x their idle time while a fork of 16 started; sharing as below,
+1.0-1.9x (benchmarks/hostile_bench.py, docs/benchmarks.md).
 
 So a fork is a ``StartingGroup``: its parent and its children. The children still
 starting weigh together ``STARTING_WEIGHT`` of one running sandbox; the parent and each
