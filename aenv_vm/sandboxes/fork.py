@@ -34,8 +34,8 @@ from aenv_store.errors import StoreError
 
 from ..errors import SnapshotError, VmError
 from ..machine.cpushare import StartingGroup
-from ..qemu.launcher import QemuProcess
 from ..machine.plan import identity
+from ..qemu.launcher import QemuProcess
 from ..service import TokenMinter
 from ..templates.meta import HIDDEN_PAUSE
 from ..templates.template import find_template
