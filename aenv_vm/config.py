@@ -102,11 +102,12 @@ class VmConfig:
     restore_queue: int = 256
     restore_max_wait: float = 30.0
     # The CPU weight a fork's children still starting have together, in running sandboxes
-    # (aenv_vm/machine/cpushare.py); each child that answered weighs one. Under TCG a
-    # restore translates its guest's code again (~0.5 s of a CPU): at a running sandbox's
-    # weight each, a fork of 16 kept running neighbours' commands at 2.1-3.3x their idle
-    # time, at 0.25 at 1.0-1.6x. 1.0: forks start faster on a busy node, at its neighbours'
-    # expense. Only matters under contention, and only on a node with per-QEMU cgroups.
+    # (aenv_vm/machine/cpushare.py); the parent and each child that answered weigh one, the
+    # sum split evenly among them while the children start. Under TCG a restore translates
+    # its guest's code again (~0.5 s of a CPU): at a running sandbox's weight each, a fork
+    # of 16 kept running neighbours' commands at 2.1-3.3x their idle time, at 0.25 at
+    # 1.0-1.9x. 1.0: forks start faster on a busy node, at its neighbours' expense. Only
+    # matters under contention, and only on a node with per-QEMU cgroups.
     fork_starting_weight: float = 0.25
     # A create, resume or fork child is answered 429 (the node is full for now) while the
     # host's available memory is below this (0: no bound), or the data dir's free disk

@@ -420,9 +420,9 @@ class SandboxProxy:
             resp.headers["X-Request-Id"] = rid
         if raw:
             resp.headers["Transfer-Encoding"] = "chunked"
-        elif framing == "length" or (framing == "none" and head.get("Content-Length").isascii()
-                                        and head.get("Content-Length").isdigit()):
-            resp.content_length = head.length if framing == "length" else int(head.get("Content-Length"))
+        elif framing == "length" or (framing == "none" and (declared := head.get("Content-Length")).isascii()
+                                        and declared.isdigit()):
+            resp.content_length = head.length if framing == "length" else int(declared)
         elif framing in ("close", "chunked") and request.version >= aiohttp.HttpVersion11:
             resp.enable_chunked_encoding()
         tracker = ChunkedBody() if framing == "chunked" else None

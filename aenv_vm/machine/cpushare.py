@@ -29,31 +29,29 @@ nice value, the only other lever, could not be raised again without root.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from ..qemu.launcher import QemuProcess
-
-log = logging.getLogger(__name__)
 
 # the weight of a fork's children still starting, together, in running sandboxes
 STARTING_WEIGHT = 0.25
 
 
-def member_share(answered: int, starting: int, starting_weight: float = STARTING_WEIGHT) -> float:
-    """Each member's share of a running sandbox's CPU weight while ``answered`` members of
-    a group have answered and ``starting`` are still starting (1.0 once none is)."""
-    if answered < 0 or starting < 0:
-        raise ValueError(f"member counts cannot be negative: {answered}, {starting}")
+def member_share(running: int, starting: int, starting_weight: float = STARTING_WEIGHT) -> float:
+    """Each member's share of a running sandbox's CPU weight while ``running`` members of a
+    group run (the parent, the children that answered) and ``starting`` are still
+    starting (1.0 once none is)."""
+    if running < 0 or starting < 0:
+        raise ValueError(f"member counts cannot be negative: {running}, {starting}")
     if starting == 0:
         return 1.0
-    return (answered + starting_weight) / (answered + starting)
+    return (running + starting_weight) / (running + starting)
 
 
 @dataclass
 class _Member:
     vm: QemuProcess
-    answered: bool = False
+    running: bool = False
 
 
 class StartingGroup:
@@ -70,23 +68,23 @@ class StartingGroup:
 
     def running(self, vm: QemuProcess) -> None:
         """``vm`` (the parent's QEMU) runs: a member with a running sandbox's weight."""
-        self._join(vm, answered=True)
+        self._join(vm, running=True)
 
     def started(self, vm: QemuProcess) -> None:
         """``vm`` (a child's QEMU) started and is not yet answering."""
-        self._join(vm, answered=False)
+        self._join(vm, running=False)
 
-    def _join(self, vm: QemuProcess, answered: bool) -> None:
+    def _join(self, vm: QemuProcess, running: bool) -> None:
         if self._closed or vm.cgroup is None:
             return
-        self._members[vm.pid] = _Member(vm, answered)
+        self._members[vm.pid] = _Member(vm, running)
         self._reweigh()
 
     def answered(self, vm: QemuProcess) -> None:
         """``vm``'s envd answered: it counts as a running sandbox from now on."""
         member = self._members.get(vm.pid)
-        if member is not None and not member.answered:
-            member.answered = True
+        if member is not None and not member.running:
+            member.running = True
             self._reweigh()
 
     def left(self, vm: QemuProcess) -> None:
@@ -105,8 +103,8 @@ class StartingGroup:
     def counts(self) -> tuple[int, int]:
         """(running, starting) members now: the parent and the children that answered,
         the children still starting."""
-        answered = sum(m.answered for m in self._members.values())
-        return answered, len(self._members) - answered
+        running = sum(m.running for m in self._members.values())
+        return running, len(self._members) - running
 
     def _reweigh(self) -> None:
         share = member_share(*self.counts, self.starting_weight)
