@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -18,6 +17,8 @@ from aenv_store.config import RepositoryConfig
 from aenv_store.errors import StoreError
 from aenv_store.repository.backends.factory import open_backend
 from aenv_store.repository.repository import Repository
+
+from tests.support import small_tmpfs
 
 from .conftest import Repo, open_store, write_config, write_remote_config
 from .test_crash import journal_state, start_committer
@@ -66,21 +67,6 @@ def test_s3_backend_sigkill_during_commits(moto, aenv, wl, tmp_path: Path) -> No
     committed, _ = journal_state(journal)
     print(f"{rnd} kills on S3, {len(committed)} commits journaled, {interrupted} inside a commit")
     assert committed and interrupted, "no kill landed inside a commit"
-
-
-@contextlib.contextmanager
-def small_tmpfs(where: Path, options: str) -> Iterator[Path]:
-    """A tmpfs of its own (``options``: size=, nr_inodes=) at ``where``, unmounted after."""
-    where.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "aenv-enospc", str(where)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
-        where.rmdir()
 
 
 def fill_until_full(repo: Repo) -> tuple[list[str], Exception]:

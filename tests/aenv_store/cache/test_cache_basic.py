@@ -20,6 +20,7 @@ from aenv_store.cache.segments import SegmentWriter, read_header
 from aenv_store.config import CacheConfig
 from aenv_store.errors import ConfigError, StoreError
 from aenv_store.formats.ids import Digest
+from tests.support import small_tmpfs
 
 S = 65536
 
@@ -246,12 +247,8 @@ def test_usable_from_asyncio(cache: NodeCache) -> None:
     assert cache.stats().entries == 8
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")
 def test_free_disk_floor(tmp_path: Path) -> None:
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "size=8m") as mnt:
         floor = 4 << 20
         # capacity is far above what the disk holds: only the floor can bound the cache
         with NodeCache(mnt / "c", cfg(64 << 20, min_free_disk=floor)) as c:
@@ -264,8 +261,6 @@ def test_free_disk_floor(tmp_path: Path) -> None:
             assert st2.evictions > 0 and st2.entries > 0
             assert c.contains(cs[-1][0])  # the newest are kept
             assert c.verify() == []
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 WORKER = Path(__file__).with_name("cache_worker.py")
