@@ -50,8 +50,10 @@ if [[ "${AENV_SKIP_APT:-0}" != 1 ]] && command -v systemctl >/dev/null && system
 fi
 
 PY=${PYTHON:-python3}
-if [[ ! -x .venv/bin/python ]]; then
+# a venv without pip is one whose creation was interrupted (ensurepip runs last): made again
+if [[ ! -x .venv/bin/python || ! -x .venv/bin/pip ]]; then
   echo "install: creating .venv"
+  rm -rf .venv
   "$PY" -m venv .venv
 fi
 stamp=.venv/.aenv-lock-$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)
