@@ -16,17 +16,18 @@ from aenv_vm.machine.cpushare import STARTING_WEIGHT, StartingGroup, member_shar
 
 
 @given(st.integers(0, 200), st.integers(0, 200), st.floats(0.01, 1.0))
-def test_a_groups_weight_is_its_answered_members_and_the_starting_weight(answered: int, starting: int,
-                                                                        w: float) -> None:
-    share = member_share(answered, starting, w)
+def test_a_groups_weight_is_its_running_members_and_the_starting_weight(running: int, starting: int,
+                                                                       w: float) -> None:
+    share = member_share(running, starting, w)
     assert 0 < share <= 1.0
     if starting == 0:
         assert share == 1.0
     else:
-        # together: one running sandbox per answered member, ``w`` for all the starting ones
-        assert share * (answered + starting) == pytest.approx(answered + w)
-        # each answered member brings the others closer to the full weight
-        assert member_share(answered + 1, starting, w) >= share
+        # together: one running sandbox per running member (the parent, the children that
+        # answered), ``w`` for all the starting ones
+        assert share * (running + starting) == pytest.approx(running + w)
+        # each running member more brings every member closer to the full weight
+        assert member_share(running + 1, starting, w) >= share
 
 
 def test_negative_counts_are_refused() -> None:
