@@ -12,9 +12,11 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,7 +28,6 @@ import pytest
 
 from tests.aenv_vm.vm.procs import qemu_children
 from tests.seed import BaseSeed, clean_env
-from tests.support import free_port
 
 if TYPE_CHECKING:
     from .inprocess import InProcessServer
@@ -146,8 +147,9 @@ class Server(HttpClient):
 def start_server(data_dir: Path, log_dir: Path, *, env: dict[str, str] | None = None, timeout: float = 900.0,
                  extra_args: tuple[str, ...] = (), seed: BaseSeed | None = None) -> Server:
     """``aenv server`` on ``data_dir``; ``seed``: a fresh data dir gets the run's ``base``
-    template instead of building its own (tests/seed.py)."""
-    port = free_port()
+    template instead of building its own (tests/seed.py). The server binds a port the
+    kernel picks (``--port 0``) and prints its URL: a port probed free beforehand may be
+    taken by another process's connection before the server binds it."""
     full_env = clean_env()
     full_env["AENV_VM__POOL_SIZE"] = "1"
     full_env["AENV_SERVER__DOMAIN"] = "aenv.test"  # host-routed sandbox traffic is tested too
@@ -155,9 +157,10 @@ def start_server(data_dir: Path, log_dir: Path, *, env: dict[str, str] | None = 
     if seed is not None:
         seed.fill(data_dir, full_env)
     log_dir.mkdir(parents=True, exist_ok=True)
-    stderr_path = log_dir / f"server-{port}.log"
-    with open(stderr_path, "wb") as err:
-        proc = subprocess.Popen([*AENV, "server", "--data-dir", str(data_dir), "--port", str(port), *extra_args],
+    fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)
+    stderr_path = Path(name)
+    with open(fd, "wb") as err:
+        proc = subprocess.Popen([*AENV, "server", "--data-dir", str(data_dir), "--port", "0", *extra_args],
                                 cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True)
     assert proc.stdout is not None
     values: dict[str, str] = {}
@@ -175,7 +178,8 @@ def start_server(data_dir: Path, log_dir: Path, *, env: dict[str, str] | None = 
             proc.kill()
             raise AssertionError("aenv server did not start in time")
     proc.stdout.close()
-    assert values["E2B_API_URL"] == values["E2B_SANDBOX_URL"] == f"http://127.0.0.1:{port}"
+    assert re.fullmatch(r"http://127\.0\.0\.1:[1-9][0-9]*", values["E2B_API_URL"]), values
+    assert values["E2B_SANDBOX_URL"] == values["E2B_API_URL"], values
     return Server(values["E2B_API_URL"], values["E2B_API_KEY"], data_dir, proc=proc, stderr_path=stderr_path,
                   env=full_env)
 
